@@ -1,0 +1,23 @@
+"""``pagedkv bench NAME``: every benchmark registers here (module with ``add_arguments`` and ``run``)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# name -> module defining add_arguments(parser) and run(args) -> int
+BENCHES: dict[str, str] = {
+}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("bench", help="run a benchmark (results under docs/benchmarks/)")
+    sub = p.add_subparsers(dest="bench", required=True)
+    for name, modname in BENCHES.items():
+        mod = importlib.import_module(modname)
+        bp = sub.add_parser(name, help=(mod.__doc__ or name).strip().splitlines()[0])
+        bp.add_argument("--json", action="store_true", help="print results as JSON on stdout")
+        bp.add_argument("--out-dir", default=None, help="where to write results (default docs/benchmarks/)")
+        bp.add_argument("--threads", type=int, default=2, help="torch threads to pin (default 2)")
+        mod.add_arguments(bp)
+        bp.set_defaults(func=mod.run)
