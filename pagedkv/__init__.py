@@ -1,0 +1,33 @@
+"""pagedkv: a small, readable LLM inference engine built around a paged KV cache.
+
+    from pagedkv import LLM, SamplingParams
+"""
+
+from pagedkv.errors import (  # noqa: F401
+    ConfigError,
+    InvalidRequestError,
+    NoFreeBlocksError,
+    PagedKVError,
+)
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):  # lazy: importing pagedkv.kv must not import torch models
+    if name == "LLM":
+        from pagedkv.engine.llm import LLM
+
+        return LLM
+    if name == "LLMEngine":
+        from pagedkv.engine.engine import LLMEngine
+
+        return LLMEngine
+    if name in ("SamplingParams", "RequestOutput", "CompletionOutput"):
+        from pagedkv.engine import request
+
+        return getattr(request, name)
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "PagedKVError",
+           "ConfigError", "InvalidRequestError", "NoFreeBlocksError"]

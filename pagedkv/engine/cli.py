@@ -1,0 +1,178 @@
+"""``pagedkv generate`` and ``pagedkv chat``, plus the engine options every model command shares."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+from pagedkv.errors import InvalidRequestError
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine options shared by generate, chat, serve and the benchmarks."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="GGUF file or HF safetensors dir (default: bundled SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="float32", help="float32 | bfloat16 (default float32)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    g.add_argument("--kv-cache-memory", default=None, help='KV cache budget, e.g. "1GiB" (default 1GiB)')
+    g.add_argument("--num-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory)")
+    g.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens (default: the model's)")
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=512)
+    g.add_argument("--enable-prefix-caching", action="store_true")
+    g.add_argument("--disable-paging", action="store_true", help="contiguous max reservation (the seed's baseline)")
+    g.add_argument("--attention-backend", default="cpu")
+    g.add_argument("--policy", default="fcfs", choices=["fcfs", "priority"])
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
+    return dict(
+        dtype=args.dtype, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+        num_blocks=args.num_blocks, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching, enable_paging=not args.disable_paging,
+        attention_backend=args.attention_backend, policy=args.policy, seed=args.seed,
+    )
+
+
+def _sampling(args: argparse.Namespace):
+    from pagedkv.engine.request import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        max_tokens=args.max_tokens, seed=args.sample_seed, stop=args.stop or None,
+        ignore_eos=getattr(args, "ignore_eos", False), n=getattr(args, "n", 1),
+    )
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--sample-seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def _make_llm(args: argparse.Namespace):
+    from pagedkv.engine.llm import LLM
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    t0 = time.time()
+    llm = LLM(args.model, **engine_kwargs(args))
+    kv = llm.engine.kv_summary()
+    print(
+        f"[pagedkv] model loaded in {time.time() - t0:.1f}s; KV cache: {kv['num_blocks']} blocks x "
+        f"{kv['block_size']} tokens = {kv['tokens']} tokens ({kv['bytes'] / 2**20:.0f} MiB, "
+        f"{kv['bytes_per_token']} B/token); max concurrency at max_model_len "
+        f"{kv['max_model_len']}: {kv['max_concurrency_at_max_model_len']:.2f}",
+        file=sys.stderr,
+    )
+    return llm
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    prompts: list[Any] = list(args.prompts)
+    if args.input:
+        with open(args.input) as f:
+            for line in f:
+                if line.strip():
+                    rec = json.loads(line)
+                    prompts.append(rec if isinstance(rec, str) else rec.get("prompt", rec.get("messages")))
+    if not prompts:
+        raise InvalidRequestError("no prompts: give them as arguments or with --input FILE.jsonl")
+    llm = _make_llm(args)
+    sp = _sampling(args)
+    token_prompts = []
+    for p in prompts:
+        if isinstance(p, list):  # chat messages from a JSONL record
+            token_prompts.append(llm.engine.apply_chat_template(p))
+        elif args.raw:
+            token_prompts.append(p)
+        else:
+            token_prompts.append(llm.engine.apply_chat_template([{"role": "user", "content": p}]))
+    t0 = time.time()
+    outs = llm.generate(token_prompts, sp, use_tqdm=not args.json)
+    dt = time.time() - t0
+    n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    records = []
+    for p, o in zip(prompts, outs):
+        rec = {"prompt": p, "text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
+               "num_prompt_tokens": len(o.prompt_token_ids), "ttft_s": o.metrics.ttft}
+        if len(o.outputs) > 1:
+            rec["outputs"] = [{"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason} for c in o.outputs]
+        records.append(rec)
+    stats = llm.engine.get_stats()
+    summary = {"elapsed_s": dt, "output_tokens": n_out, "output_tokens_per_s": n_out / dt if dt else 0.0,
+               "requests": len(outs), "preemptions": stats["num_preemptions"],
+               "peak_running": stats["peak_running"], "kv_blocks": stats["num_blocks"]}
+    if args.output:
+        with open(args.output, "w") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+    if args.json:
+        print(json.dumps({"results": records, "summary": summary}, indent=2))
+    elif not args.output:
+        for r in records:
+            print(f"\n>>> {r['prompt'] if isinstance(r['prompt'], str) else json.dumps(r['prompt'])}")
+            print(r["text"])
+            print(f"    [{len(r['token_ids'])} tokens, finish_reason={r['finish_reason']}]")
+    print(
+        f"[pagedkv] {len(outs)} requests, {n_out} output tokens in {dt:.2f}s = "
+        f"{summary['output_tokens_per_s']:.1f} tok/s; preemptions {summary['preemptions']}, "
+        f"peak running {summary['peak_running']}, KV blocks {summary['kv_blocks']}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    llm = _make_llm(args)
+    sp = _sampling(args)
+    history: list[dict[str, str]] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    print("pagedkv chat — empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        history.append({"role": "user", "content": line})
+        out = llm.chat(history, sp, use_tqdm=False)[0]
+        print(f"assistant> {out.text}")
+        history.append({"role": "assistant", "content": out.text})
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("generate", help="generate text for prompts (chat template by default)")
+    p.add_argument("prompts", nargs="*", help="prompt texts")
+    p.add_argument("--input", help="JSONL file: one prompt per line ({'prompt': ...} or a string)")
+    p.add_argument("--output", help="write results as JSONL here")
+    p.add_argument("--raw", action="store_true", help="plain completion (no chat template)")
+    p.add_argument("--json", action="store_true", help="machine-readable output (text and token ids)")
+    p.add_argument("--n", type=int, default=1, help="parallel samples per prompt")
+    p.add_argument("--ignore-eos", action="store_true")
+    _add_sampling_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    c = subparsers.add_parser("chat", help="interactive chat with the model")
+    c.add_argument("--system", default=None, help="system prompt")
+    _add_sampling_args(c)
+    add_engine_args(c)
+    c.set_defaults(func=cmd_chat)

@@ -1,0 +1,255 @@
+"""Requests, sampling parameters and outputs.
+
+A request's token sequence is ``prompt_token_ids + output_token_ids``; the engine tracks how
+many of those have their K/V in the paged cache (``num_computed_tokens``). Prefill, chunked
+prefill, decode and recompute after preemption are all the same operation: compute the
+tokens in ``[num_computed_tokens, num_tokens)``, a budgeted chunk at a time.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from pagedkv.errors import InvalidRequestError
+
+
+@dataclass
+class SamplingParams:
+    """How to pick output tokens (OpenAI / vLLM semantics).
+
+    temperature: 0 = greedy; must be >= 0. top_p in (0, 1]. top_k: <= 0 or -1 = off.
+    min_p in [0, 1]. repetition_penalty > 0 (1 = off; applies to prompt and output tokens).
+    presence_penalty / frequency_penalty in [-2, 2] (output tokens). seed: per-request RNG,
+    so a request samples the same tokens alone or in any batch. max_tokens >= 1 (tokens).
+    stop: strings that end generation (not included in the text). stop_token_ids: token ids
+    that end generation (like EOS). ignore_eos: keep going past EOS (benchmarks).
+    logprobs: return the top-N log-probabilities per generated token (None = off).
+    n: number of parallel samples of one prompt (they share the prompt's blocks).
+
+    Raises ``InvalidRequestError`` from :meth:`validate` on out-of-range values.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: Optional[int] = None
+    max_tokens: int = 16
+    stop: Optional[list[str]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    def validate(self, max_n: int = 64, max_logprobs: int = 20) -> None:
+        def bad(field_name: str, why: str) -> None:
+            raise InvalidRequestError(f"SamplingParams.{field_name}: {why}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", f"must be an integer >= 1, got {self.n!r}")
+        if self.n > max_n:
+            bad("n", f"must be <= {max_n}, got {self.n}")
+        if not _is_finite(self.temperature) or self.temperature < 0:
+            bad("temperature", f"must be >= 0, got {self.temperature!r}")
+        if not _is_finite(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int):
+            bad("top_k", f"must be an integer, got {self.top_k!r}")
+        if not _is_finite(self.min_p) or not (0.0 <= self.min_p <= 1.0):
+            bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        if not _is_finite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_finite(v) or not (-2.0 <= v <= 2.0):
+                bad(name, f"must be in [-2, 2], got {v!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int) or not (0 <= self.logprobs <= max_logprobs)
+        ):
+            bad("logprobs", f"must be an integer in [0, {max_logprobs}], got {self.logprobs!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "must be a list of non-empty strings")
+        if self.stop_token_ids is not None and not all(
+            isinstance(t, int) and t >= 0 for t in self.stop_token_ids
+        ):
+            bad("stop_token_ids", "must be a list of token ids >= 0")
+
+
+def _is_finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+
+@dataclass
+class Request:
+    """One sequence being generated (a parallel-sampling child is its own Request)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    cache_keys: Any = None  # pagedkv.kv.CacheKeys: the prefix-cache identity
+    priority: int = 0  # lower value = served first (vLLM convention)
+    prompt: Optional[str] = None
+    eos_token_ids: tuple[int, ...] = ()
+    max_total_tokens: int = 0  # prompt + output cap (max_model_len and max_tokens)
+    parent_id: Optional[str] = None  # the user-visible request this sequence belongs to
+    index: int = 0  # which of the parent's n samples
+
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit at first admission (tokens); -1 = not yet
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: Any = None
+    first_token_time: Optional[float] = None
+    finish_time: Optional[float] = None
+    scheduled_time: Optional[float] = None
+    generator: Optional[torch.Generator] = None
+    output_text: str = ""
+    _text_tokens: int = 0  # how many output tokens output_text reflects
+    _all_token_ids: list[int] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        self._all_token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.seed is not None and self.generator is None:
+            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+
+    # ---- token bookkeeping -------------------------------------------------------------
+    @property
+    def all_token_ids(self) -> list[int]:
+        """prompt + output token ids (a live list: do not mutate)."""
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int, logprobs: Optional[dict[int, float]] = None) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        return self.status.value if self.status.finished else None
+
+
+@dataclass
+class CompletionOutput:
+    """One of a request's n samples."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: Optional[str]  # "stop" | "length" | "abort" | None while running
+    logprobs: Optional[list[dict[int, float]]] = None
+    stop_reason: Any = None
+
+
+@dataclass
+class RequestMetrics:
+    """Timing of one request (seconds since the epoch, ``time.time()``)."""
+
+    arrival_time: float
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    finish_time: Optional[float] = None
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> Optional[float]:
+        """Time to first token, seconds."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    """What the engine returns for a request: ``outputs`` holds its n samples; ``text``,
+    ``token_ids`` and ``finish_reason`` are those of the first sample (the common n=1 case)."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0  # prefix-cache hit, tokens
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        return self.outputs[0].finish_reason
+
+
+def now() -> float:
+    return time.time()

@@ -1,0 +1,270 @@
+"""Continuous batching at iteration level, with chunked prefill, admission control,
+preemption by recompute and abort (Orca-style iteration scheduling; PagedAttention §4.5).
+
+Every step the scheduler spends a token budget (``max_num_batched_tokens``): first on the
+running requests (one decode token each, or the next chunk of an unfinished prefill), then
+on waiting requests (a prefill chunk each), admitted only while blocks are available above a
+small watermark and fewer than ``max_num_seqs`` requests run. When a running request cannot
+get a block, the scheduler preempts the lowest-priority running request (FCFS: the latest
+admitted): its blocks are freed, its progress reset, and it is requeued first; on resume it
+recomputes prompt + outputs (hitting its own cached blocks if prefix caching is on).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+from pagedkv.engine.request import Request, RequestStatus, now
+from pagedkv.errors import ConfigError, NoFreeBlocksError
+
+
+@dataclass
+class SchedulerConfig:
+    """Limits of one step. Units: tokens, sequences, fraction of blocks."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+    policy: str = "fcfs"  # "fcfs" | "priority"
+    watermark: float = 0.01  # admit new requests only while this fraction of blocks stays free
+    enable_chunked_prefill: bool = True
+
+    def validate(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.policy not in ("fcfs", "priority"):
+            raise ConfigError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if not (0.0 <= self.watermark < 1.0):
+            raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                "without chunked prefill, max_num_batched_tokens must be >= max_model_len "
+                f"({self.max_num_batched_tokens} < {self.max_model_len})"
+            )
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan: which requests compute how many new tokens."""
+
+    scheduled: list[tuple[Request, int]]  # (request, num_new_tokens), running first
+    copies: list[tuple[int, int]]  # copy-on-write block copies (src, dst) to apply first
+    preempted: list[Request]
+    step_id: int
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    num_steps: int = 0
+    num_batched_tokens_total: int = 0
+    peak_running: int = 0
+
+
+class Scheduler:
+    """Owns the waiting queue and the running list; allocates through the KV manager."""
+
+    def __init__(self, config: SchedulerConfig, kv_manager, enable_prefix_caching: bool = False) -> None:
+        config.validate()
+        self.config = config
+        self.kv = kv_manager
+        self.enable_prefix_caching = enable_prefix_caching
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+        self._watermark_blocks = int(config.watermark * kv_manager.num_blocks)
+
+    # ---- queue management -------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish_request(self, req: Request, status: RequestStatus) -> None:
+        """Finish (stop, length or abort) a request; its blocks are freed through the KV
+        manager, which defers the release while a step that used them is in flight."""
+        if req.status.finished:
+            return  # abort twice / abort while finishing: freed once
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        req.status = status
+        req.finish_time = now()
+        self.kv.free(req.request_id)
+        self.requests.pop(req.request_id, None)
+
+    # ---- scheduling ------------------------------------------------------------------
+    def _queue_key(self, req: Request):
+        return (req.priority, req.arrival_time)
+
+    def _next_waiting(self) -> Request:
+        if self.config.policy == "priority":
+            return min(self.waiting, key=self._queue_key)
+        return self.waiting[0]
+
+    def _pick_victim(self, candidates: list[Request]) -> Request:
+        if self.config.policy == "priority":
+            return max(candidates, key=self._queue_key)
+        return candidates[-1]
+
+    def _preempt(self, victim: Request) -> None:
+        self.running.remove(victim)
+        self.kv.free(victim.request_id)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(victim)
+
+    def _blocks_needed(self, num_tokens_after: int, hit_blocks: list) -> int:
+        bs = self.kv.block_size
+        total = -(-num_tokens_after // bs)
+        if not getattr(self.kv, "enable_paging", True):
+            total = max(total, -(-self.config.max_model_len // bs))
+        # hit blocks already counted in total; those with ref_cnt 0 leave the free queue
+        return total - len(hit_blocks) + sum(1 for b in hit_blocks if b.ref_cnt == 0)
+
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        copies: list[tuple[int, int]] = []
+        preempted: list[Request] = []
+
+        # 1) running requests: decode tokens and unfinished prefill chunks
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while True:
+                try:
+                    copies += self.kv.allocate_slots(req.request_id, n, req.num_computed_tokens)
+                    ok = True
+                    break
+                except NoFreeBlocksError:
+                    victim = self._pick_victim(self.running[i:])
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim is req:
+                        ok = False
+                        break
+            if not ok:
+                break  # the request itself was preempted; later ones were already victims
+            scheduled.append((req, n))
+            budget -= n
+            i += 1
+
+        # 2) waiting requests (not in a step that had to preempt)
+        while self.waiting and budget > 0 and not preempted and len(self.running) < cfg.max_num_seqs:
+            req = self._next_waiting()
+            hit_blocks, num_cached = [], 0
+            if self.enable_prefix_caching:
+                hit_blocks, num_cached = self.kv.get_computed_blocks(
+                    req.request_id, req.all_token_ids, req.cache_keys
+                )
+            remaining = req.num_tokens - num_cached
+            n = min(remaining, budget)
+            if not cfg.enable_chunked_prefill and n < remaining:
+                break
+            need = self._blocks_needed(num_cached + n, hit_blocks)
+            free_after = self.kv.num_free_blocks - need
+            if free_after < 0 or (self.running and free_after < self._watermark_blocks):
+                break  # head-of-line waits for blocks
+            try:
+                copies += self.kv.allocate_slots(
+                    req.request_id, n, num_cached, new_computed_blocks=hit_blocks
+                )
+            except NoFreeBlocksError:
+                break
+            self.waiting.remove(req)
+            req.num_computed_tokens = num_cached
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_cached
+            if req.scheduled_time is None:
+                req.scheduled_time = now()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append((req, n))
+            budget -= n
+
+        step_id = self.kv.begin_step([r.request_id for r, _ in scheduled])
+        used = cfg.max_num_batched_tokens - budget
+        self.stats.num_steps += 1
+        self.stats.num_batched_tokens_total += used
+        self.stats.peak_running = max(self.stats.peak_running, len(self.running))
+        return SchedulerOutput(scheduled, copies, preempted, step_id, used)
+
+    # ---- after the model ran ---------------------------------------------------------
+    def update(
+        self,
+        out: SchedulerOutput,
+        sampled: dict[str, tuple[int, Optional[dict[int, float]]]],
+    ) -> list[Request]:
+        """Advance ``num_computed_tokens``, append sampled tokens, apply stop conditions
+        (EOS, stop token ids, max_tokens, max_model_len), publish full blocks to the prefix
+        cache, then close the step fence. Returns the requests that finished this step
+        (stop strings are checked by the engine after detokenising)."""
+        finished: list[Request] = []
+        t = now()
+        for req, n in out.scheduled:
+            if req.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step was in flight
+            req.num_computed_tokens += n
+            if self.enable_prefix_caching:
+                self.kv.cache_blocks(
+                    req.request_id, req.all_token_ids, req.num_computed_tokens, req.cache_keys
+                )
+            tok = sampled.get(req.request_id)
+            if tok is None:
+                continue  # a prefill chunk that does not end the known tokens
+            token_id, lp = tok
+            req.append_output_token(token_id, lp)
+            if req.first_token_time is None:
+                req.first_token_time = t
+            status = self.check_stop(req, token_id)
+            if status is not None:
+                self.finish_request(req, status)
+                finished.append(req)
+        self.kv.end_step(out.step_id)
+        return finished
+
+    @staticmethod
+    def check_stop(req: Request, token_id: int) -> Optional[RequestStatus]:
+        p = req.sampling_params
+        if not p.ignore_eos and token_id in req.eos_token_ids:
+            req.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
+        if p.stop_token_ids and token_id in p.stop_token_ids:
+            req.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= req.max_total_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def abort(self, request_ids: Iterable[str]) -> list[Request]:
+        out = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None and not req.status.finished:
+                self.finish_request(req, RequestStatus.FINISHED_ABORTED)
+                out.append(req)
+        return out
