@@ -1,0 +1,165 @@
+"""The fast CPU backend (the engine's default): paged attention without per-call gather
+buffers.
+
+Two paths, picked per sequence:
+
+* **decode rows** (``q_len <= DECODE_MAX_QLEN``) go to a small C kernel
+  (``_cpu_kernel.c``, built once with the system C compiler and loaded with ``ctypes``) that
+  walks the block table and reads every K/V element of the context exactly once, for all query
+  heads of a KV-head group at a time, with an online softmax in float32 (bf16/fp16 caches are
+  widened on load). When no compiler is available it falls back to the torch path below.
+* **prefill chunks** (and the fallback) use torch: the sequence's blocks are gathered with
+  ``index_select(out=...)`` into a persistent workspace (no fresh buffer per call), then one
+  batched matmul / softmax / matmul in float32 with the causal mask of the chunk's positions.
+
+Layouts: ``nhd`` (default), ``hnd`` and ``ascend``; the kernel takes the layout as strides.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from pagedkv.attention import layouts as L
+from pagedkv.attention.base import AttentionMetadata
+from pagedkv.attention.reference import check_inputs, lists_of
+
+# Sequences with at most this many new tokens go through the C kernel; longer chunks use
+# matmuls (better arithmetic intensity).
+DECODE_MAX_QLEN = 8
+
+
+class _Workspace:
+    """Grow-only scratch buffers, one set per (dtype, device); reused by every call."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple, torch.Tensor] = {}
+
+    def get(self, key: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        k = (key, dtype, device)
+        buf = self._bufs.get(k)
+        if buf is None or buf.numel() < numel:
+            # grow by 1.5x so that slowly growing contexts do not reallocate every step
+            size = max(numel, int(buf.numel() * 1.5) if buf is not None else numel)
+            buf = torch.empty(size, dtype=dtype, device=device)
+            self._bufs[k] = buf
+        return buf[:numel]
+
+    def clear(self) -> None:
+        self._bufs.clear()
+
+
+class CPUBackend:
+    """Fast CPU paged attention (see module doc). ``layout``: ``nhd`` | ``hnd`` | ``ascend``.
+    ``use_kernel=False`` forces the pure-torch path (used by tests and the benchmark)."""
+
+    def __init__(self, layout: str = "nhd", name: str | None = None, use_kernel: bool = True) -> None:
+        self.layout = L.get_layout(layout)
+        self.name = name or ("cpu" if layout == "nhd" else f"cpu-{layout}")
+        self.use_kernel = use_kernel
+        self._ws = _Workspace()
+
+    # -- memory ---------------------------------------------------------------------------
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                          dtype: torch.dtype, device: torch.device | str = "cpu") -> L.PagedKVCache:
+        """Zero-filled ``PagedKVCache``; K and V each ``layout.shape(...)`` in ``dtype``.
+        Raises ``ConfigError`` for a non-positive size or non-floating dtype."""
+        return L.allocate(self.layout, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+
+    def write_kv(self, kv_cache: L.PagedKVCache, key: torch.Tensor, value: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """Write ``key``/``value`` ``[num_tokens, Hkv, d]`` at ``slot_mapping`` (int64
+        ``[num_tokens]``; ``-1`` rows skipped)."""
+        slots, key, value = L.valid_slots(slot_mapping, key, value)
+        if slots.numel() == 0:
+            return
+        self.layout.write(kv_cache.key, key, slots, kv_cache.block_size)
+        self.layout.write(kv_cache.value, value, slots, kv_cache.block_size)
+
+    def copy_blocks(self, kv_cache: L.PagedKVCache, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy physical blocks ``src -> dst`` (K and V)."""
+        L.copy_blocks(kv_cache, copies)
+
+    def gather_kv(self, kv_cache: L.PagedKVCache, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[n, Hkv, d]`` at ``slots`` (int64 ``[n]``)."""
+        slots = slots.to(torch.int64)
+        c = kv_cache
+        return (self.layout.read(c.key, slots, c.block_size, c.num_kv_heads, c.head_dim),
+                self.layout.read(c.value, slots, c.block_size, c.num_kv_heads, c.head_dim))
+
+    # -- attention ------------------------------------------------------------------------
+    def forward(self, query: torch.Tensor, kv_cache: L.PagedKVCache, metadata: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        """Causal paged attention; ``query`` ``[num_tokens, num_heads, head_dim]`` -> output of
+        the same shape and dtype. Raises ``BackendError`` on shape mismatches."""
+        n, hq, d = check_inputs(query, kv_cache, metadata)
+        seq_lens, q_lens, starts = lists_of(metadata)
+        out = torch.empty_like(query)
+        if starts[-1] < n:  # padding rows of the flat batch
+            out[starts[-1]:].zero_()
+        kernel = _kernel() if self.use_kernel and query.device.type == "cpu" else None
+        torch_seqs = []
+        kernel_seqs = []
+        for i, ql in enumerate(q_lens):
+            if ql == 0:
+                continue
+            (kernel_seqs if kernel is not None and ql <= DECODE_MAX_QLEN else torch_seqs).append(i)
+        if kernel_seqs:
+            kernel.run(query, kv_cache, metadata, scale, out, kernel_seqs, seq_lens, q_lens, starts)
+        for i in torch_seqs:
+            q = query[starts[i] : starts[i] + q_lens[i]]
+            out[starts[i] : starts[i] + q_lens[i]] = self._attend_torch(
+                q, kv_cache, metadata.block_tables[i], seq_lens[i], scale)
+        return out
+
+    def _gather_seq(self, cache: L.PagedKVCache, table_row: torch.Tensor, seq_len: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one sequence as ``[Hkv, seq_len, d]`` views into the workspace."""
+        bs, h, d = cache.block_size, cache.num_kv_heads, cache.head_dim
+        nblk = -(-seq_len // bs)
+        idx = table_row[:nblk]
+        per_block = bs * h * d
+        res = []
+        for name, t in (("k", cache.key), ("v", cache.value)):
+            ws = self._ws.get(name, nblk * per_block, t.dtype, t.device)
+            if self.layout.name == "hnd":
+                src = t.view(t.shape[0], h, bs * d).transpose(0, 1)  # [h, nb, bs*d]
+                torch.index_select(src, 1, idx, out=ws.view(h, nblk, bs * d))
+                res.append(ws.view(h, nblk * bs, d)[:, :seq_len])
+            else:
+                torch.index_select(t.view(t.shape[0], per_block), 0, idx, out=ws.view(nblk, per_block))
+                res.append(ws.view(nblk * bs, h, d)[:seq_len].transpose(0, 1))
+        return res[0], res[1]
+
+    def _attend_torch(self, q: torch.Tensor, cache: L.PagedKVCache, table_row: torch.Tensor,
+                      seq_len: int, scale: float) -> torch.Tensor:
+        """One sequence: ``q`` ``[ql, hq, d]`` over its first ``seq_len`` cached positions."""
+        ql, hq, d = q.shape
+        h = cache.num_kv_heads
+        g = hq // h
+        k, v = self._gather_seq(cache, table_row, seq_len)  # [h, sl, d]
+        if k.dtype != torch.float32:
+            k32 = self._ws.get("k32", h * seq_len * d, torch.float32, k.device).view(h, seq_len, d)
+            v32 = self._ws.get("v32", h * seq_len * d, torch.float32, v.device).view(h, seq_len, d)
+            k = k32.copy_(k)
+            v = v32.copy_(v)
+        # rows ordered (query position, group member) inside each KV head
+        qh = q.float().view(ql, h, g, d).permute(1, 0, 2, 3).reshape(h, ql * g, d)
+        scores = torch.bmm(qh, k.transpose(1, 2))  # [h, ql*g, sl]
+        scores.mul_(scale)
+        if ql > 1:
+            q_pos = torch.arange(seq_len - ql, seq_len, device=q.device).repeat_interleave(g)
+            mask = torch.arange(seq_len, device=q.device)[None, :] > q_pos[:, None]
+            scores.masked_fill_(mask, float("-inf"))
+        torch.softmax(scores, dim=-1, out=scores)
+        o = torch.bmm(scores, v)  # [h, ql*g, d]
+        return o.view(h, ql, g, d).permute(1, 0, 2, 3).reshape(ql, hq, d).to(q.dtype)
+
+
+def _kernel():
+    """The compiled decode kernel, or ``None`` when it cannot be built here."""
+    from pagedkv.attention import cpu_kernel
+
+    return cpu_kernel.get()

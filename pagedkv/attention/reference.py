@@ -1,0 +1,117 @@
+"""The reference backend: gather each sequence's K/V through its block table, then a plain
+softmax in float32. Slow and obviously correct; it is the oracle every other backend is
+compared with (``pagedkv.testing``).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from pagedkv.attention import layouts as L
+from pagedkv.attention.base import AttentionMetadata
+from pagedkv.errors import BackendError
+
+
+def context_slots(block_table_row: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+    """Slots (int64 ``[seq_len]``) of positions ``0..seq_len-1`` (seed §02): only the first
+    ``ceil(seq_len / block_size)`` entries of the row are looked at."""
+    pos = torch.arange(seq_len, device=block_table_row.device)
+    blocks = block_table_row[: -(-seq_len // block_size)].to(torch.int64)
+    return blocks[pos // block_size] * block_size + pos % block_size
+
+
+def check_inputs(query: torch.Tensor, cache: L.PagedKVCache, md: AttentionMetadata) -> tuple[int, int, int]:
+    """Validate shapes; returns ``(num_tokens, num_heads, head_dim)``. Raises ``BackendError``."""
+    if query.dim() != 3:
+        raise BackendError(f"query must be [num_tokens, num_heads, head_dim], got {tuple(query.shape)}")
+    n, hq, d = query.shape
+    if d != cache.head_dim:
+        raise BackendError(f"query head_dim {d} != cache head_dim {cache.head_dim}")
+    if hq % cache.num_kv_heads:
+        raise BackendError(f"num_heads {hq} is not a multiple of num_kv_heads {cache.num_kv_heads}")
+    if n != md.num_tokens:
+        raise BackendError(f"query has {n} tokens but metadata has {md.num_tokens}")
+    return n, hq, d
+
+
+def lists_of(md: AttentionMetadata) -> tuple[list[int], list[int], list[int]]:
+    """``(seq_lens, query_lens, query_starts)`` as Python lists (from the metadata's list
+    copies when present, else one device->host copy)."""
+    seq_lens = md.seq_lens_list if md.seq_lens_list is not None else md.seq_lens.tolist()
+    qsl = md.query_start_loc.tolist() if md.query_lens_list is None else None
+    if md.query_lens_list is not None:
+        q_lens = list(md.query_lens_list)
+        starts = [0]
+        for ql in q_lens:
+            starts.append(starts[-1] + ql)
+    else:
+        starts = qsl
+        q_lens = [starts[i + 1] - starts[i] for i in range(len(seq_lens))]
+    return list(seq_lens), q_lens, starts
+
+
+class ReferenceBackend:
+    """Oracle backend: any layout (default NHD), any floating dtype, any device torch runs on.
+
+    Per sequence: gather K/V ``[seq_len, Hkv, d]`` by slot, compute ``softmax(q k^T * scale)``
+    with the causal mask (query row ``j`` of a ``q_len`` chunk sits at position
+    ``seq_len - q_len + j``) in float32, cast back to the query dtype.
+    """
+
+    def __init__(self, layout: str = "nhd", name: str | None = None) -> None:
+        self.layout = L.get_layout(layout)
+        self.name = name or ("reference" if layout == "nhd" else f"reference-{layout}")
+
+    # -- memory ---------------------------------------------------------------------------
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                          dtype: torch.dtype, device: torch.device | str = "cpu") -> L.PagedKVCache:
+        """Zero-filled ``PagedKVCache``; K and V each ``layout.shape(...)`` in ``dtype``.
+        Raises ``ConfigError`` for a non-positive size or non-floating dtype."""
+        return L.allocate(self.layout, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+
+    def write_kv(self, kv_cache: L.PagedKVCache, key: torch.Tensor, value: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """Write ``key``/``value`` ``[num_tokens, Hkv, d]`` at ``slot_mapping`` (int64
+        ``[num_tokens]``; ``-1`` rows skipped)."""
+        slots, key, value = L.valid_slots(slot_mapping, key, value)
+        if slots.numel() == 0:
+            return
+        self.layout.write(kv_cache.key, key, slots, kv_cache.block_size)
+        self.layout.write(kv_cache.value, value, slots, kv_cache.block_size)
+
+    def copy_blocks(self, kv_cache: L.PagedKVCache, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy physical blocks ``src -> dst`` (K and V)."""
+        L.copy_blocks(kv_cache, copies)
+
+    def gather_kv(self, kv_cache: L.PagedKVCache, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[n, Hkv, d]`` at ``slots`` (int64 ``[n]``)."""
+        slots = slots.to(torch.int64)
+        c = kv_cache
+        return (self.layout.read(c.key, slots, c.block_size, c.num_kv_heads, c.head_dim),
+                self.layout.read(c.value, slots, c.block_size, c.num_kv_heads, c.head_dim))
+
+    # -- attention ------------------------------------------------------------------------
+    def forward(self, query: torch.Tensor, kv_cache: L.PagedKVCache, metadata: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        """``[num_tokens, num_heads, head_dim]`` output in ``query.dtype``."""
+        n, hq, d = check_inputs(query, kv_cache, metadata)
+        out = torch.empty_like(query)
+        seq_lens, q_lens, starts = lists_of(metadata)
+        group = hq // kv_cache.num_kv_heads
+        for i, (sl, ql) in enumerate(zip(seq_lens, q_lens)):
+            if ql == 0:
+                continue
+            slots = context_slots(metadata.block_tables[i], sl, kv_cache.block_size)
+            k, v = self.gather_kv(kv_cache, slots)
+            k = k.float().repeat_interleave(group, dim=1)  # [sl, hq, d]
+            v = v.float().repeat_interleave(group, dim=1)
+            q = query[starts[i] : starts[i] + ql].float()  # [ql, hq, d]
+            scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [hq, ql, sl]
+            q_pos = torch.arange(sl - ql, sl, device=query.device)[:, None]
+            k_pos = torch.arange(sl, device=query.device)[None, :]
+            scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+            p = torch.softmax(scores, dim=-1)
+            out[starts[i] : starts[i] + ql] = torch.einsum("hqk,khd->qhd", p, v).to(query.dtype)
+        return out
