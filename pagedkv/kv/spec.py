@@ -1,0 +1,396 @@
+"""KV cache sizing (seed §01): bytes per token, page size, blocks from a byte budget.
+
+Formulas (all results in bytes):
+
+* MHA / GQA / MQA: per layer per token ``2 (K and V) x Hkv x d x b``; the whole model
+  multiplies by the number of layers ``L``: ``2 . L . Hkv . d . b``.
+* MLA (DeepSeek-V2/V3): one compressed latent of ``kv_lora_rank + qk_rope_head_dim``
+  elements per token per layer (no x2, no heads): ``L . (r + rope) . b``.
+* Quantised caches:
+  - ``fp8``: 1 byte/element; one fp32 scale per tensor per layer (K and V), which does not
+    grow with tokens and is therefore not counted per token.
+  - ``int8``: 1 byte/element plus one ``scale_bytes`` (fp16 by default) scale per group of
+    ``quant_group_size`` elements; the default group is one head vector (``d`` elements of
+    one head of one token, for K and V separately; for MLA, the whole latent of a token).
+  - ``int4``: two elements packed per byte (``ceil(n/2)`` bytes per vector) plus the same
+    per-group scales as int8.
+* Tensor parallel over ``tp`` ranks: the KV heads are split (``Hkv / tp`` per rank); when
+  ``Hkv < tp`` each head is replicated so every rank holds one head. MLA's latent has no
+  heads and is replicated on every rank. ``bytes_per_token`` is per rank;
+  ``bytes_per_token_total`` sums over ranks (replication counted).
+
+Every layer has the same shape here, so one "layer group" = one layer and a page (one block
+of one layer on one rank) is ``block_size x bytes_per_token_per_layer``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pagedkv.errors import ConfigError
+
+#: bytes per element of each supported cache dtype (int4 is handled as half a byte).
+DTYPE_BYTES: dict[str, float] = {
+    "fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "int4": 0.5,
+}
+_DTYPE_ALIASES = {
+    "float32": "fp32", "float": "fp32", "f32": "fp32",
+    "bfloat16": "bf16",
+    "float16": "fp16", "half": "fp16", "f16": "fp16",
+    "float8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "float8_e4m3fn": "fp8",
+}
+#: dtypes that carry per-group scales counted per token.
+SCALED_DTYPES = ("int8", "int4")
+
+CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
+
+# HF ``model_type`` values from_hf_config understands.
+_MHA_TYPES = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "gemma", "gemma2")
+_MLA_TYPES = ("deepseek_v2", "deepseek_v3")
+
+
+def normalize_dtype(dtype: str) -> str:
+    """Canonical cache dtype name (``"bfloat16"`` -> ``"bf16"``). Raises ``ConfigError``."""
+    if not isinstance(dtype, str):
+        raise ConfigError(f"dtype must be a string, got {dtype!r}")
+    key = dtype.strip().lower().removeprefix("torch.")
+    key = _DTYPE_ALIASES.get(key, key)
+    if key not in DTYPE_BYTES:
+        raise ConfigError(f"dtype: unknown cache dtype {dtype!r} (one of {', '.join(DTYPE_BYTES)})")
+    return key
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Shape of a model's KV cache, enough to size it (seed §01).
+
+    Fields: ``num_layers`` (L), ``num_kv_heads`` (Hkv, before TP split), ``head_dim`` (d,
+    elements), ``dtype`` (one of ``DTYPE_BYTES``), ``tp_size`` (ranks). Set both
+    ``kv_lora_rank`` and ``qk_rope_head_dim`` for MLA (then Hkv and d are ignored for
+    sizing). ``quant_group_size`` (elements per scale, default: one head vector) and
+    ``scale_bytes`` (bytes per scale, default 2 = fp16) apply to int8/int4 only.
+
+    Raises ``ConfigError`` naming the field on a bad value.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "bf16"
+    tp_size: int = 1
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
+    quant_group_size: int | None = None
+    scale_bytes: int = 2
+
+    def __post_init__(self) -> None:
+        _positive_int("num_layers", self.num_layers)
+        _positive_int("num_kv_heads", self.num_kv_heads)
+        _positive_int("head_dim", self.head_dim)
+        _positive_int("tp_size", self.tp_size)
+        _positive_int("scale_bytes", self.scale_bytes)
+        object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        if (self.kv_lora_rank is None) != (self.qk_rope_head_dim is None):
+            raise ConfigError("MLA needs both kv_lora_rank and qk_rope_head_dim (or neither)")
+        if self.is_mla:
+            _positive_int("kv_lora_rank", self.kv_lora_rank)
+            _positive_int("qk_rope_head_dim", self.qk_rope_head_dim)
+        if self.quant_group_size is not None:
+            _positive_int("quant_group_size", self.quant_group_size)
+        if not self.is_mla:
+            h, tp = self.num_kv_heads, self.tp_size
+            if h >= tp and h % tp:
+                raise ConfigError(f"tp_size: {h} KV heads cannot be split evenly over {tp} ranks")
+            if h < tp and tp % h:
+                raise ConfigError(f"tp_size: {tp} ranks cannot replicate {h} KV heads evenly")
+
+    # ------------------------------------------------------------------ derived sizes
+    @property
+    def is_mla(self) -> bool:
+        """True for a multi-head latent attention cache (DeepSeek-V2/V3)."""
+        return self.kv_lora_rank is not None
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        """KV heads each TP rank stores (``Hkv/tp``, or 1 when replicated; 1 for MLA)."""
+        if self.is_mla:
+            return 1
+        return max(1, self.num_kv_heads // self.tp_size)
+
+    @property
+    def replication(self) -> int:
+        """How many ranks hold a copy of each KV head (1 = no replication)."""
+        if self.is_mla:
+            return self.tp_size
+        return max(1, self.tp_size // self.num_kv_heads)
+
+    def _vector_bytes(self, n: int) -> int:
+        """Bytes of one cached vector of ``n`` elements, scales included."""
+        if self.dtype == "int4":
+            data = (n + 1) // 2
+        else:
+            data = n * int(DTYPE_BYTES[self.dtype])
+        if self.dtype in SCALED_DTYPES:
+            group = self.quant_group_size or n
+            data += math.ceil(n / group) * self.scale_bytes
+        return data
+
+    @property
+    def bytes_per_token_per_layer(self) -> int:
+        """Bytes one token occupies in one layer on one rank."""
+        if self.is_mla:
+            return self._vector_bytes(self.kv_lora_rank + self.qk_rope_head_dim)
+        return 2 * self.kv_heads_per_rank * self._vector_bytes(self.head_dim)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token occupies on one rank, all layers."""
+        return self.num_layers * self.bytes_per_token_per_layer
+
+    @property
+    def bytes_per_token_total(self) -> int:
+        """Bytes one token occupies summed over all TP ranks (replicated heads counted)."""
+        return self.bytes_per_token * self.tp_size
+
+    def page_size_bytes(self, block_size: int) -> int:
+        """Bytes of one block (``block_size`` tokens) of one layer on one rank."""
+        return _positive_int("block_size", block_size) * self.bytes_per_token_per_layer
+
+    def block_bytes(self, block_size: int) -> int:
+        """Bytes of one block across all layers on one rank (what one block id costs)."""
+        return self.page_size_bytes(block_size) * self.num_layers
+
+    def num_blocks(self, budget_bytes: int | str, block_size: int) -> int:
+        """Blocks that fit in a per-rank budget (``int`` bytes or a size like ``"20GiB"``).
+
+        Raises ``ConfigError`` (naming ``kv_budget``) if not even one block fits.
+        """
+        budget = parse_size(budget_bytes)
+        per_block = self.block_bytes(block_size)
+        n = budget // per_block
+        if n < 1:
+            raise ConfigError(
+                f"kv_budget: {budget} bytes is smaller than one block "
+                f"({per_block} bytes at block_size {block_size})"
+            )
+        return n
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-able summary (fields and the derived per-token sizes)."""
+        return {
+            "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim, "dtype": self.dtype, "tp_size": self.tp_size,
+            "kv_lora_rank": self.kv_lora_rank, "qk_rope_head_dim": self.qk_rope_head_dim,
+            "mla": self.is_mla, "kv_heads_per_rank": self.kv_heads_per_rank,
+            "replication": self.replication,
+            "bytes_per_token": self.bytes_per_token,
+            "bytes_per_token_total": self.bytes_per_token_total,
+        }
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_hf_config(
+        cls, cfg: dict | str | Path, dtype: str | None = None, tp_size: int = 1, **kw: Any
+    ) -> "KVCacheSpec":
+        """Spec from a Hugging Face ``config.json``.
+
+        ``cfg`` is a dict, a path to a ``config.json`` (or its folder), or the name of a
+        shipped config (see ``known_configs()``, e.g. ``"llama-3-8b"``). ``dtype=None``
+        uses the config's ``torch_dtype``/``dtype`` (bf16 if absent). Architectures:
+        llama, qwen2/qwen3, mistral/mixtral, gemma/gemma2, deepseek_v2/v3 (MLA). Gemma-2's
+        sliding-window layers are sized like full layers (this engine caches every position).
+
+        Raises ``ConfigError`` on an unknown ``model_type`` or a missing field (named).
+        """
+        cfg = load_hf_config(cfg)
+        # Multimodal wrappers keep the language model under text_config.
+        if "text_config" in cfg and "num_hidden_layers" not in cfg:
+            cfg = cfg["text_config"]
+        model_type = cfg.get("model_type")
+        if dtype is None:
+            dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bf16"
+
+        def need(key: str) -> Any:
+            if cfg.get(key) is None:
+                raise ConfigError(f"config.json ({model_type}): missing field {key!r}")
+            return cfg[key]
+
+        if model_type in _MLA_TYPES:
+            r, rope = need("kv_lora_rank"), need("qk_rope_head_dim")
+            return cls(num_layers=need("num_hidden_layers"), num_kv_heads=1,
+                       head_dim=r + rope, dtype=dtype, tp_size=tp_size,
+                       kv_lora_rank=r, qk_rope_head_dim=rope, **kw)
+        if model_type in _MHA_TYPES:
+            heads = need("num_attention_heads")
+            kv_heads = cfg.get("num_key_value_heads") or heads
+            head_dim = cfg.get("head_dim") or need("hidden_size") // heads
+            return cls(num_layers=need("num_hidden_layers"), num_kv_heads=kv_heads,
+                       head_dim=head_dim, dtype=dtype, tp_size=tp_size, **kw)
+        raise ConfigError(
+            f"model_type: unknown architecture {model_type!r} "
+            f"(supported: {', '.join(_MHA_TYPES + _MLA_TYPES)})"
+        )
+
+    @classmethod
+    def from_gguf(
+        cls, path: str | Path, dtype: str = "fp32", tp_size: int = 1, **kw: Any
+    ) -> "KVCacheSpec":
+        """Spec from a GGUF file's metadata (only the header is read, no tensors).
+
+        Keys used (``A`` = ``general.architecture``): ``A.block_count``,
+        ``A.attention.head_count``, ``A.attention.head_count_kv`` (default: head_count),
+        ``A.attention.key_length`` or ``A.embedding_length / head_count``; for
+        ``deepseek2``: ``A.attention.kv_lora_rank`` and ``A.rope.dimension_count``.
+        ``dtype`` is the cache dtype (default fp32: the CPU engine caches in fp32).
+
+        Raises ``ConfigError`` naming the missing key, or if the file is not GGUF.
+        """
+        meta = read_gguf_metadata(path)
+        arch = meta.get("general.architecture")
+        if not isinstance(arch, str):
+            raise ConfigError(f"{path}: GGUF lacks 'general.architecture'")
+
+        def need(suffix: str) -> Any:
+            key = f"{arch}.{suffix}"
+            if key not in meta:
+                raise ConfigError(f"{path}: GGUF lacks {key!r}")
+            return meta[key]
+
+        layers = need("block_count")
+        if arch == "deepseek2":
+            r, rope = need("attention.kv_lora_rank"), need("rope.dimension_count")
+            return cls(num_layers=layers, num_kv_heads=1, head_dim=r + rope, dtype=dtype,
+                       tp_size=tp_size, kv_lora_rank=r, qk_rope_head_dim=rope, **kw)
+        heads = need("attention.head_count")
+        kv_heads = meta.get(f"{arch}.attention.head_count_kv", heads)
+        if isinstance(heads, list) or isinstance(kv_heads, list):
+            raise ConfigError(f"{path}: per-layer head counts are not supported")
+        head_dim = meta.get(f"{arch}.attention.key_length")
+        if head_dim is None:
+            head_dim = need("embedding_length") // heads
+        return cls(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
+                   dtype=dtype, tp_size=tp_size, **kw)
+
+
+# ---------------------------------------------------------------------- helpers
+def known_configs() -> list[str]:
+    """Names of the Hugging Face configs shipped in ``pagedkv/kv/configs/``."""
+    return sorted(p.stem for p in CONFIGS_DIR.glob("*.json"))
+
+
+def known_config(name: str) -> dict[str, Any]:
+    """A shipped HF ``config.json`` as a dict (e.g. ``"deepseek-v3"``). Raises ``ConfigError``."""
+    path = CONFIGS_DIR / f"{name}.json"
+    if not path.is_file():
+        raise ConfigError(f"model: unknown config name {name!r} (known: {', '.join(known_configs())})")
+    return json.loads(path.read_text())
+
+
+def load_hf_config(cfg: dict | str | Path) -> dict[str, Any]:
+    """A config dict from a dict, a config.json path/folder, or a shipped config name."""
+    if isinstance(cfg, dict):
+        return cfg
+    path = Path(cfg)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        try:
+            return json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"{path}: not a readable config.json ({exc})") from exc
+    if isinstance(cfg, str) and "/" not in cfg and not cfg.endswith(".json"):
+        return known_config(cfg)
+    raise ConfigError(f"model: {cfg} is neither a config.json nor a known config name")
+
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgtp]?i?b?)\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "b": 1}
+for _i, _p in enumerate("kmgtp", start=1):
+    _SIZE_UNITS[_p + "b"] = 1000**_i       # decimal: KB, MB, GB, ...
+    _SIZE_UNITS[_p + "ib"] = 1024**_i      # binary: KiB, MiB, GiB, ...
+    _SIZE_UNITS[_p] = 1024**_i             # bare K/M/G: binary, as most CLIs do
+    _SIZE_UNITS[_p + "i"] = 1024**_i
+
+
+def parse_size(s: str | int) -> int:
+    """Bytes from ``123``, ``"512MiB"``, ``"20GiB"``, ``"2GB"`` (=2e9), ``"1.5G"`` (binary).
+
+    Raises ``ConfigError`` (naming ``size``) on a negative or unparsable value.
+    """
+    if isinstance(s, bool):
+        raise ConfigError(f"size: expected bytes or a size string, got {s!r}")
+    if isinstance(s, int):
+        if s < 0:
+            raise ConfigError(f"size: must be >= 0, got {s}")
+        return s
+    if isinstance(s, float) and s >= 0 and s.is_integer():
+        return int(s)
+    m = _SIZE_RE.match(str(s))
+    if not m:
+        raise ConfigError(f"size: cannot parse {s!r} (e.g. 20GiB, 512MiB, 2GB, 123)")
+    num, unit = m.groups()
+    return int(float(num) * _SIZE_UNITS[unit.lower()])
+
+
+# GGUF value types -> struct format (fixed size); 8 = string, 9 = array.
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?",
+                 10: "Q", 11: "q", 12: "d"}
+
+
+def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
+    """The key/value metadata of a GGUF (v2/v3) file; big arrays (tokenizer) are skipped
+    (their value is ``None``). Reads only the header. Raises ``ConfigError``."""
+    path = Path(path)
+    try:
+        f = path.open("rb")
+    except OSError as exc:
+        raise ConfigError(f"model: cannot open GGUF {path} ({exc})") from exc
+    with f:
+        def read(fmt: str) -> Any:
+            size = struct.calcsize("<" + fmt)
+            raw = f.read(size)
+            if len(raw) != size:
+                raise ConfigError(f"{path}: truncated GGUF header")
+            return struct.unpack("<" + fmt, raw)[0]
+
+        def read_str() -> str:
+            n = read("Q")
+            return f.read(n).decode("utf-8", errors="replace")
+
+        def read_value(vtype: int, keep: bool) -> Any:
+            if vtype in _GGUF_SCALARS:
+                return read(_GGUF_SCALARS[vtype])
+            if vtype == 8:
+                return read_str()
+            if vtype == 9:
+                etype, count = read("I"), read("Q")
+                if etype in _GGUF_SCALARS and not (keep and count <= 1024):
+                    f.seek(count * struct.calcsize("<" + _GGUF_SCALARS[etype]), 1)
+                    return None
+                items = [read_value(etype, keep and count <= 1024) for _ in range(count)]
+                return items if keep and count <= 1024 else None
+            raise ConfigError(f"{path}: unknown GGUF value type {vtype}")
+
+        if f.read(4) != b"GGUF":
+            raise ConfigError(f"model: {path} is not a GGUF file (bad magic)")
+        version = read("I")
+        if version < 2:
+            raise ConfigError(f"{path}: GGUF version {version} is not supported (need >= 2)")
+        read("Q")  # tensor count
+        meta: dict[str, Any] = {}
+        for _ in range(read("Q")):
+            key = read_str()
+            meta[key] = read_value(read("I"), keep=True)
+        return meta
