@@ -12,6 +12,7 @@ import sys
 
 # Modules that define ``register(subparsers)``; each adds its sub-commands.
 COMMAND_MODULES = [
+    "pagedkv.kv.cli",
     "pagedkv.engine.cli",
     "pagedkv.bench.cli",
 ]
