@@ -15,6 +15,7 @@ COMMAND_MODULES = [
     "pagedkv.kv.cli",
     "pagedkv.engine.cli",
     "pagedkv.bench.cli",
+    "pagedkv.server.cli",
 ]
 
 

@@ -1,0 +1,59 @@
+"""``pagedkv serve``: the OpenAI-compatible server over one engine."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from pagedkv.engine.cli import add_engine_args, engine_kwargs
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pagedkv.engine.engine import LLMEngine
+    from pagedkv.errors import ConfigError
+    from pagedkv.server.app import build_app, load_api_keys
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    keys = None
+    if args.api_keys:
+        try:
+            keys = load_api_keys(args.api_keys)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"--api-keys: {e}") from None
+    if args.max_body_bytes < 1024:
+        raise ConfigError(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
+    t0 = time.time()
+    engine = LLMEngine(args.model, **engine_kwargs(args))
+    kv = engine.kv_summary()
+    print(f"[pagedkv] model {engine.model_id} loaded in {time.time() - t0:.1f}s; KV cache {kv['num_blocks']} "
+          f"blocks x {kv['block_size']} tokens; tenants: {len(set(keys.values())) if keys else 'off'}",
+          file=sys.stderr)
+    app = build_app(engine, served_model_name=args.served_model_name, api_keys=keys,
+                    max_body_bytes=args.max_body_bytes, max_n=args.max_n,
+                    shutdown_timeout_s=args.shutdown_timeout)
+    print(f"[pagedkv] serving on http://{args.host}:{args.port}/v1  (live KV page: /ui, metrics: /metrics)",
+          file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=int(args.shutdown_timeout) + 1)
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /ui)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--served-model-name", action="append", default=None,
+                   help="name clients pass as 'model' (repeatable; default: the model id)")
+    p.add_argument("--api-keys", default=None, metavar="FILE",
+                   help="key -> tenant file (JSON object or 'KEY TENANT' lines); enables 401 and tenant cache isolation")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit in bytes (default 1 MiB)")
+    p.add_argument("--max-n", type=int, default=16, help="largest n per request (default 16)")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests may finish on shutdown before they are aborted (default 10)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)

@@ -1,0 +1,68 @@
+"""The JSON the ``/ui`` page polls: every physical block and every live request.
+
+Shape (``GET /ui/state``)::
+
+    {"time": epoch seconds, "step": engine-loop steps so far, "paused": bool,
+     "num_blocks", "block_size", "num_used_blocks", "num_free_blocks", "usage" (0-1),
+     "blocks": {"ref_cnt": [per block id], "cached": [0/1 per block id],
+                "owners": {block_id: [sequence ids holding it in their block table]}},
+     "requests": [{"request_id", "parent_id", "index", "status", "prompt_tokens",
+                   "output_tokens", "num_tokens", "num_computed_tokens", "block_table"}],
+     "stats": engine.get_stats()}
+
+A block is *in use* when ``ref_cnt > 0`` (a block table or a step fence holds it), *shared*
+when ``ref_cnt > 1``, *cached-but-free* when ``ref_cnt == 0`` and it carries a prefix hash.
+The snapshot is taken under the engine's lock, so it is consistent with one point between
+(or inside the unlocked forward of) a step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Optional
+
+
+def kv_view(engine: Any, loop: Optional[Any] = None) -> dict[str, Any]:
+    """Snapshot of the engine's KV cache and requests (see the module docstring)."""
+    # NOTE(engine): LLMEngine has no public lock/snapshot yet; its RLock keeps the KV
+    # manager and the scheduler's queues from changing while we read them.
+    lock = getattr(engine, "_lock", None) or contextlib.nullcontext()
+    with lock:
+        snap = engine.kv.snapshot()
+        sched = engine.scheduler
+        reqs = list(sched.running) + list(sched.waiting)
+        requests = []
+        for r in reqs:
+            table = snap["tables"].get(r.request_id)
+            requests.append({
+                "request_id": r.request_id,
+                "parent_id": r.parent_id or r.request_id,
+                "index": r.index,
+                "status": r.status.name.lower(),
+                "prompt_tokens": r.num_prompt_tokens,
+                "output_tokens": r.num_output_tokens,
+                "num_tokens": r.num_tokens,
+                "num_computed_tokens": r.num_computed_tokens,
+                "block_table": list(table["block_ids"]) if table else [],
+            })
+        stats = engine.get_stats()
+    blocks = snap["blocks"]
+    owners = {str(b["block_id"]): list(b["owners"]) for b in blocks if b["owners"]}
+    return {
+        "time": time.time(),
+        "step": getattr(loop, "num_steps", 0) if loop is not None else 0,
+        "paused": bool(getattr(loop, "paused", False)),
+        "num_blocks": snap["num_blocks"],
+        "block_size": snap["block_size"],
+        "num_used_blocks": snap["num_blocks"] - snap["num_free_blocks"],
+        "num_free_blocks": snap["num_free_blocks"],
+        "usage": snap["usage"],
+        "blocks": {
+            "ref_cnt": [b["ref_cnt"] for b in blocks],
+            "cached": [1 if b["is_cached"] else 0 for b in blocks],
+            "owners": owners,
+        },
+        "requests": requests,
+        "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, str, bool)) or v is None},
+    }

@@ -1,0 +1,115 @@
+"""Prometheus metrics of the server (``GET /metrics``).
+
+Gauges and counters that the engine already keeps (requests running/waiting, KV blocks,
+prefix-cache hits, preemptions, copy-on-write copies, tokens) are read from
+``engine.get_stats()`` at scrape time by a custom collector, so they are never stale and
+cost nothing per step. Latency histograms are observed when a request finishes.
+
+Every :class:`ServerMetrics` owns its own ``CollectorRegistry`` (several apps in one
+process, e.g. tests, never clash). Units are in the metric names (seconds, tokens, blocks).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from pagedkv.engine.request import RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class _EngineCollector:
+    """Reads ``engine.get_stats()`` once per scrape."""
+
+    def __init__(self, engine: Any, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # collected lazily; do not call get_stats() at registration
+
+    def collect(self) -> Iterable[Metric]:
+        st = self.engine.get_stats()
+        labels = ["model_name"]
+        val = [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(val, float(value))
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(val, float(value))
+            return c
+
+        queries = st.get("kv_prefix_queries", 0) or 0
+        hits = st.get("kv_prefix_hits", 0) or 0
+        yield gauge("pagedkv_num_requests_running", "Sequences in the running batch.", st.get("num_running", 0))
+        yield gauge("pagedkv_num_requests_waiting", "Sequences waiting (queued or preempted).", st.get("num_waiting", 0))
+        yield gauge("pagedkv_kv_blocks_total", "Physical KV blocks in the pool.", st.get("num_blocks", 0))
+        yield gauge("pagedkv_kv_blocks_used", "KV blocks with ref_cnt > 0 (tables and step fences).", st.get("num_used_blocks", 0))
+        yield gauge("pagedkv_kv_blocks_free", "KV blocks in the free queue (cached-but-free included).", st.get("num_free_blocks", 0))
+        yield gauge("pagedkv_kv_cache_usage_percent", "Used KV blocks, percent of the pool (0-100).", 100.0 * (st.get("kv_usage", 0.0) or 0.0))
+        yield gauge("pagedkv_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens looked up (0-1, since start).",
+                    hits / queries if queries else 0.0)
+        yield counter("pagedkv_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache.", queries)
+        yield counter("pagedkv_prefix_cache_hits_tokens", "Prompt tokens served from the prefix cache.", hits)
+        yield counter("pagedkv_num_preemptions", "Sequences preempted (blocks freed, recomputed later).", st.get("num_preemptions", 0))
+        yield counter("pagedkv_cow_copies", "Copy-on-write block copies.", st.get("kv_cow_copies", 0))
+        yield counter("pagedkv_prefix_cache_evictions", "Cached free blocks evicted for reuse.", st.get("kv_evictions", 0))
+        yield counter("pagedkv_generation_tokens", "Tokens generated (all sequences).", st.get("num_generated_tokens", 0))
+        yield counter("pagedkv_prompt_tokens", "Prompt tokens admitted.", st.get("num_prompt_tokens", 0))
+        yield counter("pagedkv_engine_steps", "Engine steps run.", st.get("num_steps", 0))
+
+
+class ServerMetrics:
+    """The server's metrics. ``observe_output`` is the engine loop's ``on_output`` hook."""
+
+    def __init__(self, engine: Any, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_EngineCollector(engine, model_name))  # type: ignore[arg-type]
+        self.model_name = model_name
+        lbl = ["model_name"]
+        self.ttft = Histogram("pagedkv_time_to_first_token_seconds", "Time to first token (arrival to first sampled token), seconds.",
+                              lbl, buckets=_TTFT_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("pagedkv_time_per_output_token_seconds", "Mean time per output token after the first, seconds (one sample per finished sequence set).",
+                              lbl, buckets=_TPOT_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("pagedkv_e2e_request_latency_seconds", "Arrival to finish, seconds.",
+                             lbl, buckets=_E2E_BUCKETS, registry=self.registry)
+        self.finished = Counter("pagedkv_requests_finished", "User requests finished, by finish reason (stop, length, abort).",
+                                ["model_name", "finish_reason"], registry=self.registry)
+        self.http_errors = Counter("pagedkv_http_errors", "Requests rejected with an error status.",
+                                   ["model_name", "status"], registry=self.registry)
+        self.disconnects = Counter("pagedkv_client_disconnects", "Requests aborted because the client went away.",
+                                   lbl, registry=self.registry)
+        self._lock = threading.Lock()
+
+    def observe_output(self, out: RequestOutput) -> None:
+        """Record a finished request's latencies (ignores unfinished outputs)."""
+        if not out.finished:
+            return
+        m = out.metrics
+        reason = (out.outputs[0].finish_reason or "unknown") if out.outputs else "unknown"
+        self.finished.labels(self.model_name, reason).inc()
+        if reason == "abort":
+            return
+        if m.first_token_time is not None:
+            self.ttft.labels(self.model_name).observe(max(0.0, m.first_token_time - m.arrival_time))
+        if m.finish_time is not None:
+            self.e2e.labels(self.model_name).observe(max(0.0, m.finish_time - m.arrival_time))
+            n = max((len(c.token_ids) for c in out.outputs), default=0)
+            if m.first_token_time is not None and n > 1:
+                self.tpot.labels(self.model_name).observe(max(0.0, (m.finish_time - m.first_token_time) / (n - 1)))
+
+    def render(self) -> bytes:
+        """The exposition text."""
+        return generate_latest(self.registry)
