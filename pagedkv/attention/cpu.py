@@ -96,10 +96,12 @@ class CPUBackend:
         the same shape and dtype. Raises ``BackendError`` on shape mismatches."""
         n, hq, d = check_inputs(query, kv_cache, metadata)
         seq_lens, q_lens, starts = lists_of(metadata)
-        out = torch.empty_like(query)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if starts[-1] < n:  # padding rows of the flat batch
             out[starts[-1]:].zero_()
         kernel = _kernel() if self.use_kernel and query.device.type == "cpu" else None
+        if kernel is not None and not kernel.supports(query, kv_cache):
+            kernel = None
         torch_seqs = []
         kernel_seqs = []
         for i, ql in enumerate(q_lens):
@@ -107,7 +109,7 @@ class CPUBackend:
                 continue
             (kernel_seqs if kernel is not None and ql <= DECODE_MAX_QLEN else torch_seqs).append(i)
         if kernel_seqs:
-            kernel.run(query, kv_cache, metadata, scale, out, kernel_seqs, seq_lens, q_lens, starts)
+            kernel.run(query, kv_cache, metadata, scale, out, kernel_seqs, [q_lens[i] for i in kernel_seqs])
         for i in torch_seqs:
             q = query[starts[i] : starts[i] + q_lens[i]]
             out[starts[i] : starts[i] + q_lens[i]] = self._attend_torch(

@@ -1,8 +1,165 @@
-"""Loader of the compiled CPU decode kernel (not built yet: the torch path is used)."""
+"""Build, load and call the CPU paged-attention kernel (``_cpu_kernel.c``) through ctypes.
+
+The C file has no Python or torch headers, so it compiles in about a second with the system C
+compiler (``$CC``, else ``cc``/``gcc``/``clang``). The shared object is cached under
+``$PAGEDKV_CACHE_DIR`` (default ``~/.cache/pagedkv``), keyed by the source, the flags and the
+CPU's feature flags (it is built with ``-march=native``). OpenMP comes from the same
+``libgomp.so.1`` torch already loaded, so the kernel shares torch's thread pool runtime.
+
+``get()`` returns ``None`` (and the CPU backend uses its torch path) when there is no compiler,
+the build fails, or ``PAGEDKV_CPU_KERNEL=0``. ``build_error()`` says why.
+"""
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Sequence
 
-def get():
-    """The kernel object, or ``None`` when unavailable."""
+import torch
+
+_SRC = Path(__file__).with_name("_cpu_kernel.c")
+_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
+          "-fassociative-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# Smallest context split (tokens) of the split-K path (used only when there are fewer work
+# items than 4x the threads).
+MIN_SPLIT_LEN = 512
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> str | None:
+    for cand in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cand and shutil.which(cand):
+            return cand
     return None
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("PAGEDKV_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagedkv")
+    return Path(base)
+
+
+def _build() -> ctypes.CDLL:
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set $CC)")
+    src = _SRC.read_bytes()
+    key = hashlib.sha256(src + " ".join([cc, *_FLAGS, platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
+    out_dir = _cache_dir()
+    so = out_dir / f"pagedkv_cpu_kernel_{key}.so"
+    if not so.exists():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+        os.close(fd)
+        try:
+            res = subprocess.run([cc, *_FLAGS, str(_SRC), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120)
+            if res.returncode != 0:
+                raise RuntimeError(f"{cc} failed: {res.stderr.strip()[-2000:]}")
+            os.replace(tmp, so)  # atomic: concurrent builders race harmlessly
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(str(so))
+    f = lib.pagedkv_paged_attention
+    i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    f.argtypes = [i32, i32, i32, i32, i32, ctypes.c_float,
+                  ptr, i64, i64,
+                  ptr, ptr, i64, i64, i64,
+                  ptr, i64,
+                  ptr, ptr,
+                  ptr, ptr, i32,
+                  ptr, i64, i64,
+                  i32, i32, i32]
+    f.restype = ctypes.c_int
+    return lib
+
+
+class CPUKernel:
+    """Callable wrapper of the compiled kernel."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._f = lib.pagedkv_paged_attention
+        self.max_heads = lib.pagedkv_max_heads()
+        self.max_head_dim = lib.pagedkv_max_head_dim()
+        self.prefetch = os.environ.get("PAGEDKV_CPU_PREFETCH", "0") == "1"
+        self.min_split_len = MIN_SPLIT_LEN
+
+    def supports(self, query: torch.Tensor, cache) -> bool:
+        """Whether this call can run here (dtype, head dim, GQA group, strides)."""
+        return (
+            query.dtype in _DTYPES and cache.dtype == query.dtype
+            and query.device.type == "cpu"
+            and cache.head_dim <= self.max_head_dim and cache.head_dim % 8 == 0
+            and query.shape[1] <= self.max_heads
+            and query.stride(2) == 1
+        )
+
+    def run(self, query: torch.Tensor, cache, md, scale: float, out: torch.Tensor,
+            seq_ids: Sequence[int], q_lens: Sequence[int], nthreads: int | None = None) -> None:
+        """Attention of the ``seq_ids`` sequences (each with ``q_lens[i]`` new tokens) into
+        ``out`` (contiguous ``[num_tokens, Hq, d]``)."""
+        key_nhd = cache.key_nhd()  # [nb, bs, H, d] view: strides give the layout
+        s_blk, s_tok, s_head, s_d = key_nhd.stride()
+        assert s_d == 1 and cache.value.stride() == cache.key.stride()
+        bt = md.block_tables
+        if bt.dtype != torch.int32 or bt.stride(-1) != 1:
+            bt = bt.to(torch.int32).contiguous()
+        seq_lens = md.seq_lens if md.seq_lens.dtype == torch.int32 else md.seq_lens.to(torch.int32)
+        qsl = md.query_start_loc if md.query_start_loc.dtype == torch.int32 else md.query_start_loc.to(torch.int32)
+        seq_lens, qsl = seq_lens.contiguous(), qsl.contiguous()
+        ids = torch.tensor(list(seq_ids), dtype=torch.int32)
+        qls = torch.tensor(list(q_lens), dtype=torch.int32)
+        rc = self._f(
+            _DTYPES[query.dtype], query.shape[1], cache.num_kv_heads, cache.head_dim, cache.block_size,
+            float(scale),
+            query.data_ptr(), query.stride(0), query.stride(1),
+            cache.key.data_ptr(), cache.value.data_ptr(), s_blk, s_tok, s_head,
+            bt.data_ptr(), bt.stride(0),
+            seq_lens.data_ptr(), qsl.data_ptr(),
+            ids.data_ptr(), qls.data_ptr(), len(seq_ids),
+            out.data_ptr(), out.stride(0), out.stride(1),
+            nthreads or torch.get_num_threads(), self.min_split_len, int(self.prefetch),
+        )
+        if rc != 0:
+            raise RuntimeError(f"pagedkv CPU kernel failed with code {rc}")
+
+
+def get() -> CPUKernel | None:
+    """The kernel (built on first call), or ``None`` when unavailable."""
+    if os.environ.get("PAGEDKV_CPU_KERNEL", "1") == "0":
+        return None
+    if "kernel" in _state:
+        return _state["kernel"]  # type: ignore[return-value]
+    with _lock:
+        if "kernel" not in _state:
+            try:
+                _state["kernel"] = CPUKernel(_build())
+            except Exception as exc:  # noqa: BLE001 - any failure means "use the torch path"
+                _state["kernel"] = None
+                _state["error"] = f"{type(exc).__name__}: {exc}"
+    return _state["kernel"]  # type: ignore[return-value]
+
+
+def build_error() -> str | None:
+    """Why ``get()`` returned ``None`` (``None`` if it did not, or was not called yet)."""
+    return _state.get("error")  # type: ignore[return-value]

@@ -1,0 +1,369 @@
+/* pagedkv CPU paged-attention kernel (decode rows and short prefill chunks).
+ *
+ * Built at first use by pagedkv/attention/cpu_kernel.py with the system C compiler and called
+ * through ctypes; no Python or torch headers.
+ *
+ * One work item = (sequence, query row, context split, range of KV heads). It walks the
+ * sequence's block table in chunks of CHUNK tokens; for each token it reads the K rows of its
+ * KV heads once (all heads of a token are adjacent in NHD, so a block is read front to back),
+ * dots each with the g = Hq/Hkv query vectors of that KV head, then updates an online softmax
+ * (running max m, running sum l, accumulator acc, all float32) and accumulates P V. Every K/V
+ * element of the visible context is read exactly once; nothing past seq_len (and no padding
+ * block-table entry) is touched. Splits of one row are merged in a second pass (split-K, used
+ * only when there are too few rows to keep every thread busy).
+ *
+ * Cache addressing (any layout whose head_dim is contiguous; strides in elements):
+ *   row(t, h) = base + block_table[s][t / bs] * s_blk + (t % bs) * s_tok + h * s_head
+ * NHD [nb, bs, H, d]: s_blk = bs*H*d, s_tok = H*d, s_head = d.
+ * HND [nb, H, bs, d]: s_blk = H*bs*d, s_tok = d,   s_head = bs*d.
+ * Ascend [nb, bs, H*d]: as NHD.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define CHUNK 16
+#define MAXHQ 256 /* query heads */
+#define MAXD 256  /* head dim (multiple of 8) */
+
+typedef struct {
+    int32_t seq, row;     /* sequence index, query row inside its chunk */
+    int32_t h0, h1;       /* KV heads [h0, h1) */
+    int32_t split;        /* -1: the only split (write out); else its index */
+    int32_t t0, t1;       /* context tokens [t0, t1) */
+    int64_t scratch;      /* offset (floats) of this item's partial result */
+} item_t;
+
+typedef struct {
+    int dtype, hq, hkv, d, bs, prefetch;
+    float scale;
+    const char *q; int64_t q_s0, q_s1;
+    const char *k, *v; int64_t s_blk, s_tok, s_head;
+    const int32_t *bt; int64_t bt_s0;
+    const int32_t *seq_lens, *q_start;
+    char *out; int64_t o_s0, o_s1;
+    float *scratch;     /* split partials */
+    float *work;        /* per-thread workspace */
+    int64_t work_per_thread;
+} args_t;
+
+/* ---- 8-wide float vectors (GCC/Clang generic vectors: AVX2 on x86, NEON pairs on ARM) ---- */
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
+typedef uint32_t v8u32 __attribute__((vector_size(32)));
+
+static inline v8f ld_f32(const float *p) { v8f v; memcpy(&v, p, 32); return v; }
+static inline void st_f32(float *p, v8f v) { memcpy(p, &v, 32); }
+static inline v8f ld_bf16(const uint16_t *p) {
+    v8u16 h; memcpy(&h, p, 16);
+    v8u32 w = __builtin_convertvector(h, v8u32) << 16;
+    v8f f; memcpy(&f, &w, 32); return f;
+}
+static inline v8f ld_any(const void *p, int x, int dtype) {
+    return dtype == 0 ? ld_f32((const float *)p + x) : ld_bf16((const uint16_t *)p + x);
+}
+static inline float hsum8(v8f v) {
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);                     /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+/* exp(x) for x <= 0 (scores minus their running max): Cody-Waite reduction + degree-6
+ * polynomial, a few ulp; vectorisable, unlike libm's expf. */
+static inline float exp_neg(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t e = ((int32_t)n + 127) << 23;
+    float sc; memcpy(&sc, &e, 4);
+    return p * sc;
+}
+
+static inline void store_row(char *o, const float *acc, float inv, int d, int dtype) {
+    if (dtype == 0) { float *of = (float *)o; for (int x = 0; x < d; x++) of[x] = acc[x] * inv; }
+    else { uint16_t *ob = (uint16_t *)o; for (int x = 0; x < d; x++) ob[x] = f32_to_bf16(acc[x] * inv); }
+}
+
+/* One work item; NV = head_dim / 8, DT = dtype (0 f32, 1 bf16). always_inline so each
+ * (NV, DT) instantiation below gets constant trip counts. */
+static inline __attribute__((always_inline)) void item_body(const args_t *A, const item_t *it, float *work,
+                                                            const int NV, const int DT) {
+    const int d = NV * 8, g = A->hq / A->hkv, esz = DT == 0 ? 4 : 2;
+    const int s = it->seq, h0 = it->h0, nkv = it->h1 - it->h0, nh = nkv * g;
+    /* workspace: qf [nh*d] | acc [nh*d] | vbuf [CHUNK*nkv*d] | sc [nh*CHUNK] | m [nh] | l [nh] */
+    float *qf = work, *acc = qf + (int64_t)nh * d, *vbuf = acc + (int64_t)nh * d;
+    float *sc = vbuf + (int64_t)CHUNK * nkv * d, *m = sc + nh * CHUNK, *l = m + nh;
+    const char *kp[CHUNK], *vp[CHUNK];
+    const int64_t qrow = (int64_t)A->q_start[s] + it->row;
+    for (int j = 0; j < nh; j++) {
+        const char *qs = A->q + (qrow * A->q_s0 + (int64_t)(h0 * g + j) * A->q_s1) * esz;
+        for (int c = 0; c < NV; c++) st_f32(qf + j * d + 8 * c, ld_any(qs, 8 * c, DT) * A->scale);
+        m[j] = -INFINITY;
+        l[j] = 0.f;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)nh * d);
+    const int32_t *table = A->bt + (int64_t)s * A->bt_s0;
+    const int64_t hoff = (int64_t)h0 * A->s_head;
+    const int row_bytes = (int)((nkv - 1) * A->s_head + d) * esz; /* span of one token's heads (NHD) */
+    for (int t = it->t0; t < it->t1; t += CHUNK) {
+        const int n = it->t1 - t < CHUNK ? it->t1 - t : CHUNK;
+        for (int i = 0; i < n; i++) {
+            const int tt = t + i;
+            const int64_t off = (int64_t)table[tt / A->bs] * A->s_blk + (int64_t)(tt % A->bs) * A->s_tok + hoff;
+            kp[i] = A->k + off * esz;
+            vp[i] = A->v + off * esz;
+        }
+        if (A->prefetch) {
+            /* the next chunk's rows: blocks are scattered, so hardware stream prefetchers
+             * cannot run ahead across a block boundary */
+            const int t2 = t + CHUNK, n2 = it->t1 - t2 < CHUNK ? it->t1 - t2 : CHUNK;
+            for (int i = 0; i < n2; i++) {
+                const int tt = t2 + i;
+                const int64_t off = ((int64_t)table[tt / A->bs] * A->s_blk + (int64_t)(tt % A->bs) * A->s_tok + hoff) * esz;
+                if (A->s_head == d) { /* heads adjacent: one span per token */
+                    for (int b = 0; b < row_bytes; b += 64) {
+                        __builtin_prefetch(A->k + off + b, 0, 3);
+                        __builtin_prefetch(A->v + off + b, 0, 3);
+                    }
+                } else {
+                    for (int hh = 0; hh < nkv; hh++)
+                        for (int b = 0; b < d * esz; b += 64) {
+                            __builtin_prefetch(A->k + off + hh * A->s_head * esz + b, 0, 3);
+                            __builtin_prefetch(A->v + off + hh * A->s_head * esz + b, 0, 3);
+                        }
+                }
+            }
+        }
+        /* scores: each K row is loaded once and dotted with its g query vectors */
+        for (int i = 0; i < n; i++) {
+            for (int hh = 0; hh < nkv; hh++) {
+                const char *kr = kp[i] + (int64_t)hh * A->s_head * esz;
+                v8f kv[MAXD / 8];
+                for (int c = 0; c < NV; c++) kv[c] = ld_any(kr, 8 * c, DT);
+                for (int jj = 0; jj < g; jj++) {
+                    const int j = hh * g + jj;
+                    const float *qj = qf + j * d;
+                    v8f a0 = ld_f32(qj) * kv[0];
+                    v8f a1 = (v8f){0, 0, 0, 0, 0, 0, 0, 0};
+                    int c = 1;
+                    for (; c + 1 < NV; c += 2) {
+                        a1 += ld_f32(qj + 8 * c) * kv[c];
+                        a0 += ld_f32(qj + 8 * c + 8) * kv[c + 1];
+                    }
+                    for (; c < NV; c++) a1 += ld_f32(qj + 8 * c) * kv[c];
+                    sc[j * CHUNK + i] = hsum8(a0 + a1);
+                }
+            }
+        }
+        if (DT != 0) /* widen the V chunk once; the g passes below then read float32 from L1 */
+            for (int i = 0; i < n; i++)
+                for (int hh = 0; hh < nkv; hh++) {
+                    const uint16_t *vr = (const uint16_t *)(vp[i] + (int64_t)hh * A->s_head * esz);
+                    float *dst = vbuf + ((int64_t)i * nkv + hh) * d;
+                    for (int c = 0; c < NV; c++) st_f32(dst + 8 * c, ld_bf16(vr + 8 * c));
+                }
+        /* online softmax + P V, one query head at a time (its accumulator stays in registers) */
+        for (int j = 0; j < nh; j++) {
+            const int hh = j / g;
+            float *sj = sc + j * CHUNK;
+            float cm = sj[0];
+            for (int i = 1; i < n; i++) cm = sj[i] > cm ? sj[i] : cm;
+            const float mn = cm > m[j] ? cm : m[j];
+            const float alpha = m[j] == -INFINITY ? 0.f : exp_neg(m[j] - mn);
+            float sum = 0.f;
+            for (int i = 0; i < n; i++) { sj[i] = exp_neg(sj[i] - mn); sum += sj[i]; }
+            l[j] = l[j] * alpha + sum;
+            m[j] = mn;
+            float *aj = acc + (int64_t)j * d;
+            for (int c0 = 0; c0 < NV; c0 += 8) { /* at most 8 accumulator vectors live */
+                const int nc = NV - c0 < 8 ? NV - c0 : 8;
+                v8f av[8];
+                for (int c = 0; c < nc; c++) av[c] = ld_f32(aj + 8 * (c0 + c)) * alpha;
+                for (int i = 0; i < n; i++) {
+                    const float p = sj[i];
+                    const float *vr = DT == 0
+                        ? (const float *)(vp[i] + (int64_t)hh * A->s_head * esz) + 8 * c0
+                        : vbuf + ((int64_t)i * nkv + hh) * d + 8 * c0;
+                    for (int c = 0; c < nc; c++) av[c] += p * ld_f32(vr + 8 * c);
+                }
+                for (int c = 0; c < nc; c++) st_f32(aj + 8 * (c0 + c), av[c]);
+            }
+        }
+    }
+    if (it->split >= 0) { /* partial result: [nh] m, [nh] l, [nh*d] acc */
+        float *p = A->scratch + it->scratch;
+        memcpy(p, m, sizeof(float) * nh);
+        memcpy(p + nh, l, sizeof(float) * nh);
+        memcpy(p + 2 * nh, acc, sizeof(float) * (size_t)nh * d);
+        return;
+    }
+    for (int j = 0; j < nh; j++) {
+        const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
+        store_row(A->out + (qrow * A->o_s0 + (int64_t)(h0 * g + j) * A->o_s1) * esz, acc + (int64_t)j * d, inv, d, DT);
+    }
+}
+
+#define INST(NV, DT) \
+    static void item_##NV##_##DT(const args_t *A, const item_t *it, float *w) { item_body(A, it, w, NV, DT); }
+INST(4, 0) INST(4, 1) INST(8, 0) INST(8, 1) INST(16, 0) INST(16, 1)
+static void item_generic_0(const args_t *A, const item_t *it, float *w) { item_body(A, it, w, A->d / 8, 0); }
+static void item_generic_1(const args_t *A, const item_t *it, float *w) { item_body(A, it, w, A->d / 8, 1); }
+
+static void run_item(const args_t *A, const item_t *it, float *w) {
+    const int nv = A->d / 8;
+    if (A->dtype == 0) {
+        if (nv == 8) item_8_0(A, it, w); else if (nv == 16) item_16_0(A, it, w);
+        else if (nv == 4) item_4_0(A, it, w); else item_generic_0(A, it, w);
+    } else {
+        if (nv == 8) item_8_1(A, it, w); else if (nv == 16) item_16_1(A, it, w);
+        else if (nv == 4) item_4_1(A, it, w); else item_generic_1(A, it, w);
+    }
+}
+
+/* Merge the partials of items [first, first + nsplit) (same seq/row/heads). */
+static void merge_splits(const args_t *A, const item_t *first, int nsplit) {
+    const int d = A->d, g = A->hq / A->hkv, esz = A->dtype == 0 ? 4 : 2;
+    const int nh = (first->h1 - first->h0) * g;
+    const int64_t qrow = (int64_t)A->q_start[first->seq] + first->row;
+    float acc[MAXD];
+    for (int j = 0; j < nh; j++) {
+        float M = -INFINITY, Lsum = 0.f;
+        for (int c = 0; c < nsplit; c++) {
+            const float mj = A->scratch[first[c].scratch + j];
+            if (mj > M) M = mj;
+        }
+        memset(acc, 0, sizeof(float) * d);
+        for (int c = 0; c < nsplit; c++) {
+            const float *p = A->scratch + first[c].scratch;
+            if (p[j] == -INFINITY) continue;
+            const float w = exp_neg(p[j] - M);
+            Lsum += w * p[nh + j];
+            const float *pa = p + 2 * nh + (int64_t)j * d;
+            for (int x = 0; x < d; x++) acc[x] += w * pa[x];
+        }
+        const float inv = Lsum > 0.f ? 1.f / Lsum : 0.f;
+        store_row(A->out + (qrow * A->o_s0 + (int64_t)(first->h0 * g + j) * A->o_s1) * esz, acc, inv, d, A->dtype);
+    }
+}
+
+int pagedkv_max_heads(void) { return MAXHQ; }
+int pagedkv_max_head_dim(void) { return MAXD; }
+
+/* Paged attention of n_seqs sequences. seq_ids[i] indexes seq_lens / q_start / block_tables
+ * rows; q_lens[i] is its number of new tokens (query rows), which sit at positions
+ * seq_len - q_len .. seq_len - 1 and attend causally. Strides are in elements.
+ * min_split_len: smallest context split (tokens) of split-K (0 disables it).
+ * Returns 0, or -1 bad shape, -2 bad dtype, -3 out of memory. */
+int pagedkv_paged_attention(
+    int dtype, int hq, int hkv, int d, int bs, float scale,
+    const void *q, int64_t q_s0, int64_t q_s1,
+    const void *k, const void *v, int64_t s_blk, int64_t s_tok, int64_t s_head,
+    const int32_t *bt, int64_t bt_s0,
+    const int32_t *seq_lens, const int32_t *q_start,
+    const int32_t *seq_ids, const int32_t *q_lens, int n_seqs,
+    void *out, int64_t o_s0, int64_t o_s1,
+    int nthreads, int min_split_len, int prefetch)
+{
+    if (hkv <= 0 || hq % hkv || hq > MAXHQ || d > MAXD || d <= 0 || d % 8 || bs <= 0) return -1;
+    if (dtype != 0 && dtype != 1) return -2;
+    if (nthreads < 1) nthreads = 1;
+    const int g = hq / hkv;
+    int64_t rows = 0;
+    int max_len = 0;
+    for (int i = 0; i < n_seqs; i++) {
+        rows += q_lens[i];
+        if (seq_lens[seq_ids[i]] > max_len) max_len = seq_lens[seq_ids[i]];
+    }
+    if (rows == 0) return 0;
+    /* parallelism: rows first, then KV-head groups (free), then context splits (need a merge) */
+    const int64_t want = 2 * (int64_t)nthreads;
+    int hgroups = 1;
+    if (rows < want) { hgroups = (int)((want + rows - 1) / rows); if (hgroups > hkv) hgroups = hkv; }
+    int split_len = 0;
+    if (rows * hgroups < want && min_split_len > 0 && max_len >= 2 * min_split_len) {
+        const int64_t ns = (want + rows * hgroups - 1) / (rows * hgroups);
+        split_len = (int)((max_len + ns - 1) / ns);
+        if (split_len < min_split_len) split_len = min_split_len;
+    }
+    int64_t total = 0;
+    for (int i = 0; i < n_seqs; i++) {
+        const int sl = seq_lens[seq_ids[i]];
+        for (int r = 0; r < q_lens[i]; r++) {
+            const int vis = sl - q_lens[i] + r + 1;
+            const int ns = split_len && vis > split_len ? (vis + split_len - 1) / split_len : 1;
+            total += (int64_t)hgroups * ns;
+        }
+    }
+    item_t *items = (item_t *)malloc(sizeof(item_t) * (size_t)total);
+    if (!items) return -3;
+    int64_t n_items = 0, scratch_floats = 0;
+    for (int i = 0; i < n_seqs; i++) {
+        const int s = seq_ids[i], sl = seq_lens[s];
+        for (int r = 0; r < q_lens[i]; r++) {
+            const int vis = sl - q_lens[i] + r + 1;
+            const int ns = split_len && vis > split_len ? (vis + split_len - 1) / split_len : 1;
+            for (int hg = 0; hg < hgroups; hg++) {
+                const int h0 = (int)((int64_t)hkv * hg / hgroups), h1 = (int)((int64_t)hkv * (hg + 1) / hgroups);
+                const int64_t per_partial = (int64_t)(h1 - h0) * g * (2 + d);
+                for (int c = 0; c < ns; c++) {
+                    item_t *it = &items[n_items++];
+                    it->seq = s; it->row = r; it->h0 = h0; it->h1 = h1;
+                    it->split = ns > 1 ? c : -1;
+                    it->t0 = ns > 1 ? c * split_len : 0;
+                    it->t1 = ns > 1 ? ((c + 1) * split_len < vis ? (c + 1) * split_len : vis) : vis;
+                    it->scratch = ns > 1 ? scratch_floats : 0;
+                    if (ns > 1) scratch_floats += per_partial;
+                }
+            }
+        }
+    }
+    const int64_t wpt = 2 * (int64_t)hq * d + (int64_t)CHUNK * hkv * d + (int64_t)hq * CHUNK + 2 * hq + 16;
+    float *work = (float *)malloc(sizeof(float) * (size_t)(wpt * nthreads));
+    float *scratch = scratch_floats ? (float *)malloc(sizeof(float) * (size_t)scratch_floats) : NULL;
+    if (!work || (scratch_floats && !scratch)) { free(items); free(work); free(scratch); return -3; }
+    args_t A = {dtype, hq, hkv, d, bs, prefetch, scale, (const char *)q, q_s0, q_s1, (const char *)k,
+                (const char *)v, s_blk, s_tok, s_head, bt, bt_s0, seq_lens, q_start,
+                (char *)out, o_s0, o_s1, scratch, work, wpt};
+    if (n_items == 1 || nthreads == 1) {
+        for (int64_t i = 0; i < n_items; i++) run_item(&A, &items[i], work);
+    } else {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+        for (int64_t i = 0; i < n_items; i++) {
+#ifdef _OPENMP
+            float *w = work + wpt * omp_get_thread_num();
+#else
+            float *w = work;
+#endif
+            run_item(&A, &items[i], w);
+        }
+    }
+    if (scratch_floats) { /* splits of one (seq, row, heads) are consecutive: merge each group */
+        for (int64_t i = 0; i < n_items; i++) {
+            if (items[i].split != 0) continue;
+            int ns = 1;
+            while (i + ns < n_items && items[i + ns].split > 0) ns++;
+            merge_splits(&A, &items[i], ns);
+        }
+    }
+    free(scratch);
+    free(work);
+    free(items);
+    return 0;
+}
