@@ -7,6 +7,7 @@ import importlib
 
 # name -> module defining add_arguments(parser) and run(args) -> int
 BENCHES: dict[str, str] = {
+    "capacity": "pagedkv.bench.capacity",
 }
 
 
