@@ -1,0 +1,381 @@
+"""``ModelConfig``: the architecture facts the engine needs, from GGUF metadata or an HF
+``config.json``.
+
+Both builders are pure (they take already-parsed metadata); file reading lives in
+``pagedkv.model.loader`` (``load_config(path)``). Every problem raises
+:class:`pagedkv.errors.ConfigError` whose message names the offending field or key.
+
+Supported families: Llama (incl. SmolLM2, Llama 3.x with ``llama3`` RoPE scaling), Mistral
+(no sliding window inside the supported context; see ``from_hf_config``) and Qwen2 (q/k/v bias).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import MISSING as _DC_MISSING, asdict, dataclass, fields
+from typing import Any, Mapping, Sequence
+
+from pagedkv.errors import ConfigError
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+_MISSING: Any = object()  # "no default" sentinel of the builders' key lookups
+
+# HF ``architectures`` entries we accept, mapped to our architecture name.
+_HF_ARCH_CLASSES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+# RoPE variants implemented by ``pagedkv.model.llama.rope_inv_freq``.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of one Llama-family decoder.
+
+    Sizes are element counts; ``rope_theta`` is the RoPE base; ``max_position_embeddings`` is
+    the longest context (in tokens) the model supports here. ``eos_token_ids`` lists every id
+    that ends generation (never empty). ``revision`` identifies the exact weights: the first
+    16 hex digits of a GGUF's sha256, or an HF snapshot commit / content hash.
+
+    ``rope_scaling`` is ``None`` (plain RoPE) or a dict with ``rope_type`` in
+    ``SUPPORTED_ROPE_TYPES``:
+
+    * ``{"rope_type": "linear", "factor": f}``
+    * ``{"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+      "original_max_position_embeddings"}`` (Llama 3.1+)
+    * ``{"rope_type": "freq_factors", "factors": [d/2 floats]}``: per-frequency divisors as
+      stored by llama.cpp in a GGUF's ``rope_freqs.weight`` tensor (how llama3 scaling travels
+      in GGUF files).
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+    model_id: str = ""
+    revision: str = ""
+    attention_bias: bool = False
+    rope_scaling: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"architecture: unsupported {self.architecture!r} "
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        for name in (
+            "vocab_size", "hidden_size", "intermediate_size", "num_layers",
+            "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_kv_heads: {self.num_kv_heads} does not divide num_heads {self.num_heads}"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim: must be even for RoPE, got {self.head_dim}")
+        if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
+            raise ConfigError(f"rope_theta: must be a positive number, got {self.rope_theta!r}")
+        if not (self.rms_norm_eps > 0):
+            raise ConfigError(f"rms_norm_eps: must be positive, got {self.rms_norm_eps!r}")
+        self.eos_token_ids = [int(t) for t in self.eos_token_ids]
+        if not self.eos_token_ids:
+            raise ConfigError("eos_token_ids: at least one end-of-sequence token id is needed")
+        for t in self.eos_token_ids + ([self.bos_token_id] if self.bos_token_id is not None else []):
+            if not 0 <= t < self.vocab_size:
+                raise ConfigError(f"eos_token_ids/bos_token_id: id {t} outside vocab [0, {self.vocab_size})")
+        self.rope_scaling = _check_rope_scaling(self.rope_scaling, self.head_dim)
+
+    # ---- derived sizes -------------------------------------------------------------------
+    @property
+    def q_size(self) -> int:
+        """Width of the query projection output: ``num_heads * head_dim``."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        """Width of the key (and of the value) projection output: ``num_kv_heads * head_dim``."""
+        return self.num_kv_heads * self.head_dim
+
+    # ---- (de)serialisation ---------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable dict; ``ModelConfig.from_dict(c.to_dict()) == c``."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ModelConfig":
+        """Inverse of ``to_dict``. Raises ``ConfigError`` naming a missing or unknown field."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ConfigError(f"{unknown[0]}: unknown ModelConfig field")
+        required = [f.name for f in fields(cls) if f.default is _DC_MISSING and f.default_factory is _DC_MISSING]
+        for name in required:
+            if name not in data:
+                raise ConfigError(f"{name}: missing from the saved model config")
+        return cls(**dict(data))
+
+    # ---- builders --------------------------------------------------------------------------
+    @classmethod
+    def from_gguf_metadata(
+        cls,
+        metadata: Mapping[str, Any],
+        tensor_names: Sequence[str] = (),
+        *,
+        model_id: str = "",
+        revision: str = "",
+        rope_freq_factors: Sequence[float] | None = None,
+    ) -> "ModelConfig":
+        """Build from GGUF key/value metadata (``{"llama.block_count": 30, ...}``).
+
+        ``tensor_names`` (the GGUF's tensor names) decide ``tie_word_embeddings`` (no
+        ``output.weight``) and ``attention_bias`` (``blk.0.attn_q.bias`` present).
+        ``rope_freq_factors`` are the values of a ``rope_freqs.weight`` tensor, if the file has
+        one. Large arrays (``tokenizer.ggml.tokens``) may be given as any sized object.
+
+        Raises ``ConfigError`` naming the GGUF key for an unknown architecture or a missing
+        or malformed key.
+        """
+        arch = metadata.get("general.architecture")
+        if arch is None:
+            raise ConfigError("general.architecture: missing from GGUF metadata")
+        arch = str(arch)
+        if arch not in ("llama", "qwen2"):
+            raise ConfigError(
+                f"general.architecture: unsupported GGUF architecture {arch!r} (supported: llama, qwen2)"
+            )
+
+        def get(key: str, default: Any = _MISSING) -> Any:
+            full = f"{arch}.{key}"
+            if full in metadata:
+                return metadata[full]
+            if default is _MISSING:
+                raise ConfigError(f"{full}: missing from GGUF metadata")
+            return default
+
+        num_heads = _as_int(get("attention.head_count"), f"{arch}.attention.head_count")
+        num_kv_heads = get("attention.head_count_kv", num_heads)
+        if isinstance(num_kv_heads, (list, tuple)):
+            if len(set(num_kv_heads)) != 1:
+                raise ConfigError(
+                    f"{arch}.attention.head_count_kv: per-layer KV head counts {sorted(set(num_kv_heads))} "
+                    "are not supported"
+                )
+            num_kv_heads = num_kv_heads[0]
+        hidden = _as_int(get("embedding_length"), f"{arch}.embedding_length")
+        head_dim = get("attention.key_length", None)
+        if head_dim is None:
+            if hidden % num_heads:
+                raise ConfigError(
+                    f"{arch}.attention.key_length: missing and embedding_length {hidden} is not "
+                    f"a multiple of head_count {num_heads}"
+                )
+            head_dim = hidden // num_heads
+        value_dim = get("attention.value_length", head_dim)
+        if value_dim != head_dim:
+            raise ConfigError(
+                f"{arch}.attention.value_length: {value_dim} != key_length {head_dim} is not supported"
+            )
+        vocab = get("vocab_size", None)
+        if vocab is None:
+            tokens = metadata.get("tokenizer.ggml.tokens")
+            if tokens is None:
+                raise ConfigError(f"{arch}.vocab_size: missing (and no tokenizer.ggml.tokens to count)")
+            vocab = len(tokens)
+
+        rope_scaling: dict[str, Any] | None = None
+        scaling_type = get("rope.scaling.type", None)
+        if scaling_type not in (None, "none"):
+            if scaling_type != "linear":
+                raise ConfigError(f"{arch}.rope.scaling.type: unsupported {scaling_type!r} (supported: linear)")
+            rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+        if rope_freq_factors is not None:
+            if rope_scaling is not None:
+                raise ConfigError("rope_freqs.weight: cannot be combined with rope.scaling.type")
+            rope_scaling = {"rope_type": "freq_factors", "factors": [float(x) for x in rope_freq_factors]}
+
+        names = set(tensor_names)
+        eos_ids: list[int] = []
+        for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+            if key in metadata and int(metadata[key]) not in eos_ids:
+                eos_ids.append(int(metadata[key]))
+        if not eos_ids:
+            raise ConfigError("tokenizer.ggml.eos_token_id: missing from GGUF metadata")
+        bos = metadata.get("tokenizer.ggml.bos_token_id")
+
+        return cls(
+            architecture=arch,
+            vocab_size=_as_int(vocab, f"{arch}.vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_as_int(get("feed_forward_length"), f"{arch}.feed_forward_length"),
+            num_layers=_as_int(get("block_count"), f"{arch}.block_count"),
+            num_heads=num_heads,
+            num_kv_heads=_as_int(num_kv_heads, f"{arch}.attention.head_count_kv"),
+            head_dim=_as_int(head_dim, f"{arch}.attention.key_length"),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            rope_scaling=rope_scaling,
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+            tie_word_embeddings=bool(names) and "output.weight" not in names,
+            max_position_embeddings=_as_int(get("context_length"), f"{arch}.context_length"),
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=eos_ids,
+            model_id=model_id,
+            revision=revision,
+            attention_bias="blk.0.attn_q.bias" in names,
+        )
+
+    @classmethod
+    def from_hf_config(
+        cls,
+        config: Mapping[str, Any],
+        generation_config: Mapping[str, Any] | None = None,
+        *,
+        model_id: str = "",
+        revision: str = "",
+    ) -> "ModelConfig":
+        """Build from a parsed HF ``config.json`` (llama / mistral / qwen2), plus the optional
+        ``generation_config.json`` whose ``eos_token_id`` entries are added to
+        ``eos_token_ids``.
+
+        Accepts both the transformers 4 (``rope_theta`` + ``rope_scaling``) and 5
+        (``rope_parameters``) spellings. A sliding window shorter than
+        ``max_position_embeddings`` caps ``max_position_embeddings`` at the window, where full
+        causal attention is exact. Raises ``ConfigError`` naming the field for an unsupported
+        model_type, activation or option, or a missing field.
+        """
+        model_type = config.get("model_type")
+        if model_type is None:
+            archs = config.get("architectures") or []
+            model_type = next((_HF_ARCH_CLASSES[a] for a in archs if a in _HF_ARCH_CLASSES), None)
+            if model_type is None:
+                raise ConfigError(f"model_type: missing from config.json (architectures={archs!r})")
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"model_type: unsupported {model_type!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+
+        def req(key: str) -> Any:
+            if config.get(key) is None:
+                raise ConfigError(f"{key}: missing from config.json")
+            return config[key]
+
+        act = config.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ConfigError(f"hidden_act: unsupported activation {act!r} (only silu)")
+        if config.get("mlp_bias"):
+            raise ConfigError("mlp_bias: MLP biases are not supported")
+        if float(config.get("partial_rotary_factor", 1.0) or 1.0) != 1.0:
+            raise ConfigError("partial_rotary_factor: partial RoPE is not supported")
+
+        num_heads = _as_int(req("num_attention_heads"), "num_attention_heads")
+        hidden = _as_int(req("hidden_size"), "hidden_size")
+        head_dim = config.get("head_dim") or hidden // num_heads
+
+        rope_params = dict(config.get("rope_parameters") or {})
+        theta = config.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        scaling = config.get("rope_scaling")
+        if scaling is None and rope_params:
+            scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+        if scaling is not None:
+            scaling = dict(scaling)
+            rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
+            scaling.pop("type", None)
+            if rope_type == "default":
+                scaling = None
+            else:
+                scaling = {"rope_type": rope_type, **scaling}
+
+        max_pos = _as_int(req("max_position_embeddings"), "max_position_embeddings")
+        window = config.get("sliding_window")
+        window_on = model_type == "mistral" or bool(config.get("use_sliding_window"))
+        if window_on and window is not None and 0 < int(window) < max_pos:
+            max_pos = int(window)
+
+        eos: list[int] = []
+        for src in (config, generation_config or {}):
+            value = src.get("eos_token_id")
+            for t in value if isinstance(value, (list, tuple)) else ([] if value is None else [value]):
+                if int(t) not in eos:
+                    eos.append(int(t))
+        if not eos:
+            raise ConfigError("eos_token_id: missing from config.json and generation_config.json")
+        bos = config.get("bos_token_id")
+        if bos is None and generation_config:
+            bos = generation_config.get("bos_token_id")
+
+        return cls(
+            architecture=model_type,
+            vocab_size=_as_int(req("vocab_size"), "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_as_int(req("intermediate_size"), "intermediate_size"),
+            num_layers=_as_int(req("num_hidden_layers"), "num_hidden_layers"),
+            num_heads=num_heads,
+            num_kv_heads=_as_int(config.get("num_key_value_heads") or num_heads, "num_key_value_heads"),
+            head_dim=_as_int(head_dim, "head_dim"),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            rms_norm_eps=float(req("rms_norm_eps")),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            max_position_embeddings=max_pos,
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=eos,
+            model_id=model_id,
+            revision=revision,
+            attention_bias=True if model_type == "qwen2" else bool(config.get("attention_bias", False)),
+        )
+
+
+def _as_int(value: Any, name: str) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"{name}: expected an integer, got {value!r}")
+    try:
+        as_int = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: expected an integer, got {value!r}") from None
+    if as_int != value:
+        raise ConfigError(f"{name}: expected an integer, got {value!r}")
+    return as_int
+
+
+def _check_rope_scaling(scaling: Mapping[str, Any] | None, head_dim: int) -> dict[str, Any] | None:
+    if scaling is None:
+        return None
+    scaling = dict(scaling)
+    rope_type = scaling.get("rope_type")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(
+            f"rope_scaling: unsupported rope_type {rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    if rope_type == "default":
+        return None
+    need = {
+        "linear": ("factor",),
+        "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+        "freq_factors": ("factors",),
+    }[rope_type]
+    for key in need:
+        if scaling.get(key) is None:
+            raise ConfigError(f"rope_scaling.{key}: missing for rope_type {rope_type!r}")
+    if rope_type == "freq_factors" and len(scaling["factors"]) != head_dim // 2:
+        raise ConfigError(
+            f"rope_scaling.factors: {len(scaling['factors'])} values, expected head_dim/2 = {head_dim // 2}"
+        )
+    if rope_type == "llama3" and scaling["high_freq_factor"] == scaling["low_freq_factor"]:
+        raise ConfigError("rope_scaling.high_freq_factor: must differ from low_freq_factor")
+    return scaling

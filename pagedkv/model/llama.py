@@ -1,0 +1,268 @@
+"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2) on a flat token batch.
+
+The engine packs every scheduled token of every sequence into one flat batch of ``T`` rows
+(prefill chunks and decode tokens mixed); there is no batch dimension and no padding. Each
+layer projects q/k/v with one fused matmul, applies rotate-half RoPE at each token's own
+position, writes k/v into the paged cache through the attention backend
+(``backend.write_kv``), and lets the backend attend over each sequence's paged context
+(``backend.forward``). See ``pagedkv.attention.base`` for the metadata contract.
+
+Weights (state-dict names, ``H`` = hidden_size, ``I`` = intermediate_size, ``d`` = head_dim):
+
+* ``embed_tokens.weight`` ``[vocab, H]``; ``norm.weight`` ``[H]``;
+  ``lm_head.weight`` ``[vocab, H]`` only when embeddings are not tied
+* ``layers.{i}.input_layernorm.weight`` / ``post_attention_layernorm.weight`` ``[H]``
+* ``layers.{i}.qkv_proj.weight`` ``[(num_heads + 2 * num_kv_heads) * d, H]`` = rows of q, k, v
+  (HF ``q_proj``/``k_proj``/``v_proj`` concatenated; RoPE rotate-half layout), ``.bias`` with
+  ``attention_bias``
+* ``layers.{i}.o_proj.weight`` ``[H, num_heads * d]``
+* ``layers.{i}.gate_up_proj.weight`` ``[2 * I, H]`` = gate rows then up rows;
+  ``layers.{i}.down_proj.weight`` ``[H, I]``
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedkv.attention.base import AttentionBackend, AttentionMetadata
+from pagedkv.errors import ConfigError
+from pagedkv.model.config import ModelConfig
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class KVCacheShape(NamedTuple):
+    """What the engine needs to size and allocate the KV cache for this model."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim / 2]`` fp32 of the model's RoPE (after any
+    ``rope_scaling``): rotation angle of pair ``j`` at position ``p`` is ``p * inv_freq[j]``."""
+    d = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    rs = config.rope_scaling
+    if rs is None:
+        return inv
+    kind = rs["rope_type"]
+    if kind == "linear":
+        return inv / float(rs["factor"])
+    if kind == "freq_factors":
+        return inv / torch.tensor(rs["factors"], dtype=torch.float32)
+    if kind == "llama3":
+        factor = float(rs["factor"])
+        lo, hi = float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
+        old_len = float(rs["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        # Long wavelengths (low frequencies) are slowed down by `factor`, short ones kept,
+        # and the band in between interpolates smoothly between the two.
+        scaled = torch.where(wavelen > old_len / lo, inv / factor, inv)
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        in_band = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+        return torch.where(in_band, blended, scaled)
+    raise ConfigError(f"rope_scaling: unsupported rope_type {kind!r}")
+
+
+def rope_cos_sin(config: ModelConfig, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos``, ``sin`` tables ``[num_positions, head_dim / 2]`` fp32 for positions
+    ``0 .. num_positions - 1`` (angles computed in fp32 as transformers does)."""
+    inv = rope_inv_freq(config)
+    angles = torch.arange(num_positions, dtype=torch.int64).float()[:, None] * inv[None, :]
+    return angles.cos(), angles.sin()
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm transformer block: attention (through the backend) + SwiGLU MLP."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        kw = {"dtype": dtype, "device": device}
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.intermediate_size = config.intermediate_size
+        self.eps = config.rms_norm_eps
+        self.scale = d**-0.5
+        self.input_layernorm = _RMSNormWeight(h, **kw)
+        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=config.attention_bias, **kw)
+        self.o_proj = nn.Linear(self.q_size, h, bias=False, **kw)
+        self.post_attention_layernorm = _RMSNormWeight(h, **kw)
+        self.gate_up_proj = nn.Linear(h, 2 * config.intermediate_size, bias=False, **kw)
+        self.down_proj = nn.Linear(config.intermediate_size, h, bias=False, **kw)
+
+    def forward(
+        self,
+        residual: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: Any,
+        md: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> None:
+        """Add this block's attention and MLP outputs to the residual stream ``[T, H]``
+        **in place**; ``cos``/``sin`` ``[T, 1, d/2]`` are the tokens' RoPE rows."""
+        t = residual.shape[0]
+        x = _rms_norm(residual, self.input_layernorm.weight, self.eps)
+        qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        q = _apply_rope(qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim), cos, sin)
+        k = _apply_rope(
+            qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim), cos, sin
+        )
+        v = qkv[:, self.q_size + self.kv_size :].reshape(t, self.num_kv_heads, self.head_dim).contiguous()
+        backend.write_kv(kv_cache, k, v, md.slot_mapping)
+        o = backend.forward(q, kv_cache, md, self.scale)
+        residual.add_(F.linear(o.reshape(t, self.q_size), self.o_proj.weight))
+
+        x = _rms_norm(residual, self.post_attention_layernorm.weight, self.eps)
+        gate_up = F.linear(x, self.gate_up_proj.weight)
+        gate = gate_up[:, : self.intermediate_size]
+        F.silu(gate, inplace=True)
+        gate.mul_(gate_up[:, self.intermediate_size :])
+        residual.add_(F.linear(gate, self.down_proj.weight))
+
+
+class _RMSNormWeight(nn.Module):
+    """Holds an RMSNorm weight so state-dict names read ``...layernorm.weight``."""
+
+    def __init__(self, size: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Statistics in fp32; for 16-bit models the normalised value is rounded to the model dtype
+    # *before* the weight multiply, as transformers' Llama/Qwen2 RMSNorm does.
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype).mul_(weight)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. ``x`` ``[T, heads, d]`` (any strides), ``cos``/``sin``
+    ``[T, 1, d/2]``; returns a new contiguous ``[T, heads, d]``:
+    ``out[:half] = x1*cos - x2*sin``, ``out[half:] = x2*cos + x1*sin``."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    o1, o2 = out[..., :half], out[..., half:]
+    torch.mul(x1, cos, out=o1)
+    o1.sub_(x2 * sin)
+    torch.mul(x2, cos, out=o2)
+    o2.add_(x1 * sin)
+    return out
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family causal LM over a flat token batch with a paged KV cache.
+
+    Construct with ``LlamaForCausalLM(config, dtype, device)`` (parameters are allocated but
+    uninitialised; load them with ``load_state_dict(..., assign=True)`` or use
+    ``pagedkv.model.loader.load_model``). Run under ``torch.inference_mode()``.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        if dtype not in SUPPORTED_DTYPES:
+            raise ConfigError(f"dtype: unsupported {dtype} (supported: float32, bfloat16, float16)")
+        self.config = config
+        # Parameters are created on the meta device (no memory, no random init) and then given
+        # uninitialised storage on `device`; the loader assigns the real tensors.
+        kw = {"dtype": dtype, "device": "meta"}
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **kw)
+        self.layers = nn.ModuleList(DecoderLayer(config, **kw) for _ in range(config.num_layers))
+        self.norm = _RMSNormWeight(config.hidden_size, **kw)
+        self.lm_head = (
+            None if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False, **kw)
+        )
+        self.to_empty(device=device)
+        cos, sin = rope_cos_sin(config, config.max_position_embeddings)
+        # Tables in the model dtype (transformers casts cos/sin to the activation dtype too).
+        self.register_buffer("rope_cos", cos.to(device=device, dtype=dtype), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device=device, dtype=dtype), persistent=False)
+
+    # ---- info for the engine -------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def kv_cache_shape(self) -> KVCacheShape:
+        """``(num_layers, num_kv_heads, head_dim, dtype)``: one K and one V cache per layer,
+        each token taking ``num_kv_heads * head_dim`` elements of ``dtype``."""
+        c = self.config
+        return KVCacheShape(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype)
+
+    def allocate_kv_caches(
+        self,
+        backend: AttentionBackend,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> list[Any]:
+        """One ``backend.allocate_kv_cache(...)`` per layer (zeros), in the model's dtype and
+        device unless given. Returns the list ``forward`` takes as ``kv_caches``."""
+        c = self.config
+        return [
+            backend.allocate_kv_cache(
+                num_blocks, block_size, c.num_kv_heads, c.head_dim, dtype or self.dtype, device or self.device
+            )
+            for _ in range(c.num_layers)
+        ]
+
+    # ---- compute ---------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[Any],
+        attn_metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Run the decoder over a flat batch.
+
+        ``input_ids`` int64 ``[T]`` token ids; ``positions`` int64 ``[T]`` each token's
+        position in its sequence (0-based, ``< max_position_embeddings``); ``kv_caches`` one
+        cache per layer from ``backend.allocate_kv_cache``; ``attn_metadata`` built for the same
+        ``T`` tokens. Writes this step's K/V into the caches at ``attn_metadata.slot_mapping``.
+
+        Returns the final-normed hidden states ``[T, hidden_size]`` in the model dtype (feed
+        the rows you want to sample from to ``compute_logits``). Raises ``ValueError`` on
+        mismatched lengths or a wrong number of caches.
+        """
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must be equal [T]")
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
+        cos = self.rope_cos.index_select(0, positions).unsqueeze(1)  # [T, 1, d/2]
+        sin = self.rope_sin.index_select(0, positions).unsqueeze(1)
+        residual = F.embedding(input_ids, self.embed_tokens.weight)  # fresh tensor: owned, mutated in place
+        for layer, cache in zip(self.layers, kv_caches):
+            layer(residual, cos, sin, cache, attn_metadata, backend)
+        return _rms_norm(residual, self.norm.weight, self.config.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[n, vocab_size]`` float32 for hidden states ``[n, hidden_size]`` (the tied
+        embedding matrix or ``lm_head``)."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+

@@ -1,0 +1,58 @@
+"""Shared fixtures: the expensive model loads happen once per test session.
+
+* ``bundled_gguf``: path of the bundled SmolLM2-135M-Instruct Q4_1 GGUF (skips if absent)
+* ``loaded_model``: our ``LoadedModel`` of it, float32 on CPU (weight cache in the default
+  cache root, so after the first run it loads in about a second)
+* ``hf_model``: transformers' ``LlamaForCausalLM`` from the same GGUF, float32, eval mode (~20 s)
+* ``hf_tokenizer``: transformers' tokenizer read from the same GGUF
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(2)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: needs the bundled model (loads weights)")
+
+
+@pytest.fixture(scope="session")
+def bundled_gguf():
+    from pagedkv._bundled import bundled_model_path
+    from pagedkv.errors import ConfigError
+
+    try:
+        return bundled_model_path()
+    except ConfigError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def loaded_model(bundled_gguf):
+    from pagedkv.model.loader import load_model
+
+    return load_model(bundled_gguf, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def hf_model(bundled_gguf):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(bundled_gguf.parent), gguf_file=bundled_gguf.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(bundled_gguf):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(bundled_gguf.parent), gguf_file=bundled_gguf.name)
