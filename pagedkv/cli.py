@@ -16,6 +16,7 @@ COMMAND_MODULES = [
     "pagedkv.engine.cli",
     "pagedkv.bench.cli",
     "pagedkv.server.cli",
+    "pagedkv.testing.cli",
 ]
 
 

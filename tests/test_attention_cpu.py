@@ -1,0 +1,111 @@
+"""The fast CPU backend: kernel paths (split-K, head groups, threads), the torch fallback,
+strided queries, layouts agree with each other; ``pagedkv check-backend`` front end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedkv.attention import AttentionMetadata, get_backend
+from pagedkv.attention import cpu_kernel
+from pagedkv.attention.cpu import CPUBackend
+from pagedkv.testing import Case, check_backend, conformance_cases, run_case
+
+
+def _kernel():
+    k = cpu_kernel.get()
+    if k is None:
+        pytest.skip(f"CPU kernel not built here: {cpu_kernel.build_error()}")
+    return k
+
+
+def test_torch_fallback_path_passes_the_kit():
+    report = check_backend(CPUBackend(use_kernel=False), dtypes=(torch.float32, torch.bfloat16))
+    assert report.ok, report.summary()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("min_split", [0, 16])
+def test_kernel_split_k_and_threads(threads, min_split, monkeypatch):
+    k = _kernel()
+    monkeypatch.setattr(k, "min_split_len", min_split)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        cases = [c for c in conformance_cases() if {"long", "decode", "prefix"} & set(c.tags)]
+        cases.append(Case("batch1_gqa8_split", (333,), (2,), 7, 16, 2, 64, tags=("split",)))
+        report = check_backend(CPUBackend(), cases=cases)
+    finally:
+        torch.set_num_threads(old)
+    assert report.ok, report.summary()
+
+
+def _random_step(layout: str, dtype: torch.dtype, seq_lens, q_lens, bs=16, hq=9, hkv=3, d=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    be = CPUBackend(layout)
+    need = sum(-(-s // bs) for s in seq_lens)
+    perm = torch.randperm(need + 4, generator=g).tolist()
+    tables, p = [], 0
+    for s in seq_lens:
+        n = -(-s // bs)
+        tables.append(perm[p : p + n])
+        p += n
+    cache = be.allocate_kv_cache(need + 4, bs, hkv, d, dtype)
+    full = AttentionMetadata.build(seq_lens, seq_lens, tables, bs)
+    be.write_kv(cache, torch.randn(full.num_tokens, hkv, d, generator=g).to(dtype),
+                torch.randn(full.num_tokens, hkv, d, generator=g).to(dtype), full.slot_mapping)
+    md = AttentionMetadata.build(seq_lens, q_lens, tables, bs)
+    return be, cache, md
+
+
+def test_strided_query_view_matches_contiguous():
+    """The model may pass q as a view of a fused qkv projection (row stride > Hq*d)."""
+    be, cache, md = _random_step("nhd", torch.float32, [40, 70], [1, 1])
+    qkv = torch.randn(md.num_tokens, (9 + 6) * 64)
+    q = qkv[:, : 9 * 64].view(md.num_tokens, 9, 64)
+    assert not q.is_contiguous()
+    out = be.forward(q, cache, md, 0.125)
+    ref = be.forward(q.contiguous(), cache, md, 0.125)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layouts_give_the_same_output(dtype):
+    outs = []
+    for layout in ("nhd", "hnd", "ascend"):
+        be, cache, md = _random_step(layout, dtype, [50, 33, 17], [1, 12, 17], seed=3)
+        q = torch.randn(md.num_tokens, 9, 64, generator=torch.Generator().manual_seed(9)).to(dtype)
+        outs.append(be.forward(q, cache, md, 0.125).float())
+    assert torch.allclose(outs[0], outs[1], atol=1e-6) and torch.allclose(outs[0], outs[2], atol=1e-6)
+
+
+def test_kernel_and_fallback_agree_on_decode():
+    _kernel()
+    be, cache, md = _random_step("nhd", torch.float32, [300, 45, 128], [1, 1, 1])
+    q = torch.randn(md.num_tokens, 9, 64)
+    fast = be.forward(q, cache, md, 0.125)
+    slow = CPUBackend(use_kernel=False).forward(q, cache, md, 0.125)
+    assert (fast - slow).abs().max() < 1e-5
+
+
+def test_fp16_falls_back_and_passes():
+    case = next(c for c in conformance_cases() if c.name == "mixed_prefill_decode")
+    res = run_case(get_backend("cpu"), case, torch.float16)
+    assert res.ok, res.line()
+
+
+def test_padding_rows_of_flat_batch_are_zero():
+    be, cache, md = _random_step("nhd", torch.float32, [20], [1])
+    q = torch.randn(3, 9, 64)  # 2 padding rows past query_start_loc[-1]
+    md.slot_mapping = torch.cat([md.slot_mapping, torch.tensor([-1, -1])])
+    out = be.forward(q, cache, md, 0.125)
+    assert torch.isfinite(out).all() and (out[1:] == 0).all()
+
+
+def test_check_backend_cli(capsys):
+    from pagedkv.cli import main
+
+    assert main(["check-backend", "cpu", "reference-hnd", "--dtype", "float32", "--small"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and all(line.startswith("PASS") for line in out)
+    assert main(["check-backend", "no-such-backend"]) == 2  # ConfigError -> CLI error
