@@ -11,7 +11,6 @@ process, e.g. tests, never clash). Units are in the metric names (seconds, token
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -91,7 +90,11 @@ class ServerMetrics:
                                    ["model_name", "status"], registry=self.registry)
         self.disconnects = Counter("pagedkv_client_disconnects", "Requests aborted because the client went away.",
                                    lbl, registry=self.registry)
-        self._lock = threading.Lock()
+        # create the labelled series up front, so they are exported (as 0) before traffic
+        for h in (self.ttft, self.tpot, self.e2e, self.disconnects):
+            h.labels(model_name)
+        for reason in ("stop", "length", "abort"):
+            self.finished.labels(model_name, reason)
 
     def observe_output(self, out: RequestOutput) -> None:
         """Record a finished request's latencies (ignores unfinished outputs)."""
