@@ -38,21 +38,24 @@ def apply_penalties(logits: torch.Tensor, req: Request) -> torch.Tensor:
     return logits
 
 
-def _filter_probs(probs: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """top-k, top-p and min-p on one row of probabilities ``[vocab]`` (returns a new row)."""
-    if p.top_k > 0 and p.top_k < probs.shape[0]:
-        kth = torch.topk(probs, p.top_k).values[-1]
-        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
-    if p.min_p > 0.0:
-        probs = torch.where(probs >= p.min_p * probs.max(), probs, torch.zeros_like(probs))
-    if p.top_p < 1.0:
-        sorted_p, idx = torch.sort(probs, descending=True)
-        cum = torch.cumsum(sorted_p, 0)
-        # keep the smallest prefix whose mass reaches top_p (always keeps the top token)
-        drop_sorted = (cum - sorted_p) >= p.top_p * cum[-1]
-        drop = torch.zeros_like(drop_sorted).scatter_(0, idx, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
-    return probs
+def _filter_probs(probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """top-k, top-p and min-p for a batch of rows: ``probs`` fp32 ``[R, vocab]`` (rows sum
+    to 1), one ``SamplingParams`` per row. Returns the filtered (unnormalised) rows: one
+    sort for the whole batch, no per-row loop."""
+    R, V = probs.shape
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params])
+    top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype)
+    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype)
+    sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
+    rank = torch.arange(V).expand(R, V)
+    drop = rank >= top_k[:, None]
+    # top-p: keep the smallest prefix whose mass reaches top_p (the top token always stays)
+    mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+    drop |= mass_before >= top_p[:, None]
+    drop |= sorted_p < (min_p * sorted_p[:, 0])[:, None]
+    drop[:, 0] = False
+    sorted_p = sorted_p.masked_fill(drop, 0.0)
+    return torch.empty_like(probs).scatter_(1, idx, sorted_p)
 
 
 class Sampler:
@@ -78,15 +81,20 @@ class Sampler:
             am = logits[greedy_rows].argmax(dim=-1).tolist()
             for i, t in zip(greedy_rows, am):
                 tokens[i] = t
-        for i, r in enumerate(requests):
-            p = r.sampling_params
-            if p.greedy:
-                continue
-            probs = torch.softmax(logits[i] / p.temperature, dim=-1)
-            probs = _filter_probs(probs, p)
-            gen = r.generator or self.generator
-            e = torch.empty_like(probs).exponential_(1.0, generator=gen)
-            tokens[i] = int(torch.argmax(probs / e))
+        rand_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
+        if rand_rows:
+            params = [requests[i].sampling_params for i in rand_rows]
+            temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
+            probs = torch.softmax(logits[rand_rows] / temps[:, None], dim=-1)
+            if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
+                probs = _filter_probs(probs, params)
+            # exponential race: argmax(p / E), E ~ Exp(1) from the request's own generator
+            race = torch.empty_like(probs)
+            for row, i in enumerate(rand_rows):
+                race[row].exponential_(1.0, generator=requests[i].generator or self.generator)
+            picks = torch.argmax(probs / race, dim=-1).tolist()
+            for i, t in zip(rand_rows, picks):
+                tokens[i] = t
         want_lp = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
         if want_lp:
             lps = torch.log_softmax(logits[want_lp], dim=-1)
