@@ -204,7 +204,10 @@ class ModelConfig:
         if scaling_type not in (None, "none"):
             if scaling_type != "linear":
                 raise ConfigError(f"{arch}.rope.scaling.type: unsupported {scaling_type!r} (supported: linear)")
-            rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+            rope_scaling = {
+                "rope_type": "linear",
+                "factor": _as_float(get("rope.scaling.factor"), f"{arch}.rope.scaling.factor"),
+            }
         if rope_freq_factors is not None:
             if rope_scaling is not None:
                 raise ConfigError("rope_freqs.weight: cannot be combined with rope.scaling.type")
@@ -228,9 +231,11 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=_as_int(num_kv_heads, f"{arch}.attention.head_count_kv"),
             head_dim=_as_int(head_dim, f"{arch}.attention.key_length"),
-            rope_theta=float(get("rope.freq_base", 10000.0)),
+            rope_theta=_as_float(get("rope.freq_base", 10000.0), f"{arch}.rope.freq_base"),
             rope_scaling=rope_scaling,
-            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+            rms_norm_eps=_as_float(
+                get("attention.layer_norm_rms_epsilon"), f"{arch}.attention.layer_norm_rms_epsilon"
+            ),
             tie_word_embeddings=bool(names) and "output.weight" not in names,
             max_position_embeddings=_as_int(get("context_length"), f"{arch}.context_length"),
             bos_token_id=None if bos is None else int(bos),
@@ -288,7 +293,7 @@ class ModelConfig:
         head_dim = config.get("head_dim") or hidden // num_heads
 
         rope_params = dict(config.get("rope_parameters") or {})
-        theta = config.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        theta = config.get("rope_theta") or rope_params.get("rope_theta") or 10000.0
         scaling = config.get("rope_scaling")
         if scaling is None and rope_params:
             scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
@@ -328,9 +333,9 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=_as_int(config.get("num_key_value_heads") or num_heads, "num_key_value_heads"),
             head_dim=_as_int(head_dim, "head_dim"),
-            rope_theta=float(theta),
+            rope_theta=_as_float(theta, "rope_theta"),
             rope_scaling=scaling,
-            rms_norm_eps=float(req("rms_norm_eps")),
+            rms_norm_eps=_as_float(req("rms_norm_eps"), "rms_norm_eps"),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             max_position_embeddings=max_pos,
             bos_token_id=None if bos is None else int(bos),
@@ -351,6 +356,15 @@ def _as_int(value: Any, name: str) -> int:
     if as_int != value:
         raise ConfigError(f"{name}: expected an integer, got {value!r}")
     return as_int
+
+
+def _as_float(value: Any, name: str) -> float:
+    if isinstance(value, bool):
+        raise ConfigError(f"{name}: expected a number, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: expected a number, got {value!r}") from None
 
 
 def _check_rope_scaling(scaling: Mapping[str, Any] | None, head_dim: int) -> dict[str, Any] | None:

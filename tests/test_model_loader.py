@@ -1,0 +1,225 @@
+"""Loading: the dequantised-weight cache (reuse, bit-identical, corruption -> rebuild, atomic
+writes), the HF safetensors path against the GGUF path, the tokenizer, and bad inputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from pagedkv.errors import ConfigError
+from pagedkv.model import loader
+from pagedkv.model.loader import load_model
+
+
+def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def _replace_file(path, data: bytes) -> None:
+    """Write a new file instead of modifying in place (the cache copy is hard-linked)."""
+    path.unlink()
+    path.write_bytes(data)
+
+
+@pytest.fixture
+def seeded_cache(tmp_path, loaded_model):
+    """A private cache root holding a hard-linked copy of the session's cache entry."""
+    if loaded_model.cache_dir is None:
+        pytest.skip("the default weight cache could not be written")
+    root = tmp_path / "cache"
+    shutil.copytree(loaded_model.cache_dir, root / loaded_model.cache_dir.name, copy_function=os.link)
+    return root
+
+
+@pytest.mark.slow
+def test_cached_load_is_fast_and_identical(bundled_gguf, loaded_model, seeded_cache):
+    t0 = time.perf_counter()
+    again = load_model(bundled_gguf, cache_dir=seeded_cache)
+    elapsed = time.perf_counter() - t0
+    assert again.from_cache and again.cache_dir == seeded_cache / loaded_model.config.revision
+    assert elapsed < 15, elapsed  # ~1-2 s on an idle machine; generous for a shared CI box
+    assert again.config == loaded_model.config
+    assert _same_weights(again.model, loaded_model.model)
+    text = "Hello, world! <|im_start|>user\nDéjà vu 12345"
+    assert again.tokenizer(text)["input_ids"] == loaded_model.tokenizer(text)["input_ids"]
+    assert again.tokenizer.chat_template == loaded_model.tokenizer.chat_template
+
+
+@pytest.mark.slow
+def test_corrupt_weights_are_rebuilt_bit_identically(bundled_gguf, loaded_model, seeded_cache):
+    entry = seeded_cache / loaded_model.config.revision
+    weights = entry / "model.safetensors"
+    size = weights.stat().st_size
+    _replace_file(weights, weights.read_bytes()[: size // 2])  # a torn write
+    rebuilt = load_model(bundled_gguf, cache_dir=seeded_cache)
+    assert not rebuilt.from_cache and rebuilt.cache_dir == entry
+    assert weights.stat().st_size == size
+    assert _same_weights(rebuilt.model, loaded_model.model)  # a fresh dequantisation == the cache
+    assert [p.name for p in seeded_cache.iterdir()] == [entry.name]  # no temp/stale dirs left
+    assert load_model(bundled_gguf, cache_dir=seeded_cache).from_cache
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["missing_tokenizer", "manifest_format", "other_source", "bad_config", "no_manifest"])
+def test_damaged_entries_are_detected(loaded_model, seeded_cache, damage):
+    entry = seeded_cache / loaded_model.config.revision
+    sha = json.loads((entry / "manifest.json").read_text())["source_sha256"]
+    manifest = json.loads((entry / "manifest.json").read_text())
+    if damage == "missing_tokenizer":
+        (entry / "tokenizer" / "tokenizer.json").unlink()
+    elif damage == "manifest_format":
+        _replace_file(entry / "manifest.json", json.dumps({**manifest, "format": -1}).encode())
+    elif damage == "other_source":
+        _replace_file(entry / "manifest.json", json.dumps({**manifest, "source_sha256": "0" * 64}).encode())
+    elif damage == "bad_config":
+        _replace_file(entry / "config.json", b'{"architecture": "llama"}')
+    else:
+        (entry / "manifest.json").unlink()
+    with pytest.raises(Exception):
+        loader._read_cache_entry(entry, sha)
+
+
+def test_cache_write_is_atomic(tmp_path, monkeypatch):
+    """A crash half-way through writing leaves neither the entry nor temp files."""
+    from pagedkv.model.config import ModelConfig
+
+    cfg = ModelConfig(
+        architecture="llama", vocab_size=8, hidden_size=4, intermediate_size=8, num_layers=1, num_heads=2,
+        num_kv_heads=1, head_dim=2, rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=16,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_ids=[2],
+    )
+
+    class ExplodingTokenizer:
+        def save_pretrained(self, directory):
+            os.makedirs(directory)
+            open(os.path.join(directory, "tokenizer.json"), "w").write("{")
+            raise OSError("disk full")
+
+    entry = tmp_path / "abcd"
+    with pytest.raises(OSError, match="disk full"):
+        loader._write_cache_entry(entry, "ab" * 32, tmp_path / "x.gguf", cfg, {"w": torch.ones(3)}, ExplodingTokenizer())
+    assert list(tmp_path.iterdir()) == []
+
+    class Tokenizer:
+        def save_pretrained(self, directory):
+            os.makedirs(directory)
+            open(os.path.join(directory, "tokenizer.json"), "w").write("{}")
+
+    loader._write_cache_entry(entry, "ab" * 32, tmp_path / "x.gguf", cfg, {"w": torch.ones(3)}, Tokenizer())
+    assert sorted(p.name for p in entry.iterdir()) == ["config.json", "manifest.json", "model.safetensors", "tokenizer"]
+    assert [p.name for p in tmp_path.iterdir()] == ["abcd"]
+    manifest = json.loads((entry / "manifest.json").read_text())
+    assert manifest["files"]["model.safetensors"] == (entry / "model.safetensors").stat().st_size
+    assert ModelConfig.from_dict(json.loads((entry / "config.json").read_text())) == cfg
+
+
+@pytest.mark.slow
+def test_tokenizer_matches_transformers_gguf_tokenizer(loaded_model, hf_tokenizer):
+    tok = loaded_model.tokenizer
+    for text in ["The quick brown fox", "  leading spaces\n\ttabs", "<|im_start|>user\nhi<|im_end|>", "数字 123 émoji 🙂"]:
+        assert tok(text)["input_ids"] == hf_tokenizer(text)["input_ids"]
+    msgs = [{"role": "user", "content": "What is a KV cache?"}]
+    ours = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert ours == hf_tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert ours.endswith("<|im_start|>assistant\n")
+    assert tok.convert_tokens_to_ids("<|im_end|>") in loaded_model.config.eos_token_ids
+
+
+@pytest.mark.slow
+def test_hf_directory_gives_the_same_model(tmp_path, hf_model, hf_tokenizer, loaded_model):
+    """transformers' own GGUF reader (its Q/K un-permutation) saved as safetensors, loaded by
+    our HF path: bit-identical to our GGUF path."""
+    from safetensors.torch import save_file
+
+    out = tmp_path / "smollm2-hf"
+    out.mkdir()
+    hf_model.config.to_json_file(out / "config.json")  # (save_pretrained refuses GGUF-loaded models)
+    tied = hf_model.config.tie_word_embeddings
+    state = {k: v.contiguous() for k, v in hf_model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    hf_tokenizer.save_pretrained(out)
+    lm = load_model(out)
+    assert lm.path == out and lm.cache_dir is None and not lm.from_cache
+    ours, theirs = lm.config.to_dict(), loaded_model.config.to_dict()
+    for key in ("model_id", "revision"):
+        ours.pop(key), theirs.pop(key)
+    assert ours == theirs
+    assert lm.config.model_id == "smollm2-hf" and len(lm.config.revision) == 16
+    assert _same_weights(lm.model, loaded_model.model)
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_model(tmp_path / "nope.gguf")
+
+
+def test_directory_without_config_json(tmp_path):
+    with pytest.raises(ConfigError, match="config.json"):
+        load_model(tmp_path)
+
+
+def test_hf_directory_with_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ConfigError, match="model_type"):
+        load_model(tmp_path)
+
+
+def test_hf_directory_without_weights(tmp_path):
+    config = {
+        "model_type": "llama", "vocab_size": 32, "hidden_size": 8, "intermediate_size": 16,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 64, "eos_token_id": 2,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="safetensors"):
+        load_model(tmp_path)
+
+
+def test_gguf_with_unsupported_architecture(tmp_path):
+    import gguf
+
+    path = tmp_path / "tiny-gpt2.gguf"
+    writer = gguf.GGUFWriter(str(path), "gpt2")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    header = loader.read_gguf_header(path)
+    assert header.metadata["general.architecture"] == "gpt2" and header.tensors[0].shape == (4, 8)
+    with pytest.raises(ConfigError, match="general.architecture"):
+        load_model(path, cache_dir=tmp_path / "cache")
+    with pytest.raises(ConfigError, match="general.architecture"):
+        loader.load_config(path)
+
+
+def test_not_a_gguf_file(tmp_path):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"PK\x03\x04 definitely a zip")
+    with pytest.raises(ConfigError, match="GGUF"):
+        load_model(path)
+
+
+def test_truncated_gguf(tmp_path, bundled_gguf):
+    path = tmp_path / "cut.gguf"
+    with open(bundled_gguf, "rb") as src:
+        path.write_bytes(src.read(40 << 20))
+    with pytest.raises(ConfigError, match="past the end"):
+        load_model(path, cache_dir=tmp_path / "cache")
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+
+
+def test_bad_dtype():
+    with pytest.raises(ConfigError, match="dtype"):
+        load_model(None, dtype=torch.int8)
