@@ -8,6 +8,8 @@ import importlib
 # name -> module defining add_arguments(parser) and run(args) -> int
 BENCHES: dict[str, str] = {
     "capacity": "pagedkv.bench.capacity",
+    "serve": "pagedkv.bench.serve",
+    "peers": "pagedkv.bench.peers",
 }
 
 
