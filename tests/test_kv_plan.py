@@ -1,0 +1,123 @@
+"""`pagedkv plan`, block tables / slot mapping, and block hashing."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pagedkv.bench.common import default_workload
+from pagedkv.cli import main
+from pagedkv.errors import ConfigError, InvalidRequestError
+from pagedkv.kv import BlockTable, CacheKeys, KVCacheBlock, hash_blocks, slot_mapping
+from pagedkv.kv.example import load_workload, plan
+from pagedkv.kv.prefix_cache import iter_block_hashes, sha256_block_hash, token_bytes
+
+
+# ---------------------------------------------------------------- plan
+def test_plan_llama3_8b_20gib():
+    p = plan("llama-3-8b", "20GiB", block_size=16, max_model_len=8192)
+    assert p["bytes_per_token"] == 131_072
+    assert p["block_bytes"] == 2_097_152
+    assert p["num_blocks"] == 10_240
+    assert p["tokens_held"] == 163_840
+    assert p["max_concurrency_at_max_model_len"] == 20
+
+
+def test_plan_bundled_model_default():
+    p = plan(None, "1GiB", block_size=16, max_model_len=2048)
+    assert p["bytes_per_token"] == 46_080  # fp32 cache of SmolLM2-135M
+    assert p["num_blocks"] == 1_073_741_824 // (16 * 46_080) == 1456
+    assert p["max_concurrency_at_max_model_len"] == 1456 // 128 == 11
+
+
+def test_plan_tp_and_dtype():
+    p = plan("llama-3-8b", "1GiB", dtype="fp8", block_size=16, tp_size=16, max_model_len=4096)
+    assert p["spec"]["kv_heads_per_rank"] == 1 and p["spec"]["replication"] == 2
+    assert p["bytes_per_token"] == 2 * 32 * 128 == 8192
+    assert p["bytes_per_token_total"] == 16 * 8192
+    assert p["num_blocks"] == 1_073_741_824 // (16 * 8192) == 8192
+
+
+def test_plan_with_workload(tmp_path):
+    csv = tmp_path / "w.csv"
+    csv.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                   "t0,10,6\nt1,30,3\nt2,100,28\nt3,5000,10\n")
+    assert load_workload(csv).tolist() == [16, 33, 128, 5010]
+    p = plan("llama-3-8b", 2_097_152 * 100, block_size=16, max_model_len=256, workload=csv)
+    w = p["workload"]
+    # Lengths clipped to 256: 16, 33, 128, 256 -> blocks 1, 3, 8, 16 (mean 7).
+    assert w["clipped_to_max_model_len"] == 1
+    assert w["mean_tokens"] == (16 + 33 + 128 + 256) / 4 == 108.25
+    assert w["paged"]["mean_blocks_per_request"] == 7.0
+    assert w["paged"]["concurrency"] == 100 // 7 == 14
+    assert w["paged"]["slot_utilisation"] == pytest.approx(108.25 / 112)
+    assert w["contiguous"] == {"blocks_per_request": 16, "concurrency": 6,
+                               "slot_utilisation": pytest.approx(108.25 / 256)}
+
+
+def test_plan_with_the_azure_trace():
+    path = default_workload()
+    if not path.is_file():
+        pytest.skip("shared workload trace not present")
+    p = plan("llama-3-8b", "20GiB", block_size=16, max_model_len=8192, workload=path)
+    w = p["workload"]
+    assert w["requests"] == 19_366
+    assert w["paged"]["concurrency"] > 5 * w["contiguous"]["concurrency"] == 100
+
+
+def test_plan_command(capsys):
+    assert main(["plan", "--model", "deepseek-v3", "--kv-budget", "20GiB", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert p["bytes_per_token"] == 70_272 and p["num_blocks"] == 21_474_836_480 // (16 * 70_272)
+    assert main(["plan", "--model", "llama-2-7b", "--max-model-len", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "524,288 per rank" in out and "max concurrency  10 requests" in out
+    assert main(["plan", "--model", "llama-3-8b", "--kv-budget", "1MiB"]) == 2
+    assert "kv_budget" in capsys.readouterr().err
+    assert main(["plan", "--model", "nonexistent-model"]) == 2
+    assert "unknown config name" in capsys.readouterr().err
+
+
+def test_plan_bad_workload(tmp_path):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("a,b\n1,2\n")
+    with pytest.raises(ConfigError, match="workload"):
+        plan("llama-3-8b", "20GiB", workload=bad)
+
+
+# ---------------------------------------------------------------- block table
+def test_block_table_slots():
+    t = BlockTable(4, [KVCacheBlock(7), KVCacheBlock(2)], num_tokens=6)
+    assert t.ids == [7, 2] and t.num_slots == 8
+    assert t.physical(5) == (2, 1)
+    assert t.slot(0) == 28 and t.slot(5) == 9
+    assert t.slot_mapping(2, 7).tolist() == [30, 31, 8, 9, 10]
+    assert slot_mapping([3], 16, 0, 3).dtype == np.int64
+    with pytest.raises(InvalidRequestError):
+        t.slot_mapping(0, 9)
+    old = t.replace(1, KVCacheBlock(5))
+    assert old.block_id == 2 and t.ids == [7, 5]
+
+
+# ---------------------------------------------------------------- hashing
+def test_block_hash_is_chained_typed_and_full_blocks_only():
+    toks = list(range(10))
+    hs = hash_blocks(toks, 4)
+    assert len(hs) == 2 and all(len(h) == 32 for h in hs)  # 2 full blocks; the tail is not hashed
+    assert hs[0] == sha256_block_hash(None, token_bytes([0, 1, 2, 3]), CacheKeys().extra_bytes(0, 4))
+    assert hs[1] == sha256_block_hash(hs[0], token_bytes([4, 5, 6, 7]), CacheKeys().extra_bytes(4, 8))
+    # Changing block 0 changes block 1 (chain); changing block 1 leaves block 0.
+    assert hash_blocks([9] + toks[1:], 4)[1] != hs[1]
+    assert hash_blocks(toks[:4] + [9] + toks[5:], 4)[0] == hs[0]
+    # Numpy input gives the same hashes (int64 little-endian bytes).
+    assert hash_blocks(np.arange(10), 4) == hs
+    # Typed keys.
+    assert CacheKeys(cache_salt="7").extra_bytes(0, 4) != CacheKeys(adapter_id=7).extra_bytes(0, 4)
+    assert CacheKeys(adapter_id="7").extra_bytes(0, 4) != CacheKeys(adapter_id=7).extra_bytes(0, 4)
+    # A multimodal item only changes the blocks overlapping it (and later ones by chaining).
+    mm = CacheKeys(mm_hashes=(("img", 4, 2),))
+    assert mm.extra_bytes(0, 4) == CacheKeys().extra_bytes(0, 4)
+    assert mm.extra_bytes(4, 8) != CacheKeys().extra_bytes(4, 8)
+    assert [h for h, *_ in iter_block_hashes(toks, 4, first_block=1, parent_hash=hs[0])] == [hs[1]]
