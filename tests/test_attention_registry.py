@@ -4,16 +4,18 @@ import pytest
 import torch
 
 from pagedkv.attention import AttentionBackend, get_backend, list_backends
-from pagedkv.errors import ConfigError
+from pagedkv.errors import BackendError, ConfigError
 
 
 def test_every_listed_backend_implements_the_protocol():
     names = list_backends()
     assert {"reference", "cpu", "cpu-hnd", "cpu-ascend"} <= set(names)
     for name in names:
-        if name.startswith("triton"):
-            pytest.importorskip("triton")
-        be = get_backend(name)
+        try:
+            be = get_backend(name)
+        except BackendError as exc:  # e.g. triton not installed
+            assert name.startswith("triton"), exc
+            continue
         assert isinstance(be, AttentionBackend)
         assert be.name == name
 

@@ -12,10 +12,12 @@ from pagedkv.testing import check_backend, conformance_cases, pytest_params, run
 
 def _backend(name: str):
     from pagedkv.attention import get_backend
+    from pagedkv.errors import BackendError
 
-    if name.startswith("triton"):
-        pytest.importorskip("triton")
-    return get_backend(name)
+    try:
+        return get_backend(name)  # the triton backend sets TRITON_INTERPRET=1 without CUDA
+    except BackendError as exc:
+        pytest.skip(str(exc))
 
 
 _CACHE: dict[str, object] = {}

@@ -50,6 +50,7 @@ _BACKENDS: dict[str, tuple[Callable[[], AttentionBackend], str, str]] = {
     "cpu": (_cpu("nhd"), "nhd", "fast CPU path (C decode kernel + matmul prefill)"),
     "cpu-hnd": (_cpu("hnd"), "hnd", "fast CPU path, HND layout"),
     "cpu-ascend": (_cpu("ascend"), "ascend", "fast CPU path, Ascend-style flattened layout"),
+    "triton": (_triton, "nhd", "Triton kernels: split-K decode + paged prefill (GPU; interpreter on CPU)"),
 }
 
 
