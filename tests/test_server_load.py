@@ -111,3 +111,24 @@ def test_64_streaming_clients_with_disconnects(server):
           f"{generated} tokens generated ({generated / wall:.0f} tok/s); TTFT p50 {ttfts[len(ttfts) // 2]:.2f}s "
           f"p90 {ttfts[int(len(ttfts) * 0.9)]:.2f}s; peak running {st['peak_running']}; "
           f"prefix hit rate {st.get('kv_prefix_hit_rate', 0):.2f}; preemptions {st['num_preemptions']}")
+
+
+def test_nonstream_client_that_gives_up_is_aborted(server):
+    srv, engine = server
+    before = engine.get_stats()["num_finished_requests"]
+    body = {"model": "smol", "prompt": PROMPTS[0], "temperature": 0, "ignore_eos": True, "max_tokens": 200}
+    with pytest.raises(httpx.ReadTimeout):  # the client closes the connection after 1.5 s
+        httpx.post(srv.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.5))
+    deadline = time.monotonic() + 20
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    st = engine.get_stats()
+    assert st["num_finished_requests"] == before + 1
+    assert not engine.has_unfinished_requests() and engine.kv.num_used_blocks == 0
+    check_invariants(engine.kv)
+    metrics = httpx.get(srv.url + "/metrics").text
+    disc = [ln for ln in metrics.splitlines() if ln.startswith("pagedkv_client_disconnects_total")]
+    assert float(disc[0].split()[-1]) == len(DISCONNECT) + 1
+    aborted = [ln for ln in metrics.splitlines()
+               if ln.startswith("pagedkv_requests_finished_total") and 'finish_reason="abort"' in ln]
+    assert float(aborted[0].split()[-1]) == len(DISCONNECT) + 1  # aborted, not run to the end
