@@ -56,23 +56,29 @@ def test_cached_load_is_fast_and_identical(bundled_gguf, loaded_model, seeded_ca
 def test_corrupt_weights_are_rebuilt_bit_identically(bundled_gguf, loaded_model, seeded_cache):
     entry = seeded_cache / loaded_model.config.revision
     weights = entry / "model.safetensors"
-    size = weights.stat().st_size
-    _replace_file(weights, weights.read_bytes()[: size // 2])  # a torn write
+    data = weights.read_bytes()
+    size = len(data)
+    _replace_file(weights, b"\xff" * 8 + data[8:])  # same size, unreadable header (bit rot)
     rebuilt = load_model(bundled_gguf, cache_dir=seeded_cache)
     assert not rebuilt.from_cache and rebuilt.cache_dir == entry
-    assert weights.stat().st_size == size
+    assert weights.stat().st_size == size and weights.read_bytes()[:8] == data[:8]
     assert _same_weights(rebuilt.model, loaded_model.model)  # a fresh dequantisation == the cache
     assert [p.name for p in seeded_cache.iterdir()] == [entry.name]  # no temp/stale dirs left
     assert load_model(bundled_gguf, cache_dir=seeded_cache).from_cache
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("damage", ["missing_tokenizer", "manifest_format", "other_source", "bad_config", "no_manifest"])
+@pytest.mark.parametrize(
+    "damage", ["truncated_weights", "missing_tokenizer", "manifest_format", "other_source", "bad_config", "no_manifest"]
+)
 def test_damaged_entries_are_detected(loaded_model, seeded_cache, damage):
     entry = seeded_cache / loaded_model.config.revision
     sha = json.loads((entry / "manifest.json").read_text())["source_sha256"]
     manifest = json.loads((entry / "manifest.json").read_text())
-    if damage == "missing_tokenizer":
+    if damage == "truncated_weights":
+        weights = entry / "model.safetensors"
+        _replace_file(weights, weights.read_bytes()[: weights.stat().st_size // 2])
+    elif damage == "missing_tokenizer":
         (entry / "tokenizer" / "tokenizer.json").unlink()
     elif damage == "manifest_format":
         _replace_file(entry / "manifest.json", json.dumps({**manifest, "format": -1}).encode())
@@ -118,6 +124,17 @@ def test_cache_write_is_atomic(tmp_path, monkeypatch):
     manifest = json.loads((entry / "manifest.json").read_text())
     assert manifest["files"]["model.safetensors"] == (entry / "model.safetensors").stat().st_size
     assert ModelConfig.from_dict(json.loads((entry / "config.json").read_text())) == cfg
+
+    # A second writer (a concurrent loader that lost the race) keeps the valid entry ...
+    created = manifest["created_unix"]
+    loader._write_cache_entry(entry, "ab" * 32, tmp_path / "x.gguf", cfg, {"w": torch.zeros(3)}, Tokenizer())
+    assert json.loads((entry / "manifest.json").read_text())["created_unix"] == created
+    # ... but a rebuild after a failed load replaces it.
+    loader._write_cache_entry(
+        entry, "ab" * 32, tmp_path / "x.gguf", cfg, {"w": torch.zeros(3)}, Tokenizer(), replace=True
+    )
+    assert json.loads((entry / "manifest.json").read_text())["created_unix"] != created
+    assert [p.name for p in tmp_path.iterdir()] == ["abcd"]
 
 
 @pytest.mark.slow

@@ -440,12 +440,14 @@ def _load_gguf_cached(
 ) -> tuple[ModelConfig, dict[str, torch.Tensor], Any, Path | None, bool]:
     sha = file_sha256(path)
     entry = root / sha[:16]
+    damaged = False
     if use_cache and entry.is_dir():
         try:
             config, state, tokenizer = _read_cache_entry(entry, sha)
             return config, state, tokenizer, entry, True
         except Exception as e:  # noqa: BLE001 - any damage means "rebuild"
             log.warning("pagedkv: weight cache %s is unusable (%s); rebuilding it", entry, e)
+            damaged = True
 
     header = read_gguf_header(path)
     config = _gguf_config(path, header, sha[:16])
@@ -454,16 +456,24 @@ def _load_gguf_cached(
     if not use_cache:
         return config, state, tokenizer, None, False
     try:
-        _write_cache_entry(entry, sha, path, config, state, tokenizer)
+        _write_cache_entry(entry, sha, path, config, state, tokenizer, replace=damaged)
     except OSError as e:
         log.warning("pagedkv: could not write the weight cache %s (%s); continuing without it", entry, e)
         return config, state, tokenizer, None, False
     return config, state, tokenizer, entry, False
 
 
-def _read_cache_entry(entry: Path, sha: str) -> tuple[ModelConfig, dict[str, torch.Tensor], Any]:
-    from safetensors.torch import load_file
+def _manifest_ok(entry: Path, sha: str) -> bool:
+    """Cheap validity check of an entry: manifest of this format and source, files of the
+    recorded sizes (contents are not hashed)."""
+    try:
+        _check_manifest(entry, sha)
+        return True
+    except Exception:  # noqa: BLE001
+        return False
 
+
+def _check_manifest(entry: Path, sha: str) -> None:
     manifest = json.loads((entry / _MANIFEST_FILE).read_text())
     if manifest.get("format") != CACHE_FORMAT_VERSION:
         raise ValueError(f"cache format {manifest.get('format')!r} != {CACHE_FORMAT_VERSION}")
@@ -473,6 +483,12 @@ def _read_cache_entry(entry: Path, sha: str) -> tuple[ModelConfig, dict[str, tor
         actual = (entry / rel).stat().st_size
         if actual != size:
             raise ValueError(f"{rel} has {actual} bytes, expected {size}")
+
+
+def _read_cache_entry(entry: Path, sha: str) -> tuple[ModelConfig, dict[str, torch.Tensor], Any]:
+    from safetensors.torch import load_file
+
+    _check_manifest(entry, sha)
     config = ModelConfig.from_dict(json.loads((entry / _CONFIG_FILE).read_text()))
     state = load_file(str(entry / _WEIGHTS_FILE))
     tokenizer = _load_tokenizer(entry / _TOKENIZER_DIR)
@@ -480,10 +496,13 @@ def _read_cache_entry(entry: Path, sha: str) -> tuple[ModelConfig, dict[str, tor
 
 
 def _write_cache_entry(
-    entry: Path, sha: str, source: Path, config: ModelConfig, state: dict[str, torch.Tensor], tokenizer: Any
+    entry: Path, sha: str, source: Path, config: ModelConfig, state: dict[str, torch.Tensor], tokenizer: Any,
+    replace: bool = False,
 ) -> None:
     """Write the entry into a sibling temp dir, then rename it into place (atomic on POSIX).
-    A concurrent writer that wins the race is kept; a damaged old entry is replaced."""
+    An existing entry is replaced if ``replace`` (it failed to load) or if its manifest does
+    not check out; otherwise it was written by a concurrent loader that won the race and is
+    kept."""
     from safetensors.torch import save_file
 
     entry.parent.mkdir(parents=True, exist_ok=True)
@@ -509,17 +528,18 @@ def _write_cache_entry(
                 with open(p, "rb") as fh:
                     os.fsync(fh.fileno())
         if entry.exists():
+            if not replace and _manifest_ok(entry, sha):
+                return  # a concurrent writer finished first; keep its (identical) entry
             stale = entry.parent / f".{entry.name}.stale-{uuid.uuid4().hex[:8]}"
             try:
                 os.rename(entry, stale)
-            except OSError:
-                stale = None
-            if stale is not None:
                 shutil.rmtree(stale, ignore_errors=True)
+            except OSError:
+                pass  # someone else moved it; the rename below tells who won
         try:
             os.rename(tmp, entry)
         except OSError:
-            if not (entry / _MANIFEST_FILE).is_file():
+            if not _manifest_ok(entry, sha):
                 raise  # not a lost race: a real failure
     finally:
         if tmp.exists():
