@@ -90,30 +90,34 @@ class CPUBackend:
                 self.layout.read(c.value, slots, c.block_size, c.num_kv_heads, c.head_dim))
 
     # -- attention ------------------------------------------------------------------------
+    def _plan(self, md: AttentionMetadata, kernel) -> "_Plan":
+        """Per-step facts shared by every layer (the metadata is built once per step): cached
+        on the metadata object so 30 layers pay for them once."""
+        plan = md.__dict__.get("_pagedkv_cpu_plan")
+        key = (id(md.seq_lens), id(md.query_start_loc), id(md.block_tables), kernel is not None)
+        if plan is not None and plan.key == key:
+            return plan
+        plan = _Plan(md, kernel, key)
+        md.__dict__["_pagedkv_cpu_plan"] = plan
+        return plan
+
     def forward(self, query: torch.Tensor, kv_cache: L.PagedKVCache, metadata: AttentionMetadata,
                 scale: float) -> torch.Tensor:
         """Causal paged attention; ``query`` ``[num_tokens, num_heads, head_dim]`` -> output of
         the same shape and dtype. Raises ``BackendError`` on shape mismatches."""
         n, hq, d = check_inputs(query, kv_cache, metadata)
-        seq_lens, q_lens, starts = lists_of(metadata)
-        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-        if starts[-1] < n:  # padding rows of the flat batch
-            out[starts[-1]:].zero_()
         kernel = _kernel() if self.use_kernel and query.device.type == "cpu" else None
         if kernel is not None and not kernel.supports(query, kv_cache):
             kernel = None
-        torch_seqs = []
-        kernel_seqs = []
-        for i, ql in enumerate(q_lens):
-            if ql == 0:
-                continue
-            (kernel_seqs if kernel is not None and ql <= DECODE_MAX_QLEN else torch_seqs).append(i)
-        if kernel_seqs:
-            kernel.run(query, kv_cache, metadata, scale, out, kernel_seqs, [q_lens[i] for i in kernel_seqs])
-        for i in torch_seqs:
-            q = query[starts[i] : starts[i] + q_lens[i]]
-            out[starts[i] : starts[i] + q_lens[i]] = self._attend_torch(
-                q, kv_cache, metadata.block_tables[i], seq_lens[i], scale)
+        plan = self._plan(metadata, kernel)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        if plan.num_real < n:  # padding rows of the flat batch
+            out[plan.num_real:].zero_()
+        if plan.kernel_seqs:
+            kernel.run(query, kv_cache, plan, scale, out)
+        for i in plan.torch_seqs:
+            a, b = plan.starts[i], plan.starts[i + 1]
+            out[a:b] = self._attend_torch(query[a:b], kv_cache, metadata.block_tables[i], plan.seq_lens[i], scale)
         return out
 
     def _gather_seq(self, cache: L.PagedKVCache, table_row: torch.Tensor, seq_len: int
@@ -158,6 +162,23 @@ class CPUBackend:
         torch.softmax(scores, dim=-1, out=scores)
         o = torch.bmm(scores, v)  # [h, ql*g, d]
         return o.view(h, ql, g, d).permute(1, 0, 2, 3).reshape(ql, hq, d).to(q.dtype)
+
+
+class _Plan:
+    """Which sequences go to the kernel / the torch path, plus the kernel's int32 inputs."""
+
+    def __init__(self, md: AttentionMetadata, kernel, key) -> None:
+        self.key = key
+        self.seq_lens, self.q_lens, self.starts = lists_of(md)
+        self.num_real = self.starts[-1]
+        self.kernel_seqs = [i for i, ql in enumerate(self.q_lens)
+                            if kernel is not None and 0 < ql <= DECODE_MAX_QLEN]
+        self.torch_seqs = [i for i, ql in enumerate(self.q_lens)
+                           if ql > 0 and not (kernel is not None and ql <= DECODE_MAX_QLEN)]
+        if self.kernel_seqs:
+            from pagedkv.attention.cpu_kernel import KernelInputs
+
+            self.kernel_inputs = KernelInputs(md, self.kernel_seqs, [self.q_lens[i] for i in self.kernel_seqs])
 
 
 def _kernel():

@@ -25,6 +25,8 @@ from typing import Sequence
 
 import torch
 
+from pagedkv.attention.layouts import PagedKVCache
+
 _SRC = Path(__file__).with_name("_cpu_kernel.c")
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
           "-fassociative-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
@@ -34,6 +36,7 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MIN_SPLIT_LEN = 512
 
 _lock = threading.Lock()
+_MISSING = object()
 _state: dict[str, object] = {}
 
 
@@ -101,55 +104,65 @@ class CPUKernel:
         self._f = lib.pagedkv_paged_attention
         self.max_heads = lib.pagedkv_max_heads()
         self.max_head_dim = lib.pagedkv_max_head_dim()
-        self.prefetch = os.environ.get("PAGEDKV_CPU_PREFETCH", "0") == "1"
+        self.prefetch = int(os.environ.get("PAGEDKV_CPU_PREFETCH", "0") == "1")
         self.min_split_len = MIN_SPLIT_LEN
 
     def supports(self, query: torch.Tensor, cache) -> bool:
         """Whether this call can run here (dtype, head dim, GQA group, strides)."""
         return (
-            query.dtype in _DTYPES and cache.dtype == query.dtype
+            query.dtype in _DTYPES and cache.dtype == query.dtype and isinstance(cache, PagedKVCache)
             and query.device.type == "cpu"
             and cache.head_dim <= self.max_head_dim and cache.head_dim % 8 == 0
             and query.shape[1] <= self.max_heads
             and query.stride(2) == 1
         )
 
-    def run(self, query: torch.Tensor, cache, md, scale: float, out: torch.Tensor,
-            seq_ids: Sequence[int], q_lens: Sequence[int], nthreads: int | None = None) -> None:
-        """Attention of the ``seq_ids`` sequences (each with ``q_lens[i]`` new tokens) into
-        ``out`` (contiguous ``[num_tokens, Hq, d]``)."""
-        key_nhd = cache.key_nhd()  # [nb, bs, H, d] view: strides give the layout
-        s_blk, s_tok, s_head, s_d = key_nhd.stride()
-        assert s_d == 1 and cache.value.stride() == cache.key.stride()
-        bt = md.block_tables
-        if bt.dtype != torch.int32 or bt.stride(-1) != 1:
-            bt = bt.to(torch.int32).contiguous()
-        seq_lens = md.seq_lens if md.seq_lens.dtype == torch.int32 else md.seq_lens.to(torch.int32)
-        qsl = md.query_start_loc if md.query_start_loc.dtype == torch.int32 else md.query_start_loc.to(torch.int32)
-        seq_lens, qsl = seq_lens.contiguous(), qsl.contiguous()
-        ids = torch.tensor(list(seq_ids), dtype=torch.int32)
-        qls = torch.tensor(list(q_lens), dtype=torch.int32)
+    def run(self, query: torch.Tensor, cache, plan, scale: float, out: torch.Tensor,
+            nthreads: int | None = None) -> None:
+        """Attention of ``plan.kernel_seqs`` into ``out`` (``[num_tokens, Hq, d]``, last dim
+        contiguous); ``plan.kernel_inputs`` is a ``KernelInputs``."""
+        ki = plan.kernel_inputs
+        s_blk, s_tok, s_head, _ = cache.layout.as_nhd(cache.key, cache.num_kv_heads, cache.head_dim).stride()
         rc = self._f(
             _DTYPES[query.dtype], query.shape[1], cache.num_kv_heads, cache.head_dim, cache.block_size,
-            float(scale),
+            scale,
             query.data_ptr(), query.stride(0), query.stride(1),
             cache.key.data_ptr(), cache.value.data_ptr(), s_blk, s_tok, s_head,
-            bt.data_ptr(), bt.stride(0),
-            seq_lens.data_ptr(), qsl.data_ptr(),
-            ids.data_ptr(), qls.data_ptr(), len(seq_ids),
+            ki.bt_ptr, ki.bt_s0, ki.seq_lens_ptr, ki.qsl_ptr, ki.ids_ptr, ki.qls_ptr, ki.n,
             out.data_ptr(), out.stride(0), out.stride(1),
-            nthreads or torch.get_num_threads(), self.min_split_len, int(self.prefetch),
+            nthreads or torch.get_num_threads(), self.min_split_len, self.prefetch,
         )
         if rc != 0:
             raise RuntimeError(f"pagedkv CPU kernel failed with code {rc}")
 
 
+class KernelInputs:
+    """The kernel's per-step int32 inputs (block tables, lengths, starts, which sequences),
+    converted once per step and kept alive here while their pointers are used."""
+
+    def __init__(self, md, seq_ids: Sequence[int], q_lens: Sequence[int]) -> None:
+        bt = md.block_tables
+        if bt.dtype != torch.int32 or bt.stride(-1) != 1:
+            bt = bt.to(torch.int32).contiguous()
+        self.bt = bt
+        self.seq_lens = md.seq_lens.to(torch.int32).contiguous()
+        self.qsl = md.query_start_loc.to(torch.int32).contiguous()
+        self.ids = torch.tensor(list(seq_ids), dtype=torch.int32)
+        self.qls = torch.tensor(list(q_lens), dtype=torch.int32)
+        self.bt_ptr, self.bt_s0 = bt.data_ptr(), bt.stride(0)
+        self.seq_lens_ptr, self.qsl_ptr = self.seq_lens.data_ptr(), self.qsl.data_ptr()
+        self.ids_ptr, self.qls_ptr, self.n = self.ids.data_ptr(), self.qls.data_ptr(), len(seq_ids)
+
+
 def get() -> CPUKernel | None:
     """The kernel (built on first call), or ``None`` when unavailable."""
+    k = _state.get("kernel", _MISSING)
+    if k is not _MISSING:
+        return k  # type: ignore[return-value]
     if os.environ.get("PAGEDKV_CPU_KERNEL", "1") == "0":
+        _state["kernel"] = None
+        _state["error"] = "disabled by PAGEDKV_CPU_KERNEL=0"
         return None
-    if "kernel" in _state:
-        return _state["kernel"]  # type: ignore[return-value]
     with _lock:
         if "kernel" not in _state:
             try:
