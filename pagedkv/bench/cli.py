@@ -10,6 +10,7 @@ BENCHES: dict[str, str] = {
     "capacity": "pagedkv.bench.capacity",
     "serve": "pagedkv.bench.serve",
     "peers": "pagedkv.bench.peers",
+    "attention": "pagedkv.bench.attention",
 }
 
 
