@@ -11,6 +11,7 @@ BENCHES: dict[str, str] = {
     "serve": "pagedkv.bench.serve",
     "peers": "pagedkv.bench.peers",
     "attention": "pagedkv.bench.attention",
+    "block_manager": "pagedkv.bench.block_manager",
 }
 
 

@@ -105,7 +105,6 @@ class KVCacheManager:
         self._step_ids = itertools.count(1)
         self._last_step = 0
         self._open_steps: dict[int, set[str]] = {}
-        self._req_steps: dict[str, set[int]] = {}
         self._step_holds: dict[int, list[_Hold]] = {}
         self._holds: dict[int, _Hold] = {}
         self._hold_ids = itertools.count()
@@ -153,7 +152,7 @@ class KVCacheManager:
     def get_block_ids(self, req_id: str) -> list[int]:
         """The request's block table: physical ids in logical order ([] if unknown)."""
         table = self._tables.get(req_id)
-        return table.ids if table is not None else []
+        return list(table._ids) if table is not None else []
 
     def get_block_table(self, req_id: str) -> BlockTable:
         """The request's ``BlockTable``. Raises ``InvalidRequestError`` if unknown."""
@@ -188,7 +187,7 @@ class KVCacheManager:
         if max_blocks:
             lookup = self.pool.lookup
             for h, parent, tb, extra in iter_block_hashes(
-                token_ids[: max_blocks * bs], bs, cache_keys or NO_KEYS, hash_fn=self.hash_fn
+                token_ids, bs, cache_keys or NO_KEYS, hash_fn=self.hash_fn, end_block=max_blocks
             ):
                 block = lookup(h, parent, tb, extra)
                 if block is None:
@@ -211,7 +210,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return 0
         table = self._tables.get(req_id)
-        if table is None:
+        if table is None or num_computed_tokens // self.block_size <= table.num_hashed:
             return 0
         bs = self.block_size
         n_full = min(num_computed_tokens, len(token_ids), table.num_tokens) // bs
@@ -221,7 +220,7 @@ class KVCacheManager:
         published = 0
         i = done
         for h, parent, tb, extra in iter_block_hashes(
-            token_ids[: n_full * bs], bs, cache_keys or NO_KEYS, table.last_hash, done, self.hash_fn
+            token_ids, bs, cache_keys or NO_KEYS, table.last_hash, done, self.hash_fn, n_full
         ):
             block = table.blocks[i]
             if block.block_hash is None and self.pool.publish(block, h, parent, tb, extra):
@@ -326,6 +325,30 @@ class KVCacheManager:
         All or nothing: raises ``NoFreeBlocksError`` with the state unchanged; raises
         ``InvalidRequestError`` on inconsistent arguments or a stale prefix hit.
         """
+        table = self._tables.get(req_id)
+        if table is not None and not new_computed_blocks and num_new_tokens > 0 and num_computed_tokens >= 0:
+            # Fast path (decode): the new tokens land in one existing, private, unpublished block.
+            bs = self.block_size
+            total = num_computed_tokens + num_new_tokens
+            first = num_computed_tokens // bs
+            n_table = len(table.blocks)
+            if self.max_model_len is None or total <= self.max_model_len:
+                if first == (total - 1) // bs and first < n_table:
+                    b = table.blocks[first]
+                    if b.ref_cnt == 1 and b.block_hash is None:
+                        if total > table.num_tokens:
+                            table.num_tokens = total
+                        return []
+                elif first == n_table and self.enable_paging:
+                    # The writes start in a new logical block: nothing existing is written,
+                    # so no copy-on-write; just append the blocks they need.
+                    n_fresh = cdiv(total, bs) - n_table
+                    if n_fresh > self.pool.num_free:
+                        raise NoFreeBlocksError(
+                            f"{req_id}: needs {n_fresh} new blocks, {self.pool.num_free} free")
+                    table.append(self.pool.allocate(n_fresh))
+                    table.num_tokens = total
+                    return []
         table, n_fresh, cow = self._plan(req_id, num_new_tokens, num_computed_tokens, new_computed_blocks)
         pool = self.pool
         if table is None:
@@ -384,11 +407,13 @@ class KVCacheManager:
         self._drop(req_id, table.blocks[::-1])
 
     def _drop(self, req_id: str, blocks: list[KVCacheBlock]) -> None:
-        steps = self._req_steps.get(req_id)
+        # Open steps are few (1-2 in flight), so scanning them is cheaper than keeping a
+        # per-request index up to date on every begin/end_step.
+        steps = {sid for sid, rids in self._open_steps.items() if req_id in rids}
         if not steps:
             self.pool.release(blocks)
             return
-        hold = _Hold(next(self._hold_ids), req_id, blocks, set(steps))
+        hold = _Hold(next(self._hold_ids), req_id, blocks, steps)
         self._holds[hold.key] = hold
         for s in steps:
             self._step_holds.setdefault(s, []).append(hold)
@@ -399,33 +424,17 @@ class KVCacheManager:
         Returns its step id (increasing ints)."""
         sid = next(self._step_ids)
         self._last_step = sid
-        rids = set(req_ids)
-        self._open_steps[sid] = rids
-        req_steps = self._req_steps
-        for r in rids:
-            s = req_steps.get(r)
-            if s is None:
-                req_steps[r] = {sid}
-            else:
-                s.add(sid)
+        self._open_steps[sid] = set(req_ids)
         return sid
 
     def end_step(self, step_id: int) -> None:
         """Confirm the device finished ``step_id``: references held for it are released.
         Ending a step twice is a no-op; an id never returned by ``begin_step`` raises
         ``InvalidRequestError``."""
-        rids = self._open_steps.pop(step_id, None)
-        if rids is None:
+        if self._open_steps.pop(step_id, None) is None:
             if isinstance(step_id, int) and 0 < step_id <= self._last_step:
                 return
             raise InvalidRequestError(f"end_step: unknown step id {step_id!r}")
-        req_steps = self._req_steps
-        for r in rids:
-            s = req_steps.get(r)
-            if s is not None:
-                s.discard(step_id)
-                if not s:
-                    del req_steps[r]
         for hold in self._step_holds.pop(step_id, ()):
             hold.waiting.discard(step_id)
             if not hold.waiting:

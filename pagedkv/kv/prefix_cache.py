@@ -14,6 +14,7 @@ Tokens are turned into bytes once per call with numpy; the only Python loop is p
 from __future__ import annotations
 
 import hashlib
+import struct
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
@@ -29,10 +30,8 @@ _ROOT = b"\x00" * 32
 
 def sha256_block_hash(parent_hash: bytes | None, token_bytes: bytes, extra_bytes: bytes) -> bytes:
     """The default block hash: 32-byte sha256 digest of parent | tokens | extra keys."""
-    h = hashlib.sha256(parent_hash if parent_hash is not None else _ROOT)
-    h.update(token_bytes)
-    h.update(extra_bytes)
-    return h.digest()
+    return hashlib.sha256((parent_hash if parent_hash is not None else _ROOT)
+                          + token_bytes + extra_bytes).digest()
 
 
 def _typed(v: object) -> str:
@@ -89,8 +88,14 @@ NO_KEYS = CacheKeys()
 
 
 def token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
-    """Token ids as int64 little-endian bytes (one C-level conversion, no Python loop)."""
-    return np.asarray(token_ids, dtype="<i8").tobytes()
+    """Token ids as int64 little-endian bytes (one C-level conversion, no Python loop;
+    ``struct.pack`` is ~2x faster than numpy for a Python list)."""
+    if isinstance(token_ids, np.ndarray):
+        return token_ids.astype("<i8", copy=False).tobytes()
+    try:
+        return struct.pack(f"<{len(token_ids)}q", *token_ids)
+    except struct.error as exc:
+        raise InvalidRequestError(f"token ids must be int64 integers ({exc})") from None
 
 
 def iter_block_hashes(
@@ -100,21 +105,27 @@ def iter_block_hashes(
     parent_hash: bytes | None = None,
     first_block: int = 0,
     hash_fn: HashFn = sha256_block_hash,
+    end_block: int | None = None,
 ) -> Iterator[tuple[bytes, bytes | None, bytes, bytes]]:
     """Yield ``(hash, parent_hash, token_bytes, extra_bytes)`` for each *full* block of
-    ``token_ids`` from logical block ``first_block`` on (``token_ids`` are the request's
-    tokens from position 0; ``parent_hash`` is the hash of block ``first_block - 1``).
-    Lazy: a lookup stops hashing at the first miss."""
+    ``token_ids`` from logical block ``first_block`` up to (excluding) ``end_block``
+    (default: all full blocks). ``token_ids`` are the request's tokens from position 0;
+    ``parent_hash`` is the hash of block ``first_block - 1``. Lazy: a lookup stops hashing
+    at the first miss."""
     n_full = len(token_ids) // block_size
+    if end_block is not None and end_block < n_full:
+        n_full = end_block
     if first_block >= n_full:
         return
     start = first_block * block_size
     raw = token_bytes(token_ids[start:n_full * block_size])
     stride = 8 * block_size
+    extra = keys.extra_bytes(0, 0) if not keys.mm_hashes else None
     for i in range(n_full - first_block):
         tb = raw[i * stride:(i + 1) * stride]
-        pos = start + i * block_size
-        extra = keys.extra_bytes(pos, pos + block_size)
+        if keys.mm_hashes:
+            pos = start + i * block_size
+            extra = keys.extra_bytes(pos, pos + block_size)
         h = hash_fn(parent_hash, tb, extra)
         yield h, parent_hash, tb, extra
         parent_hash = h
