@@ -1,12 +1,19 @@
 """``pagedkv bench attention --tiny`` runs in seconds and writes json/md/png with sane numbers."""
 
+import argparse
 import json
 
-from pagedkv.cli import main
+from pagedkv.bench import attention
 
 
 def test_attention_bench_tiny(tmp_path):
-    assert main(["bench", "attention", "--tiny", "--out-dir", str(tmp_path), "--threads", "1"]) == 0
+    p = argparse.ArgumentParser()
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out-dir", default=None)
+    p.add_argument("--threads", type=int, default=2)
+    attention.add_arguments(p)
+    args = p.parse_args(["--tiny", "--out-dir", str(tmp_path), "--threads", "1"])
+    assert attention.run(args) == 0
     data = json.loads((tmp_path / "attention.json").read_text())
     assert (tmp_path / "attention.md").read_text().startswith("# Attention")
     assert (tmp_path / "attention.png").stat().st_size > 1000
@@ -17,3 +24,9 @@ def test_attention_bench_tiny(tmp_path):
         assert r["max_abs_err"] < (1e-4 if r["dtype"] == "float32" else 3e-2)
         assert r["paged_ms"] > 0 and r["contiguous_ms"] > 0
     assert all(0 < r["paged_bw_fraction"] for r in data["decode"])
+
+
+def test_bench_is_registered():
+    from pagedkv.bench.cli import BENCHES
+
+    assert BENCHES["attention"] == "pagedkv.bench.attention"
