@@ -51,6 +51,7 @@ logger = logging.getLogger("pagedkv.server")
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB
 DEFAULT_MAX_N = 16
+MAX_SEQS_PER_CALL = 64  # sequences (prompts x n) one /v1/completions call may start
 
 
 # ---- errors -------------------------------------------------------------------------
@@ -316,8 +317,9 @@ def build_app(
         model = check_model(body.model)
         check_common(body)
         prompts = body.prompts()
-        if len(prompts) * body.n > st.max_n * 4:
-            raise APIError(400, f"prompts x n must be <= {st.max_n * 4}", param="n", code="invalid_value")
+        if len(prompts) * body.n > MAX_SEQS_PER_CALL:
+            raise APIError(400, f"prompts x n must be <= {MAX_SEQS_PER_CALL}, got {len(prompts) * body.n}",
+                           param="n", code="invalid_value")
         token_lists: list[list[int]] = []
         for p in prompts:
             ids = await asyncio.to_thread(engine.tokenize, p) if isinstance(p, str) else list(p)
