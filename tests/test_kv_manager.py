@@ -313,3 +313,19 @@ def test_free_queue_is_o1_lru():
     assert q.ids() == [1, 3, 2]
     with pytest.raises(AssertionError):
         q.append(pool.blocks[2])
+
+
+def test_decode_fast_paths_match_the_general_path():
+    m = mgr(num_blocks=4, prefix=False)
+    m.allocate_slots("a", 4, 0)
+    assert m.allocate_slots("a", 1, 4) == [] and m.get_block_ids("a") == [0, 1]  # new block
+    assert m.allocate_slots("a", 1, 5) == [] and m.get_block_ids("a") == [0, 1]  # same block
+    with pytest.raises(InvalidRequestError, match="computed tokens"):
+        m.allocate_slots("a", 1, 9)  # 9 computed tokens but only 8 slots
+    m.allocate_slots("b", 8, 0)
+    before = m.snapshot()
+    with pytest.raises(NoFreeBlocksError):
+        m.allocate_slots("a", 1, 8)  # needs a 5th block
+    assert m.snapshot() == before
+    assert m.num_tokens("a") == 6
+    check_invariants(m)

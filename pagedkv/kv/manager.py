@@ -339,7 +339,7 @@ class KVCacheManager:
                         if total > table.num_tokens:
                             table.num_tokens = total
                         return []
-                elif first == n_table and self.enable_paging:
+                elif num_computed_tokens == n_table * bs and self.enable_paging:
                     # The writes start in a new logical block: nothing existing is written,
                     # so no copy-on-write; just append the blocks they need.
                     n_fresh = cdiv(total, bs) - n_table
