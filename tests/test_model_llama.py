@@ -111,6 +111,7 @@ def test_forward_rejects_bad_shapes(loaded_model):
         model(torch.tensor([1, 2]), torch.tensor([0, 1]), caches[:3], md, backend)
 
 
+@pytest.mark.slow
 def test_kv_cache_shape(loaded_model):
     shape = loaded_model.model.kv_cache_shape()
     assert tuple(shape) == (30, 3, 64, torch.float32)

@@ -53,7 +53,10 @@ def test_cached_load_is_fast_and_identical(bundled_gguf, loaded_model, seeded_ca
 
 
 @pytest.mark.slow
-def test_corrupt_weights_are_rebuilt_bit_identically(bundled_gguf, loaded_model, seeded_cache):
+def test_corrupt_weights_are_rebuilt_bit_identically(bundled_gguf, loaded_model, seeded_cache, monkeypatch):
+    # Building the tokenizer from the GGUF takes ~10 s and is covered by the session fixture and
+    # test_tokenizer_matches_transformers_gguf_tokenizer; this test is about the weights.
+    monkeypatch.setattr(loader, "_load_tokenizer", lambda directory, gguf_file=None: loaded_model.tokenizer)
     entry = seeded_cache / loaded_model.config.revision
     weights = entry / "model.safetensors"
     data = weights.read_bytes()
