@@ -25,6 +25,7 @@ static batch generates past a request's own length are not counted).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 import traceback
@@ -69,6 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="pagedkv max running requests (default 64)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="pagedkv tokens per step (default 512)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--note", default=None, help="free text recorded in the results (e.g. why a run was shrunk)")
     p.add_argument("--tiny", action="store_true", help="test-sized run: 4 requests, <=4 output and <=32 prompt tokens, batch 2")
 
 
@@ -87,9 +89,11 @@ def build_requests(args: argparse.Namespace, vocab_size: int) -> tuple[list[Benc
     return reqs, scaling
 
 
-def _result(name: str, reqs: Sequence[BenchRequest], elapsed: float, first: Sequence[Optional[float]],
+def _result(name: str, reqs: Sequence[BenchRequest], elapsed: float, cpu_s: float, first: Sequence[Optional[float]],
             finish: Sequence[Optional[float]], n_out: Sequence[int], **extra: Any) -> dict[str, Any]:
-    """A system's result row. ``first``/``finish``: per-request first-token and last-token
+    """A system's result row. ``elapsed``: wall seconds; ``cpu_s``: this process's CPU
+    seconds over the same span (all threads; less sensitive to other jobs on a shared
+    machine than wall time); ``first``/``finish``: per-request first-token and last-token
     times in seconds since t0 (all requests submitted at t0); ``n_out``: tokens produced."""
     useful = sum(min(n, r.output_len) for n, r in zip(n_out, reqs))
     ttfts = [f for f in first if f is not None]
@@ -104,6 +108,8 @@ def _result(name: str, reqs: Sequence[BenchRequest], elapsed: float, first: Sequ
         "completed": sum(1 for n, r in zip(n_out, reqs) if n >= r.output_len),
         "output_tokens": useful,
         "output_tokens_per_s": useful / elapsed if elapsed > 0 else float("nan"),
+        "cpu_s": cpu_s,
+        "output_tokens_per_cpu_s": useful / cpu_s if cpu_s > 0 else float("nan"),
         "requests_per_s": len(reqs) / elapsed if elapsed > 0 else float("nan"),
         "ttft_s": summarize(ttfts),
         "tpot_s": summarize(tpots),
@@ -133,14 +139,16 @@ def run_pagedkv(loaded: Any, reqs: Sequence[BenchRequest], engine_kwargs: dict[s
                  use_tqdm=False)
     params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in reqs]
     t0 = time.time()
+    c0 = time.process_time()
     outs = llm.generate([r.prompt_token_ids for r in reqs], params, use_tqdm=progress)
     elapsed = time.time() - t0
+    cpu = time.process_time() - c0
     first = [o.metrics.first_token_time - t0 if o.metrics.first_token_time else None for o in outs]
     finish = [o.metrics.finish_time - t0 if o.metrics.finish_time else None for o in outs]
     st = llm.engine.get_stats()
     kv = llm.engine.kv_summary()
     row = _result(
-        PAGEDKV, reqs, elapsed, first, finish, [len(o.token_ids) for o in outs],
+        PAGEDKV, reqs, elapsed, cpu, first, finish, [len(o.token_ids) for o in outs],
         preemptions=st.get("num_preemptions"), peak_running=st.get("peak_running"),
         engine_steps=st.get("num_steps"), kv_blocks=kv["num_blocks"], kv_bytes=kv["bytes"],
     )
@@ -214,6 +222,7 @@ def run_hf_generate(model: Any, reqs: Sequence[BenchRequest], batch_size: int,
     outputs: list[list[int]] = []
     computed = 0
     t0 = time.time()
+    c0 = time.process_time()
     batches = [reqs[i:i + batch_size] for i in range(0, len(reqs), batch_size)]
     for batch in tqdm(batches, desc=f"generate bs={batch_size}", unit="batch", disable=not progress, leave=False):
         gen, times = _hf_generate_batch(model, batch, pad_id)
@@ -225,7 +234,8 @@ def run_hf_generate(model: Any, reqs: Sequence[BenchRequest], batch_size: int,
             n_out.append(n)
             outputs.append(g[: r.output_len])
     elapsed = time.time() - t0
-    row = _result(HF_GENERATE.format(bs=batch_size), reqs, elapsed, first, finish, n_out,
+    cpu = time.process_time() - c0
+    row = _result(HF_GENERATE.format(bs=batch_size), reqs, elapsed, cpu, first, finish, n_out,
                   batch_size=batch_size, computed_output_tokens=computed)
     return row, outputs
 
@@ -250,7 +260,7 @@ def run_hf_generate_batch(model: Any, reqs: Sequence[BenchRequest],
     results: dict[str, Any] = {}
     attn_before = getattr(model.config, "_attn_implementation", None)
     try:
-        t0, t0_perf, elapsed, ids = _cb_run(model, reqs, kw, results, progress)
+        t0, t0_perf, elapsed, cpu, ids = _cb_run(model, reqs, kw, results, progress)
     finally:
         # the manager switches to a paged attention implementation and should switch back on
         # stop; make sure a shared model (test fixtures) is left as it was
@@ -278,14 +288,14 @@ def run_hf_generate_batch(model: Any, reqs: Sequence[BenchRequest],
         outputs.append(toks)
     if errors and len(errors) == len(ids):
         raise RuntimeError("every request failed: " + "; ".join(errors[:3]))
-    row = _result(HF_CB, reqs, elapsed, first, finish, n_out, request_errors=errors[:5] or None)
+    row = _result(HF_CB, reqs, elapsed, cpu, first, finish, n_out, request_errors=errors[:5] or None)
     return row, outputs
 
 
 def _cb_run(model: Any, reqs: Sequence[BenchRequest], kw: dict[str, Any], results: dict[str, Any],
-            progress: bool) -> tuple[float, float, float, list[str]]:
+            progress: bool) -> tuple[float, float, float, float, list[str]]:
     """Inside the manager: a warm-up request, then every request; fills ``results``.
-    Returns (t0 wall, t0 perf_counter, elapsed s, request ids)."""
+    Returns (t0 wall, t0 perf_counter, elapsed s, process CPU s, request ids)."""
     import torch
     from tqdm.auto import tqdm
 
@@ -296,6 +306,7 @@ def _cb_run(model: Any, reqs: Sequence[BenchRequest], kw: dict[str, Any], result
         _wait_results(mgr, {wid}, {}, timeout=300.0)
         t0_perf = time.perf_counter()
         t0 = time.time()
+        c0 = time.process_time()
         ids = []
         for i, r in enumerate(reqs):
             ids.append(mgr.add_request(list(r.prompt_token_ids), request_id=f"r{i}", max_new_tokens=r.output_len,
@@ -304,7 +315,8 @@ def _cb_run(model: Any, reqs: Sequence[BenchRequest], kw: dict[str, Any], result
         _wait_results(mgr, set(ids), results, timeout=max(600.0, 5.0 * len(reqs)), bar=bar)
         bar.close()
         elapsed = time.time() - t0
-    return t0, t0_perf, elapsed, ids
+        cpu = time.process_time() - c0
+    return t0, t0_perf, elapsed, cpu, ids
 
 
 def _wait_results(mgr: Any, want: set[str], into: dict[str, Any], timeout: float, bar: Any = None) -> None:
@@ -357,6 +369,7 @@ def run_llama_cpp(reqs: Sequence[BenchRequest], threads: int, progress: bool = T
     one(BenchRequest(reqs[0].prompt_token_ids[:8], 2))  # warm-up
     first, finish, n_out, outputs = [], [], [], []
     t0 = time.time()
+    c0 = time.process_time()
     for r in tqdm(reqs, desc="llama.cpp", unit="req", disable=not progress, leave=False):
         toks, times = one(r)
         first.append(times[0] - t0)
@@ -364,7 +377,8 @@ def run_llama_cpp(reqs: Sequence[BenchRequest], threads: int, progress: bool = T
         n_out.append(len(toks))
         outputs.append(toks)
     elapsed = time.time() - t0
-    return _result(LLAMA_CPP, reqs, elapsed, first, finish, n_out, weights="Q4_1 (as stored in the GGUF)"), outputs
+    cpu = time.process_time() - c0
+    return _result(LLAMA_CPP, reqs, elapsed, cpu, first, finish, n_out, weights="Q4_1 (as stored in the GGUF)"), outputs
 
 
 # --------------------------------------------------------------------------------------------
@@ -399,6 +413,7 @@ def run_peers(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None
         args.max_prompt = min(args.max_prompt, 32)
         args.batch_size = "2"
     threads = pin_threads(args.threads)
+    load_start = _loadavg()
     batch_sizes = [int(b) for b in str(args.batch_size).split(",") if b.strip()]
     systems = {s.strip() for s in args.systems.split(",") if s.strip()}
     timings: dict[str, float] = {}
@@ -469,6 +484,7 @@ def run_peers(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None
             "output_tok_s_ratio": base["output_tokens_per_s"] / r["output_tokens_per_s"],
             "ttft_p50_ratio": base["ttft_s"]["p50"] / r["ttft_s"]["p50"],
             "ttft_p90_ratio": base["ttft_s"]["p90"] / r["ttft_s"]["p90"],
+            "output_tok_per_cpu_s_ratio": base["output_tokens_per_cpu_s"] / r["output_tokens_per_cpu_s"],
         })
     gen_rows = [r for r in rows if r["name"].startswith("transformers generate (") and r["status"] == "ok"]
     best = max(gen_rows, key=lambda r: r["output_tokens_per_s"], default=None)
@@ -477,6 +493,7 @@ def run_peers(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None
         "versus": "transformers generate, best static batch size measured",
         "peer": best["name"] if best else None,
         "ratio": base["output_tokens_per_s"] / best["output_tokens_per_s"] if best and base else None,
+        "cpu_ratio": base["output_tokens_per_cpu_s"] / best["output_tokens_per_cpu_s"] if best and base else None,
     }
     goal["met"] = bool(goal["ratio"] is not None and goal["ratio"] >= GOAL_RATIO)
 
@@ -501,6 +518,7 @@ def run_peers(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None
             "transformers_batch_sizes": batch_sizes,
             "pagedkv_engine": engine_kwargs,
             "tiny": bool(args.tiny),
+            "notes": args.note,
         },
         "workload": {
             "prompt_tokens": sum(r.prompt_len for r in reqs),
@@ -513,6 +531,7 @@ def run_peers(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None
         "goal": goal,
         "greedy_agreement_with_pagedkv": agreement,
         "timings": timings,
+        "load_average_1m": {"start": load_start, "end": _loadavg()},
         "machine": machine_info(threads),
     }
     return _clean(data)
@@ -535,6 +554,14 @@ def _clean(obj: Any) -> Any:
     return finite_or_none(obj)
 
 
+def _loadavg() -> Optional[float]:
+    """The 1-minute load average (the machine is shared: a busy machine slows every system)."""
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
+
+
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -550,6 +577,7 @@ def render_markdown(data: dict[str, Any]) -> str:
         table.append({
             "system": r["name"],
             "output tok/s": r["output_tokens_per_s"],
+            "output tok/CPU-s": r["output_tokens_per_cpu_s"],
             "req/s": r["requests_per_s"],
             "TTFT p50 (s)": r["ttft_s"]["p50"],
             "TTFT p90 (s)": r["ttft_s"]["p90"],
@@ -569,13 +597,15 @@ def render_markdown(data: dict[str, Any]) -> str:
         "Ratios pagedkv / peer (output tok/s: higher is better for pagedkv; TTFT: lower is better for pagedkv):",
         "",
         markdown_table([{"peer": r["peer"], "output tok/s ratio": r["output_tok_s_ratio"],
+                         "output tok/CPU-s ratio": r["output_tok_per_cpu_s_ratio"],
                          "TTFT p50 ratio": r["ttft_p50_ratio"], "TTFT p90 ratio": r["ttft_p90_ratio"]}
                         for r in data["ratios"]]),
     ]
     g = data["goal"]
     if g["ratio"] is not None:
         lines.append(f"**Goal (issue 3)**: pagedkv ≥ {g['target_ratio']:g}× {g['versus']} ({g['peer']}): "
-                     f"measured {g['ratio']:.2f}× — {'met' if g['met'] else 'NOT met'}.")
+                     f"measured {g['ratio']:.2f}× in output tokens/s — {'met' if g['met'] else 'NOT met'} "
+                     f"({g['cpu_ratio']:.2f}× in output tokens per CPU-second).")
     else:
         lines.append("**Goal (issue 3)**: not measured in this run.")
     if data["greedy_agreement_with_pagedkv"]:
@@ -589,10 +619,16 @@ def render_markdown(data: dict[str, Any]) -> str:
         "longest output (tokens past a request's own length are computed but not counted). generate_batch is "
         "transformers' ContinuousBatchingManager with per-request max_new_tokens. llama.cpp runs one request at "
         "a time on the Q4_1 weights as stored (not fp32). The machine is shared with other jobs, so compare the "
-        "ratios (measured side by side in one run) rather than absolute numbers.",
+        "ratios (measured side by side in one run) rather than absolute numbers. Output tokens per CPU-second "
+        "(this process's CPU time, all threads, over the timed span) is less sensitive to other jobs than wall "
+        "time.",
     ]
     if cfg.get("notes"):
         lines += ["", cfg["notes"]]
+    la = data.get("load_average_1m") or {}
+    if la.get("start") is not None:
+        lines += ["", f"1-minute load average at start / end: {la['start']:.1f} / {la['end']:.1f} "
+                  f"(on {data['machine']['cpu_count']} CPUs; other jobs share the machine)."]
     return "\n".join(lines) + "\n"
 
 

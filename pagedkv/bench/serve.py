@@ -72,10 +72,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--trace", default=None, help="trace CSV (default: the shared Azure conversation trace)")
     e = p.add_argument_group("engine (the same KV budget in every cell)")
     e.add_argument("--max-model-len", type=int, default=1024, help="context limit, tokens; the contiguous reservation (default 1024)")
-    e.add_argument("--num-blocks", type=int, default=256, help="KV budget in blocks (default 256 = 4 x max_model_len at block 16)")
+    e.add_argument("--num-blocks", type=int, default=128, help="KV budget in blocks (default 128 = 2 x max_model_len at block 16)")
     e.add_argument("--block-size", type=int, default=16)
     e.add_argument("--max-num-seqs", type=int, default=64)
-    e.add_argument("--max-num-batched-tokens", type=int, default=512)
+    e.add_argument("--max-num-batched-tokens", type=int, default=64,
+                   help="tokens per engine step (default 64: a step of 512 prompt tokens takes ~2 s on 2 cores, past any TPOT target)")
     t = p.add_argument_group("target and limits")
     t.add_argument("--target-ttft-p90", type=float, default=2.0, help="latency target: p90 TTFT, s (default 2)")
     t.add_argument("--target-tpot-p90", type=float, default=0.2, help="latency target: p90 TPOT, s (default 0.2)")
@@ -90,6 +91,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     h.add_argument("--port", type=int, default=0, help="server port on 127.0.0.1 (default: a free one)")
     p.add_argument("--cells", default="all", help="'all' or 'none' (only the sweep)")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--note", default=None, help="free text recorded in the results (e.g. why a run was shrunk)")
     p.add_argument("--tiny", action="store_true", help="test-sized run: 4 requests, short lengths, 2 sweep rates")
 
 
@@ -123,6 +125,7 @@ class RunStats:
     kv_usage_samples: list[float] = field(default_factory=list)
     preemptions: int = 0
     peak_running: int = 0
+    cpu_s: Optional[float] = None  # this process's CPU seconds over the run (in-process runs)
     notes: list[str] = field(default_factory=list)
 
 
@@ -157,6 +160,7 @@ def summarize_run(records: Sequence[RequestRecord], stats: RunStats) -> dict[str
         "mean_kv_usage": (sum(stats.kv_usage_samples) / len(stats.kv_usage_samples)) if stats.kv_usage_samples else float("nan"),
         "engine_steps": stats.steps,
         "cached_prompt_tokens": sum(r.cached_tokens for r in ok),
+        "cpu_s": stats.cpu_s,
         "notes": stats.notes,
     }
 
@@ -198,6 +202,7 @@ def replay_in_process(engine: Any, reqs: Sequence[BenchRequest], max_run_s: floa
     for i, r in enumerate(reqs):
         records[i].arrival_time = start + r.arrival_s
     stats.started = start
+    c0 = time.process_time()
     k = 0
     done = 0
     deadline = start + max_run_s
@@ -249,6 +254,7 @@ def replay_in_process(engine: Any, reqs: Sequence[BenchRequest], max_run_s: floa
     finally:
         bar.close()
     stats.ended = time.time()
+    stats.cpu_s = time.process_time() - c0
     st1 = engine.get_stats()
     stats.preemptions = st1["num_preemptions"] - st0["num_preemptions"]
     stats.peak_running = max(stats.running_samples, default=0)
@@ -523,6 +529,7 @@ def run_serving(args: argparse.Namespace, loaded: Any = None, progress: bool = T
         args.rates = ",".join(args.rates.split(",")[:2]) if args.rates else args.rates
         args.max_run_seconds = min(args.max_run_seconds, 60.0)
     threads = pin_threads(args.threads)
+    load_start = _loadavg()
     t_all = time.time()
     if loaded is None:
         import torch
@@ -557,19 +564,23 @@ def run_serving(args: argparse.Namespace, loaded: Any = None, progress: bool = T
     sweep: dict[str, list[dict[str, Any]]] = {}
     sustainable: dict[str, Optional[float]] = {}
     rates = sorted({float(x) for x in args.rates.split(",") if x.strip()}) if args.rates else []
-    for cell in CELLS[:2]:
-        rows: list[dict[str, Any]] = []
-        failed = False
-        for r in rates:
-            if failed and not args.sweep_all:
-                rows.append({"cell": cell["name"], "rate": r, "skipped": "a lower rate already missed the target"})
+    # rates outer, cells inner: paging on and off at one rate run back to back, so a change in
+    # the machine's load hits both alike
+    failed = {c["name"]: False for c in CELLS[:2]}
+    for c in CELLS[:2]:
+        sweep[c["name"]] = []
+    for r in rates:
+        for cell in CELLS[:2]:
+            name = cell["name"]
+            if failed[name] and not args.sweep_all:
+                sweep[name].append({"cell": name, "rate": r, "skipped": "a lower rate already missed the target"})
                 continue
             row = measure(cell, r)
-            rows.append(row)
-            failed = failed or not row["meets_target"]
-        sweep[cell["name"]] = rows
+            sweep[name].append(row)
+            failed[name] = failed[name] or not row["meets_target"]
+    for name, rows in sweep.items():
         ok = [x["rate"] for x in rows if x.get("meets_target")]
-        sustainable[cell["name"]] = max(ok) if ok else None
+        sustainable[name] = max(ok) if ok else None
 
     http_rows = []
     if args.http:
@@ -613,6 +624,7 @@ def run_serving(args: argparse.Namespace, loaded: Any = None, progress: bool = T
                        "also": "every request completed, none rejected"},
             "max_run_seconds": args.max_run_seconds,
             "tiny": bool(args.tiny),
+            "notes": args.note,
         },
         "workload": {
             "prompt_len": summarize(r.prompt_len for r in base),
@@ -625,6 +637,7 @@ def run_serving(args: argparse.Namespace, loaded: Any = None, progress: bool = T
         "sustainable_rate": sustainable,
         "http": http_rows,
         "elapsed_s": time.time() - t_all,
+        "load_average_1m": {"start": load_start, "end": _loadavg()},
         "machine": machine_info(threads),
     }
     return _clean(data)
@@ -647,6 +660,14 @@ def _clean(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [_clean(v) for v in obj]
     return finite_or_none(obj)
+
+
+def _loadavg() -> Optional[float]:
+    """The 1-minute load average (the machine is shared: a busy machine slows every system)."""
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
 
 
 def _log(msg: str) -> None:
@@ -726,6 +747,10 @@ def render_markdown(data: dict[str, Any]) -> str:
     ]
     if c.get("notes"):
         lines += ["", c["notes"]]
+    la = data.get("load_average_1m") or {}
+    if la.get("start") is not None:
+        lines += ["", f"1-minute load average at start / end: {la['start']:.1f} / {la['end']:.1f} "
+                  f"(on {data['machine']['cpu_count']} CPUs; other jobs share the machine)."]
     return "\n".join(lines) + "\n"
 
 
