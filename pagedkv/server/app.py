@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import time
@@ -127,6 +128,10 @@ def tenant_cache_salt(tenant: Optional[str], salt: Optional[str]) -> Optional[st
     return f"tenant={tenant}\x00salt={salt or ''}"
 
 
+def _key_digest(key: str) -> str:
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
 # ---- the app ------------------------------------------------------------------------
 class _State:
     def __init__(self, engine: Any, loop: EngineLoop, metrics: ServerMetrics, model_names: list[str],
@@ -165,8 +170,9 @@ def build_app(
     metrics = ServerMetrics(engine, names[0])
     loop = EngineLoop(engine, on_output=metrics.observe_output)
     max_n = min(max_n, getattr(getattr(engine, "config", None), "max_n", max_n))
-    st = _State(engine, loop, metrics, names, dict(api_keys) if api_keys is not None else None,
-                max_body_bytes, max_n, shutdown_timeout_s)
+    # keys are kept as digests, so a lookup does not compare secrets byte by byte
+    digests = {_key_digest(k): t for k, t in api_keys.items()} if api_keys is not None else None
+    st = _State(engine, loop, metrics, names, digests, max_body_bytes, max_n, shutdown_timeout_s)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -185,6 +191,12 @@ def build_app(
         metrics.http_errors.labels(names[0], str(exc.status)).inc()
         return error_response(exc)
 
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s", request.url.path)
+        metrics.http_errors.labels(names[0], "500").inc()
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}", "server_error"))
+
     @app.exception_handler(404)
     async def _not_found(request: Request, exc: Exception) -> JSONResponse:
         return error_response(APIError(404, f"no route {request.url.path}", "not_found_error"))
@@ -201,11 +213,11 @@ def build_app(
         auth = request.headers.get("authorization", "")
         key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
         if not key:
-            key = request.headers.get("x-api-key", "") or request.query_params.get("api_key", "")
+            key = request.headers.get("x-api-key", "")
         if not key:
             raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'",
                            "authentication_error", code="invalid_api_key")
-        tenant = st.api_keys.get(key)
+        tenant = st.api_keys.get(_key_digest(key))
         if tenant is None:
             raise APIError(401, "invalid API key", "authentication_error", code="invalid_api_key")
         return tenant

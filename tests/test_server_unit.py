@@ -1,0 +1,151 @@
+"""Fast server checks without the model: request schemas and the engine loop's routing,
+abort-on-close and step-failure handling (a fake engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+from pydantic import ValidationError
+
+from pagedkv.engine.request import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
+from pagedkv.server.engine_loop import EngineLoop, EngineStepError, PromptSpec
+from pagedkv.server.schemas import ChatCompletionRequest, CompletionRequest
+
+
+def test_schema_prompts_and_limits():
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "hi"}).prompts() == ["hi"]
+    assert CompletionRequest.model_validate({"model": "m", "prompt": [1, 2]}).prompts() == [[1, 2]]
+    assert CompletionRequest.model_validate({"model": "m", "prompt": [[1], [2, 3]]}).prompts() == [[1], [2, 3]]
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "x", "stop": "\n"}).stop == ["\n"]
+    for bad in ({"prompt": ""}, {"prompt": []}, {"prompt": ["a"] * 17}, {"prompt": "x", "max_tokens": 0},
+                {"prompt": "x", "max_tokens": 1.5}, {"prompt": "x", "n": True}, {"prompt": "x", "temperature": "1"},
+                {"prompt": "x", "temperature": 2.5}, {"prompt": "x", "seed": "7"}, {"prompt": [1, "a"]}):
+        with pytest.raises(ValidationError):
+            CompletionRequest.model_validate({"model": "m", **bad})
+    msg = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                 {"type": "text", "text": "b"}]}]})
+    assert msg.messages[0].text() == "ab"
+    for bad in ({"messages": []}, {"messages": [{"role": "robot", "content": "x"}]},
+                {"messages": [{"role": "user", "content": "x"}], "logprobs": 1}):
+        with pytest.raises(ValidationError):
+            ChatCompletionRequest.model_validate({"model": "m", **bad})
+
+
+class FakeEngine:
+    """Emits one token per step per request; ``fail_next`` makes the next step raise."""
+
+    def __init__(self, max_tokens: int = 3) -> None:
+        self.lock = threading.Lock()
+        self.reqs: dict[str, list[int]] = {}
+        self.aborted: list[str] = []
+        self.max_tokens = max_tokens
+        self.fail_next = False
+
+    def add_request(self, rid, prompt, params, *, cache_salt=None, stream=False):
+        with self.lock:
+            self.reqs[rid] = []
+        return rid
+
+    def abort_request(self, ids):
+        with self.lock:
+            for rid in ([ids] if isinstance(ids, str) else ids):
+                if self.reqs.pop(rid, None) is not None:
+                    self.aborted.append(rid)
+
+    def has_unfinished_requests(self):
+        with self.lock:
+            return bool(self.reqs)
+
+    def get_num_unfinished_requests(self):
+        with self.lock:
+            return len(self.reqs)
+
+    def step(self):
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("boom")
+        outs = []
+        with self.lock:
+            for rid, toks in list(self.reqs.items()):
+                toks.append(len(toks))
+                done = len(toks) >= self.max_tokens
+                outs.append(RequestOutput(rid, None, [1], [CompletionOutput(0, "x" * len(toks), list(toks),
+                                                                            "length" if done else None)],
+                                          done, RequestMetrics(0.0)))
+                if done:
+                    del self.reqs[rid]
+        return outs
+
+
+def _spec():
+    return PromptSpec([1], SamplingParams(max_tokens=3))
+
+
+def test_loop_routes_outputs_and_aborts_on_close():
+    eng = FakeEngine(max_tokens=3)
+    loop = EngineLoop(eng, idle_wait_s=0.01)
+    loop.start()
+
+    async def go():
+        sub = await loop.submit(["a-0", "a-1"], [_spec(), _spec()])
+        seen = [(i, o.finished) async for i, o in sub.outputs()]
+        assert sorted(i for i, f in seen if f) == [0, 1]
+        eng.max_tokens = 10**6
+        sub2 = await loop.submit(["b-0"], [_spec()])
+        async for _, out in sub2.outputs():
+            break  # leaving early aborts
+        return seen
+
+    asyncio.run(go())
+    assert eng.aborted == ["b-0"]
+    assert loop.shutdown(1.0)["aborted"] == 0
+    assert not loop.running
+
+
+def test_loop_survives_a_failed_step():
+    eng = FakeEngine(max_tokens=3)
+    loop = EngineLoop(eng, idle_wait_s=0.01)
+    loop.start()
+
+    async def go():
+        eng.fail_next = True
+        sub = await loop.submit(["c-0"], [_spec()])
+        with pytest.raises(EngineStepError):
+            async for _ in sub.outputs():
+                pass
+        sub2 = await loop.submit(["d-0"], [_spec()])  # the loop still serves
+        return [o async for _, o in sub2.outputs()]
+
+    outs = asyncio.run(go())
+    assert outs[-1].finished and "c-0" in eng.aborted
+    assert loop.num_step_errors == 1
+    loop.shutdown(1.0)
+
+
+def test_loop_pause_holds_steps():
+    eng = FakeEngine(max_tokens=10**6)
+    loop = EngineLoop(eng, idle_wait_s=0.01)
+    loop.start()
+
+    async def go():
+        sub = await loop.submit(["p-0"], [_spec()])
+        it = sub.outputs().__aiter__()
+        await it.__anext__()
+        assert await asyncio.to_thread(loop.pause)
+        n = loop.num_steps
+        await asyncio.sleep(0.1)
+        assert loop.num_steps == n and loop.paused
+        loop.resume()
+        for _ in range(200):
+            if loop.num_steps > n:
+                break
+            await asyncio.sleep(0.01)
+        assert loop.num_steps > n
+        await it.aclose()
+
+    asyncio.run(go())
+    loop.shutdown(1.0)
+    assert eng.aborted == ["p-0"]
