@@ -120,6 +120,12 @@ def test_concurrent_tenants_share_no_block(server):
             for blk in snap["blocks"]:
                 if rb in blk["owners"]:
                     assert blk["owners"] == [rb]
+            # the /ui data shows bob his own request; alice's blocks only as "other"
+            view = http.get("/ui/state", headers=_auth("key-bob")).json()
+            assert [r["request_id"] for r in view["requests"]] == [rb]
+            owners = view["blocks"]["owners"]
+            assert {o for v in owners.values() for o in v} == {rb, "other"}
+            assert sorted(int(b) for b, v in owners.items() if v == [rb]) == sorted(tb)
         finally:
             loop.resume()
     _wait_idle(engine)  # the three disconnects were aborted and freed

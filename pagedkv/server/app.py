@@ -7,7 +7,8 @@ Endpoints
     GET  /health                  200 while the engine loop runs, else 503
     GET  /metrics                 Prometheus exposition (see ``pagedkv.server.metrics``)
     GET  /ui                      live page of the KV cache (+ the seed §03 calculator)
-    GET  /ui/state                JSON snapshot the page polls (blocks, tables, stats)
+    GET  /ui/state                JSON snapshot the page polls (blocks, tables, stats; with
+                                  tenants, other tenants' requests are shown as "other")
 
 One :class:`pagedkv.server.engine_loop.EngineLoop` runs the engine for every request.
 Streaming responses are Server-Sent Events (``data: {json}`` ... ``data: [DONE]``); a
@@ -288,9 +289,9 @@ def build_app(
             stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logprobs=logprobs,
         )
 
-    async def submit(ids: list[str], specs: list[PromptSpec], stream: bool):
+    async def submit(ids: list[str], specs: list[PromptSpec], stream: bool, tenant: Optional[str]):
         try:
-            return await loop.submit(ids, specs, stream=stream)
+            return await loop.submit(ids, specs, stream=stream, tenant=tenant)
         except InvalidRequestError as e:
             raise APIError(400, str(e), code="invalid_value") from None
         except EngineStoppedError as e:
@@ -346,7 +347,7 @@ def build_app(
         rid = f"cmpl-{uuid.uuid4().hex}"
         eids = [f"{rid}-{i}" for i in range(len(specs))]
         echo = [p if isinstance(p, str) else engine.tokenizer.decode(p) for p in prompts] if body.echo else None
-        sub = await submit(eids, specs, body.stream)
+        sub = await submit(eids, specs, body.stream, tenant)
         ctx = _Ctx(rid, model, int(time.time()), "completion", token_lists, body, echo=echo)
         if body.stream:
             return _SSEResponse(_stream(ctx, sub, metrics, engine.tokenizer))
@@ -372,7 +373,7 @@ def build_app(
         lp = (body.top_logprobs or 0) if body.logprobs else None
         spec = PromptSpec(ids, sampling(body, mt, lp), tenant_cache_salt(tenant, body.cache_salt))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        sub = await submit([f"{rid}-0"], [spec], body.stream)
+        sub = await submit([f"{rid}-0"], [spec], body.stream, tenant)
         ctx = _Ctx(rid, model, int(time.time()), "chat", [ids], body)
         if body.stream:
             return _SSEResponse(_stream(ctx, sub, metrics, engine.tokenizer))
@@ -386,10 +387,11 @@ def build_app(
 
     @app.get("/ui/state")
     async def ui_state(request: Request) -> Response:
-        authenticate(request)
+        tenant = authenticate(request)
         from pagedkv.server.kvview import kv_view
 
-        view = await asyncio.to_thread(kv_view, engine, loop)
+        # with tenants, a caller sees its own requests; others' blocks show as "other"
+        view = await asyncio.to_thread(kv_view, engine, loop, tenant if st.api_keys is not None else None)
         return JSONResponse(view, headers={"Cache-Control": "no-store"})
 
     return app

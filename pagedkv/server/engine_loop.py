@@ -100,6 +100,7 @@ class EngineLoop:
         self.on_output = on_output
         self.idle_wait_s = idle_wait_s
         self._routes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._owners: dict[str, Optional[str]] = {}  # engine request id -> tenant (live ones)
         self._routes_lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -189,10 +190,12 @@ class EngineLoop:
         specs: Sequence[PromptSpec],
         *,
         stream: bool = False,
+        tenant: Optional[str] = None,
     ) -> Submission:
         """Queue one engine request per spec (ids given by the caller). All or nothing: if
         one is rejected (``InvalidRequestError``), those already queued are aborted and the
-        error is raised. Raises :class:`EngineStoppedError` while shutting down."""
+        error is raised. ``tenant`` is remembered for :meth:`tenant_of` while the requests
+        live. Raises :class:`EngineStoppedError` while shutting down."""
         if not self.accepting:
             raise EngineStoppedError("the server is shutting down")
         loop = asyncio.get_running_loop()
@@ -201,6 +204,7 @@ class EngineLoop:
         with self._routes_lock:
             for rid in ids:
                 self._routes[rid] = (loop, queue)
+                self._owners[rid] = tenant
         added: list[str] = []
         try:
             for rid, spec in zip(ids, specs):
@@ -222,10 +226,17 @@ class EngineLoop:
         self.engine.abort_request(list(request_ids))
         self._wake.set()
 
+    def tenant_of(self, request_id: str) -> Optional[str]:
+        """The tenant that submitted a live engine request (a parallel-sampling child
+        ``"<id>#<k>"`` belongs to ``<id>``); None if unknown or without tenants."""
+        with self._routes_lock:
+            return self._owners.get(request_id.split("#", 1)[0])
+
     def _unregister(self, request_ids: Sequence[str]) -> None:
         with self._routes_lock:
             for rid in request_ids:
                 self._routes.pop(rid, None)
+                self._owners.pop(rid, None)
 
     # ---- the thread ---------------------------------------------------------------------
     def _run(self) -> None:

@@ -23,8 +23,14 @@ import time
 from typing import Any, Optional
 
 
-def kv_view(engine: Any, loop: Optional[Any] = None) -> dict[str, Any]:
-    """Snapshot of the engine's KV cache and requests (see the module docstring)."""
+OTHER = "other"  # an owner that belongs to another tenant
+
+
+def kv_view(engine: Any, loop: Optional[Any] = None, viewer: Optional[str] = None) -> dict[str, Any]:
+    """Snapshot of the engine's KV cache and requests (see the module docstring).
+    ``viewer``: the calling tenant; when given, requests of other tenants are left out of
+    ``requests`` and appear as ``"other"`` among block owners (the occupancy stays visible,
+    the ids do not)."""
     # NOTE(engine): LLMEngine has no public lock/snapshot yet; its RLock keeps the KV
     # manager and the scheduler's queues from changing while we read them.
     lock = getattr(engine, "_lock", None) or contextlib.nullcontext()
@@ -34,6 +40,8 @@ def kv_view(engine: Any, loop: Optional[Any] = None) -> dict[str, Any]:
         reqs = list(sched.running) + list(sched.waiting)
         requests = []
         for r in reqs:
+            if viewer is not None and not _mine(loop, r.request_id, viewer):
+                continue
             table = snap["tables"].get(r.request_id)
             requests.append({
                 "request_id": r.request_id,
@@ -49,6 +57,8 @@ def kv_view(engine: Any, loop: Optional[Any] = None) -> dict[str, Any]:
         stats = engine.get_stats()
     blocks = snap["blocks"]
     owners = {str(b["block_id"]): list(b["owners"]) for b in blocks if b["owners"]}
+    if viewer is not None:
+        owners = {k: [o if _mine(loop, o, viewer) else OTHER for o in v] for k, v in owners.items()}
     return {
         "time": time.time(),
         "step": getattr(loop, "num_steps", 0) if loop is not None else 0,
@@ -66,3 +76,7 @@ def kv_view(engine: Any, loop: Optional[Any] = None) -> dict[str, Any]:
         "requests": requests,
         "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, str, bool)) or v is None},
     }
+
+
+def _mine(loop: Optional[Any], request_id: str, viewer: str) -> bool:
+    return loop is not None and loop.tenant_of(request_id) == viewer
