@@ -97,7 +97,7 @@ class ReferenceBackend:
                 scale: float) -> torch.Tensor:
         """``[num_tokens, num_heads, head_dim]`` output in ``query.dtype``."""
         n, hq, d = check_inputs(query, kv_cache, metadata)
-        out = torch.empty_like(query)
+        out = torch.zeros_like(query)  # rows past query_start_loc[-1] (batch padding) stay 0
         seq_lens, q_lens, starts = lists_of(metadata)
         group = hq // kv_cache.num_kv_heads
         for i, (sl, ql) in enumerate(zip(seq_lens, q_lens)):

@@ -265,7 +265,8 @@ class TritonBackend:
     """
 
     def __init__(self, layout: str = "nhd", name: str | None = None, split_len: int = 512,
-                 block_n: int | None = None, block_m: int | None = None, num_warps: int = 4) -> None:
+                 block_n: int | None = None, block_m: int | None = None, num_warps: int = 4,
+                 num_stages: int | None = None) -> None:
         if triton is None:
             raise BackendError(f"the triton backend needs the `triton` package: {_IMPORT_ERROR}")
         err = _interpreter_state_error()
@@ -282,6 +283,8 @@ class TritonBackend:
         self.block_n = block_n
         self.block_m = block_m
         self.num_warps = num_warps
+        # software-pipelining depth of the K/V loads (None: Triton's default)
+        self._launch = {"num_warps": num_warps} if num_stages is None else {"num_warps": num_warps, "num_stages": num_stages}
         self._ws: dict[tuple, torch.Tensor] = {}
 
     # -- memory ---------------------------------------------------------------------------
@@ -386,7 +389,7 @@ class TritonBackend:
                 s_blk, s_tok, s_head, bt.stride(0),
                 c.block_size, d, num_splits, split_len,
                 GROUP=group, G_PAD=max(16, _next_pow2(group)), D_PAD=d_pad, BLOCK_N=self.block_n,
-                DOT_F32=dot_f32, SPLIT=split, num_warps=self.num_warps,
+                DOT_F32=dot_f32, SPLIT=split, **self._launch,
             )
             if split:
                 _reduce_kernel[(num_seqs, hq)](
@@ -402,6 +405,6 @@ class TritonBackend:
                 s_blk, s_tok, s_head, bt.stride(0),
                 c.block_size, d,
                 GROUP=group, G_PAD=g_pad, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=self.block_n,
-                DOT_F32=dot_f32, num_warps=self.num_warps,
+                DOT_F32=dot_f32, **self._launch,
             )
         return out
