@@ -27,8 +27,10 @@ run: $(STAMP)
 	  "Name three primary colours." \
 	  "Write a haiku about memory pages."
 
+# The /ui test drives Debian's chromium (apt, needs root); CI=1 makes its absence a failure.
 test: $(STAMP)
-	$(VPY) -m pytest -x -q -p no:cacheprovider tests
+	@bash scripts/install_browser.sh $(VPY) >/dev/null 2>&1 || echo "note: chromium not installed; the /ui browser test needs it (scripts/install_browser.sh as root)"
+	$(VPY) -m pytest -q -p no:cacheprovider --durations=25 tests
 
 clean:
 	rm -rf $(VENV)
