@@ -21,6 +21,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
+from pagedkv.engine.beam import BeamHypothesis, BeamSearch, beam_stop_ids
 from pagedkv.engine.request import (
     CompletionOutput,
     Request,
@@ -96,6 +97,12 @@ class _Group:
     seqs: list[Request] = field(default_factory=list)
     pending_children: int = 0  # n - 1 until the prefill finishes and children fork
     stream: bool = False
+    beam: Optional[BeamSearch] = None  # beam search state (SamplingParams.beam_width > 1)
+    # counters of sequences that left the group before it finished (replaced beams)
+    retired_cow_copies: int = 0
+    retired_preemptions: int = 0
+    retired_prefix_query: int = 0
+    retired_prefix_hits: int = 0
 
     @property
     def finished(self) -> bool:
@@ -192,6 +199,9 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         self.num_finished = 0
+        self._beam_groups: set[str] = set()  # groups doing beam search
+        self.peak_used_blocks = 0  # max blocks in use right after a step's allocation
+        self.peak_shared_blocks = 0  # max blocks held by more than one table (end of a step)
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%s, %d B/token); max concurrency at "
             "max_model_len %d: %.2f", num_blocks, cfg.block_size, num_blocks * cfg.block_size,
@@ -272,6 +282,12 @@ class LLMEngine:
         total = min(len(token_ids) + params.max_tokens, self.max_model_len)
         bs = self.config.block_size
         need = -(-total // bs) if self.config.enable_paging else -(-self.max_model_len // bs)
+        if params.use_beam_search:
+            # the shared prompt plus, per beam, its own output blocks and one partial copy
+            if self.config.enable_paging:
+                need = -(-len(token_ids) // bs) + params.beam_width * (-(-(total - len(token_ids)) // bs) + 1)
+            else:
+                need *= params.beam_width
         if need > self.num_blocks:
             raise InvalidRequestError(
                 f"request needs {need} KV blocks ({total} tokens) but the pool has only "
@@ -295,6 +311,14 @@ class LLMEngine:
                 eos_token_ids=self.eos_token_ids, max_total_tokens=total, parent_id=request_id,
             )
             group.seqs.append(seq)
+            if params.use_beam_search:
+                group.beam = BeamSearch(
+                    params.beam_width, total - len(token_ids),
+                    beam_stop_ids(self.eos_token_ids, params.ignore_eos, params.stop_token_ids),
+                    params.length_penalty, params.early_stopping,
+                )
+                group.beam.start(seq)
+                self._beam_groups.add(request_id)
             self._groups[request_id] = group
             self._seq_group[request_id] = group
             self.scheduler.add_request(seq)
@@ -331,12 +355,17 @@ class LLMEngine:
             if out.is_empty:
                 self.kv.end_step(out.step_id)
                 return self._collect(self._finished_groups())
+            if self.kv.num_used_blocks > self.peak_used_blocks:
+                self.peak_used_blocks = self.kv.num_used_blocks
             block_ids = [self.kv.get_block_ids(r.request_id) for r, _ in out.scheduled]
             inp = self.runner.prepare(out.scheduled, block_ids)
             self.runner.copy_blocks(out.copies)
         logits = self.runner.execute(inp)  # lock released: aborts may land now (fenced)
         with self._lock:
             rows, reqs = self._expand_forks(out, inp.sampling_requests)
+            beam_touched: set[str] = set()
+            if self._beam_groups:
+                rows, reqs = self._offer_beam_rows(logits, rows, reqs, beam_touched)
             sample_reqs = [r for r in reqs if r.status == RequestStatus.RUNNING]
             keep = [i for i, r in zip(rows, reqs) if r.status == RequestStatus.RUNNING]
             sampled: dict[str, tuple[int, Optional[dict[int, float]]]] = {}
@@ -346,6 +375,10 @@ class LLMEngine:
                     sampled[r.request_id] = (t, lp)
             self.scheduler.update(out, sampled)
             self.num_generated_tokens += len(sampled)
+            for gid in beam_touched:
+                self._beam_step(self._groups[gid])
+                touched.add(gid)
+            self._track_shared_blocks()
             for r in sample_reqs:
                 touched.add(r.parent_id)
                 group = self._seq_group.get(r.request_id)
@@ -399,6 +432,111 @@ class LLMEngine:
             group.pending_children = 0
         return rows, reqs
 
+    # ---- beam search -------------------------------------------------------------------
+    def _offer_beam_rows(self, logits, rows: list[int], reqs: list[Request], touched: set[str]):
+        """Hand the logits rows of beam sequences to their beam search (they are not sampled);
+        returns the remaining (rows, requests)."""
+        keep_rows, keep_reqs = [], []
+        for row, r in zip(rows, reqs):
+            group = self._seq_group.get(r.request_id)
+            if group is None or group.beam is None:
+                keep_rows.append(row)
+                keep_reqs.append(r)
+            elif r.status == RequestStatus.RUNNING:
+                group.beam.offer(r, logits[row])
+                touched.add(group.request_id)
+        return keep_rows, keep_reqs
+
+    def _beam_step(self, group: _Group) -> None:
+        """One beam-search step once every live beam has its logits: pick the next beams;
+        the first child of a beam continues it in place, each further child forks the
+        beam's block table (copy-on-write of the partly filled block on its first write),
+        beams with no child are freed (through the step fence)."""
+        bs = group.beam
+        if bs is None or not bs.ready():
+            return
+        choices = bs.step()
+        t = now()
+        for b in bs.beams:
+            if b.first_token_time is None:
+                b.first_token_time = t
+        if bs.done:
+            self._finish_beams(group)
+            return
+        # forks first: they copy their source's tokens before an in-place append changes them
+        continued: set[str] = set()
+        new_beams: list[Request] = []
+        in_place: list[tuple[Request, int]] = []
+        for c in choices:
+            src = c.source
+            if src.request_id not in continued:
+                continued.add(src.request_id)
+                new_beams.append(src)
+                in_place.append((src, c.token))
+                continue
+            bs.num_forks += 1
+            child = Request(
+                request_id=f"{group.request_id}#beam{bs.num_forks}", prompt_token_ids=src.prompt_token_ids,
+                sampling_params=src.sampling_params, arrival_time=src.arrival_time,
+                cache_keys=src.cache_keys, priority=src.priority, prompt=src.prompt,
+                eos_token_ids=src.eos_token_ids, max_total_tokens=src.max_total_tokens,
+                parent_id=group.request_id,
+            )
+            for tok in src.output_token_ids:
+                child.append_output_token(tok)
+            child.append_output_token(c.token)
+            child.num_computed_tokens = src.num_computed_tokens
+            child.num_cached_tokens = 0  # it never looked anything up itself
+            child.scheduled_time = src.scheduled_time
+            child.first_token_time = src.first_token_time
+            child.status = RequestStatus.RUNNING
+            self.kv.fork(src.request_id, child.request_id)
+            self.scheduler.requests[child.request_id] = child
+            self.scheduler.running.append(child)
+            self._seq_group[child.request_id] = group
+            new_beams.append(child)
+        for src, tok in in_place:
+            src.append_output_token(tok)
+        for old in bs.beams:
+            if old.request_id not in continued:
+                self._retire(group, old)
+        for i, b in enumerate(new_beams):
+            b.index = i
+        bs.advance(choices, new_beams)
+        group.seqs = list(new_beams)
+        self.num_generated_tokens += len(new_beams)
+
+    def _retire(self, group: _Group, req: Request) -> None:
+        """Drop a sequence from its group before the group ends (a replaced beam)."""
+        group.retired_cow_copies += req.num_cow_copies
+        group.retired_preemptions += req.num_preemptions
+        group.retired_prefix_query += req.num_prefix_query_tokens
+        if req.num_prefix_query_tokens:
+            group.retired_prefix_hits += max(req.num_cached_tokens, 0)
+        self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
+        self._seq_group.pop(req.request_id, None)
+
+    def _finish_beams(self, group: _Group) -> None:
+        """The search is over: free every live beam; the output is the hypotheses."""
+        bs = group.beam
+        skip = group.params.skip_special_tokens
+        for h in bs.hypotheses:
+            h.text = self.tokenizer.decode(h.token_ids, skip_special_tokens=skip)
+        for b in list(bs.beams):
+            self.scheduler.finish_request(b, RequestStatus.FINISHED_STOPPED)
+            b._text_tokens = b.num_output_tokens  # its text is not used
+        self._beam_groups.discard(group.request_id)
+
+    def _track_shared_blocks(self) -> None:
+        n = self.num_shared_blocks()
+        if n > self.peak_shared_blocks:
+            self.peak_shared_blocks = n
+
+    def num_shared_blocks(self) -> int:
+        """Blocks referenced more than once right now (by several block tables, e.g. a
+        prefix hit, a fork or a beam; a step-fence hold also counts as a reference)."""
+        return sum(1 for b in self.kv.pool.blocks if b.ref_cnt > 1)
+
     def _detokenize(self, req: Request) -> None:
         """Bring ``req.output_text`` up to date (once per new token only for streamed
         requests or requests with stop strings; otherwise once at the end). A stop string
@@ -440,6 +578,7 @@ class LLMEngine:
             outs.append(self._make_output(group))
             if group.finished:
                 del self._groups[rid]
+                self._beam_groups.discard(rid)
                 for s in group.seqs:
                     self._seq_group.pop(s.request_id, None)
                 self.num_finished += 1
@@ -454,8 +593,20 @@ class LLMEngine:
             first_scheduled_time=first.scheduled_time,
             first_token_time=first.first_token_time,
             finish_time=max(finish_times) if group.finished and finish_times else None,
-            num_preemptions=sum(s.num_preemptions for s in seqs),
+            num_preemptions=sum(s.num_preemptions for s in seqs) + group.retired_preemptions,
+            prefix_query_tokens=sum(s.num_prefix_query_tokens for s in seqs) + group.retired_prefix_query,
+            prefix_hit_tokens=sum(max(s.num_cached_tokens, 0) for s in seqs if s.num_prefix_query_tokens)
+            + group.retired_prefix_hits,
+            num_cow_copies=sum(s.num_cow_copies for s in seqs) + group.retired_cow_copies,
         )
+        if group.beam is not None and group.beam.done:
+            return RequestOutput(
+                request_id=group.request_id, prompt=group.prompt,
+                prompt_token_ids=group.prompt_token_ids,
+                outputs=[_beam_output(i, h) for i, h in enumerate(group.beam.result())],
+                finished=group.finished, metrics=metrics,
+                num_cached_tokens=metrics.prefix_hit_tokens,
+            )
         comps = [
             CompletionOutput(
                 index=s.index, text=s.output_text, token_ids=list(s.output_token_ids),
@@ -468,10 +619,32 @@ class LLMEngine:
         return RequestOutput(
             request_id=group.request_id, prompt=group.prompt,
             prompt_token_ids=group.prompt_token_ids, outputs=comps, finished=group.finished,
-            metrics=metrics, num_cached_tokens=max(first.num_cached_tokens, 0),
+            metrics=metrics, num_cached_tokens=metrics.prefix_hit_tokens if group.beam is not None
+            else max(first.num_cached_tokens, 0),
         )
 
     # ---- statistics ------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """One consistent view (taken under the engine lock) for live UIs: ``{"kv":
+        KVCacheManager.snapshot(), "requests": [...running, then waiting], "stats":
+        get_stats()}``; each request has request_id, parent_id, index, status,
+        prompt_tokens, output_tokens, num_tokens, num_computed_tokens (tokens)."""
+        with self._lock:
+            reqs = [
+                {
+                    "request_id": r.request_id,
+                    "parent_id": r.parent_id or r.request_id,
+                    "index": r.index,
+                    "status": r.status.name.lower(),
+                    "prompt_tokens": r.num_prompt_tokens,
+                    "output_tokens": r.num_output_tokens,
+                    "num_tokens": r.num_tokens,
+                    "num_computed_tokens": r.num_computed_tokens,
+                }
+                for r in list(self.scheduler.running) + list(self.scheduler.waiting)
+            ]
+            return {"kv": self.kv.snapshot(), "requests": reqs, "stats": self.get_stats()}
+
     def get_stats(self) -> dict[str, Any]:
         """Engine statistics: requests, KV blocks, prefix cache, preemptions, CoW copies."""
         with self._lock:
@@ -489,6 +662,9 @@ class LLMEngine:
                 "num_generated_tokens": self.num_generated_tokens,
                 "num_prompt_tokens": self.num_prompt_tokens,
                 "num_finished_requests": self.num_finished,
+                "num_shared_blocks": self.num_shared_blocks(),
+                "peak_shared_blocks": self.peak_shared_blocks,
+                "peak_used_blocks": self.peak_used_blocks,
             }
             st.update(_as_dict(kvs, prefix="kv_"))
             return st
@@ -513,6 +689,13 @@ def _as_dict(obj: Any, prefix: str = "") -> dict[str, Any]:
             if isinstance(v, (int, float)):
                 out[prefix + k] = v
     return out
+
+
+def _beam_output(index: int, h: BeamHypothesis) -> CompletionOutput:
+    return CompletionOutput(
+        index=index, text=h.text, token_ids=list(h.token_ids), finish_reason=h.finish_reason,
+        cumulative_logprob=h.cumulative_logprob, score=h.score,
+    )
 
 
 def _replace_seed(params: SamplingParams, seed: int) -> SamplingParams:

@@ -12,13 +12,12 @@ Shape (``GET /ui/state``)::
 
 A block is *in use* when ``ref_cnt > 0`` (a block table or a step fence holds it), *shared*
 when ``ref_cnt > 1``, *cached-but-free* when ``ref_cnt == 0`` and it carries a prefix hash.
-The snapshot is taken under the engine's lock, so it is consistent with one point between
-(or inside the unlocked forward of) a step.
+The snapshot is ``LLMEngine.snapshot()``, taken under the engine's lock, so it is consistent
+with one point between (or inside the unlocked forward of) a step.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Any, Optional
 
@@ -31,30 +30,14 @@ def kv_view(engine: Any, loop: Optional[Any] = None, viewer: Optional[str] = Non
     ``viewer``: the calling tenant; when given, requests of other tenants are left out of
     ``requests`` and appear as ``"other"`` among block owners (the occupancy stays visible,
     the ids do not)."""
-    # NOTE(engine): LLMEngine has no public lock/snapshot yet; its RLock keeps the KV
-    # manager and the scheduler's queues from changing while we read them.
-    lock = getattr(engine, "_lock", None) or contextlib.nullcontext()
-    with lock:
-        snap = engine.kv.snapshot()
-        sched = engine.scheduler
-        reqs = list(sched.running) + list(sched.waiting)
-        requests = []
-        for r in reqs:
-            if viewer is not None and not _mine(loop, r.request_id, viewer):
-                continue
-            table = snap["tables"].get(r.request_id)
-            requests.append({
-                "request_id": r.request_id,
-                "parent_id": r.parent_id or r.request_id,
-                "index": r.index,
-                "status": r.status.name.lower(),
-                "prompt_tokens": r.num_prompt_tokens,
-                "output_tokens": r.num_output_tokens,
-                "num_tokens": r.num_tokens,
-                "num_computed_tokens": r.num_computed_tokens,
-                "block_table": list(table["block_ids"]) if table else [],
-            })
-        stats = engine.get_stats()
+    view = engine.snapshot()
+    snap, stats = view["kv"], view["stats"]
+    requests = []
+    for r in view["requests"]:
+        if viewer is not None and not _mine(loop, r["request_id"], viewer):
+            continue
+        table = snap["tables"].get(r["request_id"])
+        requests.append({**r, "block_table": list(table["block_ids"]) if table else []})
     blocks = snap["blocks"]
     owners = {str(b["block_id"]): list(b["owners"]) for b in blocks if b["owners"]}
     if viewer is not None:
