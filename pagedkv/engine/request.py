@@ -31,6 +31,13 @@ class SamplingParams:
     that end generation (like EOS). ignore_eos: keep going past EOS (benchmarks).
     logprobs: return the top-N log-probabilities per generated token (None = off).
     n: number of parallel samples of one prompt (they share the prompt's blocks).
+    beam_width: > 1 = beam search (deterministic; the beams share blocks by copy-on-write).
+    It returns ``beam_width`` finished hypotheses, best first, scored as cumulative logprob
+    / generated_len ** length_penalty (transformers' semantics); temperature, top-p/k/min-p
+    and seed are ignored; n, penalties, stop strings and logprobs are not supported with it.
+    length_penalty: exponent of the generated length in the beam score (> 0 favours longer).
+    early_stopping: beam search stop rule: False (heuristic), True (as soon as beam_width
+    hypotheses are finished) or "never" (only when no running beam can do better).
 
     Raises ``InvalidRequestError`` from :meth:`validate` on out-of-range values.
     """
@@ -50,6 +57,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: Optional[int] = None
     skip_special_tokens: bool = True
+    beam_width: int = 1
+    length_penalty: float = 1.0
+    early_stopping: Any = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -58,6 +68,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def use_beam_search(self) -> bool:
+        return self.beam_width > 1
 
     @property
     def uses_penalties(self) -> bool:
@@ -103,6 +117,23 @@ class SamplingParams:
             isinstance(t, int) and t >= 0 for t in self.stop_token_ids
         ):
             bad("stop_token_ids", "must be a list of token ids >= 0")
+        if isinstance(self.beam_width, bool) or not isinstance(self.beam_width, int) or self.beam_width < 1:
+            bad("beam_width", f"must be an integer >= 1, got {self.beam_width!r}")
+        if self.beam_width > max_n:
+            bad("beam_width", f"must be <= {max_n}, got {self.beam_width}")
+        if not _is_finite(self.length_penalty):
+            bad("length_penalty", f"must be a finite number, got {self.length_penalty!r}")
+        if self.early_stopping not in (False, True, "never"):
+            bad("early_stopping", f"must be False, True or 'never', got {self.early_stopping!r}")
+        if self.beam_width > 1:
+            if self.n != 1:
+                bad("n", "must be 1 with beam search (beam_width hypotheses are returned)")
+            if self.uses_penalties:
+                bad("repetition_penalty", "penalties are not supported with beam search")
+            if self.stop:
+                bad("stop", "stop strings are not supported with beam search (use stop_token_ids)")
+            if self.logprobs is not None:
+                bad("logprobs", "not supported with beam search")
 
 
 def _is_finite(x: Any) -> bool:
@@ -147,6 +178,8 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first admission (tokens); -1 = not yet
     num_preemptions: int = 0
+    num_prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache at first admission
+    num_cow_copies: int = 0  # copy-on-write block copies made for this sequence's writes
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: Any = None
     first_token_time: Optional[float] = None
@@ -205,6 +238,8 @@ class CompletionOutput:
     finish_reason: Optional[str]  # "stop" | "length" | "abort" | None while running
     logprobs: Optional[list[dict[int, float]]] = None
     stop_reason: Any = None
+    cumulative_logprob: Optional[float] = None  # beam search: sum of the tokens' logprobs
+    score: Optional[float] = None  # beam search: cumulative_logprob / len ** length_penalty
 
 
 @dataclass
@@ -216,6 +251,15 @@ class RequestMetrics:
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
     num_preemptions: int = 0
+    # sharing, summed over the request's sequences (tokens unless named)
+    prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # of those, served from cached blocks (prefill skipped)
+    num_cow_copies: int = 0  # copy-on-write block copies
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """prefix_hit_tokens / prefix_query_tokens (0 when nothing was looked up)."""
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
 
     @property
     def ttft(self) -> Optional[float]:

@@ -157,7 +157,10 @@ class Scheduler:
                 continue
             while True:
                 try:
-                    copies += self.kv.allocate_slots(req.request_id, n, req.num_computed_tokens)
+                    c = self.kv.allocate_slots(req.request_id, n, req.num_computed_tokens)
+                    if c:
+                        req.num_cow_copies += len(c)
+                        copies += c
                     ok = True
                     break
                 except NoFreeBlocksError:
@@ -190,15 +193,19 @@ class Scheduler:
             if free_after < 0 or (self.running and free_after < self._watermark_blocks):
                 break  # head-of-line waits for blocks
             try:
-                copies += self.kv.allocate_slots(
+                c = self.kv.allocate_slots(
                     req.request_id, n, num_cached, new_computed_blocks=hit_blocks
                 )
             except NoFreeBlocksError:
                 break
             self.waiting.remove(req)
+            if c:
+                req.num_cow_copies += len(c)
+                copies += c
             req.num_computed_tokens = num_cached
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
+                req.num_prefix_query_tokens = req.num_tokens if self.enable_prefix_caching else 0
             if req.scheduled_time is None:
                 req.scheduled_time = now()
             req.status = RequestStatus.RUNNING
