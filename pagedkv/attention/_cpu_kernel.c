@@ -96,6 +96,16 @@ static inline float exp_neg(float x) {
     return p * sc;
 }
 
+/* prefetch (into L1) the nkv head rows of one token: row h at p + h * head_stride bytes */
+static inline void prefetch_rows(const char *p, int nkv, int64_t head_stride, int row_bytes) {
+    if (head_stride == row_bytes) { /* heads adjacent (NHD / Ascend): one span */
+        for (int b = 0; b < nkv * row_bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+    } else {
+        for (int h = 0; h < nkv; h++)
+            for (int b = 0; b < row_bytes; b += 64) __builtin_prefetch(p + h * head_stride + b, 0, 3);
+    }
+}
+
 static inline void store_row(char *o, const float *acc, float inv, int d, int dtype) {
     if (dtype == 0) { float *of = (float *)o; for (int x = 0; x < d; x++) of[x] = acc[x] * inv; }
     else { uint16_t *ob = (uint16_t *)o; for (int x = 0; x < d; x++) ob[x] = f32_to_bf16(acc[x] * inv); }
@@ -111,6 +121,7 @@ static inline __attribute__((always_inline)) void item_body(const args_t *A, con
     float *qf = work, *acc = qf + (int64_t)nh * d, *vbuf = acc + (int64_t)nh * d;
     float *sc = vbuf + (int64_t)CHUNK * nkv * d, *m = sc + nh * CHUNK, *l = m + nh;
     const char *kp[CHUNK], *vp[CHUNK];
+    const char *kn[CHUNK], *vn[CHUNK]; /* next chunk's rows, for software prefetch */
     const int64_t qrow = (int64_t)A->q_start[s] + it->row;
     for (int j = 0; j < nh; j++) {
         const char *qs = A->q + (qrow * A->q_s0 + (int64_t)(h0 * g + j) * A->q_s1) * esz;
@@ -121,7 +132,6 @@ static inline __attribute__((always_inline)) void item_body(const args_t *A, con
     memset(acc, 0, sizeof(float) * (size_t)nh * d);
     const int32_t *table = A->bt + (int64_t)s * A->bt_s0;
     const int64_t hoff = (int64_t)h0 * A->s_head;
-    const int row_bytes = (int)((nkv - 1) * A->s_head + d) * esz; /* span of one token's heads (NHD) */
     for (int t = it->t0; t < it->t1; t += CHUNK) {
         const int n = it->t1 - t < CHUNK ? it->t1 - t : CHUNK;
         for (int i = 0; i < n; i++) {
@@ -130,29 +140,24 @@ static inline __attribute__((always_inline)) void item_body(const args_t *A, con
             kp[i] = A->k + off * esz;
             vp[i] = A->v + off * esz;
         }
+        /* Software prefetch of the next chunk: blocks are scattered, so the hardware stream
+         * prefetchers restart at every block boundary. The prefetches are spread over this
+         * chunk's loops (one token's rows per iteration) rather than issued in one burst,
+         * which would fill the line-fill buffers ahead of this chunk's own loads. */
+        int nn = 0;
         if (A->prefetch) {
-            /* the next chunk's rows: blocks are scattered, so hardware stream prefetchers
-             * cannot run ahead across a block boundary */
-            const int t2 = t + CHUNK, n2 = it->t1 - t2 < CHUNK ? it->t1 - t2 : CHUNK;
-            for (int i = 0; i < n2; i++) {
+            const int t2 = t + CHUNK;
+            nn = it->t1 - t2 < CHUNK ? it->t1 - t2 : CHUNK;
+            for (int i = 0; i < nn; i++) {
                 const int tt = t2 + i;
-                const int64_t off = ((int64_t)table[tt / A->bs] * A->s_blk + (int64_t)(tt % A->bs) * A->s_tok + hoff) * esz;
-                if (A->s_head == d) { /* heads adjacent: one span per token */
-                    for (int b = 0; b < row_bytes; b += 64) {
-                        __builtin_prefetch(A->k + off + b, 0, 3);
-                        __builtin_prefetch(A->v + off + b, 0, 3);
-                    }
-                } else {
-                    for (int hh = 0; hh < nkv; hh++)
-                        for (int b = 0; b < d * esz; b += 64) {
-                            __builtin_prefetch(A->k + off + hh * A->s_head * esz + b, 0, 3);
-                            __builtin_prefetch(A->v + off + hh * A->s_head * esz + b, 0, 3);
-                        }
-                }
+                const int64_t off = (int64_t)table[tt / A->bs] * A->s_blk + (int64_t)(tt % A->bs) * A->s_tok + hoff;
+                kn[i] = A->k + off * esz;
+                vn[i] = A->v + off * esz;
             }
         }
         /* scores: each K row is loaded once and dotted with its g query vectors */
         for (int i = 0; i < n; i++) {
+            if (i < nn) prefetch_rows(kn[i], nkv, A->s_head * esz, d * esz);
             for (int hh = 0; hh < nkv; hh++) {
                 const char *kr = kp[i] + (int64_t)hh * A->s_head * esz;
                 v8f kv[MAXD / 8];
@@ -197,6 +202,7 @@ static inline __attribute__((always_inline)) void item_body(const args_t *A, con
                 v8f av[8];
                 for (int c = 0; c < nc; c++) av[c] = ld_f32(aj + 8 * (c0 + c)) * alpha;
                 for (int i = 0; i < n; i++) {
+                    if (j == 0 && c0 == 0 && i < nn) prefetch_rows(vn[i], nkv, A->s_head * esz, d * esz);
                     const float p = sj[i];
                     const float *vr = DT == 0
                         ? (const float *)(vp[i] + (int64_t)hh * A->s_head * esz) + 8 * c0

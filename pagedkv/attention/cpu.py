@@ -10,7 +10,8 @@ Two paths, picked per sequence:
   widened on load). When no compiler is available it falls back to the torch path below.
 * **prefill chunks** (and the fallback) use torch: the sequence's blocks are gathered with
   ``index_select(out=...)`` into a persistent workspace (no fresh buffer per call), then one
-  batched matmul / softmax / matmul in float32 with the causal mask of the chunk's positions.
+  ``scaled_dot_product_attention`` call with the chunk's bottom-right causal mask (decode rows
+  on the fallback: float32 matmul / softmax / matmul).
 
 Layouts: ``nhd`` (default), ``hnd`` and ``ascend``; the kernel takes the layout as strides.
 """
@@ -21,6 +22,7 @@ import math
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from pagedkv.attention import layouts as L
 from pagedkv.attention.base import AttentionMetadata
@@ -144,24 +146,32 @@ class CPUBackend:
         """One sequence: ``q`` ``[ql, hq, d]`` over its first ``seq_len`` cached positions."""
         ql, hq, d = q.shape
         h = cache.num_kv_heads
+        k, v = self._gather_seq(cache, table_row, seq_len)  # [h, sl, d] views of the workspace
+        if ql > 1:
+            # a chunk: one fused SDPA call (flash kernel) with the chunk's bottom-right causal
+            # mask (query row j sits at position seq_len - ql + j)
+            qh = q.transpose(0, 1).unsqueeze(0)  # [1, hq, ql, d]
+            if ql == seq_len:
+                o = F.scaled_dot_product_attention(qh, k.unsqueeze(0), v.unsqueeze(0), is_causal=True,
+                                                   scale=scale, enable_gqa=True)
+            else:
+                pos = torch.arange(seq_len - ql, seq_len, device=q.device)
+                mask = torch.arange(seq_len, device=q.device)[None, :] <= pos[:, None]
+                o = F.scaled_dot_product_attention(qh, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
+                                                   scale=scale, enable_gqa=True)
+            return o[0].transpose(0, 1)
+        # a decode row (torch fallback): float32 matmuls, the GQA group as rows
         g = hq // h
-        k, v = self._gather_seq(cache, table_row, seq_len)  # [h, sl, d]
         if k.dtype != torch.float32:
             k32 = self._ws.get("k32", h * seq_len * d, torch.float32, k.device).view(h, seq_len, d)
             v32 = self._ws.get("v32", h * seq_len * d, torch.float32, v.device).view(h, seq_len, d)
             k = k32.copy_(k)
             v = v32.copy_(v)
-        # rows ordered (query position, group member) inside each KV head
-        qh = q.float().view(ql, h, g, d).permute(1, 0, 2, 3).reshape(h, ql * g, d)
-        scores = torch.bmm(qh, k.transpose(1, 2))  # [h, ql*g, sl]
+        qh = q.float().view(h, g, d)
+        scores = torch.bmm(qh, k.transpose(1, 2))  # [h, g, sl]
         scores.mul_(scale)
-        if ql > 1:
-            q_pos = torch.arange(seq_len - ql, seq_len, device=q.device).repeat_interleave(g)
-            mask = torch.arange(seq_len, device=q.device)[None, :] > q_pos[:, None]
-            scores.masked_fill_(mask, float("-inf"))
         torch.softmax(scores, dim=-1, out=scores)
-        o = torch.bmm(scores, v)  # [h, ql*g, d]
-        return o.view(h, ql, g, d).permute(1, 0, 2, 3).reshape(ql, hq, d).to(q.dtype)
+        return torch.bmm(scores, v).view(1, hq, d).to(q.dtype)
 
 
 class _Plan:

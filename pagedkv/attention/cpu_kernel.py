@@ -104,7 +104,8 @@ class CPUKernel:
         self._f = lib.pagedkv_paged_attention
         self.max_heads = lib.pagedkv_max_heads()
         self.max_head_dim = lib.pagedkv_max_head_dim()
-        self.prefetch = int(os.environ.get("PAGEDKV_CPU_PREFETCH", "0") == "1")
+        # software prefetch of the next chunk (on by default; PAGEDKV_CPU_PREFETCH=0 disables)
+        self.prefetch = int(os.environ.get("PAGEDKV_CPU_PREFETCH", "1") != "0")
         self.min_split_len = MIN_SPLIT_LEN
 
     def supports(self, query: torch.Tensor, cache) -> bool:
