@@ -96,6 +96,20 @@ static inline float exp_neg(float x) {
     return p * sc;
 }
 
+/* Row pointers (head h0, K and V) of tokens t .. t+n-1: one division per call, then the
+ * (block, offset) pair is advanced incrementally (an integer division per token is not free). */
+static inline void token_rows(const args_t *A, const int32_t *table, int t, int n, int64_t hoff, int esz,
+                              const char **kp, const char **vp) {
+    int lb = t / A->bs, o = t - lb * A->bs;
+    int64_t base = (int64_t)table[lb] * A->s_blk;
+    for (int i = 0; i < n; i++) {
+        const int64_t off = (base + (int64_t)o * A->s_tok + hoff) * esz;
+        kp[i] = A->k + off;
+        vp[i] = A->v + off;
+        if (++o == A->bs && i + 1 < n) { o = 0; base = (int64_t)table[++lb] * A->s_blk; }
+    }
+}
+
 /* prefetch (into L1) the nkv head rows of one token: row h at p + h * head_stride bytes */
 static inline void prefetch_rows(const char *p, int nkv, int64_t head_stride, int row_bytes) {
     if (head_stride == row_bytes) { /* heads adjacent (NHD / Ascend): one span */
@@ -134,12 +148,7 @@ static inline __attribute__((always_inline)) void item_body(const args_t *A, con
     const int64_t hoff = (int64_t)h0 * A->s_head;
     for (int t = it->t0; t < it->t1; t += CHUNK) {
         const int n = it->t1 - t < CHUNK ? it->t1 - t : CHUNK;
-        for (int i = 0; i < n; i++) {
-            const int tt = t + i;
-            const int64_t off = (int64_t)table[tt / A->bs] * A->s_blk + (int64_t)(tt % A->bs) * A->s_tok + hoff;
-            kp[i] = A->k + off * esz;
-            vp[i] = A->v + off * esz;
-        }
+        token_rows(A, table, t, n, hoff, esz, kp, vp);
         /* Software prefetch of the next chunk: blocks are scattered, so the hardware stream
          * prefetchers restart at every block boundary. The prefetches are spread over this
          * chunk's loops (one token's rows per iteration) rather than issued in one burst,
@@ -148,12 +157,7 @@ static inline __attribute__((always_inline)) void item_body(const args_t *A, con
         if (A->prefetch) {
             const int t2 = t + CHUNK;
             nn = it->t1 - t2 < CHUNK ? it->t1 - t2 : CHUNK;
-            for (int i = 0; i < nn; i++) {
-                const int tt = t2 + i;
-                const int64_t off = (int64_t)table[tt / A->bs] * A->s_blk + (int64_t)(tt % A->bs) * A->s_tok + hoff;
-                kn[i] = A->k + off * esz;
-                vn[i] = A->v + off * esz;
-            }
+            if (nn > 0) token_rows(A, table, t2, nn, hoff, esz, kn, vn);
         }
         /* scores: each K row is loaded once and dotted with its g query vectors */
         for (int i = 0; i < n; i++) {

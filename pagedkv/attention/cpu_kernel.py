@@ -28,7 +28,7 @@ import torch
 from pagedkv.attention.layouts import PagedKVCache
 
 _SRC = Path(__file__).with_name("_cpu_kernel.c")
-_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
           "-fassociative-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # Smallest context split (tokens) of the split-K path (used only when there are fewer work
