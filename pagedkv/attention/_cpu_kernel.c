@@ -70,6 +70,28 @@ static inline float hsum8(v8f v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
+/* r[t] = sum of the 8 lanes of a[t] (t = 0..7) as one vector: a transpose-and-add, much
+ * cheaper than 8 separate horizontal sums. */
+static inline v8f hsum8x8(const float *a /* 8 vectors of 8 floats, contiguous */) {
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#define SHUF(x, y, ...) __builtin_shufflevector(x, y, __VA_ARGS__)
+    v8f a0 = ld_f32(a), a1 = ld_f32(a + 8), a2 = ld_f32(a + 16), a3 = ld_f32(a + 24);
+    v8f a4 = ld_f32(a + 32), a5 = ld_f32(a + 40), a6 = ld_f32(a + 48), a7 = ld_f32(a + 56);
+    const v8f u01 = SHUF(a0, a1, 0, 8, 2, 10, 4, 12, 6, 14) + SHUF(a0, a1, 1, 9, 3, 11, 5, 13, 7, 15);
+    const v8f u23 = SHUF(a2, a3, 0, 8, 2, 10, 4, 12, 6, 14) + SHUF(a2, a3, 1, 9, 3, 11, 5, 13, 7, 15);
+    const v8f u45 = SHUF(a4, a5, 0, 8, 2, 10, 4, 12, 6, 14) + SHUF(a4, a5, 1, 9, 3, 11, 5, 13, 7, 15);
+    const v8f u67 = SHUF(a6, a7, 0, 8, 2, 10, 4, 12, 6, 14) + SHUF(a6, a7, 1, 9, 3, 11, 5, 13, 7, 15);
+    const v8f w0 = SHUF(u01, u23, 0, 1, 8, 9, 4, 5, 12, 13) + SHUF(u01, u23, 2, 3, 10, 11, 6, 7, 14, 15);
+    const v8f w1 = SHUF(u45, u67, 0, 1, 8, 9, 4, 5, 12, 13) + SHUF(u45, u67, 2, 3, 10, 11, 6, 7, 14, 15);
+    return SHUF(w0, w1, 0, 1, 2, 3, 8, 9, 10, 11) + SHUF(w0, w1, 4, 5, 6, 7, 12, 13, 14, 15);
+#undef SHUF
+#else
+    v8f r;
+    for (int t = 0; t < 8; t++) r[t] = hsum8(ld_f32(a + 8 * t));
+    return r;
+#endif
+}
+
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
@@ -131,9 +153,11 @@ static inline __attribute__((always_inline)) void item_body(const args_t *A, con
                                                             const int NV, const int DT) {
     const int d = NV * 8, g = A->hq / A->hkv, esz = DT == 0 ? 4 : 2;
     const int s = it->seq, h0 = it->h0, nkv = it->h1 - it->h0, nh = nkv * g;
-    /* workspace: qf [nh*d] | acc [nh*d] | vbuf [CHUNK*nkv*d] | sc [nh*CHUNK] | m [nh] | l [nh] */
+    /* workspace: qf [nh*d] | acc [nh*d] | vbuf [CHUNK*nkv*d] | sc [nh*CHUNK] | m [nh] | l [nh]
+     *            | part [nh*CHUNK*8] */
     float *qf = work, *acc = qf + (int64_t)nh * d, *vbuf = acc + (int64_t)nh * d;
     float *sc = vbuf + (int64_t)CHUNK * nkv * d, *m = sc + nh * CHUNK, *l = m + nh;
+    float *part = l + nh; /* [nh * CHUNK] unreduced 8-wide dot products */
     const char *kp[CHUNK], *vp[CHUNK];
     const char *kn[CHUNK], *vn[CHUNK]; /* next chunk's rows, for software prefetch */
     const int64_t qrow = (int64_t)A->q_start[s] + it->row;
@@ -177,9 +201,15 @@ static inline __attribute__((always_inline)) void item_body(const args_t *A, con
                         a0 += ld_f32(qj + 8 * c + 8) * kv[c + 1];
                     }
                     for (; c < NV; c++) a1 += ld_f32(qj + 8 * c) * kv[c];
-                    sc[j * CHUNK + i] = hsum8(a0 + a1);
+                    st_f32(part + ((int64_t)j * CHUNK + i) * 8, a0 + a1); /* reduced below */
                 }
             }
+        }
+        for (int j = 0; j < nh; j++) { /* horizontal sums, 8 tokens at a time */
+            const float *pj = part + (int64_t)j * CHUNK * 8;
+            int i = 0;
+            for (; i + 8 <= n; i += 8) st_f32(sc + j * CHUNK + i, hsum8x8(pj + i * 8));
+            for (; i < n; i++) sc[j * CHUNK + i] = hsum8(ld_f32(pj + i * 8));
         }
         if (DT != 0) /* widen the V chunk once; the g passes below then read float32 from L1 */
             for (int i = 0; i < n; i++)
@@ -344,7 +374,7 @@ int pagedkv_paged_attention(
             }
         }
     }
-    const int64_t wpt = 2 * (int64_t)hq * d + (int64_t)CHUNK * hkv * d + (int64_t)hq * CHUNK + 2 * hq + 16;
+    const int64_t wpt = 2 * (int64_t)hq * d + (int64_t)CHUNK * hkv * d + 9 * (int64_t)hq * CHUNK + 2 * hq + 16;
     float *work = (float *)malloc(sizeof(float) * (size_t)(wpt * nthreads));
     float *scratch = scratch_floats ? (float *)malloc(sizeof(float) * (size_t)scratch_floats) : NULL;
     if (!work || (scratch_floats && !scratch)) { free(items); free(work); free(scratch); return -3; }
