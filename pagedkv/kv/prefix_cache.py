@@ -42,7 +42,8 @@ def _typed(v: object) -> str:
 @dataclass(frozen=True)
 class CacheKeys:
     """Who a prompt's K/V belong to, beyond its token ids (seed §04: model version, adapter,
-    cache isolation). Typed: ``CacheKeys(cache_salt="7") != CacheKeys(adapter_id=7)`` and
+    cache isolation). ``tenant``: the isolation domain (e.g. the API key's owner); two
+    tenants never share a block, whatever their salts. Typed: ``CacheKeys(cache_salt="7") != CacheKeys(adapter_id=7)`` and
     they hash differently.
 
     ``mm_hashes``: one ``(content_hash, offset, length)`` per multimodal item, ``offset`` and
@@ -55,6 +56,7 @@ class CacheKeys:
     adapter_id: int | str | None = None
     cache_salt: str | None = None
     mm_hashes: tuple[tuple[str, int, int], ...] = ()
+    tenant: str | None = None
 
     def __post_init__(self) -> None:
         items = []
@@ -71,6 +73,7 @@ class CacheKeys:
         base = "|".join((
             "model=" + _typed(self.model_id), "rev=" + _typed(self.revision),
             "adapter=" + _typed(self.adapter_id), "salt=" + _typed(self.cache_salt),
+            "tenant=" + _typed(self.tenant),
         ))
         object.__setattr__(self, "_base", base.encode())
 
