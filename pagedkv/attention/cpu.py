@@ -147,10 +147,15 @@ class CPUBackend:
         ql, hq, d = q.shape
         h = cache.num_kv_heads
         k, v = self._gather_seq(cache, table_row, seq_len)  # [h, sl, d] views of the workspace
+        if k.dtype != torch.float32:  # compute in float32 like the decode kernel and the oracle
+            k32 = self._ws.get("k32", h * seq_len * d, torch.float32, k.device).view(h, seq_len, d)
+            v32 = self._ws.get("v32", h * seq_len * d, torch.float32, v.device).view(h, seq_len, d)
+            k = k32.copy_(k)
+            v = v32.copy_(v)
         if ql > 1:
             # a chunk: one fused SDPA call (flash kernel) with the chunk's bottom-right causal
             # mask (query row j sits at position seq_len - ql + j)
-            qh = q.transpose(0, 1).unsqueeze(0)  # [1, hq, ql, d]
+            qh = q.float().transpose(0, 1).unsqueeze(0)  # [1, hq, ql, d]
             if ql == seq_len:
                 o = F.scaled_dot_product_attention(qh, k.unsqueeze(0), v.unsqueeze(0), is_causal=True,
                                                    scale=scale, enable_gqa=True)
@@ -159,14 +164,9 @@ class CPUBackend:
                 mask = torch.arange(seq_len, device=q.device)[None, :] <= pos[:, None]
                 o = F.scaled_dot_product_attention(qh, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
                                                    scale=scale, enable_gqa=True)
-            return o[0].transpose(0, 1)
+            return o[0].transpose(0, 1).to(q.dtype)
         # a decode row (torch fallback): float32 matmuls, the GQA group as rows
         g = hq // h
-        if k.dtype != torch.float32:
-            k32 = self._ws.get("k32", h * seq_len * d, torch.float32, k.device).view(h, seq_len, d)
-            v32 = self._ws.get("v32", h * seq_len * d, torch.float32, v.device).view(h, seq_len, d)
-            k = k32.copy_(k)
-            v = v32.copy_(v)
         qh = q.float().view(h, g, d)
         scores = torch.bmm(qh, k.transpose(1, 2))  # [h, g, sl]
         scores.mul_(scale)
