@@ -12,6 +12,7 @@ BENCHES: dict[str, str] = {
     "peers": "pagedkv.bench.peers",
     "attention": "pagedkv.bench.attention",
     "block_manager": "pagedkv.bench.block_manager",
+    "ablation": "pagedkv.bench.ablation",
 }
 
 
