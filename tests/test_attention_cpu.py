@@ -109,3 +109,16 @@ def test_check_backend_cli(capsys):
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 2 and all(line.startswith("PASS") for line in out)
     assert main(["check-backend", "no-such-backend"]) == 2  # ConfigError -> CLI error
+
+
+def test_metadata_refilled_in_place_is_not_served_stale():
+    """The per-step plan cached on the metadata must notice new lengths in the same object."""
+    be, cache, md = _random_step("nhd", torch.float32, [40, 70], [1, 1])
+    q = torch.randn(2, 9, 64)
+    be.forward(q, cache, md, 0.125)
+    md.seq_lens[:] = torch.tensor([30, 50], dtype=torch.int32)
+    md.seq_lens_list = [30, 50]
+    md.max_seq_len = 50
+    got = be.forward(q, cache, md, 0.125)
+    want = get_backend("reference").forward(q, cache, md, 0.125)
+    assert (got - want).abs().max() < 1e-5

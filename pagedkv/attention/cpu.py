@@ -96,7 +96,11 @@ class CPUBackend:
         """Per-step facts shared by every layer (the metadata is built once per step): cached
         on the metadata object so 30 layers pay for them once."""
         plan = md.__dict__.get("_pagedkv_cpu_plan")
-        key = (id(md.seq_lens), id(md.query_start_loc), id(md.block_tables), kernel is not None)
+        # keyed on the lengths' values too, so metadata refilled in place is not served stale
+        seq_lens = md.seq_lens_list if md.seq_lens_list is not None else md.seq_lens.tolist()
+        q_lens = md.query_lens_list if md.query_lens_list is not None else md.query_start_loc.tolist()
+        key = (tuple(seq_lens), tuple(q_lens), id(md.seq_lens), id(md.query_start_loc),
+               id(md.block_tables), md.block_tables.data_ptr(), kernel is not None)
         if plan is not None and plan.key == key:
             return plan
         plan = _Plan(md, kernel, key)
