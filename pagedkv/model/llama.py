@@ -23,7 +23,7 @@ Weights (state-dict names, ``H`` = hidden_size, ``I`` = intermediate_size, ``d``
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -99,6 +99,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = _RMSNormWeight(h, **kw)
         self.gate_up_proj = nn.Linear(h, 2 * config.intermediate_size, bias=False, **kw)
         self.down_proj = nn.Linear(config.intermediate_size, h, bias=False, **kw)
+        # Tensor parallel (pagedkv.distributed): o_proj and down_proj are row-parallel shards and
+        # this sums their partial outputs [T, H] over the ranks, in place. None = one device.
+        self.all_reduce: Callable[[torch.Tensor], None] | None = None
 
     def forward(
         self,
@@ -121,14 +124,20 @@ class DecoderLayer(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].reshape(t, self.num_kv_heads, self.head_dim).contiguous()
         backend.write_kv(kv_cache, k, v, md.slot_mapping)
         o = backend.forward(q, kv_cache, md, self.scale)
-        residual.add_(F.linear(o.reshape(t, self.q_size), self.o_proj.weight))
+        attn_out = F.linear(o.reshape(t, self.q_size), self.o_proj.weight)
+        if self.all_reduce is not None:
+            self.all_reduce(attn_out)
+        residual.add_(attn_out)
 
         x = _rms_norm(residual, self.post_attention_layernorm.weight, self.eps)
         gate_up = F.linear(x, self.gate_up_proj.weight)
         gate = gate_up[:, : self.intermediate_size]
         F.silu(gate, inplace=True)
         gate.mul_(gate_up[:, self.intermediate_size :])
-        residual.add_(F.linear(gate, self.down_proj.weight))
+        mlp_out = F.linear(gate, self.down_proj.weight)
+        if self.all_reduce is not None:
+            self.all_reduce(mlp_out)
+        residual.add_(mlp_out)
 
 
 class _RMSNormWeight(nn.Module):
@@ -183,7 +192,11 @@ class LlamaForCausalLM(nn.Module):
         # Parameters are created on the meta device (no memory, no random init) and then given
         # uninitialised storage on `device`; the loader assigns the real tensors.
         kw = {"dtype": dtype, "device": "meta"}
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **kw)
+        # _weight skips nn.Embedding's normal_ init, which on the meta device costs seconds the
+        # first time in a process (tensor-parallel workers build a model each).
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size, **kw)
+        )
         self.layers = nn.ModuleList(DecoderLayer(config, **kw) for _ in range(config.num_layers))
         self.norm = _RMSNormWeight(config.hidden_size, **kw)
         self.lm_head = (

@@ -162,6 +162,46 @@ def load_model(
     )
 
 
+def load_weights(
+    model: str | Path | None = None, *, cache_dir: str | Path | None = None, use_cache: bool = True
+) -> tuple[ModelConfig, dict[str, torch.Tensor], Path]:
+    """``(config, state_dict, path)`` of a model without building the module or loading the
+    tokenizer (what a tensor-parallel worker needs before it slices its shard). Tensors use our
+    fused names (see ``pagedkv.model.llama``) in the source dtype (fp32 for GGUF). A valid GGUF
+    cache entry is read directly (weights memory-mapped); otherwise this is ``load_model``'s
+    path (which writes the cache). Raises ``ConfigError`` like ``load_model``."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        config = _hf_config(path)
+        return config, _hf_state_dict(path, config), path
+    root = Path(cache_dir) if cache_dir is not None else cache_root()
+    if use_cache:
+        sha = file_sha256(path)
+        entry = root / sha[:16]
+        if _manifest_ok(entry, sha):
+            from safetensors.torch import load_file
+
+            try:
+                config = ModelConfig.from_dict(json.loads((entry / _CONFIG_FILE).read_text()))
+                return config, load_file(str(entry / _WEIGHTS_FILE)), path
+            except Exception as e:  # noqa: BLE001 - fall back to the rebuilding path
+                log.warning("pagedkv: weight cache %s is unusable (%s); rebuilding it", entry, e)
+    config, state, _tok, _entry, _hit = _load_gguf_cached(path, root, use_cache)
+    return config, state, path
+
+
+def build_model(
+    config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> LlamaForCausalLM:
+    """A ``LlamaForCausalLM`` for ``config`` holding ``state`` (converted to ``dtype`` on
+    ``device``; eval mode, no grad). Raises ``ConfigError`` on a missing, unexpected or
+    mis-shaped tensor."""
+    if dtype not in SUPPORTED_DTYPES:
+        raise ConfigError(f"dtype: unsupported {dtype} (supported: float32, bfloat16, float16)")
+    return _build_model(config, state, dtype, device)
+
+
 # ---------------------------------------------------------------------------------------------
 # Building the module
 # ---------------------------------------------------------------------------------------------
