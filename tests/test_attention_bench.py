@@ -24,6 +24,8 @@ def test_attention_bench_tiny(tmp_path):
         assert r["max_abs_err"] < (1e-4 if r["dtype"] == "float32" else 3e-2)
         assert r["paged_ms"] > 0 and r["contiguous_ms"] > 0
     assert all(0 < r["paged_bw_fraction"] for r in data["decode"])
+    # one thread: CPU-time based columns are reported too
+    assert all(r["paged_cpu_GBps"] > 0 and r["paged_cpu_bw_fraction"] > 0 for r in data["decode"])
 
 
 def test_bench_is_registered():

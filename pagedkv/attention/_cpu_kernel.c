@@ -179,7 +179,7 @@ static inline __attribute__((always_inline)) void item_body(const args_t *A, con
          * which would fill the line-fill buffers ahead of this chunk's own loads. */
         int nn = 0;
         if (A->prefetch) {
-            const int t2 = t + CHUNK;
+            const int t2 = t + A->prefetch * CHUNK; /* prefetch distance, in chunks */
             nn = it->t1 - t2 < CHUNK ? it->t1 - t2 : CHUNK;
             if (nn > 0) token_rows(A, table, t2, nn, hoff, esz, kn, vn);
         }

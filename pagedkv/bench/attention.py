@@ -79,28 +79,38 @@ def measure_bandwidth(nbytes: int, repeats: int = 7) -> dict[str, float]:
     n = max(1, nbytes // 4)
     a = torch.ones(n)
     b = torch.empty(n)
-    read, copy = math.inf, math.inf
+    read, copy, read_cpu = math.inf, math.inf, math.inf
     for _ in range(repeats):
+        c = time.thread_time()
         t = time.perf_counter()
         a.sum()
         read = min(read, time.perf_counter() - t)
+        read_cpu = min(read_cpu, time.thread_time() - c)
         t = time.perf_counter()
         b.copy_(a)
         copy = min(copy, time.perf_counter() - t)
-    return {"buffer_bytes": n * 4, "read_GBps": n * 4 / read / 1e9, "copy_GBps": 2 * n * 4 / copy / 1e9}
+    return {"buffer_bytes": n * 4, "read_GBps": n * 4 / read / 1e9, "copy_GBps": 2 * n * 4 / copy / 1e9,
+            "read_GBps_cpu_time": n * 4 / max(read_cpu, 1e-9) / 1e9}
 
 
-def _interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, tuple[float, float]]:
-    """(median, best) seconds per call of each fn, timed round-robin (2 warm-up rounds)."""
+def _interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, tuple[float, float, float]]:
+    """(median wall, best wall, median thread-CPU) seconds per call of each fn, timed
+    round-robin after 2 warm-up rounds. Thread CPU time only counts the calling thread, so it
+    is the whole cost only with one torch thread; it does not grow when other processes take
+    the CPU (wall time does)."""
     times: dict[str, list[float]] = {k: [] for k in fns}
+    cpu: dict[str, list[float]] = {k: [] for k in fns}
     for r in range(repeats + 2):
         for k, fn in fns.items():
+            c = time.thread_time()
             t = time.perf_counter()
             fn()
             dt = time.perf_counter() - t
+            dc = time.thread_time() - c
             if r >= 2:
                 times[k].append(dt)
-    return {k: (statistics.median(v), min(v)) for k, v in times.items()}
+                cpu[k].append(dc)
+    return {k: (statistics.median(v), min(v), statistics.median(cpu[k])) for k, v in times.items()}
 
 
 class _Setup:
@@ -192,11 +202,15 @@ def bench_decode(args, dtype, ctx: int, working_set: int) -> dict[str, Any]:
     t = _interleaved(fns, args.repeats)
     row: dict[str, Any] = {"phase": "decode", "dtype": str(dtype).replace("torch.", ""), "context": ctx,
                            "batch": B, "kv_bytes": S.kv_bytes, "layers_cycled": S.layers, "max_abs_err": err}
-    for k, (med, best) in t.items():
+    one_thread = torch.get_num_threads() == 1
+    for k, (med, best, cpu) in t.items():
         row[f"{k}_ms"] = med * 1e3
         row[f"{k}_best_ms"] = best * 1e3
         row[f"{k}_GBps"] = S.kv_bytes / med / 1e9
         row[f"{k}_best_GBps"] = S.kv_bytes / best / 1e9
+        if one_thread:
+            row[f"{k}_cpu_ms"] = cpu * 1e3
+            row[f"{k}_cpu_GBps"] = S.kv_bytes / max(cpu, 1e-9) / 1e9
     row["paged_vs_contiguous"] = t["paged"][0] / t["contiguous"][0]
     row["paged_vs_contiguous_best"] = t["paged"][1] / t["contiguous"][1]
     if "naive_gather" in t:
@@ -272,6 +286,8 @@ def run_attention(args: argparse.Namespace) -> dict[str, Any]:
             row = bench_decode(args, dt, ctx, working_set)
             row["paged_bw_fraction"] = row["paged_GBps"] / bw["read_GBps"]
             row["paged_best_bw_fraction"] = row["paged_best_GBps"] / bw["read_GBps"]
+            if "paged_cpu_GBps" in row:
+                row["paged_cpu_bw_fraction"] = row["paged_cpu_GBps"] / bw["read_GBps_cpu_time"]
             row["contiguous_bw_fraction"] = row["contiguous_GBps"] / bw["read_GBps"]
             rows.append(row)
             print(f"decode {row['dtype']:8s} L={ctx:5d}: paged {row['paged_ms']:.3f} ms "
@@ -291,7 +307,7 @@ def run_attention(args: argparse.Namespace) -> dict[str, Any]:
             "dtypes": [str(d).replace("torch.", "") for d in dtypes], "heads": args.heads,
             "kv_heads": args.kv_heads, "head_dim": args.head_dim, "block_size": args.block_size,
             "prefill_chunk": args.prefill_chunk, "repeats": args.repeats, "working_set_bytes": working_set,
-            "llc_bytes": llc, "tiny": bool(args.tiny),
+            "llc_bytes": llc, "tiny": bool(args.tiny), "threads": torch.get_num_threads(),
             "timing": "median of round-robin rounds after 2 warm-up rounds",
         },
         "bandwidth": bw,
@@ -312,20 +328,26 @@ def render_markdown(data: dict[str, Any], plot: str | None) -> str:
         f"(last-level cache {c['llc_bytes'] / 2 ** 20:.0f} MiB), timed round-robin, median of "
         f"{c['repeats']} rounds.",
         "",
-        f"Measured memory bandwidth (same run, same threads): read {bw['read_GBps']:.1f} GB/s, "
-        f"copy {bw['copy_GBps']:.1f} GB/s (read+write bytes), buffer {bw['buffer_bytes'] / 2 ** 20:.0f} MiB.",
+        f"Measured memory bandwidth (same run, same threads, best of 7): read {bw['read_GBps']:.1f} GB/s "
+        f"({bw['read_GBps_cpu_time']:.1f} by CPU time), copy {bw['copy_GBps']:.1f} GB/s (read+write "
+        f"bytes), buffer {bw['buffer_bytes'] / 2 ** 20:.0f} MiB. Torch threads: {data['config'].get('threads')}.",
         "",
         f"## Decode (batch {c['batch']}, one new token per sequence)",
         "",
         "KV GB/s = 2 x B x L x Hkv x d x bytes / time. Times are medians of the round-robin rounds "
         "(`_best`: fastest round); `paged_bw_fraction` = median paged KV GB/s / measured read "
         "bandwidth, `paged_best_bw_fraction` = fastest round's KV GB/s / the same (best-of) bandwidth.",
+        "With one torch thread, `paged_cpu_GBps` divides by the calling thread's CPU time instead of wall "
+        "time (robust to other processes taking the CPU) and `paged_cpu_bw_fraction` compares it with "
+        "the read bandwidth measured the same way.",
         "`paged_torch` is the backend's pure-torch path (workspace gather + matmuls), `naive_gather` "
         "a fresh `k_cache[block_table]` gather per call followed by SDPA.",
         "",
     ]
     cols = ["dtype", "context", "contiguous_ms", "paged_ms", "paged_vs_contiguous", "paged_GBps",
             "paged_bw_fraction", "paged_best_GBps", "paged_best_bw_fraction"]
+    if "paged_cpu_GBps" in data["decode"][0]:
+        cols += ["paged_cpu_GBps", "paged_cpu_bw_fraction"]
     extra = [k for k in ("paged_torch_ms", "torch_path_vs_contiguous", "naive_gather_ms", "naive_vs_contiguous")
              if k in data["decode"][0]]
     lines.append(markdown_table(data["decode"], cols + extra + ["max_abs_err"]))
