@@ -29,6 +29,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--policy", default="fcfs", choices=["fcfs", "priority"])
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over N ranks with torch.distributed (default 1; see docs/distributed.md)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -42,6 +44,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching, enable_paging=not args.disable_paging,
         attention_backend=args.attention_backend, policy=args.policy, seed=args.seed,
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
     )
 
 

@@ -83,6 +83,8 @@ class EngineConfig:
     debug_invariants: bool = False  # run the KV invariant checker after every step
     max_n: int = 64
     model_revision: Optional[str] = None
+    # ranks the model is split over (pagedkv.distributed); kv_cache_memory is then per rank
+    tensor_parallel_size: int = 1
 
 
 @dataclass
@@ -153,9 +155,14 @@ class LLMEngine:
             raise ConfigError(f"max_model_len must be >= 2, got {max_model_len}")
         self.max_model_len = max_model_len
 
+        tp = cfg.tensor_parallel_size
+        if tp != 1:
+            from pagedkv.distributed.parallel import check_tp_size
+
+            check_tp_size(mc, tp)  # ConfigError naming the valid sizes
         self.kv_spec = KVCacheSpec(
             num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-            dtype=_SPEC_DTYPE[dtype],
+            dtype=_SPEC_DTYPE[dtype], tp_size=tp,
         )
         if cfg.num_blocks is not None:
             if not isinstance(cfg.num_blocks, int) or cfg.num_blocks < 1:
@@ -174,10 +181,18 @@ class LLMEngine:
             shuffle_seed=cfg.shuffle_blocks,
         )
         self.backend = get_backend(cfg.attention_backend)
-        self.runner = ModelRunner(
-            loaded.model, self.backend, mc.num_layers, num_blocks, cfg.block_size,
-            mc.num_kv_heads, mc.head_dim, dtype, cfg.device,
-        )
+        if tp == 1:
+            self.runner = ModelRunner(
+                loaded.model, self.backend, mc.num_layers, num_blocks, cfg.block_size,
+                mc.num_kv_heads, mc.head_dim, dtype, cfg.device,
+            )
+        else:  # same prepare/copy_blocks/execute, run on tp ranks (this process is rank 0)
+            from pagedkv.distributed import TPExecutor
+
+            self.runner = TPExecutor(
+                loaded, self.backend, cfg.attention_backend, tp_size=tp, num_blocks=num_blocks,
+                block_size=cfg.block_size, dtype=dtype, device=cfg.device,
+            )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=cfg.max_num_seqs,
@@ -208,6 +223,19 @@ class LLMEngine:
             _SPEC_DTYPE[dtype], self.kv_spec.bytes_per_token, max_model_len,
             num_blocks * cfg.block_size / max_model_len,
         )
+
+    def close(self) -> None:
+        """Release the step runner's resources: with tensor parallelism, stop every worker
+        process. Idempotent; the engine cannot step afterwards (tensor parallel)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> "LLMEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     # ---- requests --------------------------------------------------------------------
     def kv_summary(self) -> dict[str, Any]:
