@@ -17,7 +17,7 @@ ranks (``N`` = ``tensor_parallel_size``):
   happens once, on the driver (rank 0); with a replicated head only rank 0 computes logits, for
   the sampled rows only, and no collective is needed for them. A vocab-parallel head would cost
   an all-gather of ``[rows, vocab]`` fp32 logits every step and a masked-embedding all-reduce,
-  to save ``vocab x H`` parameters per rank (113 MB fp32 for the bundled 135M model; ~0.5 GB bf16
+  to save ``vocab x H`` parameters per rank (113 MB fp32 for the bundled 135M model; ~1 GB bf16
   for a 128k-vocab 4k-wide model), which is small next to the sharded layers.
 
 Valid sizes: ``N`` divides ``Hq`` and either ``N`` divides ``Hkv`` or ``Hkv`` divides ``N``.
