@@ -279,14 +279,22 @@ class LLMEngine:
         adapter_id: Optional[str] = None,
         mm_hashes: Sequence[tuple] = (),
         stream: bool = False,
+        tenant: Optional[str] = None,
     ) -> str:
         """Queue a request; returns its id. ``prompt`` is text (tokenised without special
         tokens: use :meth:`apply_chat_template` for chat) or token ids. Raises
         ``InvalidRequestError`` (nothing admitted, nothing allocated) for an empty prompt, a
         prompt with no room for one output token within max_model_len, bad sampling params,
-        a request that could never fit the whole pool, or a duplicate id."""
+        a request that could never fit the whole pool, or a duplicate id.
+
+        Prefix-cache identity (a cached block is reused only when all of these match, besides
+        the token ids): the engine's model id and revision, ``adapter_id``, ``cache_salt``,
+        ``tenant`` (the isolation domain, e.g. the API key's owner: two tenants never share a
+        block) and ``mm_hashes`` (``(content_hash, offset, length)`` per multimodal item)."""
         from pagedkv.kv import CacheKeys
 
+        if tenant is not None and not isinstance(tenant, str):
+            raise InvalidRequestError(f"tenant must be a string or None, got {type(tenant).__name__}")
         params = sampling_params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling_params must be a SamplingParams")
@@ -330,7 +338,7 @@ class LLMEngine:
             t = arrival_time if arrival_time is not None else now()
             keys = CacheKeys(
                 model_id=self.model_id, revision=self.revision, adapter_id=adapter_id,
-                cache_salt=cache_salt, mm_hashes=tuple(mm_hashes),
+                cache_salt=cache_salt, mm_hashes=tuple(mm_hashes), tenant=tenant,
             )
             group = _Group(request_id, text, token_ids, params, t, pending_children=params.n - 1, stream=stream)
             seq = Request(
