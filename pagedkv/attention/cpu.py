@@ -18,6 +18,8 @@ Layouts: ``nhd`` (default), ``hnd`` and ``ascend``; the kernel takes the layout 
 
 from __future__ import annotations
 
+import threading
+
 import math
 from typing import Sequence
 
@@ -61,7 +63,14 @@ class CPUBackend:
         self.layout = L.get_layout(layout)
         self.name = name or ("cpu" if layout == "nhd" else f"cpu-{layout}")
         self.use_kernel = use_kernel
-        self._ws = _Workspace()
+        self._local = threading.local()  # scratch per thread: two engines may share a process
+
+    @property
+    def _ws(self) -> _Workspace:
+        ws = getattr(self._local, "ws", None)
+        if ws is None:
+            ws = self._local.ws = _Workspace()
+        return ws
 
     # -- memory ---------------------------------------------------------------------------
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
