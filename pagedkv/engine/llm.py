@@ -74,6 +74,16 @@ class LLM:
         prompts = [self.engine.apply_chat_template(list(c)) for c in convs]  # type: ignore[arg-type]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, **request_kwargs)
 
+    def close(self) -> None:
+        """Stop worker processes (tensor parallelism) and release the engine. Idempotent."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     def _drain(self) -> None:
         while self.engine.has_unfinished_requests():
             self.engine.step()
