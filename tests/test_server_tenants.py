@@ -12,7 +12,8 @@ import pytest
 
 from pagedkv.engine.engine import LLMEngine
 from pagedkv.kv import check_invariants
-from pagedkv.server.app import build_app, load_api_keys, tenant_cache_salt
+from pagedkv.kv import CacheKeys, hash_blocks
+from pagedkv.server.app import build_app, load_api_keys
 from pagedkv.server.threaded import ThreadedServer
 
 KEYS = {"key-alice": "alice", "key-alice-2": "alice", "key-bob": "bob"}
@@ -142,7 +143,10 @@ def test_api_key_file_formats(tmp_path):
     bad.write_text("k1\n")
     with pytest.raises(ValueError):
         load_api_keys(str(bad))
-    assert tenant_cache_salt(None, None) is None
-    assert tenant_cache_salt(None, "s") == "s"
-    assert tenant_cache_salt("a", None) != tenant_cache_salt("b", None)
-    assert tenant_cache_salt("a", "s") != tenant_cache_salt("a", None)
+    # the tenant is its own typed key of the block identity: never equal to a salt
+    toks = list(range(8))
+    h = lambda **kw: hash_blocks(toks, 4, CacheKeys(**kw))  # noqa: E731
+    assert h(tenant="a") != h(tenant="b")
+    assert h(tenant="7") != h(cache_salt="7")
+    assert h(tenant="a", cache_salt="s") != h(tenant="a")
+    assert h(tenant="a") == h(tenant="a")

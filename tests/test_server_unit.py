@@ -44,7 +44,7 @@ class FakeEngine:
         self.max_tokens = max_tokens
         self.fail_next = False
 
-    def add_request(self, rid, prompt, params, *, cache_salt=None, stream=False):
+    def add_request(self, rid, prompt, params, *, cache_salt=None, tenant=None, stream=False):
         with self.lock:
             self.reqs[rid] = []
         return rid

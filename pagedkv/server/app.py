@@ -22,7 +22,7 @@ the wrong type or out of range, 503 while shutting down. A rejected request neve
 the engine, or is aborted before it runs, so no block leaks.
 
 Tenants: with ``api_keys`` (key -> tenant) every ``/v1`` call needs
-``Authorization: Bearer <key>``; the tenant is folded into the prefix-cache identity so
+``Authorization: Bearer <key>``; the tenant is a typed key of the prefix-cache identity so
 two tenants never share a cached block (a request's ``cache_salt`` adds to it).
 """
 
@@ -117,16 +117,6 @@ def load_api_keys(path: str) -> dict[str, str]:
             raise ValueError(f"{path}: empty key/tenant or NUL in tenant {t!r}")
     return keys
 
-
-def tenant_cache_salt(tenant: Optional[str], salt: Optional[str]) -> Optional[str]:
-    """The prefix-cache salt of a request: the tenant and the request's own salt.
-
-    NOTE(engine): ``LLMEngine.add_request`` has no ``tenant=`` key yet, so the tenant is
-    folded into ``cache_salt`` with an unambiguous prefix (neither part may contain NUL).
-    Without tenants the request's salt is used as given."""
-    if tenant is None:
-        return salt
-    return f"tenant={tenant}\x00salt={salt or ''}"
 
 
 def _key_digest(key: str) -> str:
@@ -340,7 +330,7 @@ def build_app(
                 raise APIError(400, "prompt is empty after tokenisation", param="prompt", code="invalid_value")
             token_lists.append(ids)
         specs = []
-        salt = tenant_cache_salt(tenant, body.cache_salt)
+        salt = body.cache_salt
         for ids in token_lists:
             mt = check_lengths(len(ids), body.max_tokens, "prompt")
             specs.append(PromptSpec(ids, sampling(body, mt, body.logprobs), salt))
@@ -371,7 +361,7 @@ def build_app(
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         mt = check_lengths(len(ids), max_tokens, "messages")
         lp = (body.top_logprobs or 0) if body.logprobs else None
-        spec = PromptSpec(ids, sampling(body, mt, lp), tenant_cache_salt(tenant, body.cache_salt))
+        spec = PromptSpec(ids, sampling(body, mt, lp), body.cache_salt)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         sub = await submit([f"{rid}-0"], [spec], body.stream, tenant)
         ctx = _Ctx(rid, model, int(time.time()), "chat", [ids], body)

@@ -210,7 +210,7 @@ class EngineLoop:
             for rid, spec in zip(ids, specs):
                 await asyncio.to_thread(
                     self.engine.add_request, rid, spec.prompt, spec.params,
-                    cache_salt=spec.cache_salt, stream=stream,
+                    cache_salt=spec.cache_salt, tenant=tenant, stream=stream,
                 )
                 added.append(rid)
         except BaseException:
