@@ -37,8 +37,9 @@ def test_bench_peers_tiny(loaded_model, hf_model, tmp_path):
     for key in ("benchmark", "config", "workload", "systems", "ratios", "goal", "machine"):
         assert key in data and data[key] not in (None, [], {}), key
     by = {r["name"]: r for r in data["systems"]}
-    assert set(by) == {peers.PAGEDKV, peers.HF_GENERATE.format(bs=2), peers.HF_CB, peers.LLAMA_CPP}
-    for name in (peers.PAGEDKV, peers.HF_GENERATE.format(bs=2)):
+    assert set(by) == {peers.PAGEDKV, peers.HF_GENERATE.format(bs=2), peers.HF_CB, peers.LLAMA_CPP,
+                       peers.PAGEDKV_REPEAT}
+    for name in (peers.PAGEDKV, peers.PAGEDKV_REPEAT, peers.HF_GENERATE.format(bs=2)):
         r = by[name]
         assert r["status"] == "ok", r
         assert r["completed"] == 4 and r["output_tokens"] == data["workload"]["output_tokens"]
@@ -53,5 +54,8 @@ def test_bench_peers_tiny(loaded_model, hf_model, tmp_path):
     for ratio in data["ratios"]:
         assert all(math.isfinite(ratio[k]) and ratio[k] > 0 for k in ("output_tok_s_ratio", "ttft_p50_ratio"))
     assert data["goal"]["ratio"] is not None and math.isfinite(data["goal"]["ratio"])
+    # greedy fp32: pagedkv and transformers agree token for token on these tiny requests
+    agree = data["greedy_agreement_with_pagedkv"][peers.HF_GENERATE.format(bs=2)]
+    assert agree["requests"] == 4 and agree["identical_requests"] >= 3  # padding may flip a rare near-tie
     assert (tmp_path / "peers.md").read_text().startswith("# Peers")
     assert (tmp_path / "peers.png").stat().st_size > 1000
