@@ -80,10 +80,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("target and limits")
     t.add_argument("--target-ttft-p90", type=float, default=2.0, help="latency target: p90 TTFT, s (default 2)")
     t.add_argument("--target-tpot-p90", type=float, default=0.2, help="latency target: p90 TPOT, s (default 0.2)")
+    t.add_argument("--relaxed-factor", type=float, default=3.0,
+                   help="also report a relaxed target, both limits times this factor (0 = off; default 3): on a "
+                        "loaded shared machine the strict target may be out of reach at any rate")
     t.add_argument("--max-run-seconds", type=float, default=120.0,
                    help="a run still busy after this many seconds aborts the rest (they count as unfinished; default 120)")
     t.add_argument("--sweep-all", action="store_true",
-                   help="keep sweeping higher rates after a rate misses the target (default: stop)")
+                   help="keep sweeping higher rates after a rate misses the (relaxed) target (default: stop)")
     h = p.add_argument_group("http")
     h.add_argument("--http", action="store_true", help="also run the paging-on cell against `pagedkv serve` over HTTP")
     h.add_argument("--http-server", choices=["subprocess", "thread"], default="subprocess",
@@ -509,11 +512,12 @@ def _at_rate(reqs: Sequence[BenchRequest], unit_arrivals: Sequence[float], rate:
             for r, a in zip(reqs, unit_arrivals)]
 
 
-def _row(name: str, rate: float, s: dict[str, Any], target: tuple[float, float]) -> dict[str, Any]:
-    return {
-        "cell": name, "rate": rate, **s,
-        "meets_target": meets_target(s, *target),
-    }
+def _row(name: str, rate: float, s: dict[str, Any], target: tuple[float, float],
+         relaxed: Optional[tuple[float, float]] = None) -> dict[str, Any]:
+    row = {"cell": name, "rate": rate, **s, "meets_target": meets_target(s, *target)}
+    if relaxed is not None:
+        row["meets_relaxed_target"] = meets_target(s, *relaxed)
+    return row
 
 
 def run_serving(args: argparse.Namespace, loaded: Any = None, progress: bool = True) -> dict[str, Any]:
@@ -544,6 +548,8 @@ def run_serving(args: argparse.Namespace, loaded: Any = None, progress: bool = T
                          shared_prefix_len=args.shared_prefix_len, trace=load_trace(args.trace))
     unit = poisson_arrivals(args.num_requests, 1.0, seed=args.seed + 2)
     target = (args.target_ttft_p90, args.target_tpot_p90)
+    relaxed = (target[0] * args.relaxed_factor, target[1] * args.relaxed_factor) if args.relaxed_factor > 0 else None
+    stop_key = "meets_relaxed_target" if relaxed is not None else "meets_target"
     cache: dict[tuple[str, float], dict[str, Any]] = {}
 
     def measure(cell: dict[str, Any], rate: float) -> dict[str, Any]:
@@ -551,7 +557,7 @@ def run_serving(args: argparse.Namespace, loaded: Any = None, progress: bool = T
         if key not in cache:
             t = time.time()
             s = run_cell_in_process(loaded, cell, _at_rate(base, unit, rate), args, progress)
-            cache[key] = _row(cell["name"], rate, s, target)
+            cache[key] = _row(cell["name"], rate, s, target, relaxed)
             _log(f"[serve] {cell['name']} @ {rate:g} req/s: {s['output_tokens_per_s']:.1f} tok/s, TTFT p90 "
                  f"{s['ttft_s']['p90']:.2f}s, TPOT p90 {s['tpot_s']['p90'] * 1e3:.0f}ms, preempt {s['preemptions']}, "
                  f"done {s['completed']}/{s['requests']} ({time.time() - t:.0f}s)")
@@ -573,14 +579,18 @@ def run_serving(args: argparse.Namespace, loaded: Any = None, progress: bool = T
         for cell in CELLS[:2]:
             name = cell["name"]
             if failed[name] and not args.sweep_all:
-                sweep[name].append({"cell": name, "rate": r, "skipped": "a lower rate already missed the target"})
+                sweep[name].append({"cell": name, "rate": r, "skipped": "a lower rate already missed the "
+                                    + ("relaxed target" if relaxed is not None else "target")})
                 continue
             row = measure(cell, r)
             sweep[name].append(row)
-            failed[name] = failed[name] or not row["meets_target"]
+            failed[name] = failed[name] or not row[stop_key]
+    sustainable_relaxed: dict[str, Optional[float]] = {}
     for name, rows in sweep.items():
         ok = [x["rate"] for x in rows if x.get("meets_target")]
         sustainable[name] = max(ok) if ok else None
+        ok = [x["rate"] for x in rows if x.get("meets_relaxed_target")]
+        sustainable_relaxed[name] = max(ok) if ok else None
 
     http_rows = []
     if args.http:
@@ -588,7 +598,7 @@ def run_serving(args: argparse.Namespace, loaded: Any = None, progress: bool = T
         t = time.time()
         try:
             s = run_cell_http(loaded, cell, _at_rate(base, unit, args.rate), args, progress)
-            row = _row(cell["name"] + " (HTTP)", args.rate, s, target)
+            row = _row(cell["name"] + " (HTTP)", args.rate, s, target, relaxed)
             _log(f"[serve] HTTP {cell['name']} @ {args.rate:g} req/s: {s['output_tokens_per_s']:.1f} tok/s, "
                  f"TTFT p90 {s['ttft_s']['p90']:.2f}s ({time.time() - t:.0f}s)")
         except Exception as exc:  # noqa: BLE001 - reported in the results
@@ -622,6 +632,7 @@ def run_serving(args: argparse.Namespace, loaded: Any = None, progress: bool = T
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "target": {"ttft_p90_s": args.target_ttft_p90, "tpot_p90_s": args.target_tpot_p90,
                        "also": "every request completed, none rejected"},
+            "relaxed_target": {"ttft_p90_s": relaxed[0], "tpot_p90_s": relaxed[1]} if relaxed else None,
             "max_run_seconds": args.max_run_seconds,
             "tiny": bool(args.tiny),
             "notes": args.note,
@@ -635,6 +646,7 @@ def run_serving(args: argparse.Namespace, loaded: Any = None, progress: bool = T
         "cells": cells,
         "sweep": sweep,
         "sustainable_rate": sustainable,
+        "sustainable_rate_relaxed": sustainable_relaxed if relaxed is not None else None,
         "http": http_rows,
         "elapsed_s": time.time() - t_all,
         "load_average_1m": {"start": load_start, "end": _loadavg()},
@@ -680,9 +692,9 @@ def _ms(x: Any) -> Any:
 
 def _table_row(r: dict[str, Any]) -> dict[str, Any]:
     if "skipped" in r:
-        return {"cell": r["cell"], "rate (req/s)": r["rate"], "meets target": f"skipped: {r['skipped']}"}
+        return {"cell": r["cell"], "rate (req/s)": r["rate"], "meets target (strict/relaxed)": f"skipped: {r['skipped']}"}
     if "error" in r:
-        return {"cell": r["cell"], "rate (req/s)": r["rate"], "meets target": f"error: {r['error']}"}
+        return {"cell": r["cell"], "rate (req/s)": r["rate"], "meets target (strict/relaxed)": f"error: {r['error']}"}
     return {
         "cell": r["cell"],
         "rate (req/s)": r["rate"],
@@ -696,7 +708,8 @@ def _table_row(r: dict[str, Any]) -> dict[str, Any]:
         "preempt": r["preemptions"],
         "mean/peak running": f"{r['mean_running']:.1f}/{r['peak_running']}" if r["mean_running"] is not None else "n/a",
         "cached prompt tok": r["cached_prompt_tokens"],
-        "meets target": "yes" if r["meets_target"] else "no",
+        "meets target (strict/relaxed)": ("yes" if r["meets_target"] else "no") + (
+            "/" + ("yes" if r["meets_relaxed_target"] else "no") if "meets_relaxed_target" in r else ""),
     }
 
 
@@ -719,16 +732,23 @@ def render_markdown(data: dict[str, Any]) -> str:
         f"max_num_seqs {c['max_num_seqs']}, max_num_batched_tokens {c['max_num_batched_tokens']}.",
         "",
         f"Latency target: p90 TTFT <= {tg['ttft_p90_s']:g} s and p90 TPOT <= {tg['tpot_p90_s'] * 1000:g} ms, "
-        f"{tg['also']}. Runs still busy after {c['max_run_seconds']:.0f} s are cut (the rest counts as unfinished).",
+        f"{tg['also']}" + (f"; relaxed target: p90 TTFT <= {c['relaxed_target']['ttft_p90_s']:g} s and p90 TPOT "
+                            f"<= {c['relaxed_target']['tpot_p90_s'] * 1000:g} ms" if c.get("relaxed_target") else "")
+        + f". Runs still busy after {c['max_run_seconds']:.0f} s are cut (the rest counts as unfinished).",
         "",
     ]
     if data["cells"]:
         lines += [f"## Cells at {c['rate_cells']:g} requests/s", "", markdown_table([_table_row(r) for r in data["cells"]])]
     if data["sweep"]:
         lines += ["## Rate sweep (prefix caching off)", ""]
+        relaxed_rates = data.get("sustainable_rate_relaxed") or {}
         for name, rate in data["sustainable_rate"].items():
-            lines.append(f"- **{name}**: highest rate meeting the target: "
-                         f"{'%g req/s' % rate if rate is not None else 'none of the rates tried'}")
+            line = (f"- **{name}**: highest rate meeting the target: "
+                    f"{'%g req/s' % rate if rate is not None else 'none of the rates tried'}")
+            if name in relaxed_rates:
+                rr = relaxed_rates[name]
+                line += f"; the relaxed target: {'%g req/s' % rr if rr is not None else 'none of the rates tried'}"
+            lines.append(line)
         lines += ["", markdown_table([_table_row(r) for rows in data["sweep"].values() for r in rows])]
         lines.append("Rates are a grid: the sustainable rate lies between the last passing and the first failing rate.")
         lines.append("")
@@ -762,10 +782,12 @@ def plot(data: dict[str, Any], path: Any) -> None:
 
     c = data["config"]
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    panels = [("ttft_s", "p90 TTFT (s)", c["target"]["ttft_p90_s"], 1.0),
-              ("tpot_s", "p90 TPOT (ms)", c["target"]["tpot_p90_s"] * 1000, 1000.0),
-              ("output_tokens_per_s", "output tokens/s", None, 1.0)]
-    for ax, (key, label, tgt, mult) in zip(axes, panels):
+    rt = c.get("relaxed_target") or {}
+    panels = [("ttft_s", "p90 TTFT (s)", c["target"]["ttft_p90_s"], rt.get("ttft_p90_s"), 1.0),
+              ("tpot_s", "p90 TPOT (ms)", c["target"]["tpot_p90_s"] * 1000,
+               rt["tpot_p90_s"] * 1000 if rt else None, 1000.0),
+              ("output_tokens_per_s", "output tokens/s", None, None, 1.0)]
+    for ax, (key, label, tgt, rtgt, mult) in zip(axes, panels):
         for name, rows in data["sweep"].items():
             pts = [(r["rate"], r[key]["p90"] if isinstance(r.get(key), dict) else r.get(key))
                    for r in rows if "skipped" not in r and "error" not in r]
@@ -774,6 +796,8 @@ def plot(data: dict[str, Any], path: Any) -> None:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
         if tgt is not None:
             ax.axhline(tgt, color="grey", linestyle="--", linewidth=1, label="target")
+        if rtgt is not None:
+            ax.axhline(rtgt, color="grey", linestyle=":", linewidth=1, label="relaxed target")
         ax.set_xlabel("arrival rate (requests/s)")
         ax.set_ylabel(label)
         if key != "output_tokens_per_s":
