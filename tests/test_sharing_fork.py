@@ -83,7 +83,7 @@ def check_own_cache(eng, rid):
 @pytest.mark.parametrize("prefix_caching", [False, True])
 def test_n2_copies_the_half_full_block_once_before_either_branch_writes(loaded_model, prefix_caching):
     prompt = [1, 504, 3458, 314, 260, 1345]  # 6 tokens: one full block + one half-full block
-    sp = dict(temperature=0.8, top_p=0.95, max_tokens=12, ignore_eos=True)
+    sp = dict(temperature=0.8, top_p=0.95, max_tokens=8, ignore_eos=True)
     llm = make_llm(loaded_model, enable_prefix_caching=prefix_caching, shuffle_blocks=3)
     eng = llm.engine
     events = []

@@ -130,22 +130,22 @@ def test_same_prompt_twice_computes_only_the_uncached_tail(loaded_model, base_id
 # ---- isolation ------------------------------------------------------------------------
 def test_other_revision_adapter_salt_or_tenant_never_hit_and_the_same_salt_does(loaded_model, base_ids):
     prompt = base_ids[:16]
-    ref = cold(loaded_model, prompt)
+    ref = cold(loaded_model, prompt, 4)
     llm = make_llm(loaded_model)
     eng = llm.engine
-    assert run_one(eng, "base", prompt, cache_salt="s1").num_cached_tokens == 0
+    assert run_one(eng, "base", prompt, 4, cache_salt="s1").num_cached_tokens == 0
     rev = eng.revision
     eng.revision = rev + "+other"  # e.g. weights reloaded at another revision
-    out = run_one(eng, "rev", prompt, cache_salt="s1")
+    out = run_one(eng, "rev", prompt, 4, cache_salt="s1")
     eng.revision = rev
     assert out.num_cached_tokens == 0 and out.token_ids == ref
     for name, kw in [("adapter", dict(adapter_id="lora-a")), ("salt", dict(cache_salt="s2")),
                      ("tenant", dict(tenant="t2")), ("typed", dict(cache_salt=None, adapter_id="s1"))]:
         kw.setdefault("cache_salt", "s1")
-        out = run_one(eng, name, prompt, **kw)
+        out = run_one(eng, name, prompt, 4, **kw)
         assert out.num_cached_tokens == 0, name
         assert out.token_ids == ref, name
-    same = run_one(eng, "same", prompt, cache_salt="s1")
+    same = run_one(eng, "same", prompt, 4, cache_salt="s1")
     assert same.num_cached_tokens == 12 and same.token_ids == ref
     assert eng.get_stats()["kv_prefix_hits"] == 12
     assert_clean(eng)
