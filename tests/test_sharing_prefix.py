@@ -127,6 +127,24 @@ def test_same_prompt_twice_computes_only_the_uncached_tail(loaded_model, base_id
     assert_clean(eng)
 
 
+def test_a_request_waits_for_a_prefix_another_request_is_prefilling(loaded_model, base_ids):
+    """Both prompts share 32 tokens; with 24 tokens per step the second one would be admitted
+    while the first still computes block 6..7 of the shared part. It waits a step and hits
+    all 8 shared blocks instead of recomputing two of them."""
+    shared = base_ids[:32]
+    p0, p1 = shared + [1000, 1001, 1002, 1003], shared + [2000, 2001, 2002, 2003]
+    llm = make_llm(loaded_model, max_num_batched_tokens=24)
+    eng = llm.engine
+    eng.add_request("r0", p0, greedy(4))
+    eng.add_request("r1", p1, greedy(4))
+    outs = drain(eng)
+    assert outs["r1"].num_cached_tokens == 32
+    assert eng.scheduler.stats.num_batched_tokens_total == 36 + 4 + 2 * 3  # prompts once, then decodes
+    assert outs["r0"].token_ids == cold(loaded_model, p0, 4)
+    assert outs["r1"].token_ids == cold(loaded_model, p1, 4)
+    assert_clean(eng)
+
+
 # ---- isolation ------------------------------------------------------------------------
 def test_other_revision_adapter_salt_or_tenant_never_hit_and_the_same_salt_does(loaded_model, base_ids):
     prompt = base_ids[:16]

@@ -140,6 +140,26 @@ class Scheduler:
         # hit blocks already counted in total; those with ref_cnt 0 leave the free queue
         return total - len(hit_blocks) + sum(1 for b in hit_blocks if b.ref_cnt == 0)
 
+    def _prefix_in_flight(self, req: Request, num_cached: int) -> bool:
+        """Whether a running request is still computing the block right after ``req``'s
+        prefix hit, with the same tokens and cache keys. Admitting ``req`` now would compute
+        that block a second time; once it is published ``req`` hits it instead (seed §02:
+        share, don't recompute). Only a block ``req`` could hit counts (a whole block before
+        its last token). With chunked prefill the running request takes the whole token
+        budget until its last chunk, so this rarely delays admission by more than a step."""
+        bs = self.kv.block_size
+        end = num_cached + bs
+        if end > (req.num_tokens - 1) // bs * bs:
+            return False
+        toks = None
+        for r in self.running:
+            if r.num_computed_tokens < end <= r.num_tokens and r.cache_keys == req.cache_keys:
+                if toks is None:
+                    toks = req.all_token_ids[:end]
+                if r.all_token_ids[:end] == toks:
+                    return True
+        return False
+
     def schedule(self) -> SchedulerOutput:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
@@ -184,6 +204,8 @@ class Scheduler:
                 hit_blocks, num_cached = self.kv.get_computed_blocks(
                     req.request_id, req.all_token_ids, req.cache_keys
                 )
+                if self._prefix_in_flight(req, num_cached):
+                    break  # a running prefill is computing its next block: hit it next step
             remaining = req.num_tokens - num_cached
             n = min(remaining, budget)
             if not cfg.enable_chunked_prefill and n < remaining:
