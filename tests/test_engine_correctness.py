@@ -85,12 +85,16 @@ def test_block_boundary_prompts_match_transformers(loaded_model, hf_greedy, base
 
 
 @pytest.mark.parametrize("block_size", [1, 8, 16, 32])
-def test_sixteen_mixed_prompts_batched_match_transformers(loaded_model, hf_greedy, base_ids, block_size):
+def test_mixed_prompts_batched_match_transformers(loaded_model, hf_greedy, base_ids, block_size):
+    """16 mixed-length prompts in one batch (block size 1: the first 8 of them, which
+    still cross every boundary, since a 1-token block makes each step ~4x dearer here)."""
     prompts = mixed_prompts(base_ids)
+    if block_size == 1:
+        prompts = prompts[:8]
     got, eng = run(loaded_model, prompts, block_size=block_size, num_blocks=4096 // block_size + 64)
     want = [hf_greedy(p) for p in prompts]
     assert got == want
-    assert eng.scheduler.stats.peak_running == 16  # really batched
+    assert eng.scheduler.stats.peak_running == len(prompts)  # really batched
 
 
 def test_chunked_prefill_unaligned_chunks_write_every_slot(loaded_model, base_ids):

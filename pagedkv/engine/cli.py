@@ -16,7 +16,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine options shared by generate, chat, serve and the benchmarks."""
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="GGUF file or HF safetensors dir (default: bundled SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="float32", help="float32 | bfloat16 (default float32)")
+    g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     g.add_argument("--kv-cache-memory", default=None, help='KV cache budget, e.g. "1GiB" (default 1GiB)')
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory)")
@@ -51,11 +51,13 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def _sampling(args: argparse.Namespace):
     from pagedkv.engine.request import SamplingParams
 
-    return SamplingParams(
+    sp = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         max_tokens=args.max_tokens, seed=args.sample_seed, stop=args.stop or None,
         ignore_eos=getattr(args, "ignore_eos", False), n=getattr(args, "n", 1),
     )
+    sp.validate()  # before the model loads: bad flags fail at once
+    return sp
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -71,7 +73,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 def _make_llm(args: argparse.Namespace):
     from pagedkv.engine.llm import LLM
 
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
     t0 = time.time()
     llm = LLM(args.model, **engine_kwargs(args))
     kv = llm.engine.kv_summary()
@@ -88,15 +90,26 @@ def _make_llm(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> int:
     prompts: list[Any] = list(args.prompts)
     if args.input:
-        with open(args.input) as f:
-            for line in f:
-                if line.strip():
-                    rec = json.loads(line)
-                    prompts.append(rec if isinstance(rec, str) else rec.get("prompt", rec.get("messages")))
+        try:
+            with open(args.input) as f:
+                lines = [ln for ln in f if ln.strip()]
+        except OSError as e:
+            raise InvalidRequestError(f"--input: cannot read {args.input}: {e.strerror}") from None
+        for n, line in enumerate(lines, 1):
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InvalidRequestError(f"--input line {n}: not JSON ({e.msg})") from None
+            p = rec if isinstance(rec, str) else rec.get("prompt", rec.get("messages")) if isinstance(rec, dict) else None
+            if not isinstance(p, (str, list)):
+                raise InvalidRequestError(
+                    f'--input line {n}: expected a string, {{"prompt": "..."}} or {{"messages": [...]}}'
+                )
+            prompts.append(p)
     if not prompts:
         raise InvalidRequestError("no prompts: give them as arguments or with --input FILE.jsonl")
-    llm = _make_llm(args)
     sp = _sampling(args)
+    llm = _make_llm(args)
     token_prompts = []
     for p in prompts:
         if isinstance(p, list):  # chat messages from a JSONL record
@@ -132,7 +145,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(r["text"])
             print(f"    [{len(r['token_ids'])} tokens, finish_reason={r['finish_reason']}]")
     print(
-        f"[pagedkv] {len(outs)} requests, {n_out} output tokens in {dt:.2f}s = "
+        f"[pagedkv] {len(outs)} request{'s' if len(outs) != 1 else ''}, {n_out} output tokens in {dt:.2f}s = "
         f"{summary['output_tokens_per_s']:.1f} tok/s; preemptions {summary['preemptions']}, "
         f"peak running {summary['peak_running']}, KV blocks {summary['kv_blocks']}",
         file=sys.stderr,
@@ -141,8 +154,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    llm = _make_llm(args)
     sp = _sampling(args)
+    llm = _make_llm(args)
     history: list[dict[str, str]] = []
     if args.system:
         history.append({"role": "system", "content": args.system})
