@@ -1,0 +1,22 @@
+"""`pagedkv generate` input errors fail fast (before loading the model) with rc 2."""
+
+from pagedkv.cli import main
+
+
+def test_generate_bad_inputs_fail_before_loading(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": 3}\n')
+    notjson = tmp_path / "nj.jsonl"
+    notjson.write_text("{oops\n")
+    cases = [
+        (["generate", "--input", str(tmp_path / "missing.jsonl")], "cannot read"),
+        (["generate", "--input", str(bad)], "line 1: expected"),
+        (["generate", "--input", str(notjson)], "line 1: not JSON"),
+        (["generate", "--max-tokens", "0", "hi"], "max_tokens"),
+        (["generate", "--temperature", "-1", "hi"], "temperature"),
+        (["generate"], "no prompts"),
+    ]
+    for argv, msg in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert "pagedkv: error:" in err and msg in err, (argv, err)
