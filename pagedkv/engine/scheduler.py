@@ -82,7 +82,11 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
-        self._watermark_blocks = int(config.watermark * kv_manager.num_blocks)
+        # Head-room kept free for running requests to grow into. Without paging a request
+        # reserves its whole max_model_len up front and never grows, so none is needed.
+        self._watermark_blocks = (
+            int(config.watermark * kv_manager.num_blocks) if getattr(kv_manager, "enable_paging", True) else 0
+        )
 
     # ---- queue management -------------------------------------------------------------
     def add_request(self, req: Request) -> None:
