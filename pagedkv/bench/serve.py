@@ -59,10 +59,10 @@ NAME = "serving"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload")
-    w.add_argument("--num-requests", type=int, default=32, help="requests per run (default 32)")
-    w.add_argument("--rate", type=float, default=1.0, help="arrival rate of the cell comparison, requests/s (default 1)")
-    w.add_argument("--rates", default="0.25,0.5,1,1.5,2,3",
-                   help="rate sweep, requests/s, comma-separated ('' = no sweep; default 0.25,0.5,1,1.5,2,3)")
+    w.add_argument("--num-requests", type=int, default=16, help="requests per run (default 16)")
+    w.add_argument("--rate", type=float, default=0.2, help="arrival rate of the cell comparison, requests/s (default 0.2)")
+    w.add_argument("--rates", default="0.15,0.2,0.3,0.45,0.6",
+                   help="rate sweep, requests/s, comma-separated ('' = no sweep; default 0.15,0.2,0.3,0.45,0.6)")
     w.add_argument("--length-divisor", type=float, default=8.0, help="trace lengths are divided by this (default 8)")
     w.add_argument("--max-prompt", type=int, default=512, help="clip prompts to this many tokens (default 512)")
     w.add_argument("--max-output", type=int, default=64, help="clip outputs to this many tokens (default 64)")
@@ -75,16 +75,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--num-blocks", type=int, default=128, help="KV budget in blocks (default 128 = 2 x max_model_len at block 16)")
     e.add_argument("--block-size", type=int, default=16)
     e.add_argument("--max-num-seqs", type=int, default=64)
-    e.add_argument("--max-num-batched-tokens", type=int, default=64,
-                   help="tokens per engine step (default 64: a step of 512 prompt tokens takes ~2 s on 2 cores, past any TPOT target)")
+    e.add_argument("--max-num-batched-tokens", type=int, default=32,
+                   help="tokens per engine step (default 32: a step of 512 tokens takes ~2 s on 2 idle cores and one "
+                        "of 32 ~0.2 s, so larger steps put every running request past a TPOT target)")
     t = p.add_argument_group("target and limits")
     t.add_argument("--target-ttft-p90", type=float, default=2.0, help="latency target: p90 TTFT, s (default 2)")
     t.add_argument("--target-tpot-p90", type=float, default=0.2, help="latency target: p90 TPOT, s (default 0.2)")
     t.add_argument("--relaxed-factor", type=float, default=3.0,
                    help="also report a relaxed target, both limits times this factor (0 = off; default 3): on a "
                         "loaded shared machine the strict target may be out of reach at any rate")
-    t.add_argument("--max-run-seconds", type=float, default=120.0,
-                   help="a run still busy after this many seconds aborts the rest (they count as unfinished; default 120)")
+    t.add_argument("--max-run-seconds", type=float, default=90.0,
+                   help="a run still busy this many seconds after its last arrival aborts the rest (they count as "
+                        "unfinished; default 90)")
     t.add_argument("--sweep-all", action="store_true",
                    help="keep sweeping higher rates after a rate misses the (relaxed) target (default: stop)")
     h = p.add_argument_group("http")
@@ -189,7 +191,8 @@ def replay_in_process(engine: Any, reqs: Sequence[BenchRequest], max_run_s: floa
                       desc: str = "serve", progress: bool = True) -> tuple[list[RequestRecord], RunStats]:
     """Replay ``reqs`` (arrival offsets in seconds) against ``engine`` in real time: add each
     request once its arrival time has passed (with that time as ``arrival_time``), step the
-    engine in between, sleep when idle. After ``max_run_s`` seconds the rest is aborted."""
+    engine in between, sleep when idle. ``max_run_s`` seconds after the last arrival the rest
+    is aborted (counted as unfinished)."""
     from tqdm.auto import tqdm
 
     from pagedkv.engine.request import SamplingParams
@@ -208,7 +211,7 @@ def replay_in_process(engine: Any, reqs: Sequence[BenchRequest], max_run_s: floa
     c0 = time.process_time()
     k = 0
     done = 0
-    deadline = start + max_run_s
+    deadline = start + max((r.arrival_s for r in reqs), default=0.0) + max_run_s
     try:
         while True:
             now = time.time()
@@ -225,7 +228,7 @@ def replay_in_process(engine: Any, reqs: Sequence[BenchRequest], max_run_s: floa
                     bar.update(1)
             if now > deadline:
                 left = [rid for rid, i in ids.items() if records[i].status == "pending"]
-                stats.notes.append(f"stopped after {max_run_s:.0f}s: {len(left)} requests unfinished")
+                stats.notes.append(f"stopped {max_run_s:.0f}s after the last arrival: {len(left)} requests unfinished")
                 engine.abort_request(left)
                 while engine.has_unfinished_requests():
                     engine.step()
@@ -424,7 +427,7 @@ async def _http_replay(url: str, reqs: Sequence[BenchRequest], max_run_s: float,
         stats = RunStats()
         start = time.time() + 0.05
         stats.started = start
-        deadline = start + max_run_s
+        deadline = start + max((q.arrival_s for q in reqs), default=0.0) + max_run_s
         records = [RequestRecord(start + q.arrival_s, expected_tokens=q.output_len) for q in reqs]
         bar = tqdm(total=len(reqs), desc=desc, unit="req", disable=not progress, leave=False)
 
@@ -438,7 +441,7 @@ async def _http_replay(url: str, reqs: Sequence[BenchRequest], max_run_s: float,
             t.cancel()
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
-            stats.notes.append(f"stopped after {max_run_s:.0f}s: {len(pending)} requests unfinished")
+            stats.notes.append(f"stopped {max_run_s:.0f}s after the last arrival: {len(pending)} requests unfinished")
         for rec in records:
             if rec.status == "pending":
                 rec.status = "unfinished"
@@ -734,7 +737,8 @@ def render_markdown(data: dict[str, Any]) -> str:
         f"Latency target: p90 TTFT <= {tg['ttft_p90_s']:g} s and p90 TPOT <= {tg['tpot_p90_s'] * 1000:g} ms, "
         f"{tg['also']}" + (f"; relaxed target: p90 TTFT <= {c['relaxed_target']['ttft_p90_s']:g} s and p90 TPOT "
                             f"<= {c['relaxed_target']['tpot_p90_s'] * 1000:g} ms" if c.get("relaxed_target") else "")
-        + f". Runs still busy after {c['max_run_seconds']:.0f} s are cut (the rest counts as unfinished).",
+        + f". Runs still busy {c['max_run_seconds']:.0f} s after their last arrival are cut (the rest counts as "
+        "unfinished).",
         "",
     ]
     if data["cells"]:
