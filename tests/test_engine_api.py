@@ -121,3 +121,69 @@ def test_stats_and_logprobs(llm):
     st = llm.engine.get_stats()
     assert st["num_used_blocks"] == 0 and st["num_blocks"] == 256
     assert st["num_generated_tokens"] >= 4
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(prompt=None), "prompt must be"),
+        (dict(prompt=5), "prompt must be"),
+        (dict(params=SamplingParams(stop=5)), "stop"),
+        (dict(params=SamplingParams(stop_token_ids=5)), "stop_token_ids"),
+        (dict(mm_hashes=5), "mm_hashes"),
+        (dict(params=SamplingParams(seed=2**64)), "seed"),
+        (dict(arrival_time="now"), "arrival_time"),
+        (dict(params=SamplingParams(skip_special_tokens="no")), "skip_special_tokens"),
+        (dict(priority="high"), "priority"),
+        (dict(params=SamplingParams(beam_width=2, length_penalty=1e308)), "length_penalty"),
+        (dict(request_id="x#1"), "must not contain"),
+        (dict(params=SamplingParams(n=True)), "SamplingParams.n"),
+    ],
+)
+def test_malformed_request_fields_are_typed_errors(llm, kwargs, match):
+    eng = llm.engine
+    call = dict(request_id=None, prompt="hi", params=SamplingParams())
+    call.update(kwargs)
+    extra = {k: call.pop(k) for k in ("arrival_time", "priority", "mm_hashes") if k in call}
+    with pytest.raises(InvalidRequestError, match=match):
+        eng.add_request(call["request_id"], call["prompt"], call["params"], **extra)
+    assert not eng.has_unfinished_requests() and eng.kv.num_used_blocks == 0
+
+
+def test_tiny_temperature_is_greedy(llm):
+    tiny = llm.generate(["The capital of France is"], SamplingParams(temperature=1e-40, max_tokens=4), use_tqdm=False)[0]
+    greedy = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    assert tiny.token_ids == greedy.token_ids and 0 not in tiny.token_ids
+
+
+def test_failed_step_closes_its_fence(loaded_model):
+    """An exception inside step() (here an interrupt in the forward) must not leave the step
+    fence open: after an abort every block returns to the pool."""
+    llm = LLM(loaded_model, block_size=4, num_blocks=32)
+    eng = llm.engine
+    eng.add_request("a", "Hello there", SamplingParams(max_tokens=4))
+    real = eng.runner.execute
+
+    def boom(inp):
+        raise KeyboardInterrupt
+
+    eng.runner.execute = boom
+    with pytest.raises(KeyboardInterrupt):
+        eng.step()
+    eng.runner.execute = real
+    assert eng.kv.open_steps == {}
+    eng.abort_request("a")
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert eng.kv.num_used_blocks == 0
+    check_invariants(eng.kv)
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [dict(max_model_len="512"), dict(max_num_seqs=None), dict(max_num_batched_tokens=2.5),
+     dict(watermark="0.1"), dict(seed="x"), dict(device="nope"), dict(seed=2**70)],
+)
+def test_bad_engine_option_types(loaded_model, opts):
+    with pytest.raises(ConfigError):
+        LLM(loaded_model, num_blocks=8, **opts)

@@ -127,8 +127,7 @@ class LLMEngine:
         if unknown:
             raise ConfigError(f"unknown engine option(s): {sorted(unknown)}")
         cfg = self.config = EngineConfig(**kwargs)
-        if not isinstance(cfg.block_size, int) or cfg.block_size < 1:
-            raise ConfigError(f"block_size must be a positive integer, got {cfg.block_size!r}")
+        _check_options(cfg)
         dtype = resolve_dtype(cfg.dtype)
         self.dtype = dtype
 
@@ -299,14 +298,33 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling_params must be a SamplingParams")
         params.validate(max_n=self.config.max_n)
+        if arrival_time is not None and (
+            isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float))
+            or arrival_time != arrival_time
+        ):
+            raise InvalidRequestError(f"arrival_time must be seconds (a number), got {arrival_time!r}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
+        for name, v in (("cache_salt", cache_salt), ("adapter_id", adapter_id)):
+            if v is not None and not isinstance(v, str):
+                raise InvalidRequestError(f"{name} must be a string or None, got {type(v).__name__}")
+        if not isinstance(mm_hashes, (list, tuple)) or not all(
+            isinstance(m, tuple) and len(m) == 3 and isinstance(m[0], str)
+            and all(type(x) is int and x >= 0 for x in m[1:]) for m in mm_hashes
+        ):
+            raise InvalidRequestError("mm_hashes must be a list of (content_hash: str, offset, length) tuples")
         if isinstance(prompt, str):
             text: Optional[str] = prompt
             token_ids = self.tokenize(prompt)
         else:
+            if not isinstance(prompt, (list, tuple)):
+                raise InvalidRequestError(
+                    f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
+                )
             text = None
             token_ids = list(prompt)
             vocab = self.model_config.vocab_size
-            if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
+            if not all(type(t) is int and 0 <= t < vocab for t in token_ids):
                 raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
         if not token_ids:
             raise InvalidRequestError("prompt is empty")
@@ -333,6 +351,8 @@ class LLMEngine:
             if request_id is None:
                 request_id = f"req-{next(self._ids)}"
             request_id = str(request_id)
+            if "#" in request_id:  # reserved for the engine's n > 1 / beam sequence ids
+                raise InvalidRequestError(f"request id {request_id!r} must not contain '#'")
             if request_id in self._groups:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
             t = arrival_time if arrival_time is not None else now()
@@ -364,7 +384,12 @@ class LLMEngine:
     def abort_request(self, request_id: Union[str, Sequence[str]]) -> None:
         """Abort requests (all n sequences). Safe at any time, also while a step runs and
         more than once. Unknown or finished ids are ignored."""
-        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        if isinstance(request_id, str):
+            ids = [request_id]
+        elif isinstance(request_id, (list, tuple, set)) and all(isinstance(r, str) for r in request_id):
+            ids = list(request_id)
+        else:
+            raise InvalidRequestError("abort_request takes a request id or a list of them")
         with self._lock:
             for rid in ids:
                 group = self._groups.get(rid)
@@ -384,9 +409,24 @@ class LLMEngine:
     # ---- the step --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one iteration. Returns a RequestOutput for each user request that got new
-        tokens or finished in this step (cumulative text and token ids)."""
+        tokens or finished in this step (cumulative text and token ids).
+
+        If the step raises (a kernel error, KeyboardInterrupt), its fence is still closed,
+        so blocks freed meanwhile return to the pool; the scheduled requests keep their
+        progress and recompute the failed step's tokens next time."""
+        opened: list = []
+        try:
+            return self._step(opened)
+        except BaseException:
+            with self._lock:
+                for out in opened:
+                    self.kv.end_step(out.step_id)  # idempotent
+            raise
+
+    def _step(self, opened: list) -> list[RequestOutput]:
         with self._lock:
             out = self.scheduler.schedule()
+            opened.append(out)
             touched: set[str] = set()
             if out.is_empty:
                 self.kv.end_step(out.step_id)
@@ -732,6 +772,32 @@ def _beam_output(index: int, h: BeamHypothesis) -> CompletionOutput:
         index=index, text=h.text, token_ids=list(h.token_ids), finish_reason=h.finish_reason,
         cumulative_logprob=h.cumulative_logprob, score=h.score,
     )
+
+
+def _check_options(cfg: EngineConfig) -> None:
+    """Types and ranges of the engine options; raises ``ConfigError`` naming the field."""
+
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_n"):
+        v = getattr(cfg, name)
+        if not is_int(v) or v < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+    for name in ("max_model_len", "num_blocks", "shuffle_blocks"):
+        v = getattr(cfg, name)
+        if v is not None and (not is_int(v) or (v < 1 and name != "shuffle_blocks")):
+            raise ConfigError(f"{name} must be a positive integer or None, got {v!r}")
+    if not is_int(cfg.seed) or not (0 <= cfg.seed < 2**63):
+        raise ConfigError(f"seed must be an integer in [0, 2**63), got {cfg.seed!r}")
+    if isinstance(cfg.watermark, bool) or not isinstance(cfg.watermark, (int, float)):
+        raise ConfigError(f"watermark must be a number in [0, 1), got {cfg.watermark!r}")
+    try:
+        dev = torch.device(cfg.device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"device: unknown device {cfg.device!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device: CUDA is not available on this machine")
 
 
 def _replace_seed(params: SamplingParams, seed: int) -> SamplingParams:

@@ -67,7 +67,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below 1e-5 are greedy: dividing logits by them overflows fp32."""
+        return self.temperature < _GREEDY_EPS
 
     @property
     def use_beam_search(self) -> bool:
@@ -85,7 +86,7 @@ class SamplingParams:
         def bad(field_name: str, why: str) -> None:
             raise InvalidRequestError(f"SamplingParams.{field_name}: {why}")
 
-        if not isinstance(self.n, int) or self.n < 1:
+        if not _is_int(self.n) or self.n < 1:
             bad("n", f"must be an integer >= 1, got {self.n!r}")
         if self.n > max_n:
             bad("n", f"must be <= {max_n}, got {self.n}")
@@ -93,7 +94,7 @@ class SamplingParams:
             bad("temperature", f"must be >= 0, got {self.temperature!r}")
         if not _is_finite(self.top_p) or not (0.0 < self.top_p <= 1.0):
             bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int):
+        if not _is_int(self.top_k):
             bad("top_k", f"must be an integer, got {self.top_k!r}")
         if not _is_finite(self.min_p) or not (0.0 <= self.min_p <= 1.0):
             bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
@@ -103,27 +104,32 @@ class SamplingParams:
             v = getattr(self, name)
             if not _is_finite(v) or not (-2.0 <= v <= 2.0):
                 bad(name, f"must be in [-2, 2], got {v!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if self.logprobs is not None and (
-            not isinstance(self.logprobs, int) or not (0 <= self.logprobs <= max_logprobs)
+            not _is_int(self.logprobs) or not (0 <= self.logprobs <= max_logprobs)
         ):
             bad("logprobs", f"must be an integer in [0, {max_logprobs}], got {self.logprobs!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", f"must be an integer, got {self.seed!r}")
-        if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
+        if self.seed is not None and (not _is_int(self.seed) or not (-(2**63) <= self.seed < 2**63)):
+            bad("seed", f"must be an integer in [-2**63, 2**63), got {self.seed!r}")
+        if self.stop is not None and (
+            not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop)
+        ):
             bad("stop", "must be a list of non-empty strings")
-        if self.stop_token_ids is not None and not all(
-            isinstance(t, int) and t >= 0 for t in self.stop_token_ids
+        if self.stop_token_ids is not None and (
+            not isinstance(self.stop_token_ids, (list, tuple))
+            or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids)
         ):
             bad("stop_token_ids", "must be a list of token ids >= 0")
         if isinstance(self.beam_width, bool) or not isinstance(self.beam_width, int) or self.beam_width < 1:
             bad("beam_width", f"must be an integer >= 1, got {self.beam_width!r}")
         if self.beam_width > max_n:
             bad("beam_width", f"must be <= {max_n}, got {self.beam_width}")
-        if not _is_finite(self.length_penalty):
-            bad("length_penalty", f"must be a finite number, got {self.length_penalty!r}")
-        if self.early_stopping not in (False, True, "never"):
+        if not _is_finite(self.length_penalty) or abs(self.length_penalty) > 100:
+            bad("length_penalty", f"must be a number in [-100, 100], got {self.length_penalty!r}")
+        if not isinstance(self.skip_special_tokens, bool):
+            bad("skip_special_tokens", f"must be a bool, got {self.skip_special_tokens!r}")
+        if not (self.early_stopping is False or self.early_stopping is True or self.early_stopping == "never"):
             bad("early_stopping", f"must be False, True or 'never', got {self.early_stopping!r}")
         if self.beam_width > 1:
             if self.n != 1:
@@ -134,6 +140,13 @@ class SamplingParams:
                 bad("stop", "stop strings are not supported with beam search (use stop_token_ids)")
             if self.logprobs is not None:
                 bad("logprobs", "not supported with beam search")
+
+
+_GREEDY_EPS = 1e-5
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _is_finite(x: Any) -> bool:
