@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any
 
-from pagedkv.errors import InvalidRequestError
+from pagedkv.errors import ConfigError, InvalidRequestError
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -34,7 +34,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    if getattr(args, "threads", None):
+    if getattr(args, "threads", None) is not None:
+        if args.threads < 1:
+            raise ConfigError(f"--threads must be >= 1, got {args.threads}")
         import torch
 
         torch.set_num_threads(args.threads)
@@ -109,6 +111,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not prompts:
         raise InvalidRequestError("no prompts: give them as arguments or with --input FILE.jsonl")
     sp = _sampling(args)
+    if args.output:  # fail before the run, not after it
+        try:
+            open(args.output, "a").close()
+        except OSError as e:
+            raise InvalidRequestError(f"--output: cannot write {args.output}: {e.strerror}") from None
     llm = _make_llm(args)
     token_prompts = []
     for p in prompts:
