@@ -157,3 +157,13 @@ def test_unknown_route_and_method(server, after_ok):
     http, _ = server
     _check(http.get("/v1/nothing"), 404)
     _check(http.get("/v1/completions"), 405)
+
+
+def test_seed_out_of_range_and_echo_of_bad_ids_are_400(server, after_ok):
+    http, _ = server
+    for path, body in (
+        ("/v1/completions", {**GOOD, "seed": 2**64}),
+        ("/v1/chat/completions", {"model": "smol", "messages": [{"role": "user", "content": "Hi"}], "seed": -(2**64)}),
+        ("/v1/completions", {**GOOD, "prompt": [-3], "echo": True}),
+    ):
+        _check(_post(http, path, body), 400)

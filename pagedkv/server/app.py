@@ -328,6 +328,10 @@ def build_app(
             ids = await asyncio.to_thread(engine.tokenize, p) if isinstance(p, str) else list(p)
             if not ids:
                 raise APIError(400, "prompt is empty after tokenisation", param="prompt", code="invalid_value")
+            vocab = engine.model_config.vocab_size
+            if not all(0 <= t < vocab for t in ids):  # before echo decodes them
+                raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt",
+                               code="invalid_value")
             token_lists.append(ids)
         specs = []
         salt = body.cache_salt
