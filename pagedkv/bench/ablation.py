@@ -436,10 +436,8 @@ def render_ablation(data: dict[str, Any]) -> str:
         "here caching also saves slots and raises concurrency; a truly contiguous cache would have "
         "to copy the prefix into each request's region and keep the reservation's full size.",
         f"- Paging off fits {cfg['num_blocks']} // {cfg['contiguous_reservation_blocks']} = "
-        f"{cfg['num_blocks'] // cfg['contiguous_reservation_blocks']} reservations; admission also keeps a 1% "
-        f"watermark ({int(0.01 * cfg['num_blocks'])} block(s)) free while anything runs, so at most "
-        f"{max(1, (cfg['num_blocks'] - int(0.01 * cfg['num_blocks'])) // cfg['contiguous_reservation_blocks'])} "
-        "run without caching.",
+        f"{cfg['num_blocks'] // cfg['contiguous_reservation_blocks']} reservations, the most that run at once "
+        "without caching.",
         f"- Both (row 4): {on_on['peak_concurrency']} vs {off_off['peak_concurrency']} requests at once, "
         f"{on_on['output_tokens_per_s'] / off_off['output_tokens_per_s']:.2f}x the output throughput, "
         f"{on_on['ttft_s']['mean'] / off_off['ttft_s']['mean']:.2f}x the mean TTFT, "
@@ -492,8 +490,9 @@ def render_sharing(data: dict[str, Any]) -> str:
         + (f" (1-minute load average {data['load_average_1min']['start']:.1f} at the start, "
            f"{data['load_average_1min']['end']:.1f} at the end, on {data['machine']['cpu_count']} CPUs)"
            if data.get("load_average_1min", {}).get("start") is not None else "")
-        + ". In the burst the second request is admitted while the first is still prefilling the "
-        "system prompt, so it hits only the blocks published so far and recomputes the rest once.",
+        + ". In the burst, requests wait while the first one is still prefilling the system "
+        "prompt (the scheduler does not admit a request whose next prefix block another request is "
+        "computing), then hit all of it.",
         "",
         f"## Parallel sampling: n={ps['n']}, a {ps['prompt_tokens']}-token prompt, {ps['new_tokens']} new tokens",
         "",
