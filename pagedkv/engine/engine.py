@@ -33,7 +33,7 @@ from pagedkv.engine.request import (
 )
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import Sampler
-from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
+from pagedkv.engine.scheduler import Scheduler, SchedulerConfig, SchedulerStallError
 from pagedkv.errors import ConfigError, InvalidRequestError
 
 logger = logging.getLogger("pagedkv")
@@ -214,6 +214,7 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.num_finished = 0
         self._beam_groups: set[str] = set()  # groups doing beam search
+        self.scheduler.gang_ids = self._beam_groups  # their beams are scheduled all or nothing
         self.peak_used_blocks = 0  # max blocks in use right after a step's allocation
         self.peak_shared_blocks = 0  # max blocks held by more than one table (end of a step)
         logger.info(
@@ -430,6 +431,17 @@ class LLMEngine:
             touched: set[str] = set()
             if out.is_empty:
                 self.kv.end_step(out.step_id)
+                sch = self.scheduler
+                if not out.preempted and sch.has_unfinished() and not self.kv.open_steps and not self.kv.holds:
+                    # nothing runs, nothing frees blocks: every further step would do the same
+                    raise SchedulerStallError(
+                        f"scheduler stalled: {len(sch.running)} running / {len(sch.waiting)} waiting "
+                        f"sequences but nothing can be scheduled ({self.kv.num_free_blocks} of "
+                        f"{self.num_blocks} blocks free; running: "
+                        f"{[(r.request_id, r.num_computed_tokens, r.num_tokens) for r in sch.running][:8]}, "
+                        f"waiting: {[(r.request_id, r.num_tokens) for r in sch.waiting][:8]}). "
+                        "This is a bug; abort the requests to free their blocks."
+                    )
                 return self._collect(self._finished_groups())
             if self.kv.num_used_blocks > self.peak_used_blocks:
                 self.peak_used_blocks = self.kv.num_used_blocks

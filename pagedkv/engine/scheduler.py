@@ -8,6 +8,13 @@ small watermark and fewer than ``max_num_seqs`` requests run. When a running req
 get a block, the scheduler preempts the lowest-priority running request (FCFS: the latest
 admitted): its blocks are freed, its progress reset, and it is requeued first; on resume it
 recomputes prompt + outputs (hitting its own cached blocks if prefix caching is on).
+
+Gangs (``gang_ids``: the parent ids of beam searches, whose live sequences must advance
+together because a beam step needs every live beam's logits) are never split: preempting a
+member preempts the whole gang, and a waiting gang is admitted all at once. It re-enters as
+one leader that recomputes the tokens all members share, then the others fork its blocks
+(so the shared prefix is stored once again, prefix caching or not) and each recomputes only
+its own suffix.
 """
 
 from __future__ import annotations
@@ -17,7 +24,12 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from pagedkv.engine.request import Request, RequestStatus, now
-from pagedkv.errors import ConfigError, NoFreeBlocksError
+from pagedkv.errors import ConfigError, NoFreeBlocksError, PagedKVError
+
+
+class SchedulerStallError(PagedKVError, RuntimeError):
+    """A step could schedule nothing while requests are unfinished and no block is held
+    behind a step fence: the engine would spin forever (a scheduler bug)."""
 
 
 @dataclass
@@ -82,6 +94,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
+        # parent ids of gangs (beam searches; the engine shares its set): see the module doc
+        self.gang_ids: set[str] = set()
+        self._forks: dict[str, tuple[int, list[Request]]] = {}  # leader id -> (fork at, members)
+        self._parked: set[str] = set()  # waiting members that fork from their running leader
         # Head-room kept free for running requests to grow into. Without paging a request
         # reserves its whole max_model_len up front and never grows, so none is needed.
         self._watermark_blocks = (
@@ -108,6 +124,8 @@ class Scheduler:
                 self.waiting.remove(req)
             except ValueError:
                 pass
+        self._unpark(req)
+        self._parked.discard(req.request_id)
         req.status = status
         req.finish_time = now()
         self.kv.free(req.request_id)
@@ -117,10 +135,35 @@ class Scheduler:
     def _queue_key(self, req: Request):
         return (req.priority, req.arrival_time)
 
-    def _next_waiting(self) -> Request:
+    def _next_waiting(self) -> Optional[Request]:
+        cands = [r for r in self.waiting if r.request_id not in self._parked] if self._parked else self.waiting
+        if not cands:
+            return None
         if self.config.policy == "priority":
-            return min(self.waiting, key=self._queue_key)
-        return self.waiting[0]
+            return min(cands, key=self._queue_key)
+        return cands[0]
+
+    def _unpark(self, leader: Request) -> None:
+        """``leader`` stops (preempted or finished) before its members forked: they wait
+        again as ordinary members of their gang."""
+        fk = self._forks.pop(leader.request_id, None)
+        if fk is not None:
+            for m in fk[1]:
+                self._parked.discard(m.request_id)
+
+    def _fork_members(self, leader: Request) -> None:
+        """The leader computed the gang's shared prefix: its members share those blocks
+        (copy-on-write of a partly filled last one) and run on from there."""
+        at, members = self._forks.pop(leader.request_id)
+        for m in members:
+            self._parked.discard(m.request_id)
+            if m.status.finished or m not in self.waiting:
+                continue
+            self.waiting.remove(m)
+            self.kv.fork(leader.request_id, m.request_id)
+            m.num_computed_tokens = at
+            m.status = RequestStatus.RUNNING
+            self.running.append(m)
 
     def _pick_victim(self, candidates: list[Request]) -> Request:
         if self.config.policy == "priority":
@@ -128,6 +171,7 @@ class Scheduler:
         return candidates[-1]
 
     def _preempt(self, victim: Request) -> None:
+        self._unpark(victim)
         self.running.remove(victim)
         self.kv.free(victim.request_id)
         victim.status = RequestStatus.PREEMPTED
@@ -171,11 +215,24 @@ class Scheduler:
         copies: list[tuple[int, int]] = []
         preempted: list[Request] = []
 
+        # 0) a gang split by last step's preemption: preempt its running members too (all or
+        #    nothing; they would otherwise hold blocks waiting for siblings that can't get any)
+        if self.gang_ids and self.waiting:
+            split = {
+                r.parent_id for r in self.waiting
+                if r.parent_id in self.gang_ids and r.request_id not in self._parked
+            }
+            for r in [r for r in self.running if r.parent_id in split]:
+                self._preempt(r)
+                preempted.append(r)
+
         # 1) running requests: decode tokens and unfinished prefill chunks
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            fk = self._forks.get(req.request_id)
+            end = fk[0] if fk is not None else req.num_tokens  # a leader stops at the fork
+            n = min(end - req.num_computed_tokens, budget)
             if n <= 0:
                 i += 1
                 continue
@@ -203,18 +260,45 @@ class Scheduler:
         # 2) waiting requests (not in a step that had to preempt)
         while self.waiting and budget > 0 and not preempted and len(self.running) < cfg.max_num_seqs:
             req = self._next_waiting()
+            if req is None:
+                break
+            # a gang enters whole: req leads, computing the tokens every member shares (at
+            # least one short of its end, so it samples nothing), then the others fork it
+            members = (
+                [r for r in self.waiting if r.parent_id == req.parent_id and r is not req]
+                if req.parent_id in self.gang_ids else []
+            )
+            end = req.num_tokens
+            if members:
+                toks = req.all_token_ids
+                end = min(req.num_tokens - 1, *(m.num_tokens - 1 for m in members))
+                for m in members:
+                    mt = m.all_token_ids
+                    j = 0
+                    while j < end and mt[j] == toks[j]:
+                        j += 1
+                    end = j
+                if self.running and len(self.running) + 1 + len(members) > cfg.max_num_seqs:
+                    break
             hit_blocks, num_cached = [], 0
             if self.enable_prefix_caching:
                 hit_blocks, num_cached = self.kv.get_computed_blocks(
                     req.request_id, req.all_token_ids, req.cache_keys
                 )
+                if members and num_cached >= end:  # the leader must compute up to the fork
+                    hit_blocks = hit_blocks[: (end - 1) // self.kv.block_size]
+                    num_cached = len(hit_blocks) * self.kv.block_size
                 if self._prefix_in_flight(req, num_cached):
                     break  # a running prefill is computing its next block: hit it next step
-            remaining = req.num_tokens - num_cached
+            remaining = end - num_cached
             n = min(remaining, budget)
             if not cfg.enable_chunked_prefill and n < remaining:
                 break
             need = self._blocks_needed(num_cached + n, hit_blocks)
+            if members and self.running:
+                # what the members' suffixes (and their copies of a shared partial block) take
+                bs = self.kv.block_size
+                need += sum(-(-r.num_tokens // bs) - end // bs for r in [req] + members)
             free_after = self.kv.num_free_blocks - need
             if free_after < 0 or (self.running and free_after < self._watermark_blocks):
                 break  # head-of-line waits for blocks
@@ -238,6 +322,9 @@ class Scheduler:
             self.running.append(req)
             scheduled.append((req, n))
             budget -= n
+            if members:
+                self._forks[req.request_id] = (end, members)
+                self._parked.update(m.request_id for m in members)
 
         step_id = self.kv.begin_step([r.request_id for r, _ in scheduled])
         used = cfg.max_num_batched_tokens - budget
@@ -266,6 +353,9 @@ class Scheduler:
                 self.kv.cache_blocks(
                     req.request_id, req.all_token_ids, req.num_computed_tokens, req.cache_keys
                 )
+            fk = self._forks.get(req.request_id)
+            if fk is not None and req.num_computed_tokens >= fk[0]:
+                self._fork_members(req)
             tok = sampled.get(req.request_id)
             if tok is None:
                 continue  # a prefill chunk that does not end the known tokens
