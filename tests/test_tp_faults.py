@@ -93,7 +93,9 @@ def test_hung_worker_times_out(loaded_model, monkeypatch):
         elapsed = time.monotonic() - t0
         print(f"SIGSTOP -> error in {elapsed:.2f}s: {err}")
         assert 3.0 < elapsed < BOUND_S, elapsed
-        assert "timeout 4s" in str(err), str(err)
+        # Either the driver's own collective times out first, or the other worker's does and
+        # it exits (the watchdog reports that): both end the engine in bounded time.
+        assert "timeout 4s" in str(err) or "exited with code" in str(err), str(err)
         _assert_no_process_left(pids)
     finally:
         for pid in pids:  # never leave a stopped process behind, whatever happened
