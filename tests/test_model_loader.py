@@ -243,3 +243,15 @@ def test_truncated_gguf(tmp_path, bundled_gguf):
 def test_bad_dtype():
     with pytest.raises(ConfigError, match="dtype"):
         load_model(None, dtype=torch.int8)
+
+
+def test_load_model_accepts_dtype_names(bundled_gguf):
+    import torch
+
+    from pagedkv.errors import ConfigError
+    from pagedkv.model.loader import load_model
+
+    lm = load_model(bundled_gguf, dtype="float32")
+    assert next(lm.model.parameters()).dtype == torch.float32
+    with pytest.raises(ConfigError, match="int8"):
+        load_model(bundled_gguf, dtype="int8")

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from pagedkv.attention import layouts as L
 from pagedkv.attention.base import AttentionMetadata
-from pagedkv.attention.reference import check_inputs, lists_of
+from pagedkv.attention.reference import LayoutMemory, check_inputs, lists_of
 
 # Sequences with at most this many new tokens go through the C kernel; longer chunks use
 # matmuls (better arithmetic intensity).
@@ -55,7 +55,7 @@ class _Workspace:
         self._bufs.clear()
 
 
-class CPUBackend:
+class CPUBackend(LayoutMemory):
     """Fast CPU paged attention (see module doc). ``layout``: ``nhd`` | ``hnd`` | ``ascend``.
     ``use_kernel=False`` forces the pure-torch path (used by tests and the benchmark)."""
 
@@ -71,34 +71,6 @@ class CPUBackend:
         if ws is None:
             ws = self._local.ws = _Workspace()
         return ws
-
-    # -- memory ---------------------------------------------------------------------------
-    def allocate_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                          dtype: torch.dtype, device: torch.device | str = "cpu") -> L.PagedKVCache:
-        """Zero-filled ``PagedKVCache``; K and V each ``layout.shape(...)`` in ``dtype``.
-        Raises ``ConfigError`` for a non-positive size or non-floating dtype."""
-        return L.allocate(self.layout, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
-
-    def write_kv(self, kv_cache: L.PagedKVCache, key: torch.Tensor, value: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-        """Write ``key``/``value`` ``[num_tokens, Hkv, d]`` at ``slot_mapping`` (int64
-        ``[num_tokens]``; ``-1`` rows skipped)."""
-        slots, key, value = L.valid_slots(slot_mapping, key, value)
-        if slots.numel() == 0:
-            return
-        self.layout.write(kv_cache.key, key, slots, kv_cache.block_size)
-        self.layout.write(kv_cache.value, value, slots, kv_cache.block_size)
-
-    def copy_blocks(self, kv_cache: L.PagedKVCache, copies: Sequence[tuple[int, int]]) -> None:
-        """Copy physical blocks ``src -> dst`` (K and V)."""
-        L.copy_blocks(kv_cache, copies)
-
-    def gather_kv(self, kv_cache: L.PagedKVCache, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V ``[n, Hkv, d]`` at ``slots`` (int64 ``[n]``)."""
-        slots = slots.to(torch.int64)
-        c = kv_cache
-        return (self.layout.read(c.key, slots, c.block_size, c.num_kv_heads, c.head_dim),
-                self.layout.read(c.value, slots, c.block_size, c.num_kv_heads, c.head_dim))
 
     # -- attention ------------------------------------------------------------------------
     def _plan(self, md: AttentionMetadata, kernel) -> "_Plan":

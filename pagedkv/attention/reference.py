@@ -52,17 +52,11 @@ def lists_of(md: AttentionMetadata) -> tuple[list[int], list[int], list[int]]:
     return list(seq_lens), q_lens, starts
 
 
-class ReferenceBackend:
-    """Oracle backend: any layout (default NHD), any floating dtype, any device torch runs on.
+class LayoutMemory:
+    """K/V memory handling shared by every backend that keeps its cache as a
+    ``PagedKVCache`` in ``self.layout``: allocate, write by slot_mapping, copy blocks, gather."""
 
-    Per sequence: gather K/V ``[seq_len, Hkv, d]`` by slot, compute ``softmax(q k^T * scale)``
-    with the causal mask (query row ``j`` of a ``q_len`` chunk sits at position
-    ``seq_len - q_len + j``) in float32, cast back to the query dtype.
-    """
-
-    def __init__(self, layout: str = "nhd", name: str | None = None) -> None:
-        self.layout = L.get_layout(layout)
-        self.name = name or ("reference" if layout == "nhd" else f"reference-{layout}")
+    layout: L.Layout
 
     # -- memory ---------------------------------------------------------------------------
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -91,6 +85,19 @@ class ReferenceBackend:
         c = kv_cache
         return (self.layout.read(c.key, slots, c.block_size, c.num_kv_heads, c.head_dim),
                 self.layout.read(c.value, slots, c.block_size, c.num_kv_heads, c.head_dim))
+
+
+class ReferenceBackend(LayoutMemory):
+    """Oracle backend: any layout (default NHD), any floating dtype, any device torch runs on.
+
+    Per sequence: gather K/V ``[seq_len, Hkv, d]`` by slot, compute ``softmax(q k^T * scale)``
+    with the causal mask (query row ``j`` of a ``q_len`` chunk sits at position
+    ``seq_len - q_len + j``) in float32, cast back to the query dtype.
+    """
+
+    def __init__(self, layout: str = "nhd", name: str | None = None) -> None:
+        self.layout = L.get_layout(layout)
+        self.name = name or ("reference" if layout == "nhd" else f"reference-{layout}")
 
     # -- attention ------------------------------------------------------------------------
     def forward(self, query: torch.Tensor, kv_cache: L.PagedKVCache, metadata: AttentionMetadata,

@@ -119,9 +119,22 @@ def load_config(model: str | Path | None = None) -> ModelConfig:
     return _gguf_config(path, header, _gguf_revision(path))
 
 
+_DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """A supported torch dtype from a dtype or its name; ``ConfigError`` otherwise."""
+    if isinstance(dtype, str):
+        dtype = _DTYPE_NAMES.get(dtype.lower(), dtype)
+    if dtype not in SUPPORTED_DTYPES:
+        raise ConfigError(f"dtype: unsupported {dtype!r} (supported: float32, bfloat16, float16, or their names)")
+    return dtype
+
+
 def load_model(
     model: str | Path | None = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     device: torch.device | str = "cpu",
     *,
     cache_dir: str | Path | None = None,
@@ -138,8 +151,7 @@ def load_model(
     unsupported architecture/quantisation/dtype, or missing/mis-shaped weights.
     """
     t0 = time.perf_counter()
-    if dtype not in SUPPORTED_DTYPES:
-        raise ConfigError(f"dtype: unsupported {dtype} (supported: float32, bfloat16, float16)")
+    dtype = _as_dtype(dtype)
     path = resolve_model_path(model)
     if path.is_dir():
         config = _hf_config(path)
