@@ -119,8 +119,8 @@ def test_stats_and_logprobs(llm):
         assert tok in d and len(d) == 3  # greedy token is among the top 3
         assert max(d.values()) == d[tok]
     st = llm.engine.get_stats()
-    assert st["num_used_blocks"] == 0 and st["num_blocks"] == 256
-    assert st["num_generated_tokens"] >= 4
+    assert st.num_used_blocks == 0 and st.num_blocks == 256
+    assert st.num_generated_tokens >= 4
 
 
 @pytest.mark.parametrize(

@@ -100,7 +100,7 @@ def test_64_streaming_clients_with_disconnects(server):
     assert engine.kv.num_used_blocks == 0
     check_invariants(engine.kv)
     st = engine.get_stats()
-    generated = st["num_generated_tokens"] - stats0["num_generated_tokens"]
+    generated = st.num_generated_tokens - stats0.num_generated_tokens
     assert generated >= len(complete) * MAX_TOKENS
     metrics = httpx.get(srv.url + "/metrics").text
     aborted = [ln for ln in metrics.splitlines()
@@ -115,7 +115,7 @@ def test_64_streaming_clients_with_disconnects(server):
 
 def test_nonstream_client_that_gives_up_is_aborted(server):
     srv, engine = server
-    before = engine.get_stats()["num_finished_requests"]
+    before = engine.get_stats().num_finished_requests
     body = {"model": "smol", "prompt": PROMPTS[0], "temperature": 0, "ignore_eos": True, "max_tokens": 200}
     with pytest.raises(httpx.ReadTimeout):  # the client closes the connection after 1.5 s
         httpx.post(srv.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.5))
@@ -123,7 +123,7 @@ def test_nonstream_client_that_gives_up_is_aborted(server):
     while engine.has_unfinished_requests() and time.monotonic() < deadline:
         time.sleep(0.02)
     st = engine.get_stats()
-    assert st["num_finished_requests"] == before + 1
+    assert st.num_finished_requests == before + 1
     assert not engine.has_unfinished_requests() and engine.kv.num_used_blocks == 0
     check_invariants(engine.kv)
     metrics = httpx.get(srv.url + "/metrics").text

@@ -57,7 +57,7 @@ def test_graceful_shutdown_finishes_streams(loaded_model):
                 text += json.loads(line[6:])["choices"][0]["text"]
         stopper.join(60)
     assert done, "the in-flight stream was finished, not cut"
-    assert engine.get_stats()["num_generated_tokens"] == 12
+    assert engine.get_stats().num_generated_tokens == 12
     assert not loop.running
     _clean(engine)
     with pytest.raises(httpx.HTTPError):

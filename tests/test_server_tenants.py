@@ -63,7 +63,7 @@ def test_missing_or_bad_key_401(server):
             err = r.json()["error"]
             assert err["type"] == "authentication_error" and err["code"] == "invalid_api_key"
             assert r.headers.get("www-authenticate") == "Bearer"
-    assert engine.get_stats()["num_prompt_tokens"] == 0  # nothing reached the engine
+    assert engine.get_stats().num_prompt_tokens == 0  # nothing reached the engine
     assert http.get("/v1/models", headers=_auth("key-bob")).status_code == 200
     assert http.get("/health").status_code == 200  # health and metrics stay open
     assert http.get("/metrics").status_code == 200

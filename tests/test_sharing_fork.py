@@ -108,7 +108,7 @@ def test_n2_copies_the_half_full_block_once_before_either_branch_writes(loaded_m
     outs = drain(eng, check=lambda e: [check_own_cache(e, r) for r in ("r", "r#1") if r in e.scheduler.requests])
     out = outs["r"]
     assert eng.kv.stats.cow_copies == 1 and out.metrics.num_cow_copies == 1
-    assert eng.get_stats()["peak_shared_blocks"] == 2
+    assert eng.get_stats().peak_shared_blocks == 2
     assert_clean(eng)
 
     # each branch equals an independent request with its seed (child i gets seed + i)
@@ -128,8 +128,8 @@ def test_n8_shares_the_prompt_blocks(loaded_model):
     out = llm.generate([prompt], SamplingParams(n=8, seed=0, **sp), use_tqdm=False)[0]
     st = llm.engine.get_stats()
     # 16 prompt blocks + 8 children x 2 output blocks (positions 64..70)
-    assert st["peak_used_blocks"] == 16 + 8 * 2
-    assert st["num_prompt_tokens"] == 64 and st["kv_cow_copies"] == 0  # the prompt ends on a block boundary
+    assert st.peak_used_blocks == 16 + 8 * 2
+    assert st.num_prompt_tokens == 64 and st.kv_cow_copies == 0  # the prompt ends on a block boundary
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
     assert_clean(llm.engine)
 
@@ -188,7 +188,7 @@ def test_beam_search_matches_transformers(loaded_model, hf_model, beam_prompt, b
     assert seen["max_beams"] == beam_width
     assert seen["mid_block_forks"] > 0 and eng.kv.stats.cow_copies > 0
     st = eng.get_stats()
-    assert st["peak_shared_blocks"] >= len(ids) // 4 and st["num_shared_blocks"] == 0
+    assert st.peak_shared_blocks >= len(ids) // 4 and st.num_shared_blocks == 0
     assert out.metrics.num_cow_copies == eng.kv.stats.cow_copies
     assert_clean(eng)
 

@@ -121,8 +121,8 @@ def test_same_prompt_twice_computes_only_the_uncached_tail(loaded_model, base_id
     assert second.metrics.prefix_query_tokens == length and second.metrics.prefix_hit_tokens == hit
     assert second.metrics.prefix_hit_rate == pytest.approx(hit / length)
     st = eng.get_stats()
-    assert st["kv_prefix_queries"] == 2 * length and st["kv_prefix_hits"] == hit
-    assert st["kv_prefix_hit_rate"] == pytest.approx(hit / (2 * length))
+    assert st.kv_prefix_queries == 2 * length and st.kv_prefix_hits == hit
+    assert st.kv_prefix_hit_rate == pytest.approx(hit / (2 * length))
     assert first.token_ids == second.token_ids == cold(loaded_model, prompt)
     assert_clean(eng)
 
@@ -165,7 +165,7 @@ def test_other_revision_adapter_salt_or_tenant_never_hit_and_the_same_salt_does(
         assert out.token_ids == ref, name
     same = run_one(eng, "same", prompt, 4, cache_salt="s1")
     assert same.num_cached_tokens == 12 and same.token_ids == ref
-    assert eng.get_stats()["kv_prefix_hits"] == 12
+    assert eng.get_stats().kv_prefix_hits == 12
     assert_clean(eng)
 
 
@@ -236,9 +236,9 @@ def test_preempted_after_5_tokens_in_a_6_block_pool_rehits_its_own_blocks(loaded
     assert seen["reused"] == [seen["gave_up"][2]]  # the tail block went first
     assert outs["B"].metrics.num_preemptions == 1
     st = eng.get_stats()
-    assert st["num_preemptions"] == 1 and st["kv_evictions"] >= 1
-    assert st["kv_prefix_hits"] == 8  # the resume re-hit B's first two blocks
-    assert st["kv_prefix_queries"] == 7 + 8 + 13
+    assert st.num_preemptions == 1 and st.kv_evictions >= 1
+    assert st.kv_prefix_hits == 8  # the resume re-hit B's first two blocks
+    assert st.kv_prefix_queries == 7 + 8 + 13
     assert outs["A"].token_ids == cold(loaded_model, a, 10)
     assert outs["B"].token_ids == cold(loaded_model, b, 10)
     assert_clean(eng)
@@ -251,7 +251,7 @@ def test_engine_and_request_stats_name_every_sharing_counter(loaded_model, base_
     for key in ("kv_prefix_queries", "kv_prefix_hits", "kv_prefix_hit_rate", "num_shared_blocks",
                 "peak_shared_blocks", "kv_cow_copies", "kv_evictions", "num_preemptions", "peak_used_blocks"):
         assert key in st, key
-    assert st["peak_shared_blocks"] >= 2 and st["kv_cow_copies"] == 2  # one half block per request
+    assert st.peak_shared_blocks >= 2 and st.kv_cow_copies == 2  # one half block per request
     assert sum(o.metrics.num_cow_copies for o in outs) == 2
     assert all(o.metrics.prefix_query_tokens == 9 for o in outs)
     assert_clean(llm.engine)

@@ -198,11 +198,11 @@ def run_cell(loaded: Any, cell: dict[str, Any], wl: dict[str, Any], args: argpar
         "effective_tokens_peak": max(sampler.effective, default=0),
         "effective_per_allocated_slot": sum_eff / sum_slots if sum_slots else 0.0,
         "tokens_computed": eng.scheduler.stats.num_batched_tokens_total,
-        "prefix_hit_rate": st["kv_prefix_hit_rate"],
-        "prefix_hit_tokens": st["kv_prefix_hits"],
-        "preemptions": st["num_preemptions"],
-        "peak_shared_blocks": st["peak_shared_blocks"],
-        "steps": st["num_steps"],
+        "prefix_hit_rate": st.kv_prefix_hit_rate,
+        "prefix_hit_tokens": st.kv_prefix_hits,
+        "preemptions": st.num_preemptions,
+        "peak_shared_blocks": st.peak_shared_blocks,
+        "steps": st.num_steps,
         "_answers": answers,
     }
 
@@ -281,8 +281,8 @@ def _prefix_run(loaded: Any, args: argparse.Namespace, prompts: list[list[int]],
         "ttft_s": summarize(o.metrics.ttft for o in order),
         "wall_s": wall,
         "tokens_computed": eng.scheduler.stats.num_batched_tokens_total,
-        "prefix_hit_tokens": st["kv_prefix_hits"],
-        "prefix_hit_rate": st["kv_prefix_hit_rate"],
+        "prefix_hit_tokens": st.kv_prefix_hits,
+        "prefix_hit_rate": st.kv_prefix_hit_rate,
         "_tokens": [o.token_ids for o in order],
         "_ttfts": [o.metrics.ttft for o in order],
     }
@@ -339,8 +339,8 @@ def run_parallel_sampling(loaded: Any, args: argparse.Namespace, progress: bool 
     eng.add_request("n", prompt, SamplingParams(n=args.n, seed=100, **base))
     shared = _drain(eng)["n"]
     st = eng.get_stats()
-    res["parallel"] = {"peak_used_blocks": st["peak_used_blocks"], "peak_shared_blocks": st["peak_shared_blocks"],
-                       "cow_copies": st["kv_cow_copies"], "tokens_computed": eng.scheduler.stats.num_batched_tokens_total,
+    res["parallel"] = {"peak_used_blocks": st.peak_used_blocks, "peak_shared_blocks": st.peak_shared_blocks,
+                       "cow_copies": st.kv_cow_copies, "tokens_computed": eng.scheduler.stats.num_batched_tokens_total,
                        "wall_s": time.perf_counter() - t0}
     if progress:
         print(f"[sharing] {args.n} independent requests ...", flush=True)
@@ -350,7 +350,7 @@ def run_parallel_sampling(loaded: Any, args: argparse.Namespace, progress: bool 
         eng.add_request(f"i{i}", prompt, SamplingParams(seed=100 + i, **base))
     indep = _drain(eng)
     st = eng.get_stats()
-    res["independent"] = {"peak_used_blocks": st["peak_used_blocks"],
+    res["independent"] = {"peak_used_blocks": st.peak_used_blocks,
                           "tokens_computed": eng.scheduler.stats.num_batched_tokens_total,
                           "wall_s": time.perf_counter() - t0}
     ratio = res["parallel"]["peak_used_blocks"] / res["independent"]["peak_used_blocks"]

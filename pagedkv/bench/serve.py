@@ -240,8 +240,8 @@ def replay_in_process(engine: Any, reqs: Sequence[BenchRequest], max_run_s: floa
                 outs = engine.step()
                 stats.steps += 1
                 s = engine.get_stats()
-                stats.running_samples.append(s["num_running"])
-                stats.kv_usage_samples.append(float(s["kv_usage"]))
+                stats.running_samples.append(s.num_running)
+                stats.kv_usage_samples.append(float(s.kv_usage))
                 for o in outs:
                     if not o.finished or o.request_id not in ids:
                         continue
@@ -263,7 +263,7 @@ def replay_in_process(engine: Any, reqs: Sequence[BenchRequest], max_run_s: floa
     stats.ended = time.time()
     stats.cpu_s = time.process_time() - c0
     st1 = engine.get_stats()
-    stats.preemptions = st1["num_preemptions"] - st0["num_preemptions"]
+    stats.preemptions = st1.num_preemptions - st0.num_preemptions
     stats.peak_running = max(stats.running_samples, default=0)
     return records, stats
 
@@ -482,7 +482,7 @@ def run_cell_http(loaded: Any, cell: dict[str, Any], reqs: Sequence[BenchRequest
         srv = ThreadedServer(build_app(engine), host="127.0.0.1", port=port)
         try:
             records, stats = asyncio.run(_http_replay(srv.url, reqs, args.max_run_seconds, desc, progress))
-            stats.preemptions = stats.preemptions or engine.get_stats()["num_preemptions"]
+            stats.preemptions = stats.preemptions or engine.get_stats().num_preemptions
         finally:
             srv.stop()
         server = "uvicorn thread in the benchmark process"

@@ -138,8 +138,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         records.append(rec)
     stats = llm.engine.get_stats()
     summary = {"elapsed_s": dt, "output_tokens": n_out, "output_tokens_per_s": n_out / dt if dt else 0.0,
-               "requests": len(outs), "preemptions": stats["num_preemptions"],
-               "peak_running": stats["peak_running"], "kv_blocks": stats["num_blocks"]}
+               "requests": len(outs), "preemptions": stats.num_preemptions,
+               "peak_running": stats.peak_running, "kv_blocks": stats.num_blocks}
     if args.output:
         with open(args.output, "w") as f:
             for r in records:

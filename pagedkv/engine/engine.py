@@ -34,6 +34,7 @@ from pagedkv.engine.request import (
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig, SchedulerStallError
+from pagedkv.engine.stats import EngineStats
 from pagedkv.errors import ConfigError, InvalidRequestError
 
 logger = logging.getLogger("pagedkv")
@@ -733,50 +734,35 @@ class LLMEngine:
             ]
             return {"kv": self.kv.snapshot(), "requests": reqs, "stats": self.get_stats()}
 
-    def get_stats(self) -> dict[str, Any]:
-        """Engine statistics: requests, KV blocks, prefix cache, preemptions, CoW copies."""
+    def get_stats(self) -> EngineStats:
+        """Engine statistics (:class:`EngineStats`): requests, KV blocks, prefix cache,
+        preemptions, CoW copies."""
         with self._lock:
             kvs = self.kv.stats
-            st = {
-                "num_running": len(self.scheduler.running),
-                "num_waiting": len(self.scheduler.waiting),
-                "num_blocks": self.num_blocks,
-                "num_used_blocks": self.kv.num_used_blocks,
-                "num_free_blocks": self.kv.num_free_blocks,
-                "kv_usage": self.kv.usage,
-                "num_preemptions": self.scheduler.stats.num_preemptions,
-                "num_steps": self.scheduler.stats.num_steps,
-                "peak_running": self.scheduler.stats.peak_running,
-                "num_generated_tokens": self.num_generated_tokens,
-                "num_prompt_tokens": self.num_prompt_tokens,
-                "num_finished_requests": self.num_finished,
-                "num_shared_blocks": self.num_shared_blocks(),
-                "peak_shared_blocks": self.peak_shared_blocks,
-                "peak_used_blocks": self.peak_used_blocks,
-            }
-            st.update(_as_dict(kvs, prefix="kv_"))
-            return st
-
-
-def _as_dict(obj: Any, prefix: str = "") -> dict[str, Any]:
-    if obj is None:
-        return {}
-    if hasattr(obj, "__dataclass_fields__"):
-        items = {k: getattr(obj, k) for k in obj.__dataclass_fields__}
-    elif isinstance(obj, dict):
-        items = dict(obj)
-    else:
-        items = {k: v for k, v in vars(obj).items() if not k.startswith("_")}
-    out = {}
-    for k, v in items.items():
-        if isinstance(v, (int, float, str, bool)) or v is None:
-            out[prefix + k] = v
-    for k in dir(obj):
-        if k.endswith("rate") and not k.startswith("_") and prefix + k not in out:
-            v = getattr(obj, k, None)
-            if isinstance(v, (int, float)):
-                out[prefix + k] = v
-    return out
+            return EngineStats(
+                num_running=len(self.scheduler.running),
+                num_waiting=len(self.scheduler.waiting),
+                num_blocks=self.num_blocks,
+                num_used_blocks=self.kv.num_used_blocks,
+                num_free_blocks=self.kv.num_free_blocks,
+                kv_usage=self.kv.usage,
+                num_preemptions=self.scheduler.stats.num_preemptions,
+                num_steps=self.scheduler.stats.num_steps,
+                peak_running=self.scheduler.stats.peak_running,
+                num_generated_tokens=self.num_generated_tokens,
+                num_prompt_tokens=self.num_prompt_tokens,
+                num_finished_requests=self.num_finished,
+                num_shared_blocks=self.num_shared_blocks(),
+                peak_shared_blocks=self.peak_shared_blocks,
+                peak_used_blocks=self.peak_used_blocks,
+                kv_prefix_queries=kvs.prefix_queries,
+                kv_prefix_hits=kvs.prefix_hits,
+                kv_prefix_hit_rate=kvs.prefix_hit_rate,
+                kv_cow_copies=kvs.cow_copies,
+                kv_evictions=kvs.evictions,
+                kv_allocated_blocks=kvs.allocated_blocks,
+                kv_deferred_frees=kvs.deferred_frees,
+            )
 
 
 def _beam_output(index: int, h: BeamHypothesis) -> CompletionOutput:

@@ -57,7 +57,7 @@ def kv_view(engine: Any, loop: Optional[Any] = None, viewer: Optional[str] = Non
             "owners": owners,
         },
         "requests": requests,
-        "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, str, bool)) or v is None},
+        "stats": stats.as_dict(),
     }
 
 

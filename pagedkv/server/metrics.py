@@ -50,24 +50,24 @@ class _EngineCollector:
             c.add_metric(val, float(value))
             return c
 
-        queries = st.get("kv_prefix_queries", 0) or 0
-        hits = st.get("kv_prefix_hits", 0) or 0
-        yield gauge("pagedkv_num_requests_running", "Sequences in the running batch.", st.get("num_running", 0))
-        yield gauge("pagedkv_num_requests_waiting", "Sequences waiting (queued or preempted).", st.get("num_waiting", 0))
-        yield gauge("pagedkv_kv_blocks_total", "Physical KV blocks in the pool.", st.get("num_blocks", 0))
-        yield gauge("pagedkv_kv_blocks_used", "KV blocks with ref_cnt > 0 (tables and step fences).", st.get("num_used_blocks", 0))
-        yield gauge("pagedkv_kv_blocks_free", "KV blocks in the free queue (cached-but-free included).", st.get("num_free_blocks", 0))
-        yield gauge("pagedkv_kv_cache_usage_percent", "Used KV blocks, percent of the pool (0-100).", 100.0 * (st.get("kv_usage", 0.0) or 0.0))
+        queries = st.kv_prefix_queries
+        hits = st.kv_prefix_hits
+        yield gauge("pagedkv_num_requests_running", "Sequences in the running batch.", st.num_running)
+        yield gauge("pagedkv_num_requests_waiting", "Sequences waiting (queued or preempted).", st.num_waiting)
+        yield gauge("pagedkv_kv_blocks_total", "Physical KV blocks in the pool.", st.num_blocks)
+        yield gauge("pagedkv_kv_blocks_used", "KV blocks with ref_cnt > 0 (tables and step fences).", st.num_used_blocks)
+        yield gauge("pagedkv_kv_blocks_free", "KV blocks in the free queue (cached-but-free included).", st.num_free_blocks)
+        yield gauge("pagedkv_kv_cache_usage_percent", "Used KV blocks, percent of the pool (0-100).", 100.0 * st.kv_usage)
         yield gauge("pagedkv_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens looked up (0-1, since start).",
                     hits / queries if queries else 0.0)
         yield counter("pagedkv_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache.", queries)
         yield counter("pagedkv_prefix_cache_hits_tokens", "Prompt tokens served from the prefix cache.", hits)
-        yield counter("pagedkv_num_preemptions", "Sequences preempted (blocks freed, recomputed later).", st.get("num_preemptions", 0))
-        yield counter("pagedkv_cow_copies", "Copy-on-write block copies.", st.get("kv_cow_copies", 0))
-        yield counter("pagedkv_prefix_cache_evictions", "Cached free blocks evicted for reuse.", st.get("kv_evictions", 0))
-        yield counter("pagedkv_generation_tokens", "Tokens generated (all sequences).", st.get("num_generated_tokens", 0))
-        yield counter("pagedkv_prompt_tokens", "Prompt tokens admitted.", st.get("num_prompt_tokens", 0))
-        yield counter("pagedkv_engine_steps", "Engine steps run.", st.get("num_steps", 0))
+        yield counter("pagedkv_num_preemptions", "Sequences preempted (blocks freed, recomputed later).", st.num_preemptions)
+        yield counter("pagedkv_cow_copies", "Copy-on-write block copies.", st.kv_cow_copies)
+        yield counter("pagedkv_prefix_cache_evictions", "Cached free blocks evicted for reuse.", st.kv_evictions)
+        yield counter("pagedkv_generation_tokens", "Tokens generated (all sequences).", st.num_generated_tokens)
+        yield counter("pagedkv_prompt_tokens", "Prompt tokens admitted.", st.num_prompt_tokens)
+        yield counter("pagedkv_engine_steps", "Engine steps run.", st.num_steps)
 
 
 class ServerMetrics:

@@ -1,0 +1,73 @@
+"""Small helpers every layer may import (it imports nothing of pagedkv but ``errors``).
+
+* :func:`cdiv` — ceiling division (tokens -> blocks).
+* the one dtype table: names and aliases -> a canonical short name, its bytes per element
+  and its torch dtype (:func:`canonical_dtype`, :func:`torch_dtype`, :func:`dtype_name`).
+* :func:`free_port` — a free TCP port on 127.0.0.1 (servers in tests, benchmarks, workers).
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+from pagedkv.errors import ConfigError
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division for non-negative ``a`` and positive ``b`` (e.g. tokens -> blocks)."""
+    return -(-a // b)
+
+
+#: canonical dtype name -> (torch attribute name or None, bytes per element). int4 packs two
+#: values per byte; fp8 and int4 exist only as KV-cache storage formats (sizing, seed §01).
+DTYPES: dict[str, tuple[Any, float]] = {
+    "fp32": ("float32", 4),
+    "bf16": ("bfloat16", 2),
+    "fp16": ("float16", 2),
+    "fp8": (None, 1),
+    "int8": ("int8", 1),
+    "int4": (None, 0.5),
+}
+#: other spellings users and configs write (lower case, without a ``torch.`` prefix).
+DTYPE_ALIASES: dict[str, str] = {
+    "float32": "fp32", "float": "fp32", "f32": "fp32",
+    "bfloat16": "bf16",
+    "float16": "fp16", "half": "fp16", "f16": "fp16",
+    "float8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "float8_e4m3fn": "fp8",
+}
+#: dtypes the model (weights, activations, a plain KV cache) computes in.
+MODEL_DTYPES = ("fp32", "bf16", "fp16")
+
+
+def canonical_dtype(dtype: Any, allowed: tuple[str, ...] | None = None) -> str:
+    """Canonical short name (``"bfloat16"``, ``torch.bfloat16`` -> ``"bf16"``) of a dtype name
+    or torch dtype. ``allowed`` restricts the result (default: every name of ``DTYPES``).
+    Raises ``ConfigError`` naming the valid values."""
+    valid = allowed or tuple(DTYPES)
+    key = str(dtype).strip().lower().removeprefix("torch.") if not isinstance(dtype, bool) else ""
+    key = DTYPE_ALIASES.get(key, key)
+    if key not in valid:
+        names = sorted(set(valid) | {a for a, c in DTYPE_ALIASES.items() if c in valid})
+        raise ConfigError(f"dtype: unsupported {dtype!r} (one of {', '.join(names)})")
+    return key
+
+
+def torch_dtype(dtype: Any):
+    """The ``torch.dtype`` of a model dtype (name, alias or torch dtype): float32, bfloat16
+    or float16. Raises ``ConfigError`` for anything else."""
+    import torch
+
+    return getattr(torch, DTYPES[canonical_dtype(dtype, MODEL_DTYPES)][0])
+
+
+def dtype_bytes(dtype: Any) -> float:
+    """Bytes per element of a dtype (``int4``: 0.5). Raises ``ConfigError``."""
+    return DTYPES[canonical_dtype(dtype)][1]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0, read it back)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
