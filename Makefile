@@ -1,6 +1,7 @@
 # pagedkv: two commands do all set-up on a fresh machine.
 #   make run   - create .venv, install everything, run the main job on the bundled model
 #   make test  - same set-up, then the whole test suite
+#   make test-fast - the suite without the model-loading tests
 PY      ?= python3.11
 VENV    := .venv
 VPY     := $(VENV)/bin/python
@@ -9,7 +10,7 @@ export OMP_WAIT_POLICY ?= PASSIVE
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: run test install clean
+.PHONY: run test test-fast install clean
 
 $(STAMP): pyproject.toml
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -31,6 +32,10 @@ run: $(STAMP)
 test: $(STAMP)
 	@bash scripts/install_browser.sh $(VPY) >/dev/null 2>&1 || echo "note: chromium not installed; the /ui browser test needs it (scripts/install_browser.sh as root)"
 	$(VPY) -m pytest -q -p no:cacheprovider --durations=25 tests
+
+# The suite without the tests that load the bundled model (marked slow): a quick check.
+test-fast: $(STAMP)
+	$(VPY) -m pytest -q -p no:cacheprovider -m "not slow" tests
 
 clean:
 	rm -rf $(VENV)

@@ -33,3 +33,8 @@ class InvariantViolation(PagedKVError, AssertionError):
 
 class BackendError(PagedKVError):
     """An attention backend cannot run here (missing package, unsupported dtype/layout)."""
+
+
+class DistributedError(PagedKVError, RuntimeError):
+    """Tensor parallelism failed: a worker died, hung past the timeout, or could not start.
+    The engine that raised it cannot continue (its workers have been stopped)."""

@@ -29,6 +29,9 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
 
+from pagedkv.errors import InvalidRequestError
+from pagedkv.kv.block_table import BatchSlots, build_slots
+
 
 @dataclass
 class AttentionMetadata:
@@ -71,29 +74,25 @@ class AttentionMetadata:
         The slot of each new token is derived from its position (seed §02):
         ``block_tables[i][pos // block_size] * block_size + pos % block_size``.
         """
-        num_seqs = len(seq_lens)
-        max_blocks = max((len(t) for t in block_tables), default=0)
-        bt = torch.zeros((num_seqs, max(max_blocks, 1)), dtype=torch.int32)
-        slots: list[int] = []
-        qsl = [0]
-        for i, (sl, ql, table) in enumerate(zip(seq_lens, query_lens, block_tables)):
+        for i, (sl, ql) in enumerate(zip(seq_lens, query_lens)):
             if ql > sl:
-                raise ValueError(f"query_len {ql} > seq_len {sl} for sequence {i}")
-            if len(table) < -(-sl // block_size):
-                raise ValueError(f"block table of sequence {i} too short for {sl} tokens")
-            if table:
-                bt[i, : len(table)] = torch.tensor(list(table), dtype=torch.int32)
-            for pos in range(sl - ql, sl):
-                slots.append(table[pos // block_size] * block_size + pos % block_size)
-            qsl.append(qsl[-1] + ql)
+                raise InvalidRequestError(f"query_len {ql} > seq_len {sl} for sequence {i}")
+        seq_lens, query_lens = list(seq_lens), list(query_lens)
+        b = build_slots(block_tables, [s - q for s, q in zip(seq_lens, query_lens)], query_lens, block_size)
+        return AttentionMetadata.from_slots(b, query_lens, device)
+
+    @staticmethod
+    def from_slots(b: BatchSlots, query_lens: Sequence[int], device: torch.device | str = "cpu") -> "AttentionMetadata":
+        """Metadata on ``device`` from :func:`pagedkv.kv.block_table.build_slots`'s output."""
+        seq_lens = b.seq_lens.tolist()
         return AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            block_tables=bt.to(device),
-            seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+            slot_mapping=torch.from_numpy(b.slot_mapping).to(device),
+            block_tables=torch.from_numpy(b.block_tables).to(device),
+            seq_lens=torch.from_numpy(b.seq_lens).to(device),
+            query_start_loc=torch.from_numpy(b.query_start_loc).to(device),
             max_query_len=max(query_lens, default=0),
             max_seq_len=max(seq_lens, default=0),
-            seq_lens_list=list(seq_lens),
+            seq_lens_list=seq_lens,
             query_lens_list=list(query_lens),
         )
 

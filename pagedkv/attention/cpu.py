@@ -24,6 +24,8 @@ import math
 from typing import Sequence
 
 import torch
+
+from pagedkv.utils import cdiv
 import torch.nn.functional as F
 
 from pagedkv.attention import layouts as L
@@ -111,7 +113,7 @@ class CPUBackend(LayoutMemory):
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one sequence as ``[Hkv, seq_len, d]`` views into the workspace."""
         bs, h, d = cache.block_size, cache.num_kv_heads, cache.head_dim
-        nblk = -(-seq_len // bs)
+        nblk = cdiv(seq_len, bs)
         idx = table_row[:nblk]
         per_block = bs * h * d
         res = []

@@ -9,6 +9,8 @@ from typing import Sequence
 
 import torch
 
+from pagedkv.utils import cdiv
+
 from pagedkv.attention import layouts as L
 from pagedkv.attention.base import AttentionMetadata
 from pagedkv.errors import BackendError
@@ -18,7 +20,7 @@ def context_slots(block_table_row: torch.Tensor, seq_len: int, block_size: int) 
     """Slots (int64 ``[seq_len]``) of positions ``0..seq_len-1`` (seed §02): only the first
     ``ceil(seq_len / block_size)`` entries of the row are looked at."""
     pos = torch.arange(seq_len, device=block_table_row.device)
-    blocks = block_table_row[: -(-seq_len // block_size)].to(torch.int64)
+    blocks = block_table_row[: cdiv(seq_len, block_size)].to(torch.int64)
     return blocks[pos // block_size] * block_size + pos % block_size
 
 

@@ -30,6 +30,8 @@ from typing import Sequence
 
 import torch
 
+from pagedkv.utils import cdiv
+
 from pagedkv.attention import layouts as L
 from pagedkv.attention.base import AttentionMetadata
 from pagedkv.attention.reference import check_inputs
@@ -94,6 +96,41 @@ if triton is not None:
         tl.store(v_cache_ptr + dst, v, mask=mask)
 
     @triton.jit
+    def _attend_tile(
+        q, m_i, l_i, acc, start, kv_end, q_pos, bt_row, k_cache_ptr, v_cache_ptr,
+        s_blk, s_tok, s_head, h, x, xmask, block_size,
+        BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, CAUSAL: tl.constexpr,
+    ):
+        """One online-softmax update with the K/V tile of positions ``start ..
+        start + BLOCK_N`` (< ``kv_end``), read through the block table row ``bt_row``;
+        ``CAUSAL``: row i sees positions <= ``q_pos[i]``. Returns the new (m, l, acc)."""
+        n = start + tl.arange(0, BLOCK_N)
+        nmask = n < kv_end
+        blk = tl.load(bt_row + n // block_size, mask=nmask, other=0).to(tl.int64)
+        row = blk * s_blk + (n % block_size) * s_tok + h * s_head
+        kv_mask = nmask[:, None] & xmask[None, :]
+        k = tl.load(k_cache_ptr + row[:, None] + x[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + row[:, None] + x[None, :], mask=kv_mask, other=0.0)
+        if DOT_F32:
+            sc = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            sc = tl.dot(q.to(k.dtype), tl.trans(k))
+        if CAUSAL:
+            valid = (n[None, :] <= q_pos[:, None]) & nmask[None, :]
+        else:
+            valid = nmask[None, :] & (q_pos[:, None] >= 0)
+        sc = tl.where(valid, sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(sc - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if DOT_F32:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _decode_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
         part_m_ptr, part_l_ptr, part_acc_ptr,
@@ -126,27 +163,10 @@ if triton is not None:
             acc = tl.zeros([G_PAD, D_PAD], tl.float32)
             bt_row = bt_ptr + s.to(tl.int64) * s_bt
             for start in range(t_begin, t_end, BLOCK_N):
-                n = start + tl.arange(0, BLOCK_N)
-                nmask = n < t_end
-                blk = tl.load(bt_row + n // block_size, mask=nmask, other=0).to(tl.int64)
-                row = blk * s_blk + (n % block_size) * s_tok + h * s_head
-                kv_mask = nmask[:, None] & xmask[None, :]
-                k = tl.load(k_cache_ptr + row[:, None] + x[None, :], mask=kv_mask, other=0.0)
-                v = tl.load(v_cache_ptr + row[:, None] + x[None, :], mask=kv_mask, other=0.0)
-                if DOT_F32:
-                    sc = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-                else:
-                    sc = tl.dot(q.to(k.dtype), tl.trans(k))
-                sc = tl.where(nmask[None, :], sc, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-                alpha = tl.exp(m_i - m_new)
-                p = tl.exp(sc - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                if DOT_F32:
-                    acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-                else:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-                m_i = m_new
+                m_i, l_i, acc = _attend_tile(
+                    q, m_i, l_i, acc, start, t_end, g, bt_row, k_cache_ptr, v_cache_ptr,
+                    s_blk, s_tok, s_head, h, x, xmask, block_size, BLOCK_N, DOT_F32, False,
+                )
             if SPLIT:
                 # partials [num_seqs, Hq, num_splits] (+ D for acc)
                 pidx = (s * (GROUP * tl.num_programs(1)) + qh) * num_splits + c
@@ -224,28 +244,10 @@ if triton is not None:
             kv_end = tl.minimum(seq_len, seq_len - q_len + (mt + 1) * BLOCK_M)
             bt_row = bt_ptr + s.to(tl.int64) * s_bt
             for start in range(0, kv_end, BLOCK_N):
-                n = start + tl.arange(0, BLOCK_N)
-                nmask = n < kv_end
-                blk = tl.load(bt_row + n // block_size, mask=nmask, other=0).to(tl.int64)
-                row = blk * s_blk + (n % block_size) * s_tok + h * s_head
-                kv_mask = nmask[:, None] & xmask[None, :]
-                k = tl.load(k_cache_ptr + row[:, None] + x[None, :], mask=kv_mask, other=0.0)
-                v = tl.load(v_cache_ptr + row[:, None] + x[None, :], mask=kv_mask, other=0.0)
-                if DOT_F32:
-                    sc = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-                else:
-                    sc = tl.dot(q.to(k.dtype), tl.trans(k))
-                causal = (n[None, :] <= q_pos[:, None]) & nmask[None, :]
-                sc = tl.where(causal, sc, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-                alpha = tl.exp(m_i - m_new)
-                p = tl.exp(sc - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                if DOT_F32:
-                    acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-                else:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-                m_i = m_new
+                m_i, l_i, acc = _attend_tile(
+                    q, m_i, l_i, acc, start, kv_end, q_pos, bt_row, k_cache_ptr, v_cache_ptr,
+                    s_blk, s_tok, s_head, h, x, xmask, block_size, BLOCK_N, DOT_F32, True,
+                )
             o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(out_ptr + q_rows[:, None] * s_ot + qh[:, None] * s_oh + x[None, :],
                      o.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & xmask[None, :])
@@ -373,7 +375,7 @@ class TritonBackend:
         qsl = md.query_start_loc.to(torch.int32)
         dot_f32 = _interpreting() or c.dtype == torch.float32
         # decode rows (q_len == 1), split-K when the longest context exceeds split_len
-        num_splits = max(1, -(-md.max_seq_len // self.split_len))
+        num_splits = max(1, cdiv(md.max_seq_len, self.split_len))
         split = num_splits > 1
         split_len = self.split_len if split else max(md.max_seq_len, 1)
         if split:

@@ -6,23 +6,8 @@
 * ``executor``: ``TPExecutor``, the engine's step runner over N ranks (driver = rank 0).
 """
 
-from pagedkv.errors import PagedKVError
-
-
-class DistributedError(PagedKVError, RuntimeError):
-    """Tensor parallelism failed: a worker died, hung past the timeout, or could not start.
-    The engine that raised it cannot continue (its workers have been stopped)."""
-
-
-from pagedkv.distributed.parallel import check_tp_size, shard_plan, valid_tp_sizes  # noqa: E402,F401
-
-
-def __getattr__(name):  # lazy: the executor imports the engine's runner
-    if name == "TPExecutor":
-        from pagedkv.distributed.executor import TPExecutor
-
-        return TPExecutor
-    raise AttributeError(name)
-
+from pagedkv.distributed.executor import TPExecutor
+from pagedkv.distributed.parallel import check_tp_size, shard_plan, valid_tp_sizes
+from pagedkv.errors import DistributedError  # re-exported: it lives with every typed error
 
 __all__ = ["TPExecutor", "DistributedError", "check_tp_size", "shard_plan", "valid_tp_sizes"]

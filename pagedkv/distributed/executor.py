@@ -1,7 +1,7 @@
 """``TPExecutor``: the engine's step runner when ``tensor_parallel_size`` > 1.
 
 The engine keeps one scheduler and one ``KVCacheManager`` (on the driver, rank 0) and talks to
-"something that runs a step" through three calls: ``prepare(scheduled, block_ids)``,
+"something that runs a step" through three calls: ``prepare(token_ids, num_computed, block_ids, sample)``,
 ``copy_blocks(copies)`` and ``execute(inp) -> logits``. ``ModelRunner`` is that for one device;
 ``TPExecutor`` is it for ``N`` ranks: the driver process is rank 0 and computes its own shard,
 ``N - 1`` workers are spawned with ``torch.multiprocessing`` (or started by torchrun).
@@ -37,8 +37,15 @@ import torch
 import torch.distributed as dist
 
 from pagedkv.distributed.parallel import check_tp_size
-from pagedkv.distributed.protocol import CMD_INFO, CMD_SHUTDOWN, header, pack_step
-from pagedkv.distributed import DistributedError
+from pagedkv.distributed.protocol import (
+    CMD_INFO,
+    CMD_SHUTDOWN,
+    DEFAULT_STARTUP_TIMEOUT_S,
+    DEFAULT_TIMEOUT_S,
+    default_timeouts,
+    header,
+    pack_step,
+)
 from pagedkv.distributed.worker import (
     READY_KEY,
     Rank,
@@ -48,40 +55,14 @@ from pagedkv.distributed.worker import (
     run_env_worker,
     spawn_main,
 )
-from pagedkv.engine.runner import ModelInput
-from pagedkv.errors import ConfigError
+from pagedkv.errors import ConfigError, DistributedError
+from pagedkv.utils import free_port
+from pagedkv.worker.runner import ModelInput
 
 log = logging.getLogger("pagedkv.distributed")
 
-DEFAULT_TIMEOUT_S = 120.0
-DEFAULT_STARTUP_TIMEOUT_S = 600.0
 _WATCH_INTERVAL_S = 0.1
 _WATCHDOG_GRACE_S = 5.0  # the watchdog's step deadline is the collective timeout plus this
-
-
-def default_timeouts() -> tuple[float, float]:
-    """``(timeout_s, startup_timeout_s)`` from ``PAGEDKV_TP_TIMEOUT`` (a step's collectives)
-    and ``PAGEDKV_TP_STARTUP_TIMEOUT`` (loading and joining), in seconds."""
-
-    def get(name: str, default: float) -> float:
-        raw = os.environ.get(name)
-        if raw is None:
-            return default
-        try:
-            value = float(raw)
-        except ValueError:
-            raise ConfigError(f"{name} must be a number of seconds, got {raw!r}") from None
-        if not value > 0:
-            raise ConfigError(f"{name} must be positive, got {raw!r}")
-        return value
-
-    return get("PAGEDKV_TP_TIMEOUT", DEFAULT_TIMEOUT_S), get("PAGEDKV_TP_STARTUP_TIMEOUT", DEFAULT_STARTUP_TIMEOUT_S)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _describe_exit(code: Optional[int]) -> str:
@@ -218,7 +199,7 @@ class TPExecutor:
     def _spawn_workers(self):
         import torch.multiprocessing as mp
 
-        port = _free_port()
+        port = free_port()
         store = dist.TCPStore("127.0.0.1", port, self.tp_size, is_master=True,
                               timeout=timedelta(seconds=self.startup_timeout_s), wait_for_workers=False)
         ctx = mp.get_context("spawn")
@@ -277,9 +258,10 @@ class TPExecutor:
         """PIDs of the worker ranks 1..N-1 (from the start-up handshake)."""
         return [i["pid"] for i in self.rank_info[1:]]
 
-    def prepare(self, scheduled: Sequence[tuple[Any, int]], block_ids: Sequence[list[int]]) -> ModelInput:
+    def prepare(self, token_ids: Sequence[Sequence[int]], num_computed: Sequence[int],
+                block_ids: Sequence[Sequence[int]], sample: Sequence[bool]) -> ModelInput:
         """As ``ModelRunner.prepare`` (the flat batch, on rank 0's device)."""
-        return self.runner.prepare(scheduled, block_ids)
+        return self.runner.prepare(token_ids, num_computed, block_ids, sample)
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Queue copy-on-write copies ``(src, dst)``; every rank applies them at the start of

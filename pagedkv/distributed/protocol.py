@@ -13,15 +13,40 @@ and the payload size; see ``pagedkv.distributed.executor`` for which process gro
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import torch
 
 from pagedkv.attention.base import AttentionMetadata
-from pagedkv.engine.runner import ModelInput
+from pagedkv.errors import ConfigError
+from pagedkv.worker.runner import ModelInput
 
 CMD_STEP, CMD_INFO, CMD_SHUTDOWN = 1, 2, 3
 HEADER_LEN = 8
+
+
+DEFAULT_TIMEOUT_S = 120.0
+DEFAULT_STARTUP_TIMEOUT_S = 600.0
+
+
+def default_timeouts() -> tuple[float, float]:
+    """``(timeout_s, startup_timeout_s)`` from ``PAGEDKV_TP_TIMEOUT`` (a step's collectives)
+    and ``PAGEDKV_TP_STARTUP_TIMEOUT`` (loading and joining), in seconds."""
+
+    def get(name: str, default: float) -> float:
+        raw = os.environ.get(name)
+        if raw is None:
+            return default
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ConfigError(f"{name} must be a number of seconds, got {raw!r}") from None
+        if not value > 0:
+            raise ConfigError(f"{name} must be positive, got {raw!r}")
+        return value
+
+    return get("PAGEDKV_TP_TIMEOUT", DEFAULT_TIMEOUT_S), get("PAGEDKV_TP_STARTUP_TIMEOUT", DEFAULT_STARTUP_TIMEOUT_S)
 
 
 def header(cmd: int) -> torch.Tensor:
@@ -57,8 +82,7 @@ def pack_step(inp: ModelInput, copies: Sequence[tuple[int, int]]) -> tuple[torch
 def unpack_step(
     h: torch.Tensor, payload: torch.Tensor, device: torch.device | str = "cpu"
 ) -> tuple[ModelInput, list[tuple[int, int]]]:
-    """Inverse of ``pack_step``: a ``ModelInput`` on ``device`` (no sampling requests: workers
-    never sample) and the CoW copies."""
+    """Inverse of ``pack_step``: a ``ModelInput`` on ``device`` (workers never sample) and the CoW copies."""
     _, t, s, b, c, n_logits, max_q, max_s = (int(x) for x in h.tolist())
     sizes = [t, t, t, s * b, s, s + 1, n_logits, 2 * c]
     ids, pos, slots, bt, seq_lens, qsl, logits_idx, cp = torch.split(payload, sizes)
@@ -76,7 +100,7 @@ def unpack_step(
     )
     inp = ModelInput(
         input_ids=ids.to(device), positions=pos.to(device), metadata=md,
-        logits_indices=logits_idx.to(device), sampling_requests=[],
+        logits_indices=logits_idx.to(device),
     )
     pairs = cp.view(-1, 2).tolist()
     return inp, [(int(a), int(d)) for a, d in pairs]

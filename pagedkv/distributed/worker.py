@@ -34,13 +34,15 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from pagedkv.distributed import DistributedError
+from pagedkv.errors import DistributedError
+from pagedkv.worker.runner import ModelRunner
 from pagedkv.distributed.parallel import TPShard, build_shard_model, shard_plan
 from pagedkv.distributed.protocol import (
     CMD_INFO,
     CMD_SHUTDOWN,
     CMD_STEP,
     HEADER_LEN,
+    default_timeouts,
     payload_len,
     unpack_step,
 )
@@ -122,8 +124,6 @@ class Rank:
     ``ModelRunner`` whose caches hold only this rank's KV heads)."""
 
     def __init__(self, config, state, rank: int, tp_size: int, init: dict, backend: Any, device: str) -> None:
-        from pagedkv.engine.runner import ModelRunner
-
         self.rank, self.tp_size, self.device = rank, tp_size, device
         self.shard: TPShard = shard_plan(config, rank, tp_size)
         dtype = getattr(torch, init["dtype"])
@@ -252,12 +252,7 @@ def spawn_main(rank: int, world_size: int, host: str, port: int, init: dict, par
         raise SystemExit(1) from None
     store.set(key, "ok")
     groups, _ = init_groups(rank, world_size, None, init["timeout_s"], init["startup_timeout_s"], store=store)
-    r.connect(groups)
-    handshake(groups, world_size, r.info())
-    try:
-        serve(r, groups)
-    finally:
-        _destroy()
+    _join_and_serve(r, groups, world_size)
     # Clean shutdown: skip the interpreter's teardown of torch (seconds), nothing is left to save.
     sys.stdout.flush()
     sys.stderr.flush()
@@ -311,8 +306,14 @@ def run_env_worker(loaded: Any = None, *, timeout_s: float, startup_timeout_s: f
         handshake(groups, world, {"rank": rank, "error": f"{type(e).__name__}: {e}"})
         _destroy()
         raise
+    _join_and_serve(r, groups, world)
+
+
+def _join_and_serve(r: "Rank", groups: Groups, world_size: int) -> None:
+    """Wire ``r`` to the all-reduce group, report ready to the driver, serve steps until
+    shutdown, then leave the process groups."""
     r.connect(groups)
-    handshake(groups, world, r.info())
+    handshake(groups, world_size, r.info())
     try:
         serve(r, groups)
     finally:
@@ -324,8 +325,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     variables. ``--model`` overrides the driver's model path (the same weights in another
     place on this machine)."""
     import argparse
-
-    from pagedkv.distributed.executor import default_timeouts
 
     p = argparse.ArgumentParser(prog="python -m pagedkv.distributed.worker", description=main.__doc__)
     p.add_argument("--model", default=None, help="model path on this machine (default: the driver's)")

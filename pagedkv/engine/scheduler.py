@@ -24,7 +24,10 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from pagedkv.engine.request import Request, RequestStatus, now
-from pagedkv.errors import ConfigError, NoFreeBlocksError, PagedKVError
+from pagedkv.engine.sequence_group import SequenceGroups
+from pagedkv.errors import NoFreeBlocksError, PagedKVError
+from pagedkv.kv import KVCacheManager, check_invariants
+from pagedkv.utils import cdiv
 
 
 class SchedulerStallError(PagedKVError, RuntimeError):
@@ -34,29 +37,20 @@ class SchedulerStallError(PagedKVError, RuntimeError):
 
 @dataclass
 class SchedulerConfig:
-    """Limits of one step. Units: tokens, sequences, fraction of blocks."""
+    """Limits of one step and the KV pool the scheduler owns. Units: tokens, sequences,
+    blocks, fraction of blocks (validated by ``EngineConfig``)."""
 
+    num_blocks: int
+    block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048
     policy: str = "fcfs"  # "fcfs" | "priority"
     watermark: float = 0.01  # admit new requests only while this fraction of blocks stays free
     enable_chunked_prefill: bool = True
-
-    def validate(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.policy not in ("fcfs", "priority"):
-            raise ConfigError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
-        if not (0.0 <= self.watermark < 1.0):
-            raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ConfigError(
-                "without chunked prefill, max_num_batched_tokens must be >= max_model_len "
-                f"({self.max_num_batched_tokens} < {self.max_model_len})"
-            )
+    enable_prefix_caching: bool = False
+    enable_paging: bool = True
+    shuffle_seed: Optional[int] = None  # randomise the physical block order (tests)
 
 
 @dataclass
@@ -68,40 +62,70 @@ class SchedulerOutput:
     preempted: list[Request]
     step_id: int
     num_batched_tokens: int = 0
+    block_ids: list[list[int]] = field(default_factory=list)  # per scheduled, its block table
 
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
 
+    def model_inputs(self) -> tuple[list[list[int]], list[int], list[list[int]], list[bool]]:
+        """The runner's arguments ``(token_ids, num_computed, block_ids, sample)``: each
+        scheduled sequence's new tokens, its computed-token count, its block table, and
+        whether this step completes its known tokens (its logits are sampled)."""
+        toks, starts, sample = [], [], []
+        for r, n in self.scheduled:
+            start = r.num_computed_tokens
+            toks.append(r.all_token_ids[start : start + n])
+            starts.append(start)
+            sample.append(start + n == r.num_tokens)
+        return toks, starts, self.block_ids, sample
+
+    def sampling_requests(self) -> list[Request]:
+        """The sequences whose logits rows the step returns, in row order."""
+        return [r for r, n in self.scheduled if r.num_computed_tokens + n == r.num_tokens]
+
 
 @dataclass
 class SchedulerStats:
+    """Counters since start (tokens, steps, sequences, blocks)."""
+
     num_preemptions: int = 0
     num_steps: int = 0
     num_batched_tokens_total: int = 0
     peak_running: int = 0
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_finished_requests: int = 0
+    peak_used_blocks: int = 0  # max blocks in use right after a step's allocation
+    peak_shared_blocks: int = 0  # max blocks held by more than one table (end of a step)
 
 
 class Scheduler:
     """Owns the waiting queue and the running list; allocates through the KV manager."""
 
-    def __init__(self, config: SchedulerConfig, kv_manager, enable_prefix_caching: bool = False) -> None:
-        config.validate()
+    def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.kv = kv_manager
-        self.enable_prefix_caching = enable_prefix_caching
+        self.kv = kv_manager = KVCacheManager(
+            config.num_blocks, config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            enable_paging=config.enable_paging,
+            max_model_len=config.max_model_len,
+            shuffle_seed=config.shuffle_seed,
+        )
+        self.enable_prefix_caching = config.enable_prefix_caching
+        self.groups = SequenceGroups(self)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
-        # parent ids of gangs (beam searches; the engine shares its set): see the module doc
+        # parent ids of gangs (beam searches, kept by ``groups``): see the module doc
         self.gang_ids: set[str] = set()
         self._forks: dict[str, tuple[int, list[Request]]] = {}  # leader id -> (fork at, members)
         self._parked: set[str] = set()  # waiting members that fork from their running leader
         # Head-room kept free for running requests to grow into. Without paging a request
         # reserves its whole max_model_len up front and never grows, so none is needed.
         self._watermark_blocks = (
-            int(config.watermark * kv_manager.num_blocks) if getattr(kv_manager, "enable_paging", True) else 0
+            int(config.watermark * kv_manager.num_blocks) if config.enable_paging else 0
         )
 
     # ---- queue management -------------------------------------------------------------
@@ -111,6 +135,15 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def fork(self, src: Request, child: Request, num_computed: int) -> None:
+        """``child`` shares ``src``'s blocks (ref_cnt += 1; a partly filled last block is
+        copied on its first divergent write) and runs from ``num_computed`` tokens."""
+        self.kv.fork(src.request_id, child.request_id)
+        child.num_computed_tokens = num_computed
+        child.status = RequestStatus.RUNNING
+        self.requests[child.request_id] = child
+        self.running.append(child)
 
     def finish_request(self, req: Request, status: RequestStatus) -> None:
         """Finish (stop, length or abort) a request; its blocks are freed through the KV
@@ -182,9 +215,9 @@ class Scheduler:
 
     def _blocks_needed(self, num_tokens_after: int, hit_blocks: list) -> int:
         bs = self.kv.block_size
-        total = -(-num_tokens_after // bs)
-        if not getattr(self.kv, "enable_paging", True):
-            total = max(total, -(-self.config.max_model_len // bs))
+        total = cdiv(num_tokens_after, bs)
+        if not self.config.enable_paging:
+            total = max(total, cdiv(self.config.max_model_len, bs))
         # hit blocks already counted in total; those with ref_cnt 0 leave the free queue
         return total - len(hit_blocks) + sum(1 for b in hit_blocks if b.ref_cnt == 0)
 
@@ -298,7 +331,7 @@ class Scheduler:
             if members and self.running:
                 # what the members' suffixes (and their copies of a shared partial block) take
                 bs = self.kv.block_size
-                need += sum(-(-r.num_tokens // bs) - end // bs for r in [req] + members)
+                need += sum(cdiv(r.num_tokens, bs) - end // bs for r in [req] + members)
             free_after = self.kv.num_free_blocks - need
             if free_after < 0 or (self.running and free_after < self._watermark_blocks):
                 break  # head-of-line waits for blocks
@@ -328,10 +361,33 @@ class Scheduler:
 
         step_id = self.kv.begin_step([r.request_id for r, _ in scheduled])
         used = cfg.max_num_batched_tokens - budget
-        self.stats.num_steps += 1
-        self.stats.num_batched_tokens_total += used
-        self.stats.peak_running = max(self.stats.peak_running, len(self.running))
-        return SchedulerOutput(scheduled, copies, preempted, step_id, used)
+        st = self.stats
+        st.num_steps += 1
+        st.num_batched_tokens_total += used
+        st.peak_running = max(st.peak_running, len(self.running))
+        if scheduled:
+            st.peak_used_blocks = max(st.peak_used_blocks, self.kv.num_used_blocks)
+        block_ids = [self.kv.get_block_ids(r.request_id) for r, _ in scheduled]
+        return SchedulerOutput(scheduled, copies, preempted, step_id, used, block_ids)
+
+    def end_step(self, out: SchedulerOutput) -> None:
+        """Close ``out``'s step fence (idempotent): blocks freed while it ran return to the
+        pool. ``update`` does this; call it directly for an empty or a failed step."""
+        self.kv.end_step(out.step_id)
+
+    def check_stall(self, out: SchedulerOutput) -> None:
+        """After an empty step: raise ``SchedulerStallError`` if nothing runs and nothing will
+        ever free a block (every further step would do the same)."""
+        if out.preempted or not self.has_unfinished() or self.kv.open_steps or self.kv.holds:
+            return
+        raise SchedulerStallError(
+            f"scheduler stalled: {len(self.running)} running / {len(self.waiting)} waiting "
+            f"sequences but nothing can be scheduled ({self.kv.num_free_blocks} of "
+            f"{self.kv.num_blocks} blocks free; running: "
+            f"{[(r.request_id, r.num_computed_tokens, r.num_tokens) for r in self.running][:8]}, "
+            f"waiting: {[(r.request_id, r.num_tokens) for r in self.waiting][:8]}). "
+            "This is a bug; abort the requests to free their blocks."
+        )
 
     # ---- after the model ran ---------------------------------------------------------
     def update(
@@ -369,6 +425,38 @@ class Scheduler:
                 finished.append(req)
         self.kv.end_step(out.step_id)
         return finished
+
+    def check_invariants(self) -> None:
+        """Run the KV invariant checker (``InvariantViolation`` on inconsistent bookkeeping)."""
+        check_invariants(self.kv)
+
+    def track_shared_blocks(self) -> None:
+        """Update ``stats.peak_shared_blocks`` (call at the end of a step, after forks)."""
+        self.stats.peak_shared_blocks = max(self.stats.peak_shared_blocks, self.num_shared_blocks())
+
+    def num_shared_blocks(self) -> int:
+        """Blocks referenced more than once right now (by several block tables, e.g. a
+        prefix hit, a fork or a beam; a step-fence hold also counts as a reference)."""
+        return sum(1 for b in self.kv.pool.blocks if b.ref_cnt > 1)
+
+    def snapshot(self) -> dict:
+        """``{"kv": KVCacheManager.snapshot(), "requests": [...]}`` (running, then waiting);
+        each request has request_id, parent_id, index, status, prompt_tokens, output_tokens,
+        num_tokens, num_computed_tokens (tokens)."""
+        reqs = [
+            {
+                "request_id": r.request_id,
+                "parent_id": r.parent_id or r.request_id,
+                "index": r.index,
+                "status": r.status.name.lower(),
+                "prompt_tokens": r.num_prompt_tokens,
+                "output_tokens": r.num_output_tokens,
+                "num_tokens": r.num_tokens,
+                "num_computed_tokens": r.num_computed_tokens,
+            }
+            for r in list(self.running) + list(self.waiting)
+        ]
+        return {"kv": self.kv.snapshot(), "requests": reqs}
 
     @staticmethod
     def check_stop(req: Request, token_id: int) -> Optional[RequestStatus]:

@@ -39,3 +39,33 @@ class EngineStats:
     def as_dict(self) -> dict[str, Any]:
         """Plain dict (JSON-ready), keys = field names."""
         return asdict(self)
+
+
+def collect_stats(scheduler: Any) -> EngineStats:
+    """The engine's :class:`EngineStats` from its scheduler (its counters and its KV pool)."""
+    kv, st = scheduler.kv, scheduler.stats
+    kvs = kv.stats
+    return EngineStats(
+        num_running=len(scheduler.running),
+        num_waiting=len(scheduler.waiting),
+        num_blocks=kv.num_blocks,
+        num_used_blocks=kv.num_used_blocks,
+        num_free_blocks=kv.num_free_blocks,
+        kv_usage=kv.usage,
+        num_preemptions=st.num_preemptions,
+        num_steps=st.num_steps,
+        peak_running=st.peak_running,
+        num_generated_tokens=st.num_generated_tokens,
+        num_prompt_tokens=st.num_prompt_tokens,
+        num_finished_requests=st.num_finished_requests,
+        num_shared_blocks=scheduler.num_shared_blocks(),
+        peak_shared_blocks=st.peak_shared_blocks,
+        peak_used_blocks=st.peak_used_blocks,
+        kv_prefix_queries=kvs.prefix_queries,
+        kv_prefix_hits=kvs.prefix_hits,
+        kv_prefix_hit_rate=kvs.prefix_hit_rate,
+        kv_cow_copies=kvs.cow_copies,
+        kv_evictions=kvs.evictions,
+        kv_allocated_blocks=kvs.allocated_blocks,
+        kv_deferred_frees=kvs.deferred_frees,
+    )

@@ -19,8 +19,10 @@ from typing import Any, Iterable, Sequence
 
 from pagedkv.errors import ConfigError, InvalidRequestError, NoFreeBlocksError
 from pagedkv.kv.block_pool import BlockPool, KVCacheBlock
-from pagedkv.kv.block_table import BlockTable, cdiv
+from pagedkv.kv.block_table import BlockTable
+from pagedkv.kv.invariants import check_invariants
 from pagedkv.kv.prefix_cache import NO_KEYS, CacheKeys, HashFn, iter_block_hashes, sha256_block_hash
+from pagedkv.utils import cdiv
 
 
 @dataclass
@@ -473,6 +475,4 @@ class KVCacheManager:
 
     def check_invariants(self) -> None:
         """Run ``pagedkv.kv.invariants.check_invariants`` on this manager."""
-        from pagedkv.kv.invariants import check_invariants
-
         check_invariants(self)

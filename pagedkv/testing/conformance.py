@@ -35,6 +35,8 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from pagedkv.attention.base import AttentionBackend, AttentionMetadata
+from pagedkv.kv.block_table import slot_mapping
+from pagedkv.utils import cdiv
 
 # max |out - expected| allowed: atol + rtol * |expected|
 TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
@@ -173,7 +175,7 @@ def run_case(backend: AttentionBackend, case: Case, dtype: torch.dtype = torch.f
 def _layout_blocks(case: Case, rng: random.Random) -> tuple[list[list[int]], int]:
     """Shuffled physical block ids per sequence (shared prefix blocks first), padded tables."""
     bs = case.block_size
-    need = [-(-sl // bs) for sl in case.seq_lens]
+    need = [cdiv(sl, bs) for sl in case.seq_lens]
     p = case.shared_prefix_blocks
     if any(sl < p * bs for sl in case.seq_lens):
         raise ValueError(f"case {case.name}: a sequence is shorter than the shared prefix")
@@ -221,9 +223,6 @@ def _run(backend: AttentionBackend, case: Case, dtype: torch.dtype, device: torc
     dense_k = [x.to(dtype).double() for x in dense_k]
     dense_v = [x.to(dtype).double() for x in dense_v]
 
-    def slot(i: int, pos: int) -> int:
-        return tables[i][pos // bs] * bs + pos % bs
-
     # 3a. cached context (positions < seq_len - q_len), shuffled order; the shared prefix is
     # written once (by sequence 0), as the prefix cache would have
     for i, (sl, ql) in enumerate(zip(case.seq_lens, case.query_lens)):
@@ -237,7 +236,7 @@ def _run(backend: AttentionBackend, case: Case, dtype: torch.dtype, device: torc
     if rows:
         write(torch.stack([dense_k[i][pos] for i, pos in rows]).to(dtype),
               torch.stack([dense_v[i][pos] for i, pos in rows]).to(dtype),
-              [slot(i, pos) for i, pos in rows])
+              [int(slot_mapping(tables[i], bs, pos, pos + 1)[0]) for i, pos in rows])
 
     # 3b. the step: metadata built from (padded) tables; new tokens written via slot_mapping,
     # with NaN rows at slot -1 interleaved (must be skipped)

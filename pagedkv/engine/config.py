@@ -1,0 +1,113 @@
+"""EngineConfig: every engine option (vLLM's names), validated in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Optional, Union
+
+from pagedkv.errors import ConfigError
+from pagedkv.utils import MODEL_DTYPES, canonical_dtype, cdiv
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass
+class EngineConfig:
+    """Engine options. Memory: ``kv_cache_memory`` (bytes or "2GiB") or ``num_blocks``; if
+    neither, 1 GiB. ``enable_paging=False`` = contiguous max reservation (each admitted
+    request reserves ceil(max_model_len / block_size) blocks up front, the seed's baseline,
+    seed §07). ``max_model_len`` None = the model's context. Units: tokens, sequences,
+    blocks; ``watermark`` is a fraction of the pool.
+
+    Build with :meth:`from_kwargs` (rejects unknown names) or construct and call
+    :meth:`validate`; both raise ``ConfigError`` naming the field."""
+
+    block_size: int = 16
+    kv_cache_memory: Union[int, str, None] = None
+    num_blocks: Optional[int] = None
+    enable_prefix_caching: bool = False
+    enable_paging: bool = True
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: Optional[int] = None
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"  # "fcfs" | "priority"
+    watermark: float = 0.01
+    dtype: Any = "float32"  # float32 | bfloat16 | float16 (a name or a torch dtype)
+    device: str = "cpu"
+    attention_backend: str = "cpu"
+    seed: int = 0
+    shuffle_blocks: Optional[int] = None  # seed: randomise physical block order (tests)
+    debug_invariants: bool = False  # run the KV invariant checker after every step
+    max_n: int = 64
+    model_revision: Optional[str] = None
+    # ranks the model is split over (pagedkv.distributed); kv_cache_memory is then per rank
+    tensor_parallel_size: int = 1
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict[str, Any]) -> "EngineConfig":
+        """The config of ``LLMEngine(**kwargs)``; raises ``ConfigError`` for an unknown name
+        or a bad value."""
+        unknown = set(kwargs) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ConfigError(f"unknown engine option(s): {sorted(unknown)}")
+        cfg = cls(**kwargs)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        """Types and ranges of every option that does not depend on the model; raises
+        ``ConfigError`` naming the field."""
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_n"):
+            v = getattr(self, name)
+            if not _is_int(v) or v < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        for name in ("max_model_len", "num_blocks", "shuffle_blocks"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or (v < 1 and name != "shuffle_blocks")):
+                raise ConfigError(f"{name} must be a positive integer or None, got {v!r}")
+        if not _is_int(self.seed) or not (0 <= self.seed < 2**63):
+            raise ConfigError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if isinstance(self.watermark, bool) or not isinstance(self.watermark, (int, float)):
+            raise ConfigError(f"watermark must be a number in [0, 1), got {self.watermark!r}")
+        if not (0.0 <= self.watermark < 1.0):
+            raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.policy not in ("fcfs", "priority"):
+            raise ConfigError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        canonical_dtype(self.dtype, MODEL_DTYPES)
+        import torch
+
+        try:
+            dev = torch.device(self.device)
+        except (RuntimeError, TypeError):
+            raise ConfigError(f"device: unknown device {self.device!r}") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device: CUDA is not available on this machine")
+
+    def resolve_max_model_len(self, model_context: int) -> int:
+        """``max_model_len`` (tokens) for a model whose context is ``model_context``; raises
+        ``ConfigError`` if it exceeds the context or is < 2, or if chunked prefill is off
+        and the step budget cannot hold one whole prompt."""
+        max_model_len = self.max_model_len or model_context
+        if max_model_len > model_context:
+            raise ConfigError(
+                f"max_model_len {max_model_len} exceeds the model's context ({model_context} tokens)"
+            )
+        if max_model_len < 2:
+            raise ConfigError(f"max_model_len must be >= 2, got {max_model_len}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+            raise ConfigError(
+                "without chunked prefill, max_num_batched_tokens must be >= max_model_len "
+                f"({self.max_num_batched_tokens} < {max_model_len})"
+            )
+        return max_model_len
+
+    def max_concurrency(self, num_blocks: int, max_model_len: int) -> float:
+        """Requests of ``max_model_len`` tokens the pool holds at once (paged: tokens /
+        max_model_len; contiguous: whole reservations)."""
+        bs = self.block_size
+        if self.enable_paging:
+            return num_blocks * bs / max_model_len
+        return num_blocks // cdiv(max_model_len, bs)

@@ -1,0 +1,266 @@
+"""Sequence groups: one user request's sequences (parallel sampling ``n > 1``, beam search).
+
+A :class:`SequenceGroup` holds the sequences of one request; :class:`SequenceGroups` is the
+scheduler's registry of them and does everything that adds or drops a sequence of a group:
+
+* parallel sampling: the prompt is prefilled once by sequence 0; when its prefill completes,
+  the ``n - 1`` siblings fork its block table (``ref_cnt += 1`` per block; the partly filled
+  last block is copied on the first divergent write, seed §02) and sample from the same
+  logits row;
+* beam search (:mod:`pagedkv.engine.beam` chooses): the first child of a beam continues it
+  in place, each further child forks the beam's table, a beam with no child is freed;
+* all-or-nothing admission and preemption of a beam group: its parent id is in
+  ``scheduler.gang_ids``, which the scheduler never splits.
+
+Every fork and free goes through the scheduler (``scheduler.fork``,
+``scheduler.finish_request``), the only caller of the KV manager.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional
+
+import torch
+
+from pagedkv.engine.beam import BeamSearch, beam_stop_ids
+from pagedkv.engine.request import Request, RequestMetrics, RequestStatus, SamplingParams, now
+from pagedkv.utils import cdiv
+
+
+@dataclass
+class SequenceGroup:
+    """A user-visible request: its sequences (index 0 is the one that prefills)."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    seqs: list[Request] = field(default_factory=list)
+    pending_children: int = 0  # n - 1 until the prefill finishes and children fork
+    stream: bool = False
+    beam: Optional[BeamSearch] = None  # beam search state (SamplingParams.beam_width > 1)
+    # counters of sequences that left the group before it finished (replaced beams)
+    retired_cow_copies: int = 0
+    retired_preemptions: int = 0
+    retired_prefix_query: int = 0
+    retired_prefix_hits: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.pending_children == 0 and all(s.is_finished for s in self.seqs)
+
+    def retire(self, req: Request) -> None:
+        """Keep the counters of ``req``, which leaves the group before it ends."""
+        self.retired_cow_copies += req.num_cow_copies
+        self.retired_preemptions += req.num_preemptions
+        self.retired_prefix_query += req.num_prefix_query_tokens
+        if req.num_prefix_query_tokens:
+            self.retired_prefix_hits += max(req.num_cached_tokens, 0)
+
+    def metrics(self) -> RequestMetrics:
+        """Times (seconds) and counters summed over the group's sequences, retired ones too."""
+        seqs = self.seqs
+        first = min(seqs, key=lambda s: s.index)
+        finish_times = [s.finish_time for s in seqs if s.finish_time is not None]
+        return RequestMetrics(
+            arrival_time=self.arrival_time,
+            first_scheduled_time=first.scheduled_time,
+            first_token_time=first.first_token_time,
+            finish_time=max(finish_times) if self.finished and finish_times else None,
+            num_preemptions=sum(s.num_preemptions for s in seqs) + self.retired_preemptions,
+            prefix_query_tokens=sum(s.num_prefix_query_tokens for s in seqs) + self.retired_prefix_query,
+            prefix_hit_tokens=sum(max(s.num_cached_tokens, 0) for s in seqs if s.num_prefix_query_tokens)
+            + self.retired_prefix_hits,
+            num_cow_copies=sum(s.num_cow_copies for s in seqs) + self.retired_cow_copies,
+        )
+
+
+def _sibling(src: Request, request_id: str, params: SamplingParams, parent_id: str, index: int) -> Request:
+    """A new sequence with ``src``'s prompt, identity and limits, running from ``src``'s
+    progress (its blocks are forked by the caller)."""
+    child = Request(
+        request_id=request_id, prompt_token_ids=src.prompt_token_ids, sampling_params=params,
+        arrival_time=src.arrival_time, cache_keys=src.cache_keys, priority=src.priority,
+        prompt=src.prompt, eos_token_ids=src.eos_token_ids, max_total_tokens=src.max_total_tokens,
+        parent_id=parent_id, index=index,
+    )
+    child.scheduled_time = src.scheduled_time
+    return child
+
+
+class SequenceGroups:
+    """The scheduler's registry of groups (by request id and by sequence id)."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+        self.by_id: dict[str, SequenceGroup] = {}
+        self.by_seq: dict[str, SequenceGroup] = {}
+
+    def __len__(self) -> int:
+        return len(self.by_id)
+
+    def get(self, request_id: str) -> Optional[SequenceGroup]:
+        return self.by_id.get(request_id)
+
+    def of(self, seq_id: str) -> Optional[SequenceGroup]:
+        """The group a sequence belongs to (None once the group is gone)."""
+        return self.by_seq.get(seq_id)
+
+    def add(self, group: SequenceGroup, first: Request) -> None:
+        """Register ``group`` with its first sequence and queue that sequence; a beam group
+        becomes a gang (scheduled all or nothing)."""
+        group.seqs.append(first)
+        p = group.params
+        if p.use_beam_search:
+            group.beam = BeamSearch(
+                p.beam_width, first.max_total_tokens - first.num_prompt_tokens,
+                beam_stop_ids(first.eos_token_ids, p.ignore_eos, p.stop_token_ids),
+                p.length_penalty, p.early_stopping,
+            )
+            group.beam.start(first)
+            self.scheduler.gang_ids.add(group.request_id)
+        self.by_id[group.request_id] = group
+        self.by_seq[first.request_id] = group
+        self.scheduler.add_request(first)
+
+    def abort(self, request_id: str) -> None:
+        """Abort every sequence of a group (unknown or finished ids are ignored)."""
+        group = self.by_id.get(request_id)
+        if group is not None:
+            group.pending_children = 0
+            self.scheduler.abort([s.request_id for s in group.seqs])
+
+    def finished_ids(self) -> set[str]:
+        return {rid for rid, g in self.by_id.items() if g.finished}
+
+    def pop(self, request_id: str) -> None:
+        """Forget a finished group."""
+        group = self.by_id.pop(request_id)
+        self.scheduler.gang_ids.discard(request_id)
+        for s in group.seqs:
+            self.by_seq.pop(s.request_id, None)
+
+    # ---- parallel sampling -------------------------------------------------------------
+    def expand_forks(self, out: Any, sampling: list[Request]) -> tuple[list[int], list[Request]]:
+        """``sampling``: the sequences whose logits rows the step returned (row i = sequence
+        i). When one of them is a group's first sequence that just finished its prefill, its
+        n - 1 siblings fork it and join the step (``out.scheduled`` with 0 new tokens).
+        Returns ``(rows, sequences)``: every sibling reuses its parent's row."""
+        rows: list[int] = []
+        reqs: list[Request] = []
+        for row, req in enumerate(sampling):
+            rows.append(row)
+            reqs.append(req)
+            group = self.by_seq.get(req.request_id)
+            if group is None or group.pending_children == 0 or req.status != RequestStatus.RUNNING:
+                continue
+            # the parent's count is advanced in update(); the children start level with it
+            n_new = next(n for r, n in out.scheduled if r is req)
+            seed = group.params.seed
+            for idx in range(1, group.pending_children + 1):
+                params = group.params if seed is None else replace(group.params, seed=seed + idx, n=1)
+                child = _sibling(req, f"{group.request_id}#{idx}", params, group.request_id, idx)
+                child.num_cached_tokens = req.num_cached_tokens
+                self.scheduler.fork(req, child, req.num_computed_tokens + n_new)
+                out.scheduled.append((child, 0))
+                group.seqs.append(child)
+                self.by_seq[child.request_id] = group
+                rows.append(row)
+                reqs.append(child)
+            group.pending_children = 0
+        return rows, reqs
+
+    # ---- beam search -------------------------------------------------------------------
+    def offer_beam_rows(self, logits: torch.Tensor, rows: list[int], reqs: list[Request]):
+        """Hand the logits rows of beam sequences to their search (they are not sampled).
+        Returns ``(rows, sequences, beam group ids offered to)`` of what remains to sample."""
+        keep_rows, keep_reqs, touched = [], [], set()
+        for row, r in zip(rows, reqs):
+            group = self.by_seq.get(r.request_id)
+            if group is None or group.beam is None:
+                keep_rows.append(row)
+                keep_reqs.append(r)
+            elif r.status == RequestStatus.RUNNING:
+                group.beam.offer(r, logits[row])
+                touched.add(group.request_id)
+        return keep_rows, keep_reqs, touched
+
+    def beam_step(self, request_id: str, tokenizer: Any) -> int:
+        """One beam-search step once every live beam has its logits: pick the next beams;
+        the first child of a beam continues it in place, each further child forks the beam's
+        block table (copy-on-write of the partly filled block on its first write), beams with
+        no child are freed (through the step fence). Returns the tokens generated."""
+        group = self.by_id[request_id]
+        bs = group.beam
+        if bs is None or not bs.ready():
+            return 0
+        choices = bs.step()
+        t = now()
+        for b in bs.beams:
+            if b.first_token_time is None:
+                b.first_token_time = t
+        if bs.done:
+            self._finish_beams(group, tokenizer)
+            return 0
+        # forks first: they copy their source's tokens before an in-place append changes them
+        continued: set[str] = set()
+        new_beams: list[Request] = []
+        in_place: list[tuple[Request, int]] = []
+        for c in choices:
+            src = c.source
+            if src.request_id not in continued:
+                continued.add(src.request_id)
+                new_beams.append(src)
+                in_place.append((src, c.token))
+                continue
+            bs.num_forks += 1
+            child = _sibling(src, f"{group.request_id}#beam{bs.num_forks}", src.sampling_params,
+                             group.request_id, 0)
+            for tok in src.output_token_ids:
+                child.append_output_token(tok)
+            child.append_output_token(c.token)
+            child.num_cached_tokens = 0  # it never looked anything up itself
+            child.first_token_time = src.first_token_time
+            self.scheduler.fork(src, child, src.num_computed_tokens)
+            self.by_seq[child.request_id] = group
+            new_beams.append(child)
+        for src, tok in in_place:
+            src.append_output_token(tok)
+        for old in bs.beams:
+            if old.request_id not in continued:
+                group.retire(old)
+                self.scheduler.finish_request(old, RequestStatus.FINISHED_STOPPED)
+                self.by_seq.pop(old.request_id, None)
+        for i, b in enumerate(new_beams):
+            b.index = i
+        bs.advance(choices, new_beams)
+        group.seqs = list(new_beams)
+        return len(new_beams)
+
+    def _finish_beams(self, group: SequenceGroup, tokenizer: Any) -> None:
+        """The search is over: free every live beam; the output is the hypotheses."""
+        bs = group.beam
+        skip = group.params.skip_special_tokens
+        for h in bs.hypotheses:
+            h.text = tokenizer.decode(h.token_ids, skip_special_tokens=skip)
+        for b in list(bs.beams):
+            self.scheduler.finish_request(b, RequestStatus.FINISHED_STOPPED)
+            b._text_tokens = b.num_output_tokens  # its text is not used
+        self.scheduler.gang_ids.discard(group.request_id)
+
+
+def blocks_needed(num_prompt_tokens: int, total_tokens: int, params: SamplingParams,
+                  block_size: int, enable_paging: bool, max_model_len: int) -> int:
+    """KV blocks a request holds at its largest (``total_tokens`` = prompt + max output,
+    clipped to ``max_model_len``): paged, its own tokens; a beam search, the shared prompt
+    plus, per beam, its own output blocks and one partly filled copy; without paging, the
+    whole ``max_model_len`` reservation per sequence. A request needing more than the pool
+    could never run."""
+    if not enable_paging:
+        return cdiv(max_model_len, block_size) * (params.beam_width if params.use_beam_search else 1)
+    if params.use_beam_search:
+        per_beam = cdiv(total_tokens - num_prompt_tokens, block_size) + 1
+        return cdiv(num_prompt_tokens, block_size) + params.beam_width * per_beam
+    return cdiv(total_tokens, block_size)

@@ -1,0 +1,99 @@
+"""The model runner: one forward pass over a flat batch, for one rank.
+
+For a step's scheduled sequences it builds (all on the KV cache's device), through the one
+builder :func:`pagedkv.kv.block_table.build_slots`:
+
+* ``input_ids`` / ``positions`` ``[T]`` int64: each sequence's new tokens at positions
+  ``num_computed ...``;
+* ``block_tables`` int32 ``[num_seqs, max_blocks]`` (padded with 0);
+* ``slot_mapping`` int64 ``[T]``: ``block_tables[seq, pos // block_size] * block_size +
+  pos % block_size`` (seed §02);
+* ``seq_lens`` / ``query_start_loc``;
+
+applies the step's copy-on-write block copies, runs the model (which writes K/V through
+``slot_mapping`` and reads through ``block_tables``), and returns the logits of the rows
+that sample a token. It knows nothing of requests or the scheduler: every input is an
+explicit argument, so the tensor-parallel workers run the same code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from pagedkv.attention.base import AttentionMetadata
+from pagedkv.kv.block_table import build_slots
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # int64 [num_sampling]: rows of T whose logits are sampled
+
+
+class ModelRunner:
+    """Owns the model, the attention backend and one KV cache object per layer."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        backend: Any,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        self.model = model
+        self.backend = backend
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.kv_caches = [
+            backend.allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, self.device)
+            for _ in range(num_layers)
+        ]
+
+    def prepare(
+        self,
+        token_ids: Sequence[Sequence[int]],
+        num_computed: Sequence[int],
+        block_ids: Sequence[Sequence[int]],
+        sample: Sequence[bool],
+    ) -> ModelInput:
+        """Flat-batch tensors for one step. Sequence ``i`` computes the tokens
+        ``token_ids[i]`` at positions ``num_computed[i] ...``; ``block_ids[i]`` is its block
+        table (physical block ids, logical order); ``sample[i]``: whether its last new token's
+        logits are returned by :meth:`execute`. Raises ``InvalidRequestError`` when a position
+        has no block."""
+        qlens = [len(t) for t in token_ids]
+        b = build_slots(block_ids, num_computed, qlens, self.block_size)
+        ends = b.query_start_loc[1:].astype(np.int64) - 1
+        dev = self.device
+        flat = [t for ids in token_ids for t in ids]
+        return ModelInput(
+            input_ids=torch.tensor(flat, dtype=torch.int64, device=dev),
+            positions=torch.from_numpy(b.positions).to(dev),
+            metadata=AttentionMetadata.from_slots(b, qlens, dev),
+            logits_indices=torch.from_numpy(ends[np.asarray(sample, dtype=bool)]).to(dev),
+        )
+
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Apply copy-on-write copies (src -> dst) in every layer, before the step's writes."""
+        if copies:
+            for cache in self.kv_caches:
+                self.backend.copy_blocks(cache, copies)
+
+    @torch.inference_mode()
+    def execute(self, inp: ModelInput) -> torch.Tensor:
+        """Run the model; returns fp32 logits ``[num_sampling, vocab]``."""
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.metadata, self.backend)
+        if inp.logits_indices.numel() == 0:
+            return torch.empty((0, 0))
+        return self.model.compute_logits(hidden[inp.logits_indices]).float()
