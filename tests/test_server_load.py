@@ -109,8 +109,8 @@ def test_64_streaming_clients_with_disconnects(server):
     ttfts = sorted(r["ttft"] for r in complete)
     print(f"\n[load] {N_CLIENTS} clients ({len(DISCONNECT)} disconnect) in {wall:.1f}s; "
           f"{generated} tokens generated ({generated / wall:.0f} tok/s); TTFT p50 {ttfts[len(ttfts) // 2]:.2f}s "
-          f"p90 {ttfts[int(len(ttfts) * 0.9)]:.2f}s; peak running {st['peak_running']}; "
-          f"prefix hit rate {st.get('kv_prefix_hit_rate', 0):.2f}; preemptions {st['num_preemptions']}")
+          f"p90 {ttfts[int(len(ttfts) * 0.9)]:.2f}s; peak running {st.peak_running}; "
+          f"prefix hit rate {st.kv_prefix_hit_rate:.2f}; preemptions {st.num_preemptions}")
 
 
 def test_nonstream_client_that_gives_up_is_aborted(server):

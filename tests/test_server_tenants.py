@@ -13,7 +13,8 @@ import pytest
 from pagedkv.engine.engine import LLMEngine
 from pagedkv.kv import check_invariants
 from pagedkv.kv import CacheKeys, hash_blocks
-from pagedkv.server.app import build_app, load_api_keys
+from pagedkv.server.api_keys import load_api_keys
+from pagedkv.server.app import build_app
 from pagedkv.server.threaded import ThreadedServer
 
 KEYS = {"key-alice": "alice", "key-alice-2": "alice", "key-bob": "bob"}

@@ -12,7 +12,7 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 
@@ -61,6 +61,14 @@ class SamplingParams:
     length_penalty: float = 1.0
     early_stopping: Any = False
 
+    # The accepted ranges: validate() checks them, the server's request schemas reuse them.
+    MAX_N: ClassVar[int] = 64  # default cap of n and beam_width (the engine passes its own)
+    MAX_LOGPROBS: ClassVar[int] = 20  # cap of logprobs (top-N per token)
+    MIN_TEMPERATURE: ClassVar[float] = 0.0  # temperature >= this (0 = greedy)
+    TOP_P_RANGE: ClassVar[tuple[float, float]] = (0.0, 1.0)  # low < top_p <= high
+    MIN_P_RANGE: ClassVar[tuple[float, float]] = (0.0, 1.0)  # low <= min_p <= high
+    PENALTY_RANGE: ClassVar[tuple[float, float]] = (-2.0, 2.0)  # presence / frequency, inclusive
+
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
@@ -82,7 +90,7 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
         )
 
-    def validate(self, max_n: int = 64, max_logprobs: int = 20) -> None:
+    def validate(self, max_n: int = MAX_N, max_logprobs: int = MAX_LOGPROBS) -> None:
         def bad(field_name: str, why: str) -> None:
             raise InvalidRequestError(f"SamplingParams.{field_name}: {why}")
 
@@ -90,20 +98,23 @@ class SamplingParams:
             bad("n", f"must be an integer >= 1, got {self.n!r}")
         if self.n > max_n:
             bad("n", f"must be <= {max_n}, got {self.n}")
-        if not _is_finite(self.temperature) or self.temperature < 0:
-            bad("temperature", f"must be >= 0, got {self.temperature!r}")
-        if not _is_finite(self.top_p) or not (0.0 < self.top_p <= 1.0):
-            bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not _is_finite(self.temperature) or self.temperature < self.MIN_TEMPERATURE:
+            bad("temperature", f"must be >= {self.MIN_TEMPERATURE:g}, got {self.temperature!r}")
+        lo, hi = self.TOP_P_RANGE
+        if not _is_finite(self.top_p) or not (lo < self.top_p <= hi):
+            bad("top_p", f"must be in ({lo:g}, {hi:g}], got {self.top_p!r}")
         if not _is_int(self.top_k):
             bad("top_k", f"must be an integer, got {self.top_k!r}")
-        if not _is_finite(self.min_p) or not (0.0 <= self.min_p <= 1.0):
-            bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        lo, hi = self.MIN_P_RANGE
+        if not _is_finite(self.min_p) or not (lo <= self.min_p <= hi):
+            bad("min_p", f"must be in [{lo:g}, {hi:g}], got {self.min_p!r}")
         if not _is_finite(self.repetition_penalty) or self.repetition_penalty <= 0:
             bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
+        lo, hi = self.PENALTY_RANGE
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            if not _is_finite(v) or not (-2.0 <= v <= 2.0):
-                bad(name, f"must be in [-2, 2], got {v!r}")
+            if not _is_finite(v) or not (lo <= v <= hi):
+                bad(name, f"must be in [{lo:g}, {hi:g}], got {v!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if self.logprobs is not None and (

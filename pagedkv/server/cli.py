@@ -15,7 +15,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from pagedkv.engine.engine import LLMEngine
     from pagedkv.errors import ConfigError
-    from pagedkv.server.app import build_app, load_api_keys
+    from pagedkv.server.api_keys import load_api_keys
+    from pagedkv.server.app import build_app
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     keys = None

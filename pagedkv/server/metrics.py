@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from pagedkv.engine.request import RequestOutput
+from pagedkv.engine.stats import EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -36,7 +37,7 @@ class _EngineCollector:
         return []  # collected lazily; do not call get_stats() at registration
 
     def collect(self) -> Iterable[Metric]:
-        st = self.engine.get_stats()
+        st: EngineStats = self.engine.get_stats()
         labels = ["model_name"]
         val = [self.model_name]
 
@@ -50,8 +51,6 @@ class _EngineCollector:
             c.add_metric(val, float(value))
             return c
 
-        queries = st.kv_prefix_queries
-        hits = st.kv_prefix_hits
         yield gauge("pagedkv_num_requests_running", "Sequences in the running batch.", st.num_running)
         yield gauge("pagedkv_num_requests_waiting", "Sequences waiting (queued or preempted).", st.num_waiting)
         yield gauge("pagedkv_kv_blocks_total", "Physical KV blocks in the pool.", st.num_blocks)
@@ -59,9 +58,9 @@ class _EngineCollector:
         yield gauge("pagedkv_kv_blocks_free", "KV blocks in the free queue (cached-but-free included).", st.num_free_blocks)
         yield gauge("pagedkv_kv_cache_usage_percent", "Used KV blocks, percent of the pool (0-100).", 100.0 * st.kv_usage)
         yield gauge("pagedkv_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens looked up (0-1, since start).",
-                    hits / queries if queries else 0.0)
-        yield counter("pagedkv_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache.", queries)
-        yield counter("pagedkv_prefix_cache_hits_tokens", "Prompt tokens served from the prefix cache.", hits)
+                    st.kv_prefix_hit_rate)
+        yield counter("pagedkv_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache.", st.kv_prefix_queries)
+        yield counter("pagedkv_prefix_cache_hits_tokens", "Prompt tokens served from the prefix cache.", st.kv_prefix_hits)
         yield counter("pagedkv_num_preemptions", "Sequences preempted (blocks freed, recomputed later).", st.num_preemptions)
         yield counter("pagedkv_cow_copies", "Copy-on-write block copies.", st.kv_cow_copies)
         yield counter("pagedkv_prefix_cache_evictions", "Cached free blocks evicted for reuse.", st.kv_evictions)

@@ -8,7 +8,11 @@ another salt), ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
 
 Schema checks (types, ranges such as ``temperature >= 0``) fail with HTTP 422; checks that
 need the model or the server's limits (context length, ``n`` above the server's maximum,
-unknown model) are made by the app (400 / 404). Units: every length is in tokens.
+unknown model) are made by the routes (400 / 404). Units: every length is in tokens.
+
+The sampling ranges are the engine's (``SamplingParams.TOP_P_RANGE`` ...), so a request
+this schema accepts passes ``SamplingParams.validate()``; the limits below are the HTTP
+API's own (body size, and OpenAI's ``temperature <= 2``).
 """
 
 from __future__ import annotations
@@ -17,13 +21,22 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator
 
-# Size limits of one request body (besides the byte limit the app enforces).
+from pagedkv.engine.request import SamplingParams
+
+# Size limits of one request body (besides the byte limit of the body-size dependency).
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 256
 MAX_PROMPTS = 16  # prompts in one /v1/completions call
 MAX_MESSAGES = 256
 MAX_SALT_CHARS = 256
-MAX_LOGPROBS = 20  # completions ``logprobs`` / chat ``top_logprobs``
+MAX_STOP_TOKEN_IDS = 64
+MAX_USER_CHARS = 256
+OPENAI_MAX_TEMPERATURE = 2.0  # the OpenAI API's range; the engine itself only needs >= 0
+
+MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS  # completions ``logprobs`` / chat ``top_logprobs``
+_TOP_P = SamplingParams.TOP_P_RANGE
+_MIN_P = SamplingParams.MIN_P_RANGE
+_PENALTY = SamplingParams.PENALTY_RANGE
 
 Number = Union[StrictInt, StrictFloat]
 
@@ -53,22 +66,22 @@ class _SamplingFields(BaseModel):
 
     model: str
     n: StrictInt = Field(1, ge=1)
-    temperature: Optional[Number] = Field(None, ge=0.0, le=2.0)
-    top_p: Optional[Number] = Field(None, gt=0.0, le=1.0)
+    temperature: Optional[Number] = Field(None, ge=SamplingParams.MIN_TEMPERATURE, le=OPENAI_MAX_TEMPERATURE)
+    top_p: Optional[Number] = Field(None, gt=_TOP_P[0], le=_TOP_P[1])
     seed: Optional[StrictInt] = None
     stop: Optional[Union[str, list[str]]] = None
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
-    user: Optional[str] = Field(None, max_length=256)
-    presence_penalty: Optional[Number] = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: Optional[Number] = Field(None, ge=-2.0, le=2.0)
+    user: Optional[str] = Field(None, max_length=MAX_USER_CHARS)
+    presence_penalty: Optional[Number] = Field(None, ge=_PENALTY[0], le=_PENALTY[1])
+    frequency_penalty: Optional[Number] = Field(None, ge=_PENALTY[0], le=_PENALTY[1])
     # extensions (vLLM names)
     cache_salt: Optional[str] = Field(None, min_length=1, max_length=MAX_SALT_CHARS)
     top_k: Optional[StrictInt] = None
-    min_p: Optional[Number] = Field(None, ge=0.0, le=1.0)
+    min_p: Optional[Number] = Field(None, ge=_MIN_P[0], le=_MIN_P[1])
     repetition_penalty: Optional[Number] = Field(None, gt=0.0)
     ignore_eos: StrictBool = False
-    stop_token_ids: Optional[list[StrictInt]] = Field(None, max_length=64)
+    stop_token_ids: Optional[list[StrictInt]] = Field(None, max_length=MAX_STOP_TOKEN_IDS)
 
     @field_validator("stop")
     @classmethod

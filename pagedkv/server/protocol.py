@@ -1,0 +1,192 @@
+"""The OpenAI mapping: request bodies to engine requests, engine outputs to OpenAI objects.
+
+In: a ``CompletionRequest`` / ``ChatCompletionRequest`` becomes one ``SamplingParams`` per
+prompt (:func:`sampling_params`) after the context-length check (:func:`check_lengths`).
+Out: the engine's ``RequestOutput`` (one per prompt, ``n`` samples each) becomes the
+choices of a ``text_completion`` / ``chat.completion`` object, or of the chunks of a
+stream. Choice ``index`` = prompt index * n + sample index. Every length is in tokens
+except ``text_offset`` (characters).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from pagedkv.engine.request import CompletionOutput, RequestOutput, SamplingParams
+from pagedkv.server.errors import APIError
+
+MAX_SEQS_PER_CALL = 64  # sequences (prompts x n) one /v1/completions call may start
+
+
+# ---- requests -----------------------------------------------------------------------
+def sampling_params(body: Any, max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
+    """The engine's parameters for a request body (unset fields: the OpenAI defaults)."""
+    return SamplingParams(
+        n=body.n,
+        temperature=1.0 if body.temperature is None else float(body.temperature),
+        top_p=1.0 if body.top_p is None else float(body.top_p),
+        top_k=-1 if body.top_k is None else body.top_k,
+        min_p=0.0 if body.min_p is None else float(body.min_p),
+        repetition_penalty=1.0 if body.repetition_penalty is None else float(body.repetition_penalty),
+        presence_penalty=float(body.presence_penalty or 0.0),
+        frequency_penalty=float(body.frequency_penalty or 0.0),
+        seed=body.seed, max_tokens=max_tokens, stop=body.stop,
+        stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logprobs=logprobs,
+    )
+
+
+def chat_messages(body: Any) -> list[dict[str, str]]:
+    """The conversation for the chat template (``developer`` is sent as ``system``)."""
+    return [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
+            for m in body.messages]
+
+
+def check_lengths(max_model_len: int, prompt_len: int, max_tokens: Optional[int], prompt_param: str) -> int:
+    """The effective ``max_tokens`` (None = the rest of the context). Raises 400
+    ``context_length_exceeded`` if the prompt, or prompt + max_tokens, exceeds the context."""
+    ctx = max_model_len
+    if prompt_len >= ctx:
+        raise APIError(400, f"the prompt has {prompt_len} tokens; this model's context is {ctx} tokens "
+                       "(prompt plus at least one output token)", param=prompt_param,
+                       code="context_length_exceeded")
+    if max_tokens is None:
+        return ctx - prompt_len
+    if prompt_len + max_tokens > ctx:
+        raise APIError(400, f"this model's context is {ctx} tokens; you asked for {prompt_len + max_tokens} "
+                       f"({prompt_len} in the prompt, {max_tokens} max_tokens)", param="max_tokens",
+                       code="context_length_exceeded")
+    return max_tokens
+
+
+# ---- responses ----------------------------------------------------------------------
+@dataclass
+class ResponseContext:
+    """What one HTTP call needs to turn engine outputs into OpenAI responses. ``kind``:
+    "completion" or "chat"; ``prompts``: token ids per prompt; ``echo``: the prompt texts
+    to prefix (completions with ``echo``)."""
+
+    rid: str
+    model: str
+    created: int  # epoch seconds
+    kind: str
+    prompts: list[list[int]]
+    body: Any
+    echo: Optional[list[str]] = None
+
+    def __post_init__(self) -> None:
+        self.n: int = self.body.n
+        stops = self.body.stop or []
+        self.holdback = max((len(s) for s in stops), default=1) - 1  # chars a stream holds back
+        self.include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
+
+    def choice_index(self, prompt_idx: int, sample_idx: int) -> int:
+        return prompt_idx * self.n + sample_idx
+
+    def all_choice_indices(self) -> list[tuple[int, int]]:
+        """``(prompt_idx, choice index)`` of every choice, in order."""
+        return [(p, self.choice_index(p, s)) for p in range(len(self.prompts)) for s in range(self.n)]
+
+    def want_logprobs(self) -> bool:
+        if self.kind == "chat":
+            return bool(self.body.logprobs)
+        return self.body.logprobs is not None
+
+    def top_k(self) -> int:
+        return (self.body.top_logprobs or 0) if self.kind == "chat" else (self.body.logprobs or 0)
+
+    def usage(self, finals: dict[int, RequestOutput]) -> dict[str, Any]:
+        prompt = sum(len(p) for p in self.prompts)
+        completion = sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
+        cached = sum(o.num_cached_tokens for o in finals.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _tok_str(tokenizer: Any, tid: int) -> str:
+    return tokenizer.decode([tid])
+
+
+def logprobs_json(ctx: ResponseContext, tokenizer: Any, token_ids: list[int],
+                  lps: Optional[list[dict[int, float]]], text_offset0: int = 0) -> Optional[dict[str, Any]]:
+    """OpenAI logprobs for ``token_ids`` (engine dicts: sampled token first, then the
+    top-k); chat: ``{"content": [...]}``, completions: parallel lists from ``text_offset0``."""
+    if not ctx.want_logprobs() or lps is None:
+        return None
+    k = ctx.top_k()
+    rows = []
+    for tid, d in zip(token_ids, lps):
+        lp = d.get(tid, float("-inf"))
+        top = sorted(d.items(), key=lambda kv: -kv[1])[:k] if k else []
+        rows.append((tid, lp, top))
+    if ctx.kind == "chat":
+        content = []
+        for tid, lp, top in rows:
+            s = _tok_str(tokenizer, tid)
+            content.append({"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")),
+                            "top_logprobs": [{"token": (ts := _tok_str(tokenizer, t)), "logprob": v,
+                                              "bytes": list(ts.encode("utf-8"))} for t, v in top]})
+        return {"content": content}
+    tokens, token_lps, tops, offsets = [], [], [], []
+    off = text_offset0
+    for tid, lp, top in rows:
+        s = _tok_str(tokenizer, tid)
+        tokens.append(s)
+        token_lps.append(lp)
+        tops.append({_tok_str(tokenizer, t): v for t, v in top})
+        offsets.append(off)
+        off += len(s)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _response_choice(ctx: ResponseContext, tokenizer: Any, prompt_idx: int, c: CompletionOutput) -> dict[str, Any]:
+    idx = ctx.choice_index(prompt_idx, c.index)
+    if ctx.kind == "chat":
+        return {"index": idx, "message": {"role": "assistant", "content": c.text},
+                "logprobs": logprobs_json(ctx, tokenizer, c.token_ids, c.logprobs),
+                "finish_reason": c.finish_reason}
+    prefix = ctx.echo[prompt_idx] if ctx.echo else ""
+    return {"index": idx, "text": prefix + c.text,
+            "logprobs": logprobs_json(ctx, tokenizer, c.token_ids, c.logprobs, len(prefix)),
+            "finish_reason": c.finish_reason}
+
+
+def completion_response(ctx: ResponseContext, tokenizer: Any, finals: dict[int, RequestOutput]) -> dict[str, Any]:
+    """The non-streaming response object from the final output of every prompt."""
+    choices = [_response_choice(ctx, tokenizer, i, c) for i in sorted(finals) for c in finals[i].outputs]
+    choices.sort(key=lambda ch: ch["index"])
+    return {"id": ctx.rid, "object": "chat.completion" if ctx.kind == "chat" else "text_completion",
+            "created": ctx.created, "model": ctx.model, "choices": choices, "usage": ctx.usage(finals)}
+
+
+def stream_chunk(ctx: ResponseContext, choices: list[dict[str, Any]],
+                 usage: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """One streamed object (``usage`` is present, null until the last, with include_usage)."""
+    d: dict[str, Any] = {"id": ctx.rid, "object": "chat.completion.chunk" if ctx.kind == "chat" else "text_completion",
+                         "created": ctx.created, "model": ctx.model, "choices": choices}
+    if ctx.include_usage:
+        d["usage"] = usage
+    return d
+
+
+def opening_choices(ctx: ResponseContext) -> Optional[list[dict[str, Any]]]:
+    """The choices of a stream's first chunk: the assistant role (chat, as OpenAI does) or
+    the echoed prompt (completions with echo); None if the stream opens with text."""
+    if ctx.kind == "chat":
+        return [{"index": idx, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None} for _, idx in ctx.all_choice_indices()]
+    if ctx.echo:
+        return [{"index": idx, "text": ctx.echo[p], "logprobs": None, "finish_reason": None}
+                for p, idx in ctx.all_choice_indices()]
+    return None
+
+
+def delta_choice(ctx: ResponseContext, idx: int, delta: str, logprobs: Optional[dict[str, Any]],
+                 finish_reason: Optional[str]) -> dict[str, Any]:
+    """One choice of a streamed chunk carrying ``delta`` (new text) of choice ``idx``."""
+    if ctx.kind == "chat":
+        finished = finish_reason is not None
+        return {"index": idx, "delta": {"content": delta} if delta or not finished else {},
+                "logprobs": logprobs, "finish_reason": finish_reason}
+    return {"index": idx, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason}

@@ -1,0 +1,214 @@
+"""The endpoints (see :mod:`pagedkv.server.app` for the list).
+
+Each ``/v1`` handler receives its tenant and its parsed body from the dependencies
+(:mod:`pagedkv.server.dependencies`), checks what needs the model or the server (model
+name 404, ``n`` 400, shutting down 503, prompt and context lengths 400), submits one
+engine request per prompt to the engine loop and answers with one JSON object or a stream
+(:mod:`pagedkv.server.streaming`). A request rejected here never reaches the engine, or is
+aborted before it runs, so no block leaks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from importlib import resources
+from typing import Annotated, Any, Optional, Union
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+
+from pagedkv.engine.request import RequestOutput
+from pagedkv.errors import InvalidRequestError
+from pagedkv.server.dependencies import ServerState, State, Tenant, json_body
+from pagedkv.server.engine_loop import EngineStepError, EngineStoppedError, PromptSpec, Submission
+from pagedkv.server.errors import APIError, aborted_error, engine_error
+from pagedkv.server.kvview import kv_view
+from pagedkv.server.metrics import CONTENT_TYPE
+from pagedkv.server.protocol import (
+    MAX_SEQS_PER_CALL,
+    ResponseContext,
+    chat_messages,
+    check_lengths,
+    completion_response,
+    sampling_params,
+)
+from pagedkv.server.schemas import ChatCompletionRequest, CompletionRequest
+from pagedkv.server.streaming import SSEResponse, stream_events
+
+router = APIRouter()
+
+CompletionBody = Annotated[CompletionRequest, Depends(json_body(CompletionRequest))]
+ChatBody = Annotated[ChatCompletionRequest, Depends(json_body(ChatCompletionRequest))]
+
+
+# ---- checks and delivery ------------------------------------------------------------
+def _served_model(st: ServerState, name: str) -> str:
+    """The reported model name. Raises 404 if ``name`` is not served."""
+    if name not in st.model_names:
+        raise APIError(404, f"the model {name!r} does not exist; this server serves {st.model_names[0]!r}",
+                       "not_found_error", param="model", code="model_not_found")
+    return st.model_names[0]
+
+
+def _admit(st: ServerState, body: Union[CompletionRequest, ChatCompletionRequest]) -> str:
+    """Checks every generation call passes first: the model (404), ``n`` (400) and that
+    the server still accepts work (503). Returns the reported model name."""
+    model = _served_model(st, body.model)
+    if body.n > st.max_n:
+        raise APIError(400, f"n must be <= {st.max_n}, got {body.n}", param="n", code="invalid_value")
+    if not st.loop.accepting:
+        raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
+    return model
+
+
+async def _submit(st: ServerState, ids: list[str], specs: list[PromptSpec], stream: bool,
+                  tenant: Optional[str]) -> Submission:
+    try:
+        return await st.loop.submit(ids, specs, stream=stream, tenant=tenant)
+    except InvalidRequestError as e:
+        raise APIError(400, str(e), code="invalid_value") from None
+    except EngineStoppedError as e:
+        raise engine_error(e) from None
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def _respond_when_done(ctx: ResponseContext, sub: Submission, request: Request, st: ServerState) -> Response:
+    """Wait for every prompt's final output and answer with one object; a client that goes
+    away meanwhile has its requests aborted (499)."""
+    finals: dict[int, RequestOutput] = {}
+
+    async def consume() -> None:
+        async for i, out in sub.outputs():
+            if out.finished:
+                finals[i] = out
+
+    task = asyncio.ensure_future(consume())
+    gone = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not gone.done():
+            gone.cancel()
+    if task not in done:  # the client went away: abort (Submission.close runs on cancel)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        sub.close()
+        st.metrics.disconnects.labels(ctx.model).inc()
+        return Response(status_code=499)
+    try:
+        task.result()
+    except (EngineStepError, EngineStoppedError) as e:
+        raise engine_error(e) from None
+    if any(c.finish_reason == "abort" for o in finals.values() for c in o.outputs):
+        raise aborted_error()
+    return JSONResponse(completion_response(ctx, st.engine.tokenizer, finals))
+
+
+async def _respond(ctx: ResponseContext, sub: Submission, request: Request, st: ServerState) -> Response:
+    if ctx.body.stream:
+        return SSEResponse(stream_events(ctx, sub, st.metrics, st.engine.tokenizer))
+    return await _respond_when_done(ctx, sub, request, st)
+
+
+# ---- endpoints ----------------------------------------------------------------------
+@router.get("/health")
+async def health(st: State) -> Response:
+    if st.loop.running:
+        return JSONResponse({"status": "ok"})
+    return JSONResponse({"status": "stopped"}, status_code=503)
+
+
+@router.get("/metrics")
+async def prometheus_metrics(st: State) -> Response:
+    return Response(st.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _model_card(st: ServerState) -> dict[str, Any]:
+    return {"id": st.model_names[0], "object": "model", "created": st.created, "owned_by": "pagedkv",
+            "root": st.engine.model_id, "max_model_len": st.engine.max_model_len}
+
+
+@router.get("/v1/models")
+async def list_models(st: State, tenant: Tenant) -> Response:
+    return JSONResponse({"object": "list", "data": [_model_card(st)]})
+
+
+@router.get("/v1/models/{name:path}")
+async def get_model(name: str, st: State, tenant: Tenant) -> Response:
+    _served_model(st, name)
+    return JSONResponse(_model_card(st))
+
+
+@router.post("/v1/completions")
+async def completions(request: Request, st: State, tenant: Tenant, body: CompletionBody) -> Response:
+    model = _admit(st, body)
+    engine = st.engine
+    prompts = body.prompts()
+    if len(prompts) * body.n > MAX_SEQS_PER_CALL:
+        raise APIError(400, f"prompts x n must be <= {MAX_SEQS_PER_CALL}, got {len(prompts) * body.n}",
+                       param="n", code="invalid_value")
+    token_lists: list[list[int]] = []
+    for p in prompts:
+        ids = await asyncio.to_thread(engine.tokenize, p) if isinstance(p, str) else list(p)
+        if not ids:
+            raise APIError(400, "prompt is empty after tokenisation", param="prompt", code="invalid_value")
+        vocab = engine.model_config.vocab_size
+        if not all(0 <= t < vocab for t in ids):  # before echo decodes them
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt",
+                           code="invalid_value")
+        token_lists.append(ids)
+    specs = []
+    for ids in token_lists:
+        mt = check_lengths(engine.max_model_len, len(ids), body.max_tokens, "prompt")
+        specs.append(PromptSpec(ids, sampling_params(body, mt, body.logprobs), body.cache_salt))
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    eids = [f"{rid}-{i}" for i in range(len(specs))]
+    echo = [p if isinstance(p, str) else engine.tokenizer.decode(p) for p in prompts] if body.echo else None
+    sub = await _submit(st, eids, specs, body.stream, tenant)
+    ctx = ResponseContext(rid, model, int(time.time()), "completion", token_lists, body, echo=echo)
+    return await _respond(ctx, sub, request, st)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request, st: State, tenant: Tenant, body: ChatBody) -> Response:
+    model = _admit(st, body)
+    engine = st.engine
+    try:
+        ids = await asyncio.to_thread(engine.apply_chat_template, chat_messages(body))
+    except InvalidRequestError as e:
+        raise APIError(400, str(e), param="messages", code="invalid_value") from None
+    except Exception as e:  # a template that rejects this conversation (roles, order)
+        raise APIError(400, f"cannot apply the chat template: {e}", param="messages",
+                       code="invalid_value") from None
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    mt = check_lengths(engine.max_model_len, len(ids), max_tokens, "messages")
+    lp = (body.top_logprobs or 0) if body.logprobs else None
+    spec = PromptSpec(ids, sampling_params(body, mt, lp), body.cache_salt)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    sub = await _submit(st, [f"{rid}-0"], [spec], body.stream, tenant)
+    ctx = ResponseContext(rid, model, int(time.time()), "chat", [ids], body)
+    return await _respond(ctx, sub, request, st)
+
+
+# ---- the KV page --------------------------------------------------------------------
+@router.get("/ui")
+async def ui_page() -> Response:
+    html = resources.files("pagedkv.server").joinpath("static/ui.html").read_text(encoding="utf-8")
+    return HTMLResponse(html, headers={"Cache-Control": "no-store"})
+
+
+@router.get("/ui/state")
+async def ui_state(st: State, tenant: Tenant) -> Response:
+    # with tenants, a caller sees its own requests; others' blocks show as "other"
+    view = await asyncio.to_thread(kv_view, st.engine, st.loop, tenant)
+    return JSONResponse(view, headers={"Cache-Control": "no-store"})

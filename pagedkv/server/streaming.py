@@ -1,0 +1,129 @@
+"""Streaming responses: Server-Sent Events (``data: {json}`` ... ``data: [DONE]``).
+
+Text is sent as it is generated, except a tail that could still turn out to be (the start
+of) a stop string, or an incomplete UTF-8 character. A stream that fails ends with an
+OpenAI error object as its last event (no ``[DONE]``). However the response ends —
+finished, client gone, or error — the submission is closed, so its engine requests are
+aborted and their blocks freed at the next step fence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import Any, AsyncIterator
+
+from fastapi.responses import StreamingResponse
+
+from pagedkv.engine.request import CompletionOutput, RequestOutput
+from pagedkv.server.engine_loop import EngineStepError, EngineStoppedError, Submission
+from pagedkv.server.errors import aborted_error, engine_error
+from pagedkv.server.metrics import ServerMetrics
+from pagedkv.server.protocol import (
+    ResponseContext,
+    delta_choice,
+    logprobs_json,
+    opening_choices,
+    stream_chunk,
+)
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: Any) -> bytes:
+    """One SSE event carrying ``obj`` as compact JSON."""
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+class _ChoiceState:
+    """How much of one choice has been sent (characters of text, tokens of logprobs)."""
+
+    __slots__ = ("sent_chars", "sent_tokens", "done")
+
+    def __init__(self) -> None:
+        self.sent_chars = 0
+        self.sent_tokens = 0
+        self.done = False
+
+
+def _next_choice(ctx: ResponseContext, tokenizer: Any, idx: int, c: CompletionOutput,
+                 stt: _ChoiceState) -> Any:
+    """The streamed choice for what ``c`` adds past ``stt`` (None: nothing to send yet);
+    advances ``stt``."""
+    text = c.text
+    finished = c.finish_reason is not None
+    if finished:
+        safe = len(text)
+    else:
+        safe = len(text) - ctx.holdback
+        stripped = text.rstrip("\ufffd")
+        safe = min(safe, len(stripped))
+    safe = max(safe, stt.sent_chars)
+    delta = text[stt.sent_chars:safe]
+    new_tokens = c.token_ids[stt.sent_tokens:]
+    new_lps = c.logprobs[stt.sent_tokens:] if c.logprobs is not None else None
+    if not delta and not finished and not (new_tokens and ctx.want_logprobs()):
+        return None
+    lp = logprobs_json(ctx, tokenizer, new_tokens, new_lps, stt.sent_chars) if new_tokens else None
+    stt.sent_chars = safe
+    stt.sent_tokens = len(c.token_ids)
+    stt.done = finished
+    return delta_choice(ctx, idx, delta, lp, c.finish_reason)
+
+
+async def stream_events(ctx: ResponseContext, sub: Submission, metrics: ServerMetrics,
+                        tokenizer: Any) -> AsyncIterator[bytes]:
+    """The SSE events of one call (see the module docstring)."""
+    states: dict[int, _ChoiceState] = {}
+    finals: dict[int, RequestOutput] = {}
+    completed = False  # ended normally or with an error event (not a disconnect)
+    try:
+        opening = opening_choices(ctx)
+        if opening is not None:
+            yield sse(stream_chunk(ctx, opening))
+        async for pidx, out in sub.outputs():
+            if out.finished:
+                finals[pidx] = out
+            choices = []
+            for c in out.outputs:
+                idx = ctx.choice_index(pidx, c.index)
+                stt = states.setdefault(idx, _ChoiceState())
+                if stt.done:
+                    continue
+                if c.finish_reason == "abort":
+                    completed = True
+                    yield sse(aborted_error().body())
+                    return
+                choice = _next_choice(ctx, tokenizer, idx, c, stt)
+                if choice is not None:
+                    choices.append(choice)
+            if choices:
+                yield sse(stream_chunk(ctx, choices))
+        if ctx.include_usage:
+            yield sse(stream_chunk(ctx, [], ctx.usage(finals)))
+        yield DONE
+        completed = True
+    except (EngineStepError, EngineStoppedError) as e:
+        completed = True
+        yield sse(engine_error(e).body())
+    finally:
+        if not completed and len(finals) < len(ctx.prompts):
+            metrics.disconnects.labels(ctx.model).inc()
+        sub.close()
+
+
+class SSEResponse(StreamingResponse):
+    """A text/event-stream response that always closes its generator (so the engine
+    requests are aborted) however the response ends: finished, client gone, or error."""
+
+    def __init__(self, gen: AsyncIterator[bytes]) -> None:
+        super().__init__(gen, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._gen = gen
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with contextlib.suppress(Exception):
+                await self._gen.aclose()  # type: ignore[attr-defined]
