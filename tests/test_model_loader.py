@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from pagedkv.errors import ConfigError
-from pagedkv.model import loader
+from pagedkv.gguf_header import read_gguf_header
+from pagedkv.model import loader, weight_cache
 from pagedkv.model.loader import load_model
 
 
@@ -56,7 +57,7 @@ def test_cached_load_is_fast_and_identical(bundled_gguf, loaded_model, seeded_ca
 def test_corrupt_weights_are_rebuilt_bit_identically(bundled_gguf, loaded_model, seeded_cache, monkeypatch):
     # Building the tokenizer from the GGUF takes ~10 s and is covered by the session fixture and
     # test_tokenizer_matches_transformers_gguf_tokenizer; this test is about the weights.
-    monkeypatch.setattr(loader, "_load_tokenizer", lambda directory, gguf_file=None: loaded_model.tokenizer)
+    monkeypatch.setattr(loader, "load_tokenizer", lambda directory, gguf_file=None: loaded_model.tokenizer)
     entry = seeded_cache / loaded_model.config.revision
     weights = entry / "model.safetensors"
     data = weights.read_bytes()
@@ -92,7 +93,7 @@ def test_damaged_entries_are_detected(loaded_model, seeded_cache, damage):
     else:
         (entry / "manifest.json").unlink()
     with pytest.raises(Exception):
-        loader._read_cache_entry(entry, sha)
+        weight_cache.read_cache_entry(entry, sha)
 
 
 def test_cache_write_is_atomic(tmp_path, monkeypatch):
@@ -113,7 +114,7 @@ def test_cache_write_is_atomic(tmp_path, monkeypatch):
 
     entry = tmp_path / "abcd"
     with pytest.raises(OSError, match="disk full"):
-        loader._write_cache_entry(entry, "ab" * 32, tmp_path / "x.gguf", cfg, {"w": torch.ones(3)}, ExplodingTokenizer())
+        weight_cache.write_cache_entry(entry, "ab" * 32, tmp_path / "x.gguf", cfg, {"w": torch.ones(3)}, ExplodingTokenizer())
     assert list(tmp_path.iterdir()) == []
 
     class Tokenizer:
@@ -121,7 +122,7 @@ def test_cache_write_is_atomic(tmp_path, monkeypatch):
             os.makedirs(directory)
             open(os.path.join(directory, "tokenizer.json"), "w").write("{}")
 
-    loader._write_cache_entry(entry, "ab" * 32, tmp_path / "x.gguf", cfg, {"w": torch.ones(3)}, Tokenizer())
+    weight_cache.write_cache_entry(entry, "ab" * 32, tmp_path / "x.gguf", cfg, {"w": torch.ones(3)}, Tokenizer())
     assert sorted(p.name for p in entry.iterdir()) == ["config.json", "manifest.json", "model.safetensors", "tokenizer"]
     assert [p.name for p in tmp_path.iterdir()] == ["abcd"]
     manifest = json.loads((entry / "manifest.json").read_text())
@@ -130,10 +131,10 @@ def test_cache_write_is_atomic(tmp_path, monkeypatch):
 
     # A second writer (a concurrent loader that lost the race) keeps the valid entry ...
     created = manifest["created_unix"]
-    loader._write_cache_entry(entry, "ab" * 32, tmp_path / "x.gguf", cfg, {"w": torch.zeros(3)}, Tokenizer())
+    weight_cache.write_cache_entry(entry, "ab" * 32, tmp_path / "x.gguf", cfg, {"w": torch.zeros(3)}, Tokenizer())
     assert json.loads((entry / "manifest.json").read_text())["created_unix"] == created
     # ... but a rebuild after a failed load replaces it.
-    loader._write_cache_entry(
+    weight_cache.write_cache_entry(
         entry, "ab" * 32, tmp_path / "x.gguf", cfg, {"w": torch.zeros(3)}, Tokenizer(), replace=True
     )
     assert json.loads((entry / "manifest.json").read_text())["created_unix"] != created
@@ -216,12 +217,37 @@ def test_gguf_with_unsupported_architecture(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    header = loader.read_gguf_header(path)
+    header = read_gguf_header(path)
     assert header.metadata["general.architecture"] == "gpt2" and header.tensors[0].shape == (4, 8)
     with pytest.raises(ConfigError, match="general.architecture"):
         load_model(path, cache_dir=tmp_path / "cache")
     with pytest.raises(ConfigError, match="general.architecture"):
         loader.load_config(path)
+
+
+def test_gguf_header_matches_the_gguf_package(bundled_gguf):
+    """Our header reader (kept because gguf.GGUFReader takes seconds on the bundled model)
+    agrees with the gguf package on every metadata value and on the tensor table."""
+    import gguf
+
+    from pagedkv.gguf_header import GGUFStringArray
+    from pagedkv.kv.spec import read_gguf_metadata
+
+    ours, theirs = read_gguf_header(bundled_gguf), gguf.GGUFReader(bundled_gguf)
+    fields = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+    assert sorted(ours.metadata) == sorted(fields)
+    for key, value in fields.items():
+        mine = ours.metadata[key]
+        if isinstance(mine, GGUFStringArray):
+            assert len(mine) == len(value), key
+        elif isinstance(mine, np.ndarray):
+            assert np.array_equal(mine, np.asarray(value)), key
+        else:
+            assert mine == value, key
+    table = [(t.name, tuple(int(d) for d in reversed(t.shape)), int(t.tensor_type), int(t.data_offset))
+             for t in theirs.tensors]
+    assert [(t.name, t.shape, t.ggml_type, t.offset) for t in ours.tensors] == table
+    assert read_gguf_metadata(bundled_gguf)["llama.block_count"] == 30
 
 
 def test_not_a_gguf_file(tmp_path):

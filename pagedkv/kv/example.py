@@ -15,9 +15,10 @@ from typing import Any, Sequence
 import numpy as np
 
 from pagedkv.errors import ConfigError
-from pagedkv.kv.block_table import cdiv
+from pagedkv.gguf_header import is_gguf_file, read_gguf_metadata
 from pagedkv.kv.manager import KVCacheManager
-from pagedkv.kv.spec import KVCacheSpec, load_hf_config, parse_size, read_gguf_metadata
+from pagedkv.kv.spec import KVCacheSpec, load_hf_config, parse_size
+from pagedkv.utils import cdiv
 
 #: Shuffle seed of the example's free queue: with lengths 17,33,8, max_len 64 and
 #: block_size 16 (a 12-block pool) it reproduces the seed §03 mapping exactly:
@@ -215,11 +216,6 @@ def example_json(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------- plan
-def _magic(path: Path) -> bytes:
-    with path.open("rb") as f:
-        return f.read(4)
-
-
 def load_spec(model: str | Path | None, dtype: str | None = None, tp_size: int = 1) -> tuple[KVCacheSpec, int | None, str]:
     """``(spec, max_position_embeddings or None, label)`` for a config.json (file or
     folder), a GGUF file, a shipped config name, or ``None`` (the bundled model's GGUF).
@@ -229,7 +225,7 @@ def load_spec(model: str | Path | None, dtype: str | None = None, tp_size: int =
 
         model = bundled_model_path()
     path = Path(model)
-    if path.is_file() and (path.suffix == ".gguf" or _magic(path) == b"GGUF"):
+    if path.is_file() and (path.suffix == ".gguf" or is_gguf_file(path)):
         meta = read_gguf_metadata(path)
         arch = meta.get("general.architecture")
         spec = KVCacheSpec.from_gguf(path, dtype=dtype or "fp32", tp_size=tp_size)
@@ -293,7 +289,7 @@ def plan(
         lengths = load_workload(workload)
         clipped = int((lengths > max_model_len).sum())
         lengths = np.minimum(lengths, max_model_len)
-        blocks = -(-lengths // block_size)
+        blocks = cdiv(lengths, block_size)
         mean_len = float(lengths.mean())
         mean_blocks = float(blocks.mean())
         out["workload"] = {

@@ -26,25 +26,15 @@ of one layer on one rank) is ``block_size x bytes_per_token_per_layer``.
 from __future__ import annotations
 
 import json
-import math
 import re
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pagedkv.errors import ConfigError
+from pagedkv.gguf_header import read_gguf_metadata
+from pagedkv.utils import canonical_dtype, cdiv, dtype_bytes
 
-#: bytes per element of each supported cache dtype (int4 is handled as half a byte).
-DTYPE_BYTES: dict[str, float] = {
-    "fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "int4": 0.5,
-}
-_DTYPE_ALIASES = {
-    "float32": "fp32", "float": "fp32", "f32": "fp32",
-    "bfloat16": "bf16",
-    "float16": "fp16", "half": "fp16", "f16": "fp16",
-    "float8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "float8_e4m3fn": "fp8",
-}
 #: dtypes that carry per-group scales counted per token.
 SCALED_DTYPES = ("int8", "int4")
 
@@ -53,17 +43,6 @@ CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
 # HF ``model_type`` values from_hf_config understands.
 _MHA_TYPES = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "gemma", "gemma2")
 _MLA_TYPES = ("deepseek_v2", "deepseek_v3")
-
-
-def normalize_dtype(dtype: str) -> str:
-    """Canonical cache dtype name (``"bfloat16"`` -> ``"bf16"``). Raises ``ConfigError``."""
-    if not isinstance(dtype, str):
-        raise ConfigError(f"dtype must be a string, got {dtype!r}")
-    key = dtype.strip().lower().removeprefix("torch.")
-    key = _DTYPE_ALIASES.get(key, key)
-    if key not in DTYPE_BYTES:
-        raise ConfigError(f"dtype: unknown cache dtype {dtype!r} (one of {', '.join(DTYPE_BYTES)})")
-    return key
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -77,9 +56,9 @@ class KVCacheSpec:
     """Shape of a model's KV cache, enough to size it (seed §01).
 
     Fields: ``num_layers`` (L), ``num_kv_heads`` (Hkv, before TP split), ``head_dim`` (d,
-    elements), ``dtype`` (one of ``DTYPE_BYTES``), ``tp_size`` (ranks). Set both
-    ``kv_lora_rank`` and ``qk_rope_head_dim`` for MLA (then Hkv and d are ignored for
-    sizing). ``quant_group_size`` (elements per scale, default: one head vector) and
+    elements), ``dtype`` (a name or alias of ``pagedkv.utils.DTYPES``; stored canonical),
+    ``tp_size`` (ranks). Set both ``kv_lora_rank`` and ``qk_rope_head_dim`` for MLA (then Hkv
+    and d are ignored for sizing). ``quant_group_size`` (elements per scale, default: one head vector) and
     ``scale_bytes`` (bytes per scale, default 2 = fp16) apply to int8/int4 only.
 
     Raises ``ConfigError`` naming the field on a bad value.
@@ -101,7 +80,7 @@ class KVCacheSpec:
         _positive_int("head_dim", self.head_dim)
         _positive_int("tp_size", self.tp_size)
         _positive_int("scale_bytes", self.scale_bytes)
-        object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
         if (self.kv_lora_rank is None) != (self.qk_rope_head_dim is None):
             raise ConfigError("MLA needs both kv_lora_rank and qk_rope_head_dim (or neither)")
         if self.is_mla:
@@ -139,12 +118,12 @@ class KVCacheSpec:
     def _vector_bytes(self, n: int) -> int:
         """Bytes of one cached vector of ``n`` elements, scales included."""
         if self.dtype == "int4":
-            data = (n + 1) // 2
+            data = cdiv(n, 2)
         else:
-            data = n * int(DTYPE_BYTES[self.dtype])
+            data = n * int(dtype_bytes(self.dtype))
         if self.dtype in SCALED_DTYPES:
             group = self.quant_group_size or n
-            data += math.ceil(n / group) * self.scale_bytes
+            data += cdiv(n, group) * self.scale_bytes
         return data
 
     @property
@@ -275,7 +254,7 @@ class KVCacheSpec:
                        tp_size=tp_size, kv_lora_rank=r, qk_rope_head_dim=rope, **kw)
         heads = need("attention.head_count")
         kv_heads = meta.get(f"{arch}.attention.head_count_kv", heads)
-        if isinstance(heads, list) or isinstance(kv_heads, list):
+        if not (isinstance(heads, int) and isinstance(kv_heads, int)):
             raise ConfigError(f"{path}: per-layer head counts are not supported")
         head_dim = meta.get(f"{arch}.attention.key_length")
         if head_dim is None:
@@ -342,55 +321,3 @@ def parse_size(s: str | int) -> int:
         raise ConfigError(f"size: cannot parse {s!r} (e.g. 20GiB, 512MiB, 2GB, 123)")
     num, unit = m.groups()
     return int(float(num) * _SIZE_UNITS[unit.lower()])
-
-
-# GGUF value types -> struct format (fixed size); 8 = string, 9 = array.
-_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?",
-                 10: "Q", 11: "q", 12: "d"}
-
-
-def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
-    """The key/value metadata of a GGUF (v2/v3) file; big arrays (tokenizer) are skipped
-    (their value is ``None``). Reads only the header. Raises ``ConfigError``."""
-    path = Path(path)
-    try:
-        f = path.open("rb")
-    except OSError as exc:
-        raise ConfigError(f"model: cannot open GGUF {path} ({exc})") from exc
-    with f:
-        def read(fmt: str) -> Any:
-            size = struct.calcsize("<" + fmt)
-            raw = f.read(size)
-            if len(raw) != size:
-                raise ConfigError(f"{path}: truncated GGUF header")
-            return struct.unpack("<" + fmt, raw)[0]
-
-        def read_str() -> str:
-            n = read("Q")
-            return f.read(n).decode("utf-8", errors="replace")
-
-        def read_value(vtype: int, keep: bool) -> Any:
-            if vtype in _GGUF_SCALARS:
-                return read(_GGUF_SCALARS[vtype])
-            if vtype == 8:
-                return read_str()
-            if vtype == 9:
-                etype, count = read("I"), read("Q")
-                if etype in _GGUF_SCALARS and not (keep and count <= 1024):
-                    f.seek(count * struct.calcsize("<" + _GGUF_SCALARS[etype]), 1)
-                    return None
-                items = [read_value(etype, keep and count <= 1024) for _ in range(count)]
-                return items if keep and count <= 1024 else None
-            raise ConfigError(f"{path}: unknown GGUF value type {vtype}")
-
-        if f.read(4) != b"GGUF":
-            raise ConfigError(f"model: {path} is not a GGUF file (bad magic)")
-        version = read("I")
-        if version < 2:
-            raise ConfigError(f"{path}: GGUF version {version} is not supported (need >= 2)")
-        read("Q")  # tensor count
-        meta: dict[str, Any] = {}
-        for _ in range(read("Q")):
-            key = read_str()
-            meta[key] = read_value(read("I"), keep=True)
-        return meta

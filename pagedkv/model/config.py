@@ -1,8 +1,9 @@
 """``ModelConfig``: the architecture facts the engine needs, from GGUF metadata or an HF
 ``config.json``.
 
-Both builders are pure (they take already-parsed metadata); file reading lives in
-``pagedkv.model.loader`` (``load_config(path)``). Every problem raises
+Both builders are pure (they take already-parsed metadata); files are read by
+``pagedkv.model.weights`` (``gguf_config``, ``hf_config``; GGUF headers by
+``pagedkv.gguf_header``) behind ``pagedkv.model.loader.load_config(path)``. Every problem raises
 :class:`pagedkv.errors.ConfigError` whose message names the offending field or key.
 
 Supported families: Llama (incl. SmolLM2, Llama 3.x with ``llama3`` RoPE scaling), Mistral

@@ -32,8 +32,7 @@ from torch import nn
 from pagedkv.attention.base import AttentionBackend, AttentionMetadata
 from pagedkv.errors import ConfigError
 from pagedkv.model.config import ModelConfig
-
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+from pagedkv.utils import torch_dtype
 
 
 class KVCacheShape(NamedTuple):
@@ -182,12 +181,11 @@ class LlamaForCausalLM(nn.Module):
     def __init__(
         self,
         config: ModelConfig,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | str = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
         super().__init__()
-        if dtype not in SUPPORTED_DTYPES:
-            raise ConfigError(f"dtype: unsupported {dtype} (supported: float32, bfloat16, float16)")
+        dtype = torch_dtype(dtype)  # float32, bfloat16 or float16; ConfigError otherwise
         self.config = config
         # Parameters are created on the meta device (no memory, no random init) and then given
         # uninitialised storage on `device`; the loader assigns the real tensors.

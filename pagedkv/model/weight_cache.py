@@ -1,0 +1,148 @@
+"""The dequantised-weight cache of GGUF models: one directory per source file.
+
+Dequantising a GGUF takes seconds, so the result — weights already in our fused layout, the
+tokenizer and the config — is kept under ``cache_root()`` (``$PAGEDKV_CACHE_DIR``, default
+``~/.cache/pagedkv``) in ``<first 16 hex of the GGUF's sha256>/``::
+
+    model.safetensors   the state dict (fp32)
+    config.json         ModelConfig.to_dict()
+    tokenizer/          tokenizer.save_pretrained()
+    manifest.json       {"format": CACHE_FORMAT_VERSION, "source_sha256", "source_path",
+                         "created_unix", "files": {relative path: bytes}}
+
+An entry is written to a temporary sibling directory and renamed into place, so a crash never
+leaves a half-written entry; readers treat any damage (missing or truncated file, wrong
+format or source) as "no entry" and the loader rebuilds it (``pagedkv.model.loader``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedkv.model.config import ModelConfig
+from pagedkv.model.tokenizer import load_tokenizer
+
+CACHE_FORMAT_VERSION = 1
+_WEIGHTS_FILE = "model.safetensors"
+_CONFIG_FILE = "config.json"
+_TOKENIZER_DIR = "tokenizer"
+_MANIFEST_FILE = "manifest.json"
+
+
+def cache_root() -> Path:
+    """The weight cache's root: ``$PAGEDKV_CACHE_DIR`` or ``~/.cache/pagedkv``."""
+    env = os.environ.get("PAGEDKV_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "pagedkv"
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex sha256 of a file's bytes (streamed)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def entry_dir(root: Path, sha: str) -> Path:
+    """The entry of the source file whose hex sha256 is ``sha``."""
+    return root / sha[:16]
+
+
+def manifest_ok(entry: Path, sha: str) -> bool:
+    """Cheap validity check of an entry: manifest of this format and source, files of the
+    recorded sizes (contents are not hashed)."""
+    try:
+        _check_manifest(entry, sha)
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _check_manifest(entry: Path, sha: str) -> None:
+    manifest = json.loads((entry / _MANIFEST_FILE).read_text())
+    if manifest.get("format") != CACHE_FORMAT_VERSION:
+        raise ValueError(f"cache format {manifest.get('format')!r} != {CACHE_FORMAT_VERSION}")
+    if manifest.get("source_sha256") != sha:
+        raise ValueError("cache entry belongs to another file")
+    for rel, size in manifest["files"].items():
+        actual = (entry / rel).stat().st_size
+        if actual != size:
+            raise ValueError(f"{rel} has {actual} bytes, expected {size}")
+
+
+def read_cached_weights(entry: Path, sha: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """``(config, state dict)`` of an entry (weights memory-mapped), without the tokenizer.
+    Raises (any exception) if the entry is missing or damaged."""
+    from safetensors.torch import load_file
+
+    _check_manifest(entry, sha)
+    config = ModelConfig.from_dict(json.loads((entry / _CONFIG_FILE).read_text()))
+    return config, load_file(str(entry / _WEIGHTS_FILE))
+
+
+def read_cache_entry(entry: Path, sha: str) -> tuple[ModelConfig, dict[str, torch.Tensor], Any]:
+    """``(config, state dict, tokenizer)`` of an entry. Raises (any exception) if the entry is
+    missing or damaged."""
+    config, state = read_cached_weights(entry, sha)
+    return config, state, load_tokenizer(entry / _TOKENIZER_DIR)
+
+
+def write_cache_entry(
+    entry: Path, sha: str, source: Path, config: ModelConfig, state: dict[str, torch.Tensor], tokenizer: Any,
+    replace: bool = False,
+) -> None:
+    """Write the entry into a sibling temp dir, then rename it into place (atomic on POSIX).
+    An existing entry is replaced if ``replace`` (it failed to load) or if its manifest does
+    not check out; otherwise it was written by a concurrent loader that won the race and is
+    kept. Raises ``OSError`` (nothing left behind) if writing fails."""
+    from safetensors.torch import save_file
+
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    tmp = entry.parent / f".{entry.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.mkdir()
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / _WEIGHTS_FILE), metadata={"format": "pt"})
+        (tmp / _CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=1))
+        tokenizer.save_pretrained(str(tmp / _TOKENIZER_DIR))
+        files = {
+            str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()
+        }
+        manifest = {
+            "format": CACHE_FORMAT_VERSION,
+            "source_sha256": sha,
+            "source_path": str(source),
+            "created_unix": time.time(),
+            "files": files,
+        }
+        (tmp / _MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
+        for p in tmp.rglob("*"):  # make the data durable before the rename publishes it
+            if p.is_file():
+                with open(p, "rb") as fh:
+                    os.fsync(fh.fileno())
+        if entry.exists():
+            if not replace and manifest_ok(entry, sha):
+                return  # a concurrent writer finished first; keep its (identical) entry
+            stale = entry.parent / f".{entry.name}.stale-{uuid.uuid4().hex[:8]}"
+            try:
+                os.rename(entry, stale)
+                shutil.rmtree(stale, ignore_errors=True)
+            except OSError:
+                pass  # someone else moved it; the rename below tells who won
+        try:
+            os.rename(tmp, entry)
+        except OSError:
+            if not manifest_ok(entry, sha):
+                raise  # not a lost race: a real failure
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,241 @@
+"""Weight formats -> ``(ModelConfig, state dict)`` in our fused layout.
+
+The state dict uses the names and shapes of ``pagedkv.model.llama`` (q/k/v fused into
+``qkv_proj``, gate/up into ``gate_up_proj``; no ``lm_head.weight`` when embeddings are tied).
+
+* GGUF files: the header comes from ``pagedkv.gguf_header``; tensors are dequantised to fp32
+  with the ``gguf`` package (seconds for the bundled model, hence the weight cache of
+  ``pagedkv.model.weight_cache``). llama.cpp's converter permutes the rows of Q and K (and
+  their biases) of ``llama``-architecture models so that its RoPE rotates adjacent pairs; we
+  undo that so our rotate-half RoPE (the HF convention) applies. ``qwen2`` GGUFs are not
+  permuted.
+* Hugging Face directories: ``config.json`` (+ ``generation_config.json``) and
+  ``*.safetensors`` in the source dtype.
+
+Every problem raises ``ConfigError`` naming the tensor, file or field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from pagedkv._bundled import BUNDLED_MODEL_ID, bundled_model_path
+from pagedkv.errors import ConfigError
+from pagedkv.gguf_header import GGUFHeader, GGUFTensorInfo
+from pagedkv.model.config import ModelConfig
+
+StateDict = dict[str, torch.Tensor]
+# Tensors that are fused per layer, keyed by (layer index, part name) until fused.
+_Parts = dict[tuple[int, str], torch.Tensor]
+
+# ---------------------------------------------------------------------------------------------
+# GGUF
+# ---------------------------------------------------------------------------------------------
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_output.weight": "o_proj.weight",
+    "ffn_down.weight": "down_proj.weight",
+}
+_GGUF_FUSED_PARTS = (
+    "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_q.bias", "attn_k.bias", "attn_v.bias",
+    "ffn_gate.weight", "ffn_up.weight",
+)
+_GGUF_TOP_NAMES = {
+    "token_embd.weight": "embed_tokens.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def dequantize_gguf(path: Path, tensors: list[GGUFTensorInfo]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(gguf_name, float32 tensor)`` for each of ``tensors`` (numpy shape order).
+    Raises ``ConfigError`` for an unknown or undequantisable GGML type or a truncated file."""
+    import gguf
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        for info in tensors:
+            try:
+                qtype = gguf.GGMLQuantizationType(info.ggml_type)
+                block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+            except (ValueError, KeyError):
+                raise ConfigError(f"weights: {info.name} has unknown GGML type {info.ggml_type}") from None
+            *outer, inner = info.shape
+            if inner % block:
+                raise ConfigError(f"weights: {info.name} row length {inner} not a multiple of {qtype.name} blocks")
+            row_bytes = inner // block * type_size
+            n_bytes = row_bytes * int(np.prod(outer, dtype=np.int64))
+            if info.offset + n_bytes > len(buf):
+                raise ConfigError(f"weights: {info.name} extends past the end of the GGUF file (truncated?)")
+            raw = np.frombuffer(buf, dtype=np.uint8, count=n_bytes, offset=info.offset).reshape(*outer, row_bytes)
+            try:
+                values = gguf.dequantize(raw, qtype)
+            except NotImplementedError:
+                raise ConfigError(
+                    f"weights: {info.name} uses {qtype.name}, which gguf cannot dequantise"
+                ) from None
+            tensor = torch.from_numpy(np.array(values, dtype=np.float32, copy=True)).reshape(info.shape)
+            del raw, values
+            yield info.name, tensor
+
+
+def _unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Invert llama.cpp's Q/K row permutation: within each head its converter reorders rows
+    (first half, second half) into interleaved pairs; we restore [first half; second half]."""
+    rows = w.shape[0]
+    head_dim = rows // n_heads
+    return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def gguf_config(path: Path, header: GGUFHeader, revision: str) -> ModelConfig:
+    """``ModelConfig`` of a GGUF file from its header (plus its ``rope_freqs.weight`` values if
+    it has one). ``model_id`` is the bundled model's id or the file's stem."""
+    names = [t.name for t in header.tensors]
+    factors = None
+    if "rope_freqs.weight" in names:
+        info = next(t for t in header.tensors if t.name == "rope_freqs.weight")
+        factors = next(dequantize_gguf(path, [info]))[1].tolist()
+    try:
+        bundled = path.resolve() == bundled_model_path().resolve()
+    except ConfigError:
+        bundled = False
+    return ModelConfig.from_gguf_metadata(
+        header.metadata,
+        names,
+        model_id=BUNDLED_MODEL_ID if bundled else path.stem,
+        revision=revision,
+        rope_freq_factors=factors,
+    )
+
+
+def gguf_state_dict(path: Path, header: GGUFHeader, config: ModelConfig) -> StateDict:
+    """Dequantise every tensor (fp32) and map it to our names, fusing q/k/v and gate/up."""
+    permuted = config.architecture in ("llama", "mistral")  # llama.cpp permutes llama-arch Q/K
+    state: StateDict = {}
+    parts: _Parts = {}
+    for name, w in dequantize_gguf(path, header.tensors):
+        if name == "rope_freqs.weight":
+            continue  # folded into config.rope_scaling
+        if name in _GGUF_TOP_NAMES:
+            state[_GGUF_TOP_NAMES[name]] = w
+            continue
+        _, idx, rest = name.split(".", 2) if name.startswith("blk.") else ("", "", "")
+        if rest in _GGUF_LAYER_NAMES:
+            state[f"layers.{int(idx)}.{_GGUF_LAYER_NAMES[rest]}"] = w
+        elif rest in _GGUF_FUSED_PARTS:
+            if permuted and rest.startswith(("attn_q.", "attn_k.")):
+                w = _unpermute_rope_rows(w, config.num_heads if rest.startswith("attn_q") else config.num_kv_heads)
+            parts[(int(idx), rest)] = w
+        else:  # not blk.<i>.<known part>
+            raise ConfigError(f"weights: unexpected GGUF tensor {name!r}")
+    return _fuse_layers(state, parts, config, ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up"))
+
+
+def _fuse_layers(state: StateDict, parts: _Parts, config: ModelConfig, names: tuple[str, ...]) -> StateDict:
+    """Add every layer's fused ``qkv_proj`` (and bias) and ``gate_up_proj`` to ``state`` from
+    ``parts`` (``names``: the q, k, v, gate, up part prefixes of the format); drop a tied
+    ``lm_head.weight``. Raises ``ConfigError`` for a missing part or a layer beyond
+    ``num_layers``."""
+    def cat(i: int, *keys: str) -> torch.Tensor:
+        try:
+            return torch.cat([parts.pop((i, key)) for key in keys])
+        except KeyError as e:
+            raise ConfigError(f"weights: layer {i} is missing {e.args[0][1]}") from None
+
+    q, k, v, gate, up = names
+    for i in range(config.num_layers):
+        state[f"layers.{i}.qkv_proj.weight"] = cat(i, f"{q}.weight", f"{k}.weight", f"{v}.weight")
+        if (i, f"{q}.bias") in parts:
+            state[f"layers.{i}.qkv_proj.bias"] = cat(i, f"{q}.bias", f"{k}.bias", f"{v}.bias")
+        state[f"layers.{i}.gate_up_proj.weight"] = cat(i, f"{gate}.weight", f"{up}.weight")
+    if parts:
+        raise ConfigError(f"weights: tensors of layers beyond num_layers: {sorted(parts)[:3]}")
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return state
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face directories
+# ---------------------------------------------------------------------------------------------
+
+_HF_LAYER_NAMES = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "post_attention_layernorm.weight": "post_attention_layernorm.weight",
+    "self_attn.o_proj.weight": "o_proj.weight",
+    "mlp.down_proj.weight": "down_proj.weight",
+}
+_HF_FUSED_PARTS = {
+    "self_attn.q_proj.weight": "q.weight", "self_attn.k_proj.weight": "k.weight", "self_attn.v_proj.weight": "v.weight",
+    "self_attn.q_proj.bias": "q.bias", "self_attn.k_proj.bias": "k.bias", "self_attn.v_proj.bias": "v.bias",
+    "mlp.gate_proj.weight": "gate.weight", "mlp.up_proj.weight": "up.weight",
+}
+_HF_TOP_NAMES = ("embed_tokens.weight", "norm.weight", "lm_head.weight")
+
+
+def hf_config(path: Path) -> ModelConfig:
+    """``ModelConfig`` of an HF directory from ``config.json`` and, if present,
+    ``generation_config.json``. Raises ``ConfigError`` for a missing or invalid file."""
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"model: directory {str(path)!r} has no config.json") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"config.json: not valid JSON ({e})") from None
+    gen = None
+    if (path / "generation_config.json").is_file():
+        try:
+            gen = json.loads((path / "generation_config.json").read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"generation_config.json: not valid JSON ({e})") from None
+    return ModelConfig.from_hf_config(cfg, gen, model_id=path.name, revision=_hf_revision(path))
+
+
+def _hf_revision(path: Path) -> str:
+    """The snapshot commit for an HF hub cache snapshot dir, else a content-ish hash of
+    config.json plus weight file names and sizes."""
+    if path.parent.name == "snapshots":
+        return path.name
+    h = hashlib.sha256((path / "config.json").read_bytes())
+    for f in sorted(path.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return h.hexdigest()[:16]
+
+
+def hf_state_dict(path: Path, config: ModelConfig) -> StateDict:
+    """Every ``*.safetensors`` tensor of ``path`` (source dtype) under our names, fused.
+    Raises ``ConfigError`` for no weight file, an unreadable file or an unexpected tensor."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"weights: no *.safetensors file in {str(path)!r}")
+    state: StateDict = {}
+    parts: _Parts = {}
+    for f in files:
+        try:
+            tensors = load_file(str(f))
+        except SafetensorError as e:
+            raise ConfigError(f"weights: cannot read {f.name} ({e})") from None
+        for name, w in tensors.items():
+            key = name.removeprefix("model.")
+            if key in _HF_TOP_NAMES:
+                state[key] = w
+                continue
+            _, idx, rest = key.split(".", 2) if key.startswith("layers.") else ("", "", "")
+            if rest in _HF_LAYER_NAMES:
+                state[f"layers.{int(idx)}.{_HF_LAYER_NAMES[rest]}"] = w
+            elif rest in _HF_FUSED_PARTS:
+                parts[(int(idx), _HF_FUSED_PARTS[rest])] = w
+            elif not key.endswith("rotary_emb.inv_freq"):
+                raise ConfigError(f"weights: unexpected tensor {name!r} in {f.name}")
+    return _fuse_layers(state, parts, config, ("q", "k", "v", "gate", "up"))
