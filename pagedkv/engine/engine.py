@@ -36,7 +36,7 @@ from pagedkv.engine.stats import EngineStats, collect_stats
 from pagedkv.errors import ConfigError, InvalidRequestError
 from pagedkv.kv import CacheKeys, KVCacheSpec, parse_size
 from pagedkv.model.loader import LoadedModel, load_model
-from pagedkv.utils import canonical_dtype, torch_dtype
+from pagedkv.utils import canonical_dtype, profile_scope, torch_dtype
 from pagedkv.worker.runner import ModelRunner
 
 logger = logging.getLogger("pagedkv")
@@ -294,26 +294,30 @@ class LLMEngine:
 
     def _step(self, opened: list) -> list[RequestOutput]:
         with self._lock:
-            out = self.scheduler.schedule()
+            with profile_scope("pagedkv.schedule"):
+                out = self.scheduler.schedule()
             opened.append(out)
             if out.is_empty:
                 self.scheduler.end_step(out)
                 self.scheduler.check_stall(out)
                 return self._collect(self.groups.finished_ids())
-            sampling = out.sampling_requests()
-            inp = self.runner.prepare(*out.model_inputs())
-            self.runner.copy_blocks(out.copies)
+            with profile_scope("pagedkv.prepare"):
+                sampling = out.sampling_requests()
+                inp = self.runner.prepare(*out.model_inputs())
+                self.runner.copy_blocks(out.copies)
         logits = self.runner.execute(inp)  # lock released: aborts may land now (fenced)
         with self._lock:
-            rows, reqs = self.groups.expand_forks(out, sampling)
-            rows, reqs, beam_groups = self.groups.offer_beam_rows(logits, rows, reqs)
-            keep = [(i, r) for i, r in zip(rows, reqs) if r.status == RequestStatus.RUNNING]
-            sampled: dict[str, tuple[int, Optional[dict[int, float]]]] = {}
-            if keep:
-                so = self.sampler(logits[[i for i, _ in keep]], [r for _, r in keep])
-                for (_, r), t, lp in zip(keep, so.token_ids, so.logprobs):
-                    sampled[r.request_id] = (t, lp)
-            self.scheduler.update(out, sampled)
+            with profile_scope("pagedkv.sample"):
+                rows, reqs = self.groups.expand_forks(out, sampling)
+                rows, reqs, beam_groups = self.groups.offer_beam_rows(logits, rows, reqs)
+                keep = [(i, r) for i, r in zip(rows, reqs) if r.status == RequestStatus.RUNNING]
+                sampled: dict[str, tuple[int, Optional[dict[int, float]]]] = {}
+                if keep:
+                    so = self.sampler(logits[[i for i, _ in keep]], [r for _, r in keep])
+                    for (_, r), t, lp in zip(keep, so.token_ids, so.logprobs):
+                        sampled[r.request_id] = (t, lp)
+            with profile_scope("pagedkv.update"):
+                self.scheduler.update(out, sampled)
             stats = self.scheduler.stats
             stats.num_generated_tokens += len(sampled)
             for gid in beam_groups:
@@ -327,7 +331,8 @@ class LLMEngine:
                     self.output.detokenize(r)
             if self.config.debug_invariants:
                 self.scheduler.check_invariants()
-            return self._collect(touched | self.groups.finished_ids())
+            with profile_scope("pagedkv.output"):
+                return self._collect(touched | self.groups.finished_ids())
 
     def _collect(self, group_ids: set[str]) -> list[RequestOutput]:
         """RequestOutputs of ``group_ids`` in arrival order; finished groups are forgotten."""

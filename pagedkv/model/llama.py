@@ -32,7 +32,7 @@ from torch import nn
 from pagedkv.attention.base import AttentionBackend, AttentionMetadata
 from pagedkv.errors import ConfigError
 from pagedkv.model.config import ModelConfig
-from pagedkv.utils import torch_dtype
+from pagedkv.utils import profile_scope, torch_dtype
 
 
 class KVCacheShape(NamedTuple):
@@ -121,8 +121,9 @@ class DecoderLayer(nn.Module):
             qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim), cos, sin
         )
         v = qkv[:, self.q_size + self.kv_size :].reshape(t, self.num_kv_heads, self.head_dim).contiguous()
-        backend.write_kv(kv_cache, k, v, md.slot_mapping)
-        o = backend.forward(q, kv_cache, md, self.scale)
+        with profile_scope("pagedkv.attention"):
+            backend.write_kv(kv_cache, k, v, md.slot_mapping)
+            o = backend.forward(q, kv_cache, md, self.scale)
         attn_out = F.linear(o.reshape(t, self.q_size), self.o_proj.weight)
         if self.all_reduce is not None:
             self.all_reduce(attn_out)

@@ -26,6 +26,7 @@ import torch
 
 from pagedkv.attention.base import AttentionMetadata
 from pagedkv.kv.block_table import build_slots
+from pagedkv.utils import profile_scope
 
 
 @dataclass
@@ -93,7 +94,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> torch.Tensor:
         """Run the model; returns fp32 logits ``[num_sampling, vocab]``."""
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.metadata, self.backend)
+        with profile_scope("pagedkv.forward"):
+            hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.metadata, self.backend)
         if inp.logits_indices.numel() == 0:
             return torch.empty((0, 0))
-        return self.model.compute_logits(hidden[inp.logits_indices]).float()
+        with profile_scope("pagedkv.logits"):
+            return self.model.compute_logits(hidden[inp.logits_indices]).float()

@@ -1,0 +1,138 @@
+"""Where one engine step's time goes, measured with ``torch.profiler`` (no hand timers).
+
+The engine labels its phases with ``pagedkv.utils.profile_scope`` (``pagedkv.schedule``,
+``.prepare``, ``.forward``, ``.attention``, ``.logits``, ``.sample``, ``.update``, ``.output``);
+this module runs steps under the profiler and splits each step into:
+
+* ``linear``: self time of the matmul ops inside ``pagedkv.forward`` but outside attention
+  (the decoder's projections: weight bytes dominate at small batch);
+* ``attention``: the ``pagedkv.attention`` regions (K/V write + paged attention);
+* ``other_ops``: the rest of the forward pass (norms, RoPE, activations, residual adds, the
+  per-layer Python between them);
+* ``logits_sampling``: the LM head on the sampled rows plus the sampler;
+* ``host``: scheduler, KV manager, input preparation, update and output processing, and the
+  wall time no region covers.
+
+Times are milliseconds per step; profiled steps run slower than plain ones, so the plain
+step time is measured too (same steps, no profiler).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterable
+
+import torch
+
+#: aten ops counted as "linear" (plain and quantised matmul kernels).
+LINEAR_OPS = {
+    "aten::mm", "aten::addmm", "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu",
+    "aten::_int_mm", "aten::_weight_int4pack_mm", "quantized::linear_dynamic", "aten::mkldnn_linear",
+    "mkldnn::_linear_pointwise", "aten::bmm",
+}
+REGIONS = ("pagedkv.schedule", "pagedkv.prepare", "pagedkv.forward", "pagedkv.attention",
+           "pagedkv.logits", "pagedkv.sample", "pagedkv.update", "pagedkv.output")
+CATEGORIES = ("linear", "attention", "other_ops", "logits_sampling", "host")
+
+
+def copy_bandwidth(num_bytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Best measured copy bandwidth (bytes/s, read + write) of one fp32 tensor copy."""
+    src = torch.ones(num_bytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
+    return 2 * num_bytes / best
+
+
+def matmul_peak(n: int = 2048, repeats: int = 5) -> float:
+    """Best measured fp32 matmul rate (FLOP/s) of an ``n x n`` by ``n x n`` product."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    out = torch.empty(n, n)
+    torch.mm(a, b, out=out)
+    best = min(_timed(lambda: torch.mm(a, b, out=out)) for _ in range(repeats))
+    return 2 * n**3 / best
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def linear_params(model: torch.nn.Module) -> tuple[int, int]:
+    """``(decoder linear weight elements, LM head elements)`` of a pagedkv Llama-family model."""
+    dec = sum(p.numel() for n, p in model.named_parameters() if n.endswith("proj.weight"))
+    head = model.config.vocab_size * model.config.hidden_size
+    return dec, head
+
+
+def weight_bytes(dec: int, head: int, group_size: int = 32) -> dict[str, int]:
+    """Bytes read per step by the linear layers and the LM head, per weight format: fp32,
+    bf16; int8 with one fp32 scale per output row (nominal, rows ~ elements / 576); int4 with
+    a 2-byte scale and a 2-byte minimum per ``group_size`` values (the Q4_1 layout)."""
+    total = dec + head
+    return {
+        "fp32": 4 * total,
+        "bf16": 2 * total,
+        "int8": total + 4 * (total // 576),
+        "int4": total // 2 + 4 * (total // group_size),
+    }
+
+
+def _region_of(ev: Any) -> str | None:
+    """Innermost pagedkv region enclosing ``ev`` (itself excluded)."""
+    p = ev.cpu_parent
+    while p is not None:
+        if p.name in REGIONS:
+            return p.name
+        p = p.cpu_parent
+    return None
+
+
+def breakdown(events: Iterable[Any], wall_s: float, num_steps: int) -> dict[str, float]:
+    """Milliseconds per step in each of :data:`CATEGORIES` from profiler ``events`` of
+    ``num_steps`` steps that took ``wall_s`` seconds in all (under the profiler)."""
+    region_total = {r: 0.0 for r in REGIONS}
+    linear = 0.0
+    for ev in events:
+        if ev.name in REGIONS and _region_of(ev) != ev.name:
+            region_total[ev.name] += ev.cpu_time_total
+        elif ev.name in LINEAR_OPS and _region_of(ev) == "pagedkv.forward":
+            linear += ev.self_cpu_time_total
+    us = 1e3 * num_steps  # microseconds -> ms per step
+    fwd, att = region_total["pagedkv.forward"] / us, region_total["pagedkv.attention"] / us
+    out = {
+        "linear": linear / us,
+        "attention": att,
+        "other_ops": max(fwd - att - linear / us, 0.0),
+        "logits_sampling": (region_total["pagedkv.logits"] + region_total["pagedkv.sample"]) / us,
+    }
+    covered = sum(region_total[r] for r in REGIONS if r != "pagedkv.attention") / us
+    named_host = sum(region_total[r] for r in ("pagedkv.schedule", "pagedkv.prepare",
+                                                "pagedkv.update", "pagedkv.output")) / us
+    out["host"] = named_host + max(wall_s * 1e3 / num_steps - covered, 0.0)
+    return out
+
+
+def profile_steps(step: Callable[[], Any], num_steps: int) -> tuple[float, dict[str, float]]:
+    """Run ``step`` ``num_steps`` times plainly, then as many times under the profiler.
+    Returns ``(plain ms per step, breakdown ms per step)``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    t = time.perf_counter()
+    for _ in range(num_steps):
+        step()
+    plain = (time.perf_counter() - t) * 1e3 / num_steps
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        for _ in range(num_steps):
+            step()
+        wall = time.perf_counter() - t
+    return plain, breakdown(prof.events(), wall, num_steps)
+
+
+def step_limit(bytes_moved: float, flops: float, bandwidth: float, peak: float) -> dict[str, float]:
+    """The step's lower bound (ms): the larger of bytes / bandwidth and FLOPs / peak."""
+    mem, comp = bytes_moved / bandwidth * 1e3, flops / peak * 1e3
+    return {"memory_ms": mem, "compute_ms": comp, "limit_ms": max(mem, comp),
+            "bound": "memory" if mem >= comp else "compute"}
