@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pagedkv.bench.capacity import load_trace, simulate
+from pagedkv.bench.capacity_sim import simulate
 from pagedkv.bench.common import default_workload
+from pagedkv.bench.workload import load_trace
 from pagedkv.cli import main
 from pagedkv.kv.spec import KVCacheSpec
 
@@ -115,19 +116,14 @@ def test_overlong_requests_clipped_or_skipped(tmp_path):
 
 
 # ------------------------------------------------------------------ the command, end to end
+def _strict_json(text: str):
+    """The JSON, failing the test on NaN or Infinity (result files must hold finite numbers)."""
+    return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in the results"))
+
+
 def _run_json(capsys, argv: list[str]) -> dict:
     assert main(["bench", "capacity", "--json", "--threads", "1", *argv]) == 0
-    return json.loads(capsys.readouterr().out)
-
-
-def _finite_numbers(obj) -> bool:
-    if isinstance(obj, dict):
-        return all(_finite_numbers(v) for v in obj.values())
-    if isinstance(obj, list):
-        return all(_finite_numbers(v) for v in obj)
-    if isinstance(obj, float):
-        return math.isfinite(obj)
-    return True
+    return _strict_json(capsys.readouterr().out)
 
 
 def test_cli_hand_made_trace_exact(tmp_path, capsys):
@@ -164,9 +160,8 @@ def test_cli_tiny_run_writes_well_formed_results(tmp_path, capsys):
     paged = [r for r in out["results"] if r["layout"] == "paged"]
     assert [r["utilization"] for r in paged] == sorted((r["utilization"] for r in paged), reverse=True)
     assert out["headline"] and out["headline"][0]["block_size"] == 16
-    assert _finite_numbers(out)
-    saved = json.loads((out_dir / "capacity.json").read_text())
-    assert saved["results"] and saved["machine"]["torch_threads"] == 1 and _finite_numbers(saved)
+    saved = _strict_json((out_dir / "capacity.json").read_text())
+    assert saved["results"] and saved["machine"]["torch_threads"] == 1
     assert saved["models"][0]["series"]["paged_16"]["running"]
     md = (out_dir / "capacity.md").read_text()
     assert "| contiguous | 4096 |" in md and "capacity_utilization.png" in md

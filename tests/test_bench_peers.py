@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from pagedkv.bench import peers
+from pagedkv.bench import peers, peers_systems
 from pagedkv.bench.workload import BenchRequest
 
 
@@ -15,13 +15,13 @@ def test_result_row_arithmetic_exact():
     reqs = [BenchRequest([1, 2, 3], 3), BenchRequest([4, 5], 5)]
     # request 0: first token at 1 s, its 3rd (last) at 2 s; request 1: first at 1 s, 5th at 3 s.
     # request 1 produced 6 tokens (a static batch runs past it): only 5 count.
-    row = peers._result("x", reqs, elapsed=4.0, cpu_s=2.0, first=[1.0, 1.0], finish=[2.0, 3.0], n_out=[3, 6])
+    row = peers_systems.result_row("x", reqs, elapsed=4.0, cpu_s=2.0, first=[1.0, 1.0], finish=[2.0, 3.0], n_out=[3, 6])
     assert row["output_tokens"] == 8 and row["output_tokens_per_s"] == 2.0
     assert row["output_tokens_per_cpu_s"] == 4.0
     assert row["requests_per_s"] == 0.5 and row["completed"] == 2
     assert row["ttft_s"]["p50"] == 1.0
     assert row["tpot_s"]["p50"] == pytest.approx(0.5)  # both (2-1)/2 and (3-1)/4
-    agree = peers._agreement([[1, 2, 3], [1, 2]], [[1, 2, 3], [1, 9]])
+    agree = peers.agreement([[1, 2, 3], [1, 2]], [[1, 2, 3], [1, 9]])
     assert agree["identical_requests"] == 1 and agree["mean_common_prefix_fraction"] == pytest.approx(0.75)
 
 

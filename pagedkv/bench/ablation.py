@@ -38,24 +38,34 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import time
-from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
-from pagedkv.bench.common import RESULTS_DIR, machine_info, markdown_table, pin_threads, write_results
-from pagedkv.bench.workload import finite_or_none, summarize
+from pagedkv.bench.ablation_report import plot, render_ablation, render_sharing
+from pagedkv.bench.common import (
+    add_run_options,
+    engine_from_args,
+    greedy,
+    json_clean,
+    load_fp32_model,
+    machine_info,
+    pin_threads,
+    tokens_computed,
+    warm_up,
+)
+from pagedkv.bench.report import publish, single_plot
+from pagedkv.bench.sharing import run_sharing
+from pagedkv.bench.workload import random_tokens, summarize
+from pagedkv.utils import cdiv
 
 NAME = "ablation"
 SHARING_NAME = "sharing"
 
-CELLS = [
-    {"cell": "paging off, caching off", "enable_paging": False, "enable_prefix_caching": False},
-    {"cell": "paging off, caching on", "enable_paging": False, "enable_prefix_caching": True},
-    {"cell": "paging on, caching off", "enable_paging": True, "enable_prefix_caching": False},
-    {"cell": "paging on, caching on", "enable_paging": True, "enable_prefix_caching": True},
-]
+#: paging {off, on} x prefix caching {off, on}
+CELLS = [{"cell": f"paging {'on' if paging else 'off'}, caching {'on' if caching else 'off'}",
+          "enable_paging": paging, "enable_prefix_caching": caching}
+         for paging in (False, True) for caching in (False, True)]
 
 TINY = dict(
     system_len=16, conversations=3, turns=2, user_len=4, output_len=2, block_size=4, num_blocks=48,
@@ -67,8 +77,7 @@ TINY = dict(
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--part", choices=["all", "ablation", "sharing"], default="all",
                    help="which results to produce (default all)")
-    p.add_argument("--tiny", action="store_true", help="test-sized run (seconds): short prompts, few requests")
-    p.add_argument("--no-plot", action="store_true", help="skip ablation.png")
+    add_run_options(p, tiny="short prompts, few requests (seconds)")
     p.add_argument("--model", default=None, help="model path (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--seed", type=int, default=0, help="token ids of the synthetic prompts")
     w = p.add_argument_group("ablation workload")
@@ -99,29 +108,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # ---------------------------------------------------------------------------------------
 # workload
 # ---------------------------------------------------------------------------------------
-def _rand_tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
-    hi = min(vocab, 30000)
-    return [rng.randrange(1000, hi) for _ in range(n)]
-
-
 def make_conversations(args: argparse.Namespace, vocab: int) -> dict[str, Any]:
     """The ablation workload: one system prompt and, per conversation, one user message per
     turn (token ids; the answers come from the model)."""
     rng = random.Random(args.seed)
-    system = _rand_tokens(rng, args.system_len, vocab)
-    users = [[_rand_tokens(rng, args.user_len, vocab) for _ in range(args.turns)]
+    system = random_tokens(rng, args.system_len, vocab)
+    users = [[random_tokens(rng, args.user_len, vocab) for _ in range(args.turns)]
              for _ in range(args.conversations)]
     return {"system": system, "users": users}
-
-
-def _engine(loaded: Any, args: argparse.Namespace, **kw: Any) -> Any:
-    from pagedkv.engine.engine import LLMEngine
-
-    opts = dict(block_size=args.block_size, num_blocks=args.num_blocks, max_model_len=args.max_model_len,
-                max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                dtype="float32")
-    opts.update(kw)
-    return LLMEngine(loaded, **opts)
 
 
 class _Sampler:
@@ -147,12 +141,10 @@ class _Sampler:
 
 def run_cell(loaded: Any, cell: dict[str, Any], wl: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """Run the closed-loop conversations through one engine configuration."""
-    from pagedkv.engine.request import SamplingParams
-
-    eng = _engine(loaded, args, enable_paging=cell["enable_paging"],
-                  enable_prefix_caching=cell["enable_prefix_caching"])
+    eng = engine_from_args(loaded, args, enable_paging=cell["enable_paging"],
+                           enable_prefix_caching=cell["enable_prefix_caching"])
     sampler = _Sampler(eng)
-    sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    sp = greedy(args.output_len)
     history = [list(wl["system"]) for _ in wl["users"]]
     turn = [0] * len(wl["users"])
     answers: dict[str, list[int]] = {}
@@ -197,7 +189,7 @@ def run_cell(loaded: Any, cell: dict[str, Any], wl: dict[str, Any], args: argpar
         "effective_tokens_mean": sum_eff / len(sampler.effective) if sampler.effective else 0.0,
         "effective_tokens_peak": max(sampler.effective, default=0),
         "effective_per_allocated_slot": sum_eff / sum_slots if sum_slots else 0.0,
-        "tokens_computed": eng.scheduler.stats.num_batched_tokens_total,
+        "tokens_computed": tokens_computed(eng),
         "prefix_hit_rate": st.kv_prefix_hit_rate,
         "prefix_hit_tokens": st.kv_prefix_hits,
         "preemptions": st.num_preemptions,
@@ -226,7 +218,7 @@ def run_ablation(loaded: Any, args: argparse.Namespace, progress: bool = True) -
         "config": {
             "block_size": args.block_size, "num_blocks": args.num_blocks,
             "kv_budget_tokens": args.block_size * args.num_blocks, "max_model_len": args.max_model_len,
-            "contiguous_reservation_blocks": -(-args.max_model_len // args.block_size),
+            "contiguous_reservation_blocks": cdiv(args.max_model_len, args.block_size),
             "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
             "threads": args.threads, "tiny": bool(args.tiny), "model": loaded.config.model_id,
         },
@@ -243,368 +235,25 @@ def run_ablation(loaded: Any, args: argparse.Namespace, progress: bool = True) -
 
 
 # ---------------------------------------------------------------------------------------
-# sharing goals
-# ---------------------------------------------------------------------------------------
-def _drain(eng: Any) -> dict[str, Any]:
-    outs = {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                outs[o.request_id] = o
-    return outs
-
-
-def _prefix_run(loaded: Any, args: argparse.Namespace, prompts: list[list[int]], caching: bool,
-                sequential: bool) -> dict[str, Any]:
-    from pagedkv.engine.request import SamplingParams
-
-    need_blocks = -(-(max(len(p) for p in prompts) + args.prefix_output_len) // args.block_size)
-    # room for every request at once: the cells differ in caching only, not in memory pressure
-    eng = _engine(loaded, args, enable_prefix_caching=caching, num_blocks=len(prompts) * need_blocks + 8,
-                  max_model_len=max(args.max_model_len, need_blocks * args.block_size))
-    sp = SamplingParams(temperature=0.0, max_tokens=args.prefix_output_len, ignore_eos=True)
-    outs: dict[str, Any] = {}
-    t0 = time.perf_counter()
-    if sequential:
-        for i, p in enumerate(prompts):
-            eng.add_request(f"q{i}", p, sp)
-            outs.update(_drain(eng))
-    else:
-        for i, p in enumerate(prompts):
-            eng.add_request(f"q{i}", p, sp)
-        outs = _drain(eng)
-    wall = time.perf_counter() - t0
-    order = [outs[f"q{i}"] for i in range(len(prompts))]
-    st = eng.get_stats()
-    return {
-        "caching": caching,
-        "ttft_s": summarize(o.metrics.ttft for o in order),
-        "wall_s": wall,
-        "tokens_computed": eng.scheduler.stats.num_batched_tokens_total,
-        "prefix_hit_tokens": st.kv_prefix_hits,
-        "prefix_hit_rate": st.kv_prefix_hit_rate,
-        "_tokens": [o.token_ids for o in order],
-        "_ttfts": [o.metrics.ttft for o in order],
-    }
-
-
-def run_prefix_ttft(loaded: Any, args: argparse.Namespace, progress: bool = True) -> dict[str, Any]:
-    rng = random.Random(args.seed + 1)
-    vocab = int(loaded.config.vocab_size)
-    system = _rand_tokens(rng, args.prefix_len, vocab)
-    prompts = [system + _rand_tokens(rng, args.suffix_len, vocab) for _ in range(args.prefix_requests)]
-    out: dict[str, Any] = {
-        "prefix_tokens": args.prefix_len, "suffix_tokens": args.suffix_len,
-        "output_tokens": args.prefix_output_len, "block_size": args.block_size,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-    }
-    modes = [("burst", prompts, False)]
-    if args.sequential_requests > 0:
-        modes.append(("sequential", prompts[: args.sequential_requests], True))
-    for mode, ps, seq in modes:
-        runs = {}
-        for caching in (False, True):
-            if progress:
-                print(f"[sharing] prefix TTFT, {mode}, {len(ps)} requests, caching {'on' if caching else 'off'} ...",
-                      flush=True)
-            runs[caching] = _prefix_run(loaded, args, ps, caching, seq)
-        same = runs[False].pop("_tokens") == runs[True].pop("_tokens")
-        ttfts = {c: runs[c].pop("_ttfts") for c in (False, True)}
-        ratio = runs[True]["ttft_s"]["mean"] / runs[False]["ttft_s"]["mean"]
-        out[mode] = {
-            "requests": len(ps), "off": runs[False], "on": runs[True], "same_outputs": same,
-            "ttft_mean_ratio_on_off": ratio, "ttft_p50_ratio_on_off": runs[True]["ttft_s"]["p50"] / runs[False]["ttft_s"]["p50"],
-            "goal": "<= 0.2", "goal_met": bool(ratio <= 0.2 and same),
-        }
-        if seq and len(ps) > 1:  # the first request fills the cache; the others find it warm
-            warm = [sum(ttfts[c][1:]) / (len(ps) - 1) for c in (False, True)]
-            out[mode]["ttft_mean_ratio_on_off_after_first"] = warm[1] / warm[0]
-    return out
-
-
-def run_parallel_sampling(loaded: Any, args: argparse.Namespace, progress: bool = True) -> dict[str, Any]:
-    from pagedkv.engine.request import SamplingParams
-
-    rng = random.Random(args.seed + 2)
-    prompt = _rand_tokens(rng, args.n_prompt_len, int(loaded.config.vocab_size))
-    base = dict(temperature=1.0, top_p=0.95, max_tokens=args.n_output_len, ignore_eos=True)
-    need = args.n * -(-(args.n_prompt_len + args.n_output_len) // args.block_size)
-    mml = max(args.max_model_len, args.n_prompt_len + args.n_output_len)
-    res: dict[str, Any] = {"n": args.n, "prompt_tokens": args.n_prompt_len, "new_tokens": args.n_output_len,
-                           "block_size": args.block_size}
-    if progress:
-        print(f"[sharing] parallel sampling n={args.n} ...", flush=True)
-    eng = _engine(loaded, args, num_blocks=need + 8, max_model_len=mml)
-    t0 = time.perf_counter()
-    eng.add_request("n", prompt, SamplingParams(n=args.n, seed=100, **base))
-    shared = _drain(eng)["n"]
-    st = eng.get_stats()
-    res["parallel"] = {"peak_used_blocks": st.peak_used_blocks, "peak_shared_blocks": st.peak_shared_blocks,
-                       "cow_copies": st.kv_cow_copies, "tokens_computed": eng.scheduler.stats.num_batched_tokens_total,
-                       "wall_s": time.perf_counter() - t0}
-    if progress:
-        print(f"[sharing] {args.n} independent requests ...", flush=True)
-    eng = _engine(loaded, args, num_blocks=need + 8, max_model_len=mml)
-    t0 = time.perf_counter()
-    for i in range(args.n):
-        eng.add_request(f"i{i}", prompt, SamplingParams(seed=100 + i, **base))
-    indep = _drain(eng)
-    st = eng.get_stats()
-    res["independent"] = {"peak_used_blocks": st.peak_used_blocks,
-                          "tokens_computed": eng.scheduler.stats.num_batched_tokens_total,
-                          "wall_s": time.perf_counter() - t0}
-    ratio = res["parallel"]["peak_used_blocks"] / res["independent"]["peak_used_blocks"]
-    same = [c.token_ids for c in shared.outputs] == [indep[f"i{i}"].token_ids for i in range(args.n)]
-    res.update({"peak_blocks_ratio": ratio, "same_outputs": same, "goal": "<= 0.3",
-                "goal_met": bool(ratio <= 0.3 and same)})
-    return res
-
-
-def _loadavg() -> Optional[float]:
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return None
-
-
-def run_sharing(loaded: Any, args: argparse.Namespace, progress: bool = True) -> dict[str, Any]:
-    load0 = _loadavg()
-    pt = run_prefix_ttft(loaded, args, progress)
-    ps = run_parallel_sampling(loaded, args, progress)
-    return {
-        "benchmark": "sharing",
-        "prefix_ttft": pt,
-        "parallel_sampling": ps,
-        "threads": args.threads, "tiny": bool(args.tiny),
-        "load_average_1min": {"start": load0, "end": _loadavg()},
-        "machine": machine_info(args.threads),
-    }
-
-
-# ---------------------------------------------------------------------------------------
-# reports
-# ---------------------------------------------------------------------------------------
-def render_ablation(data: dict[str, Any]) -> str:
-    cfg, wl = data["config"], data["workload"]
-    rows = []
-    for c in data["cells"]:
-        rows.append({
-            "cell": c["cell"],
-            "slots allocated (mean)": c["kv_slots_allocated_mean"],
-            "effective tokens (mean)": c["effective_tokens_mean"],
-            "effective / slot": c["effective_per_allocated_slot"],
-            "peak slots": c["kv_slots_allocated_peak"],
-            "peak concurrency": c["peak_concurrency"],
-            "out tok/s": c["output_tokens_per_s"],
-            "turns/s": c["turns_per_s"],
-            "TTFT mean s": c["ttft_s"]["mean"],
-            "TTFT p90 s": c["ttft_s"]["p90"],
-            "tokens computed": c["tokens_computed"],
-            "hit rate": c["prefix_hit_rate"],
-            "preempt": c["preemptions"],
-        })
-    base = {c["cell"]: c for c in data["cells"]}
-    off_off, on_on = base["paging off, caching off"], base["paging on, caching on"]
-    lines = [
-        "# Ablation: paging x prefix caching",
-        "",
-        "`pagedkv bench ablation --part ablation` (seed §07: the two switches measured separately, "
-        "same workload, same KV budget).",
-        "",
-        f"Workload: a {wl['system_prompt_tokens']}-token system prompt shared by every request; "
-        f"{wl['conversations']} conversations x {wl['turns']} turns, each turn = the previous turn's prompt + "
-        f"its {wl['output_tokens_per_turn']}-token answer + a {wl['user_tokens_per_turn']}-token user message "
-        f"(longest {wl['longest_conversation_tokens']} tokens); {wl['arrivals']}. Greedy, ignore_eos.",
-        "",
-        f"KV budget: {cfg['num_blocks']} blocks x {cfg['block_size']} = {cfg['kv_budget_tokens']} slots in every cell; "
-        f"paging off reserves {cfg['contiguous_reservation_blocks']} blocks (max_model_len {cfg['max_model_len']}) "
-        f"per request. Token budget {cfg['max_num_batched_tokens']}/step. Model {cfg['model']}, fp32, "
-        f"torch threads pinned to {cfg['threads']}.",
-        "",
-        markdown_table(rows),
-        f"Same outputs in all four cells: **{data['same_outputs']}**.",
-        "",
-        "Reading the numbers:",
-        "",
-        "- *slots allocated* are blocks in use x block size, sampled at every forward pass; *effective "
-        "tokens* are the positions the live requests' tables cover (a shared prefix counts once per "
-        "request, so with caching it can exceed the slots: effective / slot > 1 means sharing).",
-        "- Paging alone (row 3 vs 1) changes what is *allocated*: no reservation, so more requests fit "
-        "the budget (peak concurrency). Caching alone (row 2 vs 1) changes what is *computed* (tokens "
-        "computed, TTFT). Note that with paging off the KV manager still maps the cached prefix "
-        "blocks into the request's reservation (the reservation is counted in table entries), so "
-        "here caching also saves slots and raises concurrency; a truly contiguous cache would have "
-        "to copy the prefix into each request's region and keep the reservation's full size.",
-        f"- Paging off fits {cfg['num_blocks']} // {cfg['contiguous_reservation_blocks']} = "
-        f"{cfg['num_blocks'] // cfg['contiguous_reservation_blocks']} reservations, the most that run at once "
-        "without caching.",
-        f"- Both (row 4): {on_on['peak_concurrency']} vs {off_off['peak_concurrency']} requests at once, "
-        f"{on_on['output_tokens_per_s'] / off_off['output_tokens_per_s']:.2f}x the output throughput, "
-        f"{on_on['ttft_s']['mean'] / off_off['ttft_s']['mean']:.2f}x the mean TTFT, "
-        f"{on_on['tokens_computed'] / off_off['tokens_computed']:.2f}x the tokens computed.",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def render_sharing(data: dict[str, Any]) -> str:
-    pt, ps = data["prefix_ttft"], data["parallel_sampling"]
-    lines = [
-        "# Sharing: prefix caching TTFT and parallel-sampling blocks",
-        "",
-        "`pagedkv bench ablation --part sharing`; the issue-4 performance goals. Bundled model, fp32, "
-        f"CPU, torch threads pinned to {data['threads']}; block size {pt['block_size']}, "
-        f"{pt['max_num_batched_tokens']} tokens per step.",
-        "",
-        f"## Prefix caching: a {pt['prefix_tokens']}-token system prompt + a {pt['suffix_tokens']}-token "
-        f"question per request, {pt['output_tokens']} answer tokens",
-        "",
-    ]
-    rows = []
-    for mode in ("burst", "sequential"):
-        if mode not in pt:
-            continue
-        m = pt[mode]
-        for key in ("off", "on"):
-            r = m[key]
-            rows.append({"arrivals": f"{mode} ({m['requests']} requests)", "caching": key,
-                         "TTFT mean s": r["ttft_s"]["mean"], "TTFT p50 s": r["ttft_s"]["p50"],
-                         "TTFT p90 s": r["ttft_s"]["p90"], "tokens computed": r["tokens_computed"],
-                         "hit rate": r["prefix_hit_rate"], "wall s": r["wall_s"]})
-    lines.append(markdown_table(rows))
-    for mode in ("burst", "sequential"):
-        if mode in pt:
-            m = pt[mode]
-            warm = m.get("ttft_mean_ratio_on_off_after_first")
-            lines.append(f"- {mode}: mean TTFT on/off = **{m['ttft_mean_ratio_on_off']:.3f}** "
-                         f"(p50 {m['ttft_p50_ratio_on_off']:.3f}"
-                         + (f"; requests 2..{m['requests']}, cache warm: {warm:.3f}" if warm is not None else "")
-                         + f"; goal {m['goal']}), same outputs: {m['same_outputs']} -> goal met: **{m['goal_met']}**")
-    lines += [
-        "",
-        "Burst: all requests submitted at t=0 (TTFT includes queueing behind other prefills); "
-        "sequential: one request at a time (TTFT = its own prefill; the first request finds the "
-        "cache cold in both runs). Every request's prompt is the same system prompt + its own "
-        "question, so the hit is the system prompt's whole blocks (992 of 1016 tokens at block 16).",
-        "The off and on runs execute one after the other on a shared machine, so their ratio moves "
-        "with the machine's load"
-        + (f" (1-minute load average {data['load_average_1min']['start']:.1f} at the start, "
-           f"{data['load_average_1min']['end']:.1f} at the end, on {data['machine']['cpu_count']} CPUs)"
-           if data.get("load_average_1min", {}).get("start") is not None else "")
-        + ". In the burst, requests wait while the first one is still prefilling the system "
-        "prompt (the scheduler does not admit a request whose next prefix block another request is "
-        "computing), then hit all of it.",
-        "",
-        f"## Parallel sampling: n={ps['n']}, a {ps['prompt_tokens']}-token prompt, {ps['new_tokens']} new tokens",
-        "",
-        markdown_table([
-            {"run": f"n={ps['n']} (one prefill, forked tables)", "peak KV blocks": ps["parallel"]["peak_used_blocks"],
-             "tokens computed": ps["parallel"]["tokens_computed"], "CoW copies": ps["parallel"]["cow_copies"],
-             "wall s": ps["parallel"]["wall_s"]},
-            {"run": f"{ps['n']} independent requests (seeds s..s+{ps['n'] - 1})",
-             "peak KV blocks": ps["independent"]["peak_used_blocks"],
-             "tokens computed": ps["independent"]["tokens_computed"], "CoW copies": 0,
-             "wall s": ps["independent"]["wall_s"]},
-        ]),
-        f"Peak blocks ratio = **{ps['peak_blocks_ratio']:.3f}** (goal {ps['goal']}); every sample equals its "
-        f"independent twin: {ps['same_outputs']} -> goal met: **{ps['goal_met']}**.",
-        "",
-        "Peak KV blocks: blocks in use right after a step's allocation, the maximum over the run.",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def plot(data: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cells = data["cells"]
-    names = [c["cell"].replace(", ", "\n") for c in cells]
-    colors = ["#bbbbbb", "#8da0cb", "#66c2a5", "#fc8d62"]
-    fig, axes = plt.subplots(1, 4, figsize=(16, 4.2))
-    ax = axes[0]
-    x = range(len(cells))
-    w = 0.38
-    ax.bar([i - w / 2 for i in x], [c["kv_slots_allocated_mean"] for c in cells], w, label="slots allocated", color="#999999")
-    ax.bar([i + w / 2 for i in x], [c["effective_tokens_mean"] for c in cells], w, label="effective tokens", color="#1b9e77")
-    ax.axhline(data["config"]["kv_budget_tokens"], color="k", ls="--", lw=1, label="budget")
-    ax.set_title("KV slots vs effective tokens (mean)")
-    ax.legend(fontsize=8, loc="upper left")
-    for ax, key, title in [
-        (axes[1], "peak_concurrency", "peak concurrency (requests)"),
-        (axes[2], "output_tokens_per_s", "throughput (output tokens/s)"),
-        (axes[3], None, "TTFT mean (s)"),
-    ]:
-        vals = [c[key] if key else c["ttft_s"]["mean"] for c in cells]
-        bars = ax.bar(x, vals, color=colors)
-        ax.bar_label(bars, fmt="%.3g", fontsize=8)
-        ax.set_title(title)
-    for ax in axes:
-        ax.set_xticks(list(x))
-        ax.set_xticklabels(names, fontsize=8)
-    fig.suptitle("paging x prefix caching, same workload and KV budget"
-                 + ("" if data["same_outputs"] else " (OUTPUTS DIFFER)"))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-# ---------------------------------------------------------------------------------------
 # entry point
 # ---------------------------------------------------------------------------------------
-def _apply_tiny(args: argparse.Namespace) -> None:
-    for k, v in TINY.items():
-        setattr(args, k, v)
-
-
-def _warm_up(loaded: Any) -> None:
-    from pagedkv.engine.engine import LLMEngine
-    from pagedkv.engine.request import SamplingParams
-
-    eng = LLMEngine(loaded, block_size=16, num_blocks=16, max_model_len=128)
-    eng.add_request("w", list(range(1000, 1040)), SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
-    _drain(eng)
-
-
-def _clean(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {k: _clean(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_clean(v) for v in obj]
-    return finite_or_none(obj)
-
-
 def run(args: argparse.Namespace, loaded: Any = None) -> int:
     """Run the ablation and/or the sharing goals; write docs/benchmarks/{ablation,sharing}.*"""
-    threads = pin_threads(args.threads)
-    args.threads = threads
+    args.threads = pin_threads(args.threads)
     if args.tiny:
-        _apply_tiny(args)
-    if loaded is None:
-        import torch
-
-        from pagedkv.model.loader import load_model
-
-        loaded = load_model(args.model, dtype=torch.float32)
+        for k, v in TINY.items():
+            setattr(args, k, v)
+    loaded = load_fp32_model(loaded, args.model)
     progress = not args.json
-    _warm_up(loaded)
-    out_dir = Path(args.out_dir) if args.out_dir else RESULTS_DIR
+    warm_up(engine_from_args(loaded, args, block_size=16, num_blocks=16, max_model_len=128), list(range(1000, 1040)))
     results: dict[str, Any] = {}
     if args.part in ("all", "ablation"):
-        data = _clean(run_ablation(loaded, args, progress))
-        paths = write_results(NAME, data, render_ablation(data), out_dir)
-        if not args.no_plot:
-            plot(data, out_dir / f"{NAME}.png")
-        results["ablation"] = data
-        if progress:
-            print(paths["md"].read_text())
+        results["ablation"] = json_clean(run_ablation(loaded, args, progress))
+        publish(NAME, results["ablation"], render_ablation, args.out_dir, echo=progress,
+                plots=None if args.no_plot else single_plot(NAME, "paging x prefix caching", plot))
     if args.part in ("all", "sharing"):
-        data = _clean(run_sharing(loaded, args, progress))
-        paths = write_results(SHARING_NAME, data, render_sharing(data), out_dir)
-        results["sharing"] = data
-        if progress:
-            print(paths["md"].read_text())
+        results["sharing"] = json_clean(run_sharing(loaded, args, progress))
+        publish(SHARING_NAME, results["sharing"], render_sharing, args.out_dir, echo=progress)
     if args.json:
         print(json.dumps(results, indent=2))
     return 0

@@ -25,37 +25,38 @@ which makes the ratios robust to other load on a shared machine.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-from pagedkv.bench.common import RESULTS_DIR, machine_info, markdown_table, pin_threads, write_results
+from pagedkv.bench.common import add_options, add_run_options, log, machine_info, pin_threads
+from pagedkv.bench.report import closing_lines, markdown_table, publish, pyplot, save_figure
 from pagedkv.errors import ConfigError
+from pagedkv.utils import cdiv
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", default="cpu", help="paged backend under test (default cpu)")
-    p.add_argument("--batch", type=int, default=8, help="decode batch (default 8)")
-    p.add_argument("--contexts", default="512,2048,8192", help="context lengths, tokens (default 512,2048,8192)")
-    p.add_argument("--dtypes", default="float32,bfloat16", help="KV/query dtypes (default float32,bfloat16)")
-    p.add_argument("--heads", type=int, default=9, help="query heads (default 9: SmolLM2-135M)")
-    p.add_argument("--kv-heads", type=int, default=3, help="KV heads (default 3)")
-    p.add_argument("--head-dim", type=int, default=64, help="head dim (default 64)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
-    p.add_argument("--prefill-chunk", type=int, default=256, help="new tokens of the prefill chunk (default 256)")
-    p.add_argument("--repeats", type=int, default=15, help="timed rounds per variant (default 15)")
-    p.add_argument("--min-working-set-mb", type=float, default=None,
+    add_options(p, [("--backend", "cpu", "paged backend under test (default cpu)"),
+                    ("--dtypes", "float32,bfloat16", "KV/query dtypes (default float32,bfloat16)")])
+    add_options(p.add_argument_group("attention shape"), [
+        ("--heads", 9, "query heads (default 9: SmolLM2-135M)"),
+        ("--kv-heads", 3, "KV heads (default 3)"),
+        ("--head-dim", 64, "head dim (default 64)"),
+        ("--block-size", 16, "tokens per block (default 16)"),
+    ])
+    w = p.add_argument_group("workload and timing")
+    add_options(w, [("--batch", 8, "decode batch (default 8)"),
+                    ("--contexts", "512,2048,8192", "context lengths, tokens (default 512,2048,8192)"),
+                    ("--prefill-chunk", 256, "new tokens of the prefill chunk (default 256)"),
+                    ("--repeats", 15, "timed rounds per variant (default 15)")])
+    w.add_argument("--min-working-set-mb", type=float, default=None,
                    help="KV working set per variant, MB (default 2x the last-level cache, >= 64)")
     p.add_argument("--no-naive", action="store_true", help="skip the naive-gather baseline")
-    p.add_argument("--tiny", action="store_true",
-                   help="seconds-long smoke run: batch 2, contexts 64,256, 3 repeats, small buffers")
-    p.add_argument("--no-plot", action="store_true", help="do not write the PNG")
+    add_run_options(p, tiny="batch 2, contexts 64,256, 3 repeats, small buffers (seconds)")
 
 
 def _llc_bytes() -> int:
@@ -126,9 +127,9 @@ class _Setup:
         hq, hkv, d, bs = args.heads, args.kv_heads, args.head_dim, args.block_size
         esz = torch.empty((), dtype=dtype).element_size()
         self.kv_bytes = 2 * batch * ctx * hkv * d * esz
-        self.layers = max(1, math.ceil(working_set / self.kv_bytes))
+        self.layers = max(1, cdiv(working_set, self.kv_bytes))
         self.backend = get_backend(backend_name)
-        nblk = -(-ctx // bs)
+        nblk = cdiv(ctx, bs)
         num_blocks = batch * nblk + 1
         self.caches, self.contig = [], []
         for _ in range(self.layers):
@@ -165,7 +166,7 @@ def bench_decode(args, dtype, ctx: int, working_set: int) -> dict[str, Any]:
     q4 = q.view(B, S.hq, 1, S.d)
     layout = S.backend.layout.name if hasattr(S.backend, "layout") else "nhd"
     torch_path = CPUBackend(layout=layout, use_kernel=False)
-    nblk = -(-ctx // S.bs)
+    nblk = cdiv(ctx, S.bs)
 
     def contiguous():
         k, v = S.contig[S.next()]
@@ -290,17 +291,17 @@ def run_attention(args: argparse.Namespace) -> dict[str, Any]:
                 row["paged_cpu_bw_fraction"] = row["paged_cpu_GBps"] / bw["read_GBps_cpu_time"]
             row["contiguous_bw_fraction"] = row["contiguous_GBps"] / bw["read_GBps"]
             rows.append(row)
-            print(f"decode {row['dtype']:8s} L={ctx:5d}: paged {row['paged_ms']:.3f} ms "
-                  f"({row['paged_GBps']:.1f} GB/s = {100 * row['paged_bw_fraction']:.0f}% of {bw['read_GBps']:.1f}; "
-                  f"best {row['paged_best_GBps']:.1f} = {100 * row['paged_best_bw_fraction']:.0f}%) "
-                  f"contiguous {row['contiguous_ms']:.3f} ms -> {row['paged_vs_contiguous']:.2f}x", file=sys.stderr)
+            log(f"decode {row['dtype']:8s} L={ctx:5d}: paged {row['paged_ms']:.3f} ms "
+                f"({row['paged_GBps']:.1f} GB/s = {100 * row['paged_bw_fraction']:.0f}% of {bw['read_GBps']:.1f}; "
+                f"best {row['paged_best_GBps']:.1f} = {100 * row['paged_best_bw_fraction']:.0f}%) "
+                f"contiguous {row['contiguous_ms']:.3f} ms -> {row['paged_vs_contiguous']:.2f}x")
     prefill_rows = []
     for dt in dtypes:
         for ctx in contexts:
             r = bench_prefill(args, dt, ctx, working_set)
             prefill_rows.append(r)
-            print(f"prefill {r['dtype']:8s} L={ctx:5d} chunk {r['chunk']}: paged {r['paged_ms']:.2f} ms "
-                  f"contiguous {r['contiguous_ms']:.2f} ms -> {r['paged_vs_contiguous']:.2f}x", file=sys.stderr)
+            log(f"prefill {r['dtype']:8s} L={ctx:5d} chunk {r['chunk']}: paged {r['paged_ms']:.2f} ms "
+                f"contiguous {r['contiguous_ms']:.2f} ms -> {r['paged_vs_contiguous']:.2f}x")
     return {
         "config": {
             "backend": args.backend, "batch": args.batch, "contexts": contexts,
@@ -317,8 +318,10 @@ def run_attention(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def render_markdown(data: dict[str, Any], plot: str | None) -> str:
-    c, bw = data["config"], data["bandwidth"]
+def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
+    """The Markdown report (``plots``: label -> PNG file name)."""
+    c = data["config"]
+    bw = data["bandwidth"]
     lines = [
         "# Attention: paged vs contiguous",
         "",
@@ -355,19 +358,12 @@ def render_markdown(data: dict[str, Any], plot: str | None) -> str:
     lines.append(markdown_table(data["prefill"], ["dtype", "context", "chunk", "contiguous_ms", "paged_ms",
                                                   "paged_vs_contiguous", "paged_GFLOPs", "paged_tokens_per_s",
                                                   "max_abs_err"]))
-    if plot:
-        lines += ["", f"![paged vs contiguous]({plot})"]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + closing_lines(data, plots)) + "\n"
 
 
-def make_plot(data: dict[str, Any], out_dir: Path) -> str | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
+def make_plots(data: dict[str, Any], out_dir: Path) -> dict[str, str]:
+    """Decode KV GB/s and paged / contiguous time against the context; sets ``data["plot"]``."""
+    plt = pyplot()
     rows = data["decode"]
     dtypes = sorted({r["dtype"] for r in rows}, key=lambda d: _DTYPES.index(d) if d in _DTYPES else 9)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -394,27 +390,21 @@ def make_plot(data: dict[str, Any], out_dir: Path) -> str | None:
     axes[1].set_ylabel("time ratio (lower is better)")
     axes[1].set_title("paged / contiguous")
     axes[1].legend(fontsize=7)
-    fig.tight_layout()
-    name = "attention.png"
-    fig.savefig(out_dir / name, dpi=110)
-    plt.close(fig)
-    return name
+    data["plot"] = save_figure(fig, out_dir / "attention.png")
+    return {"paged vs contiguous": data["plot"]}
 
 
 def run(args: argparse.Namespace) -> int:
     threads = pin_threads(args.threads)
     data = run_attention(args)
     data["machine"] = machine_info(threads)
-    out_dir = Path(args.out_dir) if args.out_dir is not None else RESULTS_DIR
-    out_dir.mkdir(parents=True, exist_ok=True)
-    plot = None if args.no_plot else make_plot(data, out_dir)
-    data["plot"] = plot
-    paths = write_results("attention", data, render_markdown(data, plot), out_dir)
-    if args.json:
-        json.dump({k: data[k] for k in ("config", "bandwidth", "decode", "prefill", "runtime_s")},
-                  sys.stdout, indent=2, default=float)
-        sys.stdout.write("\n")
-    else:
-        print(f"wrote {paths['json']} and {paths['md']}{' and ' + plot if plot else ''} "
-              f"in {data['runtime_s']:.1f} s (torch threads {threads})")
+    data["plot"] = None
+    publish("attention", data, render_markdown, args.out_dir, plots=None if args.no_plot else make_plots,
+            as_json=args.json, json_keys=("config", "bandwidth", "decode", "prefill", "runtime_s"), summary=_summary)
     return 0
+
+
+def _summary(data: dict[str, Any], paths: dict[str, Path]) -> str:
+    png = f" and {data['plot']}" if data["plot"] else ""
+    return (f"wrote {paths['json']} and {paths['md']}{png} in {data['runtime_s']:.1f} s "
+            f"(torch threads {data['machine']['torch_threads']})")

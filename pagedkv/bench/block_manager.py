@@ -10,16 +10,16 @@ time per decode step with 256 running requests, hashing at least 1M tokens/s.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import time
 from typing import Any
 
 import numpy as np
 
-from pagedkv.bench.common import markdown_table, machine_info, pin_threads, write_results
+from pagedkv.bench.common import add_options, load_average, machine_info, pin_threads
+from pagedkv.bench.report import markdown_table, publish
 from pagedkv.kv import CacheKeys, KVCacheManager, hash_blocks
+from pagedkv.utils import cdiv
 
 DECODE_STEP_GOAL_MS = 1.0
 clock = time.thread_time
@@ -27,20 +27,26 @@ HASH_GOAL_TOKENS_PER_S = 1_000_000
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
-    p.add_argument("--requests", type=int, default=1000, help="requests for allocate+free (default 1000)")
-    p.add_argument("--request-len", type=int, default=1024, help="tokens per allocate+free request (default 1024)")
-    p.add_argument("--running", type=int, default=256, help="running requests for decode (default 256)")
-    p.add_argument("--decode-steps", type=int, default=256, help="decode steps timed (default 256)")
-    p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens of decode requests (default 512)")
-    p.add_argument("--lookup-len", type=int, default=2048, help="prompt tokens per prefix lookup (default 2048)")
-    p.add_argument("--lookups", type=int, default=200, help="prefix lookups timed (default 200)")
-    p.add_argument("--hash-tokens", type=int, default=1 << 20, help="tokens hashed (default 1Mi)")
-    p.add_argument("--repeats", type=int, default=5, help="runs per figure, best reported (default 5)")
+    add_options(p, [("--block-size", 16, "tokens per block (default 16)"),
+                    ("--repeats", 5, "runs per figure, best reported (default 5)")])
+    add_options(p.add_argument_group("allocate + free"), [
+        ("--requests", 1000, "requests for allocate+free (default 1000)"),
+        ("--request-len", 1024, "tokens per allocate+free request (default 1024)"),
+    ])
+    add_options(p.add_argument_group("decode steps"), [
+        ("--running", 256, "running requests for decode (default 256)"),
+        ("--decode-steps", 256, "decode steps timed (default 256)"),
+        ("--prompt-len", 512, "prompt tokens of decode requests (default 512)"),
+    ])
+    add_options(p.add_argument_group("prefix lookups and hashing"), [
+        ("--lookup-len", 2048, "prompt tokens per prefix lookup (default 2048)"),
+        ("--lookups", 200, "prefix lookups timed (default 200)"),
+        ("--hash-tokens", 1 << 20, "tokens hashed (default 1Mi)"),
+    ])
 
 
 def bench_alloc_free(bs: int, n_req: int, length: int) -> dict[str, float]:
-    blocks_per_req = -(-length // bs)
+    blocks_per_req = cdiv(length, bs)
     m = KVCacheManager(blocks_per_req * 4, bs)
     t_alloc = t_free = 0.0
     for i in range(n_req):
@@ -61,7 +67,7 @@ def bench_decode(bs: int, running: int, steps: int, prompt_len: int) -> dict[str
     Request i starts at ``prompt_len + i % block_size`` tokens, so lengths are staggered as
     in a real batch: each step 1/block_size of the requests take a block and as many
     publish one."""
-    need = running * (-(-(prompt_len + bs + steps) // bs))
+    need = running * cdiv(prompt_len + bs + steps, bs)
     m = KVCacheManager(need + 8, bs, enable_prefix_caching=True)
     keys = CacheKeys(model_id="bench")
     rng = np.random.default_rng(0)
@@ -97,7 +103,7 @@ def bench_decode(bs: int, running: int, steps: int, prompt_len: int) -> dict[str
 
 
 def bench_lookup(bs: int, length: int, lookups: int) -> dict[str, float]:
-    m = KVCacheManager(2 * (-(-length // bs)) + 8, bs, enable_prefix_caching=True)
+    m = KVCacheManager(2 * cdiv(length, bs) + 8, bs, enable_prefix_caching=True)
     keys = CacheKeys(model_id="bench")
     prompt = np.random.default_rng(1).integers(0, 50_000, length).tolist()
     m.allocate_slots("warm", length, 0)
@@ -135,8 +141,8 @@ def _best_of(fn, repeats: int, key: str, higher_is_better: bool, *args) -> dict[
     return best
 
 
-def run(args: argparse.Namespace) -> int:
-    threads = pin_threads(args.threads)
+def run_block_manager(args: argparse.Namespace, threads: int) -> dict[str, Any]:
+    """Every figure, best of ``--repeats`` runs, and the goal checks."""
     bs = args.block_size
     r = args.repeats
     results: dict[str, Any] = {
@@ -156,42 +162,48 @@ def run(args: argparse.Namespace) -> int:
     config = {k: getattr(args, k) for k in ("block_size", "requests", "request_len", "running",
                                             "decode_steps", "prompt_len", "lookup_len", "lookups",
                                             "hash_tokens", "repeats")}
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    data = {"config": config, "results": results, "goals": goals, "load_average_1m": load,
+    return {"config": config, "results": results, "goals": goals, "load_average_1m": load_average(),
             "machine": machine_info(threads)}
+
+
+def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
+    """The Markdown report (no plots)."""
+    c, res, goals, load = data["config"], data["results"], data["goals"], data["load_average_1m"]
     rows = [
-        {"measure": f"allocate {args.request_len}-token request ({results['alloc_free']['blocks_per_request']:.0f} blocks)",
-         "value": results["alloc_free"]["alloc_us_per_request"], "unit": "µs", "goal": ""},
-        {"measure": f"free {args.request_len}-token request", "value": results["alloc_free"]["free_us_per_request"],
+        {"measure": f"allocate {c['request_len']}-token request ({res['alloc_free']['blocks_per_request']:.0f} blocks)",
+         "value": res["alloc_free"]["alloc_us_per_request"], "unit": "µs", "goal": ""},
+        {"measure": f"free {c['request_len']}-token request", "value": res["alloc_free"]["free_us_per_request"],
          "unit": "µs", "goal": ""},
-        {"measure": f"decode step, {args.running} running (median step)", "value": results["decode"]["step_ms_median"],
+        {"measure": f"decode step, {c['running']} running (median step)", "value": res["decode"]["step_ms_median"],
          "unit": "ms", "goal": f"≤ {DECODE_STEP_GOAL_MS} ms ({'met' if goals['decode_step_ok'] else 'MISSED'})"},
-        {"measure": "decode step p99", "value": results["decode"]["step_ms_p99"], "unit": "ms", "goal": ""},
-        {"measure": f"decode median step, all {r} runs", "value": " / ".join(f"{x:.3f}" for x in results["decode"]["runs"]),
-         "unit": "ms", "goal": ""},
-        {"measure": "decode step mean", "value": results["decode"]["step_ms_mean"], "unit": "ms", "goal": ""},
-        {"measure": "decode step min", "value": results["decode"]["step_ms_min"], "unit": "ms", "goal": ""},
+        {"measure": "decode step p99", "value": res["decode"]["step_ms_p99"], "unit": "ms", "goal": ""},
+        {"measure": f"decode median step, all {c['repeats']} runs",
+         "value": " / ".join(f"{x:.3f}" for x in res["decode"]["runs"]), "unit": "ms", "goal": ""},
+        {"measure": "decode step mean", "value": res["decode"]["step_ms_mean"], "unit": "ms", "goal": ""},
+        {"measure": "decode step min", "value": res["decode"]["step_ms_min"], "unit": "ms", "goal": ""},
         {"measure": "decode step wall-clock median / mean", "value":
-         f"{results['decode']['wall_step_ms_median']:.3f} / {results['decode']['wall_step_ms_mean']:.3f}",
+         f"{res['decode']['wall_step_ms_median']:.3f} / {res['decode']['wall_step_ms_mean']:.3f}",
          "unit": "ms", "goal": ""},
-        {"measure": "decode, per request per step", "value": results["decode"]["us_per_request"], "unit": "µs", "goal": ""},
-        {"measure": f"prefix lookup, {args.lookup_len}-token prompt, full hit", "value": results["prefix_lookup"]["hit_us_per_lookup"],
+        {"measure": "decode, per request per step", "value": res["decode"]["us_per_request"], "unit": "µs", "goal": ""},
+        {"measure": f"prefix lookup, {c['lookup_len']}-token prompt, full hit",
+         "value": res["prefix_lookup"]["hit_us_per_lookup"], "unit": "µs", "goal": ""},
+        {"measure": "prefix lookup, miss on block 0", "value": res["prefix_lookup"]["miss_us_per_lookup"],
          "unit": "µs", "goal": ""},
-        {"measure": "prefix lookup, miss on block 0", "value": results["prefix_lookup"]["miss_us_per_lookup"], "unit": "µs", "goal": ""},
-        {"measure": "hashing throughput", "value": results["hashing"]["tokens_per_s"], "unit": "tokens/s",
+        {"measure": "hashing throughput", "value": res["hashing"]["tokens_per_s"], "unit": "tokens/s",
          "goal": f"≥ 1M tokens/s ({'met' if goals['hash_ok'] else 'MISSED'})"},
     ]
-    md = (f"# Block-manager benchmark\n\nblock_size {bs}; `pagedkv bench block_manager` "
-          f"(torch threads pinned to {threads}; best of {r} runs, spread in the JSON; CPU time of the benchmark thread "
-          f"unless marked wall-clock). Decode step = begin_step + "
-          f"allocate_slots(1) + get_block_ids + cache_blocks for every running request + end_step, "
-          f"prefix caching on; request lengths staggered over a block, so every step some requests "
-          f"take a block and some publish one. 1-minute load average at the end: {load if load is None else round(load, 2)} "
-          f"(a shared machine: figures are upper bounds).\n\n" + markdown_table(rows, ["measure", "value", "unit", "goal"]))
-    paths = write_results("block_manager", data, md, args.out_dir)
-    if args.json:
-        print(json.dumps(data, indent=2))
-    else:
-        print(md)
-        print(f"wrote {paths['json']} and {paths['md']}")
-    return 0 if goals["decode_step_ok"] and goals["hash_ok"] else 1
+    return (f"# Block-manager benchmark\n\nblock_size {c['block_size']}; `pagedkv bench block_manager` "
+            f"(torch threads pinned to {data['machine']['torch_threads']}; best of {c['repeats']} runs, spread in "
+            f"the JSON; CPU time of the benchmark thread unless marked wall-clock). Decode step = begin_step + "
+            f"allocate_slots(1) + get_block_ids + cache_blocks for every running request + end_step, "
+            f"prefix caching on; request lengths staggered over a block, so every step some requests "
+            f"take a block and some publish one. 1-minute load average at the end: "
+            f"{load if load is None else round(load, 2)} (a shared machine: figures are upper bounds).\n\n"
+            + markdown_table(rows, ["measure", "value", "unit", "goal"]))
+
+
+def run(args: argparse.Namespace) -> int:
+    data = run_block_manager(args, pin_threads(args.threads))
+    publish("block_manager", data, render_markdown, args.out_dir, as_json=args.json,
+            summary=lambda d, paths: f"{paths['md'].read_text()}\nwrote {paths['json']} and {paths['md']}")
+    return 0 if data["goals"]["decode_step_ok"] and data["goals"]["hash_ok"] else 1

@@ -1,20 +1,49 @@
-"""Shared plumbing for benchmarks: machine facts, result files, thread pinning."""
+"""Shared plumbing for benchmarks: machine facts, thread pinning, load average, the model and
+engine helpers the serving-style benchmarks share, and JSON clean-up.
+
+Result files (JSON + Markdown + PNG) are written by :mod:`pagedkv.bench.report`; the HTTP
+server and client by :mod:`pagedkv.bench.http`; trace workloads by :mod:`pagedkv.bench.workload`.
+"""
 
 from __future__ import annotations
 
-import json
+import argparse
 import math
 import os
 import platform
 import subprocess
+import sys
 import time
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional
 
-RESULTS_DIR = Path(__file__).resolve().parents[2] / "docs" / "benchmarks"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+RESULTS_DIR = REPO_ROOT / "docs" / "benchmarks"
 
 _PACKAGES = ["torch", "transformers", "gguf", "numpy", "triton", "fastapi", "uvicorn"]
+
+
+def default_workload() -> Path:
+    """``../shared/workloads/azure_llm_2023_conv.csv`` beside the repository."""
+    return REPO_ROOT.parent / "shared" / "workloads" / "azure_llm_2023_conv.csv"
+
+
+def add_options(p: Any, options: list[tuple[str, Any, str]]) -> None:
+    """Add ``(flag, default, help)`` options to a parser or argument group, each typed like its
+    default (int, float or str)."""
+    for flag, default, text in options:
+        p.add_argument(flag, type=type(default), default=default, help=text)
+
+
+def add_run_options(p: argparse.ArgumentParser, tiny: str, note: bool = False) -> None:
+    """``--tiny`` (a test-sized run; ``tiny`` says what it shrinks), ``--no-plot`` and, with
+    ``note``, ``--note`` (free text recorded in the results)."""
+    p.add_argument("--tiny", action="store_true", help=f"test-sized run: {tiny}")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    if note:
+        p.add_argument("--note", default=None, help="free text recorded in the results (e.g. why a run was shrunk)")
 
 
 def pin_threads(num_threads: int) -> int:
@@ -27,10 +56,8 @@ def pin_threads(num_threads: int) -> int:
 
 def git_commit() -> str:
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=RESULTS_DIR.parents[1], capture_output=True, text=True, timeout=5,
-        )
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
+                             capture_output=True, text=True, timeout=5)
         return out.stdout.strip() or "unknown"
     except Exception:  # noqa: BLE001 - no git is not an error for a benchmark
         return "unknown"
@@ -64,55 +91,103 @@ def machine_info(num_threads: int | None = None) -> dict[str, Any]:
     }
 
 
-def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) -> str:
-    """A GitHub Markdown table of ``rows`` (floats shown with 4 significant digits)."""
-    if not rows:
-        return "(no rows)\n"
-    cols = list(columns or rows[0].keys())
-
-    def fmt(v: Any) -> str:
-        if isinstance(v, float):
-            return "nan" if math.isnan(v) else f"{v:.4g}"
-        return str(v)
-
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
+def load_average() -> Optional[float]:
+    """The 1-minute load average, or None where the OS has none (the machine is shared: a
+    busy machine slows every system measured)."""
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
 
 
-def write_results(
-    name: str,
-    data: dict[str, Any],
-    markdown: str,
-    out_dir: Path | str | None = None,
-) -> dict[str, Path]:
-    """Write ``<name>.json`` and ``<name>.md`` under ``out_dir`` (default docs/benchmarks/).
+@dataclass
+class RunFacts:
+    """The torch threads a run pinned and the machine's load average when it started; the
+    results record both, with the load at the end (the machine is shared)."""
 
-    ``data`` gets a ``"machine"`` entry if it has none. Returns the written paths.
-    """
-    out = Path(out_dir) if out_dir is not None else RESULTS_DIR
-    out.mkdir(parents=True, exist_ok=True)
-    data.setdefault("machine", machine_info())
-    jpath = out / f"{name}.json"
-    mpath = out / f"{name}.md"
-    jpath.write_text(json.dumps(data, indent=2, sort_keys=False, default=_json_default) + "\n")
-    m = data["machine"]
-    footer = (
-        f"\n_Machine: {m['machine']}, {m['cpu_count']} CPUs, torch threads {m['torch_threads']}, "
-        f"torch {m['packages'].get('torch')}, commit {m['commit']}, {m['time_utc']}._\n"
-    )
-    mpath.write_text(markdown.rstrip() + "\n" + footer)
-    return {"json": jpath, "md": mpath}
+    threads: int
+    load_start: Optional[float]
+
+    @classmethod
+    def start(cls, threads: int) -> "RunFacts":
+        """Pin ``threads`` torch threads and note the load average."""
+        return cls(pin_threads(threads), load_average())
+
+    def finish(self) -> dict[str, Any]:
+        """``{"load_average_1m": {"start", "end"}, "machine": machine_info(threads)}``."""
+        return {"load_average_1m": {"start": self.load_start, "end": load_average()},
+                "machine": machine_info(self.threads)}
 
 
-def _json_default(obj: Any) -> Any:
-    if hasattr(obj, "tolist"):
-        return obj.tolist()
-    if isinstance(obj, Path):
-        return str(obj)
-    raise TypeError(f"not JSON serialisable: {type(obj)}")
+def log(msg: str) -> None:
+    """A progress line on stderr (stdout may carry ``--json``)."""
+    print(msg, file=sys.stderr, flush=True)
 
 
-def default_workload() -> Path:
-    """``../shared/workloads/azure_llm_2023_conv.csv`` beside the repository."""
-    return RESULTS_DIR.parents[2] / "shared" / "workloads" / "azure_llm_2023_conv.csv"
+def finite_or_none(x: Any) -> Any:
+    """``x`` unless it is a non-finite float (JSON has no NaN): then None."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+def json_clean(obj: Any) -> Any:
+    """``obj`` with every NaN/inf replaced by None, dicts and lists walked (tuples become lists)."""
+    if isinstance(obj, dict):
+        return {k: json_clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_clean(v) for v in obj]
+    return finite_or_none(obj)
+
+
+# ---- the model and engines (serve, peers, ablation) ----------------------------------------
+def load_fp32_model(loaded: Any = None, path: Optional[str] = None) -> Any:
+    """``loaded`` if given (tests pass a shared fixture), else the model at ``path`` (default:
+    the bundled SmolLM2-135M) loaded in float32."""
+    if loaded is not None:
+        return loaded
+    from pagedkv.model.loader import load_model
+
+    return load_model(path, dtype="float32")
+
+
+def engine_from_args(loaded: Any, args: Any, **overrides: Any) -> Any:
+    """A float32 ``LLMEngine`` over ``loaded`` sized by the benchmark's ``--block-size``,
+    ``--num-blocks``, ``--max-model-len``, ``--max-num-seqs`` and ``--max-num-batched-tokens``;
+    ``overrides`` (any engine option) win."""
+    from pagedkv.engine.engine import LLMEngine
+
+    opts = dict(dtype="float32", block_size=args.block_size, num_blocks=args.num_blocks,
+                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens)
+    opts.update(overrides)
+    return LLMEngine(loaded, **opts)
+
+
+def greedy(max_tokens: int) -> Any:
+    """Greedy sampling of exactly ``max_tokens`` tokens (EOS ignored)."""
+    from pagedkv.engine.request import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def drain(engine: Any) -> dict[str, Any]:
+    """Step ``engine`` until nothing is left; returns the finished outputs by request id."""
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+    return outs
+
+
+def warm_up(engine: Any, prompt: list[int]) -> None:
+    """One short untimed request (first-call allocations, kernels)."""
+    engine.add_request("warmup", prompt, greedy(3))
+    drain(engine)
+
+
+def tokens_computed(engine: Any) -> int:
+    """Token positions the model computed so far (prompt chunks + decodes; prefix-cache hits
+    are not computed). The scheduler's counter: ``EngineStats`` has no field for it."""
+    return engine.scheduler.stats.num_batched_tokens_total

@@ -1,0 +1,202 @@
+"""Benchmarks over HTTP: start a ``pagedkv.server`` on 127.0.0.1 and replay requests against it.
+
+Two ways to start the server (``pagedkv bench serve --http-server``):
+
+* :func:`serve_subprocess`: ``python -m pagedkv.cli serve`` in a child process (what a user
+  runs; the benchmark process and the server do not share the GIL or torch threads);
+* :func:`serve_in_thread`: uvicorn in a thread of this process over an engine built here
+  (:class:`pagedkv.server.threaded.ThreadedServer`; faster to start, used by the tests).
+
+:func:`replay` sends requests at their arrival offsets as streamed ``/v1/completions``
+(token-id prompts, greedy, ``ignore_eos``) and records each request's first streamed text and
+finish time (``httpx``, from the ``[bench]`` extra).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional, Sequence
+
+from pagedkv.bench.common import REPO_ROOT
+from pagedkv.bench.workload import BenchRequest, RequestRecord, RunStats
+from pagedkv.utils import free_port
+
+HOST = "127.0.0.1"
+
+
+# ---- starting a server ------------------------------------------------------------------------
+@contextmanager
+def serve_in_thread(engine: Any, port: int = 0) -> Iterator[str]:
+    """Serve ``engine`` with uvicorn in a thread of this process; yields the base URL."""
+    from pagedkv.server.app import build_app
+    from pagedkv.server.threaded import ThreadedServer
+
+    srv = ThreadedServer(build_app(engine), host=HOST, port=port)
+    try:
+        yield srv.url
+    finally:
+        srv.stop()
+
+
+@contextmanager
+def serve_subprocess(serve_args: Sequence[str], port: int = 0, start_timeout_s: float = 300.0) -> Iterator[str]:
+    """``python -m pagedkv.cli serve --host 127.0.0.1 --port PORT --log-level warning
+    *serve_args`` as a child process (port 0: a free one); yields the base URL once
+    ``/health`` answers. Raises ``RuntimeError`` if the server exits or is not ready within
+    ``start_timeout_s`` seconds; the server is stopped on exit."""
+    port = port or free_port()
+    cmd = [sys.executable, "-m", "pagedkv.cli", "serve", "--host", HOST, "--port", str(port),
+           "--log-level", "warning", *serve_args]
+    env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
+    url = f"http://{HOST}:{port}"
+    with open(os.devnull, "w") as devnull:
+        proc = subprocess.Popen(cmd, stdout=devnull, stderr=subprocess.PIPE, env=env, cwd=str(REPO_ROOT), text=True)
+        try:
+            _wait_ready(url, proc, start_timeout_s)
+            yield url
+        finally:
+            _stop(proc)
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    import httpx
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            err = proc.stderr.read() if proc.stderr else ""
+            raise RuntimeError(f"pagedkv serve exited with {proc.returncode}: {err[-800:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"pagedkv serve did not become ready within {timeout_s:.0f}s")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+    if proc.stderr:
+        proc.stderr.close()
+
+
+# ---- the client -------------------------------------------------------------------------------
+async def _stream_one(client: Any, url: str, model: str, req: BenchRequest, rec: RequestRecord,
+                      deadline: float) -> None:
+    """Send ``req`` at ``rec.arrival_time`` as a streamed completion; fill ``rec``."""
+    delay = rec.arrival_time - time.time()
+    if delay > 0:
+        await asyncio.sleep(delay)
+    body = {"model": model, "prompt": list(req.prompt_token_ids), "max_tokens": req.output_len,
+            "temperature": 0.0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body,
+                                 timeout=max(deadline - time.time(), 1.0)) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                rec.status = "rejected"
+                return
+            finish_reason = None
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                payload = line[6:]
+                if payload == "[DONE]":
+                    break
+                obj = json.loads(payload)
+                if "error" in obj:
+                    rec.status = "error"
+                    return
+                for ch in obj.get("choices") or []:
+                    if rec.first_token_time is None and (ch.get("text") or ch.get("finish_reason")):
+                        rec.first_token_time = time.time()
+                    if ch.get("finish_reason"):
+                        finish_reason = ch["finish_reason"]
+                        rec.finish_time = time.time()
+                usage = obj.get("usage")
+                if usage:
+                    rec.output_tokens = int(usage.get("completion_tokens", 0))
+                    rec.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+            if finish_reason in ("length", "stop"):
+                rec.status = "ok"
+                if not rec.output_tokens:
+                    rec.output_tokens = req.output_len
+            else:
+                rec.status = "error"
+    except Exception as exc:  # noqa: BLE001 - a failed request is counted, not raised
+        import httpx
+
+        rec.status = "unfinished" if isinstance(exc, (httpx.TimeoutException, asyncio.TimeoutError)) else "error"
+
+
+async def _replay(url: str, reqs: Sequence[BenchRequest], max_run_s: float, desc: str,
+                  progress: bool) -> tuple[list[RequestRecord], RunStats]:
+    import httpx
+    from tqdm.auto import tqdm
+
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=len(reqs) + 4)) as client:
+        r = await client.get(url + "/v1/models", timeout=10.0)
+        model = r.json()["data"][0]["id"]
+        stats = RunStats()
+        start = time.time() + 0.05
+        stats.started = start
+        deadline = start + max((q.arrival_s for q in reqs), default=0.0) + max_run_s
+        records = [RequestRecord(start + q.arrival_s, expected_tokens=q.output_len) for q in reqs]
+        bar = tqdm(total=len(reqs), desc=desc, unit="req", disable=not progress, leave=False)
+
+        async def one(q: BenchRequest, rec: RequestRecord) -> None:
+            await _stream_one(client, url, model, q, rec, deadline)
+            bar.update(1)
+
+        tasks = [asyncio.create_task(one(q, rec)) for q, rec in zip(reqs, records)]
+        _, pending = await asyncio.wait(tasks, timeout=max(deadline - time.time(), 1.0) + 5.0)
+        for t in pending:
+            t.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+            stats.notes.append(f"stopped {max_run_s:.0f}s after the last arrival: {len(pending)} requests unfinished")
+        for rec in records:
+            if rec.status == "pending":
+                rec.status = "unfinished"
+        bar.close()
+        stats.ended = time.time()
+        try:
+            m = (await client.get(url + "/metrics", timeout=10.0)).text
+            stats.preemptions = int(prom_value(m, "preemption") or 0)
+        except Exception:  # noqa: BLE001 - metrics are a bonus
+            pass
+    return records, stats
+
+
+def replay(url: str, reqs: Sequence[BenchRequest], max_run_s: float, desc: str = "http",
+           progress: bool = True) -> tuple[list[RequestRecord], RunStats]:
+    """Send ``reqs`` to the server at ``url`` at their arrival offsets (seconds from now),
+    streamed; requests still running ``max_run_s`` seconds after the last arrival are cut
+    (status ``unfinished``). Preemptions are read from ``/metrics`` afterwards."""
+    return asyncio.run(_replay(url, reqs, max_run_s, desc, progress))
+
+
+def prom_value(text: str, needle: str) -> Optional[float]:
+    """The first Prometheus sample whose metric name contains ``needle`` (labels ignored)."""
+    for line in text.splitlines():
+        if line.startswith("#") or needle not in line.split(" ")[0].split("{")[0]:
+            continue
+        try:
+            return float(line.rsplit(" ", 1)[1])
+        except (IndexError, ValueError):
+            continue
+    return None

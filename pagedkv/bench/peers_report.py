@@ -1,0 +1,103 @@
+"""The report of ``pagedkv bench peers``: the Markdown tables and the bar plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pagedkv.bench.report import closing_lines, markdown_table, ms, pyplot, save_figure
+
+
+_NOTES = (
+    "Notes: transformers generate runs static batches in trace order, each left-padded and run to its "
+    "longest output (tokens past a request's own length are computed but not counted; 'positions computed' "
+    "counts padded prompt positions and every generated position). generate_batch is "
+    "transformers' ContinuousBatchingManager with per-request max_new_tokens, the same tokens per step as "
+    "pagedkv and a KV cache sized to hold all requests. llama.cpp runs one request at "
+    "a time on the Q4_1 weights as stored (not fp32). The machine is shared with other jobs, so compare the "
+    "ratios (measured side by side in one run) rather than absolute numbers. Output tokens per CPU-second "
+    "(this process's CPU time, all threads, over the timed span) is less sensitive to other jobs than wall "
+    "time."
+)
+
+
+def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
+    """The Markdown report of ``run_peers``'s results (``plots``: label -> PNG file name)."""
+    cfg = data["config"]
+    w = data["workload"]
+    table = []
+    for r in data["systems"]:
+        if r["status"] != "ok":
+            table.append({"system": r["name"], "output tok/s": f"{r['status']}: {r['reason']}"})
+            continue
+        table.append({
+            "system": r["name"],
+            "output tok/s": r["output_tokens_per_s"],
+            "output tok/CPU-s": r["output_tokens_per_cpu_s"],
+            "req/s": r["requests_per_s"],
+            "TTFT p50 (s)": r["ttft_s"]["p50"],
+            "TTFT p90 (s)": r["ttft_s"]["p90"],
+            "TPOT p50 (ms)": ms(r["tpot_s"]["p50"]),
+            "positions computed (prompt+output)": _computed(r),
+            "elapsed (s)": r["elapsed_s"],
+        })
+    lines = [
+        "# Peers: pagedkv vs transformers and llama.cpp",
+        "",
+        f"{cfg['num_requests']} requests drawn from the Azure LLM conversation trace (2023), lengths scaled: "
+        f"{cfg['length_scaling_text']}. Workload: {w['prompt_tokens']} prompt tokens, {w['output_tokens']} output "
+        f"tokens (prompt p50 {w['prompt_len']['p50']:.0f}, output p50 {w['output_len']['p50']:.0f}). "
+        f"Synthetic token-id prompts, {cfg['decoding']}, {cfg['dtype']}, {cfg['threads']} torch threads, "
+        f"{cfg['submission']}: TTFT includes queueing.",
+        "",
+        markdown_table(table),
+        "Ratios pagedkv / peer (output tok/s: higher is better for pagedkv; TTFT: lower is better for pagedkv; "
+        f"pagedkv = {data['goal'].get('pagedkv_run_used') or 'pagedkv'}, the slower pagedkv run):",
+        "",
+        markdown_table([{"peer": r["peer"], "output tok/s ratio": r["output_tok_s_ratio"],
+                         "output tok/CPU-s ratio": r["output_tok_per_cpu_s_ratio"],
+                         "TTFT p50 ratio": r["ttft_p50_ratio"], "TTFT p90 ratio": r["ttft_p90_ratio"]}
+                        for r in data["ratios"]]),
+    ]
+    g = data["goal"]
+    if g["ratio"] is not None:
+        lines.append(f"**Goal (issue 3)**: pagedkv ≥ {g['target_ratio']:g}× {g['versus']} ({g['peer']}): "
+                     f"measured {g['ratio']:.2f}× in output tokens/s (wall clock) — {'met' if g['met'] else 'NOT met'}; "
+                     f"{g['cpu_ratio']:.2f}× in output tokens per CPU-second — "
+                     f"{'met' if g.get('met_in_cpu_time') else 'NOT met'}. On a shared machine the wall-clock ratio "
+                     "also carries the change in load between the runs (see the load average below); the CPU-time "
+                     "ratio carries less of it.")
+    else:
+        lines.append("**Goal (issue 3)**: not measured in this run.")
+    if data["greedy_agreement_with_pagedkv"]:
+        lines += ["", "Greedy output agreement with pagedkv (identical requests / requests):"]
+        for k, v in data["greedy_agreement_with_pagedkv"].items():
+            lines.append(f"- {k}: {v['identical_requests']}/{v['requests']}, mean common prefix "
+                         f"{100 * (v['mean_common_prefix_fraction'] or 0):.0f}% of the output")
+    lines += ["", _NOTES] + closing_lines(data, plots, cfg.get("notes"))
+    return "\n".join(lines) + "\n"
+
+
+def _computed(r: dict[str, Any]) -> Any:
+    p, o = r.get("computed_prompt_tokens"), r.get("computed_output_tokens")
+    return f"{p}+{o}" if p is not None and o is not None else "n/a"
+
+
+def plot(data: dict[str, Any], path: Path) -> None:
+    """Output tokens/s and TTFT (p50, p90) per system, as bars."""
+    plt = pyplot()
+    ok = [r for r in data["systems"] if r["status"] == "ok"]
+    names = [r["name"].replace("transformers ", "HF ") for r in ok]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    a1.barh(names, [r["output_tokens_per_s"] or 0 for r in ok], color="tab:blue")
+    a1.set_xlabel("output tokens/s (higher is better)")
+    a1.invert_yaxis()
+    a2.barh(names, [r["ttft_s"]["p50"] or 0 for r in ok], color="tab:orange", label="p50")
+    a2.barh(names, [(r["ttft_s"]["p90"] or 0) - (r["ttft_s"]["p50"] or 0) for r in ok],
+            left=[r["ttft_s"]["p50"] or 0 for r in ok], color="tab:orange", alpha=0.35, label="p90")
+    a2.set_xlabel("TTFT, s (lower is better; all submitted at t0)")
+    a2.invert_yaxis()
+    a2.legend(loc="lower right")
+    cfg = data["config"]
+    fig.suptitle(f"{cfg['num_requests']} trace requests, {cfg['threads']} threads, fp32, greedy")
+    save_figure(fig, path)

@@ -1,0 +1,166 @@
+"""Result files of every benchmark: ``<name>.json`` + ``<name>.md`` (+ PNGs) in one folder.
+
+:func:`publish` is the one ending of a benchmark's ``run``: draw the plots, write the JSON
+and the Markdown (with the machine footer), then print the JSON (``--json``) or a summary.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+from pagedkv.bench.common import RESULTS_DIR, log, machine_info
+
+#: plots(data, out_dir) -> {label: PNG file name in out_dir}
+PlotFn = Callable[[dict[str, Any], Path], dict[str, str]]
+
+
+def results_dir(out_dir: Path | str | None = None) -> Path:
+    """``out_dir`` (default docs/benchmarks/), created if missing."""
+    out = Path(out_dir) if out_dir is not None else RESULTS_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) -> str:
+    """A GitHub Markdown table of ``rows`` (floats shown with 4 significant digits)."""
+    if not rows:
+        return "(no rows)\n"
+    cols = list(columns or rows[0].keys())
+
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return "nan" if math.isnan(v) else f"{v:.4g}"
+        return str(v)
+
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def ms(x: Any) -> Any:
+    """Seconds -> milliseconds; ``"n/a"`` for a missing value."""
+    return x * 1000.0 if isinstance(x, (int, float)) else "n/a"
+
+
+def closing_lines(data: dict[str, Any], plots: dict[str, str], notes: Optional[str] = None) -> list[str]:
+    """The last lines of a report: free-text ``notes``, the machine's 1-minute load average
+    over the run (``data["load_average_1m"]``, if recorded) and links to the ``plots``."""
+    lines = ["", notes] if notes else []
+    la = data.get("load_average_1m") or {}
+    if la.get("start") is not None:
+        lines += ["", f"1-minute load average at start / end: {la['start']:.1f} / {la['end']:.1f} "
+                  f"(on {data['machine']['cpu_count']} CPUs; other jobs share the machine)."]
+    if plots:
+        lines += [""] + plot_links(plots)
+    return lines
+
+
+def write_results(
+    name: str,
+    data: dict[str, Any],
+    markdown: str,
+    out_dir: Path | str | None = None,
+) -> dict[str, Path]:
+    """Write ``<name>.json`` and ``<name>.md`` under ``out_dir`` (default docs/benchmarks/).
+
+    ``data`` gets a ``"machine"`` entry if it has none; the Markdown gets a footer naming the
+    machine, threads, torch version and commit. Returns the written paths.
+    """
+    out = results_dir(out_dir)
+    data.setdefault("machine", machine_info())
+    jpath = out / f"{name}.json"
+    mpath = out / f"{name}.md"
+    jpath.write_text(json.dumps(data, indent=2, sort_keys=False, default=_json_default) + "\n")
+    m = data["machine"]
+    footer = (
+        f"\n_Machine: {m['machine']}, {m['cpu_count']} CPUs, torch threads {m['torch_threads']}, "
+        f"torch {m['packages'].get('torch')}, commit {m['commit']}, {m['time_utc']}._\n"
+    )
+    mpath.write_text(markdown.rstrip() + "\n" + footer)
+    return {"json": jpath, "md": mpath}
+
+
+def _json_default(obj: Any) -> Any:
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"not JSON serialisable: {type(obj)}")
+
+
+# ---- plots ------------------------------------------------------------------------------------
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the file-only Agg backend, or None if matplotlib is not
+    installed (it comes with the ``[bench]`` extra)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: Path) -> str:
+    """Lay out, write (110 dpi) and close ``fig``; returns the file name."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
+
+
+def single_plot(name: str, label: str, draw: Callable[[dict[str, Any], Path], None]) -> PlotFn:
+    """A :data:`PlotFn` that draws one figure with ``draw(data, path)`` into ``<name>.png``."""
+
+    def plots(data: dict[str, Any], out_dir: Path) -> dict[str, str]:
+        path = out_dir / f"{name}.png"
+        draw(data, path)
+        return {label: path.name}
+
+    return plots
+
+
+def plot_links(plots: dict[str, str]) -> list[str]:
+    """Markdown image lines for ``plots`` (label -> file name)."""
+    return [f"![{label}]({name})\n" for label, name in plots.items()]
+
+
+# ---- the end of every run ------------------------------------------------------------------------
+def publish(
+    name: str,
+    data: dict[str, Any],
+    render: Callable[[dict[str, Any], dict[str, str]], str],
+    out_dir: Path | str | None = None,
+    *,
+    plots: Optional[PlotFn] = None,
+    as_json: bool = False,
+    json_keys: Optional[Sequence[str]] = None,
+    summary: Optional[Callable[[dict[str, Any], dict[str, Path]], str]] = None,
+    echo: bool = True,
+) -> dict[str, Path]:
+    """Draw ``plots`` (skipped, with a note, without matplotlib), write ``<name>.json`` and
+    ``<name>.md`` (``render(data, {label: png})``), then print the JSON (``as_json``; only
+    ``json_keys`` if given) or ``summary(data, paths)`` (default: the Markdown); nothing
+    without ``echo``. Returns the written paths."""
+    out = results_dir(out_dir)
+    pngs: dict[str, str] = {}
+    if plots is not None:
+        if pyplot() is None:
+            log(f"[{name}] matplotlib is not installed (pip install 'pagedkv[bench]'): no PNG")
+        else:
+            pngs = plots(data, out)
+    paths = write_results(name, data, render(data, pngs), out)
+    if echo and as_json:
+        shown = {k: data[k] for k in json_keys} if json_keys else data
+        json.dump(shown, sys.stdout, indent=2, default=float)
+        sys.stdout.write("\n")
+    elif echo:
+        print(summary(data, paths) if summary else paths["md"].read_text())
+    return paths
