@@ -1,0 +1,65 @@
+"""`pagedkv bench step`: the per-step profile runs on the real model and its numbers add up."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from pagedkv.bench import step as bench_step
+from pagedkv.bench.step_profile import CATEGORIES, breakdown, step_limit, weight_bytes
+
+
+def test_weight_bytes_per_format():
+    # 1000 linear weights + 576 LM-head weights: int8 adds one fp32 scale per 576, int4 a
+    # 2-byte scale and minimum per 32 values
+    wb = weight_bytes(1000, 576)
+    assert wb == {"fp32": 6304, "bf16": 3152, "int8": 1576 + 4 * 2, "int4": 788 + 4 * 49}
+
+
+def test_step_limit_takes_the_larger_bound():
+    lim = step_limit(bytes_moved=2e9, flops=1e9, bandwidth=1e10, peak=1e11)
+    assert lim["memory_ms"] == pytest.approx(200.0) and lim["compute_ms"] == pytest.approx(10.0)
+    assert lim["limit_ms"] == pytest.approx(200.0) and lim["bound"] == "memory"
+
+
+class _Ev:
+    def __init__(self, name, total, self_time, parent=None):
+        self.name, self.cpu_time_total, self.self_cpu_time_total, self.cpu_parent = name, total, self_time, parent
+
+
+def test_breakdown_assigns_ops_to_their_regions():
+    fwd = _Ev("pagedkv.forward", 8000, 100)
+    att = _Ev("pagedkv.attention", 1000, 50, fwd)
+    events = [
+        _Ev("pagedkv.schedule", 500, 500), fwd, att,
+        _Ev("aten::mm", 5000, 5000, fwd),          # a projection: linear
+        _Ev("aten::bmm", 700, 700, att),            # inside attention: not linear
+        _Ev("pagedkv.logits", 900, 10), _Ev("aten::mm", 890, 890, None),
+        _Ev("pagedkv.sample", 100, 100),
+    ]
+    # 2 steps, 12 ms of wall time under the profiler
+    parts = breakdown(events, wall_s=0.012, num_steps=2)
+    assert parts["linear"] == pytest.approx(2.5)
+    assert parts["attention"] == pytest.approx(0.5)
+    assert parts["other_ops"] == pytest.approx(4.0 - 0.5 - 2.5)
+    assert parts["logits_sampling"] == pytest.approx(0.5)
+    # host: the scheduler's 0.25 ms + wall not covered by any region: 6 - (0.25 + 4 + 0.45 + 0.05)
+    assert parts["host"] == pytest.approx(0.25 + 6 - 4.75)
+
+
+def test_bench_step_tiny(loaded_model, tmp_path):
+    args = argparse.Namespace(batches="1,2", prefill_len=40, steps=2, block_size=16, model=None,
+                              threads=2, json=False, out_dir=str(tmp_path))
+    assert bench_step.run(args, loaded=loaded_model) == 0
+    data = json.loads((tmp_path / "step.json").read_text())
+    assert [c["case"] for c in data["cases"]] == ["decode b=1", "decode b=2", "prefill 40"]
+    assert data["weight_bytes"]["fp32"] == 4 * (106_168_320 + 49_152 * 576)  # SmolLM2-135M linears + tied head
+    for c in data["cases"]:
+        assert set(c["parts_ms"]) == set(CATEGORIES)
+        assert c["parts_ms"]["linear"] > 0 and c["parts_ms"]["attention"] > 0 and c["plain_ms"] > 0
+        assert c["x_limit"] == pytest.approx(c["plain_ms"] / c["limit"]["limit_ms"])
+        assert c["tokens"] == {"decode b=1": 1, "decode b=2": 2, "prefill 40": 40}[c["case"]]
+    assert (tmp_path / "step.md").read_text().startswith("# Per-step profile")
+    assert (tmp_path / "step.png").stat().st_size > 1000
