@@ -21,7 +21,7 @@ Public API::
     assert report.ok, report.summary()
 
 For pytest: ``pagedkv.testing.pytest_params(backends)`` gives ``(backend_name, case, dtype)``
-parameters with readable ids (see ``tests/test_backend_conformance.py``).
+parameters with readable ids (see ``tests/testing/test_conformance.py``).
 """
 
 from __future__ import annotations

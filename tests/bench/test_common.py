@@ -19,7 +19,7 @@ from pagedkv.bench.workload import LengthScaling, TraceRequest, load_trace, samp
 from pagedkv.cli import build_parser
 from pagedkv.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TRACE = default_workload()
 
 

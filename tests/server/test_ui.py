@@ -24,7 +24,7 @@ from pagedkv.kv import check_invariants
 from pagedkv.server.app import build_app
 from pagedkv.server.threaded import ThreadedServer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 
