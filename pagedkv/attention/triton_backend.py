@@ -96,6 +96,15 @@ if triton is not None:
         tl.store(v_cache_ptr + dst, v, mask=mask)
 
     @triton.jit
+    def _program_seq(qsl_ptr, seq_lens_ptr):
+        """This program's (sequence, KV head, tile) ids and its sequence's first query row,
+        query length and context length."""
+        s = tl.program_id(0)
+        q_start = tl.load(qsl_ptr + s)
+        q_len = tl.load(qsl_ptr + s + 1) - q_start
+        return s, tl.program_id(1), tl.program_id(2), q_start, q_len, tl.load(seq_lens_ptr + s)
+
+    @triton.jit
     def _attend_tile(
         q, m_i, l_i, acc, start, kv_end, q_pos, bt_row, k_cache_ptr, v_cache_ptr,
         s_blk, s_tok, s_head, h, x, xmask, block_size,
@@ -141,12 +150,7 @@ if triton is not None:
         GROUP: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
         DOT_F32: tl.constexpr, SPLIT: tl.constexpr,
     ):
-        s = tl.program_id(0)
-        h = tl.program_id(1)
-        c = tl.program_id(2)
-        q_start = tl.load(qsl_ptr + s)
-        q_len = tl.load(qsl_ptr + s + 1) - q_start
-        seq_len = tl.load(seq_lens_ptr + s)
+        s, h, c, q_start, q_len, seq_len = _program_seq(qsl_ptr, seq_lens_ptr)
         if q_len == 1:
             t_begin = c * split_len
             t_end = tl.minimum(seq_len, t_begin + split_len)
@@ -218,12 +222,7 @@ if triton is not None:
         # one program: BLOCK_M query positions x the G query heads of KV head h, packed as
         # BLOCK_M * G_PAD tile rows (row i: position i // G_PAD, head i % G_PAD), so each K/V
         # tile is loaded once for the whole GQA group
-        s = tl.program_id(0)
-        h = tl.program_id(1)
-        mt = tl.program_id(2)
-        q_start = tl.load(qsl_ptr + s)
-        q_len = tl.load(qsl_ptr + s + 1) - q_start
-        seq_len = tl.load(seq_lens_ptr + s)
+        s, h, mt, q_start, q_len, seq_len = _program_seq(qsl_ptr, seq_lens_ptr)
         if (q_len > 1) & (mt * BLOCK_M < q_len):
             i = tl.arange(0, BLOCK_M * G_PAD)
             r = mt * BLOCK_M + i // G_PAD
