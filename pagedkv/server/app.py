@@ -37,6 +37,7 @@ from pagedkv.server.dependencies import ServerState
 from pagedkv.server.engine_loop import EngineLoop
 from pagedkv.server.errors import install_error_handlers
 from pagedkv.server.metrics import ServerMetrics
+from pagedkv.server.openapi import build_openapi
 from pagedkv.server.routes import router
 
 logger = logging.getLogger("pagedkv.server")
@@ -83,4 +84,13 @@ def build_app(
     app.state.pagedkv = st
     install_error_handlers(app, metrics)
     app.include_router(router)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = build_openapi(app.routes, model_names=names,
+                                               vocab_size=engine.model_config.vocab_size,
+                                               secured=keys is not None)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app

@@ -18,7 +18,7 @@ from importlib import resources
 from typing import Annotated, Any, Optional, Union
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 
 from pagedkv.engine.request import RequestOutput
 from pagedkv.errors import InvalidRequestError
@@ -27,6 +27,7 @@ from pagedkv.server.engine_loop import EngineStepError, EngineStoppedError, Prom
 from pagedkv.server.errors import APIError, aborted_error, engine_error
 from pagedkv.server.kvview import kv_view
 from pagedkv.server.metrics import CONTENT_TYPE
+from pagedkv.server.openapi import request_body
 from pagedkv.server.protocol import (
     MAX_SEQS_PER_CALL,
     ResponseContext,
@@ -128,7 +129,7 @@ async def health(st: State) -> Response:
     return JSONResponse({"status": "stopped"}, status_code=503)
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse)
 async def prometheus_metrics(st: State) -> Response:
     return Response(st.metrics.render(), media_type=CONTENT_TYPE)
 
@@ -149,7 +150,7 @@ async def get_model(name: str, st: State, tenant: Tenant) -> Response:
     return JSONResponse(_model_card(st))
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
 async def completions(request: Request, st: State, tenant: Tenant, body: CompletionBody) -> Response:
     model = _admit(st, body)
     engine = st.engine
@@ -179,7 +180,7 @@ async def completions(request: Request, st: State, tenant: Tenant, body: Complet
     return await _respond(ctx, sub, request, st)
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
 async def chat_completions(request: Request, st: State, tenant: Tenant, body: ChatBody) -> Response:
     model = _admit(st, body)
     engine = st.engine
@@ -201,7 +202,7 @@ async def chat_completions(request: Request, st: State, tenant: Tenant, body: Ch
 
 
 # ---- the KV page --------------------------------------------------------------------
-@router.get("/ui")
+@router.get("/ui", response_class=HTMLResponse)
 async def ui_page() -> Response:
     html = resources.files("pagedkv.server").joinpath("static/ui.html").read_text(encoding="utf-8")
     return HTMLResponse(html, headers={"Cache-Control": "no-store"})
