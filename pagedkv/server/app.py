@@ -9,6 +9,7 @@ Endpoints (:mod:`pagedkv.server.routes`)
     GET  /ui                      live page of the KV cache (+ the seed §03 calculator)
     GET  /ui/state                JSON snapshot the page polls (blocks, tables, stats; with
                                   tenants, other tenants' requests are shown as "other")
+    GET  /openapi.json            the OpenAPI document of the requests (``pagedkv.server.openapi``)
 
 One :class:`pagedkv.server.engine_loop.EngineLoop` runs the engine for every request.
 Streaming responses are Server-Sent Events (:mod:`pagedkv.server.streaming`); a client
@@ -16,8 +17,6 @@ that disconnects has its requests aborted (blocks are freed at the next step fen
 Requests map to engine requests and outputs to OpenAI objects in
 :mod:`pagedkv.server.protocol`; errors are OpenAI error objects
 (:mod:`pagedkv.server.errors`).
-
-    GET  /openapi.json            the OpenAPI document (:mod:`pagedkv.server.openapi`)
 
 Tenants: with ``api_keys`` (key -> tenant) every route but ``/health`` needs
 ``Authorization: Bearer <key>`` (or ``X-API-Key``; the ``/ui`` page also takes ``?key=``),
@@ -70,8 +69,8 @@ def build_app(
     body limit (bytes). ``max_n``: largest ``n`` (capped by the engine's own limit).
     ``shutdown_timeout_s``: how long shutdown lets in-flight requests finish (seconds).
     ``open_routes``: with ``api_keys``, routes of ``OPENABLE_ROUTES`` served without a key
-    (``ValueError`` for any other). The engine loop starts with the app (lifespan) and is reachable as
-    ``app.state.pagedkv.loop``."""
+    (``ValueError`` for any other). The engine loop starts with the app (lifespan) and is
+    reachable as ``app.state.pagedkv.loop``."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     if not names:
         names = [engine.model_id]

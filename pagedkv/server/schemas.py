@@ -129,7 +129,6 @@ class _SamplingFields(BaseModel):
         return v
 
 
-
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``. ``prompt``: a string, a list of strings, a list of token
     ids, or a list of token-id lists (at most ``MAX_PROMPTS`` prompts). ``logprobs``: the
