@@ -12,6 +12,7 @@ size (413), JSON, nesting, Unicode or an unsupported parameter (400, see
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Callable, Optional
@@ -25,6 +26,9 @@ from pagedkv.server.engine_loop import EngineLoop
 from pagedkv.server.errors import APIError, validation_error
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.validation import check_unsupported, parse_json_body
+
+
+INLINE_PARSE_BYTES = 64 * 1024  # bodies up to this size are parsed on the event loop
 
 
 @dataclass
@@ -117,7 +121,8 @@ def json_body(schema: type[BaseModel]) -> Callable[..., Any]:
     rejects or a number out of range."""
 
     async def parse(raw: Annotated[bytes, Depends(read_body)]) -> Any:
-        data = parse_json_body(raw)
+        # a large body is parsed off the event loop (up to ~0.2 s for 1 MiB of small items)
+        data = parse_json_body(raw) if len(raw) <= INLINE_PARSE_BYTES else await asyncio.to_thread(parse_json_body, raw)
         check_unsupported(data, getattr(schema, "UNSUPPORTED", {}))
         try:
             return schema.model_validate(data)

@@ -12,8 +12,9 @@ adds two deadlines, both absolute, so trickling bytes does not extend them:
   keep-alive connection, to a complete request head (``header_timeout_s``);
 * body: from the request head to the end of its body (``body_timeout_s``).
 
-Past a deadline the client gets ``408`` with an OpenAI error object (``code
-"request_timeout"``) when no response has started, and the connection is closed; a handler
+Past a deadline the connection is closed; a client that had sent part of a request and no
+response has started gets ``408`` with an OpenAI error object first (``code
+"request_timeout"``; an idle connection is closed silently, as keep-alive ones are); a handler
 still waiting for that body sees the client as gone. Bytes that h11 cannot parse as HTTP
 (a bad ``Content-Length``, a non-ASCII target, ...) get uvicorn's 400 as an OpenAI error
 object (``code "invalid_http"``) instead of plain text. :func:`uvicorn_options` are the
@@ -88,7 +89,10 @@ class TimeoutH11Protocol(H11Protocol):
         if self.transport.is_closing():
             return
         cycle = self.cycle if phase == "body" else None
-        if cycle is None or not cycle.response_started:
+        started_head = phase == "body" or bool(self.conn.trailing_data[0])
+        # an idle connection (no byte of a request yet) is closed silently, as uvicorn's
+        # keep-alive timeout does: a client may be about to reuse it and must not read a 408
+        if started_head and (cycle is None or not cycle.response_started):
             what = "request head" if phase == "header" else "request body"
             self._write_error(408, b"Request Timeout", f"the {what} did not arrive within {timeout:g} s",
                               "request_timeout")

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import numpy as np
 
@@ -34,7 +34,8 @@ from pagedkv.server.errors import APIError
 MAX_JSON_DEPTH = 32  # nested arrays/objects; the deepest real body (chat content parts) is 5
 MAX_INT_DIGITS = 20  # 2**64 has 20 digits: every id, seed and count fits
 
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)  # a JSON string, escapes included
+_LONG_DIGITS = re.compile(rb"[0-9]{%d}" % (MAX_INT_DIGITS + 1))
 _OPEN = np.frombuffer(b"[{", dtype=np.uint8)
 _CLOSE = np.frombuffer(b"]}", dtype=np.uint8)
 
@@ -66,38 +67,56 @@ def json_depth(raw: bytes) -> int:
     return int(np.cumsum(step).max(initial=0))
 
 
-def _path(parts: tuple) -> str:
-    return ".".join(str(p) for p in parts)
+def _path(where: tuple, key: Any = None) -> Optional[str]:
+    parts = where if key is None else (*where, key)
+    return ".".join(str(p) for p in parts) or None
 
 
-def _check_values(data: Any) -> None:
-    """Walk the parsed body (iteratively) for big integers, non-finite numbers and invalid
-    Unicode; raise the first as an APIError naming its field."""
+def _valid_unicode(s: str) -> bool:
+    if s.isascii():
+        return True
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _bad_value(v: Any, where: tuple, key: Any) -> Optional[APIError]:
+    """The error for one scalar (None if it is fine); paths are built only for errors."""
+    if type(v) is str:
+        if _valid_unicode(v):
+            return None
+        return APIError(400, f"{_path(where, key) or 'body'}: the string is not valid Unicode "
+                        "(a lone surrogate such as \\ud800)", param=_path(where, key), code="invalid_unicode")
+    if type(v) is float and not math.isfinite(v):
+        return APIError(422, f"{_path(where, key)}: number out of range (not a finite float)",
+                        param=_path(where, key), code="invalid_value")
+    if type(v) is _BigInt:
+        return APIError(422, f"{_path(where, key)}: integer out of range ({len(v.text)} characters; "
+                        f"at most {MAX_INT_DIGITS} digits)", param=_path(where, key), code="invalid_value")
+    return None
+
+
+def _check_values(data: dict[str, Any]) -> None:
+    """Walk the parsed body (iteratively; ints, bools and None cost one type check) for big
+    integers, non-finite numbers and invalid Unicode, keys included; raise the first as an
+    APIError naming its field."""
     stack: list[tuple[Any, tuple]] = [(data, ())]
     while stack:
-        v, where = stack.pop()
-        if isinstance(v, str):
-            if not v.isascii():
-                try:
-                    v.encode("utf-8")
-                except UnicodeEncodeError:
-                    raise APIError(400, f"{_path(where) or 'body'}: the string is not valid Unicode "
-                                   "(a lone surrogate such as \\ud800)", param=_path(where) or None,
-                                   code="invalid_unicode") from None
-        elif isinstance(v, _BigInt):
-            raise APIError(422, f"{_path(where)}: integer out of range ({len(v.text)} characters; "
-                           f"at most {MAX_INT_DIGITS} digits)", param=_path(where) or None,
-                           code="invalid_value")
-        elif isinstance(v, float):
-            if not math.isfinite(v):
-                raise APIError(422, f"{_path(where)}: number out of range (not a finite float)",
-                               param=_path(where) or None, code="invalid_value")
-        elif isinstance(v, dict):
-            for k, item in v.items():
-                stack.append((k, where))  # a key is checked as a string of its object
-                stack.append((item, (*where, k)))
-        elif isinstance(v, list):
-            stack.extend((item, (*where, i)) for i, item in enumerate(v))
+        node, where = stack.pop()
+        is_dict = type(node) is dict
+        for k, v in (node.items() if is_dict else enumerate(node)):
+            if is_dict and not _valid_unicode(k):
+                raise APIError(400, f"{_path(where) or 'body'}: a key is not valid Unicode", param=_path(where),
+                               code="invalid_unicode")
+            t = type(v)
+            if t is dict or t is list:
+                stack.append((v, (*where, k)))
+            elif t is not int and t is not bool and v is not None:
+                err = _bad_value(v, where, k)
+                if err is not None:
+                    raise err
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -112,8 +131,11 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     if depth > MAX_JSON_DEPTH:
         raise APIError(400, f"malformed JSON body: nested {depth} levels deep; the limit is {MAX_JSON_DEPTH}",
                        code="invalid_json")
+    # only a body with a run of more than MAX_INT_DIGITS digits (in a number or a string)
+    # pays for a Python call per integer
+    hook = _parse_int if _LONG_DIGITS.search(raw) else None
     try:
-        data = json.loads(text, parse_int=_parse_int, parse_constant=_no_constant)
+        data = json.loads(text, parse_int=hook, parse_constant=_no_constant)
     except json.JSONDecodeError as e:
         raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
     except RecursionError:  # unreachable after the depth check; kept as the last guard
