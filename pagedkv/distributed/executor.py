@@ -289,9 +289,10 @@ class TPExecutor:
         return [i["pid"] for i in self.rank_info[1:]]
 
     def prepare(self, token_ids: Sequence[Sequence[int]], num_computed: Sequence[int],
-                block_ids: Sequence[Sequence[int]], sample: Sequence[bool]) -> ModelInput:
+                block_ids: Sequence[Sequence[int]], sample: Sequence[bool],
+                prompt_rows: Sequence[int] = ()) -> ModelInput:
         """As ``ModelRunner.prepare`` (the flat batch, on rank 0's device)."""
-        return self.runner.prepare(token_ids, num_computed, block_ids, sample)
+        return self.runner.prepare(token_ids, num_computed, block_ids, sample, prompt_rows)
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Queue copy-on-write copies ``(src, dst)``; every rank applies them at the start of

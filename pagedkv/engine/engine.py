@@ -29,7 +29,7 @@ from pagedkv.distributed import TPExecutor, check_tp_size
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.output import OutputProcessor
 from pagedkv.engine.request import Request, RequestOutput, RequestStatus, SamplingParams, now
-from pagedkv.engine.sampler import Sampler
+from pagedkv.engine.sampler import Sampler, prompt_logprob_dicts
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
 from pagedkv.engine.sequence_group import SequenceGroup, blocks_needed
 from pagedkv.engine.stats import EngineStats, collect_stats
@@ -303,10 +303,14 @@ class LLMEngine:
                 return self._collect(self.groups.finished_ids())
             with profile_scope("pagedkv.prepare"):
                 sampling = out.sampling_requests()
-                inp = self.runner.prepare(*out.model_inputs())
+                prompt_rows = out.prompt_rows()
+                inp = self.runner.prepare(*out.model_inputs(), prompt_rows)
                 self.runner.copy_blocks(out.copies)
         logits = self.runner.execute(inp)  # lock released: aborts may land now (fenced)
         with self._lock:
+            if any(prompt_rows):
+                self._record_prompt_logprobs(out, prompt_rows, logits[inp.num_sample_rows:])
+                logits = logits[:inp.num_sample_rows]
             with profile_scope("pagedkv.sample"):
                 rows, reqs = self.groups.expand_forks(out, sampling)
                 rows, reqs, beam_groups = self.groups.offer_beam_rows(logits, rows, reqs)
@@ -333,6 +337,23 @@ class LLMEngine:
                 self.scheduler.check_invariants()
             with profile_scope("pagedkv.output"):
                 return self._collect(touched | self.groups.finished_ids())
+
+    def _record_prompt_logprobs(self, out: Any, prompt_rows: list[int], logits: torch.Tensor) -> None:
+        """Store the prompt logprobs of this step's prompt rows (``logits``: fp32 ``[sum of
+        prompt_rows, vocab]``, in scheduled order) in their groups."""
+        at = 0
+        for (r, _), k in zip(out.scheduled, prompt_rows):
+            if not k:
+                continue
+            group = self.groups.of(r.request_id)
+            start = r.num_computed_tokens
+            if group is not None:
+                if group.prompt_logprobs is None:
+                    group.prompt_logprobs = [None] * r.num_prompt_tokens
+                nxt = r.prompt_token_ids[start + 1 : start + 1 + k]
+                dicts = prompt_logprob_dicts(logits[at : at + k], nxt, r.sampling_params.prompt_logprobs)
+                group.prompt_logprobs[start + 1 : start + 1 + k] = dicts
+            at += k
 
     def _collect(self, group_ids: set[str]) -> list[RequestOutput]:
         """RequestOutputs of ``group_ids`` in arrival order; finished groups are forgotten."""

@@ -52,7 +52,7 @@ class OutputProcessor:
         metrics = group.metrics()
         common = dict(
             request_id=group.request_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
-            finished=group.finished, metrics=metrics,
+            finished=group.finished, metrics=metrics, prompt_logprobs=group.prompt_logprobs,
         )
         if group.beam is not None and group.beam.done:
             outs = [_beam_output(i, h) for i, h in enumerate(group.beam.result())]

@@ -33,6 +33,11 @@ class SamplingParams:
     stop: strings that end generation (not included in the text). stop_token_ids: token ids
     that end generation (like EOS). ignore_eos: keep going past EOS (benchmarks).
     logprobs: return the top-N log-probabilities per generated token (None = off).
+    prompt_logprobs: return, per prompt token, its log-probability given the tokens before
+    it plus the top-N alternatives (None = off; the first prompt token has none). Computed
+    during prefill from the prompt positions' logits; such a request *bypasses the prefix
+    cache lookup* (every prompt position is computed, so no cached position's logprob is
+    lost; its full blocks are still published for other requests).
     n: number of parallel samples of one prompt (they share the prompt's blocks).
     beam_width: > 1 = beam search (deterministic; the beams share blocks by copy-on-write).
     It returns ``beam_width`` finished hypotheses, best first, scored as cumulative logprob
@@ -64,6 +69,7 @@ class SamplingParams:
     length_penalty: float = 1.0
     early_stopping: Any = False
     logit_bias: Optional[dict[int, float]] = None
+    prompt_logprobs: Optional[int] = None
 
     # The accepted ranges: validate() checks them, the server's request schemas reuse them.
     MAX_N: ClassVar[int] = 64  # default cap of n and beam_width (the engine passes its own)
@@ -138,6 +144,10 @@ class SamplingParams:
             not _is_int(self.logprobs) or not (0 <= self.logprobs <= max_logprobs)
         ):
             bad("logprobs", f"must be an integer in [0, {max_logprobs}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not (0 <= self.prompt_logprobs <= max_logprobs)
+        ):
+            bad("prompt_logprobs", f"must be an integer in [0, {max_logprobs}], got {self.prompt_logprobs!r}")
         if self.seed is not None and (not _is_int(self.seed) or not (-(2**63) <= self.seed < 2**63)):
             bad("seed", f"must be an integer in [-2**63, 2**63), got {self.seed!r}")
         if self.stop is not None and (
@@ -168,6 +178,8 @@ class SamplingParams:
                 bad("stop", "stop strings are not supported with beam search (use stop_token_ids)")
             if self.logprobs is not None:
                 bad("logprobs", "not supported with beam search")
+            if self.prompt_logprobs is not None:
+                bad("prompt_logprobs", "not supported with beam search")
             if self.logit_bias:
                 bad("logit_bias", "not supported with beam search")
 
@@ -340,6 +352,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0  # prefix-cache hit, tokens
+    # SamplingParams.prompt_logprobs: per prompt token, {token: logprob, then the top-N}
+    # (None for the first token); None when not asked for
+    prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
 
     @property
     def text(self) -> str:

@@ -164,3 +164,18 @@ def _logprob_dict(lps: torch.Tensor, token: int, req: Request) -> dict[int, floa
             if math.isfinite(v):
                 d.setdefault(t, v)
     return d
+
+
+def prompt_logprob_dicts(logits: torch.Tensor, tokens: Sequence[int], k: int) -> list[dict[int, float]]:
+    """Prompt logprobs from fp32 logits ``[R, vocab]`` of R prompt positions: row i gives
+    ``{tokens[i]: logprob, then the top-k}`` (``tokens[i]``: the prompt token that follows
+    row i's position)."""
+    lps = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lps[torch.arange(len(tokens)), torch.tensor(list(tokens), dtype=torch.int64)].tolist()
+    out = [{t: v} for t, v in zip(tokens, chosen)]
+    if k:
+        top = torch.topk(lps, k, dim=-1)
+        for d, vals, ids in zip(out, top.values.tolist(), top.indices.tolist()):
+            for v, t in zip(vals, ids):
+                d.setdefault(t, v)
+    return out

@@ -77,6 +77,17 @@ class SchedulerOutput:
             sample.append(start + n == r.num_tokens)
         return toks, starts, self.block_ids, sample
 
+    def prompt_rows(self) -> list[int]:
+        """Per scheduled sequence, how many of its first new tokens' logits give prompt
+        logprobs (``SamplingParams.prompt_logprobs``): the prompt positions before the last
+        (position j's logits score prompt token j + 1); 0 for the others."""
+        rows = []
+        for r, n in self.scheduled:
+            start = r.num_computed_tokens
+            want = r.sampling_params.prompt_logprobs is not None
+            rows.append(max(0, min(start + n, r.num_prompt_tokens - 1) - start) if want else 0)
+        return rows
+
     def sampling_requests(self) -> list[Request]:
         """The sequences whose logits rows the step returns, in row order."""
         return [r for r, n in self.scheduled if r.num_computed_tokens + n == r.num_tokens]
@@ -278,7 +289,8 @@ class Scheduler:
                 if self.running and len(self.running) + 1 + len(members) > cfg.max_num_seqs:
                     break
             hit_blocks, num_cached = [], 0
-            if self.enable_prefix_caching:
+            # prompt logprobs need every prompt position's logits: no lookup (see SamplingParams)
+            if self.enable_prefix_caching and req.sampling_params.prompt_logprobs is None:
                 hit_blocks, num_cached = self.kv.get_computed_blocks(
                     req.request_id, req.all_token_ids, req.cache_keys
                 )

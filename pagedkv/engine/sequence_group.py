@@ -46,6 +46,8 @@ class SequenceGroup:
     retired_preemptions: int = 0
     retired_prefix_query: int = 0
     retired_prefix_hits: int = 0
+    # SamplingParams.prompt_logprobs: filled by the engine from the prefill's logits rows
+    prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
 
     @property
     def finished(self) -> bool:

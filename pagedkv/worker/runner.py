@@ -34,7 +34,8 @@ class ModelInput:
     input_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T]
     metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # int64 [num_sampling]: rows of T whose logits are sampled
+    logits_indices: torch.Tensor  # int64 [num_sampling + extra]: rows of T whose logits are returned
+    num_sample_rows: int = -1  # the first num_sample_rows of logits_indices sample (-1: all)
 
 
 class ModelRunner:
@@ -67,22 +68,31 @@ class ModelRunner:
         num_computed: Sequence[int],
         block_ids: Sequence[Sequence[int]],
         sample: Sequence[bool],
+        prompt_rows: Sequence[int] = (),
     ) -> ModelInput:
         """Flat-batch tensors for one step. Sequence ``i`` computes the tokens
         ``token_ids[i]`` at positions ``num_computed[i] ...``; ``block_ids[i]`` is its block
         table (physical block ids, logical order); ``sample[i]``: whether its last new token's
-        logits are returned by :meth:`execute`. Raises ``InvalidRequestError`` when a position
-        has no block."""
+        logits are returned by :meth:`execute`; ``prompt_rows[i]`` (optional, default 0): how
+        many of sequence ``i``'s first new tokens also have their logits returned (prompt
+        logprobs), after all the sampled rows, in sequence order. Raises
+        ``InvalidRequestError`` when a position has no block."""
         qlens = [len(t) for t in token_ids]
         b = build_slots(block_ids, num_computed, qlens, self.block_size)
         ends = b.query_start_loc[1:].astype(np.int64) - 1
         dev = self.device
         flat = [t for ids in token_ids for t in ids]
+        rows = ends[np.asarray(sample, dtype=bool)]
+        num_sample = len(rows)
+        if any(prompt_rows):
+            starts = b.query_start_loc[:-1].astype(np.int64)
+            rows = np.concatenate([rows] + [np.arange(s, s + k, dtype=np.int64) for s, k in zip(starts, prompt_rows)])
         return ModelInput(
             input_ids=torch.tensor(flat, dtype=torch.int64, device=dev),
             positions=torch.from_numpy(b.positions).to(dev),
             metadata=AttentionMetadata.from_slots(b, qlens, dev),
-            logits_indices=torch.from_numpy(ends[np.asarray(sample, dtype=bool)]).to(dev),
+            logits_indices=torch.from_numpy(rows).to(dev),
+            num_sample_rows=num_sample,
         )
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
@@ -93,7 +103,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> torch.Tensor:
-        """Run the model; returns fp32 logits ``[num_sampling, vocab]``."""
+        """Run the model; returns fp32 logits ``[num_sampling + prompt rows, vocab]`` (the
+        rows of ``inp.logits_indices``)."""
         with profile_scope("pagedkv.forward"):
             hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.metadata, self.backend)
         if inp.logits_indices.numel() == 0:
