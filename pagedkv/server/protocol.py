@@ -15,16 +15,19 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from pagedkv.engine.request import CompletionOutput, RequestOutput, SamplingParams
+from pagedkv.server.choices import ChoiceBuilder, zero_tokens
 from pagedkv.server.errors import APIError
 
 MAX_SEQS_PER_CALL = 64  # sequences (prompts x n) one /v1/completions call may start
 
 
 # ---- requests -----------------------------------------------------------------------
-def sampling_params(body: Any, max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
+def sampling_params(body: Any, max_tokens: int, logprobs: Optional[int],
+                    prompt_logprobs: Optional[int] = None) -> SamplingParams:
     """The engine's parameters for a request body (unset fields: the OpenAI defaults). With
     ``best_of`` the engine draws ``best_of`` samples and keeps their logprobs, so that
-    :func:`completion_response` can return the ``n`` best."""
+    :func:`completion_response` can return the ``n`` best. ``max_tokens`` 0 (completions
+    with echo) runs the engine for one token, which the response leaves out."""
     if body.best_of is not None and body.best_of > body.n:
         logprobs = logprobs or 0
     return SamplingParams(
@@ -36,7 +39,7 @@ def sampling_params(body: Any, max_tokens: int, logprobs: Optional[int]) -> Samp
         repetition_penalty=1.0 if body.repetition_penalty is None else float(body.repetition_penalty),
         presence_penalty=float(body.presence_penalty or 0.0),
         frequency_penalty=float(body.frequency_penalty or 0.0),
-        seed=body.seed, max_tokens=max_tokens, stop=body.stop,
+        seed=body.seed, max_tokens=max(max_tokens, 1), stop=body.stop, prompt_logprobs=prompt_logprobs,
         stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logprobs=logprobs,
         logit_bias=body.token_biases(),
     )
@@ -86,6 +89,10 @@ class ResponseContext:
         self.holdback = max((len(s) for s in stops), default=1) - 1  # chars a stream holds back
         self.include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
 
+    def view(self, c: CompletionOutput) -> CompletionOutput:
+        """What a response shows of sample ``c`` (``max_tokens=0``: no generated token)."""
+        return zero_tokens(c) if self.kind == "completion" and self.body.max_tokens == 0 else c
+
     def choice_index(self, prompt_idx: int, sample_idx: int) -> int:
         return prompt_idx * self.n + sample_idx
 
@@ -103,59 +110,30 @@ class ResponseContext:
 
     def usage(self, finals: dict[int, RequestOutput]) -> dict[str, Any]:
         prompt = sum(len(p) for p in self.prompts)
-        completion = sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
+        completion = sum(len(self.view(c).token_ids) for o in finals.values() for c in o.outputs)
         cached = sum(o.num_cached_tokens for o in finals.values())
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _tok_str(tokenizer: Any, tid: int) -> str:
-    return tokenizer.decode([tid])
+def builder(ctx: ResponseContext, tokenizer: Any, prompt_idx: int) -> ChoiceBuilder:
+    """The builder of one choice's fields (the one code path of streamed and non-streamed
+    responses, see :mod:`pagedkv.server.choices`)."""
+    echo = ctx.echo[prompt_idx] if ctx.echo else None
+    return ChoiceBuilder(ctx.kind, tokenizer, echo, ctx.want_logprobs(), ctx.top_k(), ctx.holdback)
 
 
-def logprobs_json(ctx: ResponseContext, tokenizer: Any, token_ids: list[int],
-                  lps: Optional[list[dict[int, float]]], text_offset0: int = 0) -> Optional[dict[str, Any]]:
-    """OpenAI logprobs for ``token_ids`` (engine dicts: sampled token first, then the
-    top-k); chat: ``{"content": [...]}``, completions: parallel lists from ``text_offset0``."""
-    if not ctx.want_logprobs() or lps is None:
-        return None
-    k = ctx.top_k()
-    rows = []
-    for tid, d in zip(token_ids, lps):
-        lp = d.get(tid, float("-inf"))
-        top = sorted(d.items(), key=lambda kv: -kv[1])[:k] if k else []
-        rows.append((tid, lp, top))
-    if ctx.kind == "chat":
-        content = []
-        for tid, lp, top in rows:
-            s = _tok_str(tokenizer, tid)
-            content.append({"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")),
-                            "top_logprobs": [{"token": (ts := _tok_str(tokenizer, t)), "logprob": v,
-                                              "bytes": list(ts.encode("utf-8"))} for t, v in top]})
-        return {"content": content}
-    tokens, token_lps, tops, offsets = [], [], [], []
-    off = text_offset0
-    for tid, lp, top in rows:
-        s = _tok_str(tokenizer, tid)
-        tokens.append(s)
-        token_lps.append(lp)
-        tops.append({_tok_str(tokenizer, t): v for t, v in top})
-        offsets.append(off)
-        off += len(s)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
-
-
-def _response_choice(ctx: ResponseContext, tokenizer: Any, prompt_idx: int, c: CompletionOutput) -> dict[str, Any]:
+def _response_choice(ctx: ResponseContext, tokenizer: Any, prompt_idx: int, out: RequestOutput,
+                     c: CompletionOutput) -> dict[str, Any]:
+    c = ctx.view(c)
+    # a final output always yields its fields (its finish reason is set)
+    text, lp, finish = builder(ctx, tokenizer, prompt_idx).advance(out, c) or ("", None, c.finish_reason)
     idx = ctx.choice_index(prompt_idx, c.index)
     if ctx.kind == "chat":
-        return {"index": idx, "message": {"role": "assistant", "content": c.text},
-                "logprobs": logprobs_json(ctx, tokenizer, c.token_ids, c.logprobs),
-                "finish_reason": c.finish_reason}
-    prefix = ctx.echo[prompt_idx] if ctx.echo else ""
-    return {"index": idx, "text": prefix + c.text,
-            "logprobs": logprobs_json(ctx, tokenizer, c.token_ids, c.logprobs, len(prefix)),
-            "finish_reason": c.finish_reason}
+        return {"index": idx, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                "finish_reason": finish}
+    return {"index": idx, "text": text, "logprobs": lp, "finish_reason": finish}
 
 
 def cumulative_logprob(c: CompletionOutput) -> float:
@@ -175,7 +153,8 @@ def best_samples(ctx: ResponseContext, out: RequestOutput) -> list[CompletionOut
 def completion_response(ctx: ResponseContext, tokenizer: Any, finals: dict[int, RequestOutput]) -> dict[str, Any]:
     """The non-streaming response object from the final output of every prompt (usage
     counts every generated token, ``best_of`` candidates included)."""
-    choices = [_response_choice(ctx, tokenizer, i, c) for i in sorted(finals) for c in best_samples(ctx, finals[i])]
+    choices = [_response_choice(ctx, tokenizer, i, finals[i], c) for i in sorted(finals)
+               for c in best_samples(ctx, finals[i])]
     choices.sort(key=lambda ch: ch["index"])
     return {"id": ctx.rid, "object": "chat.completion" if ctx.kind == "chat" else "text_completion",
             "created": ctx.created, "model": ctx.model, "choices": choices, "usage": ctx.usage(finals)}
@@ -192,14 +171,12 @@ def stream_chunk(ctx: ResponseContext, choices: list[dict[str, Any]],
 
 
 def opening_choices(ctx: ResponseContext) -> Optional[list[dict[str, Any]]]:
-    """The choices of a stream's first chunk: the assistant role (chat, as OpenAI does) or
-    the echoed prompt (completions with echo); None if the stream opens with text."""
+    """The choices of a stream's first chunk: the assistant role (chat, as OpenAI does);
+    None if the stream opens with text (completions: an echoed prompt comes with the first
+    output, together with its logprobs)."""
     if ctx.kind == "chat":
         return [{"index": idx, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                  "finish_reason": None} for _, idx in ctx.all_choice_indices()]
-    if ctx.echo:
-        return [{"index": idx, "text": ctx.echo[p], "logprobs": None, "finish_reason": None}
-                for p, idx in ctx.all_choice_indices()]
     return None
 
 

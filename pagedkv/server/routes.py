@@ -186,10 +186,13 @@ async def completions(request: Request, st: State, tenant: Tenant, body: Complet
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt",
                            code="invalid_value")
         token_lists.append(ids)
+    if body.max_tokens == 0 and not body.echo:
+        raise _bad("max_tokens 0 needs echo: true (it returns the prompt and its logprobs)", "max_tokens")
     specs = []
+    plp = body.logprobs if body.echo else None  # echo + logprobs: the prompt's logprobs too
     for ids in token_lists:
         mt = check_lengths(engine.max_model_len, len(ids), body.max_tokens, "prompt")
-        specs.append(PromptSpec(ids, sampling_params(body, mt, body.logprobs), body.cache_salt))
+        specs.append(PromptSpec(ids, sampling_params(body, mt, body.logprobs, plp), body.cache_salt))
     rid = f"cmpl-{uuid.uuid4().hex}"
     eids = [f"{rid}-{i}" for i in range(len(specs))]
     echo = [p if isinstance(p, str) else engine.tokenizer.decode(p) for p in prompts] if body.echo else None

@@ -132,7 +132,8 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``. ``prompt``: a string, a list of strings, a list of token
     ids, or a list of token-id lists (at most ``MAX_PROMPTS`` prompts). ``logprobs``: the
-    number of top alternatives per token (0..20) or null."""
+    number of top alternatives per token (0..20) or null; with ``echo`` the prompt's tokens
+    get entries too (the first one's logprob null). ``max_tokens`` 0 needs ``echo``."""
 
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {**_UNSUPPORTED_COMMON, "suffix": ()}
 
@@ -140,7 +141,7 @@ class CompletionRequest(_SamplingFields):
                   Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_PROMPTS)],
                   Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
                             Field(min_length=1, max_length=MAX_PROMPTS)]]
-    max_tokens: Optional[StrictInt] = Field(16, ge=1)
+    max_tokens: Optional[StrictInt] = Field(16, ge=0)  # 0: only with echo (prompt logprobs)
     logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: StrictBool = False
 

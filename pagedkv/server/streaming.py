@@ -16,14 +16,15 @@ from typing import Any, AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
-from pagedkv.engine.request import CompletionOutput, RequestOutput
+from pagedkv.engine.request import RequestOutput
+from pagedkv.server.choices import ChoiceBuilder
 from pagedkv.server.engine_loop import EngineStepError, EngineStoppedError, Submission
 from pagedkv.server.errors import APIError, aborted_error, engine_error
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import (
     ResponseContext,
+    builder,
     delta_choice,
-    logprobs_json,
     opening_choices,
     stream_chunk,
 )
@@ -38,46 +39,10 @@ def sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":"), allow_nan=False).encode() + b"\n\n"
 
 
-class _ChoiceState:
-    """How much of one choice has been sent (characters of text, tokens of logprobs)."""
-
-    __slots__ = ("sent_chars", "sent_tokens", "done")
-
-    def __init__(self) -> None:
-        self.sent_chars = 0
-        self.sent_tokens = 0
-        self.done = False
-
-
-def _next_choice(ctx: ResponseContext, tokenizer: Any, idx: int, c: CompletionOutput,
-                 stt: _ChoiceState) -> Any:
-    """The streamed choice for what ``c`` adds past ``stt`` (None: nothing to send yet);
-    advances ``stt``."""
-    text = c.text
-    finished = c.finish_reason is not None
-    if finished:
-        safe = len(text)
-    else:
-        safe = len(text) - ctx.holdback
-        stripped = text.rstrip("\ufffd")
-        safe = min(safe, len(stripped))
-    safe = max(safe, stt.sent_chars)
-    delta = text[stt.sent_chars:safe]
-    new_tokens = c.token_ids[stt.sent_tokens:]
-    new_lps = c.logprobs[stt.sent_tokens:] if c.logprobs is not None else None
-    if not delta and not finished and not (new_tokens and ctx.want_logprobs()):
-        return None
-    lp = logprobs_json(ctx, tokenizer, new_tokens, new_lps, stt.sent_chars) if new_tokens else None
-    stt.sent_chars = safe
-    stt.sent_tokens = len(c.token_ids)
-    stt.done = finished
-    return delta_choice(ctx, idx, delta, lp, c.finish_reason)
-
-
 async def stream_events(ctx: ResponseContext, sub: Submission, metrics: ServerMetrics,
                         tokenizer: Any) -> AsyncIterator[bytes]:
     """The SSE events of one call (see the module docstring)."""
-    states: dict[int, _ChoiceState] = {}
+    states: dict[int, ChoiceBuilder] = {}
     finals: dict[int, RequestOutput] = {}
     completed = False  # ended normally or with an error event (not a disconnect)
     try:
@@ -90,16 +55,18 @@ async def stream_events(ctx: ResponseContext, sub: Submission, metrics: ServerMe
             choices = []
             for c in out.outputs:
                 idx = ctx.choice_index(pidx, c.index)
-                stt = states.setdefault(idx, _ChoiceState())
-                if stt.done:
+                b = states.get(idx)
+                if b is None:
+                    b = states[idx] = builder(ctx, tokenizer, pidx)
+                if b.done:
                     continue
                 if c.finish_reason == "abort":
                     completed = True
                     yield sse(aborted_error().body())
                     return
-                choice = _next_choice(ctx, tokenizer, idx, c, stt)
-                if choice is not None:
-                    choices.append(choice)
+                fields = b.advance(out, ctx.view(c))
+                if fields is not None:
+                    choices.append(delta_choice(ctx, idx, *fields))
             if choices:
                 yield sse(stream_chunk(ctx, choices))
         if ctx.include_usage:
