@@ -148,12 +148,12 @@ class LLMEngine:
     def tokenize(self, prompt: str) -> list[int]:
         return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         if not isinstance(messages, list) or not all(
             isinstance(m, dict) and "role" in m and "content" in m for m in messages
         ):
             raise InvalidRequestError("messages must be a list of {'role', 'content'} dicts")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
         if hasattr(ids, "keys") and "input_ids" in ids:  # transformers may return a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)

@@ -4,6 +4,9 @@ Endpoints (:mod:`pagedkv.server.routes`)
     GET  /v1/models               the served model
     POST /v1/completions          text completion (``stream``, ``n``, ``logprobs``, ...)
     POST /v1/chat/completions     chat completion over the model's chat template
+    POST /tokenize                token ids of a prompt or a conversation (vLLM's shape)
+    POST /detokenize              the text of token ids (vLLM's shape)
+    GET  /version                 ``{"version": pagedkv.__version__}``
     GET  /health                  200 while the engine loop runs, else 503
     GET  /metrics                 Prometheus exposition (see ``pagedkv.server.metrics``)
     GET  /ui                      live page of the KV cache (+ the seed §03 calculator)

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from importlib import resources
+from importlib import metadata, resources
 from typing import Annotated, Any, Optional, Union
 
 from fastapi import APIRouter, Depends, Request
@@ -36,13 +36,15 @@ from pagedkv.server.protocol import (
     completion_response,
     sampling_params,
 )
-from pagedkv.server.schemas import ChatCompletionRequest, CompletionRequest
+from pagedkv.server.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pagedkv.server.streaming import SSEResponse, stream_events
 
 router = APIRouter()
 
 CompletionBody = Annotated[CompletionRequest, Depends(json_body(CompletionRequest))]
 ChatBody = Annotated[ChatCompletionRequest, Depends(json_body(ChatCompletionRequest))]
+TokenizeBody = Annotated[TokenizeRequest, Depends(json_body(TokenizeRequest))]
+DetokenizeBody = Annotated[DetokenizeRequest, Depends(json_body(DetokenizeRequest))]
 
 
 # ---- checks and delivery ------------------------------------------------------------
@@ -186,8 +188,6 @@ async def completions(request: Request, st: State, tenant: Tenant, body: Complet
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt",
                            code="invalid_value")
         token_lists.append(ids)
-    if body.max_tokens == 0 and not body.echo:
-        raise _bad("max_tokens 0 needs echo: true (it returns the prompt and its logprobs)", "max_tokens")
     specs = []
     plp = body.logprobs if body.echo else None  # echo + logprobs: the prompt's logprobs too
     for ids in token_lists:
@@ -222,6 +222,47 @@ async def chat_completions(request: Request, st: State, tenant: Tenant, body: Ch
     sub = await _submit(st, [f"{rid}-0"], [spec], body.stream, tenant)
     ctx = ResponseContext(rid, model, int(time.time()), "chat", [ids], body)
     return await _respond(ctx, sub, request, st)
+
+
+# ---- tokenizer and version (vLLM's shapes) ----------------------------------------------
+@router.get("/version")
+async def version(tenant: Tenant) -> Response:
+    return JSONResponse({"version": metadata.version("pagedkv")})  # the installed distribution's
+
+
+@router.post("/tokenize", openapi_extra=request_body(TokenizeRequest))
+async def tokenize(st: State, tenant: Tenant, body: TokenizeBody) -> Response:
+    """Token ids of a prompt (special tokens by default) or of a conversation (the chat
+    template). 404 for another model name, 400 when the template rejects the messages."""
+    if body.model is not None:
+        _served_model(st, body.model)
+    engine = st.engine
+    if body.messages is not None:
+        try:
+            ids = await asyncio.to_thread(engine.apply_chat_template, chat_messages(body), body.add_generation_prompt)
+        except Exception as e:  # a template that rejects this conversation (roles, order)
+            raise APIError(400, f"cannot apply the chat template: {e}", param="messages",
+                           code="invalid_value") from None
+    else:
+        special = True if body.add_special_tokens is None else body.add_special_tokens
+        enc = await asyncio.to_thread(engine.tokenizer, body.prompt, add_special_tokens=special)
+        ids = list(enc["input_ids"])
+    out: dict[str, Any] = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
+                           "token_strs": None}
+    if body.return_token_strs:
+        out["token_strs"] = engine.tokenizer.convert_ids_to_tokens(ids)
+    return JSONResponse(out)
+
+
+@router.post("/detokenize", openapi_extra=request_body(DetokenizeRequest))
+async def detokenize(st: State, tenant: Tenant, body: DetokenizeBody) -> Response:
+    """The text of token ids. 400 for an id outside the vocabulary, 404 for another model."""
+    if body.model is not None:
+        _served_model(st, body.model)
+    vocab = st.engine.model_config.vocab_size
+    if any(t >= vocab for t in body.tokens):
+        raise _bad(f"token ids must be in [0, {vocab})", "tokens")
+    return JSONResponse({"prompt": await asyncio.to_thread(st.engine.tokenizer.decode, body.tokens)})
 
 
 # ---- the KV page --------------------------------------------------------------------

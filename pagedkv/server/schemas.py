@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StringConstraints, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StringConstraints, field_validator, model_validator
 
 from pagedkv.engine.request import SamplingParams
 
@@ -40,6 +40,7 @@ MAX_USER_CHARS = 256
 OPENAI_MAX_TEMPERATURE = 2.0  # the OpenAI API's range; the engine itself only needs >= 0
 
 MAX_MODEL_NAME_CHARS = 256
+MAX_DETOKENIZE_TOKENS = 1 << 17  # token ids in one /detokenize call
 
 MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS  # completions ``logprobs`` / chat ``top_logprobs``
 _TOP_P = SamplingParams.TOP_P_RANGE
@@ -145,6 +146,12 @@ class CompletionRequest(_SamplingFields):
     logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: StrictBool = False
 
+    @model_validator(mode="after")
+    def _zero_needs_echo(self) -> "CompletionRequest":
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 needs echo: true (it returns the prompt and its logprobs)")
+        return self
+
     def prompts(self) -> list[Union[str, list[int]]]:
         """The prompts as a list (one entry per prompt)."""
         p = self.prompt
@@ -187,6 +194,36 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Optional[StrictInt] = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's shape): exactly one of ``prompt`` (text; with
+    ``add_special_tokens``, default true) or ``messages`` (through the chat template; with
+    ``add_generation_prompt``, default true). ``return_token_strs``: also each token's
+    text. Answer: ``{"count", "max_model_len", "tokens", "token_strs"}``."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: Optional[str] = Field(None, max_length=MAX_MODEL_NAME_CHARS)
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = Field(None, min_length=1, max_length=MAX_MESSAGES)
+    add_special_tokens: Optional[StrictBool] = None
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's shape): ``tokens`` (ids in the vocabulary, checked by
+    the route: 400) -> ``{"prompt": text}``."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: Optional[str] = Field(None, max_length=MAX_MODEL_NAME_CHARS)
+    tokens: list[TokenId] = Field(..., max_length=MAX_DETOKENIZE_TOKENS)
 
 
 # ---- responses (plain dicts are built by the app; these document their shape) ----------
