@@ -7,10 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest  # noqa: F401
-
-import lm_eval  # noqa: E402  (the [clients] extra; make test installs it)
-from lm_eval.tasks import TaskManager  # noqa: E402
+import lm_eval  # the [clients] extra (make test installs it)
+from lm_eval.tasks import TaskManager
 
 DATA = Path(__file__).parent / "data"
 
