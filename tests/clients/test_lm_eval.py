@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import lm_eval  # the [clients] extra (make test installs it)
+from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 
 DATA = Path(__file__).parent / "data"
@@ -49,7 +50,7 @@ def _evaluate(model, model_args, tasks_dir):
                                    batch_size=1)
 
 
-def test_lm_eval_local_completions_equals_hf(serve_url, bundled_gguf, hf_tokenizer, tmp_path):
+def test_lm_eval_local_completions_equals_hf(serve_url, hf_model, hf_tokenizer, tmp_path):
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     (tasks / "ll.yaml").write_text(LL_TASK.format(data=DATA))
@@ -58,8 +59,8 @@ def test_lm_eval_local_completions_equals_hf(serve_url, bundled_gguf, hf_tokeniz
     hf_tokenizer.save_pretrained(tok_dir)  # local-completions tokenizes with it (the GGUF's)
     ours = _evaluate("local-completions", f"model=smol,base_url={serve_url}/v1/completions,tokenizer={tok_dir},"
                      "tokenizer_backend=huggingface,num_concurrent=1,max_retries=1,timeout=120", tasks)
-    ref = _evaluate("hf", f"pretrained={bundled_gguf.parent},gguf_file={bundled_gguf.name},dtype=float32,"
-                    "device=cpu", tasks)
+    # lm-eval's hf model over the session's transformers model (the same GGUF, fp32)
+    ref = _evaluate(HFLM(pretrained=hf_model, tokenizer=hf_tokenizer, batch_size=1, device="cpu"), None, tasks)
     got = {s["doc_id"]: s for s in ours["samples"]["pagedkv_ll"]}
     want = {s["doc_id"]: s for s in ref["samples"]["pagedkv_ll"]}
     assert sorted(got) == sorted(want) == list(range(5))

@@ -160,7 +160,7 @@ requests = st.fixed_dictionaries({
 })
 
 
-@settings(max_examples=20, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck),
+@settings(max_examples=14, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck),
           phases=[Phase.explicit, Phase.generate])  # no shrinking: each example is two model calls
 @given(req=requests)
 def test_joined_stream_equals_non_stream(http, req):
