@@ -11,6 +11,10 @@ import time
 import httpx
 import pytest
 
+# the clients' data come from tests/clients/data: no hub access (set before datasets loads)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
 
 def _free_port() -> int:
     with socket.socket() as s:
