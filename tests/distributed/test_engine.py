@@ -133,6 +133,22 @@ def test_greedy_tokens_equal_with_prefix_hits(engines, base_ids):
     assert all(n >= 32 for n in results["tp3"][1])  # the shared prefix came from the cache
 
 
+def test_prompt_logprobs_equal(engines, base_ids):
+    """prompt_logprobs through the tensor-parallel executor (the prompt rows' logits come back
+    after the sampled rows; a 70-token prompt prefills in two chunks of <= 64)."""
+    tp1, tp3 = engines
+    prompt = base_ids[:70]
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
+    (want,) = _run(tp1, [prompt], params)
+    (got,) = _run(tp3, [prompt], params)
+    assert got.prompt_logprobs[0] is None and want.prompt_logprobs[0] is None
+    assert len(got.prompt_logprobs) == len(want.prompt_logprobs) == 70
+    for j in range(1, 70):
+        g, w = got.prompt_logprobs[j], want.prompt_logprobs[j]
+        assert abs(g[prompt[j]] - w[prompt[j]]) < 1e-4 and 2 <= len(g) <= 3
+    assert _tokens([got]) == _tokens([want])
+
+
 def test_parallel_sampling_n2_equal_and_copy_on_write_broadcast(engines, base_ids):
     tp1, tp3 = engines
     prompts = [base_ids[:10], base_ids[20:33]]  # partial last blocks: the siblings' first writes copy them
