@@ -31,6 +31,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over N ranks with torch.distributed (default 1; see docs/distributed.md)")
+    g.add_argument("--kv-offload", action="append", default=None, metavar="TIER",
+                   help="a tier behind the KV pool, fastest first (repeatable): host:4GiB, disk:PATH:50GiB; "
+                        "turns prefix caching on (docs/kv_tiers.md)")
+    g.add_argument("--kv-events", default=None, metavar="ENDPOINT",
+                   help="publish KV events over ZeroMQ, e.g. tcp://127.0.0.1:5557 (replay socket: port + 1)")
+    g.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT", help="the replay socket's endpoint")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -47,6 +53,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         enable_prefix_caching=args.enable_prefix_caching, enable_paging=not args.disable_paging,
         attention_backend=args.attention_backend, policy=args.policy, seed=args.seed,
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+        kv_offload=getattr(args, "kv_offload", None), kv_events=getattr(args, "kv_events", None),
+        kv_events_replay=getattr(args, "kv_events_replay", None),
     )
 
 

@@ -38,8 +38,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     shutdown_timeout_s=args.shutdown_timeout)
     print(f"[pagedkv] serving on http://{args.host}:{args.port}/v1  (live KV page: /ui, metrics: /metrics)",
           file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=int(args.shutdown_timeout) + 1)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=int(args.shutdown_timeout) + 1)
+    finally:
+        engine.close()  # a disk tier keeps the cached blocks for the next start
     return 0
 
 

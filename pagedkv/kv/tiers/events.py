@@ -15,7 +15,8 @@ first, trailing defaults omitted):
   parent of the first; ``medium`` is the tier (``pool``, ``host``, ``disk``); ``extra_keys``
   has one entry per block: ``[typed extra keys as text]`` (model, revision, adapter, salt,
   tenant, multimodal items: what the hash covers besides the tokens).
-* ROUTER replay socket: a client (REQ) sends a start sequence number (8 bytes big-endian);
+* ROUTER replay socket: a client (DEALER, sending an empty delimiter frame first) sends a
+  start sequence number (8 bytes big-endian);
   it receives ``(seq, payload)`` for every buffered batch from there (the last
   ``buffer_steps``), then ``(-1 as 8 signed bytes, b"")``.
 
