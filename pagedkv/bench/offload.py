@@ -17,8 +17,9 @@ working set, with and without tiers behind it, and TTFT after a restart.
   model stays loaded) gets the prefix plus a new ``--user-tokens``-token question; TTFT vs
   a cold engine without tiers, ``--trials`` times each (medians). Goal: <= 0.3x.
 
-One request at a time, so TTFT is the prefill (and loads) of that request alone; every
-engine has a short untimed warm-up request first. Wall-clock seconds on this CPU, torch
+One request at a time, so TTFT is the prefill (and loads) of that request alone; the cells
+run side by side (each request goes to every cell's engine in turn), so a change in the
+shared machine's load hits them alike; every engine has a short untimed warm-up request. Wall-clock seconds on this CPU, torch
 pinned to ``--threads``; ratios measured side by side in one run are the result.
 """
 
@@ -106,34 +107,37 @@ def run_conversations(loaded: Any, args: Any) -> dict[str, Any]:
                            "answer_tokens": args.answer_tokens, "block_size": bs, "working_set_blocks": work_blocks,
                            "pool_blocks": pool, "pool_fraction": pool / work_blocks, "block_bytes": block_bytes,
                            "cells": {}}
-    answers: dict[str, list] = {}
+    cells = args.cells.split(",")
     with tempfile.TemporaryDirectory(prefix="pagedkv-offload-") as tmp:
-        for cell in args.cells.split(","):
-            log(f"[offload] conversations, tiers: {cell} ({args.conversations} x {args.turns} turns, pool {pool} "
-                f"of {work_blocks} blocks)")
-            eng = _engine(loaded, args, pool, final_len + 8, _tier_specs(cell, args, work_bytes, tmp))
+        log(f"[offload] conversations ({args.conversations} x {args.turns} turns, pool {pool} of {work_blocks} "
+            f"blocks), side by side: {', '.join(cells)}")
+        engines = {c: _engine(loaded, args, pool, final_len + 8, _tier_specs(c, args, work_bytes, tmp)) for c in cells}
+        for eng in engines.values():
             warm_up(eng, random_tokens(random.Random(99), 24, vocab))
-            hist = [[] for _ in range(args.conversations)]
-            ttfts, recomputed, history_tokens, outs = [], 0, 0, []
-            t0 = time.perf_counter()
-            for turn in range(args.turns):
-                for c in range(args.conversations):
-                    prompt = hist[c] + users[c][turn]
-                    o = _ask(eng, f"c{c}t{turn}", prompt, args.answer_tokens)
-                    ttfts.append(o.metrics.ttft)
-                    history_tokens += len(hist[c])
-                    recomputed += max(0, len(hist[c]) - o.num_cached_tokens)
-                    hist[c] = prompt + o.token_ids
-                    outs.append(o.token_ids)
-            wall = time.perf_counter() - t0
-            st = eng.get_stats()
+        runs = {c: {"ttfts": [], "recomputed": 0, "history": 0, "outs": [], "wall": 0.0} for c in cells}
+        hist = {c: [[] for _ in range(args.conversations)] for c in cells}
+        for turn in range(args.turns):
+            for conv in range(args.conversations):
+                for c in cells:  # the same request on every engine, one after the other
+                    h, r = hist[c], runs[c]
+                    prompt = h[conv] + users[conv][turn]
+                    t0 = time.perf_counter()
+                    o = _ask(engines[c], f"c{conv}t{turn}", prompt, args.answer_tokens)
+                    r["wall"] += time.perf_counter() - t0
+                    r["ttfts"].append(o.metrics.ttft)
+                    r["history"] += len(h[conv])
+                    r["recomputed"] += max(0, len(h[conv]) - o.num_cached_tokens)
+                    h[conv] = prompt + o.token_ids
+                    r["outs"].append(o.token_ids)
+        for c, eng in engines.items():
+            st, r = eng.get_stats(), runs[c]
             eng.close()
-            answers[cell] = outs
-            res["cells"][cell] = {
-                "ttft_s": summarize(ttfts), "wall_s": wall, "history_tokens": history_tokens,
-                "prefix_tokens_recomputed": recomputed, "pool_hit_tokens": st.kv_pool_hit_tokens,
+            res["cells"][c] = {
+                "ttft_s": summarize(r["ttfts"]), "wall_s": r["wall"], "history_tokens": r["history"],
+                "prefix_tokens_recomputed": r["recomputed"], "pool_hit_tokens": st.kv_pool_hit_tokens,
                 "tiers": st.kv_tiers.get("tiers", {}), "transfer": st.kv_tiers.get("transfer", {}),
             }
+    answers = {c: runs[c]["outs"] for c in cells}
     base = res["cells"].get("none")
     for cell, r in res["cells"].items():
         if base is not None and cell != "none":
@@ -193,5 +197,6 @@ def collect(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
 
 def run(args: argparse.Namespace, loaded: Any = None) -> int:
     data = collect(args, loaded)
-    publish("offload", data, render_markdown, args.out_dir, plots=plots, as_json=args.json)
+    publish("offload", data, render_markdown, args.out_dir, plots=None if args.no_plot else plots,
+            as_json=args.json)
     return 0

@@ -19,19 +19,17 @@ def _rows(conv: dict[str, Any]) -> list[dict[str, Any]]:
             "x recomputed vs none": r.get("recomputed_ratio", 1.0),
             "hit tokens pool/host/disk": f"{r['pool_hit_tokens']}/{tiers.get('host', {}).get('hit_tokens', 0)}/"
                                          f"{tiers.get('disk', {}).get('hit_tokens', 0)}",
-            "MB moved": sum(moved.values()) / 1e6, "copy s": sum(secs.values()), "wall s": r["wall_s"],
+            "MB moved": sum(moved.values()) / 1e6, "copy s": sum(secs.values()), "s in requests": r["wall_s"],
         })
     return rows
 
 
 def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
     conv, rs = data["conversations"], data["restart"]
-    lines = [
-        "# KV tiers: offload to host memory and disk, restarts",
-        "",
-        f"`pagedkv bench offload` on {data['model']} (fp32, torch threads {data['threads']}"
-        + (", --tiny" if data["tiny"] else "") + ").",
-        "",
+    tiny = ", --tiny" if data["tiny"] else ""
+    lines = ["# KV tiers: offload to host memory and disk, restarts", "",
+             f"`pagedkv bench offload` on {data['model']} (fp32, torch threads {data['threads']}{tiny}).", ""]
+    lines += [
         f"## Multi-turn conversations ({conv['conversations']} chats x {conv['turns']} turns, "
         f"{conv['user_tokens']}-token messages, {conv['answer_tokens']}-token answers, block {conv['block_size']})",
         "",

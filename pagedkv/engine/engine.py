@@ -342,7 +342,8 @@ class LLMEngine:
             with profile_scope("pagedkv.prepare"):
                 sampling = out.sampling_requests()
                 inp = self.runner.prepare(*out.model_inputs())
-                self.runner.transfer_kv(out.kv_transfer, self.kv_stores)  # reads evicted blocks first
+                if out.kv_transfer is not None:  # tier stores/loads: reads evicted blocks first
+                    self.runner.transfer_kv(out.kv_transfer, self.kv_stores)
                 self.runner.copy_blocks(out.copies)
         logits = self.runner.execute(inp)  # lock released: aborts may land now (fenced)
         with self._lock:

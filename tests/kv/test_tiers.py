@@ -144,12 +144,18 @@ def test_tenants_and_salts_never_share_an_entry(tmp_path):
     assert r.run("t4", a, CacheKeys(model_id="m", tenant="alice")) == {"host": 8}
 
 
-def test_disk_restart_serves_previous_blocks_and_refuses_another_identity(tmp_path):
+def stored_on_disk(tmp_path, seed: int) -> list[int]:
+    """Run a 17-token prompt, evict its 4 blocks to a disk tier, close; returns the prompt."""
     r = FakeRunner(6, [f"disk:{tmp_path}:4MiB"])
-    a = toks(5, 17)
+    a = toks(seed, 17)
     r.run("a", a)
-    r.run("evict", toks(6, 21))
+    r.run("evict", toks(seed + 1, 21))
     r.stores.close()
+    return a
+
+
+def test_disk_restart_serves_previous_blocks_and_refuses_another_identity(tmp_path):
+    a = stored_on_disk(tmp_path, 5)
     r2 = FakeRunner(6, [f"disk:{tmp_path}:4MiB"])  # a restart: the index comes from disk
     assert r2.kv.tier_stats()["tiers"]["disk"]["blocks"] == 4
     assert r2.run("a", a) == {"disk": 16}
@@ -161,11 +167,7 @@ def test_disk_restart_serves_previous_blocks_and_refuses_another_identity(tmp_pa
 
 
 def test_corrupt_entry_is_a_miss_and_recomputed(tmp_path):
-    r = FakeRunner(6, [f"disk:{tmp_path}:4MiB"])
-    a = toks(7, 17)
-    r.run("a", a)
-    r.run("evict", toks(8, 21))
-    r.stores.close()
+    a = stored_on_disk(tmp_path, 7)
     env = lmdb.open(str(tmp_path), max_dbs=2, map_size=4 << 20)
     data = env.open_db(b"data")
     with env.begin(write=True, db=data) as txn:

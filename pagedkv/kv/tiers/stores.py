@@ -106,6 +106,10 @@ class TierStores:
         ``Load``s that could not be served."""
         loaded: list[tuple[Load, np.ndarray]] = []
         failed: list[Load] = []
+        if wait is not None and any(isinstance(op, Load) or (isinstance(op, Put) and isinstance(
+                self.levels[op.level], HostStore)) for op in ops):
+            wait()  # read here on this thread: the device copy must be done (disk puts wait on the copy thread)
+            wait = None
         for op in ops:
             if isinstance(op, Put):
                 p = payloads[op.src]
