@@ -121,23 +121,25 @@ class LLMEngine:
         specs = parse_tier_specs(cfg.kv_offload)
         if not specs and not cfg.kv_events:
             return None, None, None
-        publisher = None
-        if cfg.kv_events:
-            publisher = ZmqEventPublisher(cfg.kv_events, cfg.kv_events_replay or replay_endpoint_for(cfg.kv_events))
-        codec = self.runner.kv_payload_codec()
-        identity = StoreIdentity(
-            model_id=self.model_id, revision=self.revision, kv_dtype=canonical_dtype(dtype),
-            block_size=cfg.block_size, num_layers=mc.num_layers, block_format=codec.format,
-            block_nbytes=codec.nbytes,
-        )
+        publisher = identity = None
         try:
+            if cfg.kv_events:
+                publisher = ZmqEventPublisher(cfg.kv_events, cfg.kv_events_replay or replay_endpoint_for(cfg.kv_events))
+            if specs:  # tensor parallelism is refused with tiers: one runner holds every head
+                codec = self.runner.kv_payload_codec()
+                identity = StoreIdentity(
+                    model_id=self.model_id, revision=self.revision, kv_dtype=canonical_dtype(dtype),
+                    block_size=cfg.block_size, num_layers=mc.num_layers, block_format=codec.format,
+                    block_nbytes=codec.nbytes,
+                )
             tiers, stores = open_tiers(specs, identity, cfg.block_size, publisher)
         except BaseException:
-            if publisher is not None:
-                publisher.close()
+            for obj in (publisher, self.runner):  # TP workers too: nothing outlives a failed start
+                close = getattr(obj, "close", None)
+                if close is not None:
+                    close()
             raise
-        logger.info("KV tiers: %s (%d B per block); KV events: %s", ", ".join(map(str, specs)) or "none",
-                    codec.nbytes, cfg.kv_events or "off")
+        logger.info("KV tiers: %s; KV events: %s", ", ".join(map(str, specs)) or "none", cfg.kv_events or "off")
         return tiers, stores, publisher
 
     @property

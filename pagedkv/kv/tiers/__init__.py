@@ -24,12 +24,13 @@ from pagedkv.kv.tiers.spec import StoreIdentity, TierSpec, parse_tier_specs
 from pagedkv.kv.tiers.stores import TierStores
 
 
-def open_tiers(specs: Sequence[TierSpec], identity: StoreIdentity, block_size: int,
+def open_tiers(specs: Sequence[TierSpec], identity: StoreIdentity | None, block_size: int,
                publisher: Any = None) -> tuple[KVTiers, TierStores | None]:
     """The tiers' bookkeeping (for the KV manager) and data plane (for the runner; ``None``
-    without tiers). ``publisher``: a ``ZmqEventPublisher`` or anything with
-    ``publish(events)`` (``None``: no events). Raises ``ConfigError`` /
-    ``KVStoreMismatchError`` if a store cannot be opened or belongs to another model."""
+    without tiers; ``identity`` is needed only with tiers). ``publisher``: a
+    ``ZmqEventPublisher`` or anything with ``publish(events)`` (``None``: no events).
+    Raises ``ConfigError`` / ``KVStoreMismatchError`` if a store cannot be opened or
+    belongs to another model."""
     stores = TierStores(specs, identity) if specs else None
     events = KVEventRecorder(block_size, publisher) if publisher is not None else None
     return KVTiers(stores.indexes() if stores else [], block_size, events, stores), stores
