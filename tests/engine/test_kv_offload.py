@@ -135,6 +135,19 @@ def test_clear_errors_at_start(loaded_model, tmp_path):
         make(loaded_model, kv_events="127.0.0.1:5557")
 
 
+def test_serve_refuses_a_bad_tier_at_start(tmp_path, bundled_gguf, capsys):
+    """``pagedkv serve`` exits with status 2 and one clear line, before serving anything."""
+    from pagedkv.cli import main
+
+    f = tmp_path / "a-file"
+    f.write_text("")
+    base = ["serve", "--port", "0", "--num-blocks", "8", "--block-size", "4"]
+    assert main(base + ["--kv-offload", "ram:1GiB"]) == 2
+    assert "pagedkv: error: kv_offload: 'ram:1GiB': the tier kind must be one of" in capsys.readouterr().err
+    assert main(base + ["--kv-offload", f"disk:{f}/kv:16MiB"]) == 2
+    assert "cannot create or write the store directory" in capsys.readouterr().err
+
+
 def test_subscriber_sees_stored_then_removed_without_gaps(loaded_model, cold):
     port = free_port()
     llm = make(loaded_model, enable_prefix_caching=False, kv_events=f"tcp://127.0.0.1:{port}")

@@ -81,6 +81,8 @@ def test_serve_restart_and_kill_9_mid_write(tmp_path, loaded_model):
         assert again["choices"][0]["text"] == first["choices"][0]["text"]
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 40
         assert metric(port, "pagedkv_kv_tier_hit_tokens_total", 'tier="disk"') == 40
+        ui = httpx.get(f"http://127.0.0.1:{port}/ui/state", timeout=10).json()["stats"]
+        assert ui["kv_tiers"]["tiers"]["disk"]["hit_tokens"] == 40 and ui["kv_pool_hit_tokens"] == 0
         # 2. many prompts through a 24-block pool: evictions keep the copy thread writing
         threads = [threading.Thread(target=lambda q=q: _swallow(complete, port, q)) for q in QS]
         for t in threads:
