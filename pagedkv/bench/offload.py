@@ -3,9 +3,10 @@ working set, with and without tiers behind it, and TTFT after a restart.
 
 * Conversations: ``--conversations`` chats of ``--turns`` turns, run one request at a time,
   round robin (turn 1 of every chat, then turn 2, ...), so by the time a chat comes back its
-  blocks have left the pool. Each turn resends the whole history (every earlier user message
-  and answer) plus a new ``--user-tokens``-token message; answers are ``--answer-tokens``
-  greedy tokens. The pool holds ``--pool-fraction`` of the working set (the blocks of every
+  blocks have left the pool. A chat opens with a ``--first-user-tokens``-token message (a
+  pasted document, long instructions); each later turn resends the whole history (every
+  earlier user message and answer) plus a new ``--user-tokens``-token message; answers are
+  ``--answer-tokens`` greedy tokens. The pool holds ``--pool-fraction`` of the working set (the blocks of every
   chat's final history), at least one request. Cells: no tiers (the pool's prefix cache
   only), ``host``, ``disk``, and ``host+disk`` (host sized to ``--host-fraction`` of the
   working set, disk for the rest). Per cell: TTFT (p50, mean), prefix tokens recomputed (the
@@ -45,7 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_options(p, [
         ("--conversations", 8, "chats (default 8)"),
         ("--turns", 6, "turns per chat (default 6)"),
-        ("--user-tokens", 48, "tokens of each new user message (default 48)"),
+        ("--first-user-tokens", 256, "tokens of each chat's first message, e.g. a pasted document (default 256)"),
+        ("--user-tokens", 16, "tokens of each later user message (default 16)"),
         ("--answer-tokens", 12, "greedy tokens of each answer (default 12)"),
         ("--block-size", 16, "tokens per KV block (default 16)"),
         ("--pool-fraction", 0.125, "primary pool / working set (default 1/8)"),
@@ -95,15 +97,17 @@ def _tier_specs(cell: str, args: Any, work_bytes: int, tmp: str) -> list[str] | 
 def run_conversations(loaded: Any, args: Any) -> dict[str, Any]:
     rng = random.Random(args.seed)
     vocab = int(loaded.config.vocab_size)
-    users = [[random_tokens(rng, args.user_tokens, vocab) for _ in range(args.turns)] for _ in range(args.conversations)]
-    final_len = args.turns * (args.user_tokens + args.answer_tokens)
+    users = [[random_tokens(rng, args.first_user_tokens if t == 0 else args.user_tokens, vocab)
+              for t in range(args.turns)] for _ in range(args.conversations)]
+    final_len = args.first_user_tokens + (args.turns - 1) * args.user_tokens + args.turns * args.answer_tokens
     bs = args.block_size
     work_blocks = args.conversations * cdiv(final_len, bs)
     one_request = cdiv(final_len, bs) + 2
     pool = max(int(args.pool_fraction * work_blocks), one_request)
     block_bytes = _block_bytes(loaded, bs)
     work_bytes = work_blocks * block_bytes
-    res: dict[str, Any] = {"conversations": args.conversations, "turns": args.turns, "user_tokens": args.user_tokens,
+    res: dict[str, Any] = {"conversations": args.conversations, "turns": args.turns,
+                           "first_user_tokens": args.first_user_tokens, "user_tokens": args.user_tokens,
                            "answer_tokens": args.answer_tokens, "block_size": bs, "working_set_blocks": work_blocks,
                            "pool_blocks": pool, "pool_fraction": pool / work_blocks, "block_bytes": block_bytes,
                            "cells": {}}
@@ -186,7 +190,7 @@ def run_restart(loaded: Any, args: Any) -> dict[str, Any]:
 
 def collect(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
     if args.tiny:
-        args.conversations, args.turns, args.prefix_len, args.trials = 2, 2, 96, 1
+        args.conversations, args.turns, args.first_user_tokens, args.prefix_len, args.trials = 2, 2, 48, 96, 1
     facts = RunFacts.start(args.threads)
     loaded = load_fp32_model(loaded, args.model)
     data = {"benchmark": "offload", "model": loaded.config.model_id, "tiny": bool(args.tiny), "note": args.note,

@@ -30,8 +30,9 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
     lines = ["# KV tiers: offload to host memory and disk, restarts", "",
              f"`pagedkv bench offload` on {data['model']} (fp32, torch threads {data['threads']}{tiny}).", ""]
     lines += [
-        f"## Multi-turn conversations ({conv['conversations']} chats x {conv['turns']} turns, "
-        f"{conv['user_tokens']}-token messages, {conv['answer_tokens']}-token answers, block {conv['block_size']})",
+        f"## Multi-turn conversations ({conv['conversations']} chats x {conv['turns']} turns: a "
+        f"{conv['first_user_tokens']}-token first message, then {conv['user_tokens']}-token messages; "
+        f"{conv['answer_tokens']}-token answers; block {conv['block_size']})",
         "",
         f"Primary pool {conv['pool_blocks']} blocks = {conv['pool_fraction']:.3f} of the working set "
         f"({conv['working_set_blocks']} blocks, {conv['block_bytes']} B each). One request at a time, round robin "

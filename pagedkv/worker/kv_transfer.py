@@ -65,8 +65,8 @@ class BlockPayloadCodec:
         off = 0
         for cache, layer in zip(self.kv_caches, self.parts):
             tensors = []
-            for dtype, shape, nb in layer:
-                tensors.append(flat[:, off:off + nb].contiguous().view(dtype).view(n, *shape))
+            for dtype, shape, nb in layer:  # strided views of the rows: no copy until the import
+                tensors.append(flat[:, off:off + nb].view(dtype).view(n, *shape))
                 off += nb
             self.backend.import_blocks(cache, ids, tensors)
 

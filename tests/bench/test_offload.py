@@ -11,7 +11,7 @@ from pagedkv.bench import offload as bench_offload
 
 def test_bench_offload_small(loaded_model, tmp_path):
     args = argparse.Namespace(
-        conversations=3, turns=2, user_tokens=20, answer_tokens=2, block_size=4, pool_fraction=0.125,
+        conversations=3, turns=2, first_user_tokens=20, user_tokens=20, answer_tokens=2, block_size=4, pool_fraction=0.125,
         host_fraction=0.25, prefix_len=24, trials=1, seed=0, cells="none,host+disk", model=None, tiny=False,
         note=None, no_plot=True, threads=2, json=False, out_dir=str(tmp_path))
     assert bench_offload.run(args, loaded=loaded_model) == 0
