@@ -189,5 +189,5 @@ def warm_up(engine: Any, prompt: list[int]) -> None:
 
 def tokens_computed(engine: Any) -> int:
     """Token positions the model computed so far (prompt chunks + decodes; prefix-cache hits
-    are not computed). The scheduler's counter: ``EngineStats`` has no field for it."""
-    return engine.scheduler.stats.num_batched_tokens_total
+    are not computed): ``EngineStats.num_batched_tokens``."""
+    return engine.get_stats().num_batched_tokens

@@ -4,7 +4,8 @@ The engine keeps one scheduler and one ``KVCacheManager`` (on the driver, rank 0
 "something that runs a step" through three calls: ``prepare(token_ids, num_computed, block_ids, sample)``,
 ``copy_blocks(copies)`` and ``execute(inp) -> logits``. ``ModelRunner`` is that for one device;
 ``TPExecutor`` is it for ``N`` ranks: the driver process is rank 0 and computes its own shard,
-``N - 1`` workers are spawned with ``torch.multiprocessing`` (or started by torchrun).
+``N - 1`` workers are started as their own processes (``python -m pagedkv.distributed.worker
+--spawned``, whatever way the driver itself was started), or by torchrun.
 
 Per step (``execute``) the driver broadcasts a header and one int64 payload (see
 ``pagedkv.distributed.protocol``: input ids, positions, slot mapping, block tables, sequence
@@ -25,12 +26,16 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import json
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import weakref
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
@@ -47,13 +52,13 @@ from pagedkv.distributed.protocol import (
     pack_step,
 )
 from pagedkv.distributed.worker import (
+    INIT_KEY,
     READY_KEY,
     Rank,
     env_rank,
     handshake,
     init_groups,
     run_env_worker,
-    spawn_main,
 )
 from pagedkv.errors import ConfigError, DistributedError
 from pagedkv.utils import free_port
@@ -63,6 +68,28 @@ log = logging.getLogger("pagedkv.distributed")
 
 _WATCH_INTERVAL_S = 0.1
 _WATCHDOG_GRACE_S = 5.0  # the watchdog's step deadline is the collective timeout plus this
+
+
+class WorkerProcess:
+    """A spawned worker rank: ``pid``, ``exitcode`` (None while running, negative = killed by
+    that signal), ``kill()`` and ``join(timeout)`` over a ``subprocess.Popen``."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+        self.pid = proc.pid
+
+    @property
+    def exitcode(self) -> Optional[int]:
+        return self.proc.poll()
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def _describe_exit(code: Optional[int]) -> str:
@@ -127,7 +154,7 @@ class TPExecutor:
         self.backend = backend
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self._procs: dict[int, Any] = {}  # rank -> multiprocessing.Process (spawn mode only)
+        self._procs: dict[int, WorkerProcess] = {}  # rank -> spawned worker (spawn mode only)
         self._error: Optional[str] = None
         self._closed = False
         self._pending_copies: list[tuple[int, int]] = []
@@ -197,19 +224,22 @@ class TPExecutor:
 
     # ---- start-up ---------------------------------------------------------------------------
     def _spawn_workers(self):
-        import torch.multiprocessing as mp
-
+        """Start ranks 1..N-1 as their own processes (``python -m pagedkv.distributed.worker
+        --spawned ...``, as torchrun would), so it does not matter how the driver was started
+        (a script with or without a ``__main__`` guard, ``python -c``, standard input, a
+        notebook). The init message travels through the rendezvous store."""
         port = free_port()
         store = dist.TCPStore("127.0.0.1", port, self.tp_size, is_master=True,
                               timeout=timedelta(seconds=self.startup_timeout_s), wait_for_workers=False)
-        ctx = mp.get_context("spawn")
+        store.set(INIT_KEY, json.dumps(self.init))
+        env = dict(os.environ)
+        # the package this driver runs, first on the workers' path (also when it is not installed)
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
         for rank in range(1, self.tp_size):
-            p = ctx.Process(
-                target=spawn_main, args=(rank, self.tp_size, "127.0.0.1", port, self.init, os.getpid()),
-                name=f"pagedkv-tp-rank{rank}", daemon=True,
-            )
-            p.start()
-            self._procs[rank] = p
+            cmd = [sys.executable, "-m", "pagedkv.distributed.worker", "--spawned",
+                   str(rank), str(self.tp_size), "127.0.0.1", str(port), str(os.getpid())]
+            self._procs[rank] = WorkerProcess(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL))
         return store
 
     def _wait_ready(self, store: Any) -> None:

@@ -12,7 +12,7 @@ Process groups (created in this order on every rank, see ``init_groups``):
 * ``dev``: the all-reduce of the row-parallel layers, ``timeout_s``: the ``step`` group on CPU,
   an NCCL group on GPUs (tensors stay on the device).
 
-A worker is started either by ``TPExecutor`` (``torch.multiprocessing`` spawn, ``spawn_main``)
+A worker is started either by ``TPExecutor`` (``python -m pagedkv.distributed.worker --spawned``, ``spawn_main``)
 or with torchrun-style environment variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
 ``MASTER_PORT``, ``LOCAL_RANK``): ``python -m pagedkv.distributed.worker`` or the same
 ``pagedkv`` command as the driver (``run_env_worker``).
@@ -21,6 +21,7 @@ or with torchrun-style environment variables (``RANK``, ``WORLD_SIZE``, ``MASTER
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import socket
@@ -53,6 +54,7 @@ log = logging.getLogger("pagedkv.distributed")
 #: driver stays idle.
 IDLE_TIMEOUT = timedelta(days=365)
 READY_KEY = "pagedkv/ready/{rank}"
+INIT_KEY = "pagedkv/init"  # the driver's init message (JSON) for spawned workers
 
 
 @dataclass
@@ -229,14 +231,17 @@ def _watch_parent(parent_pid: int) -> None:
     threading.Thread(target=loop, name="pagedkv-parent-watch", daemon=True).start()
 
 
-def spawn_main(rank: int, world_size: int, host: str, port: int, init: dict, parent_pid: int) -> None:
-    """Entry of a worker spawned by ``TPExecutor``: load and shard the model, allocate the
-    KV cache, tell the driver through the rendezvous store that it is ready (or why not),
-    join the process groups, then ``serve`` until shutdown."""
-    setup_process(init["threads"])
+def spawn_main(rank: int, world_size: int, host: str, port: int, parent_pid: int) -> None:
+    """Entry of a worker spawned by ``TPExecutor`` (``python -m pagedkv.distributed.worker
+    --spawned``): read the init message from the rendezvous store, load and shard the model,
+    allocate the KV cache, tell the driver through the store that it is ready (or why not),
+    join the process groups, then ``serve`` until shutdown. Exits when the driver dies."""
     _watch_parent(parent_pid)
-    store = dist.TCPStore(host, port, world_size, is_master=False,
-                          timeout=timedelta(seconds=init["startup_timeout_s"]))
+    _, startup_s = default_timeouts()
+    store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=startup_s))
+    init = json.loads(store.get(INIT_KEY).decode())
+    store.set_timeout(timedelta(seconds=init["startup_timeout_s"]))
+    setup_process(init["threads"])
     key = READY_KEY.format(rank=rank)
     try:
         from pagedkv.attention import get_backend
@@ -328,7 +333,13 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m pagedkv.distributed.worker", description=main.__doc__)
     p.add_argument("--model", default=None, help="model path on this machine (default: the driver's)")
+    p.add_argument("--spawned", nargs=5, metavar=("RANK", "WORLD", "HOST", "PORT", "PARENT_PID"),
+                   help="started by TPExecutor (internal)")
     args = p.parse_args(argv)
+    if args.spawned:
+        rank, world, host, port, parent = args.spawned
+        spawn_main(int(rank), int(world), host, int(port), int(parent))
+        return 0
     timeout_s, startup_s = default_timeouts()
     run_env_worker(None, timeout_s=timeout_s, startup_timeout_s=startup_s, model_path_override=args.model)
     return 0

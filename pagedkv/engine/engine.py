@@ -227,7 +227,7 @@ class LLMEngine:
         params = sampling_params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling_params must be a SamplingParams")
-        params.validate(max_n=self.config.max_n)
+        params.validate(max_n=self.config.max_n, vocab_size=self.model_config.vocab_size)
         if arrival_time is not None and (
             isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float))
             or arrival_time != arrival_time

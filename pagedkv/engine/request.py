@@ -24,8 +24,11 @@ class SamplingParams:
     """How to pick output tokens (OpenAI / vLLM semantics).
 
     temperature: 0 = greedy; must be >= 0. top_p in (0, 1]. top_k: <= 0 or -1 = off.
-    min_p in [0, 1]. repetition_penalty > 0 (1 = off; applies to prompt and output tokens).
-    presence_penalty / frequency_penalty in [-2, 2] (output tokens). seed: per-request RNG,
+    min_p in [0, 1]. repetition_penalty in [0.01, 100] (1 = off; applies to prompt and output
+    tokens; bounded so that a penalised logit stays finite). presence_penalty /
+    frequency_penalty in [-2, 2] (output tokens). logit_bias: token id -> bias added to that
+    token's logit before sampling (OpenAI semantics; biases in [-100, 100], at most 300
+    tokens, ids in the vocabulary; None = off). seed: per-request RNG,
     so a request samples the same tokens alone or in any batch. max_tokens >= 1 (tokens).
     stop: strings that end generation (not included in the text). stop_token_ids: token ids
     that end generation (like EOS). ignore_eos: keep going past EOS (benchmarks).
@@ -60,6 +63,7 @@ class SamplingParams:
     beam_width: int = 1
     length_penalty: float = 1.0
     early_stopping: Any = False
+    logit_bias: Optional[dict[int, float]] = None
 
     # The accepted ranges: validate() checks them, the server's request schemas reuse them.
     MAX_N: ClassVar[int] = 64  # default cap of n and beam_width (the engine passes its own)
@@ -68,6 +72,9 @@ class SamplingParams:
     TOP_P_RANGE: ClassVar[tuple[float, float]] = (0.0, 1.0)  # low < top_p <= high
     MIN_P_RANGE: ClassVar[tuple[float, float]] = (0.0, 1.0)  # low <= min_p <= high
     PENALTY_RANGE: ClassVar[tuple[float, float]] = (-2.0, 2.0)  # presence / frequency, inclusive
+    REPETITION_PENALTY_RANGE: ClassVar[tuple[float, float]] = (0.01, 100.0)  # inclusive
+    LOGIT_BIAS_RANGE: ClassVar[tuple[float, float]] = (-100.0, 100.0)  # inclusive (OpenAI's)
+    MAX_LOGIT_BIAS: ClassVar[int] = 300  # tokens one request may bias
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -83,6 +90,10 @@ class SamplingParams:
         return self.beam_width > 1
 
     @property
+    def uses_logit_bias(self) -> bool:
+        return bool(self.logit_bias)
+
+    @property
     def uses_penalties(self) -> bool:
         return (
             self.repetition_penalty != 1.0
@@ -90,7 +101,11 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
         )
 
-    def validate(self, max_n: int = MAX_N, max_logprobs: int = MAX_LOGPROBS) -> None:
+    def validate(self, max_n: int = MAX_N, max_logprobs: int = MAX_LOGPROBS,
+                 vocab_size: Optional[int] = None) -> None:
+        """Raise ``InvalidRequestError`` naming the first out-of-range field. ``vocab_size``
+        (when given) bounds the token ids of ``logit_bias``."""
+
         def bad(field_name: str, why: str) -> None:
             raise InvalidRequestError(f"SamplingParams.{field_name}: {why}")
 
@@ -108,8 +123,10 @@ class SamplingParams:
         lo, hi = self.MIN_P_RANGE
         if not _is_finite(self.min_p) or not (lo <= self.min_p <= hi):
             bad("min_p", f"must be in [{lo:g}, {hi:g}], got {self.min_p!r}")
-        if not _is_finite(self.repetition_penalty) or self.repetition_penalty <= 0:
-            bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
+        lo, hi = self.REPETITION_PENALTY_RANGE
+        if not _is_finite(self.repetition_penalty) or not (lo <= self.repetition_penalty <= hi):
+            bad("repetition_penalty", f"must be in [{lo:g}, {hi:g}], got {self.repetition_penalty!r}")
+        self._validate_logit_bias(bad, vocab_size)
         lo, hi = self.PENALTY_RANGE
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
@@ -151,6 +168,24 @@ class SamplingParams:
                 bad("stop", "stop strings are not supported with beam search (use stop_token_ids)")
             if self.logprobs is not None:
                 bad("logprobs", "not supported with beam search")
+            if self.logit_bias:
+                bad("logit_bias", "not supported with beam search")
+
+    def _validate_logit_bias(self, bad: Any, vocab_size: Optional[int]) -> None:
+        lb = self.logit_bias
+        if lb is None:
+            return
+        if not isinstance(lb, dict):
+            bad("logit_bias", f"must be a dict of token id -> bias, got {type(lb).__name__}")
+        if len(lb) > self.MAX_LOGIT_BIAS:
+            bad("logit_bias", f"at most {self.MAX_LOGIT_BIAS} tokens, got {len(lb)}")
+        lo, hi = self.LOGIT_BIAS_RANGE
+        top = vocab_size if vocab_size is not None else 2**63
+        for t, b in lb.items():
+            if not _is_int(t) or not 0 <= t < top:
+                bad("logit_bias", f"token ids must be integers in [0, {top}), got {t!r}")
+            if not _is_finite(b) or not lo <= b <= hi:
+                bad("logit_bias", f"biases must be numbers in [{lo:g}, {hi:g}], got {b!r} for token {t}")
 
 
 _GREEDY_EPS = 1e-5

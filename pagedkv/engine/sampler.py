@@ -5,16 +5,36 @@ Greedy rows take one vectorised argmax. Random rows draw from each request's own
 request samples the same tokens alone or in any batch. Sampling uses the exponential-race
 form (``argmax(p / E)``, ``E ~ Exp(1)``), which consumes exactly ``vocab`` random numbers per
 token whatever the filters keep.
+
+Logits are adjusted per request before any pick: penalties (:func:`apply_penalties`), then
+``logit_bias`` (:func:`apply_logit_bias`). Logprobs are those of the adjusted logits
+(before temperature). A row whose adjusted logits hold NaN or +inf, or are all -inf, or
+whose sampled token would get a non-finite logprob, raises :class:`SamplingError` naming
+its requests: the validated parameter ranges make this unreachable, and the guard keeps a
+bug from becoming a NaN in a response. The sampler changes no request state, so the step
+that raised can be retried without them.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
 from pagedkv.engine.request import Request, SamplingParams
+from pagedkv.errors import PagedKVError
+
+
+class SamplingError(PagedKVError, ArithmeticError):
+    """Sampling cannot give these requests a valid token: a non-finite logit or logprob, or
+    a ``logit_bias`` token outside the vocabulary. ``request_ids``: the requests (engine
+    sequence ids) at fault; the others of the batch are not."""
+
+    def __init__(self, message: str, request_ids: Sequence[str]) -> None:
+        super().__init__(message)
+        self.request_ids = list(request_ids)
 
 
 @dataclass
@@ -36,6 +56,28 @@ def apply_penalties(logits: torch.Tensor, req: Request) -> torch.Tensor:
         counts = torch.bincount(out, minlength=logits.shape[0]).to(logits.dtype)
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
     return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, req: Request) -> torch.Tensor:
+    """Add ``req``'s ``logit_bias`` (token id -> bias) to ``logits`` ``[vocab]`` fp32, in
+    place. Raises :class:`SamplingError` for a token id outside ``[0, vocab)``."""
+    bias = req.sampling_params.logit_bias or {}
+    ids = list(bias)
+    if not all(0 <= t < logits.shape[0] for t in ids):
+        raise SamplingError(f"logit_bias token ids must be in [0, {logits.shape[0]})", [req.request_id])
+    logits[torch.tensor(ids, dtype=torch.long)] += torch.tensor([bias[t] for t in ids], dtype=logits.dtype)
+    return logits
+
+
+def _check_finite(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+    """Raise :class:`SamplingError` for rows of ``logits`` ``[R, vocab]`` with a NaN or +inf,
+    or no finite value at all (softmax of those is NaN). One pass when all are finite."""
+    if bool(torch.isfinite(logits).all()):
+        return
+    bad = torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1) | torch.isneginf(logits).all(-1)
+    if bool(bad.any()):
+        ids = [requests[i].request_id for i in bad.nonzero().flatten().tolist()]
+        raise SamplingError(f"non-finite logits for {ids} (a sampling parameter out of range?)", ids)
 
 
 def _filter_probs(probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -71,11 +113,16 @@ class Sampler:
         n = logits.shape[0]
         tokens: list[int] = [0] * n
         logprobs: list[Optional[dict[int, float]]] = [None] * n
-        if any(r.sampling_params.uses_penalties for r in requests):
+        adjust = [i for i, r in enumerate(requests)
+                  if r.sampling_params.uses_penalties or r.sampling_params.uses_logit_bias]
+        if adjust:
             logits = logits.clone()
-            for i, r in enumerate(requests):
-                if r.sampling_params.uses_penalties:
-                    apply_penalties(logits[i], r)
+            for i in adjust:
+                if requests[i].sampling_params.uses_penalties:
+                    apply_penalties(logits[i], requests[i])
+                if requests[i].sampling_params.uses_logit_bias:
+                    apply_logit_bias(logits[i], requests[i])
+        _check_finite(logits, requests)
         greedy_rows = [i for i, r in enumerate(requests) if r.sampling_params.greedy]
         if greedy_rows:
             am = logits[greedy_rows].argmax(dim=-1).tolist()
@@ -99,11 +146,21 @@ class Sampler:
         if want_lp:
             lps = torch.log_softmax(logits[want_lp], dim=-1)
             for row, i in enumerate(want_lp):
-                k = requests[i].sampling_params.logprobs
-                d = {tokens[i]: float(lps[row, tokens[i]])}
-                if k:
-                    top = torch.topk(lps[row], k)
-                    for v, t in zip(top.values.tolist(), top.indices.tolist()):
-                        d.setdefault(t, v)
-                logprobs[i] = d
+                logprobs[i] = _logprob_dict(lps[row], tokens[i], requests[i])
         return SamplerOutput(tokens, logprobs)
+
+
+def _logprob_dict(lps: torch.Tensor, token: int, req: Request) -> dict[int, float]:
+    """``{sampled token: logprob, then the top-k}`` from one row of log-probabilities
+    ``[vocab]``. Raises :class:`SamplingError` if the sampled token's logprob is not finite;
+    alternatives with logprob -inf (probability 0) are left out."""
+    d = {token: float(lps[token])}
+    if not math.isfinite(d[token]):
+        raise SamplingError(f"non-finite logprob {d[token]} for {req.request_id}", [req.request_id])
+    k = req.sampling_params.logprobs
+    if k:
+        top = torch.topk(lps, k)
+        for v, t in zip(top.values.tolist(), top.indices.tolist()):
+            if math.isfinite(v):
+                d.setdefault(t, v)
+    return d

@@ -9,12 +9,9 @@ get a block, the scheduler preempts the lowest-priority running request (FCFS: t
 admitted): its blocks are freed, its progress reset, and it is requeued first; on resume it
 recomputes prompt + outputs (hitting its own cached blocks if prefix caching is on).
 
-Gangs (``gang_ids``: the parent ids of beam searches, whose live sequences must advance
-together because a beam step needs every live beam's logits) are never split: preempting a
-member preempts the whole gang, and a waiting gang is admitted all at once. It re-enters as
-one leader that recomputes the tokens all members share, then the others fork its blocks
-(so the shared prefix is stored once again, prefix caching or not) and each recomputes only
-its own suffix.
+Beam groups are gangs, scheduled all or nothing (see ``sequence_group.Gangs``): preempting a
+member preempts the whole gang, and a waiting gang is admitted at once behind one leader that
+recomputes the shared prefix, which the others then fork.
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
 from pagedkv.engine.request import Request, RequestStatus, now
-from pagedkv.engine.sequence_group import SequenceGroups
+from pagedkv.engine.sequence_group import Gangs, SequenceGroups
 from pagedkv.errors import NoFreeBlocksError, PagedKVError
 from pagedkv.kv import KVCacheManager, check_invariants
 from pagedkv.kv.tiers import cached_tokens_by_tier
@@ -121,10 +118,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
-        # parent ids of gangs (beam searches, kept by ``groups``): see the module doc
-        self.gang_ids: set[str] = set()
-        self._forks: dict[str, tuple[int, list[Request]]] = {}  # leader id -> (fork at, members)
-        self._parked: set[str] = set()  # waiting members that fork from their running leader
+        # beam groups scheduled all or nothing (see the module doc)
+        self.gangs = Gangs()
         # Head-room kept free for running requests to grow into. Without paging a request
         # reserves its whole max_model_len up front and never grows, so none is needed.
         self._watermark_blocks = (
@@ -160,8 +155,7 @@ class Scheduler:
                 self.waiting.remove(req)
             except ValueError:
                 pass
-        self._unpark(req)
-        self._parked.discard(req.request_id)
+        self.gangs.forget(req)
         req.status = status
         req.finish_time = now()
         self.kv.free(req.request_id)
@@ -172,34 +166,22 @@ class Scheduler:
         return (req.priority, req.arrival_time)
 
     def _next_waiting(self) -> Optional[Request]:
-        cands = [r for r in self.waiting if r.request_id not in self._parked] if self._parked else self.waiting
+        cands = self.gangs.unparked(self.waiting)
         if not cands:
             return None
         if self.config.policy == "priority":
             return min(cands, key=self._queue_key)
         return cands[0]
 
-    def _unpark(self, leader: Request) -> None:
-        """``leader`` stops (preempted or finished) before its members forked: they wait
-        again as ordinary members of their gang."""
-        fk = self._forks.pop(leader.request_id, None)
-        if fk is not None:
-            for m in fk[1]:
-                self._parked.discard(m.request_id)
-
     def _fork_members(self, leader: Request) -> None:
         """The leader computed the gang's shared prefix: its members share those blocks
         (copy-on-write of a partly filled last one) and run on from there."""
-        at, members = self._forks.pop(leader.request_id)
+        at, members = self.gangs.release(leader)
         for m in members:
-            self._parked.discard(m.request_id)
             if m.status.finished or m not in self.waiting:
                 continue
             self.waiting.remove(m)
-            self.kv.fork(leader.request_id, m.request_id)
-            m.num_computed_tokens = at
-            m.status = RequestStatus.RUNNING
-            self.running.append(m)
+            self.fork(leader, m, at)
 
     def _pick_victim(self, candidates: list[Request]) -> Request:
         if self.config.policy == "priority":
@@ -207,7 +189,7 @@ class Scheduler:
         return candidates[-1]
 
     def _preempt(self, victim: Request) -> None:
-        self._unpark(victim)
+        self.gangs.unpark(victim)
         self.running.remove(victim)
         self.kv.free(victim.request_id)
         victim.status = RequestStatus.PREEMPTED
@@ -253,21 +235,15 @@ class Scheduler:
 
         # 0) a gang split by last step's preemption: preempt its running members too (all or
         #    nothing; they would otherwise hold blocks waiting for siblings that can't get any)
-        if self.gang_ids and self.waiting:
-            split = {
-                r.parent_id for r in self.waiting
-                if r.parent_id in self.gang_ids and r.request_id not in self._parked
-            }
-            for r in [r for r in self.running if r.parent_id in split]:
-                self._preempt(r)
-                preempted.append(r)
+        for r in self.gangs.split_members(self.waiting, self.running):
+            self._preempt(r)
+            preempted.append(r)
 
         # 1) running requests: decode tokens and unfinished prefill chunks
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            fk = self._forks.get(req.request_id)
-            end = fk[0] if fk is not None else req.num_tokens  # a leader stops at the fork
+            end = self.gangs.fork_point(req, req.num_tokens)  # a leader stops at the fork
             n = min(end - req.num_computed_tokens, budget)
             if n <= 0:
                 i += 1
@@ -300,20 +276,8 @@ class Scheduler:
                 break
             # a gang enters whole: req leads, computing the tokens every member shares (at
             # least one short of its end, so it samples nothing), then the others fork it
-            members = (
-                [r for r in self.waiting if r.parent_id == req.parent_id and r is not req]
-                if req.parent_id in self.gang_ids else []
-            )
-            end = req.num_tokens
+            members, end = self.gangs.members_and_fork_point(req, self.waiting)
             if members:
-                toks = req.all_token_ids
-                end = min(req.num_tokens - 1, *(m.num_tokens - 1 for m in members))
-                for m in members:
-                    mt = m.all_token_ids
-                    j = 0
-                    while j < end and mt[j] == toks[j]:
-                        j += 1
-                    end = j
                 if self.running and len(self.running) + 1 + len(members) > cfg.max_num_seqs:
                     break
             hit_blocks, num_cached = [], 0
@@ -360,8 +324,7 @@ class Scheduler:
             scheduled.append((req, n))
             budget -= n
             if members:
-                self._forks[req.request_id] = (end, members)
-                self._parked.update(m.request_id for m in members)
+                self.gangs.park(req, end, members)
 
         step_id = self.kv.begin_step([r.request_id for r, _ in scheduled])
         used = cfg.max_num_batched_tokens - budget
@@ -419,8 +382,7 @@ class Scheduler:
                 self.kv.cache_blocks(
                     req.request_id, req.all_token_ids, req.num_computed_tokens, req.cache_keys
                 )
-            fk = self._forks.get(req.request_id)
-            if fk is not None and req.num_computed_tokens >= fk[0]:
+            if self.gangs.ready_to_fork(req):
                 self._fork_members(req)
             tok = sampled.get(req.request_id)
             if tok is None:

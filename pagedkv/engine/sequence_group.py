@@ -10,7 +10,7 @@ scheduler's registry of them and does everything that adds or drops a sequence o
 * beam search (:mod:`pagedkv.engine.beam` chooses): the first child of a beam continues it
   in place, each further child forks the beam's table, a beam with no child is freed;
 * all-or-nothing admission and preemption of a beam group: its parent id is in
-  ``scheduler.gang_ids``, which the scheduler never splits.
+  ``scheduler.gangs`` (:class:`Gangs`), which the scheduler never splits.
 
 Every fork and free goes through the scheduler (``scheduler.fork``,
 ``scheduler.finish_request``), the only caller of the KV manager.
@@ -77,6 +77,86 @@ class SequenceGroup:
         )
 
 
+class Gangs:
+    """Beam groups, scheduled all or nothing: a beam step needs every live beam's logits, so
+    preempting one member preempts the whole gang, and a waiting gang is admitted at once.
+    It re-enters as one *leader* that recomputes the tokens all members share (at least one
+    short of its end, so it samples nothing); the other members are *parked* until the
+    leader reaches that fork point, then fork its blocks (the shared prefix stored once,
+    prefix caching or not) and each recomputes only its own suffix. ``ids``: the gangs'
+    parent request ids (kept by :class:`SequenceGroups`)."""
+
+    def __init__(self) -> None:
+        self.ids: set[str] = set()
+        self._forks: dict[str, tuple[int, list[Request]]] = {}  # leader id -> (fork at, members)
+        self._parked: set[str] = set()  # waiting members that fork from their running leader
+
+    def unparked(self, waiting: Any) -> Any:
+        """The waiting sequences that may be admitted (parked members wait for their leader)."""
+        return [r for r in waiting if r.request_id not in self._parked] if self._parked else waiting
+
+    def split_members(self, waiting: Any, running: list[Request]) -> list[Request]:
+        """Running members of gangs that last step's preemption split (a member waits,
+        unparked): they must be preempted too, or they would hold blocks waiting for
+        siblings that cannot get any."""
+        if not self.ids or not waiting:
+            return []
+        split = {r.parent_id for r in waiting if r.parent_id in self.ids and r.request_id not in self._parked}
+        return [r for r in running if r.parent_id in split]
+
+    def members_and_fork_point(self, req: Request, waiting: Any) -> tuple[list[Request], int]:
+        """``req``'s waiting gang members and the tokens they all share with it (where they
+        fork), or ``([], req.num_tokens)`` for a request outside a gang."""
+        if req.parent_id not in self.ids:
+            return [], req.num_tokens
+        members = [r for r in waiting if r.parent_id == req.parent_id and r is not req]
+        if not members:
+            return [], req.num_tokens
+        toks = req.all_token_ids
+        end = min(req.num_tokens - 1, *(m.num_tokens - 1 for m in members))
+        for m in members:
+            mt = m.all_token_ids
+            j = 0
+            while j < end and mt[j] == toks[j]:
+                j += 1
+            end = j
+        return members, end
+
+    def park(self, leader: Request, at: int, members: list[Request]) -> None:
+        """``leader`` was admitted: ``members`` wait until it has computed ``at`` tokens."""
+        self._forks[leader.request_id] = (at, members)
+        self._parked.update(m.request_id for m in members)
+
+    def fork_point(self, req: Request, default: int) -> int:
+        """Where a leader stops computing (its members' fork point), else ``default``."""
+        fk = self._forks.get(req.request_id)
+        return fk[0] if fk is not None else default
+
+    def ready_to_fork(self, leader: Request) -> bool:
+        fk = self._forks.get(leader.request_id)
+        return fk is not None and leader.num_computed_tokens >= fk[0]
+
+    def release(self, leader: Request) -> tuple[int, list[Request]]:
+        """The leader reached the fork point: ``(fork point, members)``, no longer parked."""
+        at, members = self._forks.pop(leader.request_id)
+        for m in members:
+            self._parked.discard(m.request_id)
+        return at, members
+
+    def unpark(self, leader: Request) -> None:
+        """``leader`` stops (preempted or finished) before its members forked: they wait
+        again as ordinary members of their gang."""
+        fk = self._forks.pop(leader.request_id, None)
+        if fk is not None:
+            for m in fk[1]:
+                self._parked.discard(m.request_id)
+
+    def forget(self, req: Request) -> None:
+        """``req`` finished: neither a leader nor a parked member any more."""
+        self.unpark(req)
+        self._parked.discard(req.request_id)
+
+
 def _sibling(src: Request, request_id: str, params: SamplingParams, parent_id: str, index: int) -> Request:
     """A new sequence with ``src``'s prompt, identity and limits, running from ``src``'s
     progress (its blocks are forked by the caller)."""
@@ -120,7 +200,7 @@ class SequenceGroups:
                 p.length_penalty, p.early_stopping,
             )
             group.beam.start(first)
-            self.scheduler.gang_ids.add(group.request_id)
+            self.scheduler.gangs.ids.add(group.request_id)
         self.by_id[group.request_id] = group
         self.by_seq[first.request_id] = group
         self.scheduler.add_request(first)
@@ -138,7 +218,7 @@ class SequenceGroups:
     def pop(self, request_id: str) -> None:
         """Forget a finished group."""
         group = self.by_id.pop(request_id)
-        self.scheduler.gang_ids.discard(request_id)
+        self.scheduler.gangs.ids.discard(request_id)
         for s in group.seqs:
             self.by_seq.pop(s.request_id, None)
 
@@ -248,7 +328,7 @@ class SequenceGroups:
         for b in list(bs.beams):
             self.scheduler.finish_request(b, RequestStatus.FINISHED_STOPPED)
             b._text_tokens = b.num_output_tokens  # its text is not used
-        self.scheduler.gang_ids.discard(group.request_id)
+        self.scheduler.gangs.ids.discard(group.request_id)
 
 
 def blocks_needed(num_prompt_tokens: int, total_tokens: int, params: SamplingParams,

@@ -21,6 +21,7 @@ class EngineStats:
     kv_usage: float  # num_used_blocks / num_blocks
     num_preemptions: int
     num_steps: int
+    num_batched_tokens: int  # tokens run through the model (prefill chunks + decodes, recomputes too)
     peak_running: int
     num_generated_tokens: int
     num_prompt_tokens: int
@@ -61,6 +62,7 @@ def collect_stats(scheduler: Any) -> EngineStats:
         kv_usage=kv.usage,
         num_preemptions=st.num_preemptions,
         num_steps=st.num_steps,
+        num_batched_tokens=st.num_batched_tokens_total,
         peak_running=st.peak_running,
         num_generated_tokens=st.num_generated_tokens,
         num_prompt_tokens=st.num_prompt_tokens,

@@ -8,6 +8,8 @@ import sys
 import time
 
 from pagedkv.engine.cli import add_engine_args, engine_kwargs
+from pagedkv.server.app import OPENABLE_ROUTES
+from pagedkv.server.http_protocol import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, DEFAULT_KEEP_ALIVE_S, uvicorn_options
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -35,15 +37,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
           file=sys.stderr)
     app = build_app(engine, served_model_name=args.served_model_name, api_keys=keys,
                     max_body_bytes=args.max_body_bytes, max_n=args.max_n,
-                    shutdown_timeout_s=args.shutdown_timeout)
+                    shutdown_timeout_s=args.shutdown_timeout, open_routes=tuple(args.open_route or ()))
     print(f"[pagedkv] serving on http://{args.host}:{args.port}/v1  (live KV page: /ui, metrics: /metrics)",
           file=sys.stderr)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=int(args.shutdown_timeout) + 1)
+                    timeout_graceful_shutdown=int(args.shutdown_timeout) + 1,
+                    **uvicorn_options(header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+                                      keep_alive_s=args.keep_alive_timeout))
     finally:
         engine.close()  # a disk tier keeps the cached blocks for the next start
     return 0
+
+
+def _positive_seconds(text: str) -> float:
+    v = float(text)
+    if not (v > 0 and v < 86400):
+        raise argparse.ArgumentTypeError(f"must be seconds in (0, 86400), got {text}")
+    return v
 
 
 def _port(text: str) -> int:
@@ -60,7 +71,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", action="append", default=None,
                    help="name clients pass as 'model' (repeatable; default: the model id)")
     p.add_argument("--api-keys", default=None, metavar="FILE",
-                   help="key -> tenant file (JSON object or 'KEY TENANT' lines); enables 401 and tenant cache isolation")
+                   help="key -> tenant file (JSON object or 'KEY TENANT' lines); enables tenant cache isolation. "
+                        "Every route but /health then needs a key (Authorization: Bearer KEY, or X-API-Key; "
+                        "the /ui page also takes ?key=), else 401: /v1/*, /ui, /ui/state, /metrics, /openapi.json")
+    p.add_argument("--open-route", action="append", choices=list(OPENABLE_ROUTES), default=None, metavar="PATH",
+                   help="with --api-keys, serve this route without a key (repeatable): "
+                        f"{', '.join(OPENABLE_ROUTES)}; /v1/* and /ui/state always need one")
+    p.add_argument("--header-timeout", type=_positive_seconds, default=DEFAULT_HEADER_TIMEOUT_S, metavar="S",
+                   help=f"seconds a client has to send a complete request head, from connecting or from the "
+                        f"end of its previous response (then 408 and close; default {DEFAULT_HEADER_TIMEOUT_S:g})")
+    p.add_argument("--body-timeout", type=_positive_seconds, default=DEFAULT_BODY_TIMEOUT_S, metavar="S",
+                   help=f"seconds a client has to send its request body after the head "
+                        f"(then 408 and close; default {DEFAULT_BODY_TIMEOUT_S:g})")
+    p.add_argument("--keep-alive-timeout", type=int, default=DEFAULT_KEEP_ALIVE_S, metavar="S",
+                   help=f"seconds an idle keep-alive connection stays open (default {DEFAULT_KEEP_ALIVE_S})")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit in bytes (default 1 MiB)")
     p.add_argument("--max-n", type=int, default=16, help="largest n per request (default 16)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
 
 from pagedkv.engine.request import RequestOutput, SamplingParams
+from pagedkv.engine.sampler import SamplingError
 
 logger = logging.getLogger("pagedkv.server")
 
@@ -33,7 +34,13 @@ class EngineStoppedError(RuntimeError):
 
 
 class EngineStepError(RuntimeError):
-    """``engine.step()`` raised while this request was in flight (the request was aborted)."""
+    """``engine.step()`` raised while this request was in flight (the request was aborted).
+    ``code``: ``"engine_error"``, or ``"sampling_error"`` when the sampler refused this
+    request alone (:class:`pagedkv.engine.sampler.SamplingError`)."""
+
+    def __init__(self, message: str, code: str = "engine_error") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass
@@ -253,6 +260,10 @@ class EngineLoop:
                 continue
             try:
                 outs = eng.step()
+            except SamplingError as exc:  # only these requests are at fault: fail them alone
+                self.num_step_errors += 1
+                self._fail_requests(exc)
+                continue
             except Exception as exc:  # keep serving: fail the in-flight requests
                 self.num_step_errors += 1
                 logger.exception("engine step failed; aborting in-flight requests")
@@ -268,6 +279,24 @@ class EngineLoop:
             self.num_steps += 1
             self.last_step_time = time.time()
             self._dispatch(outs)
+
+    def _fail_requests(self, exc: SamplingError) -> None:
+        """Abort the user requests of ``exc.request_ids`` (a fork ``"<id>#<k>"`` belongs to
+        ``<id>``) and fail their submissions; the rest of the batch recomputes next step."""
+        parents = sorted({rid.split("#", 1)[0] for rid in exc.request_ids})
+        logger.error("sampling failed for %s: %s", parents, exc)
+        try:
+            self.engine.abort_request(parents)
+        except Exception:
+            logger.exception("abort after a sampling error failed")
+        with self._routes_lock:
+            routes = [self._routes.pop(rid) for rid in parents if rid in self._routes]
+        err = EngineStepError(f"sampling failed: {exc}", code="sampling_error")
+        for loop, queue in {id(q): (lp, q) for lp, q in routes}.values():
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, err)
+            except RuntimeError:
+                pass
 
     def _dispatch(self, outs: list[RequestOutput]) -> None:
         for out in outs:

@@ -10,6 +10,7 @@ except ``text_offset`` (characters).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -21,9 +22,13 @@ MAX_SEQS_PER_CALL = 64  # sequences (prompts x n) one /v1/completions call may s
 
 # ---- requests -----------------------------------------------------------------------
 def sampling_params(body: Any, max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
-    """The engine's parameters for a request body (unset fields: the OpenAI defaults)."""
+    """The engine's parameters for a request body (unset fields: the OpenAI defaults). With
+    ``best_of`` the engine draws ``best_of`` samples and keeps their logprobs, so that
+    :func:`completion_response` can return the ``n`` best."""
+    if body.best_of is not None and body.best_of > body.n:
+        logprobs = logprobs or 0
     return SamplingParams(
-        n=body.n,
+        n=body.best_of or body.n,
         temperature=1.0 if body.temperature is None else float(body.temperature),
         top_p=1.0 if body.top_p is None else float(body.top_p),
         top_k=-1 if body.top_k is None else body.top_k,
@@ -33,6 +38,7 @@ def sampling_params(body: Any, max_tokens: int, logprobs: Optional[int]) -> Samp
         frequency_penalty=float(body.frequency_penalty or 0.0),
         seed=body.seed, max_tokens=max_tokens, stop=body.stop,
         stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logprobs=logprobs,
+        logit_bias=body.token_biases(),
     )
 
 
@@ -152,9 +158,24 @@ def _response_choice(ctx: ResponseContext, tokenizer: Any, prompt_idx: int, c: C
             "finish_reason": c.finish_reason}
 
 
+def cumulative_logprob(c: CompletionOutput) -> float:
+    """Sum of the sampled tokens' logprobs of one sample (needs its logprobs)."""
+    return sum(d[t] for t, d in zip(c.token_ids, c.logprobs or ()))
+
+
+def best_samples(ctx: ResponseContext, out: RequestOutput) -> list[CompletionOutput]:
+    """The samples of one prompt to return: all of them, or with ``best_of`` the ``n`` with
+    the highest cumulative logprob, best first, re-indexed 0..n-1."""
+    if len(out.outputs) <= ctx.n:
+        return out.outputs
+    ranked = sorted(out.outputs, key=cumulative_logprob, reverse=True)[:ctx.n]
+    return [dataclasses.replace(c, index=k) for k, c in enumerate(ranked)]
+
+
 def completion_response(ctx: ResponseContext, tokenizer: Any, finals: dict[int, RequestOutput]) -> dict[str, Any]:
-    """The non-streaming response object from the final output of every prompt."""
-    choices = [_response_choice(ctx, tokenizer, i, c) for i in sorted(finals) for c in finals[i].outputs]
+    """The non-streaming response object from the final output of every prompt (usage
+    counts every generated token, ``best_of`` candidates included)."""
+    choices = [_response_choice(ctx, tokenizer, i, c) for i in sorted(finals) for c in best_samples(ctx, finals[i])]
     choices.sort(key=lambda ch: ch["index"])
     return {"id": ctx.rid, "object": "chat.completion" if ctx.kind == "chat" else "text_completion",
             "created": ctx.created, "model": ctx.model, "choices": choices, "usage": ctx.usage(finals)}

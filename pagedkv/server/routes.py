@@ -18,15 +18,16 @@ from importlib import resources
 from typing import Annotated, Any, Optional, Union
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 
 from pagedkv.engine.request import RequestOutput
 from pagedkv.errors import InvalidRequestError
-from pagedkv.server.dependencies import ServerState, State, Tenant, json_body
+from pagedkv.server.dependencies import KeyRequired, ServerState, State, Tenant, json_body
 from pagedkv.server.engine_loop import EngineStepError, EngineStoppedError, PromptSpec, Submission
 from pagedkv.server.errors import APIError, aborted_error, engine_error
 from pagedkv.server.kvview import kv_view
 from pagedkv.server.metrics import CONTENT_TYPE
+from pagedkv.server.openapi import request_body
 from pagedkv.server.protocol import (
     MAX_SEQS_PER_CALL,
     ResponseContext,
@@ -53,12 +54,25 @@ def _served_model(st: ServerState, name: str) -> str:
     return st.model_names[0]
 
 
+def _bad(message: str, param: str) -> APIError:
+    return APIError(400, message, param=param, code="invalid_value")
+
+
 def _admit(st: ServerState, body: Union[CompletionRequest, ChatCompletionRequest]) -> str:
-    """Checks every generation call passes first: the model (404), ``n`` (400) and that
-    the server still accepts work (503). Returns the reported model name."""
+    """Checks every generation call passes first: the model (404), ``n`` and ``best_of``
+    (400), ``logit_bias`` token ids in the vocabulary (400) and that the server still
+    accepts work (503). Returns the reported model name."""
     model = _served_model(st, body.model)
     if body.n > st.max_n:
-        raise APIError(400, f"n must be <= {st.max_n}, got {body.n}", param="n", code="invalid_value")
+        raise _bad(f"n must be <= {st.max_n}, got {body.n}", "n")
+    if body.best_of is not None:
+        if not body.n <= body.best_of <= st.max_n:
+            raise _bad(f"best_of must be in [n, {st.max_n}] = [{body.n}, {st.max_n}], got {body.best_of}", "best_of")
+        if body.stream and body.best_of > body.n:
+            raise _bad("best_of > n cannot be streamed (the best samples are known only at the end)", "best_of")
+    vocab = st.engine.model_config.vocab_size
+    if any(t >= vocab for t in (body.token_biases() or ())):
+        raise _bad(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
     if not st.loop.accepting:
         raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
     return model
@@ -108,7 +122,7 @@ async def _respond_when_done(ctx: ResponseContext, sub: Submission, request: Req
     try:
         task.result()
     except (EngineStepError, EngineStoppedError) as e:
-        raise engine_error(e) from None
+        raise engine_error(e, ctx.rid) from None
     if any(c.finish_reason == "abort" for o in finals.values() for c in o.outputs):
         raise aborted_error()
     return JSONResponse(completion_response(ctx, st.engine.tokenizer, finals))
@@ -121,6 +135,11 @@ async def _respond(ctx: ResponseContext, sub: Submission, request: Request, st: 
 
 
 # ---- endpoints ----------------------------------------------------------------------
+@router.get("/openapi.json", include_in_schema=False, dependencies=[KeyRequired])
+async def openapi_document(request: Request) -> Response:
+    return JSONResponse(request.app.openapi())
+
+
 @router.get("/health")
 async def health(st: State) -> Response:
     if st.loop.running:
@@ -128,7 +147,7 @@ async def health(st: State) -> Response:
     return JSONResponse({"status": "stopped"}, status_code=503)
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse, dependencies=[KeyRequired])
 async def prometheus_metrics(st: State) -> Response:
     return Response(st.metrics.render(), media_type=CONTENT_TYPE)
 
@@ -149,14 +168,14 @@ async def get_model(name: str, st: State, tenant: Tenant) -> Response:
     return JSONResponse(_model_card(st))
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
 async def completions(request: Request, st: State, tenant: Tenant, body: CompletionBody) -> Response:
     model = _admit(st, body)
     engine = st.engine
     prompts = body.prompts()
-    if len(prompts) * body.n > MAX_SEQS_PER_CALL:
-        raise APIError(400, f"prompts x n must be <= {MAX_SEQS_PER_CALL}, got {len(prompts) * body.n}",
-                       param="n", code="invalid_value")
+    seqs = len(prompts) * (body.best_of or body.n)
+    if seqs > MAX_SEQS_PER_CALL:
+        raise _bad(f"prompts x n (or best_of) must be <= {MAX_SEQS_PER_CALL}, got {seqs}", "n")
     token_lists: list[list[int]] = []
     for p in prompts:
         ids = await asyncio.to_thread(engine.tokenize, p) if isinstance(p, str) else list(p)
@@ -179,9 +198,11 @@ async def completions(request: Request, st: State, tenant: Tenant, body: Complet
     return await _respond(ctx, sub, request, st)
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
 async def chat_completions(request: Request, st: State, tenant: Tenant, body: ChatBody) -> Response:
     model = _admit(st, body)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
     engine = st.engine
     try:
         ids = await asyncio.to_thread(engine.apply_chat_template, chat_messages(body))
@@ -201,7 +222,7 @@ async def chat_completions(request: Request, st: State, tenant: Tenant, body: Ch
 
 
 # ---- the KV page --------------------------------------------------------------------
-@router.get("/ui")
+@router.get("/ui", response_class=HTMLResponse, dependencies=[KeyRequired])
 async def ui_page() -> Response:
     html = resources.files("pagedkv.server").joinpath("static/ui.html").read_text(encoding="utf-8")
     return HTMLResponse(html, headers={"Cache-Control": "no-store"})

@@ -1,14 +1,20 @@
 """OpenAI-compatible request and response bodies (pydantic v2), and the error object.
 
-Only the fields pagedkv implements are declared; unknown fields are ignored (the official
-clients send a few optional ones). Extensions beyond OpenAI, named as in vLLM:
+Only the fields pagedkv implements are declared, and each is honoured. An OpenAI parameter
+it does not implement (``UNSUPPORTED``: ``tools``, ``response_format``, ``suffix``, ...) is
+refused with a 400 naming it when set to anything but its "off" value; other unknown fields
+are ignored (clients send a few optional ones). Extensions beyond OpenAI, named as in vLLM:
 ``cache_salt`` (str: keeps this request's prefix-cache blocks apart from requests with
 another salt), ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
-``stop_token_ids``.
+``stop_token_ids``. ``logit_bias`` (token id as a decimal string -> bias in [-100, 100])
+and ``best_of`` (generate ``best_of`` samples, return the ``n`` with the highest cumulative
+logprob; not with ``stream``) are OpenAI's.
 
 Schema checks (types, ranges such as ``temperature >= 0``) fail with HTTP 422; checks that
-need the model or the server's limits (context length, ``n`` above the server's maximum,
-unknown model) are made by the routes (400 / 404). Units: every length is in tokens.
+need the model or the server's limits (context length, token ids in the vocabulary, ``n``
+above the server's maximum, unknown model) are made by the routes (400 / 404). Units:
+every length is in tokens. Bodies reach these models through
+:func:`pagedkv.server.validation.parse_json_body` (depth, integer size, Unicode).
 
 The sampling ranges are the engine's (``SamplingParams.TOP_P_RANGE`` ...), so a request
 this schema accepts passes ``SamplingParams.validate()``; the limits below are the HTTP
@@ -17,9 +23,9 @@ API's own (body size, and OpenAI's ``temperature <= 2``).
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StringConstraints, field_validator
 
 from pagedkv.engine.request import SamplingParams
 
@@ -33,12 +39,31 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_USER_CHARS = 256
 OPENAI_MAX_TEMPERATURE = 2.0  # the OpenAI API's range; the engine itself only needs >= 0
 
+MAX_MODEL_NAME_CHARS = 256
+
 MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS  # completions ``logprobs`` / chat ``top_logprobs``
 _TOP_P = SamplingParams.TOP_P_RANGE
 _MIN_P = SamplingParams.MIN_P_RANGE
 _PENALTY = SamplingParams.PENALTY_RANGE
+_REP_PENALTY = SamplingParams.REPETITION_PENALTY_RANGE
+_BIAS = SamplingParams.LOGIT_BIAS_RANGE
 
 Number = Union[StrictInt, StrictFloat]
+INT64 = (-(2**63), 2**63 - 1)
+# a token id; the published OpenAPI document adds the vocabulary's bound (``x-token-id``)
+TokenId = Annotated[StrictInt, Field(ge=0, json_schema_extra={"x-token-id": True})]
+NonEmptyStr = Annotated[str, StringConstraints(min_length=1)]
+StopStr = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
+TokenIdKey = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,9}$")]
+Bias = Annotated[Number, Field(ge=_BIAS[0], le=_BIAS[1])]
+
+# OpenAI parameters pagedkv does not implement -> the values that mean "off" (None, false,
+# "", [] and {} always do): set to anything else, a request is refused with 400.
+_UNSUPPORTED_COMMON: dict[str, tuple] = {
+    "tools": (), "tool_choice": ("none", "auto"), "functions": (), "function_call": ("none", "auto"),
+    "parallel_tool_calls": (), "response_format": ({"type": "text"},), "audio": (),
+    "modalities": (["text"],), "prediction": (), "web_search_options": (),
+}
 
 
 class ErrorInfo(BaseModel):
@@ -64,12 +89,14 @@ class _SamplingFields(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str
+    model: str = Field(..., max_length=MAX_MODEL_NAME_CHARS)
     n: StrictInt = Field(1, ge=1)
+    best_of: Optional[StrictInt] = Field(None, ge=1)
     temperature: Optional[Number] = Field(None, ge=SamplingParams.MIN_TEMPERATURE, le=OPENAI_MAX_TEMPERATURE)
     top_p: Optional[Number] = Field(None, gt=_TOP_P[0], le=_TOP_P[1])
-    seed: Optional[StrictInt] = None
-    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[StrictInt] = Field(None, ge=INT64[0], le=INT64[1])
+    stop: Optional[Union[StopStr, Annotated[list[StopStr], Field(max_length=MAX_STOP_SEQUENCES)]]] = None
+    logit_bias: Optional[dict[TokenIdKey, Bias]] = Field(None, max_length=SamplingParams.MAX_LOGIT_BIAS)
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = Field(None, max_length=MAX_USER_CHARS)
@@ -79,22 +106,20 @@ class _SamplingFields(BaseModel):
     cache_salt: Optional[str] = Field(None, min_length=1, max_length=MAX_SALT_CHARS)
     top_k: Optional[StrictInt] = None
     min_p: Optional[Number] = Field(None, ge=_MIN_P[0], le=_MIN_P[1])
-    repetition_penalty: Optional[Number] = Field(None, gt=0.0)
+    repetition_penalty: Optional[Number] = Field(None, ge=_REP_PENALTY[0], le=_REP_PENALTY[1])
     ignore_eos: StrictBool = False
-    stop_token_ids: Optional[list[StrictInt]] = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    stop_token_ids: Optional[list[TokenId]] = Field(None, max_length=MAX_STOP_TOKEN_IDS)
 
     @field_validator("stop")
     @classmethod
     def _check_stop(cls, v: Any) -> Optional[list[str]]:
         if v is None:
             return None
-        stops = [v] if isinstance(v, str) else list(v)
-        if len(stops) > MAX_STOP_SEQUENCES:
-            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences")
-        for s in stops:
-            if not s or len(s) > MAX_STOP_CHARS:
-                raise ValueError(f"stop sequences must be 1..{MAX_STOP_CHARS} characters")
-        return stops or None
+        return ([v] if isinstance(v, str) else list(v)) or None
+
+    def token_biases(self) -> Optional[dict[int, float]]:
+        """``logit_bias`` with int token ids (None when unset or empty)."""
+        return {int(k): float(b) for k, b in self.logit_bias.items()} if self.logit_bias else None
 
     @field_validator("cache_salt")
     @classmethod
@@ -103,38 +128,21 @@ class _SamplingFields(BaseModel):
             raise ValueError("cache_salt must not contain NUL characters")
         return v
 
-    @field_validator("stop_token_ids")
-    @classmethod
-    def _check_stop_ids(cls, v: Optional[list[int]]) -> Optional[list[int]]:
-        if v is not None and any(t < 0 for t in v):
-            raise ValueError("stop_token_ids must be >= 0")
-        return v
-
 
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``. ``prompt``: a string, a list of strings, a list of token
     ids, or a list of token-id lists (at most ``MAX_PROMPTS`` prompts). ``logprobs``: the
     number of top alternatives per token (0..20) or null."""
 
-    prompt: Union[str, list[StrictInt], list[str], list[list[StrictInt]]]
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {**_UNSUPPORTED_COMMON, "suffix": ()}
+
+    prompt: Union[NonEmptyStr, Annotated[list[TokenId], Field(min_length=1)],
+                  Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_PROMPTS)],
+                  Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
+                            Field(min_length=1, max_length=MAX_PROMPTS)]]
     max_tokens: Optional[StrictInt] = Field(16, ge=1)
     logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: StrictBool = False
-
-    @field_validator("prompt")
-    @classmethod
-    def _check_prompt(cls, v: Any) -> Any:
-        if isinstance(v, list):
-            if not v:
-                raise ValueError("prompt must not be empty")
-            if isinstance(v[0], (str, list)):
-                if len(v) > MAX_PROMPTS:
-                    raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
-                if any(len(p) == 0 for p in v):
-                    raise ValueError("prompt must not be empty")
-        elif v == "":
-            raise ValueError("prompt must not be empty")
-        return v
 
     def prompts(self) -> list[Union[str, list[int]]]:
         """The prompts as a list (one entry per prompt)."""
@@ -170,6 +178,8 @@ class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``. ``max_tokens`` (or ``max_completion_tokens``)
     defaults to the room left in the context. ``logprobs``: bool; ``top_logprobs``: 0..20
     alternatives per token."""
+
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {**_UNSUPPORTED_COMMON, "echo": (), "suffix": ()}
 
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
     max_tokens: Optional[StrictInt] = Field(None, ge=1)

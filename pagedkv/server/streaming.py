@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from typing import Any, AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
 from pagedkv.engine.request import CompletionOutput, RequestOutput
 from pagedkv.server.engine_loop import EngineStepError, EngineStoppedError, Submission
-from pagedkv.server.errors import aborted_error, engine_error
+from pagedkv.server.errors import APIError, aborted_error, engine_error
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import (
     ResponseContext,
@@ -28,11 +29,13 @@ from pagedkv.server.protocol import (
 )
 
 DONE = b"data: [DONE]\n\n"
+logger = logging.getLogger("pagedkv.server")
 
 
 def sse(obj: Any) -> bytes:
-    """One SSE event carrying ``obj`` as compact JSON."""
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    """One SSE event carrying ``obj`` as compact, strict JSON (a NaN or inf raises
+    ``ValueError`` rather than reaching the client as a bare ``NaN``)."""
+    return b"data: " + json.dumps(obj, separators=(",", ":"), allow_nan=False).encode() + b"\n\n"
 
 
 class _ChoiceState:
@@ -105,7 +108,12 @@ async def stream_events(ctx: ResponseContext, sub: Submission, metrics: ServerMe
         completed = True
     except (EngineStepError, EngineStoppedError) as e:
         completed = True
-        yield sse(engine_error(e).body())
+        yield sse(engine_error(e, ctx.rid).body())
+    except Exception as e:  # a bug: end the stream with an error event, never a broken one
+        completed = True
+        logger.error("stream of request %s failed", ctx.rid, exc_info=e)
+        yield sse(APIError(500, f"internal error: {type(e).__name__} (request id {ctx.rid})",
+                           "server_error", code="internal_error").body())
     finally:
         if not completed and len(finals) < len(ctx.prompts):
             metrics.disconnects.labels(ctx.model).inc()

@@ -12,7 +12,7 @@ step pays ~60 all-reduces, slow on a shared 2-core machine).
 
 from __future__ import annotations
 
-import multiprocessing
+import glob
 import os
 
 import pytest
@@ -22,6 +22,19 @@ from pagedkv.distributed import DistributedError
 from pagedkv.kv import KVCacheSpec, check_invariants
 
 pytestmark = pytest.mark.slow
+
+def _children() -> set[int]:
+    """PIDs of this process's live child processes (from /proc)."""
+    kids = set()
+    for st in glob.glob("/proc/[0-9]*/status"):
+        try:
+            fields = dict(line.split(":\t", 1) for line in open(st) if ":\t" in line)
+        except OSError:
+            continue
+        if int(fields.get("PPid", "0").strip() or 0) == os.getpid() and not fields.get("State", "").startswith("Z"):
+            kids.add(int(fields["Pid"].strip()))
+    return kids
+
 
 TEXT = (
     "The history of computing is a story of memory. Early machines stored programs on punched "
@@ -59,6 +72,13 @@ def _run(llm, prompts, params):
     return outs
 
 
+def _parent_pid(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("PPid:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no PPid for {pid}")
+
+
 def _tokens(outs):
     return [[c.token_ids for c in o.outputs] for o in outs]
 
@@ -80,7 +100,8 @@ def test_every_rank_holds_its_kv_heads_with_the_same_blocks(engines):
     assert tp1.engine.kv_spec.bytes_per_token == 3 * spec.bytes_per_token
     pids = [i["pid"] for i in infos]
     assert pids[0] == os.getpid() and len(set(pids)) == 3
-    assert set(pids[1:]) <= {p.pid for p in multiprocessing.active_children()}
+    assert set(pids[1:]) == {p.pid for p in ex._procs.values()}
+    assert all(_parent_pid(p) == os.getpid() for p in pids[1:])  # this driver's own children
 
 
 def test_greedy_tokens_equal_with_preemption(engines, base_ids):
@@ -129,7 +150,7 @@ def test_close_leaves_no_process(engines):
 
     pids = tp3.engine.runner.worker_pids
     tp3.engine.close()
-    assert not set(pids) & {p.pid for p in multiprocessing.active_children()}
+    assert not set(pids) & _children()
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)

@@ -70,6 +70,7 @@ def test_max_model_len_caps_output(loaded_model):
         ("hi", SamplingParams(top_p=0.0), "top_p"),
         ("hi", SamplingParams(top_p=1.5), "top_p"),
         ([10**7], SamplingParams(), "token ids"),
+        ("hi", SamplingParams(logit_bias={49152: 5.0}), "logit_bias"),  # vocab is 49,152: ids 0..49151
     ],
 )
 def test_bad_input_is_typed_and_leaves_engine_clean(llm, prompt, params, match):

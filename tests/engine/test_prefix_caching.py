@@ -112,9 +112,9 @@ def test_same_prompt_twice_computes_only_the_uncached_tail(loaded_model, base_id
     llm = make_llm(loaded_model)
     eng = llm.engine
     first = run_one(eng, "a", prompt)
-    before = eng.scheduler.stats.num_batched_tokens_total
+    before = eng.get_stats().num_batched_tokens
     second = run_one(eng, "b", prompt)
-    computed = eng.scheduler.stats.num_batched_tokens_total - before
+    computed = eng.get_stats().num_batched_tokens - before
     hit = (length - 1) // 4 * 4  # whole blocks, never the whole prompt: 8 of 12, 12 of 13
     assert first.num_cached_tokens == 0 and second.num_cached_tokens == hit
     assert computed == (length - hit) + 7  # the uncached tail (>= the last prompt token) + 7 decodes
@@ -139,7 +139,7 @@ def test_a_request_waits_for_a_prefix_another_request_is_prefilling(loaded_model
     eng.add_request("r1", p1, greedy(4))
     outs = drain(eng)
     assert outs["r1"].num_cached_tokens == 32
-    assert eng.scheduler.stats.num_batched_tokens_total == 36 + 4 + 2 * 3  # prompts once, then decodes
+    assert eng.get_stats().num_batched_tokens == 36 + 4 + 2 * 3  # prompts once, then decodes
     assert outs["r0"].token_ids == cold(loaded_model, p0, 4)
     assert outs["r1"].token_ids == cold(loaded_model, p1, 4)
     assert_clean(eng)
@@ -250,7 +250,7 @@ def test_engine_and_request_stats_name_every_sharing_counter(loaded_model, base_
     st = llm.engine.get_stats()
     for key in ("kv_prefix_queries", "kv_prefix_hits", "kv_prefix_hit_rate", "num_shared_blocks",
                 "peak_shared_blocks", "kv_cow_copies", "kv_evictions", "num_preemptions", "peak_used_blocks"):
-        assert key in st, key
+        assert key in st.as_dict(), key
     assert st.peak_shared_blocks >= 2 and st.kv_cow_copies == 2  # one half block per request
     assert sum(o.metrics.num_cow_copies for o in outs) == 2
     assert all(o.metrics.prefix_query_tokens == 9 for o in outs)

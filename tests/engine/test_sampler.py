@@ -1,13 +1,18 @@
-"""Sampler arithmetic on hand-made logits: filters, penalties, seeds, logprobs."""
+"""Sampler arithmetic on hand-made logits: filters, penalties, logit_bias, seeds, logprobs, and
+the guard that turns a non-finite logit or logprob into a typed error."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedkv.engine.request import Request, SamplingParams
-from pagedkv.engine.sampler import Sampler, _filter_probs, apply_penalties
+from pagedkv.engine.sampler import Sampler, SamplingError, _filter_probs, apply_logit_bias, apply_penalties
+from pagedkv.errors import InvalidRequestError
 
 P = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
 
@@ -62,3 +67,65 @@ def test_seeded_rows_independent_of_batch_and_position():
     # the draw follows the distribution: with top_k=1 only the argmax can come out
     t = s(logits, [req(SamplingParams(temperature=5.0, top_k=1, seed=1))]).token_ids[0]
     assert t == int(logits.argmax())
+
+
+# ---- logit_bias, parameter bounds and the non-finite guard (issue 18) ------------------
+def test_logit_bias_exact_and_changes_the_pick():
+    logits = torch.log(P)
+    r = req(SamplingParams(temperature=0, logit_bias={4: 3.0, 0: -1.5}))
+    got = apply_logit_bias(logits.clone(), r)
+    assert torch.allclose(got, logits + torch.tensor([-1.5, 0, 0, 0, 3.0]))
+    out = Sampler()(logits.unsqueeze(0), [r])
+    assert out.token_ids == [4]  # log 0.05 + 3 > log 0.5 - 1.5
+    with pytest.raises(SamplingError) as e:  # an id outside the vocabulary, caught at the sampler
+        Sampler()(logits.unsqueeze(0), [req(SamplingParams(logit_bias={5: 1.0}))])
+    assert e.value.request_ids == ["r"]
+
+
+def test_validate_bounds_what_could_overflow():
+    for bad in (dict(repetition_penalty=1e-300), dict(repetition_penalty=101.0), dict(repetition_penalty=float("nan")),
+                dict(logit_bias={1: 100.5}), dict(logit_bias={1: float("inf")}), dict(logit_bias={-1: 1.0}),
+                dict(logit_bias={True: 1.0}), dict(logit_bias={i: 1.0 for i in range(301)}),
+                dict(logit_bias=[(1, 1.0)]), dict(beam_width=2, logit_bias={1: 1.0})):
+        with pytest.raises(InvalidRequestError):
+            SamplingParams(**bad).validate()
+    with pytest.raises(InvalidRequestError, match="logit_bias"):
+        SamplingParams(logit_bias={100: 1.0}).validate(vocab_size=100)
+    SamplingParams(repetition_penalty=0.01, logit_bias={99: -100, 0: 100}).validate(vocab_size=100)
+
+
+def test_guard_turns_non_finite_logits_into_a_typed_error_for_those_rows_only():
+    logits = torch.log(P).repeat(3, 1)
+    logits[1, 2] = float("nan")
+    reqs = [Request(f"r{i}", [1], SamplingParams(temperature=0.5, logprobs=1), 0.0) for i in range(3)]
+    with pytest.raises(SamplingError) as e:
+        Sampler()(logits, reqs)
+    assert e.value.request_ids == ["r1"]
+    logits[1, 2] = float("inf")
+    logits[2] = float("-inf")  # no token left at all
+    with pytest.raises(SamplingError) as e:
+        Sampler()(logits, reqs)
+    assert e.value.request_ids == ["r1", "r2"]
+
+
+def test_masked_tokens_are_left_out_of_logprobs():
+    logits = torch.log(P).unsqueeze(0)
+    logits[0, 3:] = float("-inf")  # e.g. vocabulary padding
+    out = Sampler()(logits, [req(SamplingParams(temperature=0, logprobs=5))])
+    assert set(out.logprobs[0]) == {0, 1, 2} and all(math.isfinite(v) for v in out.logprobs[0].values())
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(rep=st.sampled_from([0.01, 0.5, 1.0, 2.0, 100.0]), temp=st.sampled_from([0.0, 1e-5, 0.7, 2.0]),
+       freq=st.floats(-2, 2), pres=st.floats(-2, 2), bias=st.floats(-100, 100), scale=st.sampled_from([1.0, 30.0, 1e4]),
+       top_p=st.floats(0.01, 1.0), seed=st.integers(0, 2**63 - 1))
+def test_no_allowed_parameters_give_a_non_finite_logprob(rep, temp, freq, pres, bias, scale, top_p, seed):
+    """Every value validate() accepts, over logits as large as 1e4: finite logprobs."""
+    V = 64
+    logits = torch.randn(1, V, generator=torch.Generator().manual_seed(seed % 1000)) * scale
+    params = SamplingParams(temperature=temp, top_p=top_p, repetition_penalty=rep, frequency_penalty=freq,
+                            presence_penalty=pres, logit_bias={3: bias, 7: -bias}, seed=seed, logprobs=5)
+    params.validate(vocab_size=V)
+    out = Sampler()(logits, [req(params, prompt=tuple(range(0, V, 2)), out=(1, 1, 5, 9))])
+    assert 0 <= out.token_ids[0] < V
+    assert all(math.isfinite(v) and v <= 0 for v in out.logprobs[0].values())

@@ -107,7 +107,8 @@ def test_serve_cli_process(tmp_path, bundled_gguf, loaded_model):
     proc = subprocess.Popen(
         [sys.executable, "-m", "pagedkv.cli", "serve", "--port", str(port), "--num-blocks", "64",
          "--max-model-len", "256", "--enable-prefix-caching", "--api-keys", str(keys), "--threads", "1",
-         "--served-model-name", "smol", "--log-level", "warning"],
+         "--served-model-name", "smol", "--log-level", "warning", "--open-route", "/metrics",
+         "--header-timeout", "2", "--body-timeout", "2"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -125,7 +126,12 @@ def test_serve_cli_process(tmp_path, bundled_gguf, loaded_model):
         r = httpx.post(url + "/v1/completions", headers={"Authorization": "Bearer sk-a"}, timeout=120,
                        json={"model": "smol", "prompt": "Hello", "max_tokens": 3, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
-        assert "pagedkv_kv_blocks_used" in httpx.get(url + "/metrics").text
+        assert "pagedkv_kv_blocks_used" in httpx.get(url + "/metrics").text  # opened by --open-route
+        assert httpx.get(url + "/openapi.json").status_code == 401  # not opened
+        with socket.create_connection(("127.0.0.1", port)) as s:  # --header-timeout reaches uvicorn
+            s.sendall(b"GET /health HTTP/1.1\r\n")
+            s.settimeout(10)
+            assert s.recv(100).startswith(b"HTTP/1.1 408")
     finally:
         proc.send_signal(signal.SIGINT)
         try:

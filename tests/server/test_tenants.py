@@ -66,8 +66,10 @@ def test_missing_or_bad_key_401(server):
             assert r.headers.get("www-authenticate") == "Bearer"
     assert engine.get_stats().num_prompt_tokens == 0  # nothing reached the engine
     assert http.get("/v1/models", headers=_auth("key-bob")).status_code == 200
-    assert http.get("/health").status_code == 200  # health and metrics stay open
-    assert http.get("/metrics").status_code == 200
+    assert http.get("/health").status_code == 200  # only health stays open
+    for path in ("/metrics", "/ui", "/openapi.json"):
+        assert http.get(path).status_code == 401, path
+        assert http.get(path, headers=_auth("key-bob")).status_code == 200, path
 
 
 def test_two_tenants_never_hit_each_other(server):

@@ -10,6 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from pagedkv.engine.request import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
+from pagedkv.engine.sampler import SamplingError
 from pagedkv.server.engine_loop import EngineLoop, EngineStepError, PromptSpec
 from pagedkv.server.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -43,6 +44,7 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.max_tokens = max_tokens
         self.fail_next = False
+        self.fail_sampling: list[str] = []
 
     def add_request(self, rid, prompt, params, *, cache_salt=None, tenant=None, stream=False):
         with self.lock:
@@ -67,6 +69,9 @@ class FakeEngine:
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("boom")
+        if self.fail_sampling:  # the sampler refuses these sequences (a fork of one too)
+            ids, self.fail_sampling = self.fail_sampling, []
+            raise SamplingError("non-finite logits", ids)
         outs = []
         with self.lock:
             for rid, toks in list(self.reqs.items()):
@@ -125,6 +130,29 @@ def test_loop_survives_a_failed_step():
     loop.shutdown(1.0)
 
 
+def test_a_sampling_error_fails_only_its_request():
+    eng = FakeEngine(max_tokens=5)
+    loop = EngineLoop(eng, idle_wait_s=0.01)
+    loop.start()
+
+    async def go():
+        loop.pause()
+        bad = await loop.submit(["s-0", "s-1"], [_spec(), _spec()])
+        good = await loop.submit(["g-0"], [_spec()])
+        eng.fail_sampling = ["s-1#2"]  # a parallel-sampling fork of s-1
+        loop.resume()
+        with pytest.raises(EngineStepError) as e:
+            async for _ in bad.outputs():
+                pass
+        assert e.value.code == "sampling_error"
+        return [o async for _, o in good.outputs()]
+
+    outs = asyncio.run(go())
+    assert outs[-1].finished and outs[-1].outputs[0].token_ids == [0, 1, 2, 3, 4]
+    assert "s-1" in eng.aborted and "g-0" not in eng.aborted  # (s-0: aborted by close, or done first)
+    loop.shutdown(1.0)
+
+
 def test_loop_pause_holds_steps():
     eng = FakeEngine(max_tokens=10**6)
     loop = EngineLoop(eng, idle_wait_s=0.01)
@@ -149,3 +177,47 @@ def test_loop_pause_holds_steps():
     asyncio.run(go())
     loop.shutdown(1.0)
     assert eng.aborted == ["p-0"]
+
+
+# ---- the JSON boundary (pagedkv.server.validation) ---------------------------------------
+def test_json_depth_counts_structure_not_strings():
+    from pagedkv.server.validation import json_depth
+
+    assert json_depth(b'{"a": [1, {"b": []}]}') <= 32
+    deep = b"[" * 40 + b"]" * 40
+    assert json_depth(deep) == 40
+    assert json_depth(b'{"p": "' + b"[" * 100 + b'"}') == 1  # brackets inside a string
+    assert json_depth(b'{"p": "\\"' + b"[" * 100 + b'"}') == 1  # after an escaped quote too
+    assert json_depth(b'[' * 33 + b'"]]]"' + b"]" * 33) == 33
+
+
+def test_parse_json_body_limits():
+    from pagedkv.server.errors import APIError
+    from pagedkv.server.validation import MAX_INT_DIGITS, parse_json_body
+
+    assert parse_json_body(b'{"seed": -18446744073709551615, "x": [1.5]}') == {"seed": -(2**64 - 1), "x": [1.5]}
+    cases = [
+        (b"[" * 1000 + b"]" * 1000, 400, None, "invalid_json"),
+        (b'{"seed": 1' + b"0" * MAX_INT_DIGITS + b"}", 422, "seed", "invalid_value"),
+        (b'{"a": {"b": [0, 1e400]}}', 422, "a.b.1", "invalid_value"),
+        (b'{"t": -Infinity}', 400, None, "invalid_json"),
+        (b'{"p": ["ok", "\\udc00"]}', 400, "p.1", "invalid_unicode"),
+        (b'{"\\ud800": 1}', 400, None, "invalid_unicode"),  # a key
+        (b"\xc3\x28", 400, None, "invalid_json"),
+        (b"[1]", 400, None, "invalid_json"),
+    ]
+    for raw, status, param, code in cases:
+        with pytest.raises(APIError) as e:
+            parse_json_body(raw)
+        assert (e.value.status, e.value.param, e.value.code) == (status, param, code), raw[:40]
+
+
+def test_unsupported_parameters():
+    from pagedkv.server.errors import APIError
+    from pagedkv.server.validation import check_unsupported
+
+    table = ChatCompletionRequest.UNSUPPORTED
+    check_unsupported({"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "x": 1}, table)
+    with pytest.raises(APIError) as e:
+        check_unsupported({"response_format": {"type": "json_object"}}, table)
+    assert (e.value.status, e.value.param, e.value.code) == (400, "response_format", "unsupported_parameter")
