@@ -13,6 +13,7 @@ BENCHES: dict[str, str] = {
     "attention": "pagedkv.bench.attention",
     "block_manager": "pagedkv.bench.block_manager",
     "ablation": "pagedkv.bench.ablation",
+    "quality": "pagedkv.bench.quality",
 }
 
 
