@@ -17,6 +17,7 @@ from pagedkv.model.quant import (
 AVX512_AMX = CpuFeatures("AVX512", avx512_bf16=True, amx=True, vnni=True)
 AVX512_PLAIN = CpuFeatures("AVX512", avx512_bf16=False, amx=False, vnni=False)
 AVX2 = CpuFeatures("AVX2", avx512_bf16=False, amx=False, vnni=False)
+NO_SIMD = CpuFeatures("DEFAULT", avx512_bf16=False, amx=False, vnni=False)
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small robot", "Water boils at"]
 
 
@@ -43,8 +44,9 @@ def test_cli_rejects_a_bad_weight_format_before_loading(capsys):
 def test_auto_follows_the_cpu_capability_not_timing():
     assert resolve_weights("auto", "float32", features=AVX512_AMX)[0] == "int4"
     assert resolve_weights("auto", "float32", features=AVX512_PLAIN)[0] == "int4"
-    fmt, why = resolve_weights("auto", "float32", features=AVX2)
-    assert fmt == "fp32" and "AVX2" in why
+    assert resolve_weights("auto", "float32", features=AVX2)[0] == "int4"
+    fmt, why = resolve_weights("auto", "float32", features=NO_SIMD)
+    assert fmt == "fp32" and "DEFAULT" in why
     # a 16-bit model, another device or tensor parallelism keep the model's own weights
     assert resolve_weights("auto", "bfloat16", features=AVX512_AMX)[0] == "bf16"
     assert resolve_weights("auto", "float32", tensor_parallel_size=2, features=AVX512_AMX)[0] == "fp32"
@@ -60,7 +62,8 @@ def test_routes_by_capability_and_forced_fallback(monkeypatch):
     monkeypatch.delenv("PAGEDKV_WEIGHT_ROUTE", raising=False)
     assert [auto_route(f, AVX512_AMX) for f in ("bf16", "int8", "int4")] == ["fast", "fast", "fast"]
     assert [auto_route(f, AVX512_PLAIN) for f in ("bf16", "int8", "int4")] == ["fallback", "fast", "fast"]
-    assert [auto_route(f, AVX2) for f in ("bf16", "int8", "int4")] == ["fallback"] * 3
+    assert [auto_route(f, AVX2) for f in ("bf16", "int8", "int4")] == ["fallback", "fast", "fast"]
+    assert [auto_route(f, NO_SIMD) for f in ("bf16", "int8", "int4")] == ["fallback"] * 3
     monkeypatch.setenv("PAGEDKV_WEIGHT_ROUTE", "fallback")
     assert auto_route("int4", AVX512_AMX) == "fallback"
     assert resolve_weights("auto", "float32", features=AVX512_AMX)[0] == "fp32"
@@ -68,18 +71,19 @@ def test_routes_by_capability_and_forced_fallback(monkeypatch):
 
 # ---- the modules: both routes compute the same product ---------------------------------------
 
+@pytest.mark.parametrize("rows", [5, 80])  # the kernel (decode) and the wide (prefill) path
 @pytest.mark.parametrize("make", [BF16Linear, Int8Linear.from_float, Int4Linear.from_float])
-def test_fast_and_fallback_routes_agree(make):
+def test_fast_and_fallback_routes_agree(make, rows):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(48, 96, generator=g) * 0.1
     bias = torch.randn(48, generator=g)
-    x = torch.randn(5, 96, generator=g)
+    x = torch.randn(rows, 96, generator=g)
     m = make(w, bias)
     ref = x @ m.dequantize().T + bias  # the weights the format holds, in fp32
     slow = m.prepare("fallback")(x)
     torch.testing.assert_close(slow, ref, rtol=1e-5, atol=1e-5)
     fast = m.prepare("fast")(x)  # runs on any CPU (slowly without AVX-512)
-    assert fast.dtype == torch.float32 and fast.shape == (5, 48)
+    assert fast.dtype == torch.float32 and fast.shape == (rows, 48)
     assert (fast - ref).abs().max().item() < 0.02 * ref.abs().max().item()  # bf16 activations
     # and the format is close to the float weights it came from
     err = (m.dequantize() - w).abs().max().item()
@@ -127,6 +131,7 @@ def _prefix_agreement(ref: list[list[int]], got: list[list[int]]) -> float:
     return agreement(ref, got)[0]
 
 
+FALLBACK_TOL, FAST_TOL = 0.05, 0.08  # of the largest |logit|; measured 0.016 and 0.027
 #: lowest mean fraction of greedy tokens before the first difference from fp32 (4 prompts x 24
 #: tokens); measured on the bundled model (AVX-512 + AMX machine): bf16 and int4 1.0, int8 0.79.
 #: The bounds leave room for other kernels' rounding.
@@ -166,15 +171,38 @@ def test_int4_keeps_the_stored_q4_1_codes(bundled_gguf, loaded_model):
     assert torch.equal(lm.model.embed_tokens.weight, loaded_model.model.embed_tokens.weight)
 
 
-def test_forced_fallback_route_runs_correctly(bundled_gguf, loaded_model, fp32_tokens):
+def _logits(lm, text: str) -> torch.Tensor:
+    """Logits ``[T, vocab]`` of one prefill of ``text``."""
+    from pagedkv.attention import get_backend
+    from pagedkv.attention.base import AttentionMetadata
+
+    ids = lm.tokenizer(text)["input_ids"]
+    backend = get_backend("cpu")
+    caches = lm.model.allocate_kv_caches(backend, num_blocks=8, block_size=16)
+    md = AttentionMetadata.build([len(ids)], [len(ids)], [list(range(8))], 16)
+    with torch.inference_mode():
+        return lm.model.compute_logits(lm.model(torch.tensor(ids), torch.arange(len(ids)), caches, md, backend))
+
+
+TEXT = "We hold these truths to be self-evident, that all men are created equal, that they are endowed"
+
+
+def test_forced_fallback_route_runs_correctly(bundled_gguf, loaded_model):
     """What a CPU without the fast kernels runs: dequantise + F.linear in fp32. int4's layer
-    weights are then exactly fp32's, so only the int8 head can move a token."""
+    weights are exactly fp32's there, so its logits differ from fp32 only through the int8
+    head; and the fast route computes the same logits up to bf16 rounding."""
     from pagedkv.model.loader import load_model
 
-    lm = load_model(bundled_gguf, weights="int4", route="fallback")
-    routes = {m.route for m in lm.model.modules() if isinstance(m, (Int4Linear, Int8Linear))}
+    slow = load_model(bundled_gguf, weights="int4", route="fallback")
+    routes = {m.route for m in slow.model.modules() if isinstance(m, (Int4Linear, Int8Linear))}
     assert routes == {"fallback"}
-    assert _prefix_agreement(fp32_tokens, _greedy(lm)) >= 0.9
+    ref, got = _logits(loaded_model, TEXT), _logits(slow, TEXT)
+    fast = _logits(load_model(bundled_gguf, weights="int4"), TEXT)
+    scale = ref.abs().max().item()
+    assert (got - ref).abs().max().item() < FALLBACK_TOL * scale
+    assert (fast - got).abs().max().item() < FAST_TOL * scale
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
+    assert all(len(t) == 24 for t in _greedy(slow))
 
 
 def test_engine_weights_option(loaded_model):

@@ -8,7 +8,7 @@ identical completions; with the bounds (int8 within 2% of fp32's perplexity, int
 
 ``--part routes`` writes ``weights_routes.{json,md}``: the time of all linear layers of one
 step (30 layers' q/k/v, o, gate/up, down on the model's own weights, plus the LM head on the
-rows that are sampled) at decode batch 1 / 8 / 32 and a 512-token prefill (head on one row),
+rows that are sampled) at decode batch 1 / 8 / 32 / 64 and a 512-token prefill (head on one row),
 for every format and route (``fast`` kernel, ``fallback`` dequantise + ``F.linear``), fp32
 ``F.linear`` measured in the same loop; the CPU's flags and torch's capability are recorded.
 ``ATEN_CPU_CAPABILITY=avx2`` shows what an AVX2-only CPU's kernels do.
@@ -45,7 +45,7 @@ PROMPTS = [
     "What is the difference between weather and climate?",
     "Suggest a name for a bakery.",
 ]
-STEP_ROWS = {"decode 1": 1, "decode 8": 8, "decode 32": 32, "prefill 512": 512}
+STEP_ROWS = {"decode 1": 1, "decode 8": 8, "decode 32": 32, "decode 64": 64, "prefill 512": 512}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -165,7 +165,7 @@ def _step(layers: list[list[Any]], head: Any, rows: int, x: Any, x_mlp: Any) -> 
         o(x)
         gate_up(x)
         down(x_mlp)
-    head(x[:1] if rows > 32 else x)
+    head(x[:1] if rows > 64 else x)
 
 
 def _routes(args: argparse.Namespace) -> tuple[dict[str, Any], str]:

@@ -16,12 +16,15 @@ model dtype -> ``[T, out]`` in the same dtype.
   keeps its stored codes; ``torch._weight_int4pack_mm_for_cpu`` on bf16 activations. A tied
   LM head whose source is 8-bit (the bundled Q8_0 embeddings) is int8 in this format.
 
-Routes: ``fast`` (the kernels above) or ``fallback`` (dequantise the stored weights to the
-activation dtype and ``F.linear``: correct on any CPU, slow). ATen vectorises the int8/int4
-weight kernels' bf16 path only in its AVX-512 build; elsewhere they run a scalar loop slower
-than the fallback (measured by ``pagedkv bench quality --routes``), so ``auto_route`` picks
-the kernel only where ``torch.backends.cpu.get_cpu_capability()`` is ``AVX512``.
-``PAGEDKV_WEIGHT_ROUTE=fallback`` forces the fallback everywhere.
+Routes: ``fast`` (the kernels above for up to ``KERNEL_ROWS`` rows; wider inputs, i.e.
+prefill chunks, dequantise and run one bf16 matmul where oneDNN has native bf16, else fp32) or
+``fallback`` (dequantise the stored weights to the
+activation dtype and ``F.linear``: correct on any CPU, slow). The int8/int4 kernels are
+fast only on bf16 activations (on fp32 ones they run a scalar loop, 2-5x slower than fp32
+``F.linear``), vectorised in ATen's AVX2 and AVX-512 builds, so ``auto_route`` picks them
+where ``torch.backends.cpu.get_cpu_capability()`` is one of those; bf16's fast route needs
+native bf16 (AVX512-BF16 or AMX) in oneDNN. ``pagedkv bench quality --part routes`` measures
+every route. ``PAGEDKV_WEIGHT_ROUTE=fallback`` forces the fallback everywhere.
 """
 
 from __future__ import annotations
@@ -43,6 +46,10 @@ WEIGHT_CHOICES = ("auto",) + WEIGHT_FORMATS
 GROUP_SIZE = 32
 ROUTES = ("fast", "fallback")
 ROUTE_ENV = "PAGEDKV_WEIGHT_ROUTE"
+#: the int8/int4 kernels multiply at most this many rows (decode batches); a wider input (a
+#: prefill chunk) dequantises the weights and runs one bf16 (AMX) or fp32 matmul instead,
+#: measured faster above about 64 rows (``pagedkv bench quality --part routes``)
+KERNEL_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -58,8 +65,9 @@ class CpuFeatures:
 
     @property
     def int_kernels_fast(self) -> bool:
-        """ATen's int8/int4 weight-only kernels have their vectorised bf16 path."""
-        return self.capability == "AVX512"
+        """ATen's int8/int4 weight-only kernels run vectorised on bf16 activations (its AVX2
+        and AVX-512 builds; measured with ``ATEN_CPU_CAPABILITY=avx2`` too)."""
+        return self.capability in ("AVX2", "AVX512")
 
     @property
     def bf16_fast(self) -> bool:
@@ -117,7 +125,9 @@ def resolve_weights(
 
     ``auto`` is the fastest format within the quality bounds (int8 within 2% of fp32's
     perplexity, int4 within 6%; measured by ``pagedkv bench quality``) that has a fast kernel
-    on this CPU: int4 with the AVX-512 kernels, else bf16 with AVX512-BF16/AMX, else fp32.
+    on this CPU: int4 where the int4 kernel is vectorised (AVX2/AVX-512 builds), else bf16
+    with AVX512-BF16/AMX, else fp32. (int4 is the fastest at decode batches up to ~8; bf16
+    is faster from batch ~32 and in prefill, measured in docs/benchmarks/weights_routes.md.)
     Decided from the CPU's capability, never by timing. A bf16/fp16 model, another device
     than the CPU or tensor parallelism keep the model dtype's weights under ``auto``, and
     refuse a quantised format with ``ConfigError`` (also raised for an unknown name and for
@@ -130,7 +140,7 @@ def resolve_weights(
             return model, f"auto: the {model} model's own weights (quantised formats: fp32 models on one CPU)"
         f = features or cpu_features()
         if auto_route("int4", f) == "fast":
-            return "int4", f"auto: int4 kernels vectorised on this CPU (capability {f.capability})"
+            return "int4", f"auto: int4 kernel vectorised on this CPU (capability {f.capability})"
         if auto_route("bf16", f) == "fast":
             return "bf16", f"auto: native bf16 matmul on this CPU (AVX512-BF16/AMX, capability {f.capability})"
         return "fp32", f"auto: no fast bf16/int8/int4 kernel on this CPU (capability {f.capability})"
@@ -178,14 +188,18 @@ class QuantLinear(nn.Module):
         self.route = route or auto_route(self.fmt)
         if self.route not in ROUTES:
             raise ConfigError(f"weight route: unsupported {self.route!r} (one of {', '.join(ROUTES)})")
+        self._wide_bf16 = cpu_features().bf16_fast
         return self
 
     def _fast(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.route == "fast":
+        if self.route == "fast" and (x.shape[0] <= KERNEL_ROWS or self.fmt == "bf16"):
             y = self._fast(x.to(torch.bfloat16)).to(x.dtype)
+        elif self.route == "fast":  # a prefill chunk: dequantise once, one wide matmul
+            wide = torch.bfloat16 if self._wide_bf16 else x.dtype
+            y = F.linear(x.to(wide), self.dequantize().to(wide)).to(x.dtype)
         else:
             y = F.linear(x, self.dequantize().to(x.dtype))
         if self.bias is not None:
