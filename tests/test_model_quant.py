@@ -133,9 +133,10 @@ def _prefix_agreement(ref: list[list[int]], got: list[list[int]]) -> float:
 
 FALLBACK_TOL, FAST_TOL = 0.05, 0.08  # of the largest |logit|; measured 0.016 and 0.027
 #: lowest mean fraction of greedy tokens before the first difference from fp32 (4 prompts x 24
-#: tokens); measured on the bundled model (AVX-512 + AMX machine): bf16 and int4 1.0, int8 0.79.
-#: The bounds leave room for other kernels' rounding.
-AGREEMENT = {"bf16": 0.6, "int8": 0.5, "int4": 0.6}
+#: tokens); measured on the bundled model (AVX-512 + AMX machine, 2 threads): bf16 0.67, int8
+#: 0.89, int4 0.60 (int4 on the fallback route 0.67). The bounds leave room for other kernels'
+#: rounding (a single flipped token early in one prompt costs up to 0.25).
+AGREEMENT = {"bf16": 0.45, "int8": 0.5, "int4": 0.45}
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
