@@ -103,7 +103,7 @@ def load_model(
     dtype: torch.dtype | str = torch.float32,
     device: torch.device | str = "cpu",
     *,
-    weights: str = "fp32",
+    weights: str | None = None,
     cache_dir: str | Path | None = None,
     use_cache: bool = True,
     route: str | None = None,
@@ -113,7 +113,8 @@ def load_model(
     ``model``: see ``resolve_model_path`` (``None`` = bundled SmolLM2-135M-Instruct Q4_1).
     ``dtype``: float32 (default), bfloat16 or float16 parameters (a torch dtype or a name such
     as ``"bf16"``). ``device``: where the parameters live. ``weights``: the linear layers'
-    format, ``fp32`` (default: exact) | ``bf16`` | ``int8`` | ``int4`` | ``auto`` (see
+    format, ``None`` (default: unquantised in ``dtype``, exact) | ``fp32`` | ``bf16`` | ``int8``
+    | ``int4`` | ``auto`` (see
     ``pagedkv.model.quant``; int4 keeps a Q4_0/Q4_1 GGUF's stored codes); each format of a
     GGUF is cached in its own entry. ``route``: ``fast`` | ``fallback`` kernel of the quantised
     layers (default: what this CPU runs fast). ``cache_dir``: root of the GGUF weight cache
@@ -124,7 +125,10 @@ def load_model(
     """
     t0 = time.perf_counter()
     dtype = torch_dtype(dtype)
-    fmt, why = resolve_weights(weights, dtype, device=device)
+    if weights is None:  # unquantised, in the model dtype
+        fmt, why = canonical_dtype(dtype), "the model dtype"
+    else:
+        fmt, why = resolve_weights(weights, dtype, device=device)
     quantised = fmt != canonical_dtype(dtype)
     path = resolve_model_path(model)
     if path.is_dir():
