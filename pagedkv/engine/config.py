@@ -45,6 +45,8 @@ class EngineConfig:
     model_revision: Optional[str] = None
     # ranks the model is split over (pagedkv.distributed); kv_cache_memory is then per rank
     tensor_parallel_size: int = 1
+    # linear layers' weight format: auto | fp32 | bf16 | int8 | int4 (pagedkv.model.quant)
+    weights: str = "auto"
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> "EngineConfig":
@@ -77,6 +79,9 @@ class EngineConfig:
         if self.policy not in ("fcfs", "priority"):
             raise ConfigError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
         canonical_dtype(self.dtype, MODEL_DTYPES)
+        from pagedkv.model.quant import check_weights
+
+        check_weights(self.weights)
         import torch
 
         try:
