@@ -46,6 +46,8 @@ class EngineConfig:
     model_revision: Optional[str] = None
     # ranks the model is split over (pagedkv.distributed); kv_cache_memory is then per rank
     tensor_parallel_size: int = 1
+    # linear layers' weight format: auto | fp32 | bf16 | int8 | int4 (pagedkv.model.quant)
+    weights: str = "auto"
     # tiers behind the block pool, fastest first: ["host:4GiB", "disk:PATH:50GiB"]
     # (pagedkv.kv.tiers); turns prefix caching on
     kv_offload: Optional[list[str]] = None
@@ -85,6 +87,9 @@ class EngineConfig:
         if self.policy not in ("fcfs", "priority"):
             raise ConfigError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
         canonical_dtype(self.dtype, MODEL_DTYPES)
+        from pagedkv.model.quant import check_weights
+
+        check_weights(self.weights)
         import torch
 
         try:

@@ -37,6 +37,7 @@ from pagedkv.errors import ConfigError, InvalidRequestError
 from pagedkv.kv import CacheKeys, KVCacheSpec, parse_size
 from pagedkv.kv.tiers import StoreIdentity, ZmqEventPublisher, open_tiers, parse_tier_specs, replay_endpoint_for
 from pagedkv.model.loader import LoadedModel, load_model
+from pagedkv.model.quant import resolve_weights
 from pagedkv.utils import canonical_dtype, profile_scope, torch_dtype
 from pagedkv.worker.runner import ModelRunner
 
@@ -53,13 +54,18 @@ class LLMEngine:
     def __init__(self, model: Any = None, **kwargs: Any) -> None:
         cfg = self.config = EngineConfig.from_kwargs(kwargs)
         self.dtype = dtype = torch_dtype(cfg.dtype)
+        weights, why = resolve_weights(cfg.weights, dtype, cfg.device, cfg.tensor_parallel_size)
         if isinstance(model, LoadedModel):
             loaded = model
             model_dtype = next(loaded.model.parameters()).dtype
             if model_dtype != dtype:
                 raise ConfigError(f"the loaded model is {model_dtype}; the engine dtype is {dtype}")
+            if cfg.weights != "auto" and loaded.weights != weights:
+                raise ConfigError(f"the loaded model has {loaded.weights} weights; the engine asks for {weights}")
         else:
-            loaded = load_model(model, dtype=dtype, device=cfg.device)
+            loaded = load_model(model, dtype=dtype, device=cfg.device, weights=weights)
+            loaded.weights_reason = why
+        logger.info("weights: %s (%s)", loaded.weights, loaded.weights_reason)
         self.loaded = loaded
         self.model_config = mc = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -128,7 +134,8 @@ class LLMEngine:
             if specs:  # tensor parallelism is refused with tiers: one runner holds every head
                 codec = self.runner.kv_payload_codec()
                 identity = StoreIdentity(
-                    model_id=self.model_id, revision=self.revision, kv_dtype=canonical_dtype(dtype),
+                    model_id=self.model_id, revision=self.revision, weights=str(self.loaded.weights),
+                    kv_dtype=canonical_dtype(dtype),
                     block_size=cfg.block_size, num_layers=mc.num_layers, block_format=codec.format,
                     block_nbytes=codec.nbytes,
                 )

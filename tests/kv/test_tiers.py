@@ -32,7 +32,7 @@ KEYS = CacheKeys(model_id="m")
 
 
 def ident(**kw) -> StoreIdentity:
-    base = dict(model_id="m", revision="r", kv_dtype="float32", block_size=BS, num_layers=2,
+    base = dict(model_id="m", revision="r", weights="fp32", kv_dtype="float32", block_size=BS, num_layers=2,
                 block_format="fake", block_nbytes=NB)
     return StoreIdentity(**{**base, **kw})
 
@@ -160,7 +160,7 @@ def test_disk_restart_serves_previous_blocks_and_refuses_another_identity(tmp_pa
     assert r2.kv.tier_stats()["tiers"]["disk"]["blocks"] == 4
     assert r2.run("a", a) == {"disk": 16}
     r2.stores.close()
-    for other in (dict(block_size=8), dict(model_id="x"), dict(kv_dtype="bfloat16"), dict(num_layers=3),
+    for other in (dict(block_size=8), dict(model_id="x"), dict(weights="int4"), dict(kv_dtype="bfloat16"), dict(num_layers=3),
                   dict(block_format="hnd"), dict(hash_scheme="xxhash")):
         with pytest.raises(KVStoreMismatchError, match="another model or format"):
             DiskStore(str(tmp_path), 4 << 20, ident(**other))

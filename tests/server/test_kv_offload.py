@@ -37,7 +37,7 @@ def serve(port: int, path) -> subprocess.Popen:
     proc = subprocess.Popen(
         [sys.executable, "-m", "pagedkv.cli", "serve", "--port", str(port), "--block-size", str(BS),
          "--num-blocks", "24", "--max-model-len", "256", "--max-num-seqs", "4", "--threads", "1",
-         "--kv-offload", f"disk:{path}:32MiB", "--log-level", "warning", "--served-model-name", "x"],
+         "--kv-offload", f"disk:{path}:32MiB", "--weights", "fp32", "--log-level", "warning", "--served-model-name", "x"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 240
     while True:

@@ -84,11 +84,12 @@ def parse_tier_specs(specs: str | Sequence[str] | None) -> list[TierSpec]:
 @dataclass(frozen=True)
 class StoreIdentity:
     """Whose K/V a persistent store holds: a block written under one identity is never
-    served under another (another model, revision, KV dtype or layout, block size, layer
-    count, hash scheme or payload format)."""
+    served under another (another model, revision, weight format, KV dtype or layout, block
+    size, layer count, hash scheme or payload format)."""
 
     model_id: str
     revision: str
+    weights: str  # the linear layers' format (fp32, bf16, int8, int4): it changes the K/V
     kv_dtype: str
     block_size: int
     num_layers: int
