@@ -137,6 +137,17 @@ class AttentionBackend(Protocol):
         """Copy whole physical blocks ``src -> dst`` (copy-on-write)."""
         ...
 
+    def export_blocks(self, kv_cache: Any, block_ids: torch.Tensor) -> list[torch.Tensor]:
+        """The raw storage of whole blocks ``block_ids`` (int64 ``[n]``): one new tensor
+        ``[n, ...]`` per storage tensor (K, V and whatever else the layout keeps per block),
+        on the cache's device. For the KV tiers (``pagedkv.kv.tiers``)."""
+        ...
+
+    def import_blocks(self, kv_cache: Any, block_ids: torch.Tensor, parts: list[torch.Tensor]) -> None:
+        """Overwrite whole blocks ``block_ids`` with what ``export_blocks`` returned (bit for
+        bit; ``parts`` may be on another device). Raises ``BackendError`` on a mismatch."""
+        ...
+
     def gather_kv(self, kv_cache: Any, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Read K and V at ``slots`` (int64 ``[n]``) -> two ``[n, num_kv_heads, head_dim]``
         tensors. For tests and debugging."""

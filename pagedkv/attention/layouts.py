@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedkv.errors import ConfigError
+from pagedkv.errors import BackendError, ConfigError
 
 
 class Layout:
@@ -145,6 +145,12 @@ class PagedKVCache:
     def value_nhd(self) -> torch.Tensor:
         return self.layout.as_nhd(self.value, self.num_kv_heads, self.head_dim)
 
+    def block_tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor that holds this cache's blocks, the physical block id leading: K and
+        V (a cache with more per-block state, e.g. quantisation scales, lists it too).
+        ``copy_blocks`` / ``export_blocks`` / ``import_blocks`` move exactly these."""
+        return (self.key, self.value)
+
     def fill_(self, value: float) -> "PagedKVCache":
         """Fill K and V with ``value`` (e.g. NaN in tests); returns self."""
         self.key.fill_(value)
@@ -191,5 +197,44 @@ def copy_blocks(cache: PagedKVCache, copies) -> None:
         return
     src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=cache.device)
     dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=cache.device)
-    for t in (cache.key, cache.value):
+    for t in cache.block_tensors():
         t.index_copy_(0, dst, t.index_select(0, src))
+
+
+def export_blocks(cache: PagedKVCache, block_ids: torch.Tensor) -> list[torch.Tensor]:
+    """The raw storage of whole blocks ``block_ids`` (int64 ``[n]``): one new tensor
+    ``[n, *block_shape]`` per ``cache.block_tensors()`` entry, in the cache's layout, dtype
+    and device (what ``import_blocks`` takes back, bit for bit)."""
+    ids = block_ids.to(device=cache.device, dtype=torch.int64)
+    return [t.index_select(0, ids) for t in cache.block_tensors()]
+
+
+def import_blocks(cache: PagedKVCache, block_ids: torch.Tensor, parts: list[torch.Tensor]) -> None:
+    """Overwrite whole blocks ``block_ids`` (int64 ``[n]``) with ``parts`` as returned by
+    ``export_blocks`` (same count, shapes and dtypes; any device). Raises ``BackendError``
+    on a mismatch."""
+    tensors = cache.block_tensors()
+    n = int(block_ids.numel())
+    if len(parts) != len(tensors) or any(
+        p.dtype != t.dtype or tuple(p.shape) != (n, *t.shape[1:]) for p, t in zip(parts, tensors)
+    ):
+        raise BackendError(
+            f"import_blocks: expected {[(n, *t.shape[1:]) for t in tensors]} "
+            f"{[t.dtype for t in tensors]}, got {[tuple(p.shape) for p in parts]} {[p.dtype for p in parts]}")
+    ids = block_ids.to(device=cache.device, dtype=torch.int64)
+    for t, p in zip(tensors, parts):
+        t.index_copy_(0, ids, p.to(t.device, non_blocking=True))
+
+
+class BlockTransfer:
+    """Whole-block export/import for backends whose caches are ``PagedKVCache`` (mixed into
+    every built-in backend): how K/V leave the pool for a slower tier and come back
+    (``pagedkv.kv.tiers``), through the cache's ``block_tensors``, never raw indexing."""
+
+    def export_blocks(self, kv_cache: PagedKVCache, block_ids: torch.Tensor) -> list[torch.Tensor]:
+        """Raw storage of whole blocks (int64 ``[n]`` ids): see :func:`export_blocks`."""
+        return export_blocks(kv_cache, block_ids)
+
+    def import_blocks(self, kv_cache: PagedKVCache, block_ids: torch.Tensor, parts: list[torch.Tensor]) -> None:
+        """Overwrite whole blocks with ``export_blocks`` output: see :func:`import_blocks`."""
+        import_blocks(kv_cache, block_ids, parts)

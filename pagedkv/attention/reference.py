@@ -54,9 +54,10 @@ def lists_of(md: AttentionMetadata) -> tuple[list[int], list[int], list[int]]:
     return list(seq_lens), q_lens, starts
 
 
-class LayoutMemory:
+class LayoutMemory(L.BlockTransfer):
     """K/V memory handling shared by every backend that keeps its cache as a
-    ``PagedKVCache`` in ``self.layout``: allocate, write by slot_mapping, copy blocks, gather."""
+    ``PagedKVCache`` in ``self.layout``: allocate, write by slot_mapping, copy blocks, gather,
+    export/import whole blocks."""
 
     layout: L.Layout
 

@@ -256,7 +256,7 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-class TritonBackend:
+class TritonBackend(L.BlockTransfer):
     """Triton kernels over an NHD paged cache (see module doc).
 
     ``split_len``: context tokens per split of the decode kernel (split-K is used when a

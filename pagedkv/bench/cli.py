@@ -14,6 +14,8 @@ BENCHES: dict[str, str] = {
     "block_manager": "pagedkv.bench.block_manager",
     "ablation": "pagedkv.bench.ablation",
     "step": "pagedkv.bench.step",
+    "quality": "pagedkv.bench.quality",
+    "offload": "pagedkv.bench.offload",
 }
 
 

@@ -39,6 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         ("--block-size", 16, "tokens per KV block (default 16)"),
     ])
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled model)")
+    p.add_argument("--weights", default="fp32",
+                   help="linear-layer format: fp32 | bf16 | int8 | int4 | auto (default fp32; see docs/weights.md)")
 
 
 def _engine(loaded: Any, args: Any, max_batch: int) -> Any:
@@ -50,12 +52,13 @@ def _engine(loaded: Any, args: Any, max_batch: int) -> Any:
                      max_num_batched_tokens=max(args.prefill_len, 512))
 
 
-def _costs(model: Any, kv_bytes_per_token: int, tokens: int, rows: int, ctx: float) -> tuple[float, float]:
+def _costs(model: Any, weights: str, kv_bytes_per_token: int, tokens: int, rows: int,
+           ctx: float) -> tuple[float, float]:
     """(bytes, FLOPs) of one step over ``tokens`` new tokens, ``rows`` sampled rows and a mean
-    attended context of ``ctx`` tokens per new token."""
+    attended context of ``ctx`` tokens per new token, with ``weights``-format linear layers."""
     c = model.config
     dec, head = linear_params(model)
-    bytes_moved = 4 * (dec + head) + kv_bytes_per_token * (tokens * ctx + tokens)
+    bytes_moved = weight_bytes(dec, head)[weights] + kv_bytes_per_token * (tokens * ctx + tokens)
     attn = 4 * ctx * c.num_heads * c.head_dim * c.num_layers * tokens
     return bytes_moved, 2 * dec * tokens + 2 * head * rows + attn
 
@@ -101,6 +104,12 @@ def collect(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
     batches = [int(b) for b in str(args.batches).split(",") if b.strip()]
     log("[step] measuring copy bandwidth and matmul peak")
     bw, peak = copy_bandwidth(), matmul_peak()
+    if loaded is None and args.weights != "fp32":
+        from pagedkv.model.loader import load_model
+        from pagedkv.model.quant import resolve_weights
+
+        fmt = resolve_weights(args.weights)[0]
+        loaded = load_model(args.model, dtype="float32", weights=fmt)
     loaded = load_fp32_model(loaded, args.model)
     model = loaded.model
     dec, head = linear_params(model)
@@ -114,7 +123,7 @@ def collect(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
     cases.append(_prefill_case(eng, args.prefill_len, args.steps))
     for c in cases:
         rows = c["batch"]
-        nbytes, flops = _costs(model, kvb, c["tokens"], rows, c["context"])
+        nbytes, flops = _costs(model, _weights_of(loaded), kvb, c["tokens"], rows, c["context"])
         c["limit"] = step_limit(nbytes, flops, bw, peak)
         c["bytes"], c["flops"] = nbytes, flops
         c["x_limit"] = c["plain_ms"] / c["limit"]["limit_ms"]
@@ -123,13 +132,18 @@ def collect(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
         c["host_and_small_ops_ms"] = c["parts_ms"]["host"] + c["parts_ms"]["other_ops"]
     return {
         "config": {"batches": batches, "prefill_len": args.prefill_len, "steps": args.steps,
-                   "block_size": args.block_size, "prompt_len": PROMPT_LEN, "weights": "fp32"},
+                   "block_size": args.block_size, "prompt_len": PROMPT_LEN, "weights": _weights_of(loaded)},
         "machine_limits": {"copy_bandwidth_gb_s": bw / 1e9, "matmul_peak_gflop_s": peak / 1e9},
         "weight_bytes": weight_bytes(dec, head),
         "cases": cases,
         "load_average_1m": load_average(),
         "machine": machine_info(threads),
     }
+
+
+def _weights_of(loaded: Any) -> str:
+    """The linear layers' format of ``loaded`` (fp32 unless quantised)."""
+    return str(getattr(loaded, "weights", None) or "fp32")
 
 
 def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
@@ -142,7 +156,7 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
         rows.append(row)
     wb = data["weight_bytes"]
     return (
-        "# Per-step profile\n\n`pagedkv bench step` (fp32 weights; torch threads pinned to "
+        f"# Per-step profile\n\n`pagedkv bench step --weights {data['config']['weights']}` (torch threads pinned to "
         f"{data['machine']['torch_threads']}). Measured here: copy bandwidth "
         f"{lim['copy_bandwidth_gb_s']:.1f} GB/s (read + write), fp32 matmul peak "
         f"{lim['matmul_peak_gflop_s']:.0f} GFLOP/s. Linear + LM head weight bytes per step: "
@@ -171,14 +185,13 @@ def _draw(data: dict[str, Any], path: Any) -> None:
     ax.set_ylabel("share of the profiled step (%)")
     ax.set_ylim(0, 125)
     ax.legend(loc="upper left", ncol=5, fontsize=8)
-    ax.set_title("Where a step's time goes (fp32 weights)")
+    ax.set_title(f"Where a step's time goes ({data['config']['weights']} weights)")
     save_figure(fig, path)
-
-
-plots = single_plot("step", "step time breakdown", _draw)
 
 
 def run(args: argparse.Namespace, loaded: Any = None) -> int:
     data = collect(args, loaded)
-    publish("step", data, render_markdown, args.out_dir, plots=plots, as_json=args.json)
+    name = "step" if data["config"]["weights"] == "fp32" else f"step_{data['config']['weights']}"
+    publish(name, data, render_markdown, args.out_dir, plots=single_plot(name, "step time breakdown", _draw),
+            as_json=args.json)
     return 0

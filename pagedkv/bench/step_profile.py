@@ -19,6 +19,7 @@ step time is measured too (same steps, no profiler).
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any, Callable, Iterable
 
@@ -60,9 +61,12 @@ def _timed(fn: Callable[[], Any]) -> float:
 
 
 def linear_params(model: torch.nn.Module) -> tuple[int, int]:
-    """``(decoder linear weight elements, LM head elements)`` of a pagedkv Llama-family model."""
-    dec = sum(p.numel() for n, p in model.named_parameters() if n.endswith("proj.weight"))
-    head = model.config.vocab_size * model.config.hidden_size
+    """``(decoder linear weight elements, LM head elements)`` of a pagedkv Llama-family model,
+    from its config (the same whatever format the weights are stored in)."""
+    c = model.config
+    h, q, kv, i = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size
+    dec = c.num_layers * (h * (q + 2 * kv) + q * h + 2 * i * h + i * h)
+    head = c.vocab_size * h
     return dec, head
 
 
@@ -114,15 +118,18 @@ def breakdown(events: Iterable[Any], wall_s: float, num_steps: int) -> dict[str,
     return out
 
 
-def profile_steps(step: Callable[[], Any], num_steps: int) -> tuple[float, dict[str, float]]:
-    """Run ``step`` ``num_steps`` times plainly, then as many times under the profiler.
-    Returns ``(plain ms per step, breakdown ms per step)``."""
+def profile_steps(step: Callable[[], Any], num_steps: int, warmup: int = 2) -> tuple[float, dict[str, float]]:
+    """Run ``step`` ``warmup`` times untimed (first calls of a batch shape pay one-off costs),
+    ``num_steps`` times plainly, then as many times under the profiler. Returns ``(median
+    plain ms per step, breakdown ms per step)``."""
     from torch.profiler import ProfilerActivity, profile
 
-    t = time.perf_counter()
-    for _ in range(num_steps):
+    for _ in range(warmup):
         step()
-    plain = (time.perf_counter() - t) * 1e3 / num_steps
+    times = []
+    for _ in range(num_steps):
+        times.append(_timed(step))
+    plain = statistics.median(times) * 1e3
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t = time.perf_counter()
         for _ in range(num_steps):

@@ -17,6 +17,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="GGUF file or HF safetensors dir (default: bundled SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
+    g.add_argument("--weights", default="auto",
+                   help="linear weights: auto (fastest within the quality bounds on this CPU) | fp32 | bf16 | int8 | int4")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     g.add_argument("--kv-cache-memory", default=None, help='KV cache budget, e.g. "1GiB" (default 1GiB)')
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory)")
@@ -31,6 +33,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over N ranks with torch.distributed (default 1; see docs/distributed.md)")
+    g.add_argument("--kv-offload", action="append", default=None, metavar="TIER",
+                   help="a tier behind the KV pool, fastest first (repeatable): host:4GiB, disk:PATH:50GiB; "
+                        "turns prefix caching on (docs/kv_tiers.md)")
+    g.add_argument("--kv-events", default=None, metavar="ENDPOINT",
+                   help="publish KV events over ZeroMQ, e.g. tcp://127.0.0.1:5557 (replay socket: port + 1)")
+    g.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT", help="the replay socket's endpoint")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -41,12 +49,14 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
         torch.set_num_threads(args.threads)
     return dict(
-        dtype=args.dtype, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+        dtype=args.dtype, weights=args.weights, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
         num_blocks=args.num_blocks, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching, enable_paging=not args.disable_paging,
         attention_backend=args.attention_backend, policy=args.policy, seed=args.seed,
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+        kv_offload=getattr(args, "kv_offload", None), kv_events=getattr(args, "kv_events", None),
+        kv_events_replay=getattr(args, "kv_events_replay", None),
     )
 
 
@@ -80,7 +90,8 @@ def _make_llm(args: argparse.Namespace):
     llm = LLM(args.model, **engine_kwargs(args))
     kv = llm.engine.kv_summary()
     print(
-        f"[pagedkv] model loaded in {time.time() - t0:.1f}s; KV cache: {kv['num_blocks']} blocks x "
+        f"[pagedkv] model loaded in {time.time() - t0:.1f}s, weights {llm.engine.loaded.weights} "
+        f"({llm.engine.loaded.weights_reason}); KV cache: {kv['num_blocks']} blocks x "
         f"{kv['block_size']} tokens = {kv['tokens']} tokens ({kv['bytes'] / 2**20:.0f} MiB, "
         f"{kv['bytes_per_token']} B/token); max concurrency at max_model_len "
         f"{kv['max_model_len']}: {kv['max_concurrency_at_max_model_len']:.2f}",

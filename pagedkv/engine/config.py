@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Optional, Union
 
 from pagedkv.errors import ConfigError
+from pagedkv.kv.tiers.spec import parse_tier_specs
 from pagedkv.utils import MODEL_DTYPES, canonical_dtype, cdiv
 
 
@@ -45,6 +46,15 @@ class EngineConfig:
     model_revision: Optional[str] = None
     # ranks the model is split over (pagedkv.distributed); kv_cache_memory is then per rank
     tensor_parallel_size: int = 1
+    # linear layers' weight format: auto | fp32 | bf16 | int8 | int4 (pagedkv.model.quant)
+    weights: str = "auto"
+    # tiers behind the block pool, fastest first: ["host:4GiB", "disk:PATH:50GiB"]
+    # (pagedkv.kv.tiers); turns prefix caching on
+    kv_offload: Optional[list[str]] = None
+    # KV events over ZeroMQ: the PUB endpoint ("tcp://127.0.0.1:5557") and the replay
+    # endpoint (default: the same host, port + 1); turns prefix caching on
+    kv_events: Optional[str] = None
+    kv_events_replay: Optional[str] = None
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> "EngineConfig":
@@ -77,6 +87,9 @@ class EngineConfig:
         if self.policy not in ("fcfs", "priority"):
             raise ConfigError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
         canonical_dtype(self.dtype, MODEL_DTYPES)
+        from pagedkv.model.quant import check_weights
+
+        check_weights(self.weights)
         import torch
 
         try:
@@ -85,6 +98,22 @@ class EngineConfig:
             raise ConfigError(f"device: unknown device {self.device!r}") from None
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device: CUDA is not available on this machine")
+        self._validate_kv_tiers()
+
+    def _validate_kv_tiers(self) -> None:
+        if parse_tier_specs(self.kv_offload) and self.tensor_parallel_size != 1:
+            raise ConfigError("kv_offload: not supported with tensor_parallel_size > 1 (each rank holds its own heads)")
+        for name in ("kv_events", "kv_events_replay"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v.startswith(("tcp://", "ipc://", "inproc://"))):
+                raise ConfigError(f"{name}: expected a ZeroMQ endpoint like tcp://127.0.0.1:5557, got {v!r}")
+        if self.kv_events_replay is not None and self.kv_events is None:
+            raise ConfigError("kv_events_replay needs kv_events")
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether the prefix cache is on: asked for, or needed by ``kv_offload`` / ``kv_events``."""
+        return bool(self.enable_prefix_caching or self.kv_offload or self.kv_events)
 
     def resolve_max_model_len(self, model_context: int) -> int:
         """``max_model_len`` (tokens) for a model whose context is ``model_context``; raises

@@ -35,7 +35,9 @@ from pagedkv.engine.sequence_group import SequenceGroup, blocks_needed
 from pagedkv.engine.stats import EngineStats, collect_stats
 from pagedkv.errors import ConfigError, InvalidRequestError
 from pagedkv.kv import CacheKeys, KVCacheSpec, parse_size
+from pagedkv.kv.tiers import StoreIdentity, ZmqEventPublisher, open_tiers, parse_tier_specs, replay_endpoint_for
 from pagedkv.model.loader import LoadedModel, load_model
+from pagedkv.model.quant import resolve_weights
 from pagedkv.utils import canonical_dtype, profile_scope, torch_dtype
 from pagedkv.worker.runner import ModelRunner
 
@@ -52,13 +54,18 @@ class LLMEngine:
     def __init__(self, model: Any = None, **kwargs: Any) -> None:
         cfg = self.config = EngineConfig.from_kwargs(kwargs)
         self.dtype = dtype = torch_dtype(cfg.dtype)
+        weights, why = resolve_weights(cfg.weights, dtype, cfg.device, cfg.tensor_parallel_size)
         if isinstance(model, LoadedModel):
             loaded = model
             model_dtype = next(loaded.model.parameters()).dtype
             if model_dtype != dtype:
                 raise ConfigError(f"the loaded model is {model_dtype}; the engine dtype is {dtype}")
+            if cfg.weights != "auto" and loaded.weights != weights:
+                raise ConfigError(f"the loaded model has {loaded.weights} weights; the engine asks for {weights}")
         else:
-            loaded = load_model(model, dtype=dtype, device=cfg.device)
+            loaded = load_model(model, dtype=dtype, device=cfg.device, weights=weights)
+            loaded.weights_reason = why
+        logger.info("weights: %s (%s)", loaded.weights, loaded.weights_reason)
         self.loaded = loaded
         self.model_config = mc = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -91,12 +98,13 @@ class LLMEngine:
                 loaded, self.backend, cfg.attention_backend, tp_size=tp, num_blocks=num_blocks,
                 block_size=cfg.block_size, dtype=dtype, device=cfg.device,
             )
+        self.kv_tiers, self.kv_stores, self.kv_events = self._open_kv_tiers(mc, dtype)
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=num_blocks, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=self.max_model_len,
             policy=cfg.policy, watermark=cfg.watermark, enable_chunked_prefill=cfg.enable_chunked_prefill,
-            enable_prefix_caching=cfg.enable_prefix_caching, enable_paging=cfg.enable_paging,
-            shuffle_seed=cfg.shuffle_blocks,
+            enable_prefix_caching=cfg.prefix_caching, enable_paging=cfg.enable_paging,
+            shuffle_seed=cfg.shuffle_blocks, kv_tiers=self.kv_tiers,
         ))
         self.groups = self.scheduler.groups
         self.output = OutputProcessor(self.tokenizer, self.scheduler)
@@ -111,6 +119,36 @@ class LLMEngine:
             num_blocks * cfg.block_size / self.max_model_len,
         )
 
+    def _open_kv_tiers(self, mc: Any, dtype: torch.dtype) -> tuple[Any, Any, Any]:
+        """``(KVTiers, TierStores, publisher)`` for ``kv_offload`` / ``kv_events`` (Nones
+        when both are off). Raises ``ConfigError`` (bad spec, unwritable or full disk,
+        endpoint in use) or ``KVStoreMismatchError`` (a store of another model/format)."""
+        cfg = self.config
+        specs = parse_tier_specs(cfg.kv_offload)
+        if not specs and not cfg.kv_events:
+            return None, None, None
+        publisher = identity = None
+        try:
+            if cfg.kv_events:
+                publisher = ZmqEventPublisher(cfg.kv_events, cfg.kv_events_replay or replay_endpoint_for(cfg.kv_events))
+            if specs:  # tensor parallelism is refused with tiers: one runner holds every head
+                codec = self.runner.kv_payload_codec()
+                identity = StoreIdentity(
+                    model_id=self.model_id, revision=self.revision, weights=str(self.loaded.weights),
+                    kv_dtype=canonical_dtype(dtype),
+                    block_size=cfg.block_size, num_layers=mc.num_layers, block_format=codec.format,
+                    block_nbytes=codec.nbytes,
+                )
+            tiers, stores = open_tiers(specs, identity, cfg.block_size, publisher)
+        except BaseException:
+            for obj in (publisher, self.runner):  # TP workers too: nothing outlives a failed start
+                close = getattr(obj, "close", None)
+                if close is not None:
+                    close()
+            raise
+        logger.info("KV tiers: %s; KV events: %s", ", ".join(map(str, specs)) or "none", cfg.kv_events or "off")
+        return tiers, stores, publisher
+
     @property
     def kv(self) -> Any:
         """The scheduler's ``KVCacheManager``, for inspection (tests, tools). Only the
@@ -119,7 +157,16 @@ class LLMEngine:
 
     def close(self) -> None:
         """Release the step runner's resources: with tensor parallelism, stop every worker
-        process. Idempotent; the engine cannot step afterwards (tensor parallel)."""
+        process; with a disk tier, first copy every cached block there (the next start
+        finds them) and commit; stop the KV event publisher. Idempotent; the engine cannot
+        step afterwards (tensor parallel, tiers)."""
+        stores, self.kv_stores = self.kv_stores, None
+        if stores is not None:
+            with self._lock:
+                self.runner.transfer_kv(self.scheduler.persist_kv(), stores)
+            stores.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
@@ -305,6 +352,8 @@ class LLMEngine:
                 sampling = out.sampling_requests()
                 prompt_rows = out.prompt_rows()
                 inp = self.runner.prepare(*out.model_inputs(), prompt_rows)
+                if out.kv_transfer is not None:  # tier stores/loads: reads evicted blocks first
+                    self.runner.transfer_kv(out.kv_transfer, self.kv_stores)
                 self.runner.copy_blocks(out.copies)
         logits = self.runner.execute(inp)  # lock released: aborts may land now (fenced)
         with self._lock:

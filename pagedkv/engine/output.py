@@ -68,7 +68,8 @@ class OutputProcessor:
             for s in seqs
         ]
         cached = metrics.prefix_hit_tokens if group.beam is not None else max(seqs[0].num_cached_tokens, 0)
-        return RequestOutput(outputs=comps, num_cached_tokens=cached, **common)
+        return RequestOutput(outputs=comps, num_cached_tokens=cached,
+                             num_cached_tokens_by_tier=dict(seqs[0].num_cached_tokens_by_tier), **common)
 
 
 def _beam_output(index: int, h: BeamHypothesis) -> CompletionOutput:

@@ -248,6 +248,7 @@ class Request:
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first admission (tokens); -1 = not yet
+    num_cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # of those, per tier (pool/host/disk)
     num_preemptions: int = 0
     num_prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache at first admission
     num_cow_copies: int = 0  # copy-on-write block copies made for this sequence's writes
@@ -352,6 +353,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0  # prefix-cache hit, tokens
+    num_cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # of those, per tier: pool, host, disk
     # SamplingParams.prompt_logprobs: per prompt token, {token: logprob, then the top-N}
     # (None for the first token); None when not asked for
     prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 from pagedkv.engine.request import Request, RequestStatus, now
 from pagedkv.engine.sequence_group import Gangs, SequenceGroups
 from pagedkv.errors import NoFreeBlocksError, PagedKVError
 from pagedkv.kv import KVCacheManager, check_invariants
+from pagedkv.kv.tiers import cached_tokens_by_tier
 from pagedkv.utils import cdiv
 
 
@@ -48,6 +49,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = False
     enable_paging: bool = True
     shuffle_seed: Optional[int] = None  # randomise the physical block order (tests)
+    kv_tiers: Any = None  # pagedkv.kv.tiers.KVTiers: host/disk tiers and KV events (None: off)
 
 
 @dataclass
@@ -60,6 +62,7 @@ class SchedulerOutput:
     step_id: int
     num_batched_tokens: int = 0
     block_ids: list[list[int]] = field(default_factory=list)  # per scheduled, its block table
+    kv_transfer: Any = None  # pagedkv.kv.tiers.KVTransfer: tier stores/loads to run first
 
     @property
     def is_empty(self) -> bool:
@@ -118,7 +121,7 @@ class Scheduler:
             enable_prefix_caching=config.enable_prefix_caching,
             enable_paging=config.enable_paging,
             max_model_len=config.max_model_len,
-            shuffle_seed=config.shuffle_seed,
+            shuffle_seed=config.shuffle_seed, tiers=config.kv_tiers,
         )
         self.enable_prefix_caching = config.enable_prefix_caching
         self.groups = SequenceGroups(self)
@@ -324,6 +327,7 @@ class Scheduler:
             req.num_computed_tokens = num_cached
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
+                req.num_cached_tokens_by_tier = cached_tokens_by_tier(hit_blocks, self.kv.block_size)
                 req.num_prefix_query_tokens = req.num_tokens if self.enable_prefix_caching else 0
             if req.scheduled_time is None:
                 req.scheduled_time = now()
@@ -343,7 +347,13 @@ class Scheduler:
         if scheduled:
             st.peak_used_blocks = max(st.peak_used_blocks, self.kv.num_used_blocks)
         block_ids = [self.kv.get_block_ids(r.request_id) for r, _ in scheduled]
-        return SchedulerOutput(scheduled, copies, preempted, step_id, used, block_ids)
+        transfer = self.kv.take_transfer() if scheduled else None  # else it waits for a step
+        return SchedulerOutput(scheduled, copies, preempted, step_id, used, block_ids, transfer)
+
+    def persist_kv(self) -> Any:
+        """Before a shutdown (no step in flight): the ``KVTransfer`` that copies every cached
+        block to the disk tier (``None`` without one)."""
+        return self.kv.persist()
 
     def end_step(self, out: SchedulerOutput) -> None:
         """Close ``out``'s step fence (idempotent): blocks freed while it ran return to the

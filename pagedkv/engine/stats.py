@@ -7,7 +7,7 @@ grow from engine start; ``peak_*`` are maxima since start.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
@@ -36,6 +36,12 @@ class EngineStats:
     kv_evictions: int
     kv_allocated_blocks: int
     kv_deferred_frees: int
+    # tiers behind the pool (kv_offload; {} when off): {"tiers": {name: {blocks,
+    # capacity_blocks, stored_blocks, removed_blocks, hit_blocks, hit_tokens, failed_blocks}},
+    # "transfer": {"blocks"/"bytes": {direction: n}, "seconds": {export, import, disk_read,
+    # disk_write, recompute}}}; prompt tokens served by the pool itself: kv_pool_hit_tokens
+    kv_tiers: dict = field(default_factory=dict)
+    kv_pool_hit_tokens: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """Plain dict (JSON-ready), keys = field names."""
@@ -46,6 +52,7 @@ def collect_stats(scheduler: Any) -> EngineStats:
     """The engine's :class:`EngineStats` from its scheduler (its counters and its KV pool)."""
     kv, st = scheduler.kv, scheduler.stats
     kvs = kv.stats
+    tiers = kv.tier_stats()
     return EngineStats(
         num_running=len(scheduler.running),
         num_waiting=len(scheduler.waiting),
@@ -70,4 +77,6 @@ def collect_stats(scheduler: Any) -> EngineStats:
         kv_evictions=kvs.evictions,
         kv_allocated_blocks=kvs.allocated_blocks,
         kv_deferred_frees=kvs.deferred_frees,
+        kv_tiers=tiers,
+        kv_pool_hit_tokens=kvs.prefix_hits - sum(t["hit_tokens"] for t in tiers.get("tiers", {}).values()),
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 from pagedkv.errors import ConfigError, NoFreeBlocksError
 
@@ -90,6 +90,9 @@ class BlockPool:
             random.Random(shuffle_seed).shuffle(order)
         self.free_queue = FreeBlockQueue(order)
         self.cached: dict[bytes, KVCacheBlock] = {}
+        # told of every publish, eviction (before the hash goes) and reset: the tiers and
+        # KV events (``pagedkv.kv.tiers.KVTiers``); None: nobody listens
+        self.listener: Any = None
         self.num_evictions = 0
         self.num_allocated = 0
 
@@ -142,6 +145,8 @@ class BlockPool:
         block.token_bytes = token_bytes
         block.extra_bytes = extra_bytes
         self.cached[block_hash] = block
+        if self.listener is not None:
+            self.listener.on_publish(block)
         return True
 
     def lookup(self, block_hash: bytes, parent_hash: bytes | None, token_bytes: bytes,
@@ -155,6 +160,8 @@ class BlockPool:
         return block
 
     def _evict(self, block: KVCacheBlock) -> None:
+        if self.listener is not None:
+            self.listener.on_evict(block)
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
         block.block_hash = block.parent_hash = block.token_bytes = block.extra_bytes = None
@@ -163,6 +170,8 @@ class BlockPool:
     def reset_prefix_cache(self) -> int:
         """Unpublish every cached block (their K/V stay where they are). Returns how many."""
         n = len(self.cached)
+        if self.listener is not None:
+            self.listener.on_clear()
         for block in self.cached.values():
             block.block_hash = block.parent_hash = block.token_bytes = block.extra_bytes = None
         self.cached.clear()

@@ -22,6 +22,8 @@ from pagedkv.kv.block_pool import BlockPool, KVCacheBlock
 from pagedkv.kv.block_table import BlockTable
 from pagedkv.kv.invariants import check_invariants
 from pagedkv.kv.prefix_cache import NO_KEYS, CacheKeys, HashFn, iter_block_hashes, sha256_block_hash
+from pagedkv.kv.snapshot import manager_snapshot
+from pagedkv.kv.tiers.index import TierHit
 from pagedkv.utils import cdiv
 
 
@@ -72,6 +74,8 @@ class KVCacheManager:
     ``max_model_len``: tokens a request may reach (``None``: unchecked).
     ``shuffle_seed``: shuffle the free queue's initial order (physical ids, seed §03).
     ``hash_fn``: the block hash (default sha256; tests inject a colliding one).
+    ``tiers``: a ``pagedkv.kv.tiers.KVTiers`` (host/disk tiers behind the pool and KV
+    events): evicted cached blocks go there and lookups continue there.
 
     Raises ``ConfigError`` on a bad value (the message names the field).
     """
@@ -85,6 +89,7 @@ class KVCacheManager:
         max_model_len: int | None = None,
         shuffle_seed: int | None = None,
         hash_fn: HashFn = sha256_block_hash,
+        tiers: Any = None,
     ) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ConfigError(f"block_size must be a positive integer, got {block_size!r}")
@@ -98,6 +103,8 @@ class KVCacheManager:
         self.max_model_len = max_model_len
         self.hash_fn = hash_fn
         self.pool = BlockPool(num_blocks, shuffle_seed)
+        self.tiers = tiers
+        self.pool.listener = tiers
         self.num_blocks = num_blocks
         self._reserve_blocks = cdiv(max_model_len, block_size) if max_model_len else 0
         self._tables: dict[str, BlockTable] = {}
@@ -179,7 +186,9 @@ class KVCacheManager:
         """Longest cached prefix of ``token_ids`` in whole blocks, never the whole prompt
         (at least the last token is left to compute). Pure: no ``ref_cnt`` changes; pass
         the blocks to ``allocate_slots(new_computed_blocks=...)`` before anything else
-        allocates. Returns ``(blocks, num_cached_tokens)``; ``([], 0)`` when disabled."""
+        allocates. Returns ``(blocks, num_cached_tokens)``; ``([], 0)`` when disabled. With
+        tiers, a block found in a tier is a ``TierHit`` (loaded into a fresh pool block at
+        admission)."""
         if not self.enable_prefix_caching:
             return [], 0
         bs = self.block_size
@@ -188,10 +197,13 @@ class KVCacheManager:
         hits: list[KVCacheBlock] = []
         if max_blocks:
             lookup = self.pool.lookup
+            tiers = self.tiers if self.tiers is not None and self.tiers.indexes else None
             for h, parent, tb, extra in iter_block_hashes(
                 token_ids, bs, cache_keys or NO_KEYS, hash_fn=self.hash_fn, end_block=max_blocks
             ):
                 block = lookup(h, parent, tb, extra)
+                if block is None and tiers is not None:  # pool -> host -> disk
+                    block = tiers.lookup(h, parent, tb, extra)
                 if block is None:
                     break
                 hits.append(block)
@@ -233,8 +245,24 @@ class KVCacheManager:
         return published
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached hash (K/V stay; nothing is freed). Returns how many."""
+        """Forget every cached hash (K/V stay; nothing is freed), in the tiers too.
+        Returns how many pool blocks were cached."""
         return self.pool.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ tiers
+    def take_transfer(self) -> Any:
+        """The K/V moves between pool and tiers decided since the last call (a
+        ``KVTransfer`` the runner executes before the step's forward), or ``None``."""
+        return self.tiers.take_transfer() if self.tiers is not None else None
+
+    def persist(self) -> Any:
+        """Before a shutdown: copy every cached block (pool and host) to the disk tier.
+        Returns the ``KVTransfer`` to execute (``None`` without tiers)."""
+        return self.tiers.persist(self.pool) if self.tiers is not None else None
+
+    def tier_stats(self) -> dict[str, Any]:
+        """Per tier blocks / hits / stores and bytes moved (``{}`` without tiers)."""
+        return self.tiers.stats() if self.tiers is not None and self.tiers.indexes else {}
 
     # ------------------------------------------------------------------ allocation
     def _plan(
@@ -266,7 +294,8 @@ class KVCacheManager:
                 )
             cached = self.pool.cached
             for b in new_computed_blocks:
-                if b.block_hash is None or cached.get(b.block_hash) is not b:
+                if (not self.tiers.holds(b) if isinstance(b, TierHit)
+                        else b.block_hash is None or cached.get(b.block_hash) is not b):
                     raise InvalidRequestError(
                         f"{req_id}: prefix hit on block {b.block_id} is stale (evicted since "
                         "get_computed_blocks); look it up again"
@@ -360,7 +389,10 @@ class KVCacheManager:
                 self._stats.prefix_queries += q[0]
                 self._stats.prefix_hits += q[1]
         if new_computed_blocks:
-            pool.touch(new_computed_blocks)
+            if self.tiers is not None:  # tier hits get fresh blocks and a load
+                new_computed_blocks = self.tiers.place_hits(pool, new_computed_blocks)
+            else:
+                pool.touch(new_computed_blocks)
             table.append(new_computed_blocks)
             table.num_hashed = len(new_computed_blocks)
             table.last_hash = new_computed_blocks[-1].block_hash
@@ -442,36 +474,13 @@ class KVCacheManager:
             if not hold.waiting:
                 del self._holds[hold.key]
                 self.pool.release(hold.blocks)
+        if self.tiers is not None:
+            self.tiers.end_step()  # this step's KV events, one batch
 
     # ------------------------------------------------------------------ introspection
     def snapshot(self) -> dict[str, Any]:
-        """Every block and table, JSON-able, for a live UI:
-        ``{"num_blocks", "block_size", "num_free_blocks", "usage", "free_queue": [ids],
-        "blocks": [{"block_id", "ref_cnt", "is_cached", "is_free", "owners": [req_ids]}],
-        "tables": {req_id: {"block_ids", "num_tokens"}}, "holds": [{"req_id", "block_ids",
-        "steps"}], "open_steps": {step_id: [req_ids]}, "stats": {...}}``."""
-        owners: dict[int, list[str]] = {}
-        for rid, t in self._tables.items():
-            for bid in t._ids:
-                owners.setdefault(bid, []).append(rid)
-        free_q = self.pool.free_queue
-        return {
-            "num_blocks": self.num_blocks,
-            "block_size": self.block_size,
-            "num_free_blocks": self.num_free_blocks,
-            "usage": self.usage,
-            "free_queue": free_q.ids(),
-            "blocks": [
-                {"block_id": b.block_id, "ref_cnt": b.ref_cnt, "is_cached": b.block_hash is not None,
-                 "is_free": b in free_q, "owners": owners.get(b.block_id, [])}
-                for b in self.pool.blocks
-            ],
-            "tables": {rid: {"block_ids": t.ids, "num_tokens": t.num_tokens} for rid, t in self._tables.items()},
-            "holds": [{"req_id": h.req_id, "block_ids": [b.block_id for b in h.blocks],
-                       "steps": sorted(h.waiting)} for h in self._holds.values()],
-            "open_steps": {sid: sorted(r) for sid, r in self._open_steps.items()},
-            "stats": self.stats.as_dict(),
-        }
+        """Every block and table, JSON-able, for a live UI (see ``pagedkv.kv.snapshot``)."""
+        return manager_snapshot(self)
 
     def check_invariants(self) -> None:
         """Run ``pagedkv.kv.invariants.check_invariants`` on this manager."""

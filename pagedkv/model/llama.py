@@ -115,7 +115,7 @@ class DecoderLayer(nn.Module):
         **in place**; ``cos``/``sin`` ``[T, 1, d/2]`` are the tokens' RoPE rows."""
         t = residual.shape[0]
         x = _rms_norm(residual, self.input_layernorm.weight, self.eps)
-        qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = self.qkv_proj(x)
         q = _apply_rope(qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim), cos, sin)
         k = _apply_rope(
             qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim), cos, sin
@@ -124,17 +124,17 @@ class DecoderLayer(nn.Module):
         with profile_scope("pagedkv.attention"):
             backend.write_kv(kv_cache, k, v, md.slot_mapping)
             o = backend.forward(q, kv_cache, md, self.scale)
-        attn_out = F.linear(o.reshape(t, self.q_size), self.o_proj.weight)
+        attn_out = self.o_proj(o.reshape(t, self.q_size))
         if self.all_reduce is not None:
             self.all_reduce(attn_out)
         residual.add_(attn_out)
 
         x = _rms_norm(residual, self.post_attention_layernorm.weight, self.eps)
-        gate_up = F.linear(x, self.gate_up_proj.weight)
+        gate_up = self.gate_up_proj(x)
         gate = gate_up[:, : self.intermediate_size]
         F.silu(gate, inplace=True)
         gate.mul_(gate_up[:, self.intermediate_size :])
-        mlp_out = F.linear(gate, self.down_proj.weight)
+        mlp_out = self.down_proj(gate)
         if self.all_reduce is not None:
             self.all_reduce(mlp_out)
         residual.add_(mlp_out)
@@ -274,7 +274,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[n, vocab_size]`` float32 for hidden states ``[n, hidden_size]`` (the tied
-        embedding matrix or ``lm_head``)."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        embedding matrix or ``lm_head``, which a weight format may have quantised)."""
+        if self.lm_head is None:
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
 

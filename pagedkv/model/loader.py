@@ -23,12 +23,15 @@ from pagedkv.errors import ConfigError
 from pagedkv.gguf_header import is_gguf_file, read_gguf_header
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.llama import LlamaForCausalLM
+from pagedkv.model.quant import resolve_weights
+from pagedkv.model.quantize import gguf_q4_codes, install_linears, quantize_state
 from pagedkv.model.tokenizer import load_tokenizer
 from pagedkv.model.weight_cache import (
-    cache_root, entry_dir, file_sha256, manifest_ok, read_cache_entry, read_cached_weights, write_cache_entry,
+    cache_root, entry_dir, file_sha256, manifest_ok, read_cache_entry, read_cached_weights, read_format_weights,
+    write_cache_entry,
 )
 from pagedkv.model.weights import StateDict, gguf_config, gguf_state_dict, hf_config, hf_state_dict
-from pagedkv.utils import torch_dtype
+from pagedkv.utils import canonical_dtype, torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +49,9 @@ class LoadedModel:
     ``ModelConfig``; ``tokenizer``: a transformers tokenizer (with the chat template when the
     source has one); ``path``: the GGUF file or HF directory loaded; ``cache_dir``: the weight
     cache entry used or written (``None`` for HF directories or when caching was off or
-    failed); ``from_cache``: whether weights came from the cache; ``load_seconds``: wall time.
+    failed); ``from_cache``: whether weights came from the cache; ``load_seconds``: wall time;
+    ``weights``: the linear layers' weight format (``pagedkv.model.quant``) and
+    ``weights_reason`` why it was chosen.
     """
 
     model: LlamaForCausalLM
@@ -56,6 +61,8 @@ class LoadedModel:
     cache_dir: Path | None = None
     from_cache: bool = False
     load_seconds: float = 0.0
+    weights: str = "fp32"
+    weights_reason: str = "requested"
 
 
 def resolve_model_path(model: str | Path | None = None) -> Path:
@@ -96,30 +103,46 @@ def load_model(
     dtype: torch.dtype | str = torch.float32,
     device: torch.device | str = "cpu",
     *,
+    weights: str | None = None,
     cache_dir: str | Path | None = None,
     use_cache: bool = True,
+    route: str | None = None,
 ) -> LoadedModel:
     """Load weights, config and tokenizer.
 
     ``model``: see ``resolve_model_path`` (``None`` = bundled SmolLM2-135M-Instruct Q4_1).
     ``dtype``: float32 (default), bfloat16 or float16 parameters (a torch dtype or a name such
-    as ``"bf16"``). ``device``: where the parameters live. ``cache_dir``: root of the GGUF
-    weight cache (default ``cache_root()``); ``use_cache=False`` neither reads nor writes it.
+    as ``"bf16"``). ``device``: where the parameters live. ``weights``: the linear layers'
+    format, ``None`` (default: unquantised in ``dtype``, exact) | ``fp32`` | ``bf16`` | ``int8``
+    | ``int4`` | ``auto`` (see
+    ``pagedkv.model.quant``; int4 keeps a Q4_0/Q4_1 GGUF's stored codes); each format of a
+    GGUF is cached in its own entry. ``route``: ``fast`` | ``fallback`` kernel of the quantised
+    layers (default: what this CPU runs fast). ``cache_dir``: root of the GGUF weight cache
+    (default ``cache_root()``); ``use_cache=False`` neither reads nor writes it.
 
     Raises ``ConfigError`` for a missing path, a directory without ``config.json``, an
-    unsupported architecture/quantisation/dtype, or missing/mis-shaped weights.
+    unsupported architecture/quantisation/dtype/weight format, or missing/mis-shaped weights.
     """
     t0 = time.perf_counter()
     dtype = torch_dtype(dtype)
+    if weights is None:  # unquantised, in the model dtype
+        fmt, why = canonical_dtype(dtype), "the model dtype"
+    else:
+        fmt, why = resolve_weights(weights, dtype, device=device)
+    quantised = fmt != canonical_dtype(dtype)
     path = resolve_model_path(model)
     if path.is_dir():
         config = hf_config(path)
         state = hf_state_dict(path, config)
         tokenizer = load_tokenizer(path)
         entry, from_cache = None, False
+        if quantised:
+            state = quantize_state(state, config, fmt)
+    elif quantised:
+        config, state, tokenizer, entry, from_cache = _load_gguf_format(path, _root(cache_dir), use_cache, fmt)
     else:
         config, state, tokenizer, entry, from_cache = _load_gguf_cached(path, _root(cache_dir), use_cache)
-    net = build_model(config, state, dtype, device)
+    net = build_model(config, state, dtype, device, route=route)
     return LoadedModel(
         model=net,
         config=config,
@@ -128,6 +151,8 @@ def load_model(
         cache_dir=entry,
         from_cache=from_cache,
         load_seconds=time.perf_counter() - t0,
+        weights=fmt,
+        weights_reason=why,
     )
 
 
@@ -159,13 +184,16 @@ def load_weights(
 
 def build_model(
     config: ModelConfig, state: StateDict, dtype: torch.dtype | str = torch.float32,
-    device: torch.device | str = "cpu",
+    device: torch.device | str = "cpu", route: str | None = None,
 ) -> LlamaForCausalLM:
     """A ``LlamaForCausalLM`` for ``config`` holding ``state`` (converted to ``dtype`` on
-    ``device``; eval mode, no grad). Raises ``ConfigError`` on an unsupported dtype or a
-    missing, unexpected or mis-shaped tensor."""
+    ``device``; eval mode, no grad). Linear layers whose ``state`` is in a quantised format
+    (``pagedkv.model.quantize.quantize_state``) become that format's modules, on ``route``
+    (default: the CPU's fast one where it has it). Raises ``ConfigError`` on an unsupported
+    dtype or a missing, unexpected or mis-shaped tensor."""
     dtype = torch_dtype(dtype)
     net = LlamaForCausalLM(config, dtype=dtype, device=device)
+    taken = install_linears(net, state, route)  # quantised tensors keep their own dtypes
     expected = net.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
@@ -180,8 +208,9 @@ def build_model(
                 f"weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(expected[name].shape)}"
             )
     del expected
-    converted = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
-    net.load_state_dict(converted, strict=True, assign=True)
+    # the quantised modules already hold their tensors (copied where a kernel needs alignment)
+    converted = {k: v.to(device=device, dtype=dtype) for k, v in state.items() if k not in taken}
+    net.load_state_dict(converted, strict=False, assign=True)  # completeness checked above
     return net.eval().requires_grad_(False)
 
 
@@ -189,13 +218,43 @@ def _root(cache_dir: str | Path | None) -> Path:
     return Path(cache_dir) if cache_dir is not None else cache_root()
 
 
+def _load_gguf_format(
+    path: Path, root: Path, use_cache: bool, fmt: str
+) -> tuple[ModelConfig, StateDict, Any, Path | None, bool]:
+    """``_load_gguf_cached`` for weight format ``fmt`` (bf16 | int8 | int4): the state is that
+    format's portable form, read from its own cache entry or quantised from the fp32 one (int4
+    from the GGUF's stored Q4 codes where it has them) and written there."""
+    sha = file_sha256(path)
+    entry = entry_dir(root, sha, fmt)
+    damaged = False
+    if use_cache and entry.is_dir() and manifest_ok(entry_dir(root, sha), sha):
+        try:
+            state = read_format_weights(entry, sha, fmt)
+            config, _, tokenizer = read_cache_entry(entry_dir(root, sha), sha, with_weights=False)
+            return config, state, tokenizer, entry, True
+        except Exception as e:  # noqa: BLE001 - any damage means "rebuild"
+            log.warning("pagedkv: weight cache %s is unusable (%s); rebuilding it", entry, e)
+            damaged = True
+    config, state, tokenizer, _base, _hit = _load_gguf_cached(path, root, use_cache, sha)
+    codes = gguf_q4_codes(path, read_gguf_header(path), config) if fmt == "int4" else None
+    state = quantize_state(state, config, fmt, codes)
+    if not use_cache:
+        return config, state, tokenizer, None, False
+    try:
+        write_cache_entry(entry, sha, path, None, state, None, replace=damaged, weights=fmt)
+    except OSError as e:
+        log.warning("pagedkv: could not write the weight cache %s (%s); continuing without it", entry, e)
+        return config, state, tokenizer, None, False
+    return config, state, tokenizer, entry, False
+
+
 def _load_gguf_cached(
-    path: Path, root: Path, use_cache: bool
+    path: Path, root: Path, use_cache: bool, sha: str | None = None
 ) -> tuple[ModelConfig, StateDict, Any, Path | None, bool]:
     """``(config, state, tokenizer, cache entry or None, from_cache)`` of a GGUF file: read the
     cache entry, or dequantise and (if ``use_cache``) write it. A damaged entry is replaced;
-    a cache that cannot be written is skipped with a warning."""
-    sha = file_sha256(path)
+    a cache that cannot be written is skipped with a warning. ``sha``: the file's, if known."""
+    sha = sha or file_sha256(path)
     entry = entry_dir(root, sha)
     damaged = False
     if use_cache and entry.is_dir():

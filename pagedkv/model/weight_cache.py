@@ -7,8 +7,12 @@ tokenizer and the config — is kept under ``cache_root()`` (``$PAGEDKV_CACHE_DI
     model.safetensors   the state dict (fp32)
     config.json         ModelConfig.to_dict()
     tokenizer/          tokenizer.save_pretrained()
-    manifest.json       {"format": CACHE_FORMAT_VERSION, "source_sha256", "source_path",
-                         "created_unix", "files": {relative path: bytes}}
+    manifest.json       {"format": CACHE_FORMAT_VERSION, "weights": "fp32", "source_sha256",
+                         "source_path", "created_unix", "files": {relative path: bytes}}
+
+A weight format other than fp32 (``pagedkv.model.quant``) has its own entry
+``<16 hex>-<format>/`` (``model.safetensors`` in that format's portable form + manifest; the
+config and tokenizer are the fp32 entry's), so a format never reads another's weights.
 
 An entry is written to a temporary sibling directory and renamed into place, so a crash never
 leaves a half-written entry; readers treat any damage (missing or truncated file, wrong
@@ -53,27 +57,29 @@ def file_sha256(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def entry_dir(root: Path, sha: str) -> Path:
-    """The entry of the source file whose hex sha256 is ``sha``."""
-    return root / sha[:16]
+def entry_dir(root: Path, sha: str, weights: str = "fp32") -> Path:
+    """The entry of the source file whose hex sha256 is ``sha``, in weight format ``weights``."""
+    return root / (sha[:16] if weights == "fp32" else f"{sha[:16]}-{weights}")
 
 
-def manifest_ok(entry: Path, sha: str) -> bool:
-    """Cheap validity check of an entry: manifest of this format and source, files of the
-    recorded sizes (contents are not hashed)."""
+def manifest_ok(entry: Path, sha: str, weights: str = "fp32") -> bool:
+    """Cheap validity check of an entry: manifest of this format, source and weight format,
+    files of the recorded sizes (contents are not hashed)."""
     try:
-        _check_manifest(entry, sha)
+        _check_manifest(entry, sha, weights)
         return True
     except Exception:  # noqa: BLE001
         return False
 
 
-def _check_manifest(entry: Path, sha: str) -> None:
+def _check_manifest(entry: Path, sha: str, weights: str = "fp32") -> None:
     manifest = json.loads((entry / _MANIFEST_FILE).read_text())
     if manifest.get("format") != CACHE_FORMAT_VERSION:
         raise ValueError(f"cache format {manifest.get('format')!r} != {CACHE_FORMAT_VERSION}")
     if manifest.get("source_sha256") != sha:
         raise ValueError("cache entry belongs to another file")
+    if manifest.get("weights", "fp32") != weights:
+        raise ValueError(f"cache entry holds {manifest.get('weights')!r} weights, not {weights!r}")
     for rel, size in manifest["files"].items():
         actual = (entry / rel).stat().st_size
         if actual != size:
@@ -83,28 +89,41 @@ def _check_manifest(entry: Path, sha: str) -> None:
 def read_cached_weights(entry: Path, sha: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """``(config, state dict)`` of an entry (weights memory-mapped), without the tokenizer.
     Raises (any exception) if the entry is missing or damaged."""
+    config = ModelConfig.from_dict(json.loads((entry / _CONFIG_FILE).read_text()))
+    return config, read_format_weights(entry, sha, "fp32")
+
+
+def read_format_weights(entry: Path, sha: str, weights: str) -> dict[str, torch.Tensor]:
+    """The state dict of an entry in weight format ``weights`` (memory-mapped). Raises (any
+    exception) if the entry is missing, damaged or of another format."""
     from safetensors.torch import load_file
 
-    _check_manifest(entry, sha)
-    config = ModelConfig.from_dict(json.loads((entry / _CONFIG_FILE).read_text()))
-    return config, load_file(str(entry / _WEIGHTS_FILE))
+    _check_manifest(entry, sha, weights)
+    return load_file(str(entry / _WEIGHTS_FILE))
 
 
-def read_cache_entry(entry: Path, sha: str) -> tuple[ModelConfig, dict[str, torch.Tensor], Any]:
-    """``(config, state dict, tokenizer)`` of an entry. Raises (any exception) if the entry is
-    missing or damaged."""
-    config, state = read_cached_weights(entry, sha)
+def read_cache_entry(
+    entry: Path, sha: str, with_weights: bool = True
+) -> tuple[ModelConfig, dict[str, torch.Tensor], Any]:
+    """``(config, state dict, tokenizer)`` of an entry (``with_weights=False``: an empty state
+    dict, the weights not read). Raises (any exception) if the entry is missing or damaged."""
+    if with_weights:
+        config, state = read_cached_weights(entry, sha)
+    else:
+        _check_manifest(entry, sha)
+        config, state = ModelConfig.from_dict(json.loads((entry / _CONFIG_FILE).read_text())), {}
     return config, state, load_tokenizer(entry / _TOKENIZER_DIR)
 
 
 def write_cache_entry(
-    entry: Path, sha: str, source: Path, config: ModelConfig, state: dict[str, torch.Tensor], tokenizer: Any,
-    replace: bool = False,
+    entry: Path, sha: str, source: Path, config: ModelConfig | None, state: dict[str, torch.Tensor],
+    tokenizer: Any, replace: bool = False, weights: str = "fp32",
 ) -> None:
     """Write the entry into a sibling temp dir, then rename it into place (atomic on POSIX).
     An existing entry is replaced if ``replace`` (it failed to load) or if its manifest does
     not check out; otherwise it was written by a concurrent loader that won the race and is
-    kept. Raises ``OSError`` (nothing left behind) if writing fails."""
+    kept. ``config``/``tokenizer`` ``None``: not written (a weight-format entry). Raises
+    ``OSError`` (nothing left behind) if writing fails."""
     from safetensors.torch import save_file
 
     entry.parent.mkdir(parents=True, exist_ok=True)
@@ -112,13 +131,16 @@ def write_cache_entry(
     try:
         tmp.mkdir()
         save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / _WEIGHTS_FILE), metadata={"format": "pt"})
-        (tmp / _CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=1))
-        tokenizer.save_pretrained(str(tmp / _TOKENIZER_DIR))
+        if config is not None:
+            (tmp / _CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=1))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp / _TOKENIZER_DIR))
         files = {
             str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()
         }
         manifest = {
             "format": CACHE_FORMAT_VERSION,
+            "weights": weights,
             "source_sha256": sha,
             "source_path": str(source),
             "created_unix": time.time(),
@@ -130,7 +152,7 @@ def write_cache_entry(
                 with open(p, "rb") as fh:
                     os.fsync(fh.fileno())
         if entry.exists():
-            if not replace and manifest_ok(entry, sha):
+            if not replace and manifest_ok(entry, sha, weights):
                 return  # a concurrent writer finished first; keep its (identical) entry
             stale = entry.parent / f".{entry.name}.stale-{uuid.uuid4().hex[:8]}"
             try:
@@ -141,7 +163,7 @@ def write_cache_entry(
         try:
             os.rename(tmp, entry)
         except OSError:
-            if not manifest_ok(entry, sha):
+            if not manifest_ok(entry, sha, weights):
                 raise  # not a lost race: a real failure
     finally:
         if tmp.exists():

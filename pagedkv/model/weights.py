@@ -21,7 +21,7 @@ import hashlib
 import json
 import mmap
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -56,9 +56,11 @@ _GGUF_TOP_NAMES = {
 }
 
 
-def dequantize_gguf(path: Path, tensors: list[GGUFTensorInfo]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(gguf_name, float32 tensor)`` for each of ``tensors`` (numpy shape order).
-    Raises ``ConfigError`` for an unknown or undequantisable GGML type or a truncated file."""
+def gguf_blocks(path: Path, tensors: list[GGUFTensorInfo]) -> Iterator[tuple[GGUFTensorInfo, Any, np.ndarray]]:
+    """Yield ``(info, GGMLQuantizationType, raw uint8 [*outer, row_bytes])`` for each of
+    ``tensors``: the stored blocks, memory-mapped (valid until the next item). Raises
+    ``ConfigError`` for an unknown GGML type, a row that is not whole blocks or a truncated
+    file."""
     import gguf
 
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
@@ -76,15 +78,23 @@ def dequantize_gguf(path: Path, tensors: list[GGUFTensorInfo]) -> Iterator[tuple
             if info.offset + n_bytes > len(buf):
                 raise ConfigError(f"weights: {info.name} extends past the end of the GGUF file (truncated?)")
             raw = np.frombuffer(buf, dtype=np.uint8, count=n_bytes, offset=info.offset).reshape(*outer, row_bytes)
-            try:
-                values = gguf.dequantize(raw, qtype)
-            except NotImplementedError:
-                raise ConfigError(
-                    f"weights: {info.name} uses {qtype.name}, which gguf cannot dequantise"
-                ) from None
-            tensor = torch.from_numpy(np.array(values, dtype=np.float32, copy=True)).reshape(info.shape)
-            del raw, values
-            yield info.name, tensor
+            yield info, qtype, raw  # the consumer must drop ``raw`` before asking for the next
+            del raw
+
+
+def dequantize_gguf(path: Path, tensors: list[GGUFTensorInfo]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(gguf_name, float32 tensor)`` for each of ``tensors`` (numpy shape order).
+    Raises ``ConfigError`` for an unknown or undequantisable GGML type or a truncated file."""
+    import gguf
+
+    for info, qtype, raw in gguf_blocks(path, tensors):
+        try:
+            values = gguf.dequantize(raw, qtype)
+        except NotImplementedError:
+            raise ConfigError(f"weights: {info.name} uses {qtype.name}, which gguf cannot dequantise") from None
+        tensor = torch.from_numpy(np.array(values, dtype=np.float32, copy=True)).reshape(info.shape)
+        del raw, values  # the mmap closes after the last tensor only if no view of it is left
+        yield info.name, tensor
 
 
 def _unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -116,12 +126,17 @@ def gguf_config(path: Path, header: GGUFHeader, revision: str) -> ModelConfig:
     )
 
 
-def gguf_state_dict(path: Path, header: GGUFHeader, config: ModelConfig) -> StateDict:
-    """Dequantise every tensor (fp32) and map it to our names, fusing q/k/v and gate/up."""
+def gguf_state_dict(
+    path: Path, header: GGUFHeader, config: ModelConfig,
+    tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
+) -> StateDict:
+    """Dequantise every tensor (fp32) and map it to our names, fusing q/k/v and gate/up.
+    ``tensors``: other ``(gguf name, tensor [rows, ...])`` to map instead (any per-row form,
+    e.g. the stored 4-bit codes of ``pagedkv.model.quantize``)."""
     permuted = config.architecture in ("llama", "mistral")  # llama.cpp permutes llama-arch Q/K
     state: StateDict = {}
     parts: _Parts = {}
-    for name, w in dequantize_gguf(path, header.tensors):
+    for name, w in tensors if tensors is not None else dequantize_gguf(path, header.tensors):
         if name == "rope_freqs.weight":
             continue  # folded into config.rope_scaling
         if name in _GGUF_TOP_NAMES:

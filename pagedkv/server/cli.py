@@ -32,7 +32,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     t0 = time.time()
     engine = LLMEngine(args.model, **engine_kwargs(args))
     kv = engine.kv_summary()
-    print(f"[pagedkv] model {engine.model_id} loaded in {time.time() - t0:.1f}s; KV cache {kv['num_blocks']} "
+    print(f"[pagedkv] model {engine.model_id} loaded in {time.time() - t0:.1f}s, weights {engine.loaded.weights} "
+          f"({engine.loaded.weights_reason}); KV cache {kv['num_blocks']} "
           f"blocks x {kv['block_size']} tokens; tenants: {len(set(keys.values())) if keys else 'off'}",
           file=sys.stderr)
     app = build_app(engine, served_model_name=args.served_model_name, api_keys=keys,
@@ -40,10 +41,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     shutdown_timeout_s=args.shutdown_timeout, open_routes=tuple(args.open_route or ()))
     print(f"[pagedkv] serving on http://{args.host}:{args.port}/v1  (live KV page: /ui, metrics: /metrics)",
           file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=int(args.shutdown_timeout) + 1,
-                **uvicorn_options(header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
-                                  keep_alive_s=args.keep_alive_timeout))
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=int(args.shutdown_timeout) + 1,
+                    **uvicorn_options(header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+                                      keep_alive_s=args.keep_alive_timeout))
+    finally:
+        engine.close()  # a disk tier keeps the cached blocks for the next start
     return 0
 
 

@@ -67,6 +67,35 @@ class _EngineCollector:
         yield counter("pagedkv_generation_tokens", "Tokens generated (all sequences).", st.num_generated_tokens)
         yield counter("pagedkv_prompt_tokens", "Prompt tokens admitted.", st.num_prompt_tokens)
         yield counter("pagedkv_engine_steps", "Engine steps run.", st.num_steps)
+        yield from _tier_metrics(st, labels, val)
+
+
+def _tier_metrics(st: EngineStats, labels: list[str], val: list[str]) -> Iterable[Metric]:
+    """Per tier (``pool``, ``host``, ``disk``): blocks held, prefix hits; per direction:
+    blocks and bytes moved; per copy kind: seconds. Only with ``kv_offload``."""
+    if not st.kv_tiers:
+        return
+    tiers = st.kv_tiers["tiers"]
+    blocks = GaugeMetricFamily("pagedkv_kv_tier_blocks", "KV blocks held by a tier behind the pool.", labels=labels + ["tier"])
+    cap = GaugeMetricFamily("pagedkv_kv_tier_capacity_blocks", "KV blocks a tier holds at most.", labels=labels + ["tier"])
+    hit_t = CounterMetricFamily("pagedkv_kv_tier_hit_tokens", "Prompt tokens served from each tier (pool included).", labels=labels + ["tier"])
+    hit_b = CounterMetricFamily("pagedkv_kv_tier_hit_blocks", "Prefix-hit blocks loaded from a tier into the pool.", labels=labels + ["tier"])
+    hit_t.add_metric(val + ["pool"], float(st.kv_pool_hit_tokens))
+    for name, t in tiers.items():
+        blocks.add_metric(val + [name], float(t["blocks"]))
+        cap.add_metric(val + [name], float(t["capacity_blocks"]))
+        hit_t.add_metric(val + [name], float(t["hit_tokens"]))
+        hit_b.add_metric(val + [name], float(t["hit_blocks"]))
+    tr = st.kv_tiers["transfer"]
+    moved = CounterMetricFamily("pagedkv_kv_transfer_bytes", "Bytes of K/V moved between the pool and the tiers, by direction.",
+                                labels=labels + ["direction"])
+    for d, n in tr.get("bytes", {}).items():
+        moved.add_metric(val + [d], float(n))
+    secs = CounterMetricFamily("pagedkv_kv_transfer_seconds", "Time spent copying K/V for the tiers (export, import, disk_read, disk_write, recompute).",
+                               labels=labels + ["kind"])
+    for k, s in tr.get("seconds", {}).items():
+        secs.add_metric(val + [k], float(s))
+    yield from (blocks, cap, hit_t, hit_b, moved, secs)
 
 
 class ServerMetrics:

@@ -27,6 +27,7 @@ import torch
 from pagedkv.attention.base import AttentionMetadata
 from pagedkv.kv.block_table import build_slots
 from pagedkv.utils import profile_scope
+from pagedkv.worker.kv_transfer import BlockPayloadCodec, run_transfer
 
 
 @dataclass
@@ -61,6 +62,7 @@ class ModelRunner:
             backend.allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, self.device)
             for _ in range(num_layers)
         ]
+        self._codec: BlockPayloadCodec | None = None
 
     def prepare(
         self,
@@ -100,6 +102,25 @@ class ModelRunner:
         if copies:
             for cache in self.kv_caches:
                 self.backend.copy_blocks(cache, copies)
+
+    def kv_payload_codec(self) -> BlockPayloadCodec:
+        """How one block's K/V (every layer) travel to the KV tiers: bytes and format."""
+        if self._codec is None:
+            self._codec = BlockPayloadCodec(self.backend, self.kv_caches, self.device)
+        return self._codec
+
+    def transfer_kv(self, transfer: Any, stores: Any) -> None:
+        """Run a step's ``KVTransfer`` with the tiers' ``TierStores`` before the step's CoW
+        copies and forward (see ``worker.kv_transfer``); ``None`` is a no-op."""
+        if transfer is not None:
+            with profile_scope("pagedkv.kv_transfer"):
+                run_transfer(self.kv_payload_codec(), transfer, stores, self._recompute_block)
+
+    def _recompute_block(self, load: Any) -> None:
+        """Rebuild the K/V of a block whose load failed from its tokens (int64 LE bytes)
+        at its position, attending over its context blocks."""
+        toks = np.frombuffer(load.entry.token_bytes, dtype="<i8").tolist()
+        self.execute(self.prepare([toks], [load.position], [load.context_block_ids], [False]))
 
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> torch.Tensor:

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 DRIVER = """
 from pagedkv import LLM, SamplingParams
-llm = LLM(tensor_parallel_size=3, block_size=16, num_blocks=64)
+llm = LLM(tensor_parallel_size=3, block_size=16, num_blocks=64, weights="fp32")
 out = llm.generate([[504, 3575, 282, 4649, 314]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
                    use_tqdm=False)
 print("TOKENS", out[0].outputs[0].token_ids)
@@ -26,7 +26,7 @@ llm.close()
 def _expected() -> list[int]:
     from pagedkv import LLM, SamplingParams
 
-    with LLM(block_size=16, num_blocks=64) as llm:
+    with LLM(block_size=16, num_blocks=64, weights="fp32") as llm:
         out = llm.generate([[504, 3575, 282, 4649, 314]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
                            use_tqdm=False)
     return out[0].outputs[0].token_ids

@@ -1,0 +1,37 @@
+"""A JSON-able picture of the KV manager for live UIs (the ``/ui`` page)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def manager_snapshot(mgr: Any) -> dict[str, Any]:
+    """Every block and table, JSON-able, for a live UI:
+    ``{"num_blocks", "block_size", "num_free_blocks", "usage", "free_queue": [ids],
+    "blocks": [{"block_id", "ref_cnt", "is_cached", "is_free", "owners": [req_ids]}],
+    "tables": {req_id: {"block_ids", "num_tokens"}}, "holds": [{"req_id", "block_ids",
+    "steps"}], "open_steps": {step_id: [req_ids]}, "stats": {...}, "tiers": {...}}`` (``mgr``:
+    a ``KVCacheManager``; ``tiers``: its ``tier_stats()``, ``{}`` without tiers)."""
+    owners: dict[int, list[str]] = {}
+    for rid, t in mgr._tables.items():
+        for bid in t._ids:
+            owners.setdefault(bid, []).append(rid)
+    free_q = mgr.pool.free_queue
+    return {
+        "num_blocks": mgr.num_blocks,
+        "block_size": mgr.block_size,
+        "num_free_blocks": mgr.num_free_blocks,
+        "usage": mgr.usage,
+        "free_queue": free_q.ids(),
+        "blocks": [
+            {"block_id": b.block_id, "ref_cnt": b.ref_cnt, "is_cached": b.block_hash is not None,
+             "is_free": b in free_q, "owners": owners.get(b.block_id, [])}
+            for b in mgr.pool.blocks
+        ],
+        "tables": {rid: {"block_ids": t.ids, "num_tokens": t.num_tokens} for rid, t in mgr._tables.items()},
+        "holds": [{"req_id": h.req_id, "block_ids": [b.block_id for b in h.blocks],
+                   "steps": sorted(h.waiting)} for h in mgr._holds.values()],
+        "open_steps": {sid: sorted(r) for sid, r in mgr._open_steps.items()},
+        "stats": mgr.stats.as_dict(),
+        "tiers": mgr.tier_stats(),
+    }

@@ -1,0 +1,337 @@
+"""Weight formats of the linear layers (``weights=``): fp32 | bf16 | int8 | int4, and the CPU
+kernel ("route") each one runs on this machine.
+
+A format changes only how the linear layers (q/k/v, o, gate/up, down and the LM head) store
+their weights and multiply; embeddings, norms, RoPE, attention and the KV cache keep the model
+dtype. Every quantised module has ``nn.Linear``'s forward signature: ``x`` ``[T, in]`` in the
+model dtype -> ``[T, out]`` in the same dtype.
+
+* ``fp32``: ``nn.Linear`` as loaded (exact; the transformers comparisons run on it).
+* ``bf16``: weights rounded to bfloat16, activations cast to bf16 for the matmul (oneDNN;
+  AVX512-BF16 / AMX-BF16 where present), output cast back.
+* ``int8``: symmetric per-output-channel int8 weights (scale = max|w| / 127 per row), weight
+  only; ``torch._weight_int8pack_mm`` on bf16 activations.
+* ``int4``: asymmetric 4-bit codes in groups of 32 along the input dimension, ``w = scale * q
+  + min`` (q in 0..15): exactly GGUF's Q4_1 block (Q4_0: ``min = -8 * scale``), so a Q4 source
+  keeps its stored codes; ``torch._weight_int4pack_mm_for_cpu`` on bf16 activations. A tied
+  LM head whose source is 8-bit (the bundled Q8_0 embeddings) is int8 in this format.
+
+Routes: ``fast`` (the kernels above for up to ``KERNEL_ROWS`` rows; wider inputs, i.e.
+prefill chunks, dequantise and run one bf16 matmul where oneDNN has native bf16, else fp32) or
+``fallback`` (dequantise the stored weights to the
+activation dtype and ``F.linear``: correct on any CPU, slow). The int8/int4 kernels are
+fast only on bf16 activations (on fp32 ones they run a scalar loop, 2-5x slower than fp32
+``F.linear``), vectorised in ATen's AVX2 and AVX-512 builds, so ``auto_route`` picks them
+where ``torch.backends.cpu.get_cpu_capability()`` is one of those; bf16's fast route needs
+native bf16 (AVX512-BF16 or AMX) in oneDNN. ``pagedkv bench quality --part routes`` measures
+every route. ``PAGEDKV_WEIGHT_ROUTE=fallback`` forces the fallback everywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedkv.errors import ConfigError
+from pagedkv.utils import canonical_dtype
+
+WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
+WEIGHT_CHOICES = ("auto",) + WEIGHT_FORMATS
+GROUP_SIZE = 32
+ROUTES = ("fast", "fallback")
+ROUTE_ENV = "PAGEDKV_WEIGHT_ROUTE"
+#: the int8/int4 kernels multiply at most this many rows (decode batches); a wider input (a
+#: prefill chunk) dequantises the weights and runs one bf16 (AMX) or fp32 matmul instead,
+#: measured faster above about 64 rows (``pagedkv bench quality --part routes``)
+KERNEL_ROWS = 64
+
+
+@dataclass(frozen=True)
+class CpuFeatures:
+    """What the running CPU (as torch sees it) offers the weight kernels. ``capability``:
+    ``torch.backends.cpu.get_cpu_capability()`` (``AVX512``, ``AVX2``, ``DEFAULT``, ...; the
+    ``ATEN_CPU_CAPABILITY`` environment variable lowers it); the rest from torch's cpuinfo."""
+
+    capability: str
+    avx512_bf16: bool
+    amx: bool
+    vnni: bool
+
+    @property
+    def int_kernels_fast(self) -> bool:
+        """ATen's int8/int4 weight-only kernels run vectorised on bf16 activations (its AVX2
+        and AVX-512 builds; measured with ``ATEN_CPU_CAPABILITY=avx2`` too)."""
+        return self.capability in ("AVX2", "AVX512")
+
+    @property
+    def bf16_fast(self) -> bool:
+        """oneDNN multiplies bf16 natively (AVX512-BF16 or AMX) instead of emulating it."""
+        return (self.avx512_bf16 or self.amx) and self.capability == "AVX512"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"capability": self.capability, "avx512_bf16": self.avx512_bf16, "amx": self.amx,
+                "vnni": self.vnni, "int_kernels_fast": self.int_kernels_fast, "bf16_fast": self.bf16_fast}
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_features() -> CpuFeatures:
+    """The running CPU's ``CpuFeatures`` (cached for the process)."""
+    cpu = torch.cpu
+
+    def flag(name: str) -> bool:
+        fn = getattr(cpu, name, None)
+        return bool(fn()) if fn is not None else False
+
+    return CpuFeatures(
+        capability=str(torch.backends.cpu.get_cpu_capability()),
+        avx512_bf16=flag("_is_avx512_bf16_supported"),
+        amx=flag("_is_amx_tile_supported"),
+        vnni=flag("_is_vnni_supported"),
+    )
+
+
+def auto_route(fmt: str, features: CpuFeatures | None = None) -> str:
+    """``"fast"`` if this CPU has the fast kernel of ``fmt``, else ``"fallback"`` (and always
+    ``"fallback"`` when ``$PAGEDKV_WEIGHT_ROUTE`` is ``fallback``)."""
+    forced = os.environ.get(ROUTE_ENV, "").strip().lower()
+    if forced == "fallback":
+        return "fallback"
+    f = features or cpu_features()
+    fast = {"fp32": True, "bf16": f.bf16_fast, "int8": f.int_kernels_fast, "int4": f.int_kernels_fast}[fmt]
+    return "fast" if fast else "fallback"
+
+
+def check_weights(weights: Any) -> str:
+    """The lower-cased format name; raises ``ConfigError`` naming the valid values."""
+    name = weights.strip().lower() if isinstance(weights, str) else None
+    if name not in WEIGHT_CHOICES:
+        raise ConfigError(f"weights: unsupported {weights!r} (one of {', '.join(WEIGHT_CHOICES)})")
+    return name
+
+
+def resolve_weights(
+    weights: Any, dtype: Any = "fp32", device: Any = "cpu", tensor_parallel_size: int = 1,
+    features: CpuFeatures | None = None,
+) -> tuple[str, str]:
+    """``(format, why)`` for ``weights`` (``"auto"`` or a format), the model ``dtype``, the
+    ``device`` and the tensor-parallel size. The format equals the model dtype's name
+    (``fp32``/``bf16``/``fp16``) when the linear layers stay unquantised.
+
+    ``auto`` is the fastest format within the quality bounds (int8 within 2% of fp32's
+    perplexity, int4 within 6%; measured by ``pagedkv bench quality``) that has a fast kernel
+    on this CPU: int4 where the int4 kernel is vectorised (AVX2/AVX-512 builds), else bf16
+    with AVX512-BF16/AMX, else fp32. (int4 is the fastest at decode batches up to ~8; bf16
+    is faster from batch ~32 and in prefill, measured in docs/benchmarks/weights_routes.md.)
+    Decided from the CPU's capability, never by timing. A bf16/fp16 model, another device
+    than the CPU or tensor parallelism keep the model dtype's weights under ``auto``, and
+    refuse a quantised format with ``ConfigError`` (also raised for an unknown name and for
+    ``fp32`` weights in a 16-bit model)."""
+    name = check_weights(weights)
+    model = canonical_dtype(dtype, ("fp32", "bf16", "fp16"))
+    on_cpu = str(device).split(":")[0] == "cpu"
+    if name == "auto":
+        if model != "fp32" or not on_cpu or tensor_parallel_size != 1:
+            return model, f"auto: the {model} model's own weights (quantised formats: fp32 models on one CPU)"
+        f = features or cpu_features()
+        if auto_route("int4", f) == "fast":
+            return "int4", f"auto: int4 kernel vectorised on this CPU (capability {f.capability})"
+        if auto_route("bf16", f) == "fast":
+            return "bf16", f"auto: native bf16 matmul on this CPU (AVX512-BF16/AMX, capability {f.capability})"
+        return "fp32", f"auto: no fast bf16/int8/int4 kernel on this CPU (capability {f.capability})"
+    if name == model:
+        return name, "requested"
+    if name == "fp32":
+        raise ConfigError(f"weights: 'fp32' needs dtype float32 (the model is {model})")
+    if not on_cpu:
+        raise ConfigError(f"weights: {name!r} runs on the CPU only (device {device!r}); use 'auto' or the model dtype")
+    if tensor_parallel_size != 1:
+        raise ConfigError(f"weights: {name!r} is not supported with tensor parallelism; use 'auto' or {model!r}")
+    return name, "requested"
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous and 64-byte aligned (a copy if needed): the AVX-512 int8 kernel loads
+    aligned vectors, and tensors memory-mapped from a safetensors file need not be."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 64 == 0 else t.clone()
+
+
+class QuantLinear(nn.Module):
+    """Base of the quantised linear layers: ``forward(x [T, in]) -> [T, out]`` in ``x``'s
+    dtype. Subclasses keep a portable form in their state dict (what the weight cache stores)
+    and build kernel-specific buffers in :meth:`prepare` (not saved)."""
+
+    fmt = ""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("bias", None)
+        self.route = "fallback"
+
+    def _set_bias(self, bias: torch.Tensor | None) -> None:
+        if bias is not None:
+            self.bias = bias.detach().float().contiguous()
+
+    def dequantize(self) -> torch.Tensor:
+        """The weights the format represents, ``[out, in]`` float32."""
+        raise NotImplementedError
+
+    def prepare(self, route: str | None = None) -> "QuantLinear":
+        """Pick the route (``None``: ``auto_route``) and build its buffers; returns self."""
+        self.route = route or auto_route(self.fmt)
+        if self.route not in ROUTES:
+            raise ConfigError(f"weight route: unsupported {self.route!r} (one of {', '.join(ROUTES)})")
+        self._wide_bf16 = cpu_features().bf16_fast
+        return self
+
+    def _fast(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.route == "fast" and (x.shape[0] <= KERNEL_ROWS or self.fmt == "bf16"):
+            y = self._fast(x.to(torch.bfloat16)).to(x.dtype)
+        elif self.route == "fast":  # a prefill chunk: dequantise once, one wide matmul
+            wide = torch.bfloat16 if self._wide_bf16 else x.dtype
+            y = F.linear(x.to(wide), self.dequantize().to(wide)).to(x.dtype)
+        else:
+            y = F.linear(x, self.dequantize().to(x.dtype))
+        if self.bias is not None:
+            y += self.bias.to(y.dtype)
+        return y
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, fmt={self.fmt}, route={self.route}"
+
+
+class BF16Linear(QuantLinear):
+    """bf16 weights ``weight`` ``[out, in]``; fast route: one bf16 ``F.linear`` (oneDNN)."""
+
+    fmt = "bf16"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__(weight.shape[1], weight.shape[0])
+        self.register_buffer("weight", weight.detach().to(torch.bfloat16).contiguous())
+        self._set_bias(bias)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight.float()
+
+    def _fast(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class Int8Linear(QuantLinear):
+    """``qweight`` int8 ``[out, in]`` and ``scale`` float32 ``[out]``: ``w = qweight * scale``
+    (symmetric, per output channel). Fast route: ``torch._weight_int8pack_mm``."""
+
+    fmt = "int8"
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__(qweight.shape[1], qweight.shape[0])
+        self.register_buffer("qweight", _aligned(qweight.to(torch.int8)))
+        self.register_buffer("scale", scale.float().contiguous())
+        self._set_bias(bias)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Int8Linear":
+        """Round ``weight`` ``[out, in]`` to the nearest of 255 levels per row."""
+        w = weight.detach().float()
+        scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+        q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        return cls(q, scale, bias)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.qweight.float() * self.scale[:, None]
+
+    def prepare(self, route: str | None = None) -> "Int8Linear":
+        super().prepare(route)
+        self._scale_bf16 = self.scale.to(torch.bfloat16)
+        return self
+
+    def _fast(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x, self.qweight, self._scale_bf16)
+
+
+class Int4Linear(QuantLinear):
+    """``qcodes`` uint8 ``[out, in / 2]`` (element ``2i`` in the low nibble of byte ``i``,
+    ``2i + 1`` in the high one), ``scale`` and ``min`` float32 ``[out, in / 32]``:
+    ``w[o, k] = scale[o, k // 32] * q[o, k] + min[o, k // 32]``. Fast route:
+    ``torch._weight_int4pack_mm_for_cpu`` (its zero point is ``min + 8 * scale``)."""
+
+    fmt = "int4"
+
+    def __init__(self, qcodes: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> None:
+        super().__init__(qcodes.shape[1] * 2, qcodes.shape[0])
+        if self.in_features % GROUP_SIZE:
+            raise ConfigError(f"int4: input size {self.in_features} is not a multiple of {GROUP_SIZE}")
+        self.register_buffer("qcodes", qcodes.to(torch.uint8).contiguous())
+        self.register_buffer("scale", scale.float().contiguous())
+        self.register_buffer("min", mins.float().contiguous())
+        self._set_bias(bias)
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> "Int4Linear":
+        """From unpacked codes ``[out, in]`` (values 0..15, any integer or float dtype)."""
+        q = codes.to(torch.uint8)
+        return cls(q[:, 0::2] | (q[:, 1::2] << 4), scale, mins, bias)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Int4Linear":
+        """Min/max quantisation per group of 32 (GGUF Q4_1's rule): ``min`` = the group's
+        minimum, ``scale`` = range / 15, codes rounded."""
+        w = weight.detach().float()
+        out, k = w.shape
+        if k % GROUP_SIZE:
+            raise ConfigError(f"int4: input size {k} is not a multiple of {GROUP_SIZE}")
+        g = w.reshape(out, k // GROUP_SIZE, GROUP_SIZE)
+        lo, hi = g.amin(-1), g.amax(-1)
+        scale = (hi - lo) / 15.0
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.round((g - lo[..., None]) / safe[..., None]).clamp_(0, 15).reshape(out, k)
+        return cls.from_codes(q, scale, lo, bias)
+
+    def codes(self) -> torch.Tensor:
+        """Unpacked codes ``[out, in]`` uint8 (0..15)."""
+        c = self.qcodes
+        return torch.stack([c & 15, c >> 4], dim=-1).reshape(self.out_features, self.in_features)
+
+    def dequantize(self) -> torch.Tensor:
+        g = self.codes().float().reshape(self.out_features, -1, GROUP_SIZE)
+        return (g * self.scale[..., None] + self.min[..., None]).reshape(self.out_features, self.in_features)
+
+    def prepare(self, route: str | None = None) -> "Int4Linear":
+        super().prepare(route)
+        if self.route == "fast" and self.out_features % 16:  # the kernel packs 16 rows at a time
+            self.route = "fallback"
+        if self.route == "fast":
+            self._packed = torch._convert_weight_to_int4pack_for_cpu(self.codes().to(torch.int32), 1)
+            zero = self.min + 8.0 * self.scale
+            self._scale_zero = torch.stack([self.scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        return self
+
+    def _fast(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(x, self._packed, GROUP_SIZE, self._scale_zero)
+
+
+def module_from_state(state: dict[str, torch.Tensor], prefix: str) -> QuantLinear | None:
+    """The quantised module that ``state``'s ``prefix``-keys hold (its portable form, as
+    ``state_dict()`` wrote it), or ``None`` if they hold a plain float ``nn.Linear`` (a
+    ``weight`` that is not bf16) or nothing."""
+    bias = state.get(prefix + "bias")
+    if prefix + "qcodes" in state:
+        return Int4Linear(state[prefix + "qcodes"], state[prefix + "scale"], state[prefix + "min"], bias)
+    if prefix + "qweight" in state:
+        return Int8Linear(state[prefix + "qweight"], state[prefix + "scale"], bias)
+    w = state.get(prefix + "weight")
+    if w is not None and w.dtype == torch.bfloat16:
+        return BF16Linear(w, bias)
+    return None

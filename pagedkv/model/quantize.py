@@ -1,0 +1,130 @@
+"""Turning a float state dict into a weight format (``pagedkv.model.quant``), and installing
+a quantised state dict into a ``LlamaForCausalLM``.
+
+* ``gguf_q4_codes``: the stored 4-bit codes, scales and mins of a GGUF's Q4_0/Q4_1 linear
+  tensors, fused and un-permuted exactly like their dequantised values
+  (``pagedkv.model.weights.gguf_state_dict``), so int4 keeps a Q4 source's codes bit for bit.
+* ``quantize_state``: fp32 state (+ those codes) -> the portable state of a format: what the
+  weight cache stores and ``install_linears`` reads back.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagedkv.errors import ConfigError
+from pagedkv.gguf_header import GGUFHeader
+from pagedkv.model.config import ModelConfig
+from pagedkv.model.quant import GROUP_SIZE, BF16Linear, Int4Linear, Int8Linear, QuantLinear, module_from_state
+from pagedkv.model.weights import StateDict, gguf_blocks, gguf_state_dict
+
+#: the linear layers of one decoder layer (``pagedkv.model.llama.DecoderLayer``)
+LAYER_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+#: GGML types whose blocks are (scale, min, 32 codes) in our int4 sense: name -> bytes of (d, m)
+_Q4_TYPES = {"Q4_0": 2, "Q4_1": 4}
+
+
+def linear_prefixes(config: ModelConfig) -> list[str]:
+    """State-dict prefixes (``"layers.3.o_proj."``, ..., ``"lm_head."``) of every linear layer."""
+    out = [f"layers.{i}.{name}." for i in range(config.num_layers) for name in LAYER_LINEARS]
+    return out + ["lm_head."]
+
+
+def _q4_rows(qtype_name: str, raw: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+    """Stored Q4_0/Q4_1 blocks ``raw`` ``[rows, row_bytes]`` -> float32 ``[rows, K + 2K/32]``:
+    codes 0..15 (columns ``0..K-1``), then the groups' scales, then their mins (``w = scale *
+    q + min``). One row stays one row, so the loader's row permutation and fusion apply."""
+    rows, k = int(np.prod(shape[:-1])), shape[-1]
+    groups = k // GROUP_SIZE
+    dm = _Q4_TYPES[qtype_name]
+    blocks = raw.reshape(rows, groups, dm + GROUP_SIZE // 2)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    qs = blocks[..., dm:]
+    codes = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(rows, k).astype(np.float32)
+    if qtype_name == "Q4_1":
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    else:  # Q4_0: w = d * (q - 8)
+        m = -8.0 * d
+    return torch.from_numpy(np.concatenate([codes, d, m], axis=-1))
+
+
+def gguf_q4_codes(path: Path, header: GGUFHeader, config: ModelConfig) -> StateDict:
+    """``{"layers.{i}.qkv_proj.weight": float32 [rows, K + 2K/32], ...}`` (see ``_q4_rows``)
+    for the linear weights stored as Q4_0/Q4_1, under our fused names (``lm_head.weight`` or,
+    tied, ``embed_tokens.weight`` for the head). Empty if some layer's parts are not all Q4
+    (int4 then quantises every layer from the dequantised values)."""
+    import gguf
+
+    infos = [t for t in header.tensors
+             if gguf.GGMLQuantizationType(t.ggml_type).name in _Q4_TYPES and len(t.shape) == 2]
+
+    def read():
+        for info, qtype, raw in gguf_blocks(path, infos):
+            t = _q4_rows(qtype.name, raw, tuple(info.shape))
+            del raw
+            yield info.name, t
+
+    try:
+        return gguf_state_dict(path, header, config, tensors=read())
+    except ConfigError:  # some fused part is stored in another type
+        return {}
+
+
+def quantize_state(state: StateDict, config: ModelConfig, fmt: str, q4_codes: StateDict | None = None) -> StateDict:
+    """The portable state of format ``fmt`` (bf16 | int8 | int4) from an fp32 ``state`` in our
+    names: every linear layer replaced by its module's buffers (``Int8Linear.qweight``/
+    ``scale``, ``Int4Linear.qcodes``/``scale``/``min``, ``BF16Linear.weight``), the head
+    included (``lm_head.*``, also when tied to ``embed_tokens``); everything else as is.
+    ``q4_codes`` (``gguf_q4_codes``): int4 takes these codes where present; a head without
+    stored 4-bit codes is int8 in int4 (its source has 8 bits or more)."""
+    q4_codes = q4_codes or {}
+    out = dict(state)
+    for prefix in linear_prefixes(config):
+        source = prefix + "weight"
+        if source not in state and prefix == "lm_head." and config.tie_word_embeddings:
+            source = "embed_tokens.weight"
+        if source not in state:
+            raise ConfigError(f"weights: {prefix}weight is missing")
+        weight = state[source]
+        out.pop(prefix + "weight", None)
+        bias = out.pop(prefix + "bias", None)
+        module = _quantize(weight, bias, fmt, q4_codes.get(source), head=prefix == "lm_head.")
+        for name, t in module.state_dict().items():
+            out[prefix + name] = t
+    return out
+
+
+def _quantize(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, codes: torch.Tensor | None,
+              head: bool) -> QuantLinear:
+    if fmt == "bf16":
+        return BF16Linear(weight, bias)
+    if fmt == "int8" or (fmt == "int4" and head and codes is None):
+        return Int8Linear.from_float(weight, bias)
+    if fmt != "int4":
+        raise ConfigError(f"weights: cannot quantise to {fmt!r}")
+    if codes is None:
+        return Int4Linear.from_float(weight, bias)
+    k = weight.shape[1]
+    groups = k // GROUP_SIZE
+    return Int4Linear.from_codes(codes[:, :k], codes[:, k:k + groups], codes[:, k + groups:], bias)
+
+
+def install_linears(net: nn.Module, state: StateDict, route: str | None = None) -> set[str]:
+    """Replace each linear layer of ``net`` (a ``LlamaForCausalLM``) whose ``state`` entries
+    are quantised by the module they describe, its route prepared (``route`` None: the CPU's
+    ``auto_route``). Returns the state keys these modules took (they are not to be converted to
+    the model dtype)."""
+    taken: set[str] = set()
+    for prefix in linear_prefixes(net.config):
+        module = module_from_state(state, prefix)
+        if module is None:
+            continue
+        parent_name, _, attr = prefix[:-1].rpartition(".")
+        parent = net.get_submodule(parent_name) if parent_name else net
+        setattr(parent, attr, module.prepare(route))
+        taken.update(prefix + name for name in module.state_dict())
+    return taken
