@@ -24,12 +24,12 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="package")
 def serve_url(bundled_gguf):
-    """``http://127.0.0.1:PORT`` of a ``pagedkv serve`` (bundled model, fp32, model name
+    """``http://127.0.0.1:PORT`` of a ``pagedkv serve`` (bundled model, fp32 weights, model name
     "smol", prefix caching on), stopped (SIGTERM, then killed) after the package's tests."""
     port = _free_port()
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedkv.cli", "serve", "--port", str(port), "--num-blocks", "256",
+        [sys.executable, "-m", "pagedkv.cli", "serve", "--port", str(port), "--weights", "fp32", "--num-blocks", "256",
          "--max-model-len", "1024", "--enable-prefix-caching", "--threads", "1",
          "--served-model-name", "smol", "--log-level", "warning"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
