@@ -301,7 +301,7 @@ def run_serving_peer(args: argparse.Namespace, progress: bool = True) -> dict[st
         "benchmark": NAME,
         "description": (__doc__ or "").strip().splitlines()[0],
         "config": {
-            "peer": LLAMA_SERVER, "client": client, "concurrency": concurrencies,
+            "peer": LLAMA_SERVER, "servers": [PAGEDKV, LLAMA_SERVER], "client": client, "concurrency": concurrencies,
             "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
             "requests_per_run": {str(c): num_requests(c, args) for c in concurrencies},
             "max_seconds": args.max_seconds, "threads": facts.threads, "seed": args.seed,

@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 from pagedkv.bench.report import closing_lines, markdown_table, ms, pyplot, save_figure
-from pagedkv.bench.serve_peer import LLAMA_SERVER, PAGEDKV
 
 _DEFINITIONS = (
     "Definitions: output tokens/s = output tokens streamed by every request of the run (a request cut at the time "
@@ -35,11 +34,12 @@ def _by(data: dict[str, Any]) -> dict[tuple[str, int], dict[str, Any]]:
 
 def _side_by_side(data: dict[str, Any]) -> list[dict[str, Any]]:
     by = _by(data)
+    ours, peer = data["config"]["servers"]
     rows = []
     for q in data["ratios"]:
         c = q["concurrency"]
-        a, b = by.get((PAGEDKV, c), {}), by.get((LLAMA_SERVER, c), {})
-        cut = [name for name, r in ((PAGEDKV, a), (LLAMA_SERVER, b)) if r.get("incomplete")]
+        a, b = by.get((ours, c), {}), by.get((peer, c), {})
+        cut = [name for name, r in ((ours, a), (peer, b)) if r.get("incomplete")]
         rows.append({
             "concurrency": c,
             "output tok/s pagedkv / llama-server": _pair(a.get("output_tokens_per_s"), b.get("output_tokens_per_s"),
@@ -142,7 +142,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
               (lambda r: ms(r["itl_s"]["p50"]), "inter-token latency p50, ms"),
               (lambda r: r["ttft_s"]["p50"], "TTFT p50, s")]
     for ax, (get, label) in zip(axes, panels):
-        for name, style in ((PAGEDKV, "o-"), (LLAMA_SERVER, "s--")):
+        for name, style in zip(data["config"]["servers"], ("o-", "s--")):
             pts = [(c, get(by[(name, c)])) for c in conc if (name, c) in by]
             pts = [(x, y) for x, y in pts if isinstance(y, (int, float))]
             if pts:

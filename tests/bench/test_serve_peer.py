@@ -181,3 +181,29 @@ def test_bench_serve_peer_tiny_against_a_stand_in(bundled_gguf, tmp_path):
     md = (out / "serving_peer.md").read_text()
     assert md.startswith("# Serving side by side") and "| 2 |" in md
     assert os.path.getsize(out / "serving_peer.json") > 500
+
+
+def test_report_side_by_side_and_goals():
+    from pagedkv.bench.serve_peer_report import render_markdown
+
+    def run(server, c, tok_s, itl, ttft, incomplete=0):
+        return {"server": server, "concurrency": c, "requests": 8, "completed": 8 - incomplete,
+                "incomplete": incomplete, "errored": 0, "output_tokens": 512.0, "duration_s": 512.0 / tok_s,
+                "output_tokens_per_s": tok_s, "itl_s": {"p50": itl, "p90": itl}, "ttft_s": {"p50": ttft, "p90": ttft},
+                "load_1m_start": 1.0, "load_1m_end": 2.0}
+
+    P, L = serve_peer.PAGEDKV, serve_peer.LLAMA_SERVER
+    runs = [run(P, 1, 20.0, 0.05, 1.0), run(L, 1, 10.0, 0.1, 0.5), run(L, 32, 30.0, 0.6, 9.0, incomplete=3),
+            {"server": P, "concurrency": 32, "error": "RuntimeError: boom"}]
+    data = {"config": {"servers": [P, L], "client": "guidellm", "threads": 2, "prompt_tokens": 256,
+                       "output_tokens": 64, "requests_per_run": {"1": 8, "32": 64}, "max_seconds": 120.0,
+                       "pagedkv_serve": ["pagedkv", "serve", "--threads", "2"], "llama_server": ["-np", "32"],
+                       "llama_server_binary": {"version": "v1"}, "concurrency": [1, 32]},
+            "runs": runs, "ratios": serve_peer.ratios(runs, [1, 32])}
+    md = render_markdown(data, {})
+    assert "| 1 | 20.0 / 10.0 (2.00x) | 50 / 100 (0.50x) | 1.00 / 0.50 (2.00x) | 8 of 8 / 8 of 8 | no |" in md
+    assert "| 32 | n/a / 30.0 (n/a) | n/a / 600 (n/a) | n/a / 9.00 (n/a) | n/a of n/a / 5 of 8 | llama-server |" in md
+    assert "- concurrency 1: output tok/s ≥ 1× llama-server's: 2.00x — met; ITL p50 ≤ llama-server's: 0.50x — met" in md
+    assert "- concurrency 32: not measured (a run failed)" in md
+    assert "| pagedkv | 32 | error: RuntimeError: boom |" in md
+    assert "| llama-server | 32 | 8 | 5/3/0 | 512 |" in md
