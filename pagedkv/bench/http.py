@@ -63,23 +63,23 @@ def serve_subprocess(serve_args: Sequence[str], port: int = 0, start_timeout_s: 
 
 
 def llama_server_command(binary: str, model: str, port: int, threads: int, parallel: int,
-                         ctx_per_slot: int) -> list[str]:
+                         ctx_per_slot: int, extra: Sequence[str] = ()) -> list[str]:
     """llama.cpp's ``llama-server`` on 127.0.0.1:``port`` over the GGUF ``model``: ``threads``
     threads for decode and prompt batches, ``parallel`` slots with continuous batching
     (``-np N -cb``), a context of ``parallel * ctx_per_slot`` tokens (a slot gets its share),
-    no web UI. ``port`` 0 shows as ``PORT`` (for reports)."""
+    no web UI, then ``extra``. ``port`` 0 shows as ``PORT`` (for reports)."""
     return [binary, "-m", model, "--host", HOST, "--port", str(port or "PORT"), "-t", str(threads), "-tb", str(threads),
-            "-np", str(parallel), "-cb", "-c", str(parallel * ctx_per_slot), "--no-webui"]
+            "-np", str(parallel), "-cb", "-c", str(parallel * ctx_per_slot), "--no-webui", *extra]
 
 
 @contextmanager
 def serve_llama_server(binary: str, model: str, threads: int, parallel: int = 32, ctx_per_slot: int = 512,
-                       port: int = 0, start_timeout_s: float = 300.0) -> Iterator[str]:
+                       port: int = 0, start_timeout_s: float = 300.0, extra: Sequence[str] = ()) -> Iterator[str]:
     """:func:`llama_server_command` as a child process (port 0: a free one); yields the base
     URL once ``/health`` answers 200 (the model is loaded). Raises ``RuntimeError`` if it
     exits or is not ready within ``start_timeout_s`` s; stopped on exit."""
     port = port or free_port()
-    cmd = llama_server_command(binary, model, port, threads, parallel, ctx_per_slot)
+    cmd = llama_server_command(binary, model, port, threads, parallel, ctx_per_slot, extra)
     with serve_process(cmd, f"http://{HOST}:{port}", "llama-server", start_timeout_s) as url:
         yield url
 

@@ -79,6 +79,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ctx-per-slot", type=int, default=512, help="llama-server context per slot, tokens (default 512)")
     g.add_argument("--serve-arg", action="append", default=[],
                    help="extra argument for `pagedkv serve` (repeatable, e.g. --serve-arg=--max-num-seqs=32)")
+    g.add_argument("--peer-arg", action="append", default=[],
+                   help="extra argument for llama-server (repeatable, e.g. --peer-arg=--poll=0)")
 
 
 def apply_tiny(args: argparse.Namespace) -> None:
@@ -152,7 +154,10 @@ def summarize_closed_loop(records: Sequence[http.StreamRecord], stats: Any) -> d
 
 
 def _dist(d: dict[str, Any], scale: float) -> dict[str, float]:
-    """guidellm's distribution summary (``mean``, ``percentiles``) in our units (x ``scale``)."""
+    """guidellm's distribution summary (``mean``, ``percentiles``) in our units (x ``scale``);
+    NaN throughout when it summarises nothing (guidellm writes zeros then)."""
+    if not d.get("count"):
+        return summarize([])
     pc = d.get("percentiles") or {}
     out = {"mean": d.get("mean"), "p50": pc.get("p50", d.get("median")), "p90": pc.get("p90"),
            "p99": pc.get("p99"), "max": d.get("max")}
@@ -223,7 +228,8 @@ def start_server(name: str, args: argparse.Namespace, threads: int, binary: Opti
     if name == PAGEDKV:
         cm = http.serve_subprocess(["--threads", str(threads), *args.serve_arg])
     else:
-        cm = http.serve_llama_server(str(binary), gguf, threads, args.parallel, _ctx_per_slot(args))
+        cm = http.serve_llama_server(str(binary), gguf, threads, args.parallel, _ctx_per_slot(args),
+                                     extra=args.peer_arg)
     with cm as url:
         warm = [BenchRequest(synth_prompts([16], 1000, seed=args.seed + 99)[0], 4)]
         http.run_closed_loop(url, warm, 1, 120.0, progress=False)
@@ -307,7 +313,7 @@ def run_serving_peer(args: argparse.Namespace, progress: bool = True) -> dict[st
             "max_seconds": args.max_seconds, "threads": facts.threads, "seed": args.seed,
             "pagedkv_serve": ["pagedkv", "serve", "--threads", str(facts.threads), *args.serve_arg],
             "llama_server": http.llama_server_command("llama-server", gguf, 0, facts.threads, args.parallel,
-                                                      _ctx_per_slot(args))[1:],
+                                                      _ctx_per_slot(args), args.peer_arg)[1:],
             "llama_server_binary": binary_facts(binary),
             "model": gguf, "tiny": bool(args.tiny), "notes": args.note,
         },

@@ -37,7 +37,7 @@ def test_summarize_closed_loop_exact():
 
 
 def _dist(median_ms, p90_ms, mean_ms):
-    return {"mean": mean_ms, "median": median_ms, "max": p90_ms,
+    return {"mean": mean_ms, "median": median_ms, "max": p90_ms, "count": 10,
             "percentiles": {"p50": median_ms, "p90": p90_ms, "p99": p90_ms}}
 
 
@@ -57,6 +57,10 @@ def test_parse_guidellm_exact():
     assert r["ttft_s"]["p50"] == 1.5 and r["ttft_s"]["p90"] == 3.0 and r["ttft_s"]["mean"] == pytest.approx(1.6)
     assert r["itl_s"]["p50"] == pytest.approx(0.08) and r["itl_s"]["p90"] == pytest.approx(0.12)
     assert r["prompt_tokens_p50"] == 256.0
+    # a run cut before any request completed: guidellm writes zeros, we write NaN (n/a)
+    m = report["benchmarks"][0]["metrics"]
+    m["time_to_first_token_ms"]["successful"] = {"mean": 0.0, "median": 0.0, "count": 0, "percentiles": {"p50": 0.0}}
+    assert math.isnan(serve_peer.parse_guidellm(report)["ttft_s"]["p50"])
 
 
 def _run(server, c, tok_s, itl, ttft):
