@@ -258,6 +258,9 @@ def run_peers(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None
             "pagedkv_engine": engine_kwargs,
             "tiny": bool(args.tiny),
             "notes": args.note,
+            "command": (f"pagedkv bench peers --threads {threads} --num-requests {len(reqs)} --seed {args.seed} "
+                        f"--max-prompt {args.max_prompt} --max-output {args.max_output} --batch-size "
+                        f"{args.batch_size} --systems {args.systems}" + (" --no-repeat" if args.no_repeat else "")),
         },
         "workload": {
             "prompt_tokens": sum(r.prompt_len for r in reqs),

@@ -77,7 +77,10 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
         for k, v in data["greedy_agreement_with_pagedkv"].items():
             lines.append(f"- {k}: {v['identical_requests']}/{v['requests']}, mean common prefix "
                          f"{100 * (v['mean_common_prefix_fraction'] or 0):.0f}% of the output")
-    lines += ["", _NOTES] + closing_lines(data, plots, cfg.get("notes"))
+    lines += ["", _NOTES]
+    if cfg.get("command"):
+        lines += ["", f"Command: `{cfg['command']}`"]
+    lines += closing_lines(data, plots, cfg.get("notes"))
     return "\n".join(lines) + "\n"
 
 

@@ -316,6 +316,7 @@ def run_serving_peer(args: argparse.Namespace, progress: bool = True) -> dict[st
                                                       _ctx_per_slot(args), args.peer_arg)[1:],
             "llama_server_binary": binary_facts(binary),
             "model": gguf, "tiny": bool(args.tiny), "notes": args.note,
+            "command": command_line(args, facts.threads, client),
         },
         "runs": runs,
         "ratios": ratios(runs, concurrencies),
@@ -323,6 +324,17 @@ def run_serving_peer(args: argparse.Namespace, progress: bool = True) -> dict[st
         **facts.finish(),
     }
     return json_clean(data)
+
+
+def command_line(args: argparse.Namespace, threads: int, client: str) -> str:
+    """The ``pagedkv bench serve --peer`` command that repeats this run, every option spelled out."""
+    parts = ["pagedkv", "bench", "serve", "--peer", LLAMA_SERVER, "--threads", str(threads),
+             "--concurrency", str(args.concurrency), "--prompt-tokens", str(args.prompt_tokens),
+             "--output-tokens", str(args.output_tokens), "--requests-per-stream", str(args.requests_per_stream),
+             "--min-requests", str(args.min_requests), "--max-seconds", f"{args.max_seconds:g}", "--client", client,
+             "--parallel", str(args.parallel), "--ctx-per-slot", str(args.ctx_per_slot)]
+    parts += [f"--serve-arg={a}" for a in args.serve_arg] + [f"--peer-arg={a}" for a in args.peer_arg]
+    return " ".join(parts)
 
 
 def _tokenizer(gguf: str, work: Path) -> tuple[str, int]:

@@ -128,6 +128,8 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
         markdown_table(_runs_table(data)),
         _DEFINITIONS,
     ]
+    if c.get("command"):
+        lines += ["", f"Command: `{c['command']}`"]
     lines += closing_lines(data, plots, c.get("notes"))
     return "\n".join(lines) + "\n"
 
