@@ -2,6 +2,7 @@
 #   make run   - create .venv, install everything, run the main job on the bundled model
 #   make test  - same set-up, then the whole test suite
 #   make test-fast - the suite without the model-loading tests
+#   make peers - the optional benchmark peers (llama.cpp, guidellm, llama-server); no test needs them
 PY      ?= python3.11
 VENV    := .venv
 VPY     := $(VENV)/bin/python
@@ -10,7 +11,7 @@ export OMP_WAIT_POLICY ?= PASSIVE
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: run test test-fast install clean
+.PHONY: run test test-fast install peers clean
 
 $(STAMP): pyproject.toml constraints-clients.txt
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -36,6 +37,13 @@ test: $(STAMP)
 # The suite without the tests that load the bundled model (marked slow): a quick check.
 test-fast: $(STAMP)
 	$(VPY) -m pytest -q -p no:cacheprovider -m "not slow" tests
+
+# Benchmark peers, none a test dependency: llama-cpp-python built from source (GGML_NATIVE=OFF,
+# AVX2/FMA/F16C) and guidellm into .venv (torch and transformers pinned as installed), and
+# llama.cpp's llama-server built from the sources in the llama-cpp-python sdist into
+# ~/.cache/pagedkv/peers/bin. Idempotent; `scripts/install_peers.py --dry-run` shows the commands.
+peers: $(STAMP)
+	$(VPY) scripts/install_peers.py
 
 clean:
 	rm -rf $(VENV)

@@ -11,8 +11,12 @@ scaled to fit, synthetic token-id prompts, outputs forced to the drawn length) g
 * **transformers generate_batch**: transformers' own continuous batching (its
   ``ContinuousBatchingManager``, one ``add_request`` per request with that request's output
   length and EOS disabled),
+* **pagedkv one at a time**: the same requests through ``LLM.generate`` one after another
+  (batch 1), run just before
 * **llama.cpp** (``llama-cpp-python``, the same GGUF file at its native Q4_1 precision;
-  requests one after another) only if it is importable.
+  requests one after another, same threads) only if it is importable. These two give the
+  batch-1 decode comparison: per-request decode rate (tokens after the first / time from the
+  first token to the last) and TPOT, side by side in one run.
 
 All transformers runs use the same GGUF weights de-quantised to fp32
 (``AutoModelForCausalLM.from_pretrained(dir, gguf_file=name, dtype=torch.float32)``), greedy
@@ -42,6 +46,7 @@ from pagedkv.bench.peers_systems import (
     HF_GENERATE,
     LLAMA_CPP,
     PAGEDKV,
+    PAGEDKV_B1,
     PAGEDKV_REPEAT,
     failed,
     load_hf_model,
@@ -49,12 +54,15 @@ from pagedkv.bench.peers_systems import (
     run_hf_generate_batch,
     run_llama_cpp,
     run_pagedkv,
+    run_pagedkv_one_at_a_time,
 )
 from pagedkv.bench.report import publish, single_plot
 from pagedkv.bench.workload import add_trace_arguments, requests_from_args, summarize
 
 NAME = "peers"
 GOAL_RATIO = 3.0  # issue 3: pagedkv >= 3x transformers generate output tok/s
+B1_GOAL_RATIO = 1.0  # issue 12: batch-1 decode tokens/s >= 1.0x llama.cpp's (same GGUF, threads)
+B1 = "pagedkv-b1"  # the --systems name of PAGEDKV_B1
 DEFAULT_BATCH_SIZES = (8, 32)
 
 
@@ -64,8 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--batch-size", default=",".join(map(str, DEFAULT_BATCH_SIZES)),
         help="static batch size(s) for transformers generate, comma-separated (default 8,32)",
     )
-    p.add_argument("--systems", default="pagedkv,generate,generate_batch,llama.cpp",
-                   help="which systems to run (comma-separated subset of the default)")
+    p.add_argument("--systems", default=f"pagedkv,generate,generate_batch,{B1},llama.cpp",
+                   help=f"which systems to run (comma-separated subset of the default; {B1}: pagedkv one "
+                        "request at a time, the batch-1 comparison with llama.cpp)")
     p.add_argument("--no-repeat", action="store_true",
                    help="skip the second pagedkv run after the peers (it brackets the peers, so a change in the "
                         "shared machine's load shows; ratios use the slower of the two pagedkv runs)")
@@ -106,7 +115,7 @@ def _ratios_and_goal(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
     ours = [r for r in rows if r["name"] in (PAGEDKV, PAGEDKV_REPEAT) and r["status"] == "ok"]
     base = min(ours, key=lambda r: r["output_tokens_per_s"], default=None)  # the conservative one
     for r in rows:
-        if r["name"] in (PAGEDKV, PAGEDKV_REPEAT) or r["status"] != "ok" or base is None:
+        if r["name"] in (PAGEDKV, PAGEDKV_REPEAT, PAGEDKV_B1) or r["status"] != "ok" or base is None:
             continue
         ratios.append({
             "peer": r["name"],
@@ -130,6 +139,31 @@ def _ratios_and_goal(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
     return ratios, goal
 
 
+def batch1_comparison(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """pagedkv one at a time against llama.cpp (both batch 1, same requests, same threads):
+    per-request decode tokens/s, TPOT p50 and own TTFT p50 (submission to first token) of
+    each, the decode ratio pagedkv / llama.cpp and whether it meets :data:`B1_GOAL_RATIO`.
+    Missing systems give None."""
+    by = {r["name"]: r for r in rows if r["status"] == "ok"}
+    ours, peer = by.get(PAGEDKV_B1), by.get(LLAMA_CPP)
+
+    def facts(r: Any) -> Any:
+        if r is None:
+            return None
+        return {"decode_tokens_per_s": r["decode_tokens_per_s"], "tpot_p50_s": r["tpot_s"]["p50"],
+                "tpot_mean_s": r["decode_s"] / r["decode_tokens"] if r["decode_tokens"] else None,
+                "own_ttft_p50_s": (r.get("own_ttft_s") or {}).get("p50"),
+                "output_tokens_per_s": r["output_tokens_per_s"]}
+
+    out: dict[str, Any] = {"pagedkv": facts(ours), "llama.cpp": facts(peer), "target_ratio": B1_GOAL_RATIO,
+                           "decode_ratio": None, "tpot_p50_ratio": None, "met": None}
+    if ours and peer:
+        out["decode_ratio"] = ours["decode_tokens_per_s"] / peer["decode_tokens_per_s"]
+        out["tpot_p50_ratio"] = ours["tpot_s"]["p50"] / peer["tpot_s"]["p50"]
+        out["met"] = bool(out["decode_ratio"] >= B1_GOAL_RATIO)
+    return out
+
+
 def run_peers(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None,
               progress: bool = True) -> dict[str, Any]:
     """Run the comparison; ``loaded`` (a pagedkv LoadedModel, fp32) and ``hf_model`` (the
@@ -143,7 +177,7 @@ def run_peers(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None
     timings: dict[str, float] = {}
 
     t = time.time()
-    if PAGEDKV in systems:
+    if systems & {PAGEDKV, B1}:
         loaded = load_fp32_model(loaded)
     timings["pagedkv_load_s"] = time.time() - t
     reqs, scaling = requests_from_args(args, _vocab_size(loaded, hf_model))
@@ -190,6 +224,8 @@ def run_peers(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None
     if "generate_batch" in hf_wanted:
         # last: the continuous batching manager may switch the model's attention implementation
         attempt(HF_CB, run_hf_generate_batch, hf_model, reqs, args.max_num_batched_tokens, progress)
+    if B1 in systems:  # just before llama.cpp: the batch-1 pair runs back to back
+        attempt(PAGEDKV_B1, run_pagedkv_one_at_a_time, loaded, reqs, engine_kwargs, progress)
     if "llama.cpp" in systems:
         attempt(LLAMA_CPP, run_llama_cpp, reqs, threads, progress)
     if PAGEDKV in systems and not args.no_repeat and len(systems) > 1:
@@ -200,10 +236,11 @@ def run_peers(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None
     ratios, goal = _ratios_and_goal(rows)
 
     agree = {}
-    if PAGEDKV in outputs:
+    ref = PAGEDKV if PAGEDKV in outputs else PAGEDKV_B1
+    if ref in outputs:
         for name, outs in outputs.items():
-            if name not in (PAGEDKV, PAGEDKV_REPEAT):
-                agree[name] = agreement(outputs[PAGEDKV], outs)
+            if name not in (PAGEDKV, PAGEDKV_REPEAT, ref):
+                agree[name] = agreement(outputs[ref], outs)
 
     data = {
         "benchmark": NAME,
@@ -221,6 +258,9 @@ def run_peers(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None
             "pagedkv_engine": engine_kwargs,
             "tiny": bool(args.tiny),
             "notes": args.note,
+            "command": (f"pagedkv bench peers --threads {threads} --num-requests {len(reqs)} --seed {args.seed} "
+                        f"--max-prompt {args.max_prompt} --max-output {args.max_output} --batch-size "
+                        f"{args.batch_size} --systems {args.systems}" + (" --no-repeat" if args.no_repeat else "")),
         },
         "workload": {
             "prompt_tokens": sum(r.prompt_len for r in reqs),
@@ -231,6 +271,7 @@ def run_peers(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None
         "systems": rows,
         "ratios": ratios,
         "goal": goal,
+        "batch1": batch1_comparison(rows),
         "greedy_agreement_with_pagedkv": agree,
         "timings": timings,
         **facts.finish(),

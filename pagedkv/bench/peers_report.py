@@ -14,7 +14,8 @@ _NOTES = (
     "counts padded prompt positions and every generated position). generate_batch is "
     "transformers' ContinuousBatchingManager with per-request max_new_tokens, the same tokens per step as "
     "pagedkv and a KV cache sized to hold all requests. llama.cpp runs one request at "
-    "a time on the Q4_1 weights as stored (not fp32). The machine is shared with other jobs, so compare the "
+    "a time on the Q4_1 weights as stored (not fp32); 'pagedkv (one at a time)' runs the same requests the same "
+    "way on fp32 weights. The machine is shared with other jobs, so compare the "
     "ratios (measured side by side in one run) rather than absolute numbers. Output tokens per CPU-second "
     "(this process's CPU time, all threads, over the timed span) is less sensitive to other jobs than wall "
     "time."
@@ -38,6 +39,7 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
             "TTFT p50 (s)": r["ttft_s"]["p50"],
             "TTFT p90 (s)": r["ttft_s"]["p90"],
             "TPOT p50 (ms)": ms(r["tpot_s"]["p50"]),
+            "decode tok/s per request": r.get("decode_tokens_per_s", "n/a"),
             "positions computed (prompt+output)": _computed(r),
             "elapsed (s)": r["elapsed_s"],
         })
@@ -59,6 +61,7 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
                          "TTFT p50 ratio": r["ttft_p50_ratio"], "TTFT p90 ratio": r["ttft_p90_ratio"]}
                         for r in data["ratios"]]),
     ]
+    lines += _batch1_lines(data.get("batch1"))
     g = data["goal"]
     if g["ratio"] is not None:
         lines.append(f"**Goal (issue 3)**: pagedkv ≥ {g['target_ratio']:g}× {g['versus']} ({g['peer']}): "
@@ -74,8 +77,37 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
         for k, v in data["greedy_agreement_with_pagedkv"].items():
             lines.append(f"- {k}: {v['identical_requests']}/{v['requests']}, mean common prefix "
                          f"{100 * (v['mean_common_prefix_fraction'] or 0):.0f}% of the output")
-    lines += ["", _NOTES] + closing_lines(data, plots, cfg.get("notes"))
+    lines += ["", _NOTES]
+    if cfg.get("command"):
+        lines += ["", f"Command: `{cfg['command']}`"]
+    lines += closing_lines(data, plots, cfg.get("notes"))
     return "\n".join(lines) + "\n"
+
+
+def _batch1_lines(b: Any) -> list[str]:
+    """The batch-1 section: pagedkv one at a time against llama.cpp."""
+    if not b or (b["pagedkv"] is None and b["llama.cpp"] is None):
+        return []
+    rows = []
+    for name, f in (("pagedkv (one at a time)", b["pagedkv"]), ("llama.cpp (Q4_1 as stored)", b["llama.cpp"])):
+        if f is None:
+            rows.append({"system": name, "decode tok/s": "did not run (see above)"})
+            continue
+        rows.append({"system": name, "decode tok/s": f["decode_tokens_per_s"],
+                     "TPOT mean (ms)": ms(f["tpot_mean_s"]), "TPOT p50 (ms)": ms(f["tpot_p50_s"]),
+                     "own TTFT p50 (s)": f["own_ttft_p50_s"], "output tok/s (incl. prefill)": f["output_tokens_per_s"]})
+    lines = ["## Batch 1: pagedkv vs llama.cpp (the same requests one at a time, same threads, back to back)", "",
+             markdown_table(rows),
+             "decode tok/s = a request's tokens after its first / the time from its first token to its last, "
+             "summed over the requests (1 / token-weighted mean TPOT); own TTFT = submission to first token "
+             "(prefill).", ""]
+    if b["decode_ratio"] is not None:
+        lines.append(f"**Goal (issue 12)**: batch-1 decode ≥ {b['target_ratio']:g}× llama.cpp's tokens/s: measured "
+                     f"{b['decode_ratio']:.2f}× (TPOT p50 ratio {b['tpot_p50_ratio']:.2f}) — "
+                     f"{'met' if b['met'] else 'NOT met'}.")
+    else:
+        lines.append("**Goal (issue 12)**: batch-1 decode ≥ 1× llama.cpp: not measured in this run (a system is missing).")
+    return lines + [""]
 
 
 def _computed(r: dict[str, Any]) -> Any:
@@ -84,11 +116,11 @@ def _computed(r: dict[str, Any]) -> Any:
 
 
 def plot(data: dict[str, Any], path: Path) -> None:
-    """Output tokens/s and TTFT (p50, p90) per system, as bars."""
+    """Output tokens/s, TTFT (p50, p90) and TPOT p50 per system, as bars."""
     plt = pyplot()
     ok = [r for r in data["systems"] if r["status"] == "ok"]
     names = [r["name"].replace("transformers ", "HF ") for r in ok]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(15, 4))
     a1.barh(names, [r["output_tokens_per_s"] or 0 for r in ok], color="tab:blue")
     a1.set_xlabel("output tokens/s (higher is better)")
     a1.invert_yaxis()
@@ -98,6 +130,10 @@ def plot(data: dict[str, Any], path: Path) -> None:
     a2.set_xlabel("TTFT, s (lower is better; all submitted at t0)")
     a2.invert_yaxis()
     a2.legend(loc="lower right")
+    a3.barh(names, [ms(r["tpot_s"]["p50"]) if r["tpot_s"]["p50"] is not None else 0 for r in ok], color="tab:green")
+    a3.set_xlabel("TPOT p50, ms (lower is better; batch 1: one at a time)")
+    a3.invert_yaxis()
+    a3.tick_params(labelleft=False)
     cfg = data["config"]
     fig.suptitle(f"{cfg['num_requests']} trace requests, {cfg['threads']} threads, fp32, greedy")
     save_figure(fig, path)

@@ -16,6 +16,7 @@ from pagedkv.utils import cdiv
 # System names, as they appear in the result files.
 PAGEDKV = "pagedkv"
 PAGEDKV_REPEAT = "pagedkv (repeat, after the peers)"
+PAGEDKV_B1 = "pagedkv (one at a time)"
 HF_GENERATE = "transformers generate (bs={bs})"
 HF_CB = "transformers generate_batch"
 LLAMA_CPP = "llama.cpp"
@@ -26,11 +27,16 @@ def result_row(name: str, reqs: Sequence[BenchRequest], elapsed: float, cpu_s: f
     """A system's result row. ``elapsed``: wall seconds; ``cpu_s``: this process's CPU
     seconds over the same span (all threads; less sensitive to other jobs on a shared
     machine than wall time); ``first``/``finish``: per-request first-token and last-token
-    times in seconds since t0 (all requests submitted at t0); ``n_out``: tokens produced."""
+    times in seconds since t0 (all requests submitted at t0); ``n_out``: tokens produced.
+    ``decode_tokens_per_s``: the requests' tokens after their first over the summed time from
+    first to last token (tokens/s per request stream)."""
     useful = sum(min(n, r.output_len) for n, r in zip(n_out, reqs))
     ttfts = [f for f in first if f is not None]
+    spans = [(e - f, min(n, r.output_len) - 1) for f, e, n, r in zip(first, finish, n_out, reqs)
+             if f is not None and e is not None and min(n, r.output_len) >= 2]
     tpots = [t for t in (tpot(f, e, min(n, r.output_len)) for f, e, n, r in zip(first, finish, n_out, reqs)
                          if f is not None and e is not None) if t is not None]
+    decode_s, decode_tokens = sum(s for s, _ in spans), sum(k for _, k in spans)
     return {
         "name": name,
         "status": "ok",
@@ -45,6 +51,11 @@ def result_row(name: str, reqs: Sequence[BenchRequest], elapsed: float, cpu_s: f
         "requests_per_s": len(reqs) / elapsed if elapsed > 0 else float("nan"),
         "ttft_s": summarize(ttfts),
         "tpot_s": summarize(tpots),
+        # per-request decode rate: tokens after the first / time from the first to the last
+        # (= 1 / token-weighted mean TPOT; for one-at-a-time runs, the batch-1 decode rate)
+        "decode_tokens": decode_tokens,
+        "decode_s": decode_s,
+        "decode_tokens_per_s": decode_tokens / decode_s if decode_s > 0 else float("nan"),
         **extra,
     }
 
@@ -81,6 +92,37 @@ def run_pagedkv(loaded: Any, reqs: Sequence[BenchRequest], engine_kwargs: dict[s
         computed_output_tokens=sum(len(o.token_ids) for o in outs),
     )
     return row, [list(o.token_ids) for o in outs]
+
+
+def run_pagedkv_one_at_a_time(loaded: Any, reqs: Sequence[BenchRequest], engine_kwargs: dict[str, Any],
+                              progress: bool = True) -> tuple[dict[str, Any], list[list[int]]]:
+    """The same requests through ``LLM.generate`` one after another (batch 1, as llama.cpp
+    runs them), greedy, ignore_eos; request ``i`` is submitted when request ``i-1`` has
+    finished, so its TTFT (since t0) includes every earlier request. Returns the result row
+    and the output token ids per request."""
+    from tqdm.auto import tqdm
+
+    from pagedkv.engine.llm import LLM
+
+    llm = LLM(loaded, **engine_kwargs)
+    llm.generate([reqs[0].prompt_token_ids[:8]], greedy(2), use_tqdm=False)  # warm-up, not timed
+    first, finish, n_out, outputs, own = [], [], [], [], []
+    t0 = time.time()
+    c0 = time.process_time()
+    for r in tqdm(reqs, desc="pagedkv one at a time", unit="req", disable=not progress, leave=False):
+        sent = time.time()
+        (o,) = llm.generate([r.prompt_token_ids], greedy(r.output_len), use_tqdm=False)
+        if o.metrics.first_token_time:
+            own.append(o.metrics.first_token_time - sent)
+        first.append(o.metrics.first_token_time - t0 if o.metrics.first_token_time else None)
+        finish.append(o.metrics.finish_time - t0 if o.metrics.finish_time else None)
+        n_out.append(len(o.token_ids))
+        outputs.append(list(o.token_ids))
+    elapsed = time.time() - t0
+    cpu = time.process_time() - c0
+    return result_row(PAGEDKV_B1, reqs, elapsed, cpu, first, finish, n_out, own_ttft_s=summarize(own),
+                      computed_prompt_tokens=sum(r.prompt_len for r in reqs),
+                      computed_output_tokens=sum(n_out)), outputs
 
 
 # ---- transformers -----------------------------------------------------------------------------
@@ -287,9 +329,10 @@ def run_llama_cpp(reqs: Sequence[BenchRequest], threads: int, progress: bool = T
                           n_threads_batch=threads, n_batch=512, verbose=False)
 
     def one(r: BenchRequest) -> tuple[list[int], list[float]]:
+        times = [time.time()]  # submitted; the first token's time follows
         llm.reset()
         llm.eval(list(r.prompt_token_ids))
-        toks, times = [], []
+        toks = []
         for _ in range(r.output_len):
             tok = int(llm.sample(temp=0.0))
             times.append(time.time())
@@ -299,15 +342,27 @@ def run_llama_cpp(reqs: Sequence[BenchRequest], threads: int, progress: bool = T
         return toks, times
 
     one(BenchRequest(reqs[0].prompt_token_ids[:8], 2))  # warm-up
-    first, finish, n_out, outputs = [], [], [], []
+    first, finish, n_out, outputs, own = [], [], [], [], []
     t0 = time.time()
     c0 = time.process_time()
     for r in tqdm(reqs, desc="llama.cpp", unit="req", disable=not progress, leave=False):
         toks, times = one(r)
-        first.append(times[0] - t0)
+        own.append(times[1] - times[0])
+        first.append(times[1] - t0)
         finish.append(times[-1] - t0)
         n_out.append(len(toks))
         outputs.append(toks)
     elapsed = time.time() - t0
     cpu = time.process_time() - c0
-    return result_row(LLAMA_CPP, reqs, elapsed, cpu, first, finish, n_out, weights="Q4_1 (as stored in the GGUF)"), outputs
+    return result_row(LLAMA_CPP, reqs, elapsed, cpu, first, finish, n_out, own_ttft_s=summarize(own),
+                      weights="Q4_1 (as stored in the GGUF)", threads=threads,
+                      llama_cpp_python=_version("llama-cpp-python")), outputs
+
+
+def _version(dist: str) -> Optional[str]:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None

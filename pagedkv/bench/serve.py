@@ -19,6 +19,8 @@ then compare sustainable throughput, preemptions/rejections, TTFT and TPOT.
   ``ceil(max_model_len / block_size)`` blocks.
 * Rate sweep (prefix caching off): the highest rate whose p90 TTFT and p90 TPOT meet the
   target (and nothing rejected or left unfinished), for paging on and off.
+* ``--peer llama-server`` runs instead ``pagedkv serve`` side by side with llama.cpp's server
+  at fixed concurrencies (:mod:`pagedkv.bench.serve_peer`; results ``serving_peer.*``).
 
 Definitions (seconds): TTFT = first token time - arrival time; TPOT = (finish time - first
 token time) / (output tokens - 1); duration = last finish - first arrival; throughput =
@@ -32,7 +34,7 @@ import argparse
 import time
 from typing import Any, Optional, Sequence
 
-from pagedkv.bench import http
+from pagedkv.bench import http, serve_peer
 from pagedkv.bench.common import (
     RunFacts,
     add_run_options,
@@ -100,7 +102,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="`python -m pagedkv.cli serve` in a subprocess (default) or uvicorn in a thread of this process")
     h.add_argument("--port", type=int, default=0, help="server port on 127.0.0.1 (default: a free one)")
     p.add_argument("--cells", default="all", help="'all' or 'none' (only the sweep)")
-    add_run_options(p, tiny="4 requests, short lengths, 2 sweep rates", note=True)
+    serve_peer.add_arguments(p)
+    add_run_options(p, tiny="4 requests, short lengths, 2 sweep rates (--peer: 2 concurrencies, 16/4 tokens)",
+                    note=True)
 
 
 def _apply_tiny(args: argparse.Namespace) -> None:
@@ -410,6 +414,8 @@ def _bytes_per_token(loaded: Any) -> Optional[int]:
 
 
 def run(args: argparse.Namespace, loaded: Any = None) -> int:
+    if args.peer:  # side by side with a peer server: its own runs and result files
+        return serve_peer.run(args)
     data = run_serving(args, loaded=loaded, progress=not args.json)
     publish(NAME, data, render_markdown, args.out_dir, as_json=args.json,
             plots=None if args.no_plot else single_plot(NAME, "rate sweep", plot))

@@ -21,8 +21,29 @@ def test_result_row_arithmetic_exact():
     assert row["requests_per_s"] == 0.5 and row["completed"] == 2
     assert row["ttft_s"]["p50"] == 1.0
     assert row["tpot_s"]["p50"] == pytest.approx(0.5)  # both (2-1)/2 and (3-1)/4
+    # decode: 2 tokens after the first in 1 s + 4 in 2 s = 6 tokens in 3 s
+    assert (row["decode_tokens"], row["decode_s"], row["decode_tokens_per_s"]) == (6, 3.0, 2.0)
     agree = peers.agreement([[1, 2, 3], [1, 2]], [[1, 2, 3], [1, 9]])
     assert agree["identical_requests"] == 1 and agree["mean_common_prefix_fraction"] == pytest.approx(0.75)
+
+
+def _b1_row(name, decode_tok_s, tpot_p50, own_ttft):
+    return {"name": name, "status": "ok", "decode_tokens_per_s": decode_tok_s, "decode_s": 10.0,
+            "decode_tokens": int(decode_tok_s * 10), "tpot_s": {"p50": tpot_p50}, "own_ttft_s": {"p50": own_ttft},
+            "output_tokens_per_s": decode_tok_s / 2}
+
+
+def test_batch1_comparison():
+    rows = [_b1_row(peers.PAGEDKV_B1, 20.0, 0.05, 0.4), _b1_row(peers.LLAMA_CPP, 80.0, 0.0125, 0.3),
+            {"name": peers.PAGEDKV, "status": "ok"}]
+    b = peers.batch1_comparison(rows)
+    assert b["decode_ratio"] == 0.25 and b["tpot_p50_ratio"] == 4.0 and b["met"] is False
+    assert b["pagedkv"] == {"decode_tokens_per_s": 20.0, "tpot_p50_s": 0.05, "tpot_mean_s": 0.05,
+                            "own_ttft_p50_s": 0.4, "output_tokens_per_s": 10.0}
+    assert peers.batch1_comparison([_b1_row(peers.PAGEDKV_B1, 90.0, 0.011, 0.1),
+                                    _b1_row(peers.LLAMA_CPP, 80.0, 0.0125, 0.3)])["met"] is True
+    missing = peers.batch1_comparison([rows[0], {"name": peers.LLAMA_CPP, "status": "not installed", "reason": "x"}])
+    assert missing["llama.cpp"] is None and missing["decode_ratio"] is None and missing["met"] is None
 
 
 @pytest.mark.slow
@@ -38,8 +59,8 @@ def test_bench_peers_tiny(loaded_model, hf_model, tmp_path):
         assert key in data and data[key] not in (None, [], {}), key
     by = {r["name"]: r for r in data["systems"]}
     assert set(by) == {peers.PAGEDKV, peers.HF_GENERATE.format(bs=2), peers.HF_CB, peers.LLAMA_CPP,
-                       peers.PAGEDKV_REPEAT}
-    for name in (peers.PAGEDKV, peers.PAGEDKV_REPEAT, peers.HF_GENERATE.format(bs=2)):
+                       peers.PAGEDKV_B1, peers.PAGEDKV_REPEAT}
+    for name in (peers.PAGEDKV, peers.PAGEDKV_REPEAT, peers.HF_GENERATE.format(bs=2), peers.PAGEDKV_B1):
         r = by[name]
         assert r["status"] == "ok", r
         assert r["completed"] == 4 and r["output_tokens"] == data["workload"]["output_tokens"]
@@ -57,5 +78,15 @@ def test_bench_peers_tiny(loaded_model, hf_model, tmp_path):
     # greedy fp32: pagedkv and transformers agree token for token on these tiny requests
     agree = data["greedy_agreement_with_pagedkv"][peers.HF_GENERATE.format(bs=2)]
     assert agree["requests"] == 4 and agree["identical_requests"] >= 3  # padding may flip a rare near-tie
+    # one at a time: the same greedy tokens as the batched run; the batch-1 pair compared
+    b1 = data["greedy_agreement_with_pagedkv"][peers.PAGEDKV_B1]
+    assert b1["requests"] == 4 and b1["identical_requests"] >= 3
+    assert by[peers.PAGEDKV_B1]["decode_tokens"] == data["workload"]["output_tokens"] - 4  # all but each first
+    assert data["batch1"]["pagedkv"]["decode_tokens_per_s"] > 0
+    if by[peers.LLAMA_CPP]["status"] == "ok":
+        assert math.isfinite(data["batch1"]["decode_ratio"]) and isinstance(data["batch1"]["met"], bool)
+        assert by[peers.LLAMA_CPP]["completed"] == 4
+    else:
+        assert data["batch1"]["decode_ratio"] is None
     assert (tmp_path / "peers.md").read_text().startswith("# Peers")
     assert (tmp_path / "peers.png").stat().st_size > 1000

@@ -1,0 +1,394 @@
+"""Serving side by side: `pagedkv serve` and llama.cpp's `llama-server` on the same requests, one server at a time.
+
+``pagedkv bench serve --peer llama-server`` (issue 12). For every concurrency (default 1, 4,
+16, 32) each server is started, warmed with one short request, loaded by a closed-loop client
+and stopped, one server at a time (the order alternates between concurrencies, so a change in
+the shared machine's load does not always favour the same one):
+
+* **pagedkv**: ``pagedkv serve`` with its defaults and ``--threads T``;
+* **llama-server**: llama.cpp's own server (built by ``make peers``) over the same GGUF
+  (Q4_1 as stored), ``-t T -tb T -np 32 -cb`` (32 parallel slots, continuous batching), a
+  context of 32 x 512 tokens. It is restarted for every run: its prompt cache would otherwise
+  skip the prefill of prompts a client sends again.
+
+The client keeps ``c`` requests in flight (each stream sends its next request when the last
+one finished) until ``max(--min-requests, c * --requests-per-stream)`` requests are done or
+``--max-seconds`` have passed (then the requests in flight are cut and counted as
+incomplete). Requests: prompts of ``--prompt-tokens`` tokens, ``--output-tokens`` output
+tokens, ``ignore_eos``, greedy, ``/v1/completions`` streamed, identical for both servers.
+
+* ``--client guidellm`` (the default when it is installed; what issue 12's numbers came
+  from): ``guidellm run`` with a concurrent profile and synthetic text prompts of exactly
+  ``--prompt-tokens`` tokens under the model's own tokenizer (same seed, so the same prompts
+  for both servers);
+* ``--client builtin``: :func:`pagedkv.bench.http.run_closed_loop`, synthetic token-id
+  prompts.
+
+Per run (seconds unless said): output tokens/s = output tokens streamed by all requests,
+incomplete ones included / the run's duration; inter-token latency (ITL) of a request =
+(last token - first token) / (output tokens - 1); TTFT = first token - request sent; ITL and
+TTFT percentiles over completed requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+from pagedkv.bench import http
+from pagedkv.bench.common import RunFacts, json_clean, log
+from pagedkv.bench.workload import BenchRequest, summarize, synth_prompts, tpot
+
+NAME = "serving_peer"
+PAGEDKV = "pagedkv"
+LLAMA_SERVER = "llama-server"
+#: issue 12's serving goals, pagedkv / llama-server: output tok/s ratio >= (key 1), and
+#: ITL p50 ratio <= (key 2, None = no ITL goal), per concurrency.
+GOALS = {1: (1.0, 1.0), 4: (1.0, 1.0), 16: (3.0, None), 32: (3.0, None)}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``--peer`` options of ``pagedkv bench serve``."""
+    g = p.add_argument_group("side by side with a peer server (--peer)")
+    g.add_argument("--peer", choices=[LLAMA_SERVER], default=None,
+                   help="compare `pagedkv serve` with llama.cpp's llama-server instead of the paging sweep "
+                        "(results: serving_peer.*)")
+    g.add_argument("--concurrency", default="1,4,16,32", help="requests in flight, comma-separated (default 1,4,16,32)")
+    g.add_argument("--prompt-tokens", type=int, default=256, help="prompt length, tokens (default 256)")
+    g.add_argument("--output-tokens", type=int, default=64, help="output length, tokens, ignore_eos (default 64)")
+    g.add_argument("--requests-per-stream", type=int, default=2,
+                   help="requests per run = max(--min-requests, concurrency x this) (default 2)")
+    g.add_argument("--min-requests", type=int, default=8, help="fewest requests per run (default 8)")
+    g.add_argument("--max-seconds", type=float, default=120.0,
+                   help="cut a run after this many seconds (requests in flight count as incomplete; default 120)")
+    g.add_argument("--client", choices=["auto", "guidellm", "builtin"], default="auto",
+                   help="load generator: guidellm (auto: if installed) or pagedkv's own HTTP client")
+    g.add_argument("--llama-server", default=None,
+                   help="llama-server binary (default: $PAGEDKV_LLAMA_SERVER, then the one `make peers` built, "
+                        "then PATH)")
+    g.add_argument("--parallel", type=int, default=32, help="llama-server slots, -np (default 32)")
+    g.add_argument("--ctx-per-slot", type=int, default=512, help="llama-server context per slot, tokens (default 512)")
+    g.add_argument("--serve-arg", action="append", default=[],
+                   help="extra argument for `pagedkv serve` (repeatable, e.g. --serve-arg=--max-num-seqs=32)")
+    g.add_argument("--peer-arg", action="append", default=[],
+                   help="extra argument for llama-server (repeatable, e.g. --peer-arg=--poll=0)")
+
+
+def apply_tiny(args: argparse.Namespace) -> None:
+    args.concurrency = ",".join(args.concurrency.split(",")[:2])
+    args.prompt_tokens = min(args.prompt_tokens, 16)
+    args.output_tokens = min(args.output_tokens, 4)
+    args.requests_per_stream = 1
+    args.min_requests = min(args.min_requests, 2)
+    args.max_seconds = min(args.max_seconds, 60.0)
+
+
+# ---- the peer binary ----------------------------------------------------------------------------
+def peers_dir() -> Path:
+    """Where ``make peers`` (scripts/install_peers.py) builds: ``<pagedkv cache root>/peers``."""
+    from pagedkv.model.weight_cache import cache_root
+
+    return cache_root() / "peers"
+
+
+def find_llama_server(explicit: Optional[str] = None) -> Optional[str]:
+    """``explicit``, else ``$PAGEDKV_LLAMA_SERVER``, else ``peers_dir()/bin/llama-server``,
+    else ``llama-server`` on PATH; None if none is an executable file."""
+    for cand in (explicit, os.environ.get("PAGEDKV_LLAMA_SERVER"), str(peers_dir() / "bin" / "llama-server")):
+        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    return shutil.which("llama-server")
+
+
+def binary_facts(binary: str) -> dict[str, Any]:
+    """The binary's path, ``--version`` output and build stamp (``llama-server.json`` beside it)."""
+    facts: dict[str, Any] = {"path": binary}
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30)
+        facts["version"] = " ".join((out.stdout + out.stderr).split())[:300]
+    except (OSError, subprocess.SubprocessError) as exc:
+        facts["version"] = f"unknown ({type(exc).__name__})"
+    stamp = Path(binary).with_name("llama-server.json")
+    if stamp.is_file():
+        try:
+            facts["build"] = json.loads(stamp.read_text())
+        except ValueError:
+            pass
+    return facts
+
+
+# ---- one run -------------------------------------------------------------------------------------
+def num_requests(concurrency: int, args: argparse.Namespace) -> int:
+    return max(args.min_requests, concurrency * args.requests_per_stream)
+
+
+def summarize_closed_loop(records: Sequence[http.StreamRecord], stats: Any) -> dict[str, Any]:
+    """The per-run metrics of :func:`http.run_closed_loop`'s records: output tokens = completed
+    requests' tokens + the chunks incomplete ones streamed; duration = start -> last token."""
+    sent = [r for r in records if r.status != "not sent"]
+    ok = [r for r in sent if r.status == "ok"]
+    cut = [r for r in sent if r.status == "unfinished"]
+    tokens = sum(r.output_tokens for r in ok) + sum(r.chunks for r in cut)
+    ends = [r.finish_time for r in ok if r.finish_time] + [r.last_chunk_time for r in cut if r.last_chunk_time]
+    duration = (max(ends) - stats.started) if ends else float("nan")
+    itls = [tpot(r.first_token_time, r.finish_time, r.output_tokens) for r in ok
+            if r.first_token_time is not None and r.finish_time is not None]
+    return {
+        "requests": len(sent), "completed": len(ok), "incomplete": len(cut),
+        "errored": sum(1 for r in sent if r.status not in ("ok", "unfinished")),
+        "output_tokens": tokens, "duration_s": duration,
+        "output_tokens_per_s": tokens / duration if duration and duration > 0 else float("nan"),
+        "ttft_s": summarize(r.first_token_time - r.arrival_time for r in ok if r.first_token_time is not None),
+        "itl_s": summarize(x for x in itls if x is not None),
+        "notes": list(stats.notes),
+    }
+
+
+def _dist(d: dict[str, Any], scale: float) -> dict[str, float]:
+    """guidellm's distribution summary (``mean``, ``percentiles``) in our units (x ``scale``);
+    NaN throughout when it summarises nothing (guidellm writes zeros then)."""
+    if not d.get("count"):
+        return summarize([])
+    pc = d.get("percentiles") or {}
+    out = {"mean": d.get("mean"), "p50": pc.get("p50", d.get("median")), "p90": pc.get("p90"),
+           "p99": pc.get("p99"), "max": d.get("max")}
+    return {k: (v * scale if isinstance(v, (int, float)) else float("nan")) for k, v in out.items()}
+
+
+def parse_guidellm(report: dict[str, Any]) -> dict[str, Any]:
+    """Our per-run metrics from a ``guidellm run`` JSON report (its first benchmark): output
+    tokens/s = output tokens of all requests (incomplete included) / the benchmark's duration;
+    ITL and TTFT over completed requests, converted to seconds."""
+    b = report["benchmarks"][0]
+    m = b["metrics"]
+    totals = m["request_totals"]
+    tokens = float(m["output_token_count"]["total"]["total_sum"])
+    duration = float(b["duration"])
+    return {
+        "requests": int(totals["total"]), "completed": int(totals["successful"]),
+        "incomplete": int(totals["incomplete"]), "errored": int(totals["errored"]),
+        "output_tokens": tokens, "duration_s": duration,
+        "output_tokens_per_s": tokens / duration if duration > 0 else float("nan"),
+        "guidellm_output_tokens_per_s_mean": m["output_tokens_per_second"]["total"]["mean"],
+        "ttft_s": _dist(m["time_to_first_token_ms"]["successful"], 1e-3),
+        "itl_s": _dist(m["inter_token_latency_ms"]["successful"], 1e-3),
+        "prompt_tokens_p50": (m["prompt_token_count"]["successful"].get("percentiles") or {}).get("p50"),
+        "notes": [],
+    }
+
+
+def guidellm_command(url: str, concurrency: int, n: int, args: argparse.Namespace, tokenizer_dir: str,
+                     out_path: str) -> list[str]:
+    """``python -m guidellm run`` for one run: concurrent profile, ``n`` requests at most,
+    ``args.max_seconds`` at most, synthetic text of exactly the prompt/output lengths."""
+    return [sys.executable, "-m", "guidellm", "run",
+            "--backend", f"kind=openai_http,target={url},request_format=/v1/completions",
+            "--profile", f"kind=concurrent,streams={concurrency}",
+            "--constraint", f"kind=max_requests,count={n}",
+            "--constraint", f"kind=max_duration,seconds={args.max_seconds:g}",
+            "--data", f"kind=synthetic_text,prompt_tokens={args.prompt_tokens},output_tokens={args.output_tokens}",
+            "--tokenizer", f"kind=huggingface_auto,model={tokenizer_dir}",
+            "--output", f"kind=json,path={out_path}", "--disable-console"]
+
+
+def run_guidellm(url: str, concurrency: int, n: int, args: argparse.Namespace, tokenizer_dir: str,
+                 work: Path) -> dict[str, Any]:
+    """One guidellm run against ``url``; its report is parsed by :func:`parse_guidellm`.
+    Raises ``RuntimeError`` with guidellm's output tail if it fails."""
+    out = work / f"guidellm-{concurrency}-{time.time_ns()}.json"
+    cmd = guidellm_command(url, concurrency, n, args, tokenizer_dir, str(out))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.max_seconds + 600)
+    if r.returncode != 0 or not out.is_file():
+        raise RuntimeError(f"guidellm exited with {r.returncode}: {(r.stdout + r.stderr)[-1500:]}")
+    return parse_guidellm(json.loads(out.read_text()))
+
+
+def builtin_requests(n: int, args: argparse.Namespace, vocab_size: int) -> list[BenchRequest]:
+    """``n`` token-id prompts of ``args.prompt_tokens`` tokens (seeded: the same for every
+    server), each asking for ``args.output_tokens`` tokens."""
+    prompts = synth_prompts([args.prompt_tokens] * n, vocab_size, seed=args.seed)
+    return [BenchRequest(p, args.output_tokens) for p in prompts]
+
+
+@contextmanager
+def start_server(name: str, args: argparse.Namespace, threads: int, binary: Optional[str],
+                 gguf: str) -> Iterator[str]:
+    """Start ``name`` (pagedkv or llama-server) on a free port of 127.0.0.1, warm it with one
+    short request (not measured), yield its URL; stopped on exit."""
+    if name == PAGEDKV:
+        cm = http.serve_subprocess(["--threads", str(threads), *args.serve_arg])
+    else:
+        cm = http.serve_llama_server(str(binary), gguf, threads, args.parallel, _ctx_per_slot(args),
+                                     extra=args.peer_arg)
+    with cm as url:
+        warm = [BenchRequest(synth_prompts([16], 1000, seed=args.seed + 99)[0], 4)]
+        http.run_closed_loop(url, warm, 1, 120.0, progress=False)
+        yield url
+
+
+def _ctx_per_slot(args: argparse.Namespace) -> int:
+    """llama-server's context per slot: ``--ctx-per-slot``, at least a request's length + 64."""
+    return max(args.ctx_per_slot, args.prompt_tokens + args.output_tokens + 64)
+
+
+def ratios(runs: list[dict[str, Any]], concurrencies: Sequence[int]) -> list[dict[str, Any]]:
+    """pagedkv / llama-server per concurrency: output tok/s, ITL p50 and TTFT p50 ratios, and
+    issue 12's goals (:data:`GOALS`) met or not (None where not set or not measured)."""
+    out = []
+    by = {(r["server"], r["concurrency"]): r for r in runs if "error" not in r}
+    for c in concurrencies:
+        a, b = by.get((PAGEDKV, c)), by.get((LLAMA_SERVER, c))
+        if a is None or b is None:
+            out.append({"concurrency": c, "missing": True})
+            continue
+
+        def ratio(key: str, q: Optional[str] = None) -> Optional[float]:
+            x, y = (a[key], b[key]) if q is None else (a[key][q], b[key][q])
+            return x / y if isinstance(x, (int, float)) and isinstance(y, (int, float)) and y else None
+
+        row = {"concurrency": c, "output_tok_s_ratio": ratio("output_tokens_per_s"),
+               "itl_p50_ratio": ratio("itl_s", "p50"), "ttft_p50_ratio": ratio("ttft_s", "p50")}
+        tok_goal, itl_goal = GOALS.get(c, (None, None))
+        row["goal_output_tok_s_ratio"], row["goal_itl_p50_ratio"] = tok_goal, itl_goal
+        row["output_tok_s_goal_met"] = (None if tok_goal is None or row["output_tok_s_ratio"] is None
+                                        else row["output_tok_s_ratio"] >= tok_goal)
+        row["itl_goal_met"] = (None if itl_goal is None or row["itl_p50_ratio"] is None
+                               else row["itl_p50_ratio"] <= itl_goal)
+        out.append(row)
+    return out
+
+
+def _client(args: argparse.Namespace) -> str:
+    if args.client != "auto":
+        return args.client
+    import importlib.util
+
+    return "guidellm" if importlib.util.find_spec("guidellm") is not None else "builtin"
+
+
+def run_serving_peer(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]:
+    """Every (concurrency, server) run; returns the results dict. Raises ``ConfigError`` if
+    llama-server is not found (``make peers`` builds it) or the bundled model is missing."""
+    from pagedkv._bundled import bundled_model_path
+    from pagedkv.errors import ConfigError
+
+    if args.tiny:
+        apply_tiny(args)
+    binary = find_llama_server(args.llama_server)
+    if binary is None:
+        raise ConfigError("llama-server not found: run `make peers` (builds it into "
+                          f"{peers_dir() / 'bin'}) or pass --llama-server PATH")
+    gguf = str(bundled_model_path())
+    facts = RunFacts.start(args.threads)
+    concurrencies = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
+    client = _client(args)
+    runs: list[dict[str, Any]] = []
+    t_all = time.time()
+    with tempfile.TemporaryDirectory(prefix="pagedkv-peer-") as tmp:
+        work = Path(tmp)
+        tok_dir, vocab = _tokenizer(gguf, work)
+        for i, c in enumerate(concurrencies):
+            order = (PAGEDKV, LLAMA_SERVER) if i % 2 == 0 else (LLAMA_SERVER, PAGEDKV)
+            n = num_requests(c, args)
+            for name in order:
+                runs.append(_one_run(name, c, n, args, facts.threads, binary, gguf, client, tok_dir, vocab, work,
+                                     progress))
+    data = {
+        "benchmark": NAME,
+        "description": (__doc__ or "").strip().splitlines()[0],
+        "config": {
+            "peer": LLAMA_SERVER, "servers": [PAGEDKV, LLAMA_SERVER], "client": client, "concurrency": concurrencies,
+            "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
+            "requests_per_run": {str(c): num_requests(c, args) for c in concurrencies},
+            "max_seconds": args.max_seconds, "threads": facts.threads, "seed": args.seed,
+            "pagedkv_serve": ["pagedkv", "serve", "--threads", str(facts.threads), *args.serve_arg],
+            "llama_server": http.llama_server_command("llama-server", gguf, 0, facts.threads, args.parallel,
+                                                      _ctx_per_slot(args), args.peer_arg)[1:],
+            "llama_server_binary": binary_facts(binary),
+            "model": gguf, "tiny": bool(args.tiny), "notes": args.note,
+            "command": command_line(args, facts.threads, client),
+        },
+        "runs": runs,
+        "ratios": ratios(runs, concurrencies),
+        "elapsed_s": time.time() - t_all,
+        **facts.finish(),
+    }
+    return json_clean(data)
+
+
+def command_line(args: argparse.Namespace, threads: int, client: str) -> str:
+    """The ``pagedkv bench serve --peer`` command that repeats this run, every option spelled out."""
+    parts = ["pagedkv", "bench", "serve", "--peer", LLAMA_SERVER, "--threads", str(threads),
+             "--concurrency", str(args.concurrency), "--prompt-tokens", str(args.prompt_tokens),
+             "--output-tokens", str(args.output_tokens), "--requests-per-stream", str(args.requests_per_stream),
+             "--min-requests", str(args.min_requests), "--max-seconds", f"{args.max_seconds:g}", "--client", client,
+             "--parallel", str(args.parallel), "--ctx-per-slot", str(args.ctx_per_slot)]
+    parts += [f"--serve-arg={a}" for a in args.serve_arg] + [f"--peer-arg={a}" for a in args.peer_arg]
+    return " ".join(parts)
+
+
+def _tokenizer(gguf: str, work: Path) -> tuple[str, int]:
+    """The model's tokenizer saved under ``work`` (guidellm counts prompt tokens with it) and
+    its vocabulary size."""
+    from pagedkv.model.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(Path(gguf).parent, Path(gguf).name)
+    out = work / "tokenizer"
+    tok.save_pretrained(str(out))
+    return str(out), len(tok)
+
+
+def _one_run(name: str, c: int, n: int, args: argparse.Namespace, threads: int, binary: str, gguf: str,
+             client: str, tok_dir: str, vocab: int, work: Path, progress: bool) -> dict[str, Any]:
+    """One server at one concurrency. A failed try is repeated once on a freshly started server
+    (guidellm 0.8.1 now and then ends a run with "No measurement start or end times
+    available"; a restart keeps llama-server's prompt cache out of the retry). The row records
+    the tries, or the error of the last."""
+    from pagedkv.bench.common import load_average
+
+    log(f"[serve --peer] {name} at concurrency {c}: {n} requests ({client}) ...")
+    row: dict[str, Any] = {"server": name, "concurrency": c, "client": client, "load_1m_start": load_average()}
+    t = time.time()
+    for attempt in (1, 2):
+        row["tries"] = attempt
+        try:
+            with start_server(name, args, threads, binary, gguf) as url:
+                if client == "guidellm":
+                    row.update(run_guidellm(url, c, n, args, tok_dir, work))
+                else:
+                    recs, stats = http.run_closed_loop(url, builtin_requests(n, args, vocab), c, args.max_seconds,
+                                                       desc=f"{name} c={c}", progress=progress)
+                    row.update(summarize_closed_loop(recs, stats))
+            row.pop("error", None)
+            break
+        except Exception as exc:  # noqa: BLE001 - a failed run is reported, the others go on
+            row["error"] = f"{type(exc).__name__}: {exc}"[:1500]
+            log(f"[serve --peer] {name} at concurrency {c}, try {attempt} failed: {row['error'][-400:]}")
+    if "error" in row:
+        return row
+    row["wall_s"] = time.time() - t
+    row["load_1m_end"] = load_average()
+    log(f"[serve --peer] {name} c={c}: {row['output_tokens_per_s']:.1f} output tok/s, ITL p50 "
+        f"{row['itl_s']['p50'] * 1e3:.0f} ms, TTFT p50 {row['ttft_s']['p50']:.2f} s, "
+        f"{row['completed']}/{row['requests']} completed ({row['wall_s']:.0f}s)")
+    return row
+
+
+def run(args: argparse.Namespace) -> int:
+    from pagedkv.bench.report import publish, single_plot
+    from pagedkv.bench.serve_peer_report import plot, render_markdown
+
+    data = run_serving_peer(args, progress=not args.json)
+    publish(NAME, data, render_markdown, args.out_dir, as_json=args.json,
+            plots=None if args.no_plot else single_plot(NAME, "pagedkv serve vs llama-server", plot))
+    return 0

@@ -1,0 +1,217 @@
+"""``pagedkv bench serve --peer llama-server``: its arithmetic on hand-made records and reports,
+the llama-server command line, finding the binary, and a tiny end-to-end run against a
+stand-in peer (a script that takes llama-server's flags and serves pagedkv: llama-server is
+not a test dependency)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import pytest
+
+from pagedkv.bench import http, serve_peer
+from pagedkv.bench.workload import RunStats
+
+
+def _rec(sent, first=None, finish=None, tokens=0, status="ok", chunks=0, last=None):
+    return http.StreamRecord(sent, first_token_time=first, finish_time=finish, output_tokens=tokens, status=status,
+                             chunks=chunks, last_chunk_time=last)
+
+
+def test_summarize_closed_loop_exact():
+    recs = [
+        _rec(100.0, first=101.0, finish=104.0, tokens=4),   # TTFT 1, ITL (104-101)/3 = 1
+        _rec(100.0, first=102.0, finish=104.0, tokens=5),   # TTFT 2, ITL 0.5
+        _rec(104.0, first=105.0, status="unfinished", chunks=3, last=106.0),  # cut: 3 tokens streamed
+        _rec(0.0, status="not sent"),
+    ]
+    s = serve_peer.summarize_closed_loop(recs, RunStats(started=100.0, notes=["cut"]))
+    assert (s["requests"], s["completed"], s["incomplete"], s["errored"]) == (3, 2, 1, 0)
+    assert s["output_tokens"] == 12 and s["duration_s"] == 6.0 and s["output_tokens_per_s"] == 2.0
+    assert s["ttft_s"]["p50"] == 1.5 and s["ttft_s"]["max"] == 2.0
+    assert s["itl_s"]["p50"] == 0.75 and s["itl_s"]["mean"] == 0.75
+    assert s["notes"] == ["cut"]
+
+
+def _dist(median_ms, p90_ms, mean_ms):
+    return {"mean": mean_ms, "median": median_ms, "max": p90_ms, "count": 10,
+            "percentiles": {"p50": median_ms, "p90": p90_ms, "p99": p90_ms}}
+
+
+def test_parse_guidellm_exact():
+    report = {"benchmarks": [{"duration": 20.0, "metrics": {
+        "request_totals": {"successful": 7, "errored": 1, "incomplete": 2, "total": 10},
+        "output_token_count": {"total": {"total_sum": 500.0}, "successful": {"total_sum": 448.0}},
+        "output_tokens_per_second": {"total": {"mean": 24.9}},
+        "time_to_first_token_ms": {"successful": _dist(1500.0, 3000.0, 1600.0)},
+        "inter_token_latency_ms": {"successful": _dist(80.0, 120.0, 90.0)},
+        "prompt_token_count": {"successful": {"percentiles": {"p50": 256.0}}},
+    }}]}
+    r = serve_peer.parse_guidellm(report)
+    assert (r["requests"], r["completed"], r["incomplete"], r["errored"]) == (10, 7, 2, 1)
+    assert r["output_tokens"] == 500.0 and r["duration_s"] == 20.0 and r["output_tokens_per_s"] == 25.0
+    assert r["guidellm_output_tokens_per_s_mean"] == 24.9
+    assert r["ttft_s"]["p50"] == 1.5 and r["ttft_s"]["p90"] == 3.0 and r["ttft_s"]["mean"] == pytest.approx(1.6)
+    assert r["itl_s"]["p50"] == pytest.approx(0.08) and r["itl_s"]["p90"] == pytest.approx(0.12)
+    assert r["prompt_tokens_p50"] == 256.0
+    # a run cut before any request completed: guidellm writes zeros, we write NaN (n/a)
+    m = report["benchmarks"][0]["metrics"]
+    m["time_to_first_token_ms"]["successful"] = {"mean": 0.0, "median": 0.0, "count": 0, "percentiles": {"p50": 0.0}}
+    assert math.isnan(serve_peer.parse_guidellm(report)["ttft_s"]["p50"])
+
+
+def _run(server, c, tok_s, itl, ttft):
+    return {"server": server, "concurrency": c, "output_tokens_per_s": tok_s,
+            "itl_s": {"p50": itl}, "ttft_s": {"p50": ttft}}
+
+
+def test_ratios_and_goals():
+    P, L = serve_peer.PAGEDKV, serve_peer.LLAMA_SERVER
+    runs = [_run(P, 1, 20.0, 0.05, 1.0), _run(L, 1, 10.0, 0.10, 0.5),      # 2x tok/s, ITL 0.5x: both met
+            _run(L, 4, 30.0, 0.04, 2.0), _run(P, 4, 15.0, 0.08, 1.0),      # 0.5x, 2x: neither
+            _run(P, 16, 60.0, 0.3, 3.0), _run(L, 16, 30.0, 0.3, 9.0),      # 2x < 3x: not met; no ITL goal
+            _run(P, 32, 1.0, 1.0, 1.0), {"server": L, "concurrency": 32, "error": "boom"}]
+    q = {r["concurrency"]: r for r in serve_peer.ratios(runs, [1, 4, 16, 32, 64])}
+    assert q[1]["output_tok_s_ratio"] == 2.0 and q[1]["itl_p50_ratio"] == 0.5 and q[1]["ttft_p50_ratio"] == 2.0
+    assert q[1]["output_tok_s_goal_met"] is True and q[1]["itl_goal_met"] is True
+    assert q[4]["output_tok_s_ratio"] == 0.5 and q[4]["itl_p50_ratio"] == 2.0
+    assert q[4]["output_tok_s_goal_met"] is False and q[4]["itl_goal_met"] is False
+    assert q[16]["output_tok_s_ratio"] == 2.0 and q[16]["output_tok_s_goal_met"] is False
+    assert q[16]["goal_itl_p50_ratio"] is None and q[16]["itl_goal_met"] is None
+    assert q[32] == {"concurrency": 32, "missing": True}
+    assert q[64] == {"concurrency": 64, "missing": True}
+
+
+def test_llama_server_command_and_requests():
+    cmd = http.llama_server_command("/x/llama-server", "/m.gguf", 8123, threads=2, parallel=32, ctx_per_slot=512)
+    assert cmd[:3] == ["/x/llama-server", "-m", "/m.gguf"]
+    assert "-cb" in cmd and "--no-webui" in cmd
+    valued = [x for x in cmd[3:] if x not in ("-cb", "--no-webui")]
+    flags = dict(zip(valued[::2], valued[1::2]))
+    assert flags["--host"] == "127.0.0.1" and flags["--port"] == "8123"
+    assert flags["-t"] == "2" and flags["-tb"] == "2" and flags["-np"] == "32" and flags["-c"] == str(32 * 512)
+    assert http.llama_server_command("b", "m", 0, 1, 4, 400)[5:7] == ["--port", "PORT"]
+    args = _args()
+    assert serve_peer.num_requests(1, args) == 8 and serve_peer.num_requests(32, args) == 64
+    reqs = serve_peer.builtin_requests(3, args, vocab_size=49152)
+    assert [len(r.prompt_token_ids) for r in reqs] == [256] * 3 and {r.output_len for r in reqs} == {64}
+    assert reqs[0].prompt_token_ids != reqs[1].prompt_token_ids
+    assert serve_peer.builtin_requests(3, args, 49152)[2].prompt_token_ids == reqs[2].prompt_token_ids  # seeded
+    gl = serve_peer.guidellm_command("http://127.0.0.1:9", 16, 32, args, "/tok", "/o.json")
+    assert "kind=concurrent,streams=16" in gl and "kind=max_requests,count=32" in gl
+    assert "kind=max_duration,seconds=120" in gl and "kind=synthetic_text,prompt_tokens=256,output_tokens=64" in gl
+    assert "kind=openai_http,target=http://127.0.0.1:9,request_format=/v1/completions" in gl
+    cmd = serve_peer.command_line(_args("--concurrency", "1,4", "--peer-arg=--poll", "--peer-arg=0"), 2, "builtin")
+    assert cmd == ("pagedkv bench serve --peer llama-server --threads 2 --concurrency 1,4 --prompt-tokens 256 "
+                   "--output-tokens 64 --requests-per-stream 2 --min-requests 8 --max-seconds 120 --client builtin "
+                   "--parallel 32 --ctx-per-slot 512 --peer-arg=--poll --peer-arg=0")
+
+
+def _args(*extra):
+    from pagedkv.cli import build_parser
+
+    return build_parser().parse_args(["bench", "serve", "--peer", "llama-server", *extra])
+
+
+def test_find_llama_server(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("PAGEDKV_LLAMA_SERVER", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing-here"))
+    assert serve_peer.peers_dir() == tmp_path / "cache" / "peers"
+    assert serve_peer.find_llama_server() is None
+    built = tmp_path / "cache" / "peers" / "bin" / "llama-server"
+    built.parent.mkdir(parents=True)
+    built.write_text("#!/bin/sh\n")
+    assert serve_peer.find_llama_server() is None  # not executable
+    built.chmod(0o755)
+    assert serve_peer.find_llama_server() == str(built)
+    other = tmp_path / "other"
+    other.write_text("#!/bin/sh\n")
+    other.chmod(0o755)
+    monkeypatch.setenv("PAGEDKV_LLAMA_SERVER", str(other))
+    assert serve_peer.find_llama_server() == str(other)
+    assert serve_peer.find_llama_server(str(built)) == str(built)  # --llama-server wins
+
+
+def test_missing_llama_server_is_a_clean_error(tmp_path, monkeypatch, capsys):
+    from pagedkv.cli import main
+
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("PAGEDKV_LLAMA_SERVER", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing-here"))
+    rc = main(["bench", "serve", "--peer", "llama-server", "--out-dir", str(tmp_path / "out")])
+    assert rc == 2
+    assert "llama-server not found: run `make peers`" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "serving_peer.json").exists()
+
+
+_STAND_IN = '''#!{python}
+import os, sys
+a = sys.argv[1:]
+if a == ["--version"]:
+    print("stand-in llama-server")
+    sys.exit(0)
+port, threads = a[a.index("--port") + 1], a[a.index("-t") + 1]
+assert a[a.index("-np") + 1] == "32" and "-cb" in a and a[a.index("--host") + 1] == "127.0.0.1"
+os.execv(sys.executable, [sys.executable, "-m", "pagedkv.cli", "serve", "--host", "127.0.0.1", "--port", port,
+                          "--threads", threads, "--log-level", "warning", "--num-blocks", "64",
+                          "--max-model-len", "128"])
+'''
+
+
+@pytest.mark.slow
+def test_bench_serve_peer_tiny_against_a_stand_in(bundled_gguf, tmp_path):
+    from pagedkv.cli import main
+
+    stand_in = tmp_path / "llama-server"
+    stand_in.write_text(_STAND_IN.format(python=sys.executable))
+    stand_in.chmod(0o755)
+    out = tmp_path / "out"
+    rc = main(["bench", "serve", "--peer", "llama-server", "--tiny", "--concurrency", "2", "--client", "builtin",
+               "--llama-server", str(stand_in), "--threads", "1", "--out-dir", str(out), "--no-plot",
+               "--serve-arg=--num-blocks=64", "--serve-arg=--max-model-len=128"])
+    assert rc == 0
+    data = json.loads((out / "serving_peer.json").read_text(), parse_constant=lambda c: pytest.fail(c))
+    assert data["config"]["client"] == "builtin" and data["config"]["concurrency"] == [2]
+    assert data["config"]["llama_server_binary"]["version"] == "stand-in llama-server"
+    assert [(r["server"], r["concurrency"]) for r in data["runs"]] == [("pagedkv", 2), ("llama-server", 2)]
+    for r in data["runs"]:
+        assert "error" not in r, r.get("error")
+        assert (r["requests"], r["completed"], r["incomplete"], r["errored"]) == (2, 2, 0, 0)
+        assert r["output_tokens"] == 8  # 2 requests x 4 tokens (ignore_eos)
+        assert r["tries"] == 1 and r["output_tokens_per_s"] > 0
+        assert 0 < r["ttft_s"]["p50"] < 60 and 0 < r["itl_s"]["p50"] < 60
+    (q,) = data["ratios"]
+    assert q["concurrency"] == 2 and math.isfinite(q["output_tok_s_ratio"]) and q["output_tok_s_ratio"] > 0
+    md = (out / "serving_peer.md").read_text()
+    assert md.startswith("# Serving side by side") and "| 2 |" in md
+    assert os.path.getsize(out / "serving_peer.json") > 500
+
+
+def test_report_side_by_side_and_goals():
+    from pagedkv.bench.serve_peer_report import render_markdown
+
+    def run(server, c, tok_s, itl, ttft, incomplete=0):
+        return {"server": server, "concurrency": c, "requests": 8, "completed": 8 - incomplete,
+                "incomplete": incomplete, "errored": 0, "output_tokens": 512.0, "duration_s": 512.0 / tok_s,
+                "output_tokens_per_s": tok_s, "itl_s": {"p50": itl, "p90": itl}, "ttft_s": {"p50": ttft, "p90": ttft},
+                "load_1m_start": 1.0, "load_1m_end": 2.0}
+
+    P, L = serve_peer.PAGEDKV, serve_peer.LLAMA_SERVER
+    runs = [run(P, 1, 20.0, 0.05, 1.0), run(L, 1, 10.0, 0.1, 0.5), run(L, 32, 30.0, 0.6, 9.0, incomplete=3),
+            {"server": P, "concurrency": 32, "error": "RuntimeError: boom"}]
+    data = {"config": {"servers": [P, L], "client": "guidellm", "threads": 2, "prompt_tokens": 256,
+                       "output_tokens": 64, "requests_per_run": {"1": 8, "32": 64}, "max_seconds": 120.0,
+                       "pagedkv_serve": ["pagedkv", "serve", "--threads", "2"], "llama_server": ["-np", "32"],
+                       "llama_server_binary": {"version": "v1"}, "concurrency": [1, 32]},
+            "runs": runs, "ratios": serve_peer.ratios(runs, [1, 32])}
+    md = render_markdown(data, {})
+    assert "| 1 | 20.0 / 10.0 (2.00x) | 50 / 100 (0.50x) | 1.00 / 0.50 (2.00x) | 8 of 8 / 8 of 8 | no |" in md
+    assert "| 32 | n/a / 30.0 (n/a) | n/a / 600 (n/a) | n/a / 9.00 (n/a) | n/a of n/a / 5 of 8 | llama-server |" in md
+    assert "- concurrency 1: output tok/s ≥ 1× llama-server's: 2.00x — met; ITL p50 ≤ llama-server's: 0.50x — met" in md
+    assert "- concurrency 32: not measured (a run failed)" in md
+    assert "| pagedkv | 32 | error: RuntimeError: boom |" in md
+    assert "| llama-server | 32 | 8 | 5/3/0 | 512 |" in md
