@@ -120,7 +120,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
     plt = pyplot()
     ok = [r for r in data["systems"] if r["status"] == "ok"]
     names = [r["name"].replace("transformers ", "HF ") for r in ok]
-    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(15, 4))
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(15, 4), sharey=True)  # names once, on the left
     a1.barh(names, [r["output_tokens_per_s"] or 0 for r in ok], color="tab:blue")
     a1.set_xlabel("output tokens/s (higher is better)")
     a1.invert_yaxis()
@@ -128,12 +128,10 @@ def plot(data: dict[str, Any], path: Path) -> None:
     a2.barh(names, [(r["ttft_s"]["p90"] or 0) - (r["ttft_s"]["p50"] or 0) for r in ok],
             left=[r["ttft_s"]["p50"] or 0 for r in ok], color="tab:orange", alpha=0.35, label="p90")
     a2.set_xlabel("TTFT, s (lower is better; all submitted at t0)")
-    a2.invert_yaxis()
     a2.legend(loc="lower right")
-    a3.barh(names, [ms(r["tpot_s"]["p50"]) if r["tpot_s"]["p50"] is not None else 0 for r in ok], color="tab:green")
-    a3.set_xlabel("TPOT p50, ms (lower is better; batch 1: one at a time)")
-    a3.invert_yaxis()
-    a3.tick_params(labelleft=False)
+    a3.barh(names, [ms(r["tpot_s"]["p50"]) if r["tpot_s"]["p50"] else float("nan") for r in ok], color="tab:green")
+    a3.set_xscale("log")
+    a3.set_xlabel("TPOT p50, ms (log scale; lower is better)")
     cfg = data["config"]
     fig.suptitle(f"{cfg['num_requests']} trace requests, {cfg['threads']} threads, fp32, greedy")
     save_figure(fig, path)
