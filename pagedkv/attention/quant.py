@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv.errors import ConfigError
+from pagedkv.kv.spec import check_group_size  # noqa: F401 - re-exported: the engine and layouts use it here
 from pagedkv.utils import kv_cache_dtype
 
 #: dtype of the per-group scales (2 bytes: KVCacheSpec's default ``scale_bytes``).
@@ -78,18 +79,6 @@ def resolve(dtype: torch.dtype | str) -> tuple[torch.dtype | None, QuantFormat |
     if name in FORMATS:
         return None, FORMATS[name]
     return getattr(torch, name), None
-
-
-def check_group_size(group_size: int | None, head_dim: int) -> int:
-    """The group size to use (``None`` = ``head_dim``). Raises ``ConfigError`` naming the valid
-    values (the divisors of ``head_dim``) when it is not a positive divisor."""
-    if group_size is None:
-        return head_dim
-    valid = [g for g in range(1, head_dim + 1) if head_dim % g == 0]
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size not in valid:
-        raise ConfigError(f"kv_quant_group_size: {group_size!r} does not divide head_dim {head_dim} "
-                          f"(valid: {', '.join(map(str, valid))})")
-    return group_size
 
 
 def quantize(x: torch.Tensor, fmt: QuantFormat, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:

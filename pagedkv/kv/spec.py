@@ -48,6 +48,18 @@ _MHA_TYPES = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "gemma", "gemma2"
 _MLA_TYPES = ("deepseek_v2", "deepseek_v3")
 
 
+def check_group_size(group_size: int | None, head_dim: int) -> int:
+    """The group size to use (``None`` = ``head_dim``). Raises ``ConfigError`` naming the valid
+    values (the divisors of ``head_dim``) when it is not a positive divisor."""
+    if group_size is None:
+        return head_dim
+    valid = [g for g in range(1, head_dim + 1) if head_dim % g == 0]
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size not in valid:
+        raise ConfigError(f"kv_quant_group_size: {group_size!r} does not divide head_dim {head_dim} "
+                          f"(valid: {', '.join(map(str, valid))})")
+    return group_size
+
+
 def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
