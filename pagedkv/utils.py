@@ -42,7 +42,7 @@ DTYPE_ALIASES: dict[str, str] = {
 MODEL_DTYPES = ("fp32", "bf16", "fp16")
 
 #: KV-cache storage formats the engine runs (``kv_cache_dtype``, vLLM's names): ``auto`` = the
-#: model dtype; int8 and the fp8 formats store codes plus one fp16 scale per group of each
+#: model dtype; int8 and the fp8 formats store codes plus one bf16 scale per group of each
 #: head vector (pagedkv.attention.quant). Value: the torch dtype the format needs (fp8 only).
 KV_CACHE_DTYPES: dict[str, str | None] = {
     "auto": None, "float32": None, "bfloat16": None, "float16": None,

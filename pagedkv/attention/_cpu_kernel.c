@@ -19,13 +19,13 @@
  * Ascend [nb, bs, H*d]: as NHD.
  *
  * Cache formats (kdt): 0 float32, 1 bfloat16, 2 int8, 3 fp8 e4m3 (fn), 4 fp8 e5m2. The last
- * three are quantised: one byte per element plus an fp16 scale per group of `grp` elements of
+ * three are quantised: one byte per element plus a bf16 scale per group of `grp` elements of
  * each head vector, at the same (block, offset, head) addresses with their own strides
  * (ss_blk, ss_tok, ss_head; the group index is the last, contiguous axis). A K row is
  * dequantised in registers as it is loaded, a V chunk into the float32 buffer the bf16 path
  * already widens into: the context is never expanded beyond one CHUNK. The query and output
- * are float32 or bfloat16 (qdt), independent of the cache format. fp8 and fp16 are decoded
- * with integer operations (no F16C / AVX-512 FP16 assumed, no reliance on denormals).
+ * are float32 or bfloat16 (qdt), independent of the cache format. fp8 codes are decoded with
+ * integer operations (no AVX-512 FP8/FP16 instructions assumed, no reliance on denormals).
  */
 #include <math.h>
 #include <stdint.h>
@@ -52,7 +52,7 @@ typedef struct {
     float scale;
     const char *q; int64_t q_s0, q_s1;
     const char *k, *v; int64_t s_blk, s_tok, s_head;
-    const uint16_t *ks, *vs; int64_t ss_blk, ss_tok, ss_head; int grp; /* quantised: fp16 scales */
+    const uint16_t *ks, *vs; int64_t ss_blk, ss_tok, ss_head; int grp; /* quantised: bf16 scales */
     const int32_t *bt; int64_t bt_s0;
     const int32_t *seq_lens, *q_start;
     char *out; int64_t o_s0, o_s1;
@@ -100,14 +100,8 @@ static inline v8f ld_kv(const char *p, int x, const int KDT) {
     if (KDT == 2) { v8i8 c; memcpy(&c, p + x, 8); return __builtin_convertvector(c, v8f); }
     return ld_fp8((const uint8_t *)p + x, KDT == 3 ? 4 : 5);
 }
-/* fp16 -> float32 (scales; one per group, so scalar is fine) */
-static inline float f16_to_f32(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-    uint32_t u;
-    if (e == 0) { const float f = (float)m * (1.0f / 16777216.0f); return sign ? -f : f; } /* zero, subnormal */
-    u = e == 31 ? (sign | 0x7f800000u | (m << 13)) : (sign | ((e + 112u) << 23) | (m << 13));
-    float f; memcpy(&f, &u, 4); return f;
-}
+/* bf16 -> float32 (a scale; one per group, so scalar) */
+static inline float bf16_to_f32(uint16_t h) { const uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
 static inline float hsum8(v8f v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
@@ -251,7 +245,7 @@ static inline __attribute__((always_inline)) void item_body(const args_t *A, con
                 if (QUANT) { /* dequantise in registers: codes x the group's scale */
                     const uint16_t *sr = ksp[i] + (int64_t)hh * A->ss_head;
                     float sg[MAXD / 8];
-                    for (int q = 0; q < d / A->grp; q++) sg[q] = f16_to_f32(sr[q]);
+                    for (int q = 0; q < d / A->grp; q++) sg[q] = bf16_to_f32(sr[q]);
                     for (int c = 0; c < NV; c++) kv[c] *= sg[cg[c]];
                 }
                 for (int jj = 0; jj < g; jj++) {
@@ -283,7 +277,7 @@ static inline __attribute__((always_inline)) void item_body(const args_t *A, con
                     if (QUANT) {
                         const uint16_t *sr = vsp[i] + (int64_t)hh * A->ss_head;
                         float sg[MAXD / 8];
-                        for (int q = 0; q < d / A->grp; q++) sg[q] = f16_to_f32(sr[q]);
+                        for (int q = 0; q < d / A->grp; q++) sg[q] = bf16_to_f32(sr[q]);
                         for (int c = 0; c < NV; c++) st_f32(dst + 8 * c, ld_kv(vr, 8 * c, DT) * sg[cg[c]]);
                     } else {
                         for (int c = 0; c < NV; c++) st_f32(dst + 8 * c, ld_bf16((const uint16_t *)vr + 8 * c));
@@ -380,7 +374,7 @@ int pagedkv_max_head_dim(void) { return MAXD; }
  * rows; q_lens[i] is its number of new tokens (query rows), which sit at positions
  * seq_len - q_len .. seq_len - 1 and attend causally. Strides are in elements.
  * min_split_len: smallest context split (tokens) of split-K (0 disables it). qdt: query/output
- * format (0 f32, 1 bf16); kdt: cache format (see the top); ks/vs: fp16 scales (kdt >= 2).
+ * format (0 f32, 1 bf16); kdt: cache format (see the top); ks/vs: bf16 scales (kdt >= 2).
  * Returns 0, or -1 bad shape, -2 bad dtype, -3 out of memory. */
 int pagedkv_paged_attention(
     int qdt, int kdt, int hq, int hkv, int d, int bs, float scale,

@@ -120,7 +120,7 @@ class AttentionBackend(Protocol):
     ) -> Any:
         """Allocate one layer's K and V cache (zeros) in this backend's layout. ``dtype``: a
         floating torch dtype, or a quantised ``kv_cache_dtype`` (``"int8"``, ``"fp8_e4m3"``,
-        ``"fp8_e5m2"``: one-byte codes plus an fp16 scale per ``quant_group_size`` elements of
+        ``"fp8_e5m2"``: one-byte codes plus an bf16 scale per ``quant_group_size`` elements of
         each head vector, see ``pagedkv.attention.quant``)."""
         ...
 

@@ -116,7 +116,7 @@ class PagedKVCache:
     ``key`` and ``value`` have ``layout.shape(num_blocks, block_size, num_kv_heads, head_dim)``
     and the cache dtype; for a quantised cache (``quant`` set, see
     :mod:`pagedkv.attention.quant`) they hold one-byte codes, and ``key_scale`` /
-    ``value_scale`` (fp16, ``layout.shape(num_blocks, block_size, num_kv_heads, head_dim //
+    ``value_scale`` (bf16, ``layout.shape(num_blocks, block_size, num_kv_heads, head_dim //
     group_size)``) one scale per group of ``group_size`` elements. Only the owning backend
     indexes them; other code uses the backend's ``write_kv`` / ``gather_kv`` / ``copy_blocks``.
     """
@@ -242,7 +242,7 @@ def write(cache: PagedKVCache, key: torch.Tensor, value: torch.Tensor, slots: to
 
 def gather_raw(cache: PagedKVCache, slots: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     """What is stored at ``slots`` (int64 ``[n]``): ``(K, V, K scales, V scales)``; K and V
-    ``[n, Hkv, d]`` in the cache dtype (codes when quantised), scales ``[n, Hkv, d / G]`` fp16
+    ``[n, Hkv, d]`` in the cache dtype (codes when quantised), scales ``[n, Hkv, d / G]`` bf16
     or ``None`` for a plain cache."""
     slots = slots.to(device=cache.device, dtype=torch.int64)
     out = [cache.layout.read(t, slots, cache.block_size, cache.num_kv_heads, cache.head_dim)

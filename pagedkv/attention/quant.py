@@ -1,7 +1,7 @@
-"""Quantised KV-cache formats: int8 and fp8 (e4m3, e5m2) codes with fp16 scales per group.
+"""Quantised KV-cache formats: int8 and fp8 (e4m3, e5m2) codes with bf16 scales per group.
 
 Storage (what ``KVCacheSpec(dtype, quant_group_size=G).bytes_per_token`` counts): for every
-token and KV head, K and V each hold ``d`` one-byte codes and ``d / G`` fp16 scales (``G``
+token and KV head, K and V each hold ``d`` one-byte codes and ``d / G`` bf16 scales (``G``
 the group size, default ``d``: one scale per head vector). Codes and scales are separate
 tensors in the same layout (the scales' "head_dim" is ``d / G``), so a block id selects the
 codes and the scales of its tokens alike; CoW copies, prefix caching and preemption move
@@ -9,13 +9,16 @@ them together.
 
 Quantise (in ``write_kv``, through ``slot_mapping``), per group ``x`` of ``G`` elements::
 
-    scale = fp16(max|x| / QMAX)          QMAX: 127 (int8), 448 (fp8_e4m3), 57344 (fp8_e5m2)
+    scale = bf16(max|x| / QMAX)          QMAX: 127 (int8), 448 (fp8_e4m3), 57344 (fp8_e5m2)
     code  = round(x / scale), clamped to +-QMAX   (int8: nearest integer; fp8: nearest fp8
                                                    value, ties to even)
 
 Dequantise (inside attention, one tile or chunk at a time): ``x' = code * scale``, exact in
-float32 (a 1-byte code times an fp16 scale has at most 18 significant bits), so every backend
-sees the same values. Per-element error bound (:func:`error_bound`): int8 ``scale / 2``; fp8
+float32 (a 1-byte code times a bf16 scale has at most 15 significant bits), so every backend
+sees the same values. Scales are bf16 rather than fp16: the same 2 bytes, but fp8_e5m2's
+``max|x| / 57344`` (or int8's for a small vector) would fall into fp16's subnormals and lose
+precision or flush to 0, while bf16 has float32's exponent range; its coarser mantissa only
+moves the clamp at the top code (at most a quarter step for int8). Per-element error bound (:func:`error_bound`): int8 ``scale / 2``; fp8
 ``max(|x| 2^-(m+1), scale 2^(emin-m-1))`` (``m`` mantissa bits, ``emin`` the smallest
 normal exponent). fp8 codes are kept as ``uint8`` bits: torch has no CPU index ops on its
 float8 dtypes.
@@ -32,8 +35,7 @@ from pagedkv.kv.spec import check_group_size  # noqa: F401 - re-exported: the en
 from pagedkv.utils import kv_cache_dtype
 
 #: dtype of the per-group scales (2 bytes: KVCacheSpec's default ``scale_bytes``).
-SCALE_DTYPE = torch.float16
-_FP16_MAX = 65504.0
+SCALE_DTYPE = torch.bfloat16
 
 
 @dataclass(frozen=True)
@@ -82,13 +84,13 @@ def resolve(dtype: torch.dtype | str) -> tuple[torch.dtype | None, QuantFormat |
 
 
 def quantize(x: torch.Tensor, fmt: QuantFormat, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes ``[n, H, d]`` (``fmt.storage``) and scales ``[n, H, d / G]`` (fp16) of ``x``
+    """Codes ``[n, H, d]`` (``fmt.storage``) and scales ``[n, H, d / G]`` (bf16) of ``x``
     ``[n, H, d]`` (any float dtype). A NaN in a group makes its scale NaN (tests poison
     slots this way); an all-zero group gets scale 0 and codes 0."""
     n, h, d = x.shape
     xg = x.float().reshape(n, h, d // group_size, group_size)
     amax = xg.abs().amax(dim=-1)  # [n, H, ng]
-    scales = (amax / fmt.qmax).clamp_(max=_FP16_MAX).to(SCALE_DTYPE)
+    scales = (amax / fmt.qmax).to(SCALE_DTYPE)
     s = scales.float()
     y = xg / torch.where(s > 0, s, torch.ones_like(s)).unsqueeze(-1)
     y = y.clamp_(-fmt.qmax, fmt.qmax)
@@ -117,9 +119,11 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat,
 
 def error_bound(x: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     """Per-element bound (float64, shape of ``x`` ``[..., d]``) on ``|dequantize(quantize(x)) -
-    x|`` given the stored ``scales`` ``[..., d / G]``: int8 ``scale/2``, fp8 ``max(|x|
-    2^-(m+1), scale 2^(emin-m-1))``, each with a relative slack of ``2^-10`` for the float32
-    division and fp16 scale rounding, plus ``QMAX 2^-25`` for a scale that rounded to 0."""
+    x|`` given the stored ``scales`` ``[..., d / G]``: int8 ``scale/2``; fp8 ``max(|x|
+    2^-(m+1), scale 2^(emin-m-1))`` (half an ulp, normal or subnormal). The clamp at the top
+    code after bf16 rounds the scale down costs at most ``QMAX (s_exact - s) <= 2^-9 max|x|``:
+    a quarter step (int8) or well under half an ulp (fp8). A relative slack of ``2^-10``
+    covers the float32 division."""
     x = x.double()
     ng = scales.shape[-1]
     s = scales.double().repeat_interleave(x.shape[-1] // ng, dim=-1)
@@ -128,4 +132,4 @@ def error_bound(x: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat) -> torc
     else:
         b = torch.maximum(x.abs() * 2.0 ** -(fmt.mantissa_bits + 1),
                           s * 2.0 ** (fmt.min_exp - fmt.mantissa_bits - 1))
-    return b * (1 + 2.0 ** -10) + fmt.qmax * 2.0 ** -25
+    return b * (1 + 2.0 ** -10)

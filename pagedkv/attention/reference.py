@@ -66,7 +66,7 @@ class LayoutMemory(L.BlockTransfer):
                           dtype: torch.dtype | str, device: torch.device | str = "cpu",
                           quant_group_size: int | None = None) -> L.PagedKVCache:
         """Zero-filled ``PagedKVCache``; K and V each ``layout.shape(...)`` in ``dtype`` (a
-        floating torch dtype, or ``"int8"`` / ``"fp8_e4m3"`` / ``"fp8_e5m2"``: codes plus fp16
+        floating torch dtype, or ``"int8"`` / ``"fp8_e4m3"`` / ``"fp8_e5m2"``: codes plus bf16
         scales per ``quant_group_size`` elements). Raises ``ConfigError`` for a non-positive
         size, an unknown dtype or a group size that does not divide ``head_dim``."""
         return L.allocate(self.layout, num_blocks, block_size, num_kv_heads, head_dim, dtype, device,

@@ -6,7 +6,7 @@ then imports triton, so the kernels run on CPU tensors under Triton's interprete
 * ``_write_kv_kernel``: scatters new K/V rows ``[T, Hkv, d]`` to ``slot_mapping`` (``-1``
   skipped), no host sync.
 * ``_write_kv_quant_kernel``: the same for a quantised cache (:mod:`pagedkv.attention.quant`):
-  one tile row per (token, head, group) computes its fp16 scale and one-byte codes.
+  one tile row per (token, head, group) computes its bf16 scale and one-byte codes.
 * ``_load_kv``: one K or V tile of the attention kernels: plain values, or codes times their
   group's scale (dequantised in registers, never outside the kernel).
 """
@@ -89,10 +89,10 @@ if triton is not None:
     @triton.jit
     def _quant_store(src_ptr, s_t, s_h, cache_ptr, scale_ptr, src, dst, sdst, mask, rmask, qmax,
                      KDT: tl.constexpr):
-        """Quantise tile rows (one group each) of ``src_ptr`` and store codes and fp16 scales."""
+        """Quantise tile rows (one group each) of ``src_ptr`` and store codes and bf16 scales."""
         x = tl.load(src_ptr + src, mask=mask, other=0.0).to(tl.float32)
         has_nan = tl.sum((x != x).to(tl.int32), axis=1) > 0  # keep NaN poison (GPU max drops NaN)
-        scale = tl.minimum(tl.max(tl.abs(x), axis=1) / qmax, 65504.0).to(tl.float16)
+        scale = (tl.max(tl.abs(x), axis=1) / qmax).to(tl.bfloat16)
         s = scale.to(tl.float32)
         y = x / tl.where(s > 0, s, 1.0)[:, None]
         y = tl.minimum(tl.maximum(y, -qmax), qmax)
@@ -103,7 +103,7 @@ if triton is not None:
         else:
             code = _round_fp8(y, 2, -14).to(tl.float8e5).to(tl.uint8, bitcast=True)
         tl.store(cache_ptr + dst, code, mask=mask)
-        tl.store(scale_ptr + sdst, tl.where(has_nan, float("nan"), s).to(tl.float16), mask=rmask)
+        tl.store(scale_ptr + sdst, tl.where(has_nan, float("nan"), s).to(tl.bfloat16), mask=rmask)
 
     @triton.jit
     def _write_kv_quant_kernel(
@@ -135,7 +135,7 @@ if triton is not None:
 
     @triton.jit
     def _load_kv(ptr, sc_ptr, offs, srow, x, mask, GRP: tl.constexpr, KDT: tl.constexpr, DOT_F32: tl.constexpr):
-        """A K or V tile: plain values, or (KDT >= 2) codes x their group's fp16 scale."""
+        """A K or V tile: plain values, or (KDT >= 2) codes x their group's bf16 scale."""
         if KDT == 0:
             return tl.load(ptr + offs, mask=mask, other=0.0)
         codes = tl.load(ptr + offs, mask=mask, other=0)

@@ -21,7 +21,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="linear weights: auto (fastest within the quality bounds on this CPU) | fp32 | bf16 | int8 | int4")
     g.add_argument("--kv-cache-dtype", default="auto",
                    help="KV cache format: auto (= --dtype) | float32 | bfloat16 | float16 | int8 | fp8_e4m3 | "
-                        "fp8_e5m2 (int8/fp8: one-byte codes + an fp16 scale per group of each head vector)")
+                        "fp8_e5m2 (int8/fp8: one-byte codes + an bf16 scale per group of each head vector)")
     g.add_argument("--kv-quant-group-size", type=int, default=None,
                    help="elements per scale of an int8/fp8 KV cache (default: head_dim; must divide it)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")

@@ -38,7 +38,7 @@ class EngineConfig:
     watermark: float = 0.01
     dtype: Any = "float32"  # float32 | bfloat16 | float16 (a name or a torch dtype)
     # KV cache storage (vLLM's names): auto (= dtype) | float32 | bfloat16 | float16 | int8 |
-    # fp8_e4m3 | fp8_e5m2; quantised formats keep one fp16 scale per kv_quant_group_size
+    # fp8_e4m3 | fp8_e5m2; quantised formats keep one bf16 scale per kv_quant_group_size
     # elements of each head vector (None = one per head vector; must divide head_dim)
     kv_cache_dtype: str = "auto"
     kv_quant_group_size: Optional[int] = None

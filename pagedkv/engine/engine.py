@@ -77,7 +77,7 @@ class LLMEngine:
         tp = cfg.tensor_parallel_size
         if tp != 1:
             check_tp_size(mc, tp)  # ConfigError naming the valid sizes
-        # the KV cache format: a plain dtype, or int8/fp8 codes + fp16 scales per group
+        # the KV cache format: a plain dtype, or int8/fp8 codes + bf16 scales per group
         self.kv_cache_dtype = kv_cache_dtype(cfg.kv_cache_dtype, dtype)
         quant = FORMATS.get(self.kv_cache_dtype)
         if quant is None and cfg.kv_quant_group_size is not None:

@@ -59,7 +59,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                                   "(default: the config's, fp32 for GGUF)")
     q.add_argument("--kv-cache-dtype", default=None,
                    help="the engine's KV cache format: auto float32 bfloat16 float16 int8 fp8_e4m3 fp8_e5m2 "
-                        "(int8/fp8: + one fp16 scale per group; the blocks the engine allocates)")
+                        "(int8/fp8: + one bf16 scale per group; the blocks the engine allocates)")
     q.add_argument("--kv-quant-group-size", type=int, default=None,
                    help="elements per scale of an int8/fp8 cache (default: head_dim)")
     q.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")

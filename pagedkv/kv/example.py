@@ -330,7 +330,7 @@ def format_plan(p: dict[str, Any]) -> str:
             else f"{s['num_kv_heads']} KV heads x d {s['head_dim']}")
     lines = [
         f"model            {p['model']}: {s['num_layers']} layers, {kind}, {s['dtype']}"
-        f"{'' if s['quant_group_size'] is None else ' (fp16 scale per ' + str(s['quant_group_size']) + ' elements)'}"
+        f"{'' if s['quant_group_size'] is None else ' (bf16 scale per ' + str(s['quant_group_size']) + ' elements)'}"
         f", tp {s['tp_size']}"
         f" ({s['kv_heads_per_rank']} KV heads/rank, replication {s['replication']})",
         f"bytes/token      {p['bytes_per_token']:,} per rank, {p['bytes_per_token_total']:,} over all ranks",

@@ -8,7 +8,7 @@ Formulas (all results in bytes):
   elements per token per layer (no x2, no heads): ``L . (r + rope) . b``.
 * Quantised caches (what the engine allocates for ``kv_cache_dtype``, see
   ``pagedkv.attention.quant``):
-  - ``int8`` and ``fp8`` (e4m3 or e5m2): 1 byte/element plus one ``scale_bytes`` (fp16 by
+  - ``int8`` and ``fp8`` (e4m3 or e5m2): 1 byte/element plus one ``scale_bytes`` (bf16 by
     default) scale per group of ``quant_group_size`` elements; the default group is one head
     vector (``d`` elements of one head of one token, for K and V separately; for MLA, the
     whole latent of a token). fp8 keeps per-group scales too: a paged cache is written a
@@ -74,7 +74,7 @@ class KVCacheSpec:
     elements), ``dtype`` (a name or alias of ``pagedkv.utils.DTYPES``; stored canonical),
     ``tp_size`` (ranks). Set both ``kv_lora_rank`` and ``qk_rope_head_dim`` for MLA (then Hkv
     and d are ignored for sizing). ``quant_group_size`` (elements per scale, default: one head vector) and
-    ``scale_bytes`` (bytes per scale, default 2 = fp16) apply to int8/fp8/int4 only.
+    ``scale_bytes`` (bytes per scale, default 2 = bf16) apply to int8/fp8/int4 only.
 
     Raises ``ConfigError`` naming the field on a bad value.
     """
