@@ -65,9 +65,6 @@ typedef struct {
 typedef float v8f __attribute__((vector_size(32)));
 typedef uint16_t v8u16 __attribute__((vector_size(16)));
 typedef uint32_t v8u32 __attribute__((vector_size(32)));
-typedef int32_t v8i32 __attribute__((vector_size(32)));
-typedef int8_t v8i8 __attribute__((vector_size(8)));
-typedef uint8_t v8u8 __attribute__((vector_size(8)));
 
 static inline v8f ld_f32(const float *p) { v8f v; memcpy(&v, p, 32); return v; }
 static inline void st_f32(float *p, v8f v) { memcpy(p, &v, 32); }
@@ -79,29 +76,36 @@ static inline v8f ld_bf16(const uint16_t *p) {
 static inline v8f ld_any(const void *p, int x, int dtype) {
     return dtype == 0 ? ld_f32((const float *)p + x) : ld_bf16((const uint16_t *)p + x);
 }
-static inline v8f bits_f32(v8i32 b) { v8f f; memcpy(&f, &b, 32); return f; }
-static inline v8i32 f32_bits(v8f f) { v8i32 b; memcpy(&b, &f, 32); return b; }
-/* 8 fp8 codes -> float32. EB: exponent bits (4: e4m3fn, 5: e5m2); MB = 7 - EB mantissa bits.
- * Normal codes: rebias the exponent; subnormal codes (exponent 0): mantissa * 2^(1-bias-MB). */
-static inline v8f ld_fp8(const uint8_t *p, const int EB) {
-    const int MB = 7 - EB, bias = (1 << (EB - 1)) - 1;
-    v8u8 u; memcpy(&u, p, 8);
-    const v8i32 b = __builtin_convertvector(u, v8i32);
-    const v8i32 em = b & 0x7f, sign = (b & 0x80) << 24;
-    const v8i32 normal = (em << (23 - MB)) + ((127 - bias) << 23);
-    const v8f sub = __builtin_convertvector(em, v8f) * (1.0f / (float)(1 << (bias - 1 + MB)));
-    const v8i32 is_sub = em < (1 << MB); /* -1 where the exponent field is 0 */
-    return bits_f32(((is_sub & f32_bits(sub)) | (~is_sub & normal)) | sign);
-}
-/* 8 elements of a row in cache format KDT at element offset x (codes as float, unscaled) */
-static inline v8f ld_kv(const char *p, int x, const int KDT) {
-    if (KDT == 0) return ld_f32((const float *)p + x);
-    if (KDT == 1) return ld_bf16((const uint16_t *)p + x);
-    if (KDT == 2) { v8i8 c; memcpy(&c, p + x, 8); return __builtin_convertvector(c, v8f); }
-    return ld_fp8((const uint8_t *)p + x, KDT == 3 ? 4 : 5);
+/* The value of one quantised code (KDT 2: int8; 3: fp8 e4m3fn; 4: fp8 e5m2), unscaled. fp8:
+ * normal codes rebias the exponent, subnormal codes (exponent 0) are mantissa * 2^(1-bias-MB);
+ * integer operations only (no FP8/FP16 instructions, no reliance on denormals). */
+static inline float code_value(uint8_t b, const int KDT) {
+    if (KDT == 2) return (float)(int8_t)b;
+    const int EB = KDT == 3 ? 4 : 5, MB = 7 - EB, bias = (1 << (EB - 1)) - 1;
+    const uint32_t em = b & 0x7fu, sign = (uint32_t)(b & 0x80u) << 24;
+    const uint32_t normal = (em << (23 - MB)) + ((uint32_t)(127 - bias) << 23);
+    const float sub = (float)em * (1.0f / (float)(1 << (bias - 1 + MB)));
+    uint32_t sb;
+    memcpy(&sb, &sub, 4);
+    const uint32_t u = (em < (1u << MB) ? sb : normal) | sign;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
 }
 /* bf16 -> float32 (a scale; one per group, so scalar) */
 static inline float bf16_to_f32(uint16_t h) { const uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+
+/* Dequantise one row of d codes into out (float32): each group of grp codes times its bf16
+ * scale. Plain loops, which GCC and Clang vectorise (GCC 12 scalarises the same widening
+ * written with vector-extension types). */
+static inline void deq_row(const uint8_t *restrict p, const uint16_t *restrict sr, int d, int grp,
+                           float *restrict out, const int KDT) {
+    for (int x = 0; x < d; x++) out[x] = code_value(p[x], KDT); /* d is a constant per instantiation */
+    for (int g0 = 0; g0 < d; g0 += grp) {
+        const float sc = bf16_to_f32(sr[g0 / grp]);
+        for (int x = g0; x < g0 + grp; x++) out[x] *= sc;
+    }
+}
 static inline float hsum8(v8f v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
@@ -201,8 +205,6 @@ static inline __attribute__((always_inline)) void item_body(const args_t *A, con
     const int d = NV * 8, g = A->hq / A->hkv, esz = DT == 0 ? 4 : DT == 1 ? 2 : 1;
     const int qsz = A->qdt == 0 ? 4 : 2, QUANT = DT >= 2;
     const uint16_t *ksp[CHUNK], *vsp[CHUNK]; /* quantised: scale rows of this chunk */
-    int cg[MAXD / 8];                          /* quantised: group of each 8-element chunk */
-    for (int c = 0; c < NV; c++) cg[c] = QUANT ? (8 * c) / A->grp : 0;
     const int s = it->seq, h0 = it->h0, nkv = it->h1 - it->h0, nh = nkv * g;
     /* workspace: qf [nh*d] | acc [nh*d] | vbuf [CHUNK*nkv*d] | sc [nh*CHUNK] | m [nh] | l [nh]
      *            | part [nh*CHUNK*8] */
@@ -241,12 +243,12 @@ static inline __attribute__((always_inline)) void item_body(const args_t *A, con
             for (int hh = 0; hh < nkv; hh++) {
                 const char *kr = kp[i] + (int64_t)hh * A->s_head * esz;
                 v8f kv[MAXD / 8];
-                for (int c = 0; c < NV; c++) kv[c] = ld_kv(kr, 8 * c, DT);
-                if (QUANT) { /* dequantise in registers: codes x the group's scale */
-                    const uint16_t *sr = ksp[i] + (int64_t)hh * A->ss_head;
-                    float sg[MAXD / 8];
-                    for (int q = 0; q < d / A->grp; q++) sg[q] = bf16_to_f32(sr[q]);
-                    for (int c = 0; c < NV; c++) kv[c] *= sg[cg[c]];
+                if (QUANT) { /* dequantise the row into L1, then load it like a float32 row */
+                    float kq[MAXD];
+                    deq_row((const uint8_t *)kr, ksp[i] + (int64_t)hh * A->ss_head, d, A->grp, kq, DT);
+                    for (int c = 0; c < NV; c++) kv[c] = ld_f32(kq + 8 * c);
+                } else {
+                    for (int c = 0; c < NV; c++) kv[c] = ld_any(kr, 8 * c, DT);
                 }
                 for (int jj = 0; jj < g; jj++) {
                     const int j = hh * g + jj;
@@ -275,10 +277,7 @@ static inline __attribute__((always_inline)) void item_body(const args_t *A, con
                     const char *vr = vp[i] + (int64_t)hh * A->s_head * esz;
                     float *dst = vbuf + ((int64_t)i * nkv + hh) * d;
                     if (QUANT) {
-                        const uint16_t *sr = vsp[i] + (int64_t)hh * A->ss_head;
-                        float sg[MAXD / 8];
-                        for (int q = 0; q < d / A->grp; q++) sg[q] = bf16_to_f32(sr[q]);
-                        for (int c = 0; c < NV; c++) st_f32(dst + 8 * c, ld_kv(vr, 8 * c, DT) * sg[cg[c]]);
+                        deq_row((const uint8_t *)vr, vsp[i] + (int64_t)hh * A->ss_head, d, A->grp, dst, DT);
                     } else {
                         for (int c = 0; c < NV; c++) st_f32(dst + 8 * c, ld_bf16((const uint16_t *)vr + 8 * c));
                     }

@@ -9,19 +9,19 @@ them together.
 
 Quantise (in ``write_kv``, through ``slot_mapping``), per group ``x`` of ``G`` elements::
 
-    scale = bf16(max|x| / QMAX)          QMAX: 127 (int8), 448 (fp8_e4m3), 57344 (fp8_e5m2)
-    code  = round(x / scale), clamped to +-QMAX   (int8: nearest integer; fp8: nearest fp8
-                                                   value, ties to even)
+    scale = max|x| / QMAX, rounded up to bf16   QMAX: 127 (int8), 448 (fp8_e4m3), 57344 (fp8_e5m2)
+    code  = round(x / scale)    int8: nearest integer; fp8: nearest fp8 value, ties to even
+                                (|x / scale| <= QMAX: nothing is clamped)
 
 Dequantise (inside attention, one tile or chunk at a time): ``x' = code * scale``, exact in
 float32 (a 1-byte code times a bf16 scale has at most 15 significant bits), so every backend
-sees the same values. Scales are bf16 rather than fp16: the same 2 bytes, but fp8_e5m2's
-``max|x| / 57344`` (or int8's for a small vector) would fall into fp16's subnormals and lose
-precision or flush to 0, while bf16 has float32's exponent range; its coarser mantissa only
-moves the clamp at the top code (at most a quarter step for int8). Per-element error bound (:func:`error_bound`): int8 ``scale / 2``; fp8
-``max(|x| 2^-(m+1), scale 2^(emin-m-1))`` (``m`` mantissa bits, ``emin`` the smallest
-normal exponent). fp8 codes are kept as ``uint8`` bits: torch has no CPU index ops on its
-float8 dtypes.
+sees the same values. Per-element error bound (:func:`error_bound`): int8 ``scale / 2``; fp8
+``max(|x| 2^-(m+1), scale 2^(emin-m-1))`` (``m`` mantissa bits, ``emin`` the smallest normal
+exponent). Scales are bf16 rather than fp16: the same 2 bytes, but fp8_e5m2's ``max|x| /
+57344`` (or int8's for a small vector) would fall into fp16's subnormals and lose precision
+or flush to 0, while bf16 has float32's exponent range. Rounding the scale up costs at most
+2^-7 of the code range and makes the bound hold whatever rounding a kernel's conversion
+uses. fp8 codes are kept as ``uint8`` bits: torch has no CPU index ops on its float8 dtypes.
 """
 
 from __future__ import annotations
@@ -83,6 +83,13 @@ def resolve(dtype: torch.dtype | str) -> tuple[torch.dtype | None, QuantFormat |
     return getattr(torch, name), None
 
 
+def round_up_bf16(v: torch.Tensor) -> torch.Tensor:
+    """``v`` (float32, >= 0 or NaN) rounded up to a bf16 value (NaN stays NaN): the nearest
+    bf16, bumped by one ulp (its bit pattern + 1) when that fell below ``v``."""
+    s = v.to(SCALE_DTYPE)
+    return torch.where(s.float() < v, (s.view(torch.int16) + 1).view(SCALE_DTYPE), s)
+
+
 def quantize(x: torch.Tensor, fmt: QuantFormat, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes ``[n, H, d]`` (``fmt.storage``) and scales ``[n, H, d / G]`` (bf16) of ``x``
     ``[n, H, d]`` (any float dtype). A NaN in a group makes its scale NaN (tests poison
@@ -90,10 +97,10 @@ def quantize(x: torch.Tensor, fmt: QuantFormat, group_size: int) -> tuple[torch.
     n, h, d = x.shape
     xg = x.float().reshape(n, h, d // group_size, group_size)
     amax = xg.abs().amax(dim=-1)  # [n, H, ng]
-    scales = (amax / fmt.qmax).to(SCALE_DTYPE)
+    scales = round_up_bf16(amax / fmt.qmax)
     s = scales.float()
     y = xg / torch.where(s > 0, s, torch.ones_like(s)).unsqueeze(-1)
-    y = y.clamp_(-fmt.qmax, fmt.qmax)
+    y = y.clamp_(-fmt.qmax, fmt.qmax)  # a no-op (the scale was rounded up) but for NaN
     if fmt.code_dtype is None:
         codes = y.round_().to(fmt.storage)
     else:
@@ -120,10 +127,8 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat,
 def error_bound(x: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     """Per-element bound (float64, shape of ``x`` ``[..., d]``) on ``|dequantize(quantize(x)) -
     x|`` given the stored ``scales`` ``[..., d / G]``: int8 ``scale/2``; fp8 ``max(|x|
-    2^-(m+1), scale 2^(emin-m-1))`` (half an ulp, normal or subnormal). The clamp at the top
-    code after bf16 rounds the scale down costs at most ``QMAX (s_exact - s) <= 2^-9 max|x|``:
-    a quarter step (int8) or well under half an ulp (fp8). A relative slack of ``2^-10``
-    covers the float32 division."""
+    2^-(m+1), scale 2^(emin-m-1))`` (half an ulp, normal or subnormal). Scales are rounded up,
+    so no code is clamped; a relative slack of ``2^-10`` covers the float32 division."""
     x = x.double()
     ng = scales.shape[-1]
     s = scales.double().repeat_interleave(x.shape[-1] // ng, dim=-1)
