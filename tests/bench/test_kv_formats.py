@@ -52,3 +52,21 @@ def test_kv_serving_tiny(tmp_path, loaded_model):
     assert blocks == {"float32": 16, "bfloat16": 32, "int8": 16 * 46_080 // 11_880}
     assert all(r["completed"] == r["requests"] == 4 for r in data["sweep"] if "skipped" not in r)
     assert (tmp_path / "kv_serving.md").read_text().startswith("# KV cache formats under serving load")
+
+
+def test_capacity_takes_the_engine_kv_names(tmp_path, capsys):
+    from pagedkv.cli import main
+
+    csv = tmp_path / "t.csv"
+    csv.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n0,17,1\n0,33,1\n")
+    argv = ["bench", "capacity", "--json", "--threads", "1", "--workload", str(csv), "--model", "qwen2.5-7b",
+            "--max-model-len", "64", "--block-sizes", "16", "--kv-budget", "1GiB", "--out-dir", str(tmp_path / "o")]
+    assert main([*argv, "--kv-cache-dtype", "int8"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["config"]["dtype"] == "int8"
+    saved = json.loads((tmp_path / "o" / "capacity.json").read_text())
+    spec = saved["models"][0]["spec"]
+    assert spec["bytes_per_token"] == 2 * 28 * 4 * (128 + 2)  # codes + a bf16 scale per head vector
+    assert spec["quant_group_size"] == 128
+    assert main([*argv, "--kv-cache-dtype", "int3"]) == 2
+    assert "valid: auto, float32" in capsys.readouterr().err
