@@ -104,17 +104,18 @@ def run_kv_serving(args: argparse.Namespace, loaded: Any = None) -> dict[str, An
 def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
     c = data["config"]
     t, r = c["target"], c["relaxed_target"]
-    lines = [
-        "# KV cache formats under serving load (one byte budget)",
-        "",
-        f"`pagedkv bench serve`'s workload ({c['num_requests']} requests per run, {c['length_scaling']}, shared "
-        f"prefix {c['shared_prefix_len']} tokens, Poisson arrivals, greedy, paging on, prefix caching off), "
-        f"max_model_len {c['max_model_len']}, block size {c['block_size']}, max_num_batched_tokens "
-        f"{c['max_num_batched_tokens']}, torch threads {c['threads']}. The KV budget is "
-        f"{c['kv_budget_bytes']:,} bytes for every format. Target: p90 TTFT <= {t['ttft_p90_s']:g} s and p90 "
-        f"TPOT <= {t['tpot_p90_s']:g} s with every request completed; relaxed: {r['ttft_p90_s']:g} s / "
-        f"{r['tpot_p90_s']:g} s.",
-        "",
+    setup = {
+        "workload": f"`pagedkv bench serve`'s: {c['num_requests']} requests per run, {c['length_scaling']}",
+        "shared prefix": f"{c['shared_prefix_len']} tokens (prefix caching off), Poisson arrivals, greedy, paging on",
+        "engine": f"max_model_len {c['max_model_len']}, block size {c['block_size']}, max_num_batched_tokens "
+                  f"{c['max_num_batched_tokens']}, torch threads {c['threads']}",
+        "KV budget": f"{c['kv_budget_bytes']:,} bytes for every format",
+        "target": f"p90 TTFT <= {t['ttft_p90_s']:g} s, p90 TPOT <= {t['tpot_p90_s']:g} s, every request completed",
+        "relaxed target": f"{r['ttft_p90_s']:g} s / {r['tpot_p90_s']:g} s",
+    }
+    lines = ["# KV cache formats under serving load (one byte budget)", ""]
+    lines += [f"* {k}: {v}" for k, v in setup.items()] + [""]
+    lines += [
         "## Summary",
         "",
         markdown_table(data["summary"], ["kv_cache_dtype", "num_blocks", "kv_tokens", "peak_running", "preemptions",
