@@ -154,3 +154,32 @@ def test_cli_flags(capsys):
     assert "valid: auto, float32" in capsys.readouterr().err
     assert main(["generate", "--kv-cache-dtype", "int8", "--kv-quant-group-size", "7", "hi"]) == 2
     assert "does not divide head_dim 64" in capsys.readouterr().err
+
+
+def test_int8_blocks_go_to_a_host_tier_and_come_back_bit_for_bit(loaded_model):
+    """kv_offload moves whole blocks through the backend's export/import: int8 codes and
+    their scales leave the pool and return unchanged, and the store's identity names the
+    format (int8 blocks, bf16 scales)."""
+    a = [(11 * i + 5) % 4000 + 200 for i in range(25)]  # 6 full blocks of 4
+    b = [(17 * i + 3) % 4000 + 4300 for i in range(37)]  # 10 blocks: evicts most of a's
+    block_bytes = 4 * L * 2 * HKV * 66  # 47,520 B: codes + scales of 4 tokens
+    llm = LLM(loaded_model, kv_cache_dtype="int8", block_size=4, num_blocks=12, enable_prefix_caching=True,
+              kv_offload=[f"host:{8 * block_bytes}"], debug_invariants=True)
+    eng = llm.engine
+    codec = eng.runner.kv_payload_codec()
+    assert codec.nbytes == block_bytes and "int8" in codec.format and "bfloat16" in codec.format
+    keys = CacheKeys(model_id=eng.model_id, revision=eng.revision, kv_cache_dtype=eng.kv_format_id)
+    hashes = hash_blocks(a, 4, keys)
+
+    def payloads():
+        return codec.export([eng.kv.pool.cached[h].block_id for h in hashes])[0].copy()
+
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    first = llm.generate([a], params, use_tqdm=False)[0]
+    before = payloads()
+    llm.generate([b], params, use_tqdm=False)
+    again = llm.generate([a], params, use_tqdm=False)[0]
+    assert again.num_cached_tokens_by_tier.get("host", 0) >= 8  # blocks came back from the host tier
+    assert again.token_ids == first.token_ids
+    assert (payloads() == before).all()  # codes and scales, bit for bit
+    check_invariants(eng.kv)
