@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.cli import main
@@ -70,35 +71,64 @@ def _run(loaded_model, prompts, params, **kw):
     return outs, eng
 
 
-def test_int8_tokens_survive_chunking_preemption_prefix_hits_and_forks(loaded_model, near_ties):
-    """Quantisation is per token and head, so the cache holds the same codes however the
-    tokens got there (up to float rounding): every schedule gives the plain int8 run's greedy
-    tokens, or departs from them only at a near tie."""
+def test_chunked_prefill_writes_the_same_codes(loaded_model):
+    """Quantisation is per token and head: a prompt prefilled in chunks of 4 or token by token
+    stores the codes and scales of one whole prefill in the first layers (before float
+    rounding differences between batch shapes can reach a code boundary: at most one step,
+    in a handful of elements), at the right slots."""
+    from pagedkv.attention import layouts
+
+    ids = LLM(loaded_model, num_blocks=8).engine.tokenize(TEXT)[:40]
+    caches = {}
+    for chunk in (40, 4, 1):
+        eng = LLMEngine(loaded_model, kv_cache_dtype="int8", num_blocks=16, max_num_batched_tokens=chunk,
+                        shuffle_blocks=chunk)
+        eng.add_request("r", ids, SamplingParams(temperature=0.0, max_tokens=2))  # still running after the prefill
+        eng.step() if chunk == 40 else [eng.step() for _ in range(40 // chunk)]
+        table = eng.kv.get_block_ids("r")
+        slots = torch.tensor([table[t // 16] * 16 + t % 16 for t in range(40)])
+        caches[chunk] = [layouts.gather_raw(eng.runner.kv_caches[layer], slots) for layer in (0, 1)]
+    for chunk in (4, 1):
+        for got, want in zip(caches[chunk], caches[40]):
+            for g, w in zip(got, want):  # K codes, V codes, K scales, V scales
+                if g.dtype == torch.int8:
+                    diff = (g.int() - w.int()).abs()
+                    assert int(diff.max()) <= 1 and int((diff > 0).sum()) <= g.numel() // 200
+                else:
+                    assert torch.allclose(g.float(), w.float(), rtol=2 ** -7, atol=0)
+
+
+def test_int8_schedules_preemption_prefix_hits_and_forks(loaded_model, agreement):
+    """The same requests under other schedules, on int8 blocks: shuffled physical blocks (the
+    same arithmetic) give the very same tokens; chunked prefill, preemption (blocks freed and
+    recomputed), prefix hits (blocks written by an earlier request) and n=2 forks (CoW copies
+    of codes and scales) agree on every completion's first tokens and on most completions
+    (see ``agreement`` in conftest for why not all)."""
     ids = LLM(loaded_model, num_blocks=8).engine.tokenize(TEXT)
     prompts = [ids[i : i + n] for i, n in enumerate([13, 30, 17, 33, 40, 9])]
-    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     want, _ = _run(loaded_model, prompts, greedy)
-    shuffled, _ = _run(loaded_model, prompts, greedy, shuffle_blocks=7)  # same arithmetic, other blocks
+    shuffled, _ = _run(loaded_model, prompts, greedy, shuffle_blocks=7)
     assert [o.token_ids for o in shuffled] == [o.token_ids for o in want]
-    differ = 0
-    chunked, _ = _run(loaded_model, prompts, greedy, max_num_batched_tokens=16)
-    differ += near_ties(chunked, want)
-    pre, eng = _run(loaded_model, prompts, greedy, block_size=4, num_blocks=40)
-    assert eng.scheduler.stats.num_preemptions > 0
-    differ += near_ties(pre, want)
-    # n=2 greedy forks share the prompt's blocks; the partial last block is copied (CoW)
-    forks, _ = _run(loaded_model, prompts[:3], SamplingParams(n=2, temperature=0.0, max_tokens=16, ignore_eos=True))
-    assert sum(o.metrics.num_cow_copies for o in forks) > 0
-    differ += near_ties(forks, want[:3])
-    assert differ <= 2, differ  # of 18 completions
+    runs = {"chunked": _run(loaded_model, prompts, greedy, max_num_batched_tokens=16),
+            "preempted": _run(loaded_model, prompts, greedy, block_size=4, num_blocks=40),
+            "forks": _run(loaded_model, prompts[:3], SamplingParams(n=2, temperature=0.0, max_tokens=16,
+                                                                    ignore_eos=True))}
+    assert runs["preempted"][1].scheduler.stats.num_preemptions > 0
+    assert sum(o.metrics.num_cow_copies for o in runs["forks"][0]) > 0
     # prefix caching: the shared 32-token prefix is served from int8 blocks written before
     shared = [ids[:32] + ids[40 + 3 * i : 43 + 3 * i] for i in range(3)]
     plain, _ = _run(loaded_model, shared, greedy)
     llm = LLM(loaded_model, kv_cache_dtype="int8", num_blocks=256, enable_prefix_caching=True, debug_invariants=True)
     llm.generate([shared[0]], greedy, use_tqdm=False)
-    outs = llm.generate(shared, greedy, use_tqdm=False)
-    assert all(o.num_cached_tokens >= 32 for o in outs)
-    assert near_ties(outs, plain) <= 1
+    hits = llm.generate(shared, greedy, use_tqdm=False)
+    assert all(o.num_cached_tokens >= 32 for o in hits)
+    same = total = 0
+    for got, ref in [(runs[k][0], want) for k in runs] + [(hits, plain)]:
+        s, t, shortest = agreement(got, ref)
+        assert shortest >= 4, (s, t, shortest)
+        same, total = same + s, total + t
+    assert same >= 0.75 * total, (same, total)  # 21 completions
 
 
 def test_int8_and_fp8_caches_still_say_paris(loaded_model):
