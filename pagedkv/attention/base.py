@@ -103,7 +103,7 @@ class AttentionBackend(Protocol):
     cache tensors themselves (use ``gather_kv`` for inspection in tests).
 
     One cache object per layer. ``copy_blocks`` applies copy-on-write copies decided by the
-    memory system before the step's writes.
+    memory system before the step's writes (codes and scales alike for a quantised cache).
     """
 
     name: str
@@ -114,15 +114,19 @@ class AttentionBackend(Protocol):
         block_size: int,
         num_kv_heads: int,
         head_dim: int,
-        dtype: torch.dtype,
+        dtype: torch.dtype | str,
         device: torch.device | str = "cpu",
+        quant_group_size: int | None = None,
     ) -> Any:
-        """Allocate one layer's K and V cache (zeros) in this backend's layout."""
+        """Allocate one layer's K and V cache (zeros) in this backend's layout. ``dtype``: a
+        floating torch dtype, or a quantised ``kv_cache_dtype`` (``"int8"``, ``"fp8_e4m3"``,
+        ``"fp8_e5m2"``: one-byte codes plus an bf16 scale per ``quant_group_size`` elements of
+        each head vector, see ``pagedkv.attention.quant``)."""
         ...
 
     def write_kv(self, kv_cache: Any, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` to their slots;
-        rows whose slot is -1 are skipped."""
+        rows whose slot is -1 are skipped. A quantised cache quantises here."""
         ...
 
     def forward(
@@ -130,7 +134,7 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:
         """Causal attention of ``query`` ``[num_tokens, num_heads, head_dim]`` over each
         sequence's paged context; returns ``[num_tokens, num_heads, head_dim]`` in the
-        query's dtype."""
+        query's dtype. A quantised cache is dequantised inside the read (a tile at a time)."""
         ...
 
     def copy_blocks(self, kv_cache: Any, copies: Sequence[tuple[int, int]]) -> None:
@@ -150,5 +154,7 @@ class AttentionBackend(Protocol):
 
     def gather_kv(self, kv_cache: Any, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Read K and V at ``slots`` (int64 ``[n]``) -> two ``[n, num_kv_heads, head_dim]``
-        tensors. For tests and debugging."""
+        tensors (float32 dequantised values for a quantised cache). For tests and debugging.
+        Backends with quantised caches also have ``gather_kv_raw(kv_cache, slots) -> (K codes,
+        V codes, K scales, V scales)``, which the conformance kit's oracle dequantises itself."""
         ...

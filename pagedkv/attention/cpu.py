@@ -14,6 +14,11 @@ Two paths, picked per sequence:
   on the fallback: float32 matmul / softmax / matmul).
 
 Layouts: ``nhd`` (default), ``hnd`` and ``ascend``; the kernel takes the layout as strides.
+
+Quantised caches (int8, fp8; :mod:`pagedkv.attention.quant`): the kernel dequantises each K
+row in registers and each 16-token V chunk in L1; the torch path dequantises
+``TILE_TOKENS`` of context at a time into a small float32 tile and merges the tiles with an
+online softmax. Neither ever expands a whole context (let alone the cache) to float32.
 """
 
 from __future__ import annotations
@@ -29,12 +34,15 @@ from pagedkv.utils import cdiv
 import torch.nn.functional as F
 
 from pagedkv.attention import layouts as L
+from pagedkv.attention import quant as Q
 from pagedkv.attention.base import AttentionMetadata
 from pagedkv.attention.reference import LayoutMemory, check_inputs, lists_of
 
 # Sequences with at most this many new tokens go through the C kernel; longer chunks use
 # matmuls (better arithmetic intensity).
 DECODE_MAX_QLEN = 8
+# Context tokens the torch path dequantises at once for a quantised cache.
+TILE_TOKENS = 256
 
 
 class _Workspace:
@@ -131,6 +139,8 @@ class CPUBackend(LayoutMemory):
     def _attend_torch(self, q: torch.Tensor, cache: L.PagedKVCache, table_row: torch.Tensor,
                       seq_len: int, scale: float) -> torch.Tensor:
         """One sequence: ``q`` ``[ql, hq, d]`` over its first ``seq_len`` cached positions."""
+        if cache.quant is not None:
+            return _attend_quantized(q, cache, table_row, seq_len, scale)
         ql, hq, d = q.shape
         h = cache.num_kv_heads
         k, v = self._gather_seq(cache, table_row, seq_len)  # [h, sl, d] views of the workspace
@@ -159,6 +169,43 @@ class CPUBackend(LayoutMemory):
         scores.mul_(scale)
         torch.softmax(scores, dim=-1, out=scores)
         return torch.bmm(scores, v).view(1, hq, d).to(q.dtype)
+
+
+def _attend_quantized(q: torch.Tensor, cache: L.PagedKVCache, table_row: torch.Tensor, seq_len: int,
+                      scale: float) -> torch.Tensor:
+    """One sequence over a quantised cache, ``q`` ``[ql, hq, d]`` -> ``[ql, hq, d]``: the
+    context is dequantised ``TILE_TOKENS`` (whole blocks) at a time; scores of each tile are
+    merged with an online softmax (running max ``m``, sum ``l``, accumulator ``acc``; float32)."""
+    ql, hq, d = q.shape
+    h, bs = cache.num_kv_heads, cache.block_size
+    g = hq // h
+    nblk = cdiv(seq_len, bs)
+    tile = max(1, TILE_TOKENS // bs)
+    rows = g * ql  # per KV head: its g query heads x the ql query rows (row r: head r // ql)
+    qh = q.float().reshape(ql, h, g, d).permute(1, 2, 0, 3).reshape(h, rows, d) * scale
+    q_pos = torch.arange(seq_len - ql, seq_len, device=q.device).repeat(g)  # [rows]
+    m = torch.full((h, rows, 1), float("-inf"), device=q.device)
+    l = torch.zeros((h, rows, 1), device=q.device)
+    acc = torch.zeros((h, rows, d), device=q.device)
+    views = ((cache.key_nhd(), cache.scale_nhd("key")), (cache.value_nhd(), cache.scale_nhd("value")))
+    for b0 in range(0, nblk, tile):
+        idx = table_row[b0 : min(nblk, b0 + tile)].to(torch.int64)
+        t0 = b0 * bs
+        n = min(seq_len, t0 + idx.numel() * bs) - t0
+        k, v = (Q.dequantize(c.index_select(0, idx), s.index_select(0, idx), cache.quant)
+                .view(-1, h, d)[:n].transpose(0, 1) for c, s in views)  # [h, n, d] float32
+        sc = torch.bmm(qh, k.transpose(1, 2))  # [h, rows, n]
+        k_pos = torch.arange(t0, t0 + n, device=q.device)
+        sc.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        # position 0 is visible to every row, so m is finite from the first tile on
+        m_new = torch.maximum(m, sc.amax(dim=-1, keepdim=True))
+        alpha = torch.exp(m - m_new)
+        p = torch.exp(sc - m_new)
+        l = l * alpha + p.sum(dim=-1, keepdim=True)
+        acc = acc * alpha + torch.bmm(p, v)
+        m = m_new
+    out = (acc / l).view(h, g, ql, d).permute(2, 0, 1, 3).reshape(ql, hq, d)
+    return out.to(q.dtype)
 
 
 class _Plan:

@@ -63,37 +63,43 @@ class LayoutMemory(L.BlockTransfer):
 
     # -- memory ---------------------------------------------------------------------------
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                          dtype: torch.dtype, device: torch.device | str = "cpu") -> L.PagedKVCache:
-        """Zero-filled ``PagedKVCache``; K and V each ``layout.shape(...)`` in ``dtype``.
-        Raises ``ConfigError`` for a non-positive size or non-floating dtype."""
-        return L.allocate(self.layout, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+                          dtype: torch.dtype | str, device: torch.device | str = "cpu",
+                          quant_group_size: int | None = None) -> L.PagedKVCache:
+        """Zero-filled ``PagedKVCache``; K and V each ``layout.shape(...)`` in ``dtype`` (a
+        floating torch dtype, or ``"int8"`` / ``"fp8_e4m3"`` / ``"fp8_e5m2"``: codes plus bf16
+        scales per ``quant_group_size`` elements). Raises ``ConfigError`` for a non-positive
+        size, an unknown dtype or a group size that does not divide ``head_dim``."""
+        return L.allocate(self.layout, num_blocks, block_size, num_kv_heads, head_dim, dtype, device,
+                          quant_group_size)
 
     def write_kv(self, kv_cache: L.PagedKVCache, key: torch.Tensor, value: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
         """Write ``key``/``value`` ``[num_tokens, Hkv, d]`` at ``slot_mapping`` (int64
-        ``[num_tokens]``; ``-1`` rows skipped)."""
+        ``[num_tokens]``; ``-1`` rows skipped), quantised for a quantised cache."""
         slots, key, value = L.valid_slots(slot_mapping, key, value)
         if slots.numel() == 0:
             return
-        self.layout.write(kv_cache.key, key, slots, kv_cache.block_size)
-        self.layout.write(kv_cache.value, value, slots, kv_cache.block_size)
+        L.write(kv_cache, key, value, slots)
 
     def copy_blocks(self, kv_cache: L.PagedKVCache, copies: Sequence[tuple[int, int]]) -> None:
-        """Copy physical blocks ``src -> dst`` (K and V)."""
+        """Copy physical blocks ``src -> dst`` (K and V, and their scales)."""
         L.copy_blocks(kv_cache, copies)
 
     def gather_kv(self, kv_cache: L.PagedKVCache, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V ``[n, Hkv, d]`` at ``slots`` (int64 ``[n]``)."""
-        slots = slots.to(torch.int64)
-        c = kv_cache
-        return (self.layout.read(c.key, slots, c.block_size, c.num_kv_heads, c.head_dim),
-                self.layout.read(c.value, slots, c.block_size, c.num_kv_heads, c.head_dim))
+        """K and V ``[n, Hkv, d]`` at ``slots`` (int64 ``[n]``); float32 dequantised values
+        for a quantised cache."""
+        return L.gather(kv_cache, slots)
+
+    def gather_kv_raw(self, kv_cache: L.PagedKVCache, slots: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """``(K, V, K scales, V scales)`` as stored at ``slots`` (see ``layouts.gather_raw``)."""
+        return L.gather_raw(kv_cache, slots)
 
 
 class ReferenceBackend(LayoutMemory):
-    """Oracle backend: any layout (default NHD), any floating dtype, any device torch runs on.
+    """Oracle backend: any layout (default NHD), any floating or quantised cache dtype, any
+    device torch runs on.
 
-    Per sequence: gather K/V ``[seq_len, Hkv, d]`` by slot, compute ``softmax(q k^T * scale)``
+    Per sequence: gather K/V ``[seq_len, Hkv, d]`` by slot (dequantised for a quantised cache), compute ``softmax(q k^T * scale)``
     with the causal mask (query row ``j`` of a ``q_len`` chunk sits at position
     ``seq_len - q_len + j``) in float32, cast back to the query dtype.
     """

@@ -14,6 +14,7 @@ from pagedkv.testing.conformance import (
     check_backend,
     conformance_cases,
     pytest_params,
+    quantized_cases,
     run_case,
 )
 
@@ -26,5 +27,6 @@ __all__ = [
     "check_backend",
     "conformance_cases",
     "pytest_params",
+    "quantized_cases",
     "run_case",
 ]

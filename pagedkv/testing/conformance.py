@@ -14,6 +14,16 @@ Every case builds its cache **only through the protocol** (``allocate_kv_cache``
 4. ``forward`` runs and its output must be finite and match the oracle within the dtype's
    tolerance; ``gather_kv`` must return what was written; ``copy_blocks`` must copy.
 
+Quantised cases (``Case.kv_cache_dtype`` int8 / fp8_e4m3 / fp8_e5m2, from
+:func:`quantized_cases`) read the stored codes and scales back with ``gather_kv_raw`` and the
+oracle dequantises them itself (float64 ``code * scale``). Their tolerances are derived from
+the format, not tuned: (a) each stored value is within the format's error bound of the value
+written (:func:`pagedkv.attention.quant.error_bound`: int8 ``scale/2``, fp8 half an ulp);
+(b) the output matches attention over the explicitly dequantised K/V within the query
+dtype's tolerance (the dequantised values are exact in float32); (c) the output is within
+the propagated bound of attention over the unquantised K/V: with per-key score errors at most
+``delta = scale * sum_i |q_i| e_k[i]``, ``|out' - out| <= max e_v + (exp(2 delta) - 1) max |v|``.
+
 Public API::
 
     from pagedkv.testing import check_backend, conformance_cases, run_case
@@ -29,7 +39,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -63,6 +73,8 @@ class Case:
     table_padding: int = 2  # extra block-table entries per row, pointing at NaN blocks
     spare_blocks: int = 3  # unused (NaN) physical blocks
     tags: tuple[str, ...] = ()
+    kv_cache_dtype: str | None = None  # None: the query dtype; else int8 | fp8_e4m3 | fp8_e5m2
+    quant_group_size: int | None = None  # elements per scale (None: head_dim)
 
     @property
     def gqa_ratio(self) -> int:
@@ -96,7 +108,26 @@ def conformance_cases(small: bool = False) -> list[Case]:
              tags=("prefix", "cached_all_but_last")),
         Case("shared_prefix_bs1", (9, 7), (2, 1), 1, 4, 2, 16, shared_prefix_blocks=6, tags=("prefix", "bs1")),
     ]
-    return cases
+    return cases + quantized_cases(small)
+
+
+def quantized_cases(small: bool = False) -> list[Case]:
+    """The quantised-cache scenarios, in every KV format this torch has (int8, fp8_e4m3,
+    fp8_e5m2): decode, mixed prefill/decode, a long split-K context, a shared prefix, and group
+    sizes below the head dim (32 of 128; 4 of 32, which the CPU kernel leaves to torch)."""
+    from pagedkv.attention.quant import FORMATS
+
+    long_ctx = 600 if small else 1100
+    shapes = [
+        Case("q_seed03_decode", (17, 33, 8), (1, 1, 1), 16, 6, 2, 32, tags=("decode",)),
+        Case("q_mixed_prefill_decode", (40, 25, 70), (1, 25, 9), 16, 9, 3, 64, tags=("mixed", "gqa3")),
+        Case("q_long_context_decode", (long_ctx,), (1,), 16, 4, 2, 32, tags=("long", "split")),
+        Case("q_shared_prefix", (37, 33, 45), (1, 1, 13), 16, 6, 2, 32, shared_prefix_blocks=2, tags=("prefix",)),
+        Case("q_group32_d128", (20, 9), (1, 9), 8, 4, 2, 128, quant_group_size=32, tags=("d128", "group")),
+        Case("q_group4_bs1", (9, 5), (1, 5), 1, 4, 1, 32, quant_group_size=4, tags=("bs1", "group", "mqa")),
+    ]
+    return [replace(c, name=f"{c.name}_{fmt}", kv_cache_dtype=fmt, tags=c.tags + ("quantized",))
+            for fmt in FORMATS for c in shapes]
 
 
 @dataclass
@@ -199,7 +230,11 @@ def _run(backend: AttentionBackend, case: Case, dtype: torch.dtype, device: torc
     gen = torch.Generator().manual_seed(seed)
     bs, hq, hkv, d = case.block_size, case.num_heads, case.num_kv_heads, case.head_dim
     tables, num_blocks = _layout_blocks(case, rng)
-    cache = backend.allocate_kv_cache(num_blocks, bs, hkv, d, dtype, device)
+    if case.kv_cache_dtype is None:
+        cache = backend.allocate_kv_cache(num_blocks, bs, hkv, d, dtype, device)
+    else:
+        cache = backend.allocate_kv_cache(num_blocks, bs, hkv, d, case.kv_cache_dtype, device,
+                                          quant_group_size=case.quant_group_size)
 
     def write(k: torch.Tensor, v: torch.Tensor, slots: Sequence[int] | torch.Tensor) -> None:
         slots_t = torch.as_tensor(slots, dtype=torch.int64).to(device)
@@ -266,21 +301,25 @@ def _run(backend: AttentionBackend, case: Case, dtype: torch.dtype, device: torc
         bad = (~torch.isfinite(out)).any(-1).any(-1).nonzero().flatten().tolist()
         raise ConformanceError(f"non-finite output rows {bad[:8]}: a padding/unused slot was read")
     atol, rtol = TOLERANCES.get(dtype, (1e-2, 1e-2))
-    expected = []
     qsl = md.query_start_loc.cpu().tolist()
-    for i in range(len(case.seq_lens)):
-        expected.append(_dense_attention(q[qsl[i] : qsl[i + 1]].double(), dense_k[i], dense_v[i], scale))
-    exp = torch.cat(expected)
-    err = (out - exp).abs()
-    max_err = float(err.max()) if err.numel() else 0.0
-    if not bool((err <= atol + rtol * exp.abs()).all()):
-        row = int(err.amax(dim=(1, 2)).argmax())
-        seq = max(i for i in range(len(qsl) - 1) if qsl[i] <= row)
-        raise ConformanceError(f"max |err| {max_err:.3e} > tol (atol {atol}, rtol {rtol}) at token {row} (sequence {seq})")
+    qs = [q[qsl[i] : qsl[i + 1]].double() for i in range(len(case.seq_lens))]
+    if case.kv_cache_dtype is None:
+        exp = torch.cat([_dense_attention(qs[i], dense_k[i], dense_v[i], scale) for i in range(len(qs))])
+        max_err = _check_close(out, exp, atol + rtol * exp.abs(), qsl, f" (atol {atol}, rtol {rtol})")
+    else:
+        max_err = _check_quantized(backend, cache, case, tables, qs, dense_k, dense_v, out, scale, atol, rtol, qsl, device)
 
     # 5. gather_kv returns what was written (new tokens), NaN rows were not written
     gk, gv = backend.gather_kv(cache, md.slot_mapping)
-    if not (torch.equal(gk.cpu().to(dtype), new_k.to(dtype)) and torch.equal(gv.cpu().to(dtype), new_v.to(dtype))):
+    if case.kv_cache_dtype is not None:
+        rk, rv, rks, rvs = backend.gather_kv_raw(cache, md.slot_mapping)
+        same = torch.equal(gk.cpu().double(), _dequantize(rk, rks, cache)) and torch.equal(gv.cpu().double(), _dequantize(rv, rvs, cache))
+        if not same:
+            raise ConformanceError("gather_kv(slot_mapping) differs from the stored codes x scales")
+        gk, gv = _dequantize(rk, rks, cache), _dequantize(rv, rvs, cache)
+        _check_stored(cache, new_k, rk, rks, "new K")
+        _check_stored(cache, new_v, rv, rvs, "new V")
+    elif not (torch.equal(gk.cpu().to(dtype), new_k.to(dtype)) and torch.equal(gv.cpu().to(dtype), new_v.to(dtype))):
         raise ConformanceError("gather_kv(slot_mapping) differs from what write_kv wrote")
 
     # 6. copy_blocks: copy sequence 0's first block onto an unused block, read it back
@@ -290,11 +329,68 @@ def _run(backend: AttentionBackend, case: Case, dtype: torch.dtype, device: torc
         src, dst = tables[0][0], spare[0]
         backend.copy_blocks(cache, [(src, dst)])
         n_written = min(bs, case.seq_lens[0])
-        a = backend.gather_kv(cache, torch.arange(src * bs, src * bs + n_written, device=device))
-        b = backend.gather_kv(cache, torch.arange(dst * bs, dst * bs + n_written, device=device))
+        read = backend.gather_kv if case.kv_cache_dtype is None else backend.gather_kv_raw  # codes and scales
+        a = read(cache, torch.arange(src * bs, src * bs + n_written, device=device))
+        b = read(cache, torch.arange(dst * bs, dst * bs + n_written, device=device))
         if not all(torch.equal(x.cpu(), y.cpu()) for x, y in zip(a, b)):
             raise ConformanceError("copy_blocks did not copy the block")
     return max_err
+
+
+def _check_close(out: torch.Tensor, exp: torch.Tensor, tol: torch.Tensor, qsl: list[int], what: str) -> float:
+    """Raise ``ConformanceError`` unless ``|out - exp| <= tol`` everywhere; returns max |err|."""
+    err = (out - exp).abs()
+    max_err = float(err.max()) if err.numel() else 0.0
+    if not bool((err <= tol).all()):
+        row = int((err - tol).amax(dim=(1, 2)).argmax())
+        seq = max(i for i in range(len(qsl) - 1) if qsl[i] <= row)
+        raise ConformanceError(f"max |err| {max_err:.3e} > tol{what} at token {row} (sequence {seq})")
+    return max_err
+
+
+def _dequantize(codes: torch.Tensor, scales: torch.Tensor, cache: Any) -> torch.Tensor:
+    """The oracle's own dequantisation: float64 ``code * scale`` of stored codes ``[n, H, d]``
+    (fp8 codes are uint8 bits of the format's float8 dtype) and scales ``[n, H, d / G]``."""
+    fmt = cache.quant
+    vals = (codes.cpu().view(fmt.code_dtype) if fmt.code_dtype is not None else codes.cpu()).double()
+    return vals * scales.cpu().double().repeat_interleave(codes.shape[-1] // scales.shape[-1], dim=-1)
+
+
+def _check_stored(cache: Any, written: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, what: str) -> None:
+    """Each stored value is within the format's error bound of the value written."""
+    from pagedkv.attention.quant import error_bound
+
+    bound = error_bound(written, scales.cpu(), cache.quant)
+    if not bool(((_dequantize(codes, scales, cache) - written.double()).abs() <= bound).all()):
+        raise ConformanceError(f"{what}: a stored value is outside the {cache.quant.name} error bound of what was written")
+
+
+def _check_quantized(backend: Any, cache: Any, case: Case, tables: list[list[int]], qs: list[torch.Tensor],
+                     dense_k: list[torch.Tensor], dense_v: list[torch.Tensor], out: torch.Tensor, scale: float,
+                     atol: float, rtol: float, qsl: list[int], device: torch.device) -> float:
+    """Checks (a)-(c) of the module doc for a quantised case; returns max |out - oracle|."""
+    from pagedkv.attention.quant import error_bound
+
+    exact, exp_full, bounds = [], [], []
+    for i, sl in enumerate(case.seq_lens):
+        slots = torch.tensor([int(slot_mapping(tables[i], case.block_size, p, p + 1)[0]) for p in range(sl)],
+                             dtype=torch.int64, device=device)
+        k, v, ks, vs = backend.gather_kv_raw(cache, slots)
+        _check_stored(cache, dense_k[i], k, ks, f"sequence {i} K")
+        _check_stored(cache, dense_v[i], v, vs, f"sequence {i} V")
+        exact.append(_dense_attention(qs[i], _dequantize(k, ks, cache), _dequantize(v, vs, cache), scale))
+        exp_full.append(_dense_attention(qs[i], dense_k[i], dense_v[i], scale))
+        g = case.num_heads // case.num_kv_heads
+        e_k = error_bound(dense_k[i], ks.cpu(), cache.quant).repeat_interleave(g, dim=1)  # [sl, hq, d]
+        e_v = error_bound(dense_v[i], vs.cpu(), cache.quant).repeat_interleave(g, dim=1)
+        delta = scale * torch.einsum("qhd,khd->qhk", qs[i].abs(), e_k).amax(dim=-1, keepdim=True)  # [ql, hq, 1]
+        v_max = dense_v[i].abs().repeat_interleave(g, dim=1).amax(dim=0)  # [hq, d]
+        bounds.append(e_v.amax(dim=0) + torch.expm1(2 * delta) * v_max)
+    exact_t, full_t = torch.cat(exact), torch.cat(exp_full)
+    err = _check_close(out, exact_t, atol + rtol * exact_t.abs(), qsl, f" (atol {atol}, rtol {rtol}) vs the dequantised oracle")
+    _check_close(out, full_t, torch.cat(bounds) + atol + rtol * full_t.abs(), qsl,
+                 f" (the {cache.quant.name} error bound) vs the unquantised oracle")
+    return err
 
 
 def _resolve(backend: AttentionBackend | str) -> AttentionBackend:
