@@ -6,7 +6,8 @@ biases, and saved with ``save_pretrained``; pagedkv loads the directory. Checked
 
 * the decoder's logits equal transformers' (eager attention, one forward over the sequence) at
   every position, for a prefill split into chunks that cross blocks and windows, then decode
-  steps, through the reference and the CPU backends (atol = rtol = 1e-4);
+  steps, through the reference, CPU and Triton (interpreter on CPU) backends (atol = rtol =
+  1e-4);
 * the engine's greedy tokens equal ``generate``'s (ordinary cache), and the log-probability of
   every generated token equals transformers' (abs 1e-4), with chunked prefill (16-token
   chunks), a prefix-cache hit, and preemption in a pool too small for the batch.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import pagedkv.attention.triton_backend  # noqa: F401 - before transformers imports triton (sets TRITON_INTERPRET=1 without CUDA)
 from pagedkv import LLM, SamplingParams
 from pagedkv.attention import get_backend
 from pagedkv.attention.base import AttentionMetadata
@@ -100,7 +102,7 @@ def test_config_reads_the_family(family):
         assert (c.rope_theta, c.rope_local_theta) == (1_000_000.0, 10_000.0)
 
 
-@pytest.mark.parametrize("backend_name", ["reference", "cpu"])
+@pytest.mark.parametrize("backend_name", ["reference", "cpu", "triton"])
 def test_logits_equal_transformers_across_blocks_and_windows(family, backend_name):
     kind, hf, _, lm = family
     ids = _prompt(40, 1)
