@@ -158,6 +158,39 @@ def test_unknown_kv_cache_dtype_names_the_valid_values():
             EngineConfig.from_kwargs({"kv_cache_dtype": "int8", "kv_quant_group_size": bad})
 
 
+def test_kv_cache_dtype_spellings_and_torch_dtypes():
+    """Case and whitespace variants, ``torch.``-prefixed names and torch dtypes themselves
+    (as ``dtype=`` takes them) name a format; torch dtypes used to be 'unknown'."""
+    from pagedkv.utils import kv_cache_dtype
+
+    said = {n: kv_cache_dtype(n) for n in ("INT8", " Fp8 ", "torch.int8", "FP8_E5M2", "BF16", "Auto")}
+    assert said == {"INT8": "int8", " Fp8 ": "fp8_e4m3", "torch.int8": "int8", "FP8_E5M2": "fp8_e5m2",
+                    "BF16": "bfloat16", "Auto": "float32"}
+    dtypes = (torch.int8, torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
+    assert [kv_cache_dtype(t) for t in dtypes] == ["int8", "bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2"]
+    assert EngineConfig.from_kwargs({"kv_cache_dtype": torch.int8, "kv_quant_group_size": 16}).kv_quant_group_size == 16
+    for bad in (torch.uint8, None, 8, "", "int4", "fp8_e4m3fnuz"):
+        with pytest.raises(ConfigError, match=r"kv_cache_dtype: unknown .* \(valid: auto, float32,"):
+            kv_cache_dtype(bad)
+
+
+def test_group_size_with_a_plain_format_fails_before_any_model_loads(capsys):
+    """A group size needs int8/fp8: EngineConfig says so (it used to pass, and the engine
+    raised only after loading the model), for ``auto`` too (it is the model dtype)."""
+    msg = "kv_quant_group_size applies to a quantised kv_cache_dtype (int8, fp8_e4m3, fp8_e5m2), not "
+    for kv, dtype, name in (("float32", "float32", "float32"), ("auto", "bf16", "bfloat16"), ("FP16", "fp32", "float16")):
+        with pytest.raises(ConfigError) as e:
+            EngineConfig.from_kwargs({"kv_cache_dtype": kv, "dtype": dtype, "kv_quant_group_size": 16})
+        assert str(e.value) == msg + name
+    # the CLI: exit 2 and the message, not the missing model's error (nothing was loaded)
+    for cmd in (["generate", "--model", "/nonexistent.gguf", "--kv-cache-dtype", "float32",
+                 "--kv-quant-group-size", "16", "hi"],
+                ["serve", "--model", "/nonexistent.gguf", "--kv-cache-dtype", "BF16", "--kv-quant-group-size", "16"]):
+        assert main(cmd) == 2
+        err = capsys.readouterr().err
+        assert msg in err and "Traceback" not in err and "nonexistent" not in err
+
+
 def test_an_fp8_format_torch_lacks_is_a_config_error(monkeypatch):
     import torch
 
