@@ -246,3 +246,49 @@ def test_int8_blocks_go_to_a_host_tier_and_come_back_bit_for_bit(loaded_model):
     assert again.token_ids == first.token_ids
     assert (payloads() == before).all()  # codes and scales, bit for bit
     check_invariants(eng.kv)
+
+
+def test_aborts_and_cow_forks_on_int8_blocks(loaded_model):
+    """Aborting mid-prefill and mid-decode frees every int8 block (invariants hold); an n=2
+    fork's copy-on-write copies the partial prompt block's codes AND scales: the copy
+    equals its source by value in every layer, and its scales are real (nonzero)."""
+    from pagedkv.attention import layouts
+
+    ids = LLM(loaded_model, num_blocks=8).engine.tokenize(TEXT)
+    eng = LLMEngine(loaded_model, kv_cache_dtype="int8", block_size=4, num_blocks=16,
+                    max_num_batched_tokens=8, debug_invariants=True)
+    eng.add_request("p", ids[:30], SamplingParams(temperature=0.0, max_tokens=4))
+    eng.step()  # 8 of 30 prompt tokens
+    assert eng.kv.get_block_ids("p") == [0, 1]
+    eng.abort_request("p")  # mid-prefill
+    assert eng.kv.num_used_blocks == 0 and check_invariants(eng.kv) == 16
+    copies: list[tuple[int, int]] = []
+    snap: list[bool] = []
+    run_copy = eng.runner.copy_blocks
+
+    def checked_copy(pairs):
+        run_copy(pairs)
+        copies.extend(pairs)
+        for cache in eng.runner.kv_caches:
+            for s, d in pairs:
+                k, v, ks, vs = (t[d] for t in cache.block_tensors())
+                sk, sv, sks, svs = (t[s] for t in cache.block_tensors())
+                snap.append(torch.equal(k, sk) and torch.equal(v, sv) and torch.equal(ks, sks)
+                            and torch.equal(vs, svs) and bool((ks.float()[:2] > 0).all()))
+
+    eng.runner.copy_blocks = checked_copy
+    eng.add_request("f", ids[:10], SamplingParams(n=2, temperature=0.0, max_tokens=6, ignore_eos=True))
+    eng.add_request("d", ids[12:18], SamplingParams(temperature=0.0, max_tokens=30))
+    for _ in range(4):  # f's and d's prefills, then decodes: f's two sequences share block 3 of 10 tokens
+        eng.step()
+    assert len(copies) == 1 and len(snap) == 30 and all(snap)
+    src, dst = copies[0]
+    # the two prompt tokens in the partial block read back the same in both sequences
+    slots = torch.tensor([[src * 4, src * 4 + 1], [dst * 4, dst * 4 + 1]])
+    got = [layouts.gather_raw(eng.runner.kv_caches[5], s) for s in slots]
+    assert all(torch.equal(a, b) for a, b in zip(*got))
+    assert len(eng.kv.get_block_ids("d")) == 2  # 6 prompt tokens + 2 decoded: still running
+    eng.abort_request("d")  # mid-decode
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert eng.kv.num_used_blocks == 0 and check_invariants(eng.kv) == 16
