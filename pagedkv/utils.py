@@ -72,9 +72,12 @@ def kv_cache_dtype(name: Any, model_dtype: Any = "fp32") -> str:
     """The KV-cache format of ``kv_cache_dtype=name``: one of ``float32``, ``bfloat16``,
     ``float16``, ``int8``, ``fp8_e4m3``, ``fp8_e5m2`` (``auto`` resolves to ``model_dtype``).
     Raises ``ConfigError`` naming the valid values for an unknown name, or the formats this
-    torch has when it lacks the fp8 dtype asked for."""
+    torch has when it lacks the fp8 dtype asked for. A torch dtype names its format too
+    (``torch.bfloat16``, ``torch.int8``, ``torch.float8_e4m3fn``), as it does for ``dtype``."""
     import torch
 
+    if isinstance(name, torch.dtype):
+        name = str(name)
     key = name.strip().lower().removeprefix("torch.") if isinstance(name, str) else ""
     key = KV_CACHE_DTYPE_ALIASES.get(key, key)
     have = [n for n, t in KV_CACHE_DTYPES.items() if t is None or hasattr(torch, t)]

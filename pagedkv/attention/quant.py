@@ -10,6 +10,7 @@ them together.
 Quantise (in ``write_kv``, through ``slot_mapping``), per group ``x`` of ``G`` elements::
 
     scale = max|x| / QMAX, rounded up to bf16   QMAX: 127 (int8), 448 (fp8_e4m3), 57344 (fp8_e5m2)
+            (at least 2^-126 unless the group is all zeros)
     code  = round(x / scale)    int8: nearest integer; fp8: nearest fp8 value, ties to even
                                 (|x / scale| <= QMAX: nothing is clamped)
 
@@ -36,6 +37,8 @@ from pagedkv.utils import kv_cache_dtype
 
 #: dtype of the per-group scales (2 bytes: KVCacheSpec's default ``scale_bytes``).
 SCALE_DTYPE = torch.bfloat16
+#: smallest scale of a nonzero group: the smallest normal float32 / bf16, 2^-126.
+MIN_SCALE = 2.0 ** -126
 
 
 @dataclass(frozen=True)
@@ -93,11 +96,14 @@ def round_up_bf16(v: torch.Tensor) -> torch.Tensor:
 def quantize(x: torch.Tensor, fmt: QuantFormat, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes ``[n, H, d]`` (``fmt.storage``) and scales ``[n, H, d / G]`` (bf16) of ``x``
     ``[n, H, d]`` (any float dtype). A NaN in a group makes its scale NaN (tests poison
-    slots this way); an all-zero group gets scale 0 and codes 0."""
+    slots this way); an all-zero group gets scale 0 and codes 0; any other at least
+    ``MIN_SCALE``."""
     n, h, d = x.shape
     xg = x.float().reshape(n, h, d // group_size, group_size)
     amax = xg.abs().amax(dim=-1)  # [n, H, ng]
-    scales = round_up_bf16(amax / fmt.qmax)
+    # a nonzero group whose max|x| / QMAX is below float32's normal range (or underflows to
+    # 0) gets the smallest normal scale: never 0 for a nonzero group, unharmed by flush-to-zero
+    scales = torch.where(amax == 0, 0.0, round_up_bf16(amax / fmt.qmax).clamp_min(MIN_SCALE)).to(SCALE_DTYPE)
     s = scales.float()
     y = xg / torch.where(s > 0, s, torch.ones_like(s)).unsqueeze(-1)
     y = y.clamp_(-fmt.qmax, fmt.qmax)  # a no-op (the scale was rounded up) but for NaN

@@ -92,11 +92,13 @@ if triton is not None:
         """Quantise tile rows (one group each) of ``src_ptr`` and store codes and bf16 scales."""
         x = tl.load(src_ptr + src, mask=mask, other=0.0).to(tl.float32)
         has_nan = tl.sum((x != x).to(tl.int32), axis=1) > 0  # keep NaN poison (GPU max drops NaN)
-        v = tl.max(tl.abs(x), axis=1) / qmax
+        amax = tl.max(tl.abs(x), axis=1)
+        v = amax / qmax
         scale = v.to(tl.bfloat16)  # rounded up to bf16 (as quant.round_up_bf16): nothing clamps
         bumped = (scale.to(tl.int16, bitcast=True) + 1).to(tl.bfloat16, bitcast=True)
         scale = tl.where(scale.to(tl.float32) < v, bumped, scale)
-        s = scale.to(tl.float32)
+        # a nonzero group's scale is at least 2^-126 (quant.MIN_SCALE), also under flush-to-zero
+        s = tl.where(amax == 0, 0.0, tl.maximum(scale.to(tl.float32), 1.1754943508222875e-38))
         y = x / tl.where(s > 0, s, 1.0)[:, None]
         y = tl.minimum(tl.maximum(y, -qmax), qmax)
         if KDT == 2:

@@ -95,10 +95,15 @@ class EngineConfig:
         from pagedkv.model.quant import check_weights
 
         check_weights(self.weights)
-        kv_cache_dtype(self.kv_cache_dtype, self.dtype)  # names the valid values
+        kv_name = kv_cache_dtype(self.kv_cache_dtype, self.dtype)  # names the valid values
         g = self.kv_quant_group_size
         if g is not None and (not _is_int(g) or g < 1):
             raise ConfigError(f"kv_quant_group_size must be a positive integer or None, got {g!r}")
+        from pagedkv.attention.quant import FORMATS
+
+        if g is not None and kv_name not in FORMATS:  # before any model is loaded
+            raise ConfigError(f"kv_quant_group_size applies to a quantised kv_cache_dtype "
+                              f"({', '.join(FORMATS)}), not {kv_name}")
         import torch
 
         try:

@@ -79,10 +79,7 @@ class LLMEngine:
             check_tp_size(mc, tp)  # ConfigError naming the valid sizes
         # the KV cache format: a plain dtype, or int8/fp8 codes + bf16 scales per group
         self.kv_cache_dtype = kv_cache_dtype(cfg.kv_cache_dtype, dtype)
-        quant = FORMATS.get(self.kv_cache_dtype)
-        if quant is None and cfg.kv_quant_group_size is not None:
-            raise ConfigError(f"kv_quant_group_size applies to a quantised kv_cache_dtype "
-                              f"({', '.join(FORMATS)}), not {self.kv_cache_dtype}")
+        quant = FORMATS.get(self.kv_cache_dtype)  # a group size without one: EngineConfig raised
         self.kv_quant_group_size = check_group_size(cfg.kv_quant_group_size, mc.head_dim) if quant else None
         self.kv_spec = KVCacheSpec(
             num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,

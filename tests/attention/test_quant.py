@@ -124,3 +124,54 @@ def test_kit_rejects_broken_quantised_backends(broken, why):
     report = check_backend(broken(), dtypes=(torch.float32,), cases=cases)
     assert not report.ok
     assert all(why in r.message for r in report.failures), report.summary()
+
+
+# ------------------------------------------------------------------ extreme magnitudes
+def _extreme_rows() -> torch.Tensor:
+    """[8, 1, 8]: zeros, a constant 1e4, mixed +-1e4, 3e38 (near float32's max), 1e-30,
+    1e-42 (subnormal), float32's smallest subnormal, and a row of signed zeros."""
+    rows = [[0.0] * 8, [1e4] * 8, [1e4, -1e4, 5e3, -2.5e3, 1.0, 0.0, -1e-3, 7e3],
+            [3e38, -1e38, 1e30, 0.0, 1.0, -3e38, 2e38, 5e37], [1e-30, -3e-31, 0.0] + [2e-31] * 5,
+            [1e-42, -3e-43, 0.0] + [5e-43] * 5, [1.401298464324817e-45] + [0.0] * 7, [-0.0] * 8]
+    return torch.tensor(rows, dtype=torch.float32).unsqueeze(1)
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_zero_huge_and_tiny_groups_stay_within_the_bound(name):
+    """No NaN or inf from finite input; all-zero groups get scale 0, every other group a
+    scale of at least 2^-126: max|x| / QMAX underflowing float32 (1e-42 / 57344, or any
+    subnormal group) used to give scale 0, codes of x itself and an error beyond the bound."""
+    fmt = FORMATS[name]
+    x = _extreme_rows()
+    codes, scales = quantize(x, fmt, 8)
+    deq = dequantize(codes, scales, fmt)
+    assert bool(torch.isfinite(deq).all()) and bool(torch.isfinite(scales.float()).all())
+    assert bool(((deq.double() - x.double()).abs() <= error_bound(x, scales, fmt)).all())
+    s = scales.float().flatten().tolist()
+    assert s[0] == 0.0 and s[7] == 0.0 and torch.equal(deq[[0, 7]], torch.zeros(2, 1, 8))
+    assert s[5] == s[6] == 2.0 ** -126  # the floor (tiny groups)
+    assert s[1] == {"int8": 79.0, "fp8_e4m3": 22.375, "fp8_e5m2": 0.1748046875}[name]  # 1e4 / QMAX rounded up
+    if name == "int8":
+        assert deq[1, 0].tolist() == [10033.0] * 8  # code 127 x 79
+        assert codes[5].flatten().tolist() == [0] * 8  # 1e-42 is below half a step of 2^-126
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_triton_writes_the_same_codes_and_scales_for_extreme_groups(name):
+    """The Triton write kernel (interpreter on CPU) quantises like ``quantize``, the
+    zero-scale and 2^-126 floor included: the same scales bit for bit, the same code values
+    (a -0.0 may be stored as fp8 +0)."""
+    from pagedkv.attention import get_backend
+
+    be = get_backend("triton")
+    x = _extreme_rows()
+    cache = be.allocate_kv_cache(2, 4, 1, 8, name, quant_group_size=8)
+    slots = torch.tensor([7, 0, 1, 2, 3, 4, 5, 6])
+    be.write_kv(cache, x, -x, slots)
+    k, v, ks, vs = be.gather_kv_raw(cache, slots)
+    for got_c, got_s, src in ((k, ks, x), (v, vs, -x)):
+        fmt = FORMATS[name]
+        want_c, want_s = quantize(src, fmt, 8)
+        value = (lambda c: c.view(fmt.code_dtype).float()) if fmt.code_dtype is not None else (lambda c: c)
+        assert torch.equal(value(got_c), value(want_c))
+        assert torch.equal(got_s.view(torch.int16), want_s.view(torch.int16))

@@ -158,6 +158,39 @@ def test_unknown_kv_cache_dtype_names_the_valid_values():
             EngineConfig.from_kwargs({"kv_cache_dtype": "int8", "kv_quant_group_size": bad})
 
 
+def test_kv_cache_dtype_spellings_and_torch_dtypes():
+    """Case and whitespace variants, ``torch.``-prefixed names and torch dtypes themselves
+    (as ``dtype=`` takes them) name a format; torch dtypes used to be 'unknown'."""
+    from pagedkv.utils import kv_cache_dtype
+
+    said = {n: kv_cache_dtype(n) for n in ("INT8", " Fp8 ", "torch.int8", "FP8_E5M2", "BF16", "Auto")}
+    assert said == {"INT8": "int8", " Fp8 ": "fp8_e4m3", "torch.int8": "int8", "FP8_E5M2": "fp8_e5m2",
+                    "BF16": "bfloat16", "Auto": "float32"}
+    dtypes = (torch.int8, torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
+    assert [kv_cache_dtype(t) for t in dtypes] == ["int8", "bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2"]
+    assert EngineConfig.from_kwargs({"kv_cache_dtype": torch.int8, "kv_quant_group_size": 16}).kv_quant_group_size == 16
+    for bad in (torch.uint8, None, 8, "", "int4", "fp8_e4m3fnuz"):
+        with pytest.raises(ConfigError, match=r"kv_cache_dtype: unknown .* \(valid: auto, float32,"):
+            kv_cache_dtype(bad)
+
+
+def test_group_size_with_a_plain_format_fails_before_any_model_loads(capsys):
+    """A group size needs int8/fp8: EngineConfig says so (it used to pass, and the engine
+    raised only after loading the model), for ``auto`` too (it is the model dtype)."""
+    msg = "kv_quant_group_size applies to a quantised kv_cache_dtype (int8, fp8_e4m3, fp8_e5m2), not "
+    for kv, dtype, name in (("float32", "float32", "float32"), ("auto", "bf16", "bfloat16"), ("FP16", "fp32", "float16")):
+        with pytest.raises(ConfigError) as e:
+            EngineConfig.from_kwargs({"kv_cache_dtype": kv, "dtype": dtype, "kv_quant_group_size": 16})
+        assert str(e.value) == msg + name
+    # the CLI: exit 2 and the message, not the missing model's error (nothing was loaded)
+    for cmd in (["generate", "--model", "/nonexistent.gguf", "--kv-cache-dtype", "float32",
+                 "--kv-quant-group-size", "16", "hi"],
+                ["serve", "--model", "/nonexistent.gguf", "--kv-cache-dtype", "BF16", "--kv-quant-group-size", "16"]):
+        assert main(cmd) == 2
+        err = capsys.readouterr().err
+        assert msg in err and "Traceback" not in err and "nonexistent" not in err
+
+
 def test_an_fp8_format_torch_lacks_is_a_config_error(monkeypatch):
     import torch
 
@@ -213,3 +246,49 @@ def test_int8_blocks_go_to_a_host_tier_and_come_back_bit_for_bit(loaded_model):
     assert again.token_ids == first.token_ids
     assert (payloads() == before).all()  # codes and scales, bit for bit
     check_invariants(eng.kv)
+
+
+def test_aborts_and_cow_forks_on_int8_blocks(loaded_model):
+    """Aborting mid-prefill and mid-decode frees every int8 block (invariants hold); an n=2
+    fork's copy-on-write copies the partial prompt block's codes AND scales: the copy
+    equals its source by value in every layer, and its scales are real (nonzero)."""
+    from pagedkv.attention import layouts
+
+    ids = LLM(loaded_model, num_blocks=8).engine.tokenize(TEXT)
+    eng = LLMEngine(loaded_model, kv_cache_dtype="int8", block_size=4, num_blocks=16,
+                    max_num_batched_tokens=8, debug_invariants=True)
+    eng.add_request("p", ids[:30], SamplingParams(temperature=0.0, max_tokens=4))
+    eng.step()  # 8 of 30 prompt tokens
+    assert eng.kv.get_block_ids("p") == [0, 1]
+    eng.abort_request("p")  # mid-prefill
+    assert eng.kv.num_used_blocks == 0 and check_invariants(eng.kv) == 16
+    copies: list[tuple[int, int]] = []
+    snap: list[bool] = []
+    run_copy = eng.runner.copy_blocks
+
+    def checked_copy(pairs):
+        run_copy(pairs)
+        copies.extend(pairs)
+        for cache in eng.runner.kv_caches:
+            for s, d in pairs:
+                k, v, ks, vs = (t[d] for t in cache.block_tensors())
+                sk, sv, sks, svs = (t[s] for t in cache.block_tensors())
+                snap.append(torch.equal(k, sk) and torch.equal(v, sv) and torch.equal(ks, sks)
+                            and torch.equal(vs, svs) and bool((ks.float()[:2] > 0).all()))
+
+    eng.runner.copy_blocks = checked_copy
+    eng.add_request("f", ids[:10], SamplingParams(n=2, temperature=0.0, max_tokens=6, ignore_eos=True))
+    eng.add_request("d", ids[12:18], SamplingParams(temperature=0.0, max_tokens=30))
+    for _ in range(4):  # f's and d's prefills, then decodes: f's two sequences share block 3 of 10 tokens
+        eng.step()
+    assert len(copies) == 1 and len(snap) == 30 and all(snap)
+    src, dst = copies[0]
+    # the two prompt tokens in the partial block read back the same in both sequences
+    slots = torch.tensor([[src * 4, src * 4 + 1], [dst * 4, dst * 4 + 1]])
+    got = [layouts.gather_raw(eng.runner.kv_caches[5], s) for s in slots]
+    assert all(torch.equal(a, b) for a, b in zip(*got))
+    assert len(eng.kv.get_block_ids("d")) == 2  # 6 prompt tokens + 2 decoded: still running
+    eng.abort_request("d")  # mid-decode
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert eng.kv.num_used_blocks == 0 and check_invariants(eng.kv) == 16
