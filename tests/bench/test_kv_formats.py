@@ -44,7 +44,7 @@ def test_kv_quality_tiny(tmp_path, loaded_model):
 
 
 def test_kv_serving_tiny(tmp_path, loaded_model):
-    args = _args(kv_serving, ["--tiny", "--out-dir", str(tmp_path), "--threads", "1", "--no-plot"])
+    args = _args(kv_serving, ["--tiny", "--out-dir", str(tmp_path), "--threads", "1", "--no-plot", "--rates", "20,40"])
     assert kv_serving.run(args, loaded_model) == 0
     data = json.loads((tmp_path / "kv_serving.json").read_text())
     blocks = {s["kv_cache_dtype"]: s["num_blocks"] for s in data["summary"]}
