@@ -50,6 +50,7 @@ typedef struct {
 typedef struct {
     int qdt, kdt, hq, hkv, d, bs, prefetch;
     float scale;
+    float softcap;      /* > 0: scores become softcap * tanh(score / softcap) */
     const char *q; int64_t q_s0, q_s1;
     const char *k, *v; int64_t s_blk, s_tok, s_head;
     const uint16_t *ks, *vs; int64_t ss_blk, ss_tok, ss_head; int grp; /* quantised: bf16 scales */
@@ -270,6 +271,10 @@ static inline __attribute__((always_inline)) void item_body(const args_t *A, con
             int i = 0;
             for (; i + 8 <= n; i += 8) st_f32(sc + j * CHUNK + i, hsum8x8(pj + i * 8));
             for (; i < n; i++) sc[j * CHUNK + i] = hsum8(ld_f32(pj + i * 8));
+            if (A->softcap > 0.f) {
+                const float cap = A->softcap, inv_cap = 1.f / A->softcap;
+                for (i = 0; i < n; i++) sc[j * CHUNK + i] = cap * tanhf(sc[j * CHUNK + i] * inv_cap);
+            }
         }
         if (DT != 0) /* widen (dequantise) the V chunk once; the g passes below read float32 from L1 */
             for (int i = 0; i < n; i++)
@@ -372,6 +377,9 @@ int pagedkv_max_head_dim(void) { return MAXD; }
 /* Paged attention of n_seqs sequences. seq_ids[i] indexes seq_lens / q_start / block_tables
  * rows; q_lens[i] is its number of new tokens (query rows), which sit at positions
  * seq_len - q_len .. seq_len - 1 and attend causally. Strides are in elements.
+ * window > 0: the row at position p sees only positions p - window + 1 .. p (its work items
+ * start there: no K/V before it, nor its block-table entry, is read). softcap > 0: scores
+ * (scale included) become softcap * tanh(score / softcap) before the softmax.
  * min_split_len: smallest context split (tokens) of split-K (0 disables it). qdt: query/output
  * format (0 f32, 1 bf16); kdt: cache format (see the top); ks/vs: bf16 scales (kdt >= 2).
  * Returns 0, or -1 bad shape, -2 bad dtype, -3 out of memory. */
@@ -384,18 +392,20 @@ int pagedkv_paged_attention(
     const int32_t *seq_lens, const int32_t *q_start,
     const int32_t *seq_ids, const int32_t *q_lens, int n_seqs,
     void *out, int64_t o_s0, int64_t o_s1,
-    int nthreads, int min_split_len, int prefetch)
+    int nthreads, int min_split_len, int prefetch, int window, float softcap)
 {
     if (hkv <= 0 || hq % hkv || hq > MAXHQ || d > MAXD || d <= 0 || d % 8 || bs <= 0) return -1;
     if ((qdt != 0 && qdt != 1) || kdt < 0 || kdt > 4) return -2;
     if (kdt >= 2 && (grp <= 0 || grp % 8 || d % grp || !ks || !vs)) return -1;
     if (nthreads < 1) nthreads = 1;
+    if (window < 0 || softcap < 0.f) return -1;
     const int g = hq / hkv;
     int64_t rows = 0;
     int max_len = 0;
     for (int i = 0; i < n_seqs; i++) {
         rows += q_lens[i];
-        if (seq_lens[seq_ids[i]] > max_len) max_len = seq_lens[seq_ids[i]];
+        const int sl = seq_lens[seq_ids[i]], vis = window > 0 && window < sl ? window : sl;
+        if (vis > max_len) max_len = vis;
     }
     if (rows == 0) return 0;
     /* parallelism: rows first, then KV-head groups (free), then context splits (need a merge) */
@@ -412,7 +422,8 @@ int pagedkv_paged_attention(
     for (int i = 0; i < n_seqs; i++) {
         const int sl = seq_lens[seq_ids[i]];
         for (int r = 0; r < q_lens[i]; r++) {
-            const int vis = sl - q_lens[i] + r + 1;
+            const int end = sl - q_lens[i] + r + 1, lo = window > 0 && end > window ? end - window : 0;
+            const int vis = end - lo;
             const int ns = split_len && vis > split_len ? (vis + split_len - 1) / split_len : 1;
             total += (int64_t)hgroups * ns;
         }
@@ -423,7 +434,8 @@ int pagedkv_paged_attention(
     for (int i = 0; i < n_seqs; i++) {
         const int s = seq_ids[i], sl = seq_lens[s];
         for (int r = 0; r < q_lens[i]; r++) {
-            const int vis = sl - q_lens[i] + r + 1;
+            const int end = sl - q_lens[i] + r + 1, lo = window > 0 && end > window ? end - window : 0;
+            const int vis = end - lo;
             const int ns = split_len && vis > split_len ? (vis + split_len - 1) / split_len : 1;
             for (int hg = 0; hg < hgroups; hg++) {
                 const int h0 = (int)((int64_t)hkv * hg / hgroups), h1 = (int)((int64_t)hkv * (hg + 1) / hgroups);
@@ -432,8 +444,8 @@ int pagedkv_paged_attention(
                     item_t *it = &items[n_items++];
                     it->seq = s; it->row = r; it->h0 = h0; it->h1 = h1;
                     it->split = ns > 1 ? c : -1;
-                    it->t0 = ns > 1 ? c * split_len : 0;
-                    it->t1 = ns > 1 ? ((c + 1) * split_len < vis ? (c + 1) * split_len : vis) : vis;
+                    it->t0 = lo + (ns > 1 ? c * split_len : 0);
+                    it->t1 = lo + (ns > 1 ? ((c + 1) * split_len < vis ? (c + 1) * split_len : vis) : vis);
                     it->scratch = ns > 1 ? scratch_floats : 0;
                     if (ns > 1) scratch_floats += per_partial;
                 }
@@ -444,7 +456,7 @@ int pagedkv_paged_attention(
     float *work = (float *)malloc(sizeof(float) * (size_t)(wpt * nthreads));
     float *scratch = scratch_floats ? (float *)malloc(sizeof(float) * (size_t)scratch_floats) : NULL;
     if (!work || (scratch_floats && !scratch)) { free(items); free(work); free(scratch); return -3; }
-    args_t A = {qdt, kdt, hq, hkv, d, bs, prefetch, scale, (const char *)q, q_s0, q_s1, (const char *)k,
+    args_t A = {qdt, kdt, hq, hkv, d, bs, prefetch, scale, softcap, (const char *)q, q_s0, q_s1, (const char *)k,
                 (const char *)v, s_blk, s_tok, s_head, (const uint16_t *)ks, (const uint16_t *)vs,
                 ss_blk, ss_tok, ss_head, grp, bt, bt_s0, seq_lens, q_start,
                 (char *)out, o_s0, o_s1, scratch, work, wpt};

@@ -94,7 +94,7 @@ def _build() -> ctypes.CDLL:
                   ptr, ptr,
                   ptr, ptr, i32,
                   ptr, i64, i64,
-                  i32, i32, i32]
+                  i32, i32, i32, i32, ctypes.c_float]
     f.restype = ctypes.c_int
     return lib
 
@@ -128,9 +128,10 @@ class CPUKernel:
         )
 
     def run(self, query: torch.Tensor, cache, plan, scale: float, out: torch.Tensor,
-            nthreads: int | None = None) -> None:
+            nthreads: int | None = None, window: int = 0, soft_cap: float = 0.0) -> None:
         """Attention of ``plan.kernel_seqs`` into ``out`` (``[num_tokens, Hq, d]``, last dim
-        contiguous); ``plan.kernel_inputs`` is a ``KernelInputs``."""
+        contiguous); ``plan.kernel_inputs`` is a ``KernelInputs``. ``window`` (tokens) and
+        ``soft_cap``: 0 = off (see ``pagedkv.attention.base``)."""
         ki = plan.kernel_inputs
         s_blk, s_tok, s_head, _ = cache.key_nhd().stride()
         if cache.quant is not None:
@@ -146,7 +147,7 @@ class CPUKernel:
             ks, vs, *ss, grp,
             ki.bt_ptr, ki.bt_s0, ki.seq_lens_ptr, ki.qsl_ptr, ki.ids_ptr, ki.qls_ptr, ki.n,
             out.data_ptr(), out.stride(0), out.stride(1),
-            nthreads or torch.get_num_threads(), self.min_split_len, self.prefetch,
+            nthreads or torch.get_num_threads(), self.min_split_len, self.prefetch, int(window), float(soft_cap),
         )
         if rc != 0:
             raise RuntimeError(f"pagedkv CPU kernel failed with code {rc}")

@@ -12,7 +12,7 @@ import torch
 from pagedkv.utils import cdiv
 
 from pagedkv.attention import layouts as L
-from pagedkv.attention.base import AttentionMetadata
+from pagedkv.attention.base import AttentionMetadata, check_window, window_start
 from pagedkv.errors import BackendError
 
 
@@ -110,24 +110,34 @@ class ReferenceBackend(LayoutMemory):
 
     # -- attention ------------------------------------------------------------------------
     def forward(self, query: torch.Tensor, kv_cache: L.PagedKVCache, metadata: AttentionMetadata,
-                scale: float) -> torch.Tensor:
-        """``[num_tokens, num_heads, head_dim]`` output in ``query.dtype``."""
+                scale: float, sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> torch.Tensor:
+        """``[num_tokens, num_heads, head_dim]`` output in ``query.dtype``. With a
+        ``sliding_window`` only positions from the first query's window start on are gathered;
+        ``logits_soft_cap`` caps the scores before the mask (see ``base``)."""
         n, hq, d = check_inputs(query, kv_cache, metadata)
+        window, cap = check_window(sliding_window, logits_soft_cap)
         out = torch.zeros_like(query)  # rows past query_start_loc[-1] (batch padding) stay 0
         seq_lens, q_lens, starts = lists_of(metadata)
         group = hq // kv_cache.num_kv_heads
         for i, (sl, ql) in enumerate(zip(seq_lens, q_lens)):
             if ql == 0:
                 continue
-            slots = context_slots(metadata.block_tables[i], sl, kv_cache.block_size)
+            lo = window_start(sl - ql, window)
+            slots = context_slots(metadata.block_tables[i], sl, kv_cache.block_size)[lo:]
             k, v = self.gather_kv(kv_cache, slots)
-            k = k.float().repeat_interleave(group, dim=1)  # [sl, hq, d]
+            k = k.float().repeat_interleave(group, dim=1)  # [sl - lo, hq, d]
             v = v.float().repeat_interleave(group, dim=1)
             q = query[starts[i] : starts[i] + ql].float()  # [ql, hq, d]
-            scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [hq, ql, sl]
+            scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [hq, ql, sl - lo]
+            if cap:
+                scores = torch.tanh(scores / cap) * cap
             q_pos = torch.arange(sl - ql, sl, device=query.device)[:, None]
-            k_pos = torch.arange(sl, device=query.device)[None, :]
-            scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+            k_pos = torch.arange(lo, sl, device=query.device)[None, :]
+            hidden = k_pos > q_pos
+            if window:
+                hidden |= k_pos <= q_pos - window
+            scores = scores.masked_fill(hidden, float("-inf"))
             p = torch.softmax(scores, dim=-1)
             out[starts[i] : starts[i] + ql] = torch.einsum("hqk,khd->qhd", p, v).to(query.dtype)
         return out

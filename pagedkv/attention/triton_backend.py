@@ -35,7 +35,7 @@ from pagedkv.utils import cdiv
 
 from pagedkv.attention import layouts as L
 from pagedkv.attention import quant as Q
-from pagedkv.attention.base import AttentionMetadata
+from pagedkv.attention.base import AttentionMetadata, check_window
 from pagedkv.attention.reference import check_inputs
 from pagedkv.errors import BackendError
 
@@ -59,12 +59,15 @@ if triton is not None:
     def _attend_tile(
         q, m_i, l_i, acc, start, kv_end, q_pos, bt_row, k_cache_ptr, v_cache_ptr,
         s_blk, s_tok, s_head, h, x, xmask, block_size, ks_ptr, vs_ptr, ss_blk, ss_tok, ss_head,
+        window, softcap,
         BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, CAUSAL: tl.constexpr, GRP: tl.constexpr,
-        KDT: tl.constexpr,
+        KDT: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
     ):
         """One online-softmax update with the K/V tile of positions ``start ..
         start + BLOCK_N`` (< ``kv_end``), read through the block table row ``bt_row``;
-        ``CAUSAL``: row i sees positions <= ``q_pos[i]``. Returns the new (m, l, acc)."""
+        ``CAUSAL``: row i sees positions <= ``q_pos[i]`` (and, with ``WINDOW``, > ``q_pos[i] -
+        window``); ``SOFTCAP``: scores become ``softcap * tanh(score / softcap)``. Returns the
+        new (m, l, acc)."""
         n = start + tl.arange(0, BLOCK_N)
         nmask = n < kv_end
         blk = tl.load(bt_row + n // block_size, mask=nmask, other=0).to(tl.int64)
@@ -77,8 +80,15 @@ if triton is not None:
             sc = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             sc = tl.dot(q.to(k.dtype), tl.trans(k))
+        if SOFTCAP:  # tanh from exp (no tanh in every Triton build): sign(y) (1 - e) / (1 + e), e = exp(-2|y|)
+            y = sc / softcap
+            e = tl.exp(-2.0 * tl.abs(y))
+            t = (1.0 - e) / (1.0 + e)
+            sc = softcap * tl.where(y < 0, -t, t)
         if CAUSAL:
             valid = (n[None, :] <= q_pos[:, None]) & nmask[None, :]
+            if WINDOW:
+                valid = valid & (n[None, :] > q_pos[:, None] - window)
         else:
             valid = nmask[None, :] & (q_pos[:, None] >= 0)
         sc = tl.where(valid, sc, float("-inf"))
@@ -100,12 +110,17 @@ if triton is not None:
         s_qt, s_qh, s_ot, s_oh,
         s_blk, s_tok, s_head, s_bt,
         block_size, head_dim, num_splits, split_len, ks_ptr, vs_ptr, ss_blk, ss_tok, ss_head,
+        window, softcap,
         GROUP: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
         DOT_F32: tl.constexpr, SPLIT: tl.constexpr, GRP: tl.constexpr, KDT: tl.constexpr,
+        WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
     ):
         s, h, c, q_start, q_len, seq_len = _program_seq(qsl_ptr, seq_lens_ptr)
         if q_len == 1:
-            t_begin = c * split_len
+            lo = 0
+            if WINDOW:  # the window's first position: nothing before it is read
+                lo = tl.maximum(seq_len - window, 0)
+            t_begin = lo + c * split_len
             t_end = tl.minimum(seq_len, t_begin + split_len)
             g = tl.arange(0, G_PAD)
             x = tl.arange(0, D_PAD)
@@ -123,7 +138,7 @@ if triton is not None:
                 m_i, l_i, acc = _attend_tile(
                     q, m_i, l_i, acc, start, t_end, g, bt_row, k_cache_ptr, v_cache_ptr,
                     s_blk, s_tok, s_head, h, x, xmask, block_size, ks_ptr, vs_ptr, ss_blk, ss_tok, ss_head,
-                    BLOCK_N, DOT_F32, False, GRP, KDT,
+                    window, softcap, BLOCK_N, DOT_F32, False, GRP, KDT, False, SOFTCAP,
                 )
             if SPLIT:
                 # partials [num_seqs, Hq, num_splits] (+ D for acc)
@@ -140,8 +155,8 @@ if triton is not None:
     @triton.jit
     def _reduce_kernel(
         out_ptr, qsl_ptr, seq_lens_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-        s_ot, s_oh, head_dim, num_heads, num_splits, split_len,
-        S_PAD: tl.constexpr, D_PAD: tl.constexpr,
+        s_ot, s_oh, head_dim, num_heads, num_splits, split_len, window,
+        S_PAD: tl.constexpr, D_PAD: tl.constexpr, WINDOW: tl.constexpr,
     ):
         s = tl.program_id(0)
         qh = tl.program_id(1)
@@ -149,6 +164,8 @@ if triton is not None:
         q_len = tl.load(qsl_ptr + s + 1) - q_start
         if q_len == 1:
             seq_len = tl.load(seq_lens_ptr + s)
+            if WINDOW:
+                seq_len = tl.minimum(seq_len, window)  # the splits cover the window only
             used = tl.cdiv(seq_len, split_len)  # splits that saw at least one token
             c = tl.arange(0, S_PAD)
             cmask = c < used
@@ -169,9 +186,10 @@ if triton is not None:
         scale,
         s_qt, s_qh, s_ot, s_oh,
         s_blk, s_tok, s_head, s_bt,
-        block_size, head_dim, ks_ptr, vs_ptr, ss_blk, ss_tok, ss_head,
+        block_size, head_dim, ks_ptr, vs_ptr, ss_blk, ss_tok, ss_head, window, softcap,
         GROUP: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, GRP: tl.constexpr, KDT: tl.constexpr,
+        WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
     ):
         # one program: BLOCK_M query positions x the G query heads of KV head h, packed as
         # BLOCK_M * G_PAD tile rows (row i: position i // G_PAD, head i % G_PAD), so each K/V
@@ -196,11 +214,14 @@ if triton is not None:
             # keys up to the last query position of this tile
             kv_end = tl.minimum(seq_len, seq_len - q_len + (mt + 1) * BLOCK_M)
             bt_row = bt_ptr + s.to(tl.int64) * s_bt
-            for start in range(0, kv_end, BLOCK_N):
+            kv_begin = 0
+            if WINDOW:  # the window start of this tile's first query: nothing before it is read
+                kv_begin = tl.maximum(seq_len - q_len + mt * BLOCK_M - window + 1, 0)
+            for start in range(kv_begin, kv_end, BLOCK_N):
                 m_i, l_i, acc = _attend_tile(
                     q, m_i, l_i, acc, start, kv_end, q_pos, bt_row, k_cache_ptr, v_cache_ptr,
                     s_blk, s_tok, s_head, h, x, xmask, block_size, ks_ptr, vs_ptr, ss_blk, ss_tok, ss_head,
-                    BLOCK_N, DOT_F32, True, GRP, KDT,
+                    window, softcap, BLOCK_N, DOT_F32, True, GRP, KDT, WINDOW, SOFTCAP,
                 )
             o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(out_ptr + q_rows[:, None] * s_ot + qh[:, None] * s_oh + x[None, :],
@@ -320,9 +341,15 @@ class TritonBackend(L.BlockTransfer):
         return buf[:numel].view(shape)
 
     def forward(self, query: torch.Tensor, kv_cache: L.PagedKVCache, metadata: AttentionMetadata,
-                scale: float) -> torch.Tensor:
-        """Causal paged attention; ``query`` ``[num_tokens, Hq, d]`` -> same shape and dtype."""
+                scale: float, sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> torch.Tensor:
+        """Causal paged attention; ``query`` ``[num_tokens, Hq, d]`` -> same shape and dtype.
+        ``sliding_window`` (tokens) / ``logits_soft_cap``: see ``pagedkv.attention.base``; the
+        kernels start each query tile at its window (out-of-window blocks are not read)."""
         n, hq, d = check_inputs(query, kv_cache, metadata)
+        window, cap = check_window(sliding_window, logits_soft_cap)
+        wargs = (window, cap or 1.0)
+        wconst = {"WINDOW": window > 0, "SOFTCAP": cap > 0}
         c, md = kv_cache, metadata
         if query.stride(-1) != 1:
             query = query.contiguous()
@@ -352,9 +379,10 @@ class TritonBackend(L.BlockTransfer):
         else:
             qargs, qconst = (c.key, c.value, 0, 0, 0), {"GRP": 1, "KDT": 0}
         # decode rows (q_len == 1), split-K when the longest context exceeds split_len
-        num_splits = max(1, cdiv(md.max_seq_len, self.split_len))
+        longest = min(md.max_seq_len, window) if window else md.max_seq_len  # keys a decode row reads
+        num_splits = max(1, cdiv(longest, self.split_len))
         split = num_splits > 1
-        split_len = self.split_len if split else max(md.max_seq_len, 1)
+        split_len = self.split_len if split else max(longest, 1)
         if split:
             pm = self._workspace("m", (num_seqs, hq, num_splits), query.device)
             pl = self._workspace("l", (num_seqs, hq, num_splits), query.device)
@@ -366,14 +394,14 @@ class TritonBackend(L.BlockTransfer):
                 query, c.key, c.value, out, bt, seq_lens, qsl, pm, pl, pa, float(scale),
                 query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                 s_blk, s_tok, s_head, bt.stride(0),
-                c.block_size, d, num_splits, split_len, *qargs,
+                c.block_size, d, num_splits, split_len, *qargs, *wargs,
                 GROUP=group, G_PAD=max(16, _next_pow2(group)), D_PAD=d_pad, BLOCK_N=self.block_n,
-                DOT_F32=dot_f32, SPLIT=split, **qconst, **self._launch,
+                DOT_F32=dot_f32, SPLIT=split, **qconst, **wconst, **self._launch,
             )
             if split:
                 _reduce_kernel[(num_seqs, hq)](
-                    out, qsl, seq_lens, pm, pl, pa, out.stride(0), out.stride(1), d, hq, num_splits, split_len,
-                    S_PAD=max(2, _next_pow2(num_splits)), D_PAD=d_pad, num_warps=self.num_warps,
+                    out, qsl, seq_lens, pm, pl, pa, out.stride(0), out.stride(1), d, hq, num_splits, split_len, window,
+                    S_PAD=max(2, _next_pow2(num_splits)), D_PAD=d_pad, WINDOW=window > 0, num_warps=self.num_warps,
                 )
         if md.max_query_len > 1:
             g_pad = _next_pow2(group)
@@ -382,8 +410,8 @@ class TritonBackend(L.BlockTransfer):
                 query, c.key, c.value, out, bt, seq_lens, qsl, float(scale),
                 query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                 s_blk, s_tok, s_head, bt.stride(0),
-                c.block_size, d, *qargs,
+                c.block_size, d, *qargs, *wargs,
                 GROUP=group, G_PAD=g_pad, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=self.block_n,
-                DOT_F32=dot_f32, **qconst, **self._launch,
+                DOT_F32=dot_f32, **qconst, **wconst, **self._launch,
             )
         return out

@@ -16,6 +16,7 @@ from pagedkv.testing.conformance import (
     pytest_params,
     quantized_cases,
     run_case,
+    window_cases,
 )
 
 __all__ = [
@@ -29,4 +30,5 @@ __all__ = [
     "pytest_params",
     "quantized_cases",
     "run_case",
+    "window_cases",
 ]

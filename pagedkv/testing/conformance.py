@@ -39,13 +39,14 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 import torch
 
 from pagedkv.attention.base import AttentionBackend, AttentionMetadata
 from pagedkv.kv.block_table import slot_mapping
+from pagedkv.testing.cases import Case, conformance_cases, quantized_cases, window_cases  # noqa: F401 - re-exported
 from pagedkv.utils import cdiv
 
 # max |out - expected| allowed: atol + rtol * |expected|
@@ -54,80 +55,6 @@ TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float16: (4e-3, 4e-3),
     torch.bfloat16: (3e-2, 2e-2),
 }
-
-
-@dataclass(frozen=True)
-class Case:
-    """One conformance scenario. ``seq_lens[i]`` is sequence i's context length after the step
-    (tokens), ``query_lens[i]`` its new tokens this step (1 = decode). ``shared_prefix_blocks``
-    leading full blocks are the *same physical blocks* in every sequence (prefix caching)."""
-
-    name: str
-    seq_lens: tuple[int, ...]
-    query_lens: tuple[int, ...]
-    block_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    shared_prefix_blocks: int = 0
-    table_padding: int = 2  # extra block-table entries per row, pointing at NaN blocks
-    spare_blocks: int = 3  # unused (NaN) physical blocks
-    tags: tuple[str, ...] = ()
-    kv_cache_dtype: str | None = None  # None: the query dtype; else int8 | fp8_e4m3 | fp8_e5m2
-    quant_group_size: int | None = None  # elements per scale (None: head_dim)
-
-    @property
-    def gqa_ratio(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-
-def conformance_cases(small: bool = False) -> list[Case]:
-    """The scenarios the issue asks for. ``small=True`` keeps only shapes cheap enough for an
-    interpreter (Triton ``TRITON_INTERPRET=1``): same coverage, shorter contexts."""
-    long_ctx = 600 if small else 1100  # spans many blocks; >= 1024 triggers split-K paths
-    cases = [
-        # seed §03's worked example: A=17, B=33, C=8 tokens, block_size 16, decode
-        Case("seed03_decode", (17, 33, 8), (1, 1, 1), 16, 6, 2, 32, tags=("decode", "partial_block")),
-        Case("block_size_1", (5, 9, 1), (1, 4, 1), 1, 4, 2, 16, tags=("bs1", "mixed")),
-        Case("block_size_2_prefill", (7, 12), (7, 5), 2, 4, 1, 16, tags=("prefill", "mqa")),
-        Case("block_size_128", (130, 7), (1, 7), 128, 4, 2, 16, tags=("bs128", "mixed")),
-        Case("mha_ratio1", (23, 40), (1, 3), 8, 4, 4, 32, tags=("gqa1",)),
-        Case("smollm_shape_gqa3", (45, 64, 3), (1, 16, 3), 16, 9, 3, 64, tags=("gqa3", "mixed")),
-        Case("gqa8", (31, 19), (1, 19), 4, 16, 2, 32, tags=("gqa8", "mixed")),
-        Case("mqa", (50, 12), (2, 1), 8, 8, 1, 32, tags=("mqa",)),
-        Case("head_dim_128", (20, 9), (1, 9), 8, 4, 2, 128, tags=("d128",)),
-        Case("long_context_decode", (long_ctx,), (1,), 16, 4, 2, 32, tags=("long", "decode", "split")),
-        Case("long_context_batch", (long_ctx // 2, 77, long_ctx // 3), (1, 1, 1), 16, 6, 2, 32,
-             tags=("long", "decode")),
-        Case("prefill_from_scratch", (37,), (37,), 8, 6, 2, 32, tags=("prefill", "partial_block")),
-        Case("chunked_prefill_cached_context", (50, 41), (13, 40), 16, 6, 3, 32, tags=("prefill", "chunked")),
-        Case("mixed_prefill_decode", (40, 25, 70, 1), (1, 25, 9, 1), 16, 6, 2, 32, tags=("mixed",)),
-        # 3 sequences share their first 2 blocks; the second has its whole prompt cached except
-        # its last token (seq_len = 2*bs + 1, q_len 1); the third is a chunk after the prefix
-        Case("shared_prefix", (37, 33, 45), (1, 1, 13), 16, 6, 2, 32, shared_prefix_blocks=2,
-             tags=("prefix", "cached_all_but_last")),
-        Case("shared_prefix_bs1", (9, 7), (2, 1), 1, 4, 2, 16, shared_prefix_blocks=6, tags=("prefix", "bs1")),
-    ]
-    return cases + quantized_cases(small)
-
-
-def quantized_cases(small: bool = False) -> list[Case]:
-    """The quantised-cache scenarios, in every KV format this torch has (int8, fp8_e4m3,
-    fp8_e5m2): decode, mixed prefill/decode, a long split-K context, a shared prefix, and group
-    sizes below the head dim (32 of 128; 4 of 32, which the CPU kernel leaves to torch)."""
-    from pagedkv.attention.quant import FORMATS
-
-    long_ctx = 600 if small else 1100
-    shapes = [
-        Case("q_seed03_decode", (17, 33, 8), (1, 1, 1), 16, 6, 2, 32, tags=("decode",)),
-        Case("q_mixed_prefill_decode", (40, 25, 70), (1, 25, 9), 16, 9, 3, 64, tags=("mixed", "gqa3")),
-        Case("q_long_context_decode", (long_ctx,), (1,), 16, 4, 2, 32, tags=("long", "split")),
-        Case("q_shared_prefix", (37, 33, 45), (1, 1, 13), 16, 6, 2, 32, shared_prefix_blocks=2, tags=("prefix",)),
-        Case("q_group32_d128", (20, 9), (1, 9), 8, 4, 2, 128, quant_group_size=32, tags=("d128", "group")),
-        Case("q_group4_bs1", (9, 5), (1, 5), 1, 4, 1, 32, quant_group_size=4, tags=("bs1", "group", "mqa")),
-    ]
-    return [replace(c, name=f"{c.name}_{fmt}", kv_cache_dtype=fmt, tags=c.tags + ("quantized",))
-            for fmt in FORMATS for c in shapes]
 
 
 @dataclass
@@ -171,18 +98,25 @@ class ConformanceError(AssertionError):
     """A backend broke the protocol (message says how)."""
 
 
-def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     window: int | None = None, cap: float | None = None) -> torch.Tensor:
     """float64 causal attention of ``q`` [ql, hq, d] over ``k``/``v`` [sl, hkv, d]; the new
-    tokens sit at the last ``ql`` positions."""
+    tokens sit at the last ``ql`` positions. ``window``: the query at ``p`` sees ``p - window <
+    k <= p``; ``cap``: scores ``cap * tanh(s / cap)`` before the mask (transformers' Gemma-2)."""
     ql, hq, d = q.shape
     sl, hkv, _ = k.shape
     g = hq // hkv
     k = k.double().repeat_interleave(g, dim=1)
     v = v.double().repeat_interleave(g, dim=1)
     s = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    if cap:
+        s = cap * torch.tanh(s / cap)
     qpos = torch.arange(sl - ql, sl)[:, None]
     kpos = torch.arange(sl)[None, :]
-    s = s.masked_fill(kpos > qpos, float("-inf"))
+    hidden = kpos > qpos
+    if window:
+        hidden = hidden | (kpos <= qpos - window)
+    s = s.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), v)
 
 
@@ -230,6 +164,14 @@ def _run(backend: AttentionBackend, case: Case, dtype: torch.dtype, device: torc
     gen = torch.Generator().manual_seed(seed)
     bs, hq, hkv, d = case.block_size, case.num_heads, case.num_kv_heads, case.head_dim
     tables, num_blocks = _layout_blocks(case, rng)
+    los = [case.window_start(i) for i in range(len(case.seq_lens))]
+    if any(los):  # blocks wholly before the window: the null block (never written: NaN)
+        if case.shared_prefix_blocks:
+            raise ValueError(f"case {case.name}: windows with a shared prefix are not generated")
+        null = num_blocks  # one more physical block, left NaN
+        num_blocks += 1
+        for t, lo in zip(tables, los):
+            t[: lo // bs] = [null] * (lo // bs)
     if case.kv_cache_dtype is None:
         cache = backend.allocate_kv_cache(num_blocks, bs, hkv, d, dtype, device)
     else:
@@ -265,7 +207,7 @@ def _run(backend: AttentionBackend, case: Case, dtype: torch.dtype, device: torc
             raise ValueError(f"case {case.name}: a new token of sequence {i} falls inside the shared prefix")
     rows = []
     for i, (sl, ql) in enumerate(zip(case.seq_lens, case.query_lens)):
-        start = p_tokens if i > 0 else 0
+        start = max(p_tokens if i > 0 else 0, los[i])  # before the window: never written
         rows += [(i, pos) for pos in range(start, sl - ql)]
     rng.shuffle(rows)
     if rows:
@@ -291,7 +233,9 @@ def _run(backend: AttentionBackend, case: Case, dtype: torch.dtype, device: torc
     # 4. forward
     q = torch.randn(md.num_tokens, hq, d, generator=gen).to(dtype)
     scale = 1.0 / math.sqrt(d)
-    out = backend.forward(q.to(device), cache, md, scale)
+    opts = {k: v for k, v in (("sliding_window", case.sliding_window), ("logits_soft_cap", case.logits_soft_cap))
+            if v is not None}  # only what the case uses: backends written before these options still run
+    out = backend.forward(q.to(device), cache, md, scale, **opts)
     if tuple(out.shape) != (md.num_tokens, hq, d):
         raise ConformanceError(f"output shape {tuple(out.shape)} != {(md.num_tokens, hq, d)}")
     if out.dtype != dtype:
@@ -304,10 +248,12 @@ def _run(backend: AttentionBackend, case: Case, dtype: torch.dtype, device: torc
     qsl = md.query_start_loc.cpu().tolist()
     qs = [q[qsl[i] : qsl[i + 1]].double() for i in range(len(case.seq_lens))]
     if case.kv_cache_dtype is None:
-        exp = torch.cat([_dense_attention(qs[i], dense_k[i], dense_v[i], scale) for i in range(len(qs))])
+        exp = torch.cat([_dense_attention(qs[i], dense_k[i], dense_v[i], scale, case.sliding_window, case.logits_soft_cap)
+                         for i in range(len(qs))])
         max_err = _check_close(out, exp, atol + rtol * exp.abs(), qsl, f" (atol {atol}, rtol {rtol})")
     else:
-        max_err = _check_quantized(backend, cache, case, tables, qs, dense_k, dense_v, out, scale, atol, rtol, qsl, device)
+        max_err = _check_quantized(backend, cache, case, tables, qs, dense_k, dense_v, out, scale, atol, rtol, qsl,
+                                   device, los)
 
     # 5. gather_kv returns what was written (new tokens), NaN rows were not written
     gk, gv = backend.gather_kv(cache, md.slot_mapping)
@@ -326,15 +272,21 @@ def _run(backend: AttentionBackend, case: Case, dtype: torch.dtype, device: torc
     used = {b for t, sl in zip(tables, case.seq_lens) for b in t[: -(-sl // bs)]}
     spare = sorted(set(range(num_blocks)) - used)
     if spare:
-        src, dst = tables[0][0], spare[0]
+        first = los[0] // bs  # sequence 0's first real block
+        src, dst = tables[0][first], spare[0]
         backend.copy_blocks(cache, [(src, dst)])
-        n_written = min(bs, case.seq_lens[0])
+        n_written = min(bs, case.seq_lens[0] - first * bs)
         read = backend.gather_kv if case.kv_cache_dtype is None else backend.gather_kv_raw  # codes and scales
         a = read(cache, torch.arange(src * bs, src * bs + n_written, device=device))
         b = read(cache, torch.arange(dst * bs, dst * bs + n_written, device=device))
-        if not all(torch.equal(x.cpu(), y.cpu()) for x, y in zip(a, b)):
+        if not all(_same_bits(x, y) for x, y in zip(a, b)):
             raise ConformanceError("copy_blocks did not copy the block")
     return max_err
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality (a copied NaN equals itself)."""
+    return a.shape == b.shape and torch.equal(a.cpu().contiguous().view(torch.uint8), b.cpu().contiguous().view(torch.uint8))
 
 
 def _check_close(out: torch.Tensor, exp: torch.Tensor, tol: torch.Tensor, qsl: list[int], what: str) -> float:
@@ -367,22 +319,29 @@ def _check_stored(cache: Any, written: torch.Tensor, codes: torch.Tensor, scales
 
 def _check_quantized(backend: Any, cache: Any, case: Case, tables: list[list[int]], qs: list[torch.Tensor],
                      dense_k: list[torch.Tensor], dense_v: list[torch.Tensor], out: torch.Tensor, scale: float,
-                     atol: float, rtol: float, qsl: list[int], device: torch.device) -> float:
-    """Checks (a)-(c) of the module doc for a quantised case; returns max |out - oracle|."""
+                     atol: float, rtol: float, qsl: list[int], device: torch.device, los: list[int]) -> float:
+    """Checks (a)-(c) of the module doc for a quantised case; returns max |out - oracle|.
+    Positions before ``los[i]`` (outside every window of sequence i) were never stored: the
+    oracle masks them, so they keep their unquantised values and a zero error bound."""
     from pagedkv.attention.quant import error_bound
 
     exact, exp_full, bounds = [], [], []
+    w, cap = case.sliding_window, case.logits_soft_cap
     for i, sl in enumerate(case.seq_lens):
-        slots = torch.tensor([int(slot_mapping(tables[i], case.block_size, p, p + 1)[0]) for p in range(sl)],
+        lo = los[i]
+        slots = torch.tensor([int(slot_mapping(tables[i], case.block_size, p, p + 1)[0]) for p in range(lo, sl)],
                              dtype=torch.int64, device=device)
         k, v, ks, vs = backend.gather_kv_raw(cache, slots)
-        _check_stored(cache, dense_k[i], k, ks, f"sequence {i} K")
-        _check_stored(cache, dense_v[i], v, vs, f"sequence {i} V")
-        exact.append(_dense_attention(qs[i], _dequantize(k, ks, cache), _dequantize(v, vs, cache), scale))
-        exp_full.append(_dense_attention(qs[i], dense_k[i], dense_v[i], scale))
+        _check_stored(cache, dense_k[i][lo:], k, ks, f"sequence {i} K")
+        _check_stored(cache, dense_v[i][lo:], v, vs, f"sequence {i} V")
+        kq, vq = dense_k[i].clone(), dense_v[i].clone()
+        kq[lo:], vq[lo:] = _dequantize(k, ks, cache), _dequantize(v, vs, cache)
+        exact.append(_dense_attention(qs[i], kq, vq, scale, w, cap))
+        exp_full.append(_dense_attention(qs[i], dense_k[i], dense_v[i], scale, w, cap))
         g = case.num_heads // case.num_kv_heads
-        e_k = error_bound(dense_k[i], ks.cpu(), cache.quant).repeat_interleave(g, dim=1)  # [sl, hq, d]
-        e_v = error_bound(dense_v[i], vs.cpu(), cache.quant).repeat_interleave(g, dim=1)
+        pad = torch.zeros(lo, case.num_kv_heads, case.head_dim, dtype=torch.float64)
+        e_k = torch.cat([pad, error_bound(dense_k[i][lo:], ks.cpu(), cache.quant)]).repeat_interleave(g, dim=1)
+        e_v = error_bound(dense_v[i][lo:], vs.cpu(), cache.quant).repeat_interleave(g, dim=1)
         delta = scale * torch.einsum("qhd,khd->qhk", qs[i].abs(), e_k).amax(dim=-1, keepdim=True)  # [ql, hq, 1]
         v_max = dense_v[i].abs().repeat_interleave(g, dim=1).amax(dim=0)  # [hq, d]
         bounds.append(e_v.amax(dim=0) + torch.expm1(2 * delta) * v_max)
