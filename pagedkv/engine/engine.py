@@ -39,7 +39,7 @@ from pagedkv.kv.tiers import StoreIdentity, ZmqEventPublisher, open_tiers, parse
 from pagedkv.model.loader import LoadedModel, load_model
 from pagedkv.model.quant import resolve_weights
 from pagedkv.attention.quant import FORMATS, check_group_size
-from pagedkv.utils import canonical_dtype, kv_cache_dtype, profile_scope, torch_dtype
+from pagedkv.utils import canonical_dtype, cdiv, kv_cache_dtype, profile_scope, torch_dtype
 from pagedkv.worker.runner import ModelRunner
 
 logger = logging.getLogger("pagedkv")
@@ -84,10 +84,13 @@ class LLMEngine:
             raise ConfigError(f"kv_quant_group_size applies to a quantised kv_cache_dtype "
                               f"({', '.join(FORMATS)}), not {self.kv_cache_dtype}")
         self.kv_quant_group_size = check_group_size(cfg.kv_quant_group_size, mc.head_dim) if quant else None
+        # per layer its sliding window (None: full); all-full models keep one layer group
+        windows = mc.layer_windows() if hasattr(mc, "layer_windows") else None
+        self.layer_windows = windows if windows and any(w is not None for w in windows) else None
         self.kv_spec = KVCacheSpec(
             num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
             dtype=quant.spec_dtype if quant else canonical_dtype(self.kv_cache_dtype), tp_size=tp,
-            quant_group_size=self.kv_quant_group_size,
+            quant_group_size=self.kv_quant_group_size, layer_windows=self.layer_windows,
         )
         cache_dtype = self.kv_cache_dtype if quant else torch_dtype(self.kv_cache_dtype)
         # the prefix-cache identity of this cache's bytes (format and, when quantised, group)
@@ -104,6 +107,7 @@ class LLMEngine:
             self.runner = ModelRunner(
                 loaded.model, self.backend, mc.num_layers, num_blocks, cfg.block_size,
                 mc.num_kv_heads, mc.head_dim, cache_dtype, cfg.device, self.kv_quant_group_size,
+                layer_windows=self.layer_windows,
             )
         else:  # same prepare/copy_blocks/execute, run on tp ranks (this process is rank 0)
             self.runner = TPExecutor(
@@ -117,7 +121,7 @@ class LLMEngine:
             max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=self.max_model_len,
             policy=cfg.policy, watermark=cfg.watermark, enable_chunked_prefill=cfg.enable_chunked_prefill,
             enable_prefix_caching=cfg.prefix_caching, enable_paging=cfg.enable_paging,
-            shuffle_seed=cfg.shuffle_blocks, kv_tiers=self.kv_tiers,
+            shuffle_seed=cfg.shuffle_blocks, kv_tiers=self.kv_tiers, layer_windows=self.layer_windows,
         ))
         self.groups = self.scheduler.groups
         self.output = OutputProcessor(self.tokenizer, self.scheduler)
@@ -289,6 +293,11 @@ class LLMEngine:
         total = min(len(token_ids) + params.max_tokens, self.max_model_len)
         cfg = self.config
         need = blocks_needed(len(token_ids), total, params, cfg.block_size, cfg.enable_paging, self.max_model_len)
+        if self.layer_windows is not None:  # per layer group; a window group holds its window
+            per_seq = params.beam_width + 1 if params.use_beam_search else 1
+            chunk = cfg.max_num_batched_tokens
+            need = sum(need if w is None else min(need, per_seq * (cdiv(w - 1 + chunk, cfg.block_size) + 1))
+                       for w in self.kv_spec.groups.windows)
         if need > self.num_blocks:
             raise InvalidRequestError(
                 f"request needs {need} KV blocks ({total} tokens) but the pool has only "

@@ -50,7 +50,7 @@ def check_invariants(manager: Any) -> int:
                 problems.append(f"{name}: {k} placeholders in a group without a window or not the null block")
             if null is not None and any(b is null for b in table.blocks[k:]):
                 problems.append(f"{name}: the null block past its {k} leading placeholders")
-            if k and k * bs > max(0, table.num_tokens - 1 - windows[g] + 1):
+            if k and windows[g] is not None and k * bs > max(0, table.num_tokens - windows[g]):
                 problems.append(f"{name}: placeholder blocks 0..{k - 1} reach into the window "
                                 f"of position {table.num_tokens - 1}")
             if g and rid in group_tables[0] and table.num_tokens != group_tables[0][rid].num_tokens:
