@@ -166,11 +166,13 @@ def _fuse_layers(state: StateDict, parts: _Parts, config: ModelConfig, names: tu
             raise ConfigError(f"weights: layer {i} is missing {e.args[0][1]}") from None
 
     q, k, v, gate, up = names
-    for i in range(config.num_layers):
-        state[f"layers.{i}.qkv_proj.weight"] = cat(i, f"{q}.weight", f"{k}.weight", f"{v}.weight")
+    for i in range(config.num_layers):  # a checkpoint that stores them fused (Phi-3) has them already
+        if f"layers.{i}.qkv_proj.weight" not in state:
+            state[f"layers.{i}.qkv_proj.weight"] = cat(i, f"{q}.weight", f"{k}.weight", f"{v}.weight")
         if (i, f"{q}.bias") in parts:
             state[f"layers.{i}.qkv_proj.bias"] = cat(i, f"{q}.bias", f"{k}.bias", f"{v}.bias")
-        state[f"layers.{i}.gate_up_proj.weight"] = cat(i, f"{gate}.weight", f"{up}.weight")
+        if f"layers.{i}.gate_up_proj.weight" not in state:
+            state[f"layers.{i}.gate_up_proj.weight"] = cat(i, f"{gate}.weight", f"{up}.weight")
     if parts:
         raise ConfigError(f"weights: tensors of layers beyond num_layers: {sorted(parts)[:3]}")
     if config.tie_word_embeddings:
@@ -187,6 +189,12 @@ _HF_LAYER_NAMES = {
     "post_attention_layernorm.weight": "post_attention_layernorm.weight",
     "self_attn.o_proj.weight": "o_proj.weight",
     "mlp.down_proj.weight": "down_proj.weight",
+    "self_attn.q_norm.weight": "q_norm.weight",  # Qwen3, Gemma-3
+    "self_attn.k_norm.weight": "k_norm.weight",
+    "pre_feedforward_layernorm.weight": "pre_feedforward_layernorm.weight",  # Gemma-2/3
+    "post_feedforward_layernorm.weight": "post_feedforward_layernorm.weight",
+    "self_attn.qkv_proj.weight": "qkv_proj.weight",  # Phi-3 stores them fused
+    "mlp.gate_up_proj.weight": "gate_up_proj.weight",
 }
 _HF_FUSED_PARTS = {
     "self_attn.q_proj.weight": "q.weight", "self_attn.k_proj.weight": "k.weight", "self_attn.v_proj.weight": "v.weight",
