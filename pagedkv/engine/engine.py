@@ -85,7 +85,7 @@ class LLMEngine:
                               f"({', '.join(FORMATS)}), not {self.kv_cache_dtype}")
         self.kv_quant_group_size = check_group_size(cfg.kv_quant_group_size, mc.head_dim) if quant else None
         # per layer its sliding window (None: full); all-full models keep one layer group
-        windows = mc.layer_windows() if hasattr(mc, "layer_windows") else None
+        windows = mc.layer_windows()
         self.layer_windows = windows if windows and any(w is not None for w in windows) else None
         self.kv_spec = KVCacheSpec(
             num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
