@@ -322,7 +322,7 @@ class Scheduler:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
                 req.num_cached_tokens_by_tier = cached_tokens_by_tier(
-                    hit_blocks if self.kv.num_groups == 1 else hit_blocks[0], self.kv.block_size)
+                    hit_blocks[0] if self.kv.num_groups > 1 and hit_blocks else hit_blocks, self.kv.block_size)
                 req.num_prefix_query_tokens = req.num_tokens if self.enable_prefix_caching else 0
             if req.scheduled_time is None:
                 req.scheduled_time = now()
