@@ -45,6 +45,7 @@ class ModelInput:
     metadata: AttentionMetadata | list[AttentionMetadata]  # one, or one per layer (hybrid)
     logits_indices: torch.Tensor  # int64 [num_sampling + extra]: rows of T whose logits are returned
     num_sample_rows: int = -1  # the first num_sample_rows of logits_indices sample (-1: all)
+    groups: list[AttentionMetadata] | None = None  # per layer group (None: just ``metadata``)
 
 
 class ModelRunner:
@@ -103,6 +104,7 @@ class ModelRunner:
         per_group = [build_slots([ids[g] for ids in block_ids] if ng > 1 else block_ids,
                                  num_computed, qlens, self.block_size) for g in range(ng)]
         b = per_group[0]
+        group_md = [AttentionMetadata.from_slots(x, qlens, self.device) for x in per_group]
         ends = b.query_start_loc[1:].astype(np.int64) - 1
         dev = self.device
         flat = [t for ids in token_ids for t in ids]
@@ -114,9 +116,10 @@ class ModelRunner:
         return ModelInput(
             input_ids=torch.tensor(flat, dtype=torch.int64, device=dev),
             positions=torch.from_numpy(b.positions).to(dev),
-            metadata=self.layer_metadata([AttentionMetadata.from_slots(x, qlens, dev) for x in per_group]),
+            metadata=self.layer_metadata(group_md),
             logits_indices=torch.from_numpy(rows).to(dev),
             num_sample_rows=num_sample,
+            groups=group_md,
         )
 
     def layer_metadata(self, per_group: list[AttentionMetadata]) -> AttentionMetadata | list[AttentionMetadata]:
