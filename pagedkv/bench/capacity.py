@@ -31,6 +31,9 @@ The replay model (stated in every result file):
 
 Everything is computed per event (arrival, finish, out-of-blocks), analytically between
 events; there is no per-token loop.
+
+A model with sliding-window layers (``--model gemma-2-9b``) runs the hybrid-vs-all-full
+comparison of :mod:`pagedkv.bench.capacity_hybrid` instead (``capacity_hybrid.*``).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from pagedkv.bench.capacity_hybrid import HYBRID_MODELS
 from pagedkv.bench.capacity_report import GOAL_CONCURRENCY_RATIO, GOAL_UTILIZATION, make_plots, render_markdown
 from pagedkv.bench.capacity_sim import SimResult, simulate
 from pagedkv.bench.common import default_workload, machine_info, pin_threads
@@ -316,9 +320,13 @@ def run_capacity(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", choices=(*MODEL_CHOICES, "all"), default="all",
+    p.add_argument("--model", choices=(*MODEL_CHOICES, *HYBRID_MODELS, "all"), default="all",
                    help="KV config to size (default all: the bundled SmolLM2-135M, Llama-3-8B (GQA), "
-                        "Qwen2.5-7B (GQA), DeepSeek-V3 (MLA))")
+                        "Qwen2.5-7B (GQA), DeepSeek-V3 (MLA)); gemma-2-9b: hybrid (sliding-window "
+                        "groups) vs all-full at the headline block size, written to capacity_hybrid.*")
+    p.add_argument("--windows", default="",
+                   help="hybrid models: extra windows (tokens, comma-separated) to replay with the window "
+                        "layers' window replaced, e.g. 1024")
     p.add_argument("--dtype", default="bf16",
                    help="KV cache dtype: bf16, fp16, fp32, fp8, int8, int4 (default bf16)")
     p.add_argument("--kv-cache-dtype", default=None,
@@ -348,6 +356,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.model in HYBRID_MODELS:
+        from pagedkv.bench import capacity_hybrid
+
+        sizes = _parse_block_sizes(args.block_sizes)
+        args.block_size = HEADLINE_BLOCK_SIZE if HEADLINE_BLOCK_SIZE in sizes else sizes[0]
+        return capacity_hybrid.run(args)
     threads = pin_threads(args.threads)
     data = run_capacity(args)
     data["machine"] = machine_info(threads)
