@@ -144,6 +144,9 @@ class LLMEngine:
         specs = parse_tier_specs(cfg.kv_offload)
         if not specs and not cfg.kv_events:
             return None, None, None
+        if self.layer_windows is not None:  # before a store or a socket is opened
+            raise ConfigError("kv_offload / kv_events: not supported for a model with sliding-window "
+                              "layers (its KV block ids hold one layer group each; docs/hybrid_kv.md)")
         publisher = identity = None
         try:
             if cfg.kv_events:

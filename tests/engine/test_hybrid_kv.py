@@ -12,6 +12,7 @@ import torch
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.engine.request import RequestStatus
+from pagedkv.errors import ConfigError
 from pagedkv.kv import check_invariants
 from tests.model.test_families import _hf_config, _prompt
 
@@ -145,3 +146,11 @@ def test_abort_mid_request_leaks_nothing(gemma2):
     assert all(b.ref_cnt == 0 for b in eng.kv.pool.blocks)
     check_invariants(eng.kv)
     assert RequestStatus.FINISHED_ABORTED.finished
+
+
+def test_kv_tiers_and_events_refuse_a_windowed_model(gemma2):
+    _, lm = gemma2
+    with pytest.raises(ConfigError, match="sliding-window"):
+        make(lm, kv_offload=["host:1MiB"])
+    with pytest.raises(ConfigError, match="sliding-window"):
+        make(lm, kv_events="tcp://127.0.0.1:1")
