@@ -36,8 +36,7 @@ HYBRID_MODELS = ("gemma-2-9b",)
 
 def _replay(spec: KVCacheSpec, label: str, trace: Any, arrival: np.ndarray, budget: int, bs: int,
             step_s: float, points: int) -> dict[str, Any]:
-    from pagedkv.bench.capacity import _series
-    from pagedkv.bench.capacity_sim import simulate
+    from pagedkv.bench.capacity_sim import series_bins, simulate
 
     windows = spec.groups.windows
     n_blocks = budget // spec.block_bytes(bs)
@@ -62,7 +61,7 @@ def _replay(spec: KVCacheSpec, label: str, trace: Any, arrival: np.ndarray, budg
                                             - arrival[: res.admit_step.size][res.admit_step >= 0]) * step_s)
         if res.never_fit == 0 else float("nan"),
         "makespan_s": res.last_step * step_s,
-        "series": _series(res, step_s, points),
+        "series": series_bins(res, step_s, points),
     }
 
 

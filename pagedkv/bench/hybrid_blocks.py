@@ -44,7 +44,8 @@ def _tiny_gemma2(path: Path, layers: int, window: int | None, max_pos: int) -> N
 def _live(args: argparse.Namespace, window: int | None) -> dict[str, Any]:
     import random
 
-    from pagedkv import LLM, SamplingParams
+    from pagedkv.engine.llm import LLM
+    from pagedkv.engine.request import SamplingParams
     from pagedkv.model.loader import load_model
 
     T, bs = args.context, args.block_size

@@ -62,11 +62,8 @@ class LayerGroups:
 
     @property
     def num_groups(self) -> int:
+        """Layer groups (1 without sliding windows)."""
         return len(self.windows)
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layer_group)
 
     @property
     def is_hybrid(self) -> bool:
