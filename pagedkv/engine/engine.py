@@ -200,8 +200,13 @@ class LLMEngine:
     # ---- requests --------------------------------------------------------------------
     def kv_summary(self) -> dict[str, Any]:
         """The paged KV cache: its format (``kv_cache_dtype``, ``kv_quant_group_size``), size
-        (blocks, tokens, bytes) and the max concurrency at max_model_len."""
+        (blocks, tokens, bytes) and the max concurrency at max_model_len (with sliding-window
+        layers: ``layer_groups`` and usable blocks / the blocks one max_model_len request holds
+        over every group)."""
         bs = self.config.block_size
+        conc = self.config.max_concurrency(self.num_blocks, self.max_model_len)
+        if self.layer_windows is not None:
+            conc = (self.num_blocks - 1) / self.kv_spec.blocks_per_request(self.max_model_len, bs)
         return {
             "kv_cache_dtype": self.kv_cache_dtype,
             "kv_quant_group_size": self.kv_quant_group_size,
@@ -211,7 +216,8 @@ class LLMEngine:
             "bytes_per_token": self.kv_spec.bytes_per_token,
             "bytes": self.num_blocks * self.kv_spec.block_bytes(bs),
             "max_model_len": self.max_model_len,
-            "max_concurrency_at_max_model_len": self.config.max_concurrency(self.num_blocks, self.max_model_len),
+            "max_concurrency_at_max_model_len": conc,
+            "layer_groups": self.kv_spec.groups.describe() if self.layer_windows is not None else None,
         }
 
     def tokenize(self, prompt: str) -> list[int]:

@@ -68,6 +68,10 @@ def test_greedy_equals_transformers_while_window_blocks_are_freed(gemma2):
     kv = eng.kv
     assert kv.num_groups == 2 and kv.groups.windows == (None, WINDOW) and kv.null_block.block_id == 0
     assert len(eng.runner.shared_caches) == 2  # max_layers: the window group's two layers
+    summary = eng.kv_summary()
+    assert [g["layers"] for g in summary["layer_groups"]] == [[1], [0, 2]]
+    # 63 usable blocks; one 128-token request holds 32 full + 2 window blocks
+    assert summary["max_concurrency_at_max_model_len"] == 63 / 34
     assert eng.runner.kv_caches[0] is eng.runner.kv_caches[1] is not eng.runner.kv_caches[2]
     for i, p in enumerate(prompts):
         eng.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=NEW))
