@@ -210,10 +210,9 @@ class ModelConfig:
         if arch is None:
             raise ConfigError("general.architecture: missing from GGUF metadata")
         arch = str(arch)
-        if arch not in ("llama", "qwen2"):
-            raise ConfigError(
-                f"general.architecture: unsupported GGUF architecture {arch!r} (supported: llama, qwen2)"
-            )
+        if arch not in families.GGUF_ARCHITECTURES:
+            raise ConfigError(f"general.architecture: unsupported GGUF architecture {arch!r} "
+                              f"(supported: {', '.join(families.GGUF_ARCHITECTURES)})")
 
         def get(key: str, default: Any = _MISSING) -> Any:
             full = f"{arch}.{key}"
@@ -276,15 +275,17 @@ class ModelConfig:
             raise ConfigError("tokenizer.ggml.eos_token_id: missing from GGUF metadata")
         bos = metadata.get("tokenizer.ggml.bos_token_id")
 
+        num_layers = _as_int(get("block_count"), f"{arch}.block_count")
+        head_dim = _as_int(head_dim, f"{arch}.attention.key_length")
         return cls(
             architecture=arch,
             vocab_size=_as_int(vocab, f"{arch}.vocab_size"),
             hidden_size=hidden,
             intermediate_size=_as_int(get("feed_forward_length"), f"{arch}.feed_forward_length"),
-            num_layers=_as_int(get("block_count"), f"{arch}.block_count"),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=_as_int(num_kv_heads, f"{arch}.attention.head_count_kv"),
-            head_dim=_as_int(head_dim, f"{arch}.attention.key_length"),
+            head_dim=head_dim,
             rope_theta=_as_float(get("rope.freq_base", 10000.0), f"{arch}.rope.freq_base"),
             rope_scaling=rope_scaling,
             rms_norm_eps=_as_float(
@@ -297,6 +298,7 @@ class ModelConfig:
             model_id=model_id,
             revision=revision,
             attention_bias="blk.0.attn_q.bias" in names,
+            **families.gguf_family_fields(arch, metadata, names, num_layers, hidden, head_dim),
         )
 
     @classmethod

@@ -147,3 +147,38 @@ def hf_rope(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None, fl
         scaling.pop("type", None)
         scaling = None if rope_type == "default" else {"rope_type": rope_type, **scaling}
     return theta, scaling, None if local_theta is None else float(local_theta)
+
+
+#: GGUF ``general.architecture`` values we load (Mistral GGUFs are written as ``llama``).
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+
+
+def gguf_family_fields(arch: str, metadata: Mapping[str, Any], tensor_names: set[str], num_layers: int,
+                       hidden: int, head_dim: int) -> dict[str, Any]:
+    """The family switches from GGUF metadata, as llama.cpp writes and reads them: windows from
+    ``{arch}.attention.sliding_window`` (Gemma-2: every 2nd layer full, Gemma-3: every 6th, with
+    the local RoPE base 10000 llama.cpp assumes), soft caps from ``{arch}.attn_logit_softcapping``
+    / ``final_logit_softcapping``. GGUF has no ``query_pre_attn_scalar``: Gemma's attention scale
+    is ``head_dim ** -0.5`` (what llama.cpp uses for every size but the 27B ones). Raises
+    ``ConfigError`` for Phi-3 LongRoPE (``rope_factors_long.weight``)."""
+    def key(name: str) -> Any:
+        return metadata.get(f"{arch}.{name}")
+
+    if arch == "phi3" and "rope_factors_long.weight" in tensor_names:
+        raise ConfigError("rope_factors_long.weight: Phi-3 LongRoPE is not supported")
+    out: dict[str, Any] = {"qk_norm": arch in ("qwen3", "gemma3")}
+    window = key("attention.sliding_window")
+    if window is not None and arch in ("phi3", "gemma2", "gemma3"):
+        window = int(window)
+        pattern = {"gemma2": 2, "gemma3": 6}.get(arch)
+        types = None if pattern is None else [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+        out.update(sliding_window=window, layer_types=types)
+    if arch in _GEMMA:
+        out.update(hidden_act="gelu_pytorch_tanh", norm_offset=1.0, sandwich_norms=True,
+                   embed_scale=math.sqrt(hidden), attn_scale=head_dim ** -0.5,
+                   attn_logit_softcap=_cap({"x": key("attn_logit_softcapping")}, "x"),
+                   final_logit_softcap=_cap({"x": key("final_logit_softcapping")}, "x"))
+        if arch == "gemma3":
+            out["rope_local_theta"] = 10000.0
+    return out
