@@ -35,8 +35,8 @@ def gemma2(tmp_path_factory):
         for name, p in hf.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.3)
-            elif any(k in name for k in ("q_proj", "k_proj", "embed_tokens")):
-                p.mul_(8.0)
+            elif any(k in name for k in ("q_proj", "k_proj")):
+                p.mul_(8.0)  # (not the embeddings: Gemma scales them itself, more repeats one token)
     out = tmp_path_factory.mktemp("gemma2")
     hf.save_pretrained(out)
     _tiny_tokenizer().save_pretrained(out)
@@ -47,7 +47,8 @@ def hf_greedy(hf, ids, n=NEW):
     with torch.inference_mode():
         out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                           max_new_tokens=n, do_sample=False, num_beams=1, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+    toks = out[0, len(ids):].tolist()
+    return toks[: toks.index(2) + 1] if 2 in toks else toks  # the engine stops at EOS (2)
 
 
 def make(lm, **kw):
@@ -87,6 +88,7 @@ def test_greedy_equals_transformers_while_window_blocks_are_freed(gemma2):
             nulls_seen = max(nulls_seen, ids[1].count(0))
             peak_window = max(peak_window, window)
     assert [outs["r0"], outs["r1"]] == refs
+    assert all(len(set(r)) >= 4 for r in refs)  # not one repeated token
     # 16-token chunks: a step computing from p holds blocks (p - 5) // 4 .. (p + 15) // 4
     assert nulls_seen >= 8 and peak_window == 6
     assert kv.stats.window_freed_blocks >= 2 * 7
@@ -128,7 +130,8 @@ def test_n2_forks_and_beam_search_on_the_window_group(gemma2):
                         max_new_tokens=NEW, num_beams=2, do_sample=False, num_return_sequences=2,
                         pad_token_id=0)
     out = llm.generate([ids], SamplingParams(beam_width=2, max_tokens=NEW), use_tqdm=False)[0]
-    assert [c.token_ids for c in out.outputs] == [s[len(ids):].tolist() for s in r]
+    strip = [s[len(ids):].tolist() for s in r]
+    assert [c.token_ids for c in out.outputs] == [t[: t.index(2) + 1] if 2 in t else t for t in strip]
     assert eng.kv.num_used_blocks == 0
     check_invariants(eng.kv)
 
