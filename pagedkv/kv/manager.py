@@ -104,6 +104,7 @@ class KVCacheManager(PrefixLookup, StepFences):
             raise ConfigError("max_model_len is required when enable_paging=False (it sets the reservation)")
         self.groups = groups = LayerGroups.from_layer_windows(layer_windows)
         self._windowed = groups.is_hybrid
+        self._single = groups.num_groups == 1
         if self._windowed and tiers is not None:
             raise ConfigError("kv tiers / KV events: not supported with sliding-window layers "
                               "(the tiers move whole blocks of every layer; a hybrid cache's "
@@ -365,7 +366,7 @@ class KVCacheManager(PrefixLookup, StepFences):
         if self._windowed and num_computed_tokens > 0:
             self.slide_windows(req_id, num_computed_tokens)
         table = self._tables.get(req_id)
-        if (table is not None and self.groups.num_groups == 1 and not new_computed_blocks
+        if (table is not None and self._single and not new_computed_blocks
                 and num_new_tokens > 0 and num_computed_tokens >= 0):
             # Fast path (decode): the new tokens land in one existing, private, unpublished block.
             bs = self.block_size

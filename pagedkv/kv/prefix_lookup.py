@@ -111,6 +111,10 @@ class PrefixLookup:
         if not self.enable_prefix_caching:
             return 0
         bs = self.block_size
+        if self._single:  # the common case, every decode step: nothing new to publish yet
+            table = self._tables.get(req_id)
+            if table is None or num_computed_tokens // bs <= table.num_hashed:
+                return 0
         published = 0
         for g, tables in enumerate(self._gtables):
             table = tables.get(req_id)
