@@ -13,7 +13,7 @@ broken rule, or returns the number of blocks checked.
    ``num_tokens``. The null block (a hybrid manager's block 0) is never referenced, queued
    nor cached, and appears only as the first ``num_null`` entries of a sliding-window
    group's table (never in a full group's); those entries lie wholly before the window of
-   the request's next step.
+   position ``num_tokens`` (the furthest the request's next step can start).
 """
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ def check_invariants(manager: Any) -> int:
                 problems.append(f"{name}: {k} placeholders in a group without a window or not the null block")
             if null is not None and any(b is null for b in table.blocks[k:]):
                 problems.append(f"{name}: the null block past its {k} leading placeholders")
-            if k and windows[g] is not None and k * bs > max(0, table.num_tokens - windows[g]):
+            if k and windows[g] is not None and k > max(0, table.num_tokens - windows[g] + 1) // bs:
                 problems.append(f"{name}: placeholder blocks 0..{k - 1} reach into the window "
-                                f"of position {table.num_tokens - 1}")
+                                f"of position {table.num_tokens}")
             if g and rid in group_tables[0] and table.num_tokens != group_tables[0][rid].num_tokens:
                 problems.append(f"{name}: {table.num_tokens} tokens, group 0 has {group_tables[0][rid].num_tokens}")
             held.update(ids)

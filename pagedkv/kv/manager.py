@@ -399,11 +399,14 @@ class KVCacheManager(PrefixLookup, StepFences):
                 self._stats.prefix_hits += q[1]
         copies: list[tuple[int, int]] = []
         total = num_computed_tokens + num_new_tokens
-        for tables, (table, n_fresh, cow), gh in zip(self._gtables, plans, hits):
+        tabs = []
+        for tables, (table, _n, _c), gh in zip(self._gtables, plans, hits):
             if table is None:
                 table = tables[req_id] = BlockTable(self.block_size)
-            if gh:
-                self._place_hits(table, gh)
+            if gh:  # every group's hits leave the free queue before any group allocates
+                self._place_hits(table, gh)  # (an allocation could evict another group's hit)
+            tabs.append(table)
+        for table, (_t, n_fresh, cow) in zip(tabs, plans):
             if cow:
                 copies += self._copy_on_write(req_id, table, cow, num_computed_tokens)
             if n_fresh:

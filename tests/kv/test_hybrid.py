@@ -225,3 +225,23 @@ def test_spec_sizes_gemma2_per_group():
     assert g.bytes_per_request(32768, 16) / ag.bytes_per_request(32768, 16) == 0.5625
     assert KVCacheSpec.from_hf_config("mistral-7b").groups.windows == (4096,)
     assert KVCacheSpec.from_hf_config("qwen2.5-7b").layer_windows is None  # use_sliding_window false
+
+
+def test_one_groups_allocation_never_evicts_another_groups_hit():
+    """Found by the hybrid state machine: with the free cached blocks at the front of the free
+    queue, the full group's fresh block must not be taken from the window group's hits."""
+    m = KVCacheManager(7, 4, enable_prefix_caching=True, layer_windows=WINDOWS)  # 6 usable
+    toks = list(range(100, 108))
+    m.allocate_slots("a", 8, 0)  # full [1, 2], window [3, 4]
+    m.cache_blocks("a", toks, 8)
+    m.free("a")  # queue: 5, 6, 2, 1, 4, 3
+    m.allocate_slots("x", 1, 0)
+    m.free("x")
+    m.pool.free_queue._q.move_to_end(4, last=False)  # the window hit is the next block out
+    hits, n = m.get_computed_blocks("b", toks + [9, 9, 9])
+    assert n == 8 and [[b.block_id for b in h] for h in hits] == [[1, 2], [3, 4]]
+    m.allocate_slots("b", 3, 8, new_computed_blocks=hits)
+    ids = m.get_group_block_ids("b")
+    assert ids[1][:2] == [3, 4] and not set(ids[0]) & set(ids[1])
+    assert [m.pool.blocks[i].ref_cnt for i in (1, 2, 3, 4)] == [1, 1, 1, 1]
+    check_invariants(m)
