@@ -11,9 +11,9 @@ import pytest
 from pagedkv import LLM, SamplingParams
 from pagedkv.kv import check_invariants
 from tests.engine.test_hybrid_kv import BLOCK, NEW, gemma2, hf_greedy  # noqa: F401  (fixture)
-from tests.model.test_families import _prompt
+from tests.model.test_families import _prompt, family  # noqa: F401  (fixture)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.parametrize("family", ["gemma2"], indirect=True)]
 
 
 def test_tp2_hybrid_greedy_equals_transformers(gemma2, monkeypatch):  # noqa: F811

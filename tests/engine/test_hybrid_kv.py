@@ -14,33 +14,19 @@ from pagedkv import LLM, SamplingParams
 from pagedkv.engine.request import RequestStatus
 from pagedkv.errors import ConfigError
 from pagedkv.kv import check_invariants
-from tests.model.test_families import _hf_config, _prompt
+from tests.model.test_families import _prompt, family  # noqa: F401  (family: the fixture)
 
 BLOCK = 4
 WINDOW = 6
 NEW = 10
+pytestmark = pytest.mark.parametrize("family", ["gemma2"], indirect=True)
 
 
 @pytest.fixture(scope="module")
-def gemma2(tmp_path_factory):
-    """(transformers model, pagedkv LoadedModel) with non-trivial norms (as test_families)."""
-    from pagedkv.model.loader import load_model
-    from tests.model.test_llama import _tiny_tokenizer
-
-    cfg, cls = _hf_config("gemma2")
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    hf = cls(cfg).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.3)
-            elif any(k in name for k in ("q_proj", "k_proj")):
-                p.mul_(8.0)  # (not the embeddings: Gemma scales them itself, more repeats one token)
-    out = tmp_path_factory.mktemp("gemma2")
-    hf.save_pretrained(out)
-    _tiny_tokenizer().save_pretrained(out)
-    return hf, load_model(out)
+def gemma2(family):  # noqa: F811
+    """(transformers model, pagedkv LoadedModel): test_families' tiny Gemma-2."""
+    _kind, hf, _dir, lm = family
+    return hf, lm
 
 
 def hf_greedy(hf, ids, n=NEW):

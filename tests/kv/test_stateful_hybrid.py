@@ -15,13 +15,12 @@ token prefix (group 1's is the negation of group 0's), so after every step:
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import invariant, precondition, rule
 
 from pagedkv.errors import NoFreeBlocksError
 from tests.kv import test_stateful as base
-from tests.kv.test_stateful import BS, KEYS, MAX_LIVE, PREFIXES, KVMachine, _Req
+from tests.kv.test_stateful import BS, MAX_LIVE, KVMachine, _Req
 
 NUM_BLOCKS = 33  # 32 usable + the null block
 WINDOWS = [None, 6]
@@ -69,38 +68,20 @@ class HybridMachine(KVMachine):
         assert all(dst in fresh for _src, dst in copies)
         return copies
 
-    @precondition(lambda self: len(self.reqs) < MAX_LIVE)
-    @rule(prefix=st.integers(0, len(PREFIXES) - 1), cut=st.integers(0, 12),
-          tail=st.integers(0, 4**6 - 1), keys_idx=st.integers(0, len(KEYS) - 1),
-          chunk=st.integers(1, 12))
-    def new_request(self, prefix, cut, tail, keys_idx, chunk):
-        base.STEPS["n"] += 1
-        tail_tokens = [(tail >> (2 * i)) & 3 for i in range(tail % 7)]
-        tokens = (PREFIXES[prefix][:cut] + tail_tokens) or [0]
-        rid = f"r{self.ids}"
-        self.ids += 1
-        keys = KEYS[keys_idx]
-        req = _Req(tokens, keys_idx)
-        hits, cached = self.m.get_computed_blocks(rid, tokens, keys)
+    def _check_hits(self, req: _Req, hits, cached: int):
+        """Per group, a hit serves exactly the hit prefix's K/V (the window group's leading
+        null entries only behind the window of the hit point)."""
         if not cached:
-            hits = ()
-        else:
-            assert len(hits[0]) * BS == cached < len(tokens)
-            for g, sign in ((0, 1), (1, -1)):
-                for i, b in enumerate(hits[g]):
-                    if b.block_id == 0:
-                        assert g == 1 and (i + 1) * BS <= cached - WINDOWS[1] + 1
-                        continue
-                    got = self.device[b.block_id * BS:(b.block_id + 1) * BS].tolist()
-                    assert got == [sign * v for v in req.vals[i * BS:(i + 1) * BS]], "hit served wrong K/V"
-        n = min(chunk, len(tokens) - cached)
-        copies = self._allocate(rid, n, cached, hits)
-        if copies is None:
-            return
-        self.reqs[rid] = req
-        self._write(rid, copies, cached, cached + n)
-        req.computed = cached + n
-        self.m.cache_blocks(rid, req.tokens, req.computed, keys)
+            return ()
+        assert len(hits[0]) * BS == cached < len(req.tokens)
+        for g, sign in ((0, 1), (1, -1)):
+            for i, b in enumerate(hits[g]):
+                if b.block_id == 0:
+                    assert g == 1 and (i + 1) * BS <= cached - WINDOWS[1] + 1
+                    continue
+                got = self.device[b.block_id * BS:(b.block_id + 1) * BS].tolist()
+                assert got == [sign * v for v in req.vals[i * BS:(i + 1) * BS]], "hit served wrong K/V"
+        return hits
 
     @precondition(lambda self: self.reqs and len(self.reqs) < MAX_LIVE)
     @rule(pick=st.integers(0, 63))
@@ -144,29 +125,15 @@ class HybridMachine(KVMachine):
         assert self._fenced() <= held | live
         assert not self.open.keys() ^ self.m.open_steps.keys()
 
+    covered_keys = ("window_freed_blocks", "cow_copies", "prefix_hits", "deferred_frees")
+    covered = COVERED
+
     def teardown(self):
-        st_ = self.m.stats
-        for k in ("window_freed_blocks", "cow_copies", "prefix_hits", "deferred_frees"):
-            COVERED[k] += getattr(st_, k)
-        for sid in sorted(self.open):
-            self.m.end_step(sid)
-        for rid in list(self.reqs):
-            self.m.free(rid)
-        base.check_invariants(self.m)
-        assert self.m.num_used_blocks == 0 and self.m.num_free_blocks == NUM_BLOCKS - 1
+        super().teardown()
+        assert self.m.num_free_blocks == NUM_BLOCKS - 1  # all but the null block
 
 
 def test_hybrid_kv_state_machine_10k_steps():
-    base.STEPS["n"] = 0
     COVERED.update(dict.fromkeys(COVERED, 0))
-    examples = 125
-    while base.STEPS["n"] < base.TARGET_STEPS:
-        run_state_machine_as_test(
-            HybridMachine,
-            settings=settings(max_examples=examples, stateful_step_count=base.STEPS_PER_EXAMPLE,
-                              deadline=None, database=None,
-                              suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
-                                                     HealthCheck.data_too_large]),
-        )
-        examples = (base.TARGET_STEPS - base.STEPS["n"]) // 60 + 1
+    base.run_machine(HybridMachine)
     assert all(v > 0 for v in COVERED.values()), COVERED
