@@ -31,6 +31,9 @@ The replay model (stated in every result file):
 
 Everything is computed per event (arrival, finish, out-of-blocks), analytically between
 events; there is no per-token loop.
+
+A model with sliding-window layers (``--model gemma-2-9b``) runs the hybrid-vs-all-full
+comparison of :mod:`pagedkv.bench.capacity_hybrid` instead (``capacity_hybrid.*``).
 """
 
 from __future__ import annotations
@@ -43,8 +46,9 @@ from typing import Any
 
 import numpy as np
 
+from pagedkv.bench.capacity_hybrid import HYBRID_MODELS
 from pagedkv.bench.capacity_report import GOAL_CONCURRENCY_RATIO, GOAL_UTILIZATION, make_plots, render_markdown
-from pagedkv.bench.capacity_sim import SimResult, simulate
+from pagedkv.bench.capacity_sim import SimResult, series_bins, simulate
 from pagedkv.bench.common import default_workload, machine_info, pin_threads
 from pagedkv.bench.report import publish
 from pagedkv.bench.workload import load_trace
@@ -135,44 +139,6 @@ def _row(model: str, layout: str, res: SimResult, *, step_s: float, arrival_step
     }
 
 
-def _series(res: SimResult, step_s: float, points: int) -> dict[str, list]:
-    """The replay over time in ``points`` equal time bins (from the first arrival to the end).
-
-    Per bin: ``t_s`` (bin start, seconds), time-weighted means of ``running`` (requests),
-    ``effective_tokens``, ``allocated_slots`` (slot-equivalents, metadata included) and
-    ``queue`` (waiting requests), and ``running_max``. Values are held constant between
-    events (token counts actually grow by one per step in between; the exact time averages
-    are the integrals in the results, not these).
-    """
-    keys = ("t_s", "running", "running_max", "effective_tokens", "allocated_slots", "queue")
-    st = np.asarray(res.series_step, dtype=np.float64)
-    if st.size == 0 or res.last_step <= st[0]:
-        return {k: [] for k in keys}
-    edges = np.linspace(st[0], res.last_step, num=max(points, 1) + 1)
-    dt = np.diff(np.append(st, res.last_step))
-    pos = np.clip(np.searchsorted(st, edges, side="right") - 1, 0, st.size - 1)
-    width = np.diff(edges)
-
-    def bin_mean(q: np.ndarray) -> np.ndarray:
-        cum = np.concatenate([[0.0], np.cumsum(q * dt)])
-        integral = cum[pos] + q[pos] * (edges - st[pos])
-        return np.diff(integral) / width
-
-    running = np.asarray(res.series_running, dtype=np.float64)
-    slots = np.asarray(res.series_blocks, dtype=np.float64) * (res.block_size + res.entry_slots)
-    # max per bin: the value holding at the bin start and every event inside the bin
-    inside = np.searchsorted(st, edges[1:], side="left") - 1
-    run_max = np.array([running[a:max(b, a) + 1].max() for a, b in zip(pos[:-1], inside)])
-    return {
-        "t_s": np.round(edges[:-1] * step_s, 3).tolist(),
-        "running": np.round(bin_mean(running), 3).tolist(),
-        "running_max": run_max.astype(int).tolist(),
-        "effective_tokens": np.round(bin_mean(np.asarray(res.series_effective, np.float64)), 1).tolist(),
-        "allocated_slots": np.round(bin_mean(slots), 1).tolist(),
-        "queue": np.round(bin_mean(np.asarray(res.series_queue, np.float64)), 2).tolist(),
-    }
-
-
 def _parse_block_sizes(text: str) -> list[int]:
     try:
         sizes = sorted({int(x) for x in text.split(",") if x.strip()})
@@ -233,7 +199,7 @@ def run_capacity(args: argparse.Namespace) -> dict[str, Any]:
             rows.append(row)
             if layout == "contiguous" or bsz == HEADLINE_BLOCK_SIZE or (
                     HEADLINE_BLOCK_SIZE not in sizes and bsz == sizes[0]):
-                series[f"{layout}_{bsz}"] = _series(res, step_s, args.series_points)
+                series[f"{layout}_{bsz}"] = series_bins(res, step_s, args.series_points)
             bar.update(1)
         contig = rows[0]
         for r in rows:
@@ -316,9 +282,13 @@ def run_capacity(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", choices=(*MODEL_CHOICES, "all"), default="all",
+    p.add_argument("--model", choices=(*MODEL_CHOICES, *HYBRID_MODELS, "all"), default="all",
                    help="KV config to size (default all: the bundled SmolLM2-135M, Llama-3-8B (GQA), "
-                        "Qwen2.5-7B (GQA), DeepSeek-V3 (MLA))")
+                        "Qwen2.5-7B (GQA), DeepSeek-V3 (MLA)); gemma-2-9b: hybrid (sliding-window "
+                        "groups) vs all-full at the headline block size, written to capacity_hybrid.*")
+    p.add_argument("--windows", default="",
+                   help="hybrid models: extra windows (tokens, comma-separated) to replay with the window "
+                        "layers' window replaced, e.g. 1024")
     p.add_argument("--dtype", default="bf16",
                    help="KV cache dtype: bf16, fp16, fp32, fp8, int8, int4 (default bf16)")
     p.add_argument("--kv-cache-dtype", default=None,
@@ -348,6 +318,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.model in HYBRID_MODELS:
+        from pagedkv.bench import capacity_hybrid
+
+        sizes = _parse_block_sizes(args.block_sizes)
+        args.block_size = HEADLINE_BLOCK_SIZE if HEADLINE_BLOCK_SIZE in sizes else sizes[0]
+        return capacity_hybrid.run(args)
     threads = pin_threads(args.threads)
     data = run_capacity(args)
     data["machine"] = machine_info(threads)

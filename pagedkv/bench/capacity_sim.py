@@ -75,6 +75,41 @@ def _sum_ceil(n: np.ndarray, b: int) -> np.ndarray:
     return b * q * (q + 1) // 2 + r * (q + 1)
 
 
+def _sum_floor(n: np.ndarray, b: int) -> np.ndarray:
+    """``sum_{x=1..n} floor(x / b)`` elementwise (n >= 0), in closed form."""
+    q = n // b
+    r = n - q * b
+    return b * q * (q - 1) // 2 + (r + 1) * q
+
+
+class _Groups:
+    """Blocks and effective token-slots of a request of ``len`` tokens over KV layer groups
+    (``windows``: ``None`` = full attention, ``W`` = sliding window), with closed-form sums
+    over ``len = 1 .. n``. A window group holds what ``pagedkv.kv`` keeps between steps:
+    ``ceil(len / b) - floor(max(0, len - W) / b)`` blocks for its last ``min(len, W)`` tokens.
+    ``(None,)`` is the plain paged cache."""
+
+    def __init__(self, windows: tuple, b: int) -> None:
+        self.windows, self.b = tuple(windows), b
+
+    def blocks(self, lens):
+        n = cdiv(lens, self.b)
+        return sum(n if w is None else n - np.maximum(0, lens - w) // self.b for w in self.windows)
+
+    def sum_blocks(self, n):
+        s = _sum_ceil(n, self.b)
+        return sum(s if w is None else s - _sum_floor(np.maximum(0, n - w), self.b) for w in self.windows)
+
+    def eff(self, lens):
+        return sum(lens if w is None else np.minimum(lens, w) for w in self.windows)
+
+    def sum_eff(self, n):
+        def tri(x):
+            return x * (x + 1) // 2
+        return sum(tri(n) if w is None else np.where(n <= w, tri(n), tri(w) + (n - w) * w)
+                   for w in self.windows)
+
+
 def simulate(
     arrival_step: np.ndarray,
     context: np.ndarray,
@@ -85,6 +120,7 @@ def simulate(
     entry_slots: float = 0.0,
     record_series: bool = True,
     progress: Callable[[int], None] | None = None,
+    windows: tuple = (None,),
 ) -> SimResult:
     """Replay requests against a pool of ``num_blocks`` blocks of ``block_size`` token slots.
 
@@ -100,6 +136,13 @@ def simulate(
     its current blocks fit; when growing requests run out of blocks, the most recently admitted
     ones are preempted (back to the queue front, resumed later with their progress kept in the
     prompt) and nobody is admitted in that step.
+
+    ``windows``: the KV layer groups (see ``_Groups``; default one full group). With a
+    window, blocks and effective tokens count every group (token-slots of a block id), and a
+    request's block count can drop by one as its window frees a block; the search for the
+    first out-of-blocks step then finds a step where the pool is exceeded, which may be one
+    or two steps after the first. The transient extra blocks of a chunked prefill (at most
+    ``chunk / block_size`` per window group) are not modelled.
     """
     if block_size < 1:
         raise ConfigError(f"block_size must be >= 1, not {block_size}")
@@ -112,7 +155,9 @@ def simulate(
         raise ConfigError("arrivals must be sorted and every request needs >= 1 prompt and output token")
     b = int(block_size)
     cap = int(num_blocks)
-    fits = cdiv(ctx + gen - 1, b) <= cap
+    G = _Groups(windows, b)
+    # the most blocks a request holds over its life (full groups: at its end)
+    fits = G.blocks(ctx + gen - 1) + sum(1 for w in windows if w is not None) <= cap
     res = SimResult(block_size=b, num_blocks=cap, entry_slots=float(entry_slots),
                     requests=int(fits.sum()), never_fit=int((~fits).sum()))
     arr, ctx, gen = arr[fits], ctx[fits], gen[fits]
@@ -148,7 +193,7 @@ def simulate(
             r_id, r_base, r_start, r_end = r_id[keep], r_base[keep], r_start[keep], r_end[keep]
         # 3. the running requests' blocks at this step; preempt the newest while they do not fit
         lens = r_base + (k - r_start)
-        blocks = cdiv(lens, b)
+        blocks = G.blocks(lens)
         used = int(blocks.sum())
         preempted = False
         if used > cap:
@@ -169,7 +214,7 @@ def simulate(
             new: list[int] = []
             while waiting:
                 i = waiting[0]
-                need = cdiv(int(w_base[i]), b)
+                need = int(G.blocks(w_base[i]))
                 if used + need > cap:
                     break
                 waiting.popleft()
@@ -187,7 +232,7 @@ def simulate(
                 lens = np.concatenate([lens, nb])
         n_run = int(r_id.size)
         n_wait = len(waiting)
-        eff_now = int(lens.sum())
+        eff_now = int(G.eff(lens).sum())
         if record_series:
             res.series_step.append(k)
             res.series_running.append(n_run)
@@ -216,26 +261,26 @@ def simulate(
         if m == 1:
             blk, used_last = used, used
         else:
-            used_last = int(cdiv(lens + (m - 1), b).sum())
+            used_last = int(G.blocks(lens + (m - 1)).sum())
             if used_last > cap:  # growth runs out of blocks before nxt: find the first step
                 lo, hi = 1, m - 1  # smallest d in [lo, hi] with blocks(k + d) > cap
                 while lo < hi:
                     mid = (lo + hi) // 2
-                    if int(cdiv(lens + mid, b).sum()) > cap:
+                    if int(G.blocks(lens + mid).sum()) > cap:
                         hi = mid
                     else:
                         lo = mid + 1
                 m = lo
                 nxt = k + m
-                used_last = int(cdiv(lens + (m - 1), b).sum())
-            blk = int((_sum_ceil(lens + (m - 1), b) - _sum_ceil(lens - 1, b)).sum())
+                used_last = int(G.blocks(lens + (m - 1)).sum())
+            blk = int((G.sum_blocks(lens + (m - 1)) - G.sum_blocks(lens - 1)).sum())
         # integrals over steps k .. nxt-1 (nothing changes but growth)
-        res.eff_token_steps += m * eff_now + n_run * (m * (m - 1) // 2)
+        res.eff_token_steps += int((G.sum_eff(lens + (m - 1)) - G.sum_eff(lens - 1)).sum())
         res.block_steps += blk
         res.request_steps += n_run * m
         res.busy_steps += m
         res.queue_steps += n_wait * m
-        top = eff_now + n_run * (m - 1)
+        top = int(G.eff(lens + (m - 1)).sum())
         if top > res.peak_effective_tokens:
             res.peak_effective_tokens = top
         if used_last > res.peak_blocks:
@@ -245,3 +290,41 @@ def simulate(
     if progress is not None:
         progress(finished)
     return res
+
+
+def series_bins(res: SimResult, step_s: float, points: int) -> dict[str, list]:
+    """The replay over time in ``points`` equal time bins (from the first arrival to the end).
+
+    Per bin: ``t_s`` (bin start, seconds), time-weighted means of ``running`` (requests),
+    ``effective_tokens``, ``allocated_slots`` (slot-equivalents, metadata included) and
+    ``queue`` (waiting requests), and ``running_max``. Values are held constant between
+    events (token counts actually grow by one per step in between; the exact time averages
+    are the integrals in the results, not these).
+    """
+    keys = ("t_s", "running", "running_max", "effective_tokens", "allocated_slots", "queue")
+    st = np.asarray(res.series_step, dtype=np.float64)
+    if st.size == 0 or res.last_step <= st[0]:
+        return {k: [] for k in keys}
+    edges = np.linspace(st[0], res.last_step, num=max(points, 1) + 1)
+    dt = np.diff(np.append(st, res.last_step))
+    pos = np.clip(np.searchsorted(st, edges, side="right") - 1, 0, st.size - 1)
+    width = np.diff(edges)
+
+    def bin_mean(q: np.ndarray) -> np.ndarray:
+        cum = np.concatenate([[0.0], np.cumsum(q * dt)])
+        integral = cum[pos] + q[pos] * (edges - st[pos])
+        return np.diff(integral) / width
+
+    running = np.asarray(res.series_running, dtype=np.float64)
+    slots = np.asarray(res.series_blocks, dtype=np.float64) * (res.block_size + res.entry_slots)
+    # max per bin: the value holding at the bin start and every event inside the bin
+    inside = np.searchsorted(st, edges[1:], side="left") - 1
+    run_max = np.array([running[a:max(b, a) + 1].max() for a, b in zip(pos[:-1], inside)])
+    return {
+        "t_s": np.round(edges[:-1] * step_s, 3).tolist(),
+        "running": np.round(bin_mean(running), 3).tolist(),
+        "running_max": run_max.astype(int).tolist(),
+        "effective_tokens": np.round(bin_mean(np.asarray(res.series_effective, np.float64)), 1).tolist(),
+        "allocated_slots": np.round(bin_mean(slots), 1).tolist(),
+        "queue": np.round(bin_mean(np.asarray(res.series_queue, np.float64)), 2).tolist(),
+    }

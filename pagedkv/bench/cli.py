@@ -18,6 +18,7 @@ BENCHES: dict[str, str] = {
     "step": "pagedkv.bench.step",
     "quality": "pagedkv.bench.quality",
     "offload": "pagedkv.bench.offload",
+    "hybrid_blocks": "pagedkv.bench.hybrid_blocks",
 }
 
 

@@ -1,11 +1,13 @@
 """What the driver broadcasts each step, as two int64 tensors (torch.distributed broadcasts).
 
-* the **header** ``[HEADER_LEN]``: ``cmd, T, S, B, C, L, max_query_len, max_seq_len`` with
-  ``T`` tokens, ``S`` sequences, ``B`` block-table width, ``C`` CoW copies, ``L`` sampled rows;
+* the **header** ``[HEADER_LEN]``: ``cmd, T, S, B, C, L, max_query_len, max_seq_len, G`` with
+  ``T`` tokens, ``S`` sequences, ``B`` block-table width, ``C`` CoW copies, ``L`` sampled rows,
+  ``G`` KV layer groups (1 unless the model mixes full and sliding-window layers);
 * the **payload** (``STEP`` only), the concatenation of
-  ``input_ids[T]``, ``positions[T]``, ``slot_mapping[T]``, ``block_tables[S*B]``,
-  ``seq_lens[S]``, ``query_start_loc[S+1]``, ``logits_indices[L]``, ``copies[2C]`` (src, dst
-  pairs). Its length is ``payload_len(header)``.
+  ``input_ids[T]``, ``positions[T]``, ``slot_mapping[G*T]``, ``block_tables[G*S*B]`` (group by
+  group), ``seq_lens[S]``, ``query_start_loc[S+1]``, ``logits_indices[L]``, ``copies[2C]``
+  (src, dst pairs). Its length is ``payload_len(header)``. A worker hands each layer its
+  group's metadata (``ModelRunner.layer_metadata``).
 
 The header travels first on its own so that a worker, idle between steps, learns the command
 and the payload size; see ``pagedkv.distributed.executor`` for which process group carries what.
@@ -23,7 +25,7 @@ from pagedkv.errors import ConfigError
 from pagedkv.worker.runner import ModelInput
 
 CMD_STEP, CMD_INFO, CMD_SHUTDOWN = 1, 2, 3
-HEADER_LEN = 8
+HEADER_LEN = 9
 
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -58,23 +60,26 @@ def header(cmd: int) -> torch.Tensor:
 
 def payload_len(h: torch.Tensor) -> int:
     """Elements of the payload announced by header ``h``."""
-    _, t, s, b, c, n_logits, _, _ = (int(x) for x in h.tolist())
-    return 3 * t + s * b + s + (s + 1) + n_logits + 2 * c
+    _, t, s, b, c, n_logits, _, _, g = (int(x) for x in h.tolist())
+    return (2 + g) * t + g * s * b + s + (s + 1) + n_logits + 2 * c
 
 
 def pack_step(inp: ModelInput, copies: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(header, payload)`` CPU int64 tensors for one step's ``inp`` and CoW ``copies``."""
-    md = inp.metadata
+    groups = inp.groups or [inp.metadata]
+    md = groups[0]
     t, s = int(inp.input_ids.shape[0]), int(md.seq_lens.shape[0])
-    bt = md.block_tables
-    b = int(bt.shape[1]) if bt.dim() == 2 else 0
+    b = max(int(x.block_tables.shape[1]) if x.block_tables.dim() == 2 else 0 for x in groups)
     h = torch.tensor(
-        [CMD_STEP, t, s, b, len(copies), int(inp.logits_indices.shape[0]), md.max_query_len, md.max_seq_len],
+        [CMD_STEP, t, s, b, len(copies), int(inp.logits_indices.shape[0]), md.max_query_len, md.max_seq_len,
+         len(groups)],
         dtype=torch.int64,
     )
     cp = torch.tensor([x for pair in copies for x in pair], dtype=torch.int64)
-    parts = [inp.input_ids, inp.positions, md.slot_mapping, bt.reshape(-1), md.seq_lens,
-             md.query_start_loc, inp.logits_indices, cp]
+    tables = [torch.nn.functional.pad(x.block_tables.reshape(s, -1), (0, b - x.block_tables.reshape(s, -1).shape[1]))
+              for x in groups]
+    parts = [inp.input_ids, inp.positions, *(x.slot_mapping for x in groups), *(x.reshape(-1) for x in tables),
+             md.seq_lens, md.query_start_loc, inp.logits_indices, cp]
     payload = torch.cat([p.to(device="cpu", dtype=torch.int64) for p in parts])
     return h, payload
 
@@ -82,13 +87,17 @@ def pack_step(inp: ModelInput, copies: Sequence[tuple[int, int]]) -> tuple[torch
 def unpack_step(
     h: torch.Tensor, payload: torch.Tensor, device: torch.device | str = "cpu"
 ) -> tuple[ModelInput, list[tuple[int, int]]]:
-    """Inverse of ``pack_step``: a ``ModelInput`` on ``device`` (workers never sample) and the CoW copies."""
-    _, t, s, b, c, n_logits, max_q, max_s = (int(x) for x in h.tolist())
-    sizes = [t, t, t, s * b, s, s + 1, n_logits, 2 * c]
-    ids, pos, slots, bt, seq_lens, qsl, logits_idx, cp = torch.split(payload, sizes)
+    """Inverse of ``pack_step``: a ``ModelInput`` on ``device`` (workers never sample) and the
+    CoW copies. ``metadata`` is group 0's; ``groups`` holds every group's (hand each layer its
+    own with ``ModelRunner.layer_metadata``)."""
+    _, t, s, b, c, n_logits, max_q, max_s, g = (int(x) for x in h.tolist())
+    sizes = [t, t] + [t] * g + [s * b] * g + [s, s + 1, n_logits, 2 * c]
+    parts = torch.split(payload, sizes)
+    ids, pos = parts[0], parts[1]
+    seq_lens, qsl, logits_idx, cp = parts[2 + 2 * g:]
     seq_lens_list = seq_lens.tolist()
     qsl_list = qsl.tolist()
-    md = AttentionMetadata(
+    groups = [AttentionMetadata(
         slot_mapping=slots.to(device),
         block_tables=bt.reshape(s, b).to(torch.int32).to(device),
         seq_lens=seq_lens.to(torch.int32).to(device),
@@ -97,10 +106,10 @@ def unpack_step(
         max_seq_len=max_s,
         seq_lens_list=seq_lens_list,
         query_lens_list=[qsl_list[i + 1] - qsl_list[i] for i in range(s)],
-    )
+    ) for slots, bt in zip(parts[2:2 + g], parts[2 + g:2 + 2 * g])]
     inp = ModelInput(
-        input_ids=ids.to(device), positions=pos.to(device), metadata=md,
-        logits_indices=logits_idx.to(device),
+        input_ids=ids.to(device), positions=pos.to(device), metadata=groups[0],
+        logits_indices=logits_idx.to(device), groups=groups,
     )
     pairs = cp.view(-1, 2).tolist()
     return inp, [(int(a), int(d)) for a, d in pairs]

@@ -135,7 +135,7 @@ class Rank:
         self.runner = ModelRunner(
             self.model, backend, config.num_layers, self.num_blocks, self.block_size,
             self.shard.num_kv_heads, config.head_dim, init.get("kv_cache_dtype") or dtype, device,
-            init.get("kv_quant_group_size"),
+            init.get("kv_quant_group_size"), layer_windows=config.layer_windows(),
         )
 
     def connect(self, groups: Groups) -> None:
@@ -149,14 +149,14 @@ class Rank:
         ``kv_heads`` / ``mlp`` ranges, ``num_kv_heads``, ``num_blocks`` and ``block_size`` of
         its allocated cache, ``kv_cache_bytes`` (all layers, K and V) and
         ``kv_bytes_per_token`` (= ``kv_cache_bytes / (num_blocks * block_size)``)."""
-        caches = self.runner.kv_caches
+        caches = self.runner.shared_caches  # a hybrid model's layers share them by group
         nbytes = _tensor_bytes(caches)
         blocks = getattr(caches[0], "num_blocks", self.num_blocks) if caches else self.num_blocks
         return {
             "rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(), "device": str(self.device),
             "q_heads": list(self.shard.q_heads), "kv_heads": list(self.shard.kv_heads),
             "mlp": list(self.shard.mlp), "num_kv_heads": self.shard.num_kv_heads,
-            "num_blocks": int(blocks), "block_size": self.block_size, "num_layers": len(caches),
+            "num_blocks": int(blocks), "block_size": self.block_size, "num_layers": len(self.runner.kv_caches),
             "kv_cache_bytes": nbytes, "kv_bytes_per_token": nbytes // (int(blocks) * self.block_size),
         }
 
@@ -184,7 +184,8 @@ def serve(rank: Rank, groups: Groups) -> None:
             inp, copies = unpack_step(h, payload, rank.device)
             rank.runner.copy_blocks(copies)
             with torch.inference_mode():
-                rank.model(inp.input_ids, inp.positions, rank.runner.kv_caches, inp.metadata, rank.backend)
+                md = rank.runner.layer_metadata(inp.groups)
+                rank.model(inp.input_ids, inp.positions, rank.runner.kv_caches, md, rank.backend)
         elif cmd == CMD_INFO:
             dist.all_gather_object([None] * world, rank.info(), group=groups.step)
         elif cmd == CMD_SHUTDOWN:

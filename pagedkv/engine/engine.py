@@ -39,7 +39,7 @@ from pagedkv.kv.tiers import StoreIdentity, ZmqEventPublisher, open_tiers, parse
 from pagedkv.model.loader import LoadedModel, load_model
 from pagedkv.model.quant import resolve_weights
 from pagedkv.attention.quant import FORMATS, check_group_size
-from pagedkv.utils import canonical_dtype, kv_cache_dtype, profile_scope, torch_dtype
+from pagedkv.utils import canonical_dtype, cdiv, kv_cache_dtype, profile_scope, torch_dtype
 from pagedkv.worker.runner import ModelRunner
 
 logger = logging.getLogger("pagedkv")
@@ -81,10 +81,13 @@ class LLMEngine:
         self.kv_cache_dtype = kv_cache_dtype(cfg.kv_cache_dtype, dtype)
         quant = FORMATS.get(self.kv_cache_dtype)  # a group size without one: EngineConfig raised
         self.kv_quant_group_size = check_group_size(cfg.kv_quant_group_size, mc.head_dim) if quant else None
+        # per layer its sliding window (None: full); all-full models keep one layer group
+        windows = mc.layer_windows()
+        self.layer_windows = windows if windows and any(w is not None for w in windows) else None
         self.kv_spec = KVCacheSpec(
             num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
             dtype=quant.spec_dtype if quant else canonical_dtype(self.kv_cache_dtype), tp_size=tp,
-            quant_group_size=self.kv_quant_group_size,
+            quant_group_size=self.kv_quant_group_size, layer_windows=self.layer_windows,
         )
         cache_dtype = self.kv_cache_dtype if quant else torch_dtype(self.kv_cache_dtype)
         # the prefix-cache identity of this cache's bytes (format and, when quantised, group)
@@ -101,6 +104,7 @@ class LLMEngine:
             self.runner = ModelRunner(
                 loaded.model, self.backend, mc.num_layers, num_blocks, cfg.block_size,
                 mc.num_kv_heads, mc.head_dim, cache_dtype, cfg.device, self.kv_quant_group_size,
+                layer_windows=self.layer_windows,
             )
         else:  # same prepare/copy_blocks/execute, run on tp ranks (this process is rank 0)
             self.runner = TPExecutor(
@@ -114,7 +118,7 @@ class LLMEngine:
             max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=self.max_model_len,
             policy=cfg.policy, watermark=cfg.watermark, enable_chunked_prefill=cfg.enable_chunked_prefill,
             enable_prefix_caching=cfg.prefix_caching, enable_paging=cfg.enable_paging,
-            shuffle_seed=cfg.shuffle_blocks, kv_tiers=self.kv_tiers,
+            shuffle_seed=cfg.shuffle_blocks, kv_tiers=self.kv_tiers, layer_windows=self.layer_windows,
         ))
         self.groups = self.scheduler.groups
         self.output = OutputProcessor(self.tokenizer, self.scheduler)
@@ -137,6 +141,9 @@ class LLMEngine:
         specs = parse_tier_specs(cfg.kv_offload)
         if not specs and not cfg.kv_events:
             return None, None, None
+        if self.layer_windows is not None:  # before a store or a socket is opened
+            raise ConfigError("kv_offload / kv_events: not supported for a model with sliding-window "
+                              "layers (its KV block ids hold one layer group each; docs/hybrid_kv.md)")
         publisher = identity = None
         try:
             if cfg.kv_events:
@@ -190,8 +197,13 @@ class LLMEngine:
     # ---- requests --------------------------------------------------------------------
     def kv_summary(self) -> dict[str, Any]:
         """The paged KV cache: its format (``kv_cache_dtype``, ``kv_quant_group_size``), size
-        (blocks, tokens, bytes) and the max concurrency at max_model_len."""
+        (blocks, tokens, bytes) and the max concurrency at max_model_len (with sliding-window
+        layers: ``layer_groups`` and usable blocks / the blocks one max_model_len request holds
+        over every group)."""
         bs = self.config.block_size
+        conc = self.config.max_concurrency(self.num_blocks, self.max_model_len)
+        if self.layer_windows is not None:
+            conc = (self.num_blocks - 1) / self.kv_spec.blocks_per_request(self.max_model_len, bs)
         return {
             "kv_cache_dtype": self.kv_cache_dtype,
             "kv_quant_group_size": self.kv_quant_group_size,
@@ -201,7 +213,8 @@ class LLMEngine:
             "bytes_per_token": self.kv_spec.bytes_per_token,
             "bytes": self.num_blocks * self.kv_spec.block_bytes(bs),
             "max_model_len": self.max_model_len,
-            "max_concurrency_at_max_model_len": self.config.max_concurrency(self.num_blocks, self.max_model_len),
+            "max_concurrency_at_max_model_len": conc,
+            "layer_groups": self.kv_spec.groups.describe() if self.layer_windows is not None else None,
         }
 
     def tokenize(self, prompt: str) -> list[int]:
@@ -286,6 +299,11 @@ class LLMEngine:
         total = min(len(token_ids) + params.max_tokens, self.max_model_len)
         cfg = self.config
         need = blocks_needed(len(token_ids), total, params, cfg.block_size, cfg.enable_paging, self.max_model_len)
+        if self.layer_windows is not None:  # per layer group; a window group holds its window
+            per_seq = params.beam_width + 1 if params.use_beam_search else 1
+            chunk = cfg.max_num_batched_tokens
+            need = sum(need if w is None else min(need, per_seq * (cdiv(w - 1 + chunk, cfg.block_size) + 1))
+                       for w in self.kv_spec.groups.windows)
         if need > self.num_blocks:
             raise InvalidRequestError(
                 f"request needs {need} KV blocks ({total} tokens) but the pool has only "

@@ -50,6 +50,8 @@ class SchedulerConfig:
     enable_paging: bool = True
     shuffle_seed: Optional[int] = None  # randomise the physical block order (tests)
     kv_tiers: Any = None  # pagedkv.kv.tiers.KVTiers: host/disk tiers and KV events (None: off)
+    # per layer: None (full attention) or its sliding window in tokens; None: all full
+    layer_windows: Optional[list] = None
 
 
 @dataclass
@@ -61,7 +63,8 @@ class SchedulerOutput:
     preempted: list[Request]
     step_id: int
     num_batched_tokens: int = 0
-    block_ids: list[list[int]] = field(default_factory=list)  # per scheduled, its block table
+    # per scheduled, its block table (with several layer groups: one table per group)
+    block_ids: list = field(default_factory=list)
     kv_transfer: Any = None  # pagedkv.kv.tiers.KVTransfer: tier stores/loads to run first
 
     @property
@@ -122,6 +125,7 @@ class Scheduler:
             enable_paging=config.enable_paging,
             max_model_len=config.max_model_len,
             shuffle_seed=config.shuffle_seed, tiers=config.kv_tiers,
+            layer_windows=config.layer_windows,
         )
         self.enable_prefix_caching = config.enable_prefix_caching
         self.groups = SequenceGroups(self)
@@ -209,14 +213,6 @@ class Scheduler:
         self.stats.num_preemptions += 1
         self.waiting.appendleft(victim)
 
-    def _blocks_needed(self, num_tokens_after: int, hit_blocks: list) -> int:
-        bs = self.kv.block_size
-        total = cdiv(num_tokens_after, bs)
-        if not self.config.enable_paging:
-            total = max(total, cdiv(self.config.max_model_len, bs))
-        # hit blocks already counted in total; those with ref_cnt 0 leave the free queue
-        return total - len(hit_blocks) + sum(1 for b in hit_blocks if b.ref_cnt == 0)
-
     def _prefix_in_flight(self, req: Request, num_cached: int) -> bool:
         """Whether a running request is still computing the block right after ``req``'s
         prefix hit, with the same tokens and cache keys. Admitting ``req`` now would compute
@@ -294,23 +290,21 @@ class Scheduler:
             hit_blocks, num_cached = [], 0
             # prompt logprobs need every prompt position's logits: no lookup (see SamplingParams)
             if self.enable_prefix_caching and req.sampling_params.prompt_logprobs is None:
+                # a gang's leader must compute up to the fork
                 hit_blocks, num_cached = self.kv.get_computed_blocks(
-                    req.request_id, req.all_token_ids, req.cache_keys
+                    req.request_id, req.all_token_ids, req.cache_keys, end - 1 if members else None
                 )
-                if members and num_cached >= end:  # the leader must compute up to the fork
-                    hit_blocks = hit_blocks[: (end - 1) // self.kv.block_size]
-                    num_cached = len(hit_blocks) * self.kv.block_size
                 if self._prefix_in_flight(req, num_cached):
                     break  # a running prefill is computing its next block: hit it next step
             remaining = end - num_cached
             n = min(remaining, budget)
             if not cfg.enable_chunked_prefill and n < remaining:
                 break
-            need = self._blocks_needed(num_cached + n, hit_blocks)
+            need = self.kv.num_blocks_needed(num_cached + n, hit_blocks)  # every layer group
             if members and self.running:
                 # what the members' suffixes (and their copies of a shared partial block) take
                 bs = self.kv.block_size
-                need += sum(cdiv(r.num_tokens, bs) - end // bs for r in [req] + members)
+                need += self.kv.num_groups * sum(cdiv(r.num_tokens, bs) - end // bs for r in [req] + members)
             free_after = self.kv.num_free_blocks - need
             if free_after < 0 or (self.running and free_after < self._watermark_blocks):
                 break  # head-of-line waits for blocks
@@ -327,7 +321,8 @@ class Scheduler:
             req.num_computed_tokens = num_cached
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
-                req.num_cached_tokens_by_tier = cached_tokens_by_tier(hit_blocks, self.kv.block_size)
+                req.num_cached_tokens_by_tier = cached_tokens_by_tier(
+                    hit_blocks[0] if self.kv.num_groups > 1 and hit_blocks else hit_blocks, self.kv.block_size)
                 req.num_prefix_query_tokens = req.num_tokens if self.enable_prefix_caching else 0
             if req.scheduled_time is None:
                 req.scheduled_time = now()
@@ -346,7 +341,8 @@ class Scheduler:
         st.peak_running = max(st.peak_running, len(self.running))
         if scheduled:
             st.peak_used_blocks = max(st.peak_used_blocks, self.kv.num_used_blocks)
-        block_ids = [self.kv.get_block_ids(r.request_id) for r, _ in scheduled]
+        get_ids = self.kv.get_block_ids if self.kv.num_groups == 1 else self.kv.get_group_block_ids
+        block_ids = [get_ids(r.request_id) for r, _ in scheduled]
         transfer = self.kv.take_transfer() if scheduled else None  # else it waits for a step
         return SchedulerOutput(scheduled, copies, preempted, step_id, used, block_ids, transfer)
 

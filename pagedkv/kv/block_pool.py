@@ -77,15 +77,20 @@ class BlockPool:
 
     ``shuffle_seed`` (int) randomises the free queue's initial order, so physical ids are
     handed out shuffled (seed §03); ``None`` hands out 0, 1, 2, ...
-    Raises ``ConfigError`` if ``num_blocks < 1``.
+    ``reserve_null``: block 0 is the *null block* (``null_block``), never queued nor handed
+    out: the placeholder a sliding-window table keeps for a freed block (its storage stays
+    zero, so a kernel's read of it stays in range). The pool never touches nor releases it;
+    the manager keeps it out of every touch / release.
+    Raises ``ConfigError`` if ``num_blocks < 1`` (``< 2`` with ``reserve_null``).
     """
 
-    def __init__(self, num_blocks: int, shuffle_seed: int | None = None) -> None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ConfigError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+    def __init__(self, num_blocks: int, shuffle_seed: int | None = None, reserve_null: bool = False) -> None:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1 + reserve_null:
+            raise ConfigError(f"num_blocks must be an integer >= {1 + reserve_null}, got {num_blocks!r}")
         self.num_blocks = num_blocks
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        order = list(self.blocks)
+        self.null_block: KVCacheBlock | None = self.blocks[0] if reserve_null else None
+        order = self.blocks[1:] if reserve_null else list(self.blocks)
         if shuffle_seed is not None:
             random.Random(shuffle_seed).shuffle(order)
         self.free_queue = FreeBlockQueue(order)
@@ -99,6 +104,11 @@ class BlockPool:
     @property
     def num_free(self) -> int:
         return len(self.free_queue)
+
+    @property
+    def num_usable(self) -> int:
+        """Blocks that can ever be handed out (``num_blocks``, less the null block)."""
+        return self.num_blocks - (self.null_block is not None)
 
     def allocate(self, n: int) -> list[KVCacheBlock]:
         """Take ``n`` blocks from the front of the free queue (ref_cnt 0 -> 1), evicting any

@@ -95,10 +95,11 @@ class BlockTable:
 
     ``num_tokens`` is the number of token positions the request has slots for;
     ``num_hashed``/``last_hash`` track the prefix-cache hash chain (blocks hashed so far and
-    the hash of the last one), so each block is hashed once.
+    the hash of the last one), so each block is hashed once. ``num_null``: how many leading
+    entries are the null placeholder of a sliding-window group (``nullify``).
     """
 
-    __slots__ = ("block_size", "blocks", "_ids", "num_tokens", "num_hashed", "last_hash")
+    __slots__ = ("block_size", "blocks", "_ids", "num_tokens", "num_hashed", "last_hash", "num_null")
 
     def __init__(self, block_size: int, blocks: Sequence[KVCacheBlock] = (), num_tokens: int = 0) -> None:
         self.block_size = block_size
@@ -107,6 +108,7 @@ class BlockTable:
         self.num_tokens = num_tokens
         self.num_hashed = 0
         self.last_hash: bytes | None = None
+        self.num_null = 0
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -131,6 +133,23 @@ class BlockTable:
         self.blocks[logical_block] = block
         self._ids[logical_block] = block.block_id
         return old
+
+    @property
+    def live_blocks(self) -> list[KVCacheBlock]:
+        """The real blocks (placeholders excluded), in logical order."""
+        return self.blocks[self.num_null:]
+
+    def nullify(self, end: int, null: KVCacheBlock) -> list[KVCacheBlock]:
+        """Replace entries ``num_null .. end-1`` with the ``null`` placeholder (a sliding
+        window moved past them); returns the replaced real blocks, in logical order."""
+        start = self.num_null
+        if end <= start:
+            return []
+        gone = self.blocks[start:end]
+        self.blocks[start:end] = [null] * (end - start)
+        self._ids[start:end] = [null.block_id] * (end - start)
+        self.num_null = end
+        return gone
 
     def physical(self, pos: int) -> tuple[int, int]:
         """``(physical_block, offset)`` of token position ``pos``."""

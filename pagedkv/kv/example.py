@@ -290,7 +290,7 @@ def plan(
         raise ConfigError(f"max_model_len must be a positive integer, got {max_model_len!r}")
     budget = parse_size(kv_budget)
     num_blocks = spec.num_blocks(budget, block_size)
-    per_req_max = cdiv(max_model_len, block_size)
+    per_req_max = spec.blocks_per_request(max_model_len, block_size)
     out: dict[str, Any] = {
         "model": label, "spec": spec.describe(), "kv_budget_bytes": budget,
         "block_size": block_size, "max_model_len": max_model_len,
@@ -302,12 +302,15 @@ def plan(
         "tokens_held": num_blocks * block_size,
         "max_concurrency_at_max_model_len": num_blocks // per_req_max,
     }
+    if spec.layer_windows is not None:
+        out["layer_groups"] = group_plan(spec, budget, block_size, max_model_len)
     if workload is not None:
         lengths = load_workload(workload)
         clipped = int((lengths > max_model_len).sum())
         lengths = np.minimum(lengths, max_model_len)
-        blocks = cdiv(lengths, block_size)
+        blocks, valid = grouped_blocks(spec, lengths, block_size)
         mean_len = float(lengths.mean())
+        mean_valid = float(valid.mean())
         mean_blocks = float(blocks.mean())
         out["workload"] = {
             "path": str(workload), "requests": int(lengths.size), "clipped_to_max_model_len": clipped,
@@ -315,12 +318,54 @@ def plan(
             "p99_tokens": float(np.percentile(lengths, 99)), "max_tokens": int(lengths.max()),
             "paged": {"mean_blocks_per_request": mean_blocks,
                       "concurrency": int(num_blocks // mean_blocks) if mean_blocks else 0,
-                      "slot_utilisation": mean_len / (mean_blocks * block_size) if mean_blocks else 0.0},
+                      "slot_utilisation": mean_valid / (mean_blocks * block_size) if mean_blocks else 0.0},
             "contiguous": {"blocks_per_request": per_req_max,
                            "concurrency": num_blocks // per_req_max,
-                           "slot_utilisation": mean_len / (per_req_max * block_size)},
+                           "slot_utilisation": mean_valid / (per_req_max * block_size)},
         }
     return out
+
+
+def grouped_blocks(spec: KVCacheSpec, lengths: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per request of ``lengths`` tokens (int64 array): block ids held after its last step
+    over all layer groups, and the token slots those blocks must hold (a window group: the
+    last ``min(length, W)`` tokens), summed over groups (without windows: the length)."""
+    g = spec.groups
+    n = cdiv(lengths, block_size)
+    blocks = np.zeros_like(lengths)
+    valid = np.zeros_like(lengths)
+    for w in g.windows:
+        if w is None:
+            blocks += n
+            valid += lengths
+        else:
+            blocks += n - np.maximum(0, lengths - w) // block_size
+            valid += np.minimum(lengths, w)
+    return blocks, valid
+
+
+def group_plan(spec: KVCacheSpec, budget: int, block_size: int, max_model_len: int) -> dict[str, Any]:
+    """A hybrid spec's groups at ``max_model_len``, next to the same model sized all-full:
+    per group its window, layers and blocks held by one request; block bytes, blocks in the
+    budget, blocks / bytes per request and max concurrency of both; and
+    ``bytes_per_request_ratio`` (hybrid / all-full)."""
+    g = spec.groups
+    full = replace(spec, layer_windows=None)
+
+    def side(s: KVCacheSpec) -> dict[str, Any]:
+        n = s.num_blocks(budget, block_size)
+        per = s.blocks_per_request(max_model_len, block_size)
+        return {"block_bytes": s.block_bytes(block_size), "num_blocks": n, "blocks_per_request": per,
+                "bytes_per_request": per * s.block_bytes(block_size), "max_concurrency": n // per}
+
+    hybrid, all_full = side(spec), side(full)
+    return {
+        "groups": [{"group": i, "window": w, "num_layers": len(g.layers_of(i)),
+                    "blocks_per_request": g.blocks_held(i, max_model_len, block_size)}
+                   for i, w in enumerate(g.windows)],
+        "page_waste": g.page_waste, "hybrid": hybrid, "all_full": all_full,
+        "bytes_per_request_ratio": hybrid["bytes_per_request"] / all_full["bytes_per_request"],
+    }
 
 
 def format_plan(p: dict[str, Any]) -> str:
@@ -341,6 +386,19 @@ def format_plan(p: dict[str, Any]) -> str:
         f"max concurrency  {p['max_concurrency_at_max_model_len']:,} requests at max_model_len "
         f"{p['max_model_len']:,}",
     ]
+    lg = p.get("layer_groups")
+    if lg:
+        groups = ", ".join(f"{x['num_layers']} layers {'full' if x['window'] is None else 'window ' + str(x['window'])}"
+                           f" ({x['blocks_per_request']:,} blocks)" for x in lg["groups"])
+        h, f = lg["hybrid"], lg["all_full"]
+        lines += [
+            f"layer groups     {groups} per request at max_model_len",
+            f"  hybrid         {h['blocks_per_request']:,} blocks x {h['block_bytes']:,} B = "
+            f"{h['bytes_per_request']:,} B per request, concurrency {h['max_concurrency']:,}",
+            f"  all-full       {f['blocks_per_request']:,} blocks x {f['block_bytes']:,} B = "
+            f"{f['bytes_per_request']:,} B per request, concurrency {f['max_concurrency']:,}",
+            f"  ratio          {lg['bytes_per_request_ratio']:.4f} of the all-full bytes per request",
+        ]
     w = p.get("workload")
     if w:
         lines += [

@@ -9,6 +9,11 @@ broken rule, or returns the number of blocks checked.
 5. Every prefix-cache entry ``hash -> block`` points at a block carrying that hash, and a
    block carrying a hash is the entry for it.
 6. Every table has a slot for each of its ``num_tokens`` positions.
+7. Layer groups: every request has a table in every group, all with the same
+   ``num_tokens``. The null block (a hybrid manager's block 0) is never referenced, queued
+   nor cached, and appears only as the first ``num_null`` entries of a sliding-window
+   group's table (never in a full group's); those entries lie wholly before the window of
+   position ``num_tokens`` (the furthest the request's next step can start).
 """
 
 from __future__ import annotations
@@ -24,15 +29,36 @@ def check_invariants(manager: Any) -> int:
     problems: list[str] = []
     held: Counter[int] = Counter()
     bs = manager.block_size
-    for rid, table in manager.tables.items():
-        ids = [b.block_id for b in table.blocks]
-        if ids != table.ids:
-            problems.append(f"table {rid}: id list {table.ids} != blocks {ids}")
-        if len(set(ids)) != len(ids):
-            problems.append(f"table {rid}: a block appears twice: {ids}")
-        if table.num_tokens > len(ids) * bs:
-            problems.append(f"table {rid}: {table.num_tokens} tokens but {len(ids)} blocks")
-        held.update(ids)
+    null = getattr(pool, "null_block", None)
+    group_tables = getattr(manager, "group_tables", [manager.tables])
+    windows = manager.groups.windows if hasattr(manager, "groups") else (None,)
+    for g, tables in enumerate(group_tables):
+        if tables.keys() != group_tables[0].keys():
+            problems.append(f"group {g}: requests {sorted(tables.keys() ^ group_tables[0].keys())} "
+                            "lack a table in some group")
+        for rid, table in tables.items():
+            name = f"table {rid}" + (f" (group {g})" if g else "")
+            k = getattr(table, "num_null", 0)
+            ids = [b.block_id for b in table.blocks[k:]]
+            if [b.block_id for b in table.blocks] != table.ids:
+                problems.append(f"{name}: id list {table.ids} != its blocks")
+            if len(set(ids)) != len(ids):
+                problems.append(f"{name}: a block appears twice: {ids}")
+            if table.num_tokens > len(table.blocks) * bs:
+                problems.append(f"{name}: {table.num_tokens} tokens but {len(table.blocks)} blocks")
+            if k and (null is None or windows[g] is None or any(b is not null for b in table.blocks[:k])):
+                problems.append(f"{name}: {k} placeholders in a group without a window or not the null block")
+            if null is not None and any(b is null for b in table.blocks[k:]):
+                problems.append(f"{name}: the null block past its {k} leading placeholders")
+            if k and windows[g] is not None and k > max(0, table.num_tokens - windows[g] + 1) // bs:
+                problems.append(f"{name}: placeholder blocks 0..{k - 1} reach into the window "
+                                f"of position {table.num_tokens}")
+            if g and rid in group_tables[0] and table.num_tokens != group_tables[0][rid].num_tokens:
+                problems.append(f"{name}: {table.num_tokens} tokens, group 0 has {group_tables[0][rid].num_tokens}")
+            held.update(ids)
+    if null is not None and (null.ref_cnt or null.block_hash is not None or null in pool.free_queue):
+        problems.append(f"null block {null.block_id}: ref_cnt {null.ref_cnt}, cached "
+                        f"{null.block_hash is not None}, queued {null in pool.free_queue}")
     for rid, blocks, _steps in manager.holds:
         held.update(b.block_id for b in blocks)
 
@@ -47,6 +73,8 @@ def check_invariants(manager: Any) -> int:
 
     num_used = 0
     for b in pool.blocks:
+        if b is null:
+            continue
         if b.ref_cnt != held[b.block_id]:
             problems.append(f"block {b.block_id}: ref_cnt {b.ref_cnt} != {held[b.block_id]} holders")
         if b.ref_cnt < 0:
@@ -59,8 +87,9 @@ def check_invariants(manager: Any) -> int:
             problems.append(f"block {b.block_id}: ref_cnt 0 but not in the free queue (leaked)")
         if b.block_hash is not None and pool.cached.get(b.block_hash) is not b:
             problems.append(f"block {b.block_id}: carries a hash the cache map does not point at it for")
-    if len(in_queue) + num_used != pool.num_blocks:
-        problems.append(f"free {len(in_queue)} + used {num_used} != num_blocks {pool.num_blocks}")
+    usable = pool.num_blocks - (null is not None)
+    if len(in_queue) + num_used != usable:
+        problems.append(f"free {len(in_queue)} + used {num_used} != usable blocks {usable}")
 
     for h, b in pool.cached.items():
         if b.block_hash != h:

@@ -61,6 +61,7 @@ class CacheKeys:
     mm_hashes: tuple[tuple[str, int, int], ...] = ()
     tenant: str | None = None
     kv_cache_dtype: str | None = None
+    kv_group: str | None = None
 
     def __post_init__(self) -> None:
         items = []
@@ -78,7 +79,8 @@ class CacheKeys:
             "model=" + _typed(self.model_id), "rev=" + _typed(self.revision),
             "adapter=" + _typed(self.adapter_id), "salt=" + _typed(self.cache_salt),
             "tenant=" + _typed(self.tenant),
-        ) + (("kv=" + _typed(self.kv_cache_dtype),) if self.kv_cache_dtype is not None else ()))
+        ) + (("kv=" + _typed(self.kv_cache_dtype),) if self.kv_cache_dtype is not None else ())
+          + (("group=" + _typed(self.kv_group),) if self.kv_group is not None else ()))
         object.__setattr__(self, "_base", base.encode())
 
     def extra_bytes(self, start: int, end: int) -> bytes:

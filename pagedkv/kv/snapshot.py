@@ -10,12 +10,15 @@ def manager_snapshot(mgr: Any) -> dict[str, Any]:
     ``{"num_blocks", "block_size", "num_free_blocks", "usage", "free_queue": [ids],
     "blocks": [{"block_id", "ref_cnt", "is_cached", "is_free", "owners": [req_ids]}],
     "tables": {req_id: {"block_ids", "num_tokens"}}, "holds": [{"req_id", "block_ids",
-    "steps"}], "open_steps": {step_id: [req_ids]}, "stats": {...}, "tiers": {...}}`` (``mgr``:
-    a ``KVCacheManager``; ``tiers``: its ``tier_stats()``, ``{}`` without tiers)."""
+    "steps"}], "open_steps": {step_id: [req_ids]}, "stats": {...}, "tiers": {...},
+    "groups": [{"group", "window", "layers"}], "group_tables": [{req_id: {"block_ids",
+    "num_null"}}]}`` (``mgr``: a ``KVCacheManager``; ``tables`` is group 0's; ``tiers``: its
+    ``tier_stats()``, ``{}`` without tiers; ``null_block``: id 0 or ``None``)."""
     owners: dict[int, list[str]] = {}
-    for rid, t in mgr._tables.items():
-        for bid in t._ids:
-            owners.setdefault(bid, []).append(rid)
+    for tables in mgr.group_tables:
+        for rid, t in tables.items():
+            for b in t.live_blocks:
+                owners.setdefault(b.block_id, []).append(rid)
     free_q = mgr.pool.free_queue
     return {
         "num_blocks": mgr.num_blocks,
@@ -34,4 +37,8 @@ def manager_snapshot(mgr: Any) -> dict[str, Any]:
         "open_steps": {sid: sorted(r) for sid, r in mgr._open_steps.items()},
         "stats": mgr.stats.as_dict(),
         "tiers": mgr.tier_stats(),
+        "groups": mgr.groups.describe(),
+        "group_tables": [{rid: {"block_ids": t.ids, "num_null": t.num_null} for rid, t in tables.items()}
+                         for tables in mgr.group_tables],
+        "null_block": None if mgr.null_block is None else mgr.null_block.block_id,
     }

@@ -22,8 +22,17 @@ Formulas (all results in bytes):
   heads and is replicated on every rank. ``bytes_per_token`` is per rank;
   ``bytes_per_token_total`` sums over ranks (replication counted).
 
-Every layer has the same shape here, so one "layer group" = one layer and a page (one block
-of one layer on one rank) is ``block_size x bytes_per_token_per_layer``.
+Every layer has the same shape here; a page (one block of one layer on one rank) is
+``block_size x bytes_per_token_per_layer``.
+
+Layer groups (``layer_windows``, see ``pagedkv.kv.groups``): full-attention layers and each
+sliding window ``W`` form a group with its own block tables; one block id spans one page in
+each of ``max_layers`` per-layer tensors (the largest group's layer count), so
+``block_bytes = page x max_layers`` (``= page x L`` without windows). A request of ``T``
+tokens holds ``ceil(T / bs)`` blocks of a full group and about ``W / bs + 1`` of a window
+group (``blocks_per_request``): Gemma-2 (21 window + 21 full layers, W 4096) at 32k holds
+``(2048 + 257) / (2 x 2048) = 0.563`` of the bytes of the same model with every layer full;
+the floor for half the layers windowed is ``0.5 + 0.5 W / T``.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ from typing import Any
 
 from pagedkv.errors import ConfigError
 from pagedkv.gguf_header import read_gguf_metadata
+from pagedkv.kv.groups import LayerGroups
 from pagedkv.utils import canonical_dtype, cdiv, dtype_bytes
 
 #: dtypes that carry per-group scales counted per token.
@@ -44,7 +54,7 @@ SCALED_DTYPES = ("int8", "fp8", "int4")
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
 
 # HF ``model_type`` values from_hf_config understands.
-_MHA_TYPES = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "gemma", "gemma2")
+_MHA_TYPES = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "gemma", "gemma2", "gemma3", "gemma3_text")
 _MLA_TYPES = ("deepseek_v2", "deepseek_v3")
 
 
@@ -75,6 +85,8 @@ class KVCacheSpec:
     ``tp_size`` (ranks). Set both ``kv_lora_rank`` and ``qk_rope_head_dim`` for MLA (then Hkv
     and d are ignored for sizing). ``quant_group_size`` (elements per scale, default: one head vector) and
     ``scale_bytes`` (bytes per scale, default 2 = bf16) apply to int8/fp8/int4 only.
+    ``layer_windows``: per layer ``None`` (full attention) or its sliding window in tokens
+    (``None``: every layer full); see the module doc for how groups change the sizes.
 
     Raises ``ConfigError`` naming the field on a bad value.
     """
@@ -88,6 +100,7 @@ class KVCacheSpec:
     qk_rope_head_dim: int | None = None
     quant_group_size: int | None = None
     scale_bytes: int = 2
+    layer_windows: tuple[int | None, ...] | None = None
 
     def __post_init__(self) -> None:
         _positive_int("num_layers", self.num_layers)
@@ -103,6 +116,11 @@ class KVCacheSpec:
             _positive_int("qk_rope_head_dim", self.qk_rope_head_dim)
         if self.quant_group_size is not None:
             _positive_int("quant_group_size", self.quant_group_size)
+        if self.layer_windows is not None:
+            object.__setattr__(self, "layer_windows", tuple(self.layer_windows))
+            if len(self.layer_windows) != self.num_layers:
+                raise ConfigError(f"layer_windows: {len(self.layer_windows)} entries for {self.num_layers} layers")
+            LayerGroups.from_layer_windows(self.layer_windows)  # validates the windows
         if not self.is_mla:
             h, tp = self.num_kv_heads, self.tp_size
             if h >= tp and h % tp:
@@ -162,9 +180,35 @@ class KVCacheSpec:
         """Bytes of one block (``block_size`` tokens) of one layer on one rank."""
         return _positive_int("block_size", block_size) * self.bytes_per_token_per_layer
 
+    @property
+    def groups(self) -> LayerGroups:
+        """The layer groups (one full group without ``layer_windows``)."""
+        return LayerGroups.from_layer_windows(self.layer_windows, self.num_layers)
+
     def block_bytes(self, block_size: int) -> int:
-        """Bytes of one block across all layers on one rank (what one block id costs)."""
-        return self.page_size_bytes(block_size) * self.num_layers
+        """Bytes of one block id on one rank: a page in each of the largest layer group's
+        layers (all layers without sliding windows)."""
+        return self.page_size_bytes(block_size) * self.groups.max_layers
+
+    def blocks_per_request(self, num_tokens: int, block_size: int, chunk: int | None = None) -> int:
+        """Block ids a request of ``num_tokens`` tokens holds, all groups together: after its
+        last (decode) step, or with ``chunk`` (tokens per step, e.g. the prefill chunk) the
+        most it can hold at any step (a window group: ``ceil((W - 1 + chunk) / bs) + 1``)."""
+        g = self.groups
+        n = cdiv(num_tokens, block_size)
+        total = 0
+        for i, w in enumerate(g.windows):
+            if w is None:
+                total += n
+            elif chunk is None:
+                total += g.blocks_held(i, num_tokens, block_size)
+            else:
+                total += min(n, cdiv(w - 1 + chunk, block_size) + 1)
+        return total
+
+    def bytes_per_request(self, num_tokens: int, block_size: int) -> int:
+        """KV bytes (one rank) a request of ``num_tokens`` tokens holds after its last step."""
+        return self.blocks_per_request(num_tokens, block_size) * self.block_bytes(block_size)
 
     def num_blocks(self, budget_bytes: int | str, block_size: int) -> int:
         """Blocks that fit in a per-rank budget (``int`` bytes or a size like ``"20GiB"``).
@@ -192,6 +236,7 @@ class KVCacheSpec:
             "quant_group_size": (self.quant_group_size or self.head_dim) if self.dtype in SCALED_DTYPES else None,
             "bytes_per_token": self.bytes_per_token,
             "bytes_per_token_total": self.bytes_per_token_total,
+            "layer_groups": self.groups.describe() if self.layer_windows is not None else None,
         }
 
     # ------------------------------------------------------------------ constructors
@@ -204,8 +249,9 @@ class KVCacheSpec:
         ``cfg`` is a dict, a path to a ``config.json`` (or its folder), or the name of a
         shipped config (see ``known_configs()``, e.g. ``"llama-3-8b"``). ``dtype=None``
         uses the config's ``torch_dtype``/``dtype`` (bf16 if absent). Architectures:
-        llama, qwen2/qwen3, mistral/mixtral, gemma/gemma2, deepseek_v2/v3 (MLA). Gemma-2's
-        sliding-window layers are sized like full layers (this engine caches every position).
+        llama, qwen2/qwen3, mistral/mixtral, gemma/gemma2/gemma3, deepseek_v2/v3 (MLA).
+        Sliding-window layers (``hf_layer_windows``) get their own layer group, sized by
+        their window.
 
         Raises ``ConfigError`` on an unknown ``model_type`` or a missing field (named).
         """
@@ -231,8 +277,10 @@ class KVCacheSpec:
             heads = need("num_attention_heads")
             kv_heads = cfg.get("num_key_value_heads") or heads
             head_dim = cfg.get("head_dim") or need("hidden_size") // heads
-            return cls(num_layers=need("num_hidden_layers"), num_kv_heads=kv_heads,
-                       head_dim=head_dim, dtype=dtype, tp_size=tp_size, **kw)
+            layers = need("num_hidden_layers")
+            windows = hf_layer_windows(cfg, layers)
+            return cls(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                       tp_size=tp_size, layer_windows=windows if any(windows) else None, **kw)
         raise ConfigError(
             f"model_type: unknown architecture {model_type!r} "
             f"(supported: {', '.join(_MHA_TYPES + _MLA_TYPES)})"
@@ -280,6 +328,34 @@ class KVCacheSpec:
 
 
 # ---------------------------------------------------------------------- helpers
+def hf_layer_windows(cfg: dict[str, Any], num_layers: int) -> list[int | None]:
+    """Per layer the sliding window (tokens) of a Hugging Face config, ``None`` for full
+    attention: ``layer_types`` when given (``"sliding_attention"``); else Gemma-2 windows
+    the even layers, Gemma-3 all but every ``sliding_window_pattern``-th (default 6),
+    Qwen2/3 (``use_sliding_window``) the layers from ``max_window_layers`` on, and
+    Mistral/Mixtral every layer when ``sliding_window`` is set."""
+    w = cfg.get("sliding_window")
+    mt = cfg.get("model_type")
+    if not w or (mt in ("qwen2", "qwen3") and not cfg.get("use_sliding_window")):
+        return [None] * num_layers
+    if cfg.get("layer_types"):
+        types = cfg["layer_types"]
+        if len(types) != num_layers:
+            raise ConfigError(f"config.json: layer_types has {len(types)} entries for {num_layers} layers")
+        return [w if t == "sliding_attention" else None for t in types]
+    if mt == "gemma2":
+        return [w if i % 2 == 0 else None for i in range(num_layers)]
+    if mt in ("gemma3", "gemma3_text"):
+        pattern = cfg.get("sliding_window_pattern") or 6
+        return [w if (i + 1) % pattern else None for i in range(num_layers)]
+    if mt in ("qwen2", "qwen3"):
+        first = cfg.get("max_window_layers") or 0
+        return [w if i >= first else None for i in range(num_layers)]
+    if mt in ("mistral", "mixtral"):
+        return [w] * num_layers
+    return [None] * num_layers
+
+
 def known_configs() -> list[str]:
     """Names of the Hugging Face configs shipped in ``pagedkv/kv/configs/``."""
     return sorted(p.stem for p in CONFIGS_DIR.glob("*.json"))

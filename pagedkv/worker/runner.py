@@ -12,7 +12,14 @@ builder :func:`pagedkv.kv.block_table.build_slots`:
 
 applies the step's copy-on-write block copies, runs the model (which writes K/V through
 ``slot_mapping`` and reads through ``block_tables``), and returns the logits of the rows
-that sample a token. It knows nothing of requests or the scheduler: every input is an
+that sample a token.
+
+Hybrid models (``layer_windows`` with full and sliding-window layers, see
+``pagedkv.kv.groups``): every layer group has its own block tables and slot mapping, so
+``prepare`` takes per sequence one block table per group and builds one ``AttentionMetadata``
+per group; the model gets one metadata per layer (its group's). The KV memory is
+``max_layers`` per-layer caches of ``num_blocks`` blocks; the ``j``-th layer of every group
+uses cache ``j`` (a block id belongs to one group at a time, so the groups never collide). It knows nothing of requests or the scheduler: every input is an
 explicit argument, so the tensor-parallel workers run the same code.
 """
 
@@ -26,6 +33,7 @@ import torch
 
 from pagedkv.attention.base import AttentionMetadata
 from pagedkv.kv.block_table import build_slots
+from pagedkv.kv.groups import LayerGroups
 from pagedkv.utils import profile_scope
 from pagedkv.worker.kv_transfer import BlockPayloadCodec, run_transfer
 
@@ -34,15 +42,18 @@ from pagedkv.worker.kv_transfer import BlockPayloadCodec, run_transfer
 class ModelInput:
     input_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T]
-    metadata: AttentionMetadata
+    metadata: AttentionMetadata | list[AttentionMetadata]  # one, or one per layer (hybrid)
     logits_indices: torch.Tensor  # int64 [num_sampling + extra]: rows of T whose logits are returned
     num_sample_rows: int = -1  # the first num_sample_rows of logits_indices sample (-1: all)
+    groups: list[AttentionMetadata] | None = None  # per layer group (None: just ``metadata``)
 
 
 class ModelRunner:
     """Owns the model, the attention backend and one KV cache object per layer. ``dtype`` is
     the cache's: a torch dtype, or a quantised format name (``"int8"``, ``"fp8_e4m3"``,
-    ``"fp8_e5m2"``) with ``quant_group_size`` elements per scale (None: ``head_dim``)."""
+    ``"fp8_e5m2"``) with ``quant_group_size`` elements per scale (None: ``head_dim``).
+    ``layer_windows``: per layer ``None`` (full attention) or its sliding window in tokens
+    (None: all full); it decides the layer groups (see the module doc)."""
 
     def __init__(
         self,
@@ -56,16 +67,20 @@ class ModelRunner:
         dtype: torch.dtype | str,
         device: str | torch.device = "cpu",
         quant_group_size: int | None = None,
+        layer_windows: Sequence[int | None] | None = None,
     ) -> None:
         self.model = model
         self.backend = backend
         self.block_size = block_size
         self.device = torch.device(device)
+        self.groups = LayerGroups.from_layer_windows(layer_windows, num_layers)
         quant = {} if quant_group_size is None else {"quant_group_size": quant_group_size}
-        self.kv_caches = [
+        #: the allocated caches (``max_layers`` of them); ``kv_caches[i]`` is layer i's
+        self.shared_caches = [
             backend.allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, self.device, **quant)
-            for _ in range(num_layers)
+            for _ in range(self.groups.max_layers)
         ]
+        self.kv_caches = [self.shared_caches[j] for j in self.groups.slot_of_layer]
         self._codec: BlockPayloadCodec | None = None
 
     def prepare(
@@ -81,10 +96,15 @@ class ModelRunner:
         table (physical block ids, logical order); ``sample[i]``: whether its last new token's
         logits are returned by :meth:`execute`; ``prompt_rows[i]`` (optional, default 0): how
         many of sequence ``i``'s first new tokens also have their logits returned (prompt
-        logprobs), after all the sampled rows, in sequence order. Raises
-        ``InvalidRequestError`` when a position has no block."""
+        logprobs), after all the sampled rows, in sequence order. With several layer groups
+        ``block_ids[i]`` is one block table per group. Raises ``InvalidRequestError`` when a
+        position has no block."""
         qlens = [len(t) for t in token_ids]
-        b = build_slots(block_ids, num_computed, qlens, self.block_size)
+        ng = self.groups.num_groups
+        per_group = [build_slots([ids[g] for ids in block_ids] if ng > 1 else block_ids,
+                                 num_computed, qlens, self.block_size) for g in range(ng)]
+        b = per_group[0]
+        group_md = [AttentionMetadata.from_slots(x, qlens, self.device) for x in per_group]
         ends = b.query_start_loc[1:].astype(np.int64) - 1
         dev = self.device
         flat = [t for ids in token_ids for t in ids]
@@ -96,15 +116,23 @@ class ModelRunner:
         return ModelInput(
             input_ids=torch.tensor(flat, dtype=torch.int64, device=dev),
             positions=torch.from_numpy(b.positions).to(dev),
-            metadata=AttentionMetadata.from_slots(b, qlens, dev),
+            metadata=self.layer_metadata(group_md),
             logits_indices=torch.from_numpy(rows).to(dev),
             num_sample_rows=num_sample,
+            groups=group_md,
         )
 
+    def layer_metadata(self, per_group: list[AttentionMetadata]) -> AttentionMetadata | list[AttentionMetadata]:
+        """The model's metadata argument: the one group's, or per layer its group's."""
+        if len(per_group) == 1:
+            return per_group[0]
+        return [per_group[g] for g in self.groups.layer_group]
+
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
-        """Apply copy-on-write copies (src -> dst) in every layer, before the step's writes."""
+        """Apply copy-on-write copies (src -> dst) in every layer, before the step's writes
+        (each allocated cache once: a block id belongs to one layer group)."""
         if copies:
-            for cache in self.kv_caches:
+            for cache in self.shared_caches:
                 self.backend.copy_blocks(cache, copies)
 
     def kv_payload_codec(self) -> BlockPayloadCodec:

@@ -122,3 +122,24 @@ def test_block_hash_is_chained_typed_and_full_blocks_only():
     assert mm.extra_bytes(0, 4) == CacheKeys().extra_bytes(0, 4)
     assert mm.extra_bytes(4, 8) != CacheKeys().extra_bytes(4, 8)
     assert [h for h, *_ in iter_block_hashes(toks, 4, first_block=1, parent_hash=hs[0])] == [hs[1]]
+
+
+def test_plan_sizes_gemma2_per_layer_group(tmp_path, capsys):
+    p = plan(model="gemma-2-9b", kv_budget="40GiB", dtype="bf16", max_model_len=32768)
+    lg = p["layer_groups"]
+    assert [(g["window"], g["num_layers"], g["blocks_per_request"]) for g in lg["groups"]] == [
+        (None, 21, 2048), (4096, 21, 256)]
+    assert p["block_bytes"] == lg["hybrid"]["block_bytes"] == 21 * 16 * 2 * 8 * 256 * 2 == 2_752_512
+    assert lg["all_full"]["block_bytes"] == 2 * 2_752_512
+    assert (lg["hybrid"]["blocks_per_request"], lg["all_full"]["blocks_per_request"]) == (2304, 2048)
+    assert lg["hybrid"]["num_blocks"] == p["num_blocks"] == 40 * 2**30 // 2_752_512 == 15603
+    assert (lg["hybrid"]["max_concurrency"], lg["all_full"]["max_concurrency"]) == (6, 3)
+    assert lg["bytes_per_request_ratio"] == 0.5625 and lg["page_waste"] == 0.0
+    assert plan(model="llama-3-8b").get("layer_groups") is None
+    w = tmp_path / "w.csv"
+    w.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n0,5000,100\n1,100,28\n")
+    pw = plan(model="gemma-2-9b", dtype="bf16", max_model_len=32768, workload=str(w))["workload"]["paged"]
+    # 5100 tokens: 319 full + (319 - (5100 - 4096) // 16 = 257) window blocks; 128 tokens: 8 + 8
+    assert pw["mean_blocks_per_request"] == (319 + 257 + 16) / 2
+    assert main(["plan", "--model", "gemma-2-9b", "--dtype", "bf16", "--max-model-len", "32768"]) == 0
+    assert "0.5625 of the all-full bytes per request" in capsys.readouterr().out

@@ -1,0 +1,135 @@
+"""Layer groups of a hybrid KV cache (full + sliding-window attention layers).
+
+A *layer group* is the set of layers with the same attention kind: full attention
+(``window=None``) or a sliding window of ``W`` tokens. Each group has its own block table
+per request; all groups draw block ids from **one** block pool. The device memory is laid out
+so that one block id is one page in each of ``max_layers`` per-layer tensors, and the
+``j``-th layer of *every* group uses tensor ``j`` (``slot_of_layer``): a block owned by the
+full group holds full-attention K/V in those tensors, a block owned by a window group holds
+window K/V there. One pool (not one per group) because how many blocks each group needs
+changes with the mix of request lengths (a short request needs as many window blocks as
+full ones, a long one a fraction): a static split of the budget would strand memory in
+whichever group the traffic does not need. With equal group sizes (Gemma-2: 21 + 21 layers)
+this wastes nothing; a smaller group leaves ``max_layers - n_layers`` of each of its pages
+unused (see ``page_waste``).
+
+Window rule. A step that computes positions from ``p`` (the request's computed tokens) has
+its earliest query at ``p``, which sees keys ``p - W + 1 .. p``. Logical blocks wholly
+before ``p - W + 1`` are never read again by that request: ``first_live_block(p)`` =
+``max(0, p - W + 1) // block_size``. The manager replaces them with the *null block*
+(block id 0, never handed out, its storage zero) and frees the real block behind the
+step fence, so a request holds at most about ``(W + chunk) / block_size + 1`` blocks of a
+window group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from pagedkv.errors import ConfigError
+from pagedkv.utils import cdiv
+
+#: Block id reserved as the placeholder of freed window blocks (hybrid managers only).
+NULL_BLOCK_ID = 0
+
+
+@dataclass(frozen=True)
+class LayerGroups:
+    """``windows[g]``: group ``g``'s window in tokens (``None`` = full attention);
+    ``layer_group[i]``: the group of layer ``i``. Groups are ordered: full first, then
+    windows ascending. Build with :meth:`from_layer_windows`."""
+
+    windows: tuple[int | None, ...]
+    layer_group: tuple[int, ...]
+
+    @classmethod
+    def from_layer_windows(cls, layer_windows: Sequence[int | None] | None, num_layers: int = 1) -> "LayerGroups":
+        """Groups from one entry per layer (``None`` = full attention, an int = sliding
+        window in tokens); ``None`` means ``num_layers`` full layers. Raises ``ConfigError``
+        on an empty list or a window that is not a positive integer."""
+        if layer_windows is None:
+            layer_windows = [None] * num_layers
+        layer_windows = list(layer_windows)
+        if not layer_windows:
+            raise ConfigError("layer_windows: give one entry per layer")
+        for w in layer_windows:
+            if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+                raise ConfigError(f"layer_windows: a window must be a positive integer or None, got {w!r}")
+        kinds = sorted(set(layer_windows), key=lambda w: (w is not None, w or 0))
+        index = {w: g for g, w in enumerate(kinds)}
+        return cls(tuple(kinds), tuple(index[w] for w in layer_windows))
+
+    @property
+    def num_groups(self) -> int:
+        """Layer groups (1 without sliding windows)."""
+        return len(self.windows)
+
+    @property
+    def is_hybrid(self) -> bool:
+        """True when some group has a sliding window (the manager then reserves block 0)."""
+        return any(w is not None for w in self.windows)
+
+    def layers_of(self, g: int) -> list[int]:
+        return [i for i, x in enumerate(self.layer_group) if x == g]
+
+    @property
+    def max_layers(self) -> int:
+        """Layers of the largest group: per-layer tensors one block id spans."""
+        return max(len(self.layers_of(g)) for g in range(self.num_groups))
+
+    @property
+    def slot_of_layer(self) -> list[int]:
+        """Per layer, the shared per-layer tensor it uses (its index inside its group)."""
+        seen = [0] * self.num_groups
+        out = []
+        for g in self.layer_group:
+            out.append(seen[g])
+            seen[g] += 1
+        return out
+
+    @property
+    def page_waste(self) -> float:
+        """Fraction of the KV memory a block of an average group leaves unused (0 when every
+        group has the same number of layers)."""
+        sizes = [len(self.layers_of(g)) for g in range(self.num_groups)]
+        return 1.0 - sum(sizes) / (len(sizes) * max(sizes))
+
+    def first_live_block(self, g: int, num_computed: int, block_size: int) -> int:
+        """First logical block group ``g`` still needs when the next step computes from
+        position ``num_computed`` (0 for a full group)."""
+        w = self.windows[g]
+        if w is None:
+            return 0
+        return max(0, num_computed - w + 1) // block_size
+
+    def blocks_held(self, g: int, num_tokens: int, block_size: int) -> int:
+        """Blocks of group ``g`` a request holds after its last step, which computed
+        position ``num_tokens - 1`` alone (a decode step)."""
+        if num_tokens <= 0:
+            return 0
+        return cdiv(num_tokens, block_size) - self.first_live_block(g, num_tokens - 1, block_size)
+
+    def describe(self) -> list[dict]:
+        """JSON-able: per group its window and layer indices."""
+        return [{"group": g, "window": w, "layers": self.layers_of(g)} for g, w in enumerate(self.windows)]
+
+
+def longest_valid_hit(present: list[list[bool]], groups: LayerGroups, block_size: int, limit: int) -> int:
+    """The longest prefix hit, in blocks ``k <= limit``, valid in every group: a full group
+    needs its blocks ``0 .. k-1`` cached, a window group only ``first_live_block(k * bs) ..
+    k-1`` (the blocks covering the last ``W`` tokens before the hit point).
+    ``present[g][i]``: whether group ``g``'s block ``i`` is cached (lists of ``>= limit``)."""
+    runs = []  # runs[g][k]: cached blocks of group g in a row ending at block k - 1
+    for g in range(groups.num_groups):
+        run = [0] * (limit + 1)
+        for i in range(limit):
+            run[i + 1] = run[i] + 1 if present[g][i] else 0
+        if groups.windows[g] is None:  # a full group: nothing past its first miss
+            limit = min(limit, next((i for i in range(limit) if not present[g][i]), limit))
+        runs.append(run)
+    for k in range(limit, 0, -1):
+        if all(runs[g][k] >= k - groups.first_live_block(g, k * block_size, block_size)
+               for g in range(groups.num_groups)):
+            return k
+    return 0
