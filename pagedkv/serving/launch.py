@@ -1,0 +1,151 @@
+"""Start N engine replicas on Ray Serve and the ingress in front of them.
+
+``ReplicaService.start(...)`` joins a Ray cluster (``ray_address``) or starts Ray locally
+(``num_cpus`` CPUs, no dashboard), starts Serve without its HTTP proxy (the ingress talks to
+each replica's own HTTP server) and deploys one application ``pagedkv`` holding N deployments
+``pagedkv-replica-<rank>`` (one replica each, so every rank is addressable and Serve restarts
+a dead one under the same rank). :class:`RayReplicas` is the ingress's
+:class:`pagedkv.serving.ingress.ReplicaControl` over their ``DeploymentHandle`` s.
+``stop()`` deletes the application, shuts Serve down when it started it and disconnects
+(and stops a local) Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Callable, Optional
+
+import ray
+from ray import serve
+
+from pagedkv.serving.events import EventFeed
+from pagedkv.serving.ingress import Ingress, build_ingress
+from pagedkv.serving.replica import EngineReplica, ReplicaGroup
+from pagedkv.serving.router import DEFAULT_LOAD_GAP, DEFAULT_POLICY, ReplicaView, Router
+
+logger = logging.getLogger("pagedkv.serving")
+APP = "pagedkv"
+CALL_TIMEOUT_S = 2.0  # a replica that does not answer a stats call within this is out of routing
+
+
+class RayReplicas:
+    """Replica control over Serve handles: ``refresh`` asks every replica for its stats (in
+    parallel, ``CALL_TIMEOUT_S`` each) and marks it up with its URL or down; a replica that
+    comes back as a new process gets a fresh index and a new KV event feed."""
+
+    def __init__(self, handles: list[Any], events: bool) -> None:
+        self.handles = handles
+        self.events = events
+        self.feeds: dict[int, EventFeed] = {}
+
+    async def _call(self, rank: int, method: str) -> Any:
+        return await asyncio.wait_for(getattr(self.handles[rank], method).remote(), CALL_TIMEOUT_S)
+
+    async def _refresh_one(self, router: Router, view: ReplicaView) -> None:
+        try:
+            st = await self._call(view.rank, "stats")
+        except Exception:
+            router.mark_down(view)
+            return
+        new_process = st["pid"] != view.pid
+        if new_process and self.events:
+            try:
+                info = await self._call(view.rank, "info")
+            except Exception:
+                router.mark_down(view)
+                return
+            old = self.feeds.pop(view.rank, None)
+            if old is not None:
+                old.close()
+            if info["kv_events"]:
+                self.feeds[view.rank] = EventFeed(router, view, info["kv_events"])
+        view.kv_usage = float(st["kv_usage"])
+        router.mark_up(view, st["url"], st["pid"])
+
+    async def refresh(self, router: Router) -> None:
+        await asyncio.gather(*(self._refresh_one(router, v) for v in router.replicas))
+
+    async def metrics_text(self, replica: ReplicaView) -> Optional[str]:
+        try:
+            return await self._call(replica.rank, "metrics_text")
+        except Exception:
+            return None
+
+    def close(self) -> None:
+        for feed in self.feeds.values():
+            feed.close()
+        self.feeds.clear()
+
+
+class ReplicaService:
+    """N replicas on Ray Serve (see the module docstring); build with :meth:`start`."""
+
+    def __init__(self, handles: list[Any], info: dict[str, Any], tokenizer: Any, started_ray: bool) -> None:
+        self.handles, self.info, self.tokenizer, self.started_ray = handles, info, tokenizer, started_ray
+
+    @classmethod
+    def start(cls, num_replicas: int, model: Optional[str], engine_kwargs: dict[str, Any],
+              server_kwargs: dict[str, Any], *, ray_address: Optional[str] = None, num_cpus: Optional[int] = None,
+              replica_cpus: float = 0.0, model_factory: Optional[Callable[[], Any]] = None,
+              health_check_period_s: float = 1.0) -> "ReplicaService":
+        """Deploy ``num_replicas`` (>= 1) replicas and wait until each one serves. Ray starts
+        locally with ``num_cpus`` unless ``ray_address`` names a cluster (``"auto"``: the one
+        ``ray start`` made on this machine). ``replica_cpus``: Ray CPUs each replica reserves
+        (0: none, the default, so small machines fit any N). Raises ``ValueError`` for N < 1."""
+        if num_replicas < 1:
+            raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+        started = not ray.is_initialized()
+        if started:
+            if ray_address:
+                ray.init(address=ray_address, log_to_driver=False)
+            else:
+                ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+                         object_store_memory=128 << 20)
+        serve.start(proxy_location="Disabled")
+        dep = serve.deployment(EngineReplica, num_replicas=1, max_ongoing_requests=1000,
+                               health_check_period_s=health_check_period_s, health_check_timeout_s=30.0,
+                               graceful_shutdown_timeout_s=15.0, ray_actor_options={"num_cpus": replica_cpus})
+        reps = [dep.options(name=f"pagedkv-replica-{i}").bind(i, model, engine_kwargs, server_kwargs,
+                                                             model_factory=model_factory) for i in range(num_replicas)]
+        group = serve.deployment(ReplicaGroup, name="pagedkv-group", ray_actor_options={"num_cpus": 0})
+        serve.run(group.bind(*reps), name=APP, route_prefix=None)
+        handles = [serve.get_deployment_handle(f"pagedkv-replica-{i}", app_name=APP) for i in range(num_replicas)]
+        info = handles[0].info.remote().result()
+        tokenizer = handles[0].tokenizer.remote().result()
+        return cls(handles, info, tokenizer, started)
+
+    def build_ingress(self, policy: str = DEFAULT_POLICY, load_gap: int = DEFAULT_LOAD_GAP, *,
+                      api_keys: Optional[dict[str, str]] = None, max_body_bytes: int = 1 << 20,
+                      open_routes: tuple[str, ...] = (), poll_s: float = 0.5) -> Any:
+        """The ingress FastAPI app over these replicas (its state: ``app.state.ingress``)."""
+        views = [ReplicaView(rank=i) for i in range(len(self.handles))]
+        for v in views:
+            v.index.capacity = max(1, int(self.info["num_blocks"]))  # a replica holds no more
+        router = Router(views, policy, load_gap)
+        self.control = RayReplicas(self.handles, events=bool(self.info["kv_events"]))
+        model = {k: self.info[k] for k in ("model_id", "revision", "block_size")}
+        ing = Ingress(router, self.control, self.tokenizer, model, api_keys=api_keys,
+                      max_body_bytes=max_body_bytes, open_routes=open_routes, poll_s=poll_s)
+        return build_ingress(ing)
+
+    def pids(self) -> list[int]:
+        """Each replica's process id (tests end one to see it replaced)."""
+        return [h.info.remote().result()["pid"] for h in self.handles]
+
+    def stop(self) -> None:
+        """Delete the replicas (each drains its engine), then Serve and Ray if this started them.
+        Idempotent."""
+        if getattr(self, "_stopped", False):
+            return
+        self._stopped = True
+        control = getattr(self, "control", None)
+        if control is not None:
+            control.close()
+        try:
+            serve.delete(APP)
+            if self.started_ray:
+                serve.shutdown()
+        finally:
+            if self.started_ray:
+                ray.shutdown()

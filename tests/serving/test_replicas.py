@@ -1,0 +1,128 @@
+"""Two tiny replicas on one local Ray (module-scoped: Ray starts once): prefix-aware routing
+asserted by the replicas' own prefix-hit counters; a replica whose process is killed loses no
+request that had not started (retried on the other), its running stream ends with an error
+event, Ray restarts it and it rejoins; everything stops at the end."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import ray
+
+from pagedkv.server.threaded import ThreadedServer
+from pagedkv.serving.launch import ReplicaService
+from pagedkv.testing.tiny import tiny_random_model
+
+BLOCK = 8
+ENGINE = {"num_blocks": 320, "block_size": BLOCK, "max_model_len": 1024, "kv_events": "auto", "seed": 0}
+
+
+@pytest.fixture(scope="module")
+def service():
+    svc = ReplicaService.start(2, None, ENGINE, {}, num_cpus=2, model_factory=tiny_random_model)
+    app = svc.build_ingress("prefix-aware", poll_s=0.2)
+    srv = ThreadedServer(app)
+    yield svc, app.state.ingress, srv
+    srv.stop()
+    svc.stop()
+
+
+def _complete(url: str, prompt: list[int], max_tokens: int = 4, **extra) -> httpx.Response:
+    body = {"model": "tiny-random", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
+    return httpx.post(url + "/v1/completions", json=body, timeout=120)
+
+
+def _hits(url: str) -> dict[str, float]:
+    """Prompt tokens each replica served from its prefix cache (the ingress's merged /metrics)."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'^pagedkv_prefix_cache_hits_tokens_total\{[^}]*replica="(\w+)"\} (\S+)$', text, re.M)}
+
+
+def test_prefix_aware_routing_follows_each_users_prefix(service):
+    svc, ing, srv = service
+    systems = {"a": list(range(1000, 1040)), "b": list(range(2000, 2040))}  # 40 tokens = 5 blocks each
+    before = _hits(srv.url)
+    served: dict[str, list[str]] = {"a": [], "b": []}
+    for turn in range(4):
+        for user, sys_ids in systems.items():
+            r = _complete(srv.url, sys_ids + [3000 + 10 * turn + k for k in range(5)])
+            assert r.status_code == 200, r.text
+            served[user].append(r.headers["x-pagedkv-replica"])
+    after = _hits(srv.url)
+    # every turn of a user went where its first turn went
+    assert all(len(set(v)) == 1 for v in served.values()), served
+    # turns 2-4 each found the user's 40-token system prompt cached on that replica, and nothing else hit
+    gained = {rank: after[rank] - before.get(rank, 0.0) for rank in ("0", "1")}
+    expected = {"0": 0.0, "1": 0.0}
+    for user in systems:
+        expected[served[user][0]] += 3 * 40
+    assert gained == expected
+    assert after["all"] - before.get("all", 0.0) == 6 * 40
+    health = httpx.get(srv.url + "/health").json()
+    assert [r["healthy"] for r in health["replicas"]] == [True, True]
+
+
+def _stream_lines(resp: httpx.Response):
+    for line in resp.iter_lines():
+        if line.startswith("data: "):
+            yield line[6:]
+
+
+def test_killed_replica_loses_no_unstarted_request(service):
+    svc, ing, srv = service
+    prompts = [list(range(500, 540)) + [600 + i] for i in range(6)]  # one shared 5-block prefix
+    expected = [_complete(srv.url, p).json()["choices"][0]["text"] for p in prompts]  # all on one replica now
+    pids = svc.pids()
+    ing.refresh_paused = True  # the death must be found by the requests below, not by a poll
+    deadline = time.monotonic() + 30
+    while not ing.refresh_idle:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    body = {"model": "tiny-random", "prompt": prompts[0][:40] + [700], "max_tokens": 900, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=120) as resp:
+        victim = int(resp.headers["x-pagedkv-replica"])
+        lines = _stream_lines(resp)
+        first = json.loads(next(lines))
+        assert first["object"] == "text_completion"
+        os.kill(pids[victim], 9)  # the replica's process ends
+        with ThreadPoolExecutor(6) as pool:  # routed by prefix to the dead replica, then retried
+            outs = list(pool.map(_complete, [srv.url] * 6, prompts))
+        rest = list(lines)
+    assert [o.status_code for o in outs] == [200] * 6
+    assert [o.json()["choices"][0]["text"] for o in outs] == expected
+    assert {o.headers["x-pagedkv-replica"] for o in outs} == {str(1 - victim)}
+    assert rest and rest[-1] != "[DONE]"
+    assert json.loads(rest[-1])["error"]["code"] == "replica_failed"
+    assert ing.retries >= 1 and ing.router.replicas[victim].failures >= 2  # the stream and >= 1 request
+    ing.refresh_paused = False
+    deadline = time.monotonic() + 120  # Ray Serve replaces the replica; the poll lets it rejoin
+    while True:
+        reps = httpx.get(srv.url + "/health").json()["replicas"]
+        if reps[victim]["healthy"] and reps[victim]["restarts"] == 1:
+            break
+        assert time.monotonic() < deadline, reps
+        time.sleep(0.2)
+    assert svc.pids()[1 - victim] == pids[1 - victim] and svc.pids()[victim] != pids[victim]
+    r = _complete(srv.url, [42] * 20)
+    assert r.status_code == 200
+
+
+def test_everything_stops(service):
+    svc, ing, srv = service
+    pids = svc.pids()
+    srv.stop()
+    svc.stop()
+    assert not ray.is_initialized()
+    for pid in pids:  # the replica processes are gone
+        deadline = time.monotonic() + 30
+        while os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z":
+            assert time.monotonic() < deadline, f"replica process {pid} still runs"
+            time.sleep(0.1)
