@@ -16,6 +16,7 @@ BENCHES: dict[str, str] = {
     "step": "pagedkv.bench.step",
     "quality": "pagedkv.bench.quality",
     "offload": "pagedkv.bench.offload",
+    "route": "pagedkv.bench.route",
 }
 
 

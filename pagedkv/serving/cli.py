@@ -36,7 +36,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
            "max_n": args.max_n, "shutdown_timeout_s": args.shutdown_timeout}
     t0 = time.time()
     svc = ReplicaService.start(args.data_parallel_size, args.model, ekw, skw, ray_address=args.ray_address,
-                               num_cpus=args.ray_num_cpus, replica_cpus=args.replica_cpus)
+                               num_cpus=args.ray_num_cpus, replica_cpus=args.replica_cpus,
+                               replica_threads=args.replica_threads)
     try:
         app = svc.build_ingress(args.routing, args.route_load_gap, api_keys=keys, max_body_bytes=args.max_body_bytes,
                                 open_routes=tuple(args.open_route or ()))
@@ -69,6 +70,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="CPUs of a locally started Ray (default: all)")
     g.add_argument("--replica-cpus", type=float, default=0.0, metavar="C",
                    help="Ray CPUs each replica reserves (placement across nodes; default 0)")
+    g.add_argument("--replica-threads", type=int, default=None, metavar="T",
+                   help="torch threads per replica (default: torch's choice; on one machine cores / N)")
     g.add_argument("--no-replica-kv-events", dest="replica_kv_events", action="store_false",
                    help="no KV events from the replicas: the prefix index learns only the prompts routed")
     p.set_defaults(func=cmd_serve)

@@ -88,11 +88,12 @@ class ReplicaService:
     def start(cls, num_replicas: int, model: Optional[str], engine_kwargs: dict[str, Any],
               server_kwargs: dict[str, Any], *, ray_address: Optional[str] = None, num_cpus: Optional[int] = None,
               replica_cpus: float = 0.0, model_factory: Optional[Callable[[], Any]] = None,
-              health_check_period_s: float = 1.0) -> "ReplicaService":
+              replica_threads: Optional[int] = None, health_check_period_s: float = 1.0) -> "ReplicaService":
         """Deploy ``num_replicas`` (>= 1) replicas and wait until each one serves. Ray starts
         locally with ``num_cpus`` unless ``ray_address`` names a cluster (``"auto"``: the one
         ``ray start`` made on this machine). ``replica_cpus``: Ray CPUs each replica reserves
-        (0: none, the default, so small machines fit any N). Raises ``ValueError`` for N < 1."""
+        (0: none, the default, so small machines fit any N). ``replica_threads``: torch threads
+        per replica (default: torch's choice; on one machine, cores / N avoids oversubscription). Raises ``ValueError`` for N < 1."""
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
         started = not ray.is_initialized()
@@ -107,7 +108,8 @@ class ReplicaService:
                                health_check_period_s=health_check_period_s, health_check_timeout_s=30.0,
                                graceful_shutdown_timeout_s=15.0, ray_actor_options={"num_cpus": replica_cpus})
         reps = [dep.options(name=f"pagedkv-replica-{i}").bind(i, model, engine_kwargs, server_kwargs,
-                                                             model_factory=model_factory) for i in range(num_replicas)]
+                                                             model_factory=model_factory, num_threads=replica_threads)
+                for i in range(num_replicas)]
         group = serve.deployment(ReplicaGroup, name="pagedkv-group", ray_actor_options={"num_cpus": 0})
         serve.run(group.bind(*reps), name=APP, route_prefix=None)
         handles = [serve.get_deployment_handle(f"pagedkv-replica-{i}", app_name=APP) for i in range(num_replicas)]
@@ -119,6 +121,8 @@ class ReplicaService:
                       api_keys: Optional[dict[str, str]] = None, max_body_bytes: int = 1 << 20,
                       open_routes: tuple[str, ...] = (), poll_s: float = 0.5) -> Any:
         """The ingress FastAPI app over these replicas (its state: ``app.state.ingress``)."""
+        if getattr(self, "control", None) is not None:  # a new ingress replaces the old one's feeds
+            self.control.close()
         views = [ReplicaView(rank=i) for i in range(len(self.handles))]
         for v in views:
             v.index.capacity = max(1, int(self.info["num_blocks"]))  # a replica holds no more
@@ -128,6 +132,11 @@ class ReplicaService:
         ing = Ingress(router, self.control, self.tokenizer, model, api_keys=api_keys,
                       max_body_bytes=max_body_bytes, open_routes=open_routes, poll_s=poll_s)
         return build_ingress(ing)
+
+    def reset_prefix_caches(self) -> None:
+        """Every replica forgets its prefix cache (benchmarks: each policy starts cold)."""
+        for h in self.handles:
+            h.reset_prefix_cache.remote().result()
 
     def pids(self) -> list[int]:
         """Each replica's process id (tests end one to see it replaced)."""

@@ -27,12 +27,17 @@ class EngineReplica:
     ``engine_kwargs`` / ``server_kwargs``: for ``LLMEngine`` / ``build_app``;
     ``engine_kwargs["kv_events"] == "auto"`` publishes KV events on a free port of this node.
     ``host``: the address to bind and advertise (default: this node's IP, as Ray sees it).
+    ``num_threads``: torch intra-op threads of this process (default: torch's choice).
     Raises what ``LLMEngine`` raises (``ConfigError``); Ray Serve then retries the start."""
 
     def __init__(self, rank: int, model: Optional[str], engine_kwargs: dict[str, Any],
                  server_kwargs: dict[str, Any], host: Optional[str] = None,
-                 model_factory: Optional[Callable[[], Any]] = None) -> None:
+                 model_factory: Optional[Callable[[], Any]] = None, num_threads: Optional[int] = None) -> None:
         import ray
+        import torch
+
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
 
         self.rank = rank
         self.host = host or ray.util.get_node_ip_address()
@@ -60,6 +65,10 @@ class EngineReplica:
         st = self.engine.get_stats()
         return {"url": self.server.url, "pid": os.getpid(), "running": st.num_running, "waiting": st.num_waiting,
                 "kv_usage": st.kv_usage}
+
+    def reset_prefix_cache(self) -> int:
+        """Forget this replica's prefix cache (benchmarks). Returns the blocks unpublished."""
+        return self.engine.reset_prefix_cache()
 
     def metrics_text(self) -> str:
         """This replica's ``/metrics`` exposition (no API key needed on this path)."""
