@@ -63,6 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         ("--seed", 0, "token seed (default 0)"),
     ])
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled model)")
+    p.add_argument("--name", default="route", help="result files <name>.json/.md/.png (default route)")
     add_run_options(p, tiny="3 users x 2 turns, 32-token system prompts, 8 uniform requests", note=True)
 
 
@@ -165,7 +166,9 @@ def run(args: argparse.Namespace) -> int:
     bs = args.block_size
     per_request = cdiv(args.system_tokens + args.question_tokens + args.answer_tokens, bs)
     system_blocks = args.users * (args.system_tokens // bs)
-    num_blocks = int(args.pool_fraction * system_blocks) + max(args.concurrency, args.uniform_concurrency) * per_request + 1
+    per_uniform = cdiv(args.uniform_prompt_tokens + args.uniform_answer_tokens, bs)
+    in_flight = max(args.concurrency * per_request, args.uniform_concurrency * per_uniform)
+    num_blocks = int(args.pool_fraction * system_blocks) + in_flight + 1
     max_len = max(args.system_tokens + args.question_tokens + args.answer_tokens,
                   args.uniform_prompt_tokens + args.uniform_answer_tokens)
     engine = {"block_size": bs, "num_blocks": num_blocks, "max_model_len": cdiv(max_len, bs) * bs,
@@ -194,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
     hit_ratio = pa["hit_rate"] / rr["hit_rate"] if rr["hit_rate"] else float("inf")
     ttft_ratio = pa["ttft_s"]["p50"] / rr["ttft_s"]["p50"]
     data = {
-        "benchmark": "route", "model": info["model_id"], "threads": facts.threads,
+        "benchmark": "route", "name": args.name, "model": info["model_id"], "threads": facts.threads,
         "replica_threads": args.replica_threads, "tiny": bool(args.tiny), "notes": args.note,
         "replicas": args.replicas, "num_blocks_per_replica": num_blocks, "block_size": bs,
         "conversations": {"users": args.users, "turns": args.turns, "system_tokens": args.system_tokens,
@@ -213,5 +216,5 @@ def run(args: argparse.Namespace) -> int:
         "elapsed_s": time.time() - t_all,
         **facts.finish(),
     }
-    publish("route", data, render_markdown, args.out_dir, plots=None if args.no_plot else plots, as_json=args.json)
+    publish(args.name, data, render_markdown, args.out_dir, plots=None if args.no_plot else plots, as_json=args.json)
     return 0 if all(data["goals"].values()) or args.tiny else 1

@@ -61,4 +61,5 @@ def _draw(data: dict[str, Any], path: Any) -> None:
     save_figure(fig, path)
 
 
-plots = single_plot("route", "prefix hit rate, TTFT p50 and load per replica", _draw)
+def plots(data: dict[str, Any], out_dir: Any) -> dict[str, str]:
+    return single_plot(data["name"], "prefix hit rate, TTFT p50 and load per replica", _draw)(data, out_dir)
