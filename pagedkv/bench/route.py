@@ -45,14 +45,15 @@ POLICIES = ("round-robin", "prefix-aware")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_options(p, [
         ("--replicas", 2, "engine replicas (default 2)"),
-        ("--users", 10, "users, each with its own system prompt (default 10)"),
+        ("--users", 16, "users, each with its own system prompt (default 16)"),
         ("--turns", 4, "questions per user (default 4)"),
         ("--system-tokens", 192, "tokens of each user's system prompt (default 192)"),
         ("--question-tokens", 16, "tokens of each question (default 16)"),
         ("--answer-tokens", 8, "greedy tokens of each answer (default 8)"),
         ("--block-size", 16, "tokens per KV block (default 16)"),
-        ("--pool-fraction", 0.7, "each replica's cache / all users' system prompts (default 0.7)"),
-        ("--concurrency", 2, "closed-loop streams of the conversation runs (default 2)"),
+        ("--pool-fraction", 0.55, "each replica's cache / all users' system prompts (default 0.55)"),
+        ("--concurrency", 1, "closed-loop streams of the conversation runs (default 1: a batch of one, so "
+                             "outputs compare exactly and TTFT is the request's own prefill)"),
         ("--rounds", 2, "rounds per policy, ABBA order (default 2)"),
         ("--uniform-requests", 48, "requests of the uniform mix (default 48)"),
         ("--uniform-concurrency", 8, "closed-loop streams of the uniform mix (default 8)"),
@@ -61,6 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         ("--replica-threads", 1, "torch threads per replica (default 1)"),
         ("--max-run-s", 900.0, "cut a run after this many seconds (default 900)"),
         ("--seed", 0, "token seed (default 0)"),
+        ("--weights", "fp32", "the replicas' weight format (default fp32: exact, like the other benches)"),
     ])
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled model)")
     p.add_argument("--name", default="route", help="result files <name>.json/.md/.png (default route)")
@@ -172,7 +174,8 @@ def run(args: argparse.Namespace) -> int:
     max_len = max(args.system_tokens + args.question_tokens + args.answer_tokens,
                   args.uniform_prompt_tokens + args.uniform_answer_tokens)
     engine = {"block_size": bs, "num_blocks": num_blocks, "max_model_len": cdiv(max_len, bs) * bs,
-              "enable_prefix_caching": True, "kv_events": "auto", "seed": 0}
+              "enable_prefix_caching": True, "kv_events": "auto", "seed": 0, "dtype": "float32",
+              "weights": args.weights}
     t_all = time.time()
     log(f"[route] starting Ray and {args.replicas} replicas ({num_blocks} KV blocks each)")
     svc = ReplicaService.start(args.replicas, args.model, engine, {}, num_cpus=os.cpu_count(),
@@ -192,20 +195,22 @@ def run(args: argparse.Namespace) -> int:
         svc.stop()
     pooled = {p: _pool(rs) for p, rs in runs.items()}
     rr, pa = pooled["round-robin"], pooled["prefix-aware"]
-    texts = {p: [r["texts"] for r in rs] for p, rs in runs.items()}
-    same = all(t == texts["round-robin"][0] for ts in texts.values() for t in ts)
+    every = [r["texts"] for p in POLICIES for r in runs[p]]  # every run's outputs, request by request
+    differ = sum(1 for outs in zip(*every) if len(set(outs)) > 1)
+    same = differ == 0
     hit_ratio = pa["hit_rate"] / rr["hit_rate"] if rr["hit_rate"] else float("inf")
     ttft_ratio = pa["ttft_s"]["p50"] / rr["ttft_s"]["p50"]
     data = {
         "benchmark": "route", "name": args.name, "model": info["model_id"], "threads": facts.threads,
-        "replica_threads": args.replica_threads, "tiny": bool(args.tiny), "notes": args.note,
+        "replica_threads": args.replica_threads, "weights": args.weights, "tiny": bool(args.tiny), "notes": args.note,
         "replicas": args.replicas, "num_blocks_per_replica": num_blocks, "block_size": bs,
-        "conversations": {"users": args.users, "turns": args.turns, "system_tokens": args.system_tokens,
+        "conversations": {"requests": len(reqs), "users": args.users, "turns": args.turns, "system_tokens": args.system_tokens,
                           "question_tokens": args.question_tokens, "answer_tokens": args.answer_tokens,
                           "concurrency": args.concurrency, "pool_fraction": args.pool_fraction,
                           "system_prompt_blocks": system_blocks, "order": order},
         "policies": pooled,
         "hit_rate_ratio": hit_ratio, "ttft_p50_ratio": ttft_ratio, "same_outputs": same,
+        "requests_with_differing_outputs": differ,
         "goals": {"hit_rate_ratio >= 2": hit_ratio >= 2.0, "ttft_p50_ratio <= 0.6": ttft_ratio <= 0.6,
                   "same outputs": same,
                   "uniform max/mean <= 1.5": (uni["load"] or {}).get("max_over_mean", 9.9) <= 1.5},

@@ -24,7 +24,8 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
     tiny = ", --tiny" if data["tiny"] else ""
     lines = ["# Data-parallel replicas: prefix-aware vs round-robin routing", "",
              f"`pagedkv bench route` on {data['model']}: {data['replicas']} replicas on Ray Serve (one machine, "
-             f"loopback HTTP through the ingress), torch threads {data['replica_threads']} per replica{tiny}.", "",
+             f"loopback HTTP through the ingress), {data['weights']} weights, torch threads {data['replica_threads']} per "
+             f"replica{tiny}.", "",
              f"## Conversations ({c['users']} users x {c['turns']} turns: a {c['system_tokens']}-token system prompt "
              f"per user + a {c['question_tokens']}-token question, {c['answer_tokens']}-token greedy answers; "
              f"{c['concurrency']} streams)", "",
@@ -33,7 +34,8 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
              f"requests in flight. Cold caches before every run; runs in the order {', '.join(c['order'])}.", "",
              markdown_table(_rows(data)),
              f"**Prefix-aware / round-robin: hit rate {data['hit_rate_ratio']:.2f}x (goal >= 2), "
-             f"TTFT p50 {data['ttft_p50_ratio']:.2f}x (goal <= 0.6); same outputs: {data['same_outputs']}.**", "",
+             f"TTFT p50 {data['ttft_p50_ratio']:.2f}x (goal <= 0.6); same outputs in every run: {data['same_outputs']} "
+             f"({data['requests_with_differing_outputs']} of {data['conversations']['requests']} requests differ).**", "",
              f"## Uniform mix ({u['requests']} requests, {u['prompt_tokens']}-token prompts with no shared prefix, "
              f"{u['answer_tokens']}-token answers, {u['concurrency']} streams, prefix-aware)", ""]
     load = u["load"] or {}

@@ -69,6 +69,26 @@ def test_prefix_aware_routing_follows_each_users_prefix(service):
     assert [r["healthy"] for r in health["replicas"]] == [True, True]
 
 
+def test_same_endpoints_streams_and_errors_through_the_ingress(service):
+    svc, ing, srv = service
+    prompt = list(range(1000, 1040)) + [77, 78]
+    whole = _complete(srv.url, prompt, max_tokens=6).json()["choices"][0]["text"]
+    body = {"model": "tiny-random", "prompt": prompt, "max_tokens": 6, "temperature": 0, "stream": True}
+    with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as resp:
+        events = list(_stream_lines(resp))
+    assert events[-1] == "[DONE]"
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == whole
+    bad = _complete(srv.url, prompt, max_tokens=0)  # the replica's own 4xx, relayed
+    assert bad.status_code in (400, 422) and "error" in bad.json()
+    assert httpx.post(srv.url + "/v1/completions", json={**body, "model": "nope"}).status_code == 404
+    assert httpx.get(srv.url + "/v1/models").json()["data"][0]["id"] == "tiny-random"
+    page = httpx.get(srv.url + "/ui")
+    assert page.status_code == 200 and "replicas/" in page.text
+    state = httpx.get(srv.url + "/replicas/1/ui/state").json()
+    assert state["num_blocks"] == ENGINE["num_blocks"] and len(state["blocks"]["ref_cnt"]) == ENGINE["num_blocks"]
+    assert httpx.get(srv.url + "/replicas/7/ui").status_code == 404
+
+
 def _stream_lines(resp: httpx.Response):
     for line in resp.iter_lines():
         if line.startswith("data: "):

@@ -3,6 +3,8 @@ the merged /metrics, and KV events from a real engine feeding a replica's index.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import msgpack
@@ -189,3 +191,10 @@ def test_kv_events_of_an_engine_feed_the_replica_index(loaded_model):
     finally:
         feed.close()
         engine.close()
+
+
+def test_pagedkv_and_the_one_engine_server_import_no_ray():
+    code = ("import sys, pagedkv, pagedkv.server.app, pagedkv.cli, pagedkv.serving.ingress; "
+            "pagedkv.cli.build_parser(); assert 'ray' not in sys.modules, 'ray imported'")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
