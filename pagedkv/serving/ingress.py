@@ -290,7 +290,7 @@ def build_ingress(ing: Ingress) -> FastAPI:
             return _error(404, f"no route /replicas/{rank}/{path}", "not_found", "not_found_error")
         return await ing.forward(request, "/" + path, b"", (), pinned=reps[0])
 
-    @app.api_route("/{path:path}", methods=["GET", "POST"])
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"])
     async def relay(path: str, request: Request) -> Response:
         path = "/" + path
         raw = await ing.read_body(request)
