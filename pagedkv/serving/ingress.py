@@ -33,6 +33,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from pagedkv.server.api_keys import ApiKeys
+from pagedkv.server.protocol import chat_messages
+from pagedkv.server.schemas import ChatCompletionRequest
 from pagedkv.serving.index import prompt_hashes
 from pagedkv.serving.metrics import merge_metrics, router_metrics
 from pagedkv.serving.router import NoReplicaError, ReplicaView, Router
@@ -105,8 +107,9 @@ class Ingress:
     def prompt_ids(self, path: str, body: Any) -> list[int]:
         """Token ids of the (first) prompt of a generation call; [] when they cannot be known
         (the replica then answers the request's error)."""
-        if path == "/v1/chat/completions":
-            ids = self.tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True)
+        if path == "/v1/chat/completions":  # the replica's own mapping: roles, content parts
+            msgs = chat_messages(ChatCompletionRequest.model_validate(body))
+            ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
             return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         p = body["prompt"]
         if isinstance(p, list) and p and not isinstance(p[0], int):

@@ -6,8 +6,8 @@ each replica's own HTTP server) and deploys one application ``pagedkv`` holding 
 ``pagedkv-replica-<rank>`` (one replica each, so every rank is addressable and Serve restarts
 a dead one under the same rank). :class:`RayReplicas` is the ingress's
 :class:`pagedkv.serving.ingress.ReplicaControl` over their ``DeploymentHandle`` s.
-``stop()`` deletes the application, shuts Serve down when it started it and disconnects
-(and stops a local) Ray.
+``stop()`` deletes the application; a Ray this process started (no ``ray_address``) is shut
+down with Serve, a cluster keeps running (the driver disconnects).
 """
 
 from __future__ import annotations
@@ -81,8 +81,11 @@ class RayReplicas:
 class ReplicaService:
     """N replicas on Ray Serve (see the module docstring); build with :meth:`start`."""
 
-    def __init__(self, handles: list[Any], info: dict[str, Any], tokenizer: Any, started_ray: bool) -> None:
-        self.handles, self.info, self.tokenizer, self.started_ray = handles, info, tokenizer, started_ray
+    def __init__(self, handles: list[Any], info: dict[str, Any], tokenizer: Any, connected: bool,
+                 local: bool) -> None:
+        self.handles, self.info, self.tokenizer = handles, info, tokenizer
+        self.connected = connected  # this process called ray.init (disconnect at the end)
+        self.local = local          # ... and that started Ray here (stop Serve and Ray at the end)
 
     @classmethod
     def start(cls, num_replicas: int, model: Optional[str], engine_kwargs: dict[str, Any],
@@ -115,7 +118,7 @@ class ReplicaService:
         handles = [serve.get_deployment_handle(f"pagedkv-replica-{i}", app_name=APP) for i in range(num_replicas)]
         info = handles[0].info.remote().result()
         tokenizer = handles[0].tokenizer.remote().result()
-        return cls(handles, info, tokenizer, started)
+        return cls(handles, info, tokenizer, started, started and not ray_address)
 
     def build_ingress(self, policy: str = DEFAULT_POLICY, load_gap: int = DEFAULT_LOAD_GAP, *,
                       api_keys: Optional[dict[str, str]] = None, max_body_bytes: int = 1 << 20,
@@ -143,7 +146,7 @@ class ReplicaService:
         return [h.info.remote().result()["pid"] for h in self.handles]
 
     def stop(self) -> None:
-        """Delete the replicas (each drains its engine), then Serve and Ray if this started them.
+        """Delete the replicas (each drains its engine), then Serve and Ray if started here.
         Idempotent."""
         if getattr(self, "_stopped", False):
             return
@@ -153,8 +156,8 @@ class ReplicaService:
             control.close()
         try:
             serve.delete(APP)
-            if self.started_ray:
+            if self.local:
                 serve.shutdown()
         finally:
-            if self.started_ray:
-                ray.shutdown()
+            if self.connected:
+                ray.shutdown()  # a local Ray stops; a cluster stays, this driver disconnects

@@ -198,3 +198,27 @@ def test_pagedkv_and_the_one_engine_server_import_no_ray():
             "pagedkv.cli.build_parser(); assert 'ray' not in sys.modules, 'ray imported'")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_ingress_hashes_prompts_as_the_replica_tokenizes_them(loaded_model):
+    import json
+
+    from pagedkv.serving.ingress import Ingress
+
+    tok = loaded_model.tokenizer
+    ing = Ingress(Router(_views(2)), None, tok, {"model_id": "m", "revision": "r", "block_size": BS})
+    msgs = [{"role": "developer", "content": "Answer briefly, please."},
+            {"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]}]
+    raw = json.dumps({"model": "x", "messages": msgs, "cache_salt": "s"}).encode()
+    ids = tok.apply_chat_template([{"role": "system", "content": "Answer briefly, please."},
+                                   {"role": "user", "content": "What is the capital of France?"}],
+                                  add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    got = ing.hashes("/v1/chat/completions", raw, "a")
+    assert len(got) == len(ids) // BS > 3 and got == _h(ids, "a", "s")
+    text = "Once upon a time, in a land far away, there lived a small dragon."
+    want = _h(list(tok(text, add_special_tokens=False)["input_ids"]))
+    assert ing.hashes("/v1/completions", json.dumps({"prompt": [text, "other"]}).encode(), None) == want
+    assert ing.hashes("/v1/completions", json.dumps({"prompt": [[5, 6, 7, 8, 9]]}).encode(), None) == _h([5, 6, 7, 8, 9])
+    assert ing.hashes("/v1/completions", b"{not json", None) == []
+    assert ing.hashes("/v1/chat/completions", b'{"messages": 3}', None) == []
