@@ -156,6 +156,7 @@ class Ingress:
             else:
                 try:
                     replica = self.router.choose(hashes, exclude=tried).replica
+                    self.retries += bool(tried)
                 except NoReplicaError:
                     return _error(503, "no replica is available" + (" (the replicas tried failed)" if tried else ""),
                                   "replica_unavailable")
@@ -181,7 +182,6 @@ class Ingress:
                 if pinned is None:
                     self.router.release(replica, failed=True)
                     self.router.mark_down(replica)
-                    self.retries += 1
                 continue
             except BaseException:
                 if pinned is None:
