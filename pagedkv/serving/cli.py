@@ -15,23 +15,28 @@ from pagedkv.serving.router import DEFAULT_LOAD_GAP, DEFAULT_POLICY, POLICIES
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    if args.data_parallel_size == 1:
-        return server_cli.cmd_serve(args)
-    import uvicorn
-
     from pagedkv.errors import ConfigError
-    from pagedkv.serving.launch import ReplicaService
 
     if args.data_parallel_size < 1:
         raise ConfigError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    if args.data_parallel_size == 1:
+        return server_cli.cmd_serve(args)
     if args.kv_events is not None:
         raise ConfigError("--kv-events names one endpoint; with replicas each publishes on its own port "
                           "(on by default, --no-replica-kv-events turns them off)")
+    if args.route_load_gap < 0:
+        raise ConfigError(f"--route-load-gap must be >= 0, got {args.route_load_gap}")
+    import uvicorn
+
+    from pagedkv.serving.launch import ReplicaService
+
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     keys = server_cli.load_keys(args)
     ekw = engine_kwargs(args)
     if args.replica_kv_events:
         ekw["kv_events"] = "auto"
+    if args.routing == "prefix-aware":  # routing by prefix needs replicas that cache prefixes
+        ekw["enable_prefix_caching"] = True
     skw = {"served_model_name": args.served_model_name, "api_keys": keys, "max_body_bytes": args.max_body_bytes,
            "max_n": args.max_n, "shutdown_timeout_s": args.shutdown_timeout}
     t0 = time.time()

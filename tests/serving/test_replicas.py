@@ -19,6 +19,8 @@ from pagedkv.server.threaded import ThreadedServer
 from pagedkv.serving.launch import ReplicaService
 from pagedkv.testing.tiny import tiny_random_model
 
+pytestmark = pytest.mark.slow  # the replicas load the bundled model's tokenizer and config
+
 BLOCK = 8
 ENGINE = {"num_blocks": 320, "block_size": BLOCK, "max_model_len": 1024, "kv_events": "auto", "seed": 0}
 

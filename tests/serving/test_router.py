@@ -222,3 +222,17 @@ def test_ingress_hashes_prompts_as_the_replica_tokenizes_them(loaded_model):
     assert ing.hashes("/v1/completions", json.dumps({"prompt": [[5, 6, 7, 8, 9]]}).encode(), None) == _h([5, 6, 7, 8, 9])
     assert ing.hashes("/v1/completions", b"{not json", None) == []
     assert ing.hashes("/v1/chat/completions", b'{"messages": 3}', None) == []
+
+
+def test_serve_refuses_bad_replica_options_before_starting_anything(capsys):
+    from pagedkv.cli import main
+
+    assert main(["serve", "--data-parallel-size", "0"]) == 2
+    assert "--data-parallel-size must be >= 1, got 0" in capsys.readouterr().err
+    assert main(["serve", "-dp", "2", "--kv-events", "tcp://127.0.0.1:5557"]) == 2
+    assert "--kv-events names one endpoint" in capsys.readouterr().err
+    assert main(["serve", "-dp", "2", "--route-load-gap", "-1"]) == 2
+    assert "--route-load-gap must be >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "-dp", "2", "--routing", "random"])
+    assert "invalid choice: 'random'" in capsys.readouterr().err
