@@ -1,7 +1,8 @@
 """Two tiny replicas on one local Ray (module-scoped: Ray starts once): prefix-aware routing
-asserted by the replicas' own prefix-hit counters; a replica whose process is killed loses no
-request that had not started (retried on the other), its running stream ends with an error
-event, Ray restarts it and it rejoins; everything stops at the end."""
+asserted by the replicas' own prefix-hit counters; the same endpoints, streams and errors
+through the ingress; each replica's block map on /ui; a replica whose process is killed loses
+no request that had not started (retried on the other), a stream running on a killed replica
+ends with an error event, Ray restarts it and it rejoins; everything stops at the end."""
 
 from __future__ import annotations
 
@@ -91,48 +92,91 @@ def test_same_endpoints_streams_and_errors_through_the_ingress(service):
     assert httpx.get(srv.url + "/replicas/7/ui").status_code == 404
 
 
+GRID = """const g = document.getElementById('grid');
+return g ? Array.from(g.children).filter(c => c.dataset.block !== undefined).map(c => c.className) : [];"""
+
+
+def test_ui_shows_each_replicas_block_map(service, browser):
+    svc, ing, srv = service
+    browser.get(srv.url + "/ui")
+    deadline = time.monotonic() + 30
+    while len(frames := browser.find_elements("tag name", "iframe")) < 2:
+        assert time.monotonic() < deadline, "no replica frames"
+        time.sleep(0.05)
+    assert [f.get_attribute("src").split("/", 3)[3] for f in frames] == ["replicas/0/ui", "replicas/1/ui"]
+    shown = []
+    for rank, frame in enumerate(frames):
+        state = httpx.get(f"{srv.url}/replicas/{rank}/ui/state").json()  # idle: the map stays still
+        browser.switch_to.frame(frame)
+        while len(cells := browser.execute_script(GRID)) != ENGINE["num_blocks"]:
+            assert time.monotonic() < deadline + 30, f"replica {rank}: no block map"
+            time.sleep(0.05)
+        shown.append(sum("cached" in c for c in cells))
+        assert shown[-1] == sum(state["blocks"]["cached"])  # its own cached prefixes, not the other's
+        browser.switch_to.default_content()
+    assert sum(shown) > 0
+
+
 def _stream_lines(resp: httpx.Response):
     for line in resp.iter_lines():
         if line.startswith("data: "):
             yield line[6:]
 
 
+def _wait_rejoined(srv, rank: int, restarts: int) -> None:
+    """Ray Serve replaces the replica; the ingress's poll puts it back (deadline: 120 s)."""
+    deadline = time.monotonic() + 120
+    while True:
+        reps = httpx.get(srv.url + "/health").json()["replicas"]
+        if reps[rank]["healthy"] and reps[rank]["restarts"] == restarts:
+            return
+        assert time.monotonic() < deadline, reps
+        time.sleep(0.2)
+
+
 def test_killed_replica_loses_no_unstarted_request(service):
     svc, ing, srv = service
     prompts = [list(range(500, 540)) + [600 + i] for i in range(6)]  # one shared 5-block prefix
-    expected = [_complete(srv.url, p).json()["choices"][0]["text"] for p in prompts]  # all on one replica now
+    before = [_complete(srv.url, p) for p in prompts]
+    expected = [r.json()["choices"][0]["text"] for r in before]
+    holders = {r.headers["x-pagedkv-replica"] for r in before}
+    assert len(holders) == 1  # the prefix keeps them on one replica
+    victim = int(holders.pop())
     pids = svc.pids()
     ing.refresh_paused = True  # the death must be found by the requests below, not by a poll
     deadline = time.monotonic() + 30
     while not ing.refresh_idle:
         assert time.monotonic() < deadline
         time.sleep(0.02)
-    body = {"model": "tiny-random", "prompt": prompts[0][:40] + [700], "max_tokens": 900, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=120) as resp:
-        victim = int(resp.headers["x-pagedkv-replica"])
-        lines = _stream_lines(resp)
-        first = json.loads(next(lines))
-        assert first["object"] == "text_completion"
-        os.kill(pids[victim], 9)  # the replica's process ends
-        with ThreadPoolExecutor(6) as pool:  # routed by prefix to the dead replica, then retried
-            outs = list(pool.map(_complete, [srv.url] * 6, prompts))
-        rest = list(lines)
+    os.kill(pids[victim], 9)  # the replica's process ends; the router still routes to it
+    with ThreadPoolExecutor(6) as pool:  # routed by prefix to the dead replica, then retried
+        outs = list(pool.map(_complete, [srv.url] * 6, prompts))
     assert [o.status_code for o in outs] == [200] * 6
     assert [o.json()["choices"][0]["text"] for o in outs] == expected
     assert {o.headers["x-pagedkv-replica"] for o in outs} == {str(1 - victim)}
-    assert rest and rest[-1] != "[DONE]"
-    assert json.loads(rest[-1])["error"]["code"] == "replica_failed"
-    assert ing.retries >= 1 and ing.router.replicas[victim].failures >= 2  # the stream and >= 1 request
+    assert ing.retries >= 1 and ing.router.replicas[victim].failures >= 1
+    assert not ing.router.replicas[victim].healthy
     ing.refresh_paused = False
-    deadline = time.monotonic() + 120  # Ray Serve replaces the replica; the poll lets it rejoin
-    while True:
-        reps = httpx.get(srv.url + "/health").json()["replicas"]
-        if reps[victim]["healthy"] and reps[victim]["restarts"] == 1:
-            break
-        assert time.monotonic() < deadline, reps
-        time.sleep(0.2)
+    _wait_rejoined(srv, victim, restarts=1)
     assert svc.pids()[1 - victim] == pids[1 - victim] and svc.pids()[victim] != pids[victim]
+
+
+def test_stream_on_a_killed_replica_ends_with_an_error_event(service):
+    svc, ing, srv = service
+    pids = svc.pids()
+    body = {"model": "tiny-random", "prompt": list(range(800, 830)), "max_tokens": 900, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=120) as resp:
+        rank = int(resp.headers["x-pagedkv-replica"])
+        restarts = ing.router.replicas[rank].restarts
+        lines = _stream_lines(resp)
+        assert json.loads(next(lines))["object"] == "text_completion"  # streaming
+        os.kill(pids[rank], 9)
+        rest = list(lines)
+    assert rest and rest[-1] != "[DONE]"
+    err = json.loads(rest[-1])["error"]
+    assert (err["code"], err["type"]) == ("replica_failed", "server_error") and f"replica {rank}" in err["message"]
+    _wait_rejoined(srv, rank, restarts=restarts + 1)
     r = _complete(srv.url, [42] * 20)
     assert r.status_code == 200
 
