@@ -26,6 +26,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           "(on by default, --no-replica-kv-events turns them off)")
     if args.route_load_gap < 0:
         raise ConfigError(f"--route-load-gap must be >= 0, got {args.route_load_gap}")
+    from pagedkv.model.loader import resolve_model_path
+
+    resolve_model_path(args.model)  # a missing model fails here, not in N replica starts
     import uvicorn
 
     from pagedkv.serving.launch import ReplicaService

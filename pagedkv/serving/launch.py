@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 import ray
 from ray import serve
 
+from pagedkv.errors import ConfigError
 from pagedkv.serving.events import EventFeed
 from pagedkv.serving.ingress import Ingress, build_ingress
 from pagedkv.serving.replica import EngineReplica, ReplicaGroup
@@ -78,6 +79,24 @@ class RayReplicas:
         self.feeds.clear()
 
 
+def _deploy_failure(exc: Exception) -> str:
+    """The last error line of the first failed replica's status message (its constructor's
+    exception), else of ``exc``."""
+    texts = []
+    try:
+        for name, dep in serve.status().applications[APP].deployments.items():
+            if dep.message:
+                texts.append(dep.message)
+    except Exception:  # no status: the exception is all there is
+        pass
+    texts.append(str(exc))
+    for text in texts:
+        lines = [ln.strip() for ln in text.splitlines() if "Error" in ln and "Traceback" not in ln]
+        if lines:
+            return lines[-1][:2000]
+    return str(exc)[:2000]
+
+
 class ReplicaService:
     """N replicas on Ray Serve (see the module docstring); build with :meth:`start`."""
 
@@ -95,7 +114,8 @@ class ReplicaService:
         """Deploy ``num_replicas`` (>= 1) replicas and wait until each one serves. Ray starts
         locally with ``num_cpus`` unless ``ray_address`` names a cluster (``"auto"``: the one
         ``ray start`` made on this machine). ``replica_cpus``: Ray CPUs each replica reserves
-        (0: none, the default, so small machines fit any N). ``replica_threads``: torch threads
+        (0: none, the default, so small machines fit any N). A replica that fails to start (twice
+more after its first try) raises ``ConfigError`` after stopping what was started. ``replica_threads``: torch threads
         per replica (default: torch's choice; on one machine, cores / N avoids oversubscription). Raises ``ValueError`` for N < 1."""
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
@@ -107,18 +127,25 @@ class ReplicaService:
                 ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
                          object_store_memory=128 << 20)
         serve.start(proxy_location="Disabled")
-        dep = serve.deployment(EngineReplica, num_replicas=1, max_ongoing_requests=1000,
+        dep = serve.deployment(EngineReplica, num_replicas=1, max_ongoing_requests=1000, max_constructor_retry_count=2,
                                health_check_period_s=health_check_period_s, health_check_timeout_s=30.0,
                                graceful_shutdown_timeout_s=15.0, ray_actor_options={"num_cpus": replica_cpus})
         reps = [dep.options(name=f"pagedkv-replica-{i}").bind(i, model, engine_kwargs, server_kwargs,
                                                              model_factory=model_factory, num_threads=replica_threads)
                 for i in range(num_replicas)]
         group = serve.deployment(ReplicaGroup, name="pagedkv-group", ray_actor_options={"num_cpus": 0})
-        serve.run(group.bind(*reps), name=APP, route_prefix=None)
-        handles = [serve.get_deployment_handle(f"pagedkv-replica-{i}", app_name=APP) for i in range(num_replicas)]
-        info = handles[0].info.remote().result()
-        tokenizer = handles[0].tokenizer.remote().result()
-        return cls(handles, info, tokenizer, started, started and not ray_address)
+        svc = cls([], {}, None, started, started and not ray_address)
+        try:
+            serve.run(group.bind(*reps), name=APP, route_prefix=None)
+            svc.handles = [serve.get_deployment_handle(f"pagedkv-replica-{i}", app_name=APP)
+                           for i in range(num_replicas)]
+            svc.info = svc.handles[0].info.remote().result()
+            svc.tokenizer = svc.handles[0].tokenizer.remote().result()
+        except Exception as e:  # a replica that cannot start (bad model, options): clean up, say why
+            why = _deploy_failure(e)
+            svc.stop()
+            raise ConfigError(f"the replicas did not start: {why}") from None
+        return svc
 
     def build_ingress(self, policy: str = DEFAULT_POLICY, load_gap: int = DEFAULT_LOAD_GAP, *,
                       api_keys: Optional[dict[str, str]] = None, max_body_bytes: int = 1 << 20,
