@@ -2,7 +2,8 @@
 
 * :func:`cdiv` — ceiling division (tokens -> blocks).
 * the one dtype table: names and aliases -> a canonical short name, its bytes per element
-  and its torch dtype (:func:`canonical_dtype`, :func:`torch_dtype`, :func:`dtype_name`).
+  and its torch dtype (:func:`canonical_dtype`, :func:`torch_dtype`, :func:`dtype_name`);
+  the KV-cache formats (:func:`kv_cache_dtype`: ``auto``, float32, bfloat16, int8, fp8_e4m3, ...).
 * :func:`free_port` — a free TCP port on 127.0.0.1 (servers in tests, benchmarks, workers).
 """
 
@@ -40,6 +41,19 @@ DTYPE_ALIASES: dict[str, str] = {
 #: dtypes the model (weights, activations, a plain KV cache) computes in.
 MODEL_DTYPES = ("fp32", "bf16", "fp16")
 
+#: KV-cache storage formats the engine runs (``kv_cache_dtype``, vLLM's names): ``auto`` = the
+#: model dtype; int8 and the fp8 formats store codes plus one bf16 scale per group of each
+#: head vector (pagedkv.attention.quant). Value: the torch dtype the format needs (fp8 only).
+KV_CACHE_DTYPES: dict[str, str | None] = {
+    "auto": None, "float32": None, "bfloat16": None, "float16": None,
+    "int8": None, "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2",
+}
+#: other spellings of the same formats (``fp8`` is e4m3, as in vLLM).
+KV_CACHE_DTYPE_ALIASES: dict[str, str] = {
+    "fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
+    "fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2",
+}
+
 
 def canonical_dtype(dtype: Any, allowed: tuple[str, ...] | None = None) -> str:
     """Canonical short name (``"bfloat16"``, ``torch.bfloat16`` -> ``"bf16"``) of a dtype name
@@ -51,6 +65,29 @@ def canonical_dtype(dtype: Any, allowed: tuple[str, ...] | None = None) -> str:
     if key not in valid:
         names = sorted(set(valid) | {a for a, c in DTYPE_ALIASES.items() if c in valid})
         raise ConfigError(f"dtype: unsupported {dtype!r} (one of {', '.join(names)})")
+    return key
+
+
+def kv_cache_dtype(name: Any, model_dtype: Any = "fp32") -> str:
+    """The KV-cache format of ``kv_cache_dtype=name``: one of ``float32``, ``bfloat16``,
+    ``float16``, ``int8``, ``fp8_e4m3``, ``fp8_e5m2`` (``auto`` resolves to ``model_dtype``).
+    Raises ``ConfigError`` naming the valid values for an unknown name, or the formats this
+    torch has when it lacks the fp8 dtype asked for. A torch dtype names its format too
+    (``torch.bfloat16``, ``torch.int8``, ``torch.float8_e4m3fn``), as it does for ``dtype``."""
+    import torch
+
+    if isinstance(name, torch.dtype):
+        name = str(name)
+    key = name.strip().lower().removeprefix("torch.") if isinstance(name, str) else ""
+    key = KV_CACHE_DTYPE_ALIASES.get(key, key)
+    have = [n for n, t in KV_CACHE_DTYPES.items() if t is None or hasattr(torch, t)]
+    if key not in KV_CACHE_DTYPES:
+        raise ConfigError(f"kv_cache_dtype: unknown {name!r} (valid: {', '.join(KV_CACHE_DTYPES)})")
+    if key not in have:
+        raise ConfigError(f"kv_cache_dtype: {key} needs torch.{KV_CACHE_DTYPES[key]}, which torch "
+                          f"{torch.__version__} lacks (valid here: {', '.join(have)})")
+    if key == "auto":
+        return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[canonical_dtype(model_dtype, MODEL_DTYPES)]
     return key
 
 

@@ -100,6 +100,32 @@ def hf_tokenizer(bundled_gguf):
     return AutoTokenizer.from_pretrained(str(bundled_gguf.parent), gguf_file=bundled_gguf.name)
 
 
+def _agreement(got, want) -> tuple[int, int, int]:
+    """``(identical, total, shortest common prefix)`` of the completions of ``got`` against the
+    same prompts' first completion in ``want`` (RequestOutputs). With a quantised KV cache two
+    schedules of the same requests (batch shapes, chunking, recomputation after preemption,
+    tensor-parallel shards) round differently in float32, a K/V element near a code boundary
+    lands on the neighbouring code, and through 30 layers that re-draws the quantisation
+    noise: completions then part at a close call, as an int8 and a float32 cache do. A wrong
+    scale, a block read from the wrong place or a copy that misses the scales parts them at
+    once. Tests bound both: the first tokens and most completions must agree."""
+    same, total, shortest = 0, 0, None
+    for g, w in zip(got, want):
+        ref = w.outputs[0].token_ids
+        for c in g.outputs:
+            k = next((i for i, (a, b) in enumerate(zip(c.token_ids, ref)) if a != b), len(ref))
+            shortest = k if shortest is None else min(shortest, k)
+            same += list(c.token_ids) == list(ref)
+            total += 1
+    return same, total, shortest or 0
+
+
+@pytest.fixture
+def agreement():
+    """``agreement(got, want) -> (identical, total, shortest common prefix)``: see ``_agreement``."""
+    return _agreement
+
+
 # ---- the /ui pages in headless Chromium (tests/server/test_ui.py, tests/serving) ----------------
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"

@@ -17,6 +17,15 @@
  * NHD [nb, bs, H, d]: s_blk = bs*H*d, s_tok = H*d, s_head = d.
  * HND [nb, H, bs, d]: s_blk = H*bs*d, s_tok = d,   s_head = bs*d.
  * Ascend [nb, bs, H*d]: as NHD.
+ *
+ * Cache formats (kdt): 0 float32, 1 bfloat16, 2 int8, 3 fp8 e4m3 (fn), 4 fp8 e5m2. The last
+ * three are quantised: one byte per element plus a bf16 scale per group of `grp` elements of
+ * each head vector, at the same (block, offset, head) addresses with their own strides
+ * (ss_blk, ss_tok, ss_head; the group index is the last, contiguous axis). A K row is
+ * dequantised in registers as it is loaded, a V chunk into the float32 buffer the bf16 path
+ * already widens into: the context is never expanded beyond one CHUNK. The query and output
+ * are float32 or bfloat16 (qdt), independent of the cache format. fp8 codes are decoded with
+ * integer operations (no AVX-512 FP8/FP16 instructions assumed, no reliance on denormals).
  */
 #include <math.h>
 #include <stdint.h>
@@ -39,10 +48,12 @@ typedef struct {
 } item_t;
 
 typedef struct {
-    int dtype, hq, hkv, d, bs, prefetch;
+    int qdt, kdt, hq, hkv, d, bs, prefetch;
     float scale;
+    float softcap;      /* > 0: scores become softcap * tanh(score / softcap) */
     const char *q; int64_t q_s0, q_s1;
     const char *k, *v; int64_t s_blk, s_tok, s_head;
+    const uint16_t *ks, *vs; int64_t ss_blk, ss_tok, ss_head; int grp; /* quantised: bf16 scales */
     const int32_t *bt; int64_t bt_s0;
     const int32_t *seq_lens, *q_start;
     char *out; int64_t o_s0, o_s1;
@@ -65,6 +76,36 @@ static inline v8f ld_bf16(const uint16_t *p) {
 }
 static inline v8f ld_any(const void *p, int x, int dtype) {
     return dtype == 0 ? ld_f32((const float *)p + x) : ld_bf16((const uint16_t *)p + x);
+}
+/* The value of one quantised code (KDT 2: int8; 3: fp8 e4m3fn; 4: fp8 e5m2), unscaled. fp8:
+ * normal codes rebias the exponent, subnormal codes (exponent 0) are mantissa * 2^(1-bias-MB);
+ * integer operations only (no FP8/FP16 instructions, no reliance on denormals). */
+static inline float code_value(uint8_t b, const int KDT) {
+    if (KDT == 2) return (float)(int8_t)b;
+    const int EB = KDT == 3 ? 4 : 5, MB = 7 - EB, bias = (1 << (EB - 1)) - 1;
+    const uint32_t em = b & 0x7fu, sign = (uint32_t)(b & 0x80u) << 24;
+    const uint32_t normal = (em << (23 - MB)) + ((uint32_t)(127 - bias) << 23);
+    const float sub = (float)em * (1.0f / (float)(1 << (bias - 1 + MB)));
+    uint32_t sb;
+    memcpy(&sb, &sub, 4);
+    const uint32_t u = (em < (1u << MB) ? sb : normal) | sign;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+/* bf16 -> float32 (a scale; one per group, so scalar) */
+static inline float bf16_to_f32(uint16_t h) { const uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+
+/* Dequantise one row of d codes into out (float32): each group of grp codes times its bf16
+ * scale. Plain loops, which GCC and Clang vectorise (GCC 12 scalarises the same widening
+ * written with vector-extension types). */
+static inline void deq_row(const uint8_t *restrict p, const uint16_t *restrict sr, int d, int grp,
+                           float *restrict out, const int KDT) {
+    for (int x = 0; x < d; x++) out[x] = code_value(p[x], KDT); /* d is a constant per instantiation */
+    for (int g0 = 0; g0 < d; g0 += grp) {
+        const float sc = bf16_to_f32(sr[g0 / grp]);
+        for (int x = g0; x < g0 + grp; x++) out[x] *= sc;
+    }
 }
 static inline float hsum8(v8f v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
@@ -132,6 +173,17 @@ static inline void token_rows(const args_t *A, const int32_t *table, int t, int 
     }
 }
 
+/* Scale rows (head h0's first group, K and V) of tokens t .. t+n-1 of a quantised cache. */
+static inline void scale_rows(const args_t *A, const int32_t *table, int t, int n, int h0,
+                              const uint16_t **ksp, const uint16_t **vsp) {
+    for (int i = 0; i < n; i++) {
+        const int lb = (t + i) / A->bs, o = (t + i) - lb * A->bs;
+        const int64_t off = (int64_t)table[lb] * A->ss_blk + (int64_t)o * A->ss_tok + (int64_t)h0 * A->ss_head;
+        ksp[i] = A->ks + off;
+        vsp[i] = A->vs + off;
+    }
+}
+
 /* prefetch (into L1) the nkv head rows of one token: row h at p + h * head_stride bytes */
 static inline void prefetch_rows(const char *p, int nkv, int64_t head_stride, int row_bytes) {
     if (head_stride == row_bytes) { /* heads adjacent (NHD / Ascend): one span */
@@ -147,11 +199,13 @@ static inline void store_row(char *o, const float *acc, float inv, int d, int dt
     else { uint16_t *ob = (uint16_t *)o; for (int x = 0; x < d; x++) ob[x] = f32_to_bf16(acc[x] * inv); }
 }
 
-/* One work item; NV = head_dim / 8, DT = dtype (0 f32, 1 bf16). always_inline so each
+/* One work item; NV = head_dim / 8, DT = cache format (kdt above). always_inline so each
  * (NV, DT) instantiation below gets constant trip counts. */
 static inline __attribute__((always_inline)) void item_body(const args_t *A, const item_t *it, float *work,
                                                             const int NV, const int DT) {
-    const int d = NV * 8, g = A->hq / A->hkv, esz = DT == 0 ? 4 : 2;
+    const int d = NV * 8, g = A->hq / A->hkv, esz = DT == 0 ? 4 : DT == 1 ? 2 : 1;
+    const int qsz = A->qdt == 0 ? 4 : 2, QUANT = DT >= 2;
+    const uint16_t *ksp[CHUNK], *vsp[CHUNK]; /* quantised: scale rows of this chunk */
     const int s = it->seq, h0 = it->h0, nkv = it->h1 - it->h0, nh = nkv * g;
     /* workspace: qf [nh*d] | acc [nh*d] | vbuf [CHUNK*nkv*d] | sc [nh*CHUNK] | m [nh] | l [nh]
      *            | part [nh*CHUNK*8] */
@@ -162,8 +216,8 @@ static inline __attribute__((always_inline)) void item_body(const args_t *A, con
     const char *kn[CHUNK], *vn[CHUNK]; /* next chunk's rows, for software prefetch */
     const int64_t qrow = (int64_t)A->q_start[s] + it->row;
     for (int j = 0; j < nh; j++) {
-        const char *qs = A->q + (qrow * A->q_s0 + (int64_t)(h0 * g + j) * A->q_s1) * esz;
-        for (int c = 0; c < NV; c++) st_f32(qf + j * d + 8 * c, ld_any(qs, 8 * c, DT) * A->scale);
+        const char *qs = A->q + (qrow * A->q_s0 + (int64_t)(h0 * g + j) * A->q_s1) * qsz;
+        for (int c = 0; c < NV; c++) st_f32(qf + j * d + 8 * c, ld_any(qs, 8 * c, A->qdt) * A->scale);
         m[j] = -INFINITY;
         l[j] = 0.f;
     }
@@ -173,6 +227,7 @@ static inline __attribute__((always_inline)) void item_body(const args_t *A, con
     for (int t = it->t0; t < it->t1; t += CHUNK) {
         const int n = it->t1 - t < CHUNK ? it->t1 - t : CHUNK;
         token_rows(A, table, t, n, hoff, esz, kp, vp);
+        if (QUANT) scale_rows(A, table, t, n, h0, ksp, vsp);
         /* Software prefetch of the next chunk: blocks are scattered, so the hardware stream
          * prefetchers restart at every block boundary. The prefetches are spread over this
          * chunk's loops (one token's rows per iteration) rather than issued in one burst,
@@ -189,7 +244,13 @@ static inline __attribute__((always_inline)) void item_body(const args_t *A, con
             for (int hh = 0; hh < nkv; hh++) {
                 const char *kr = kp[i] + (int64_t)hh * A->s_head * esz;
                 v8f kv[MAXD / 8];
-                for (int c = 0; c < NV; c++) kv[c] = ld_any(kr, 8 * c, DT);
+                if (QUANT) { /* dequantise the row into L1, then load it like a float32 row */
+                    float kq[MAXD];
+                    deq_row((const uint8_t *)kr, ksp[i] + (int64_t)hh * A->ss_head, d, A->grp, kq, DT);
+                    for (int c = 0; c < NV; c++) kv[c] = ld_f32(kq + 8 * c);
+                } else {
+                    for (int c = 0; c < NV; c++) kv[c] = ld_any(kr, 8 * c, DT);
+                }
                 for (int jj = 0; jj < g; jj++) {
                     const int j = hh * g + jj;
                     const float *qj = qf + j * d;
@@ -210,13 +271,21 @@ static inline __attribute__((always_inline)) void item_body(const args_t *A, con
             int i = 0;
             for (; i + 8 <= n; i += 8) st_f32(sc + j * CHUNK + i, hsum8x8(pj + i * 8));
             for (; i < n; i++) sc[j * CHUNK + i] = hsum8(ld_f32(pj + i * 8));
+            if (A->softcap > 0.f) {
+                const float cap = A->softcap, inv_cap = 1.f / A->softcap;
+                for (i = 0; i < n; i++) sc[j * CHUNK + i] = cap * tanhf(sc[j * CHUNK + i] * inv_cap);
+            }
         }
-        if (DT != 0) /* widen the V chunk once; the g passes below then read float32 from L1 */
+        if (DT != 0) /* widen (dequantise) the V chunk once; the g passes below read float32 from L1 */
             for (int i = 0; i < n; i++)
                 for (int hh = 0; hh < nkv; hh++) {
-                    const uint16_t *vr = (const uint16_t *)(vp[i] + (int64_t)hh * A->s_head * esz);
+                    const char *vr = vp[i] + (int64_t)hh * A->s_head * esz;
                     float *dst = vbuf + ((int64_t)i * nkv + hh) * d;
-                    for (int c = 0; c < NV; c++) st_f32(dst + 8 * c, ld_bf16(vr + 8 * c));
+                    if (QUANT) {
+                        deq_row((const uint8_t *)vr, vsp[i] + (int64_t)hh * A->ss_head, d, A->grp, dst, DT);
+                    } else {
+                        for (int c = 0; c < NV; c++) st_f32(dst + 8 * c, ld_bf16((const uint16_t *)vr + 8 * c));
+                    }
                 }
         /* online softmax + P V, one query head at a time (its accumulator stays in registers) */
         for (int j = 0; j < nh; j++) {
@@ -256,30 +325,29 @@ static inline __attribute__((always_inline)) void item_body(const args_t *A, con
     }
     for (int j = 0; j < nh; j++) {
         const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
-        store_row(A->out + (qrow * A->o_s0 + (int64_t)(h0 * g + j) * A->o_s1) * esz, acc + (int64_t)j * d, inv, d, DT);
+        store_row(A->out + (qrow * A->o_s0 + (int64_t)(h0 * g + j) * A->o_s1) * qsz, acc + (int64_t)j * d, inv, d, A->qdt);
     }
 }
 
+typedef void (*item_fn)(const args_t *, const item_t *, float *);
 #define INST(NV, DT) \
     static void item_##NV##_##DT(const args_t *A, const item_t *it, float *w) { item_body(A, it, w, NV, DT); }
-INST(4, 0) INST(4, 1) INST(8, 0) INST(8, 1) INST(16, 0) INST(16, 1)
-static void item_generic_0(const args_t *A, const item_t *it, float *w) { item_body(A, it, w, A->d / 8, 0); }
-static void item_generic_1(const args_t *A, const item_t *it, float *w) { item_body(A, it, w, A->d / 8, 1); }
+#define INST_ALL(NV) INST(NV, 0) INST(NV, 1) INST(NV, 2) INST(NV, 3) INST(NV, 4)
+INST_ALL(4) INST_ALL(8) INST_ALL(16)
+#define GENERIC(DT) \
+    static void item_g_##DT(const args_t *A, const item_t *it, float *w) { item_body(A, it, w, A->d / 8, DT); }
+GENERIC(0) GENERIC(1) GENERIC(2) GENERIC(3) GENERIC(4)
+#define ROW(NV) {item_##NV##_0, item_##NV##_1, item_##NV##_2, item_##NV##_3, item_##NV##_4}
+static const item_fn ITEMS[4][5] = {ROW(4), ROW(8), ROW(16), {item_g_0, item_g_1, item_g_2, item_g_3, item_g_4}};
 
 static void run_item(const args_t *A, const item_t *it, float *w) {
     const int nv = A->d / 8;
-    if (A->dtype == 0) {
-        if (nv == 8) item_8_0(A, it, w); else if (nv == 16) item_16_0(A, it, w);
-        else if (nv == 4) item_4_0(A, it, w); else item_generic_0(A, it, w);
-    } else {
-        if (nv == 8) item_8_1(A, it, w); else if (nv == 16) item_16_1(A, it, w);
-        else if (nv == 4) item_4_1(A, it, w); else item_generic_1(A, it, w);
-    }
+    ITEMS[nv == 4 ? 0 : nv == 8 ? 1 : nv == 16 ? 2 : 3][A->kdt](A, it, w);
 }
 
 /* Merge the partials of items [first, first + nsplit) (same seq/row/heads). */
 static void merge_splits(const args_t *A, const item_t *first, int nsplit) {
-    const int d = A->d, g = A->hq / A->hkv, esz = A->dtype == 0 ? 4 : 2;
+    const int d = A->d, g = A->hq / A->hkv, esz = A->qdt == 0 ? 4 : 2;
     const int nh = (first->h1 - first->h0) * g;
     const int64_t qrow = (int64_t)A->q_start[first->seq] + first->row;
     float acc[MAXD];
@@ -299,7 +367,7 @@ static void merge_splits(const args_t *A, const item_t *first, int nsplit) {
             for (int x = 0; x < d; x++) acc[x] += w * pa[x];
         }
         const float inv = Lsum > 0.f ? 1.f / Lsum : 0.f;
-        store_row(A->out + (qrow * A->o_s0 + (int64_t)(first->h0 * g + j) * A->o_s1) * esz, acc, inv, d, A->dtype);
+        store_row(A->out + (qrow * A->o_s0 + (int64_t)(first->h0 * g + j) * A->o_s1) * esz, acc, inv, d, A->qdt);
     }
 }
 
@@ -309,27 +377,35 @@ int pagedkv_max_head_dim(void) { return MAXD; }
 /* Paged attention of n_seqs sequences. seq_ids[i] indexes seq_lens / q_start / block_tables
  * rows; q_lens[i] is its number of new tokens (query rows), which sit at positions
  * seq_len - q_len .. seq_len - 1 and attend causally. Strides are in elements.
- * min_split_len: smallest context split (tokens) of split-K (0 disables it).
+ * window > 0: the row at position p sees only positions p - window + 1 .. p (its work items
+ * start there: no K/V before it, nor its block-table entry, is read). softcap > 0: scores
+ * (scale included) become softcap * tanh(score / softcap) before the softmax.
+ * min_split_len: smallest context split (tokens) of split-K (0 disables it). qdt: query/output
+ * format (0 f32, 1 bf16); kdt: cache format (see the top); ks/vs: bf16 scales (kdt >= 2).
  * Returns 0, or -1 bad shape, -2 bad dtype, -3 out of memory. */
 int pagedkv_paged_attention(
-    int dtype, int hq, int hkv, int d, int bs, float scale,
+    int qdt, int kdt, int hq, int hkv, int d, int bs, float scale,
     const void *q, int64_t q_s0, int64_t q_s1,
     const void *k, const void *v, int64_t s_blk, int64_t s_tok, int64_t s_head,
+    const void *ks, const void *vs, int64_t ss_blk, int64_t ss_tok, int64_t ss_head, int grp,
     const int32_t *bt, int64_t bt_s0,
     const int32_t *seq_lens, const int32_t *q_start,
     const int32_t *seq_ids, const int32_t *q_lens, int n_seqs,
     void *out, int64_t o_s0, int64_t o_s1,
-    int nthreads, int min_split_len, int prefetch)
+    int nthreads, int min_split_len, int prefetch, int window, float softcap)
 {
     if (hkv <= 0 || hq % hkv || hq > MAXHQ || d > MAXD || d <= 0 || d % 8 || bs <= 0) return -1;
-    if (dtype != 0 && dtype != 1) return -2;
+    if ((qdt != 0 && qdt != 1) || kdt < 0 || kdt > 4) return -2;
+    if (kdt >= 2 && (grp <= 0 || grp % 8 || d % grp || !ks || !vs)) return -1;
     if (nthreads < 1) nthreads = 1;
+    if (window < 0 || softcap < 0.f) return -1;
     const int g = hq / hkv;
     int64_t rows = 0;
     int max_len = 0;
     for (int i = 0; i < n_seqs; i++) {
         rows += q_lens[i];
-        if (seq_lens[seq_ids[i]] > max_len) max_len = seq_lens[seq_ids[i]];
+        const int sl = seq_lens[seq_ids[i]], vis = window > 0 && window < sl ? window : sl;
+        if (vis > max_len) max_len = vis;
     }
     if (rows == 0) return 0;
     /* parallelism: rows first, then KV-head groups (free), then context splits (need a merge) */
@@ -346,7 +422,8 @@ int pagedkv_paged_attention(
     for (int i = 0; i < n_seqs; i++) {
         const int sl = seq_lens[seq_ids[i]];
         for (int r = 0; r < q_lens[i]; r++) {
-            const int vis = sl - q_lens[i] + r + 1;
+            const int end = sl - q_lens[i] + r + 1, lo = window > 0 && end > window ? end - window : 0;
+            const int vis = end - lo;
             const int ns = split_len && vis > split_len ? (vis + split_len - 1) / split_len : 1;
             total += (int64_t)hgroups * ns;
         }
@@ -357,7 +434,8 @@ int pagedkv_paged_attention(
     for (int i = 0; i < n_seqs; i++) {
         const int s = seq_ids[i], sl = seq_lens[s];
         for (int r = 0; r < q_lens[i]; r++) {
-            const int vis = sl - q_lens[i] + r + 1;
+            const int end = sl - q_lens[i] + r + 1, lo = window > 0 && end > window ? end - window : 0;
+            const int vis = end - lo;
             const int ns = split_len && vis > split_len ? (vis + split_len - 1) / split_len : 1;
             for (int hg = 0; hg < hgroups; hg++) {
                 const int h0 = (int)((int64_t)hkv * hg / hgroups), h1 = (int)((int64_t)hkv * (hg + 1) / hgroups);
@@ -366,8 +444,8 @@ int pagedkv_paged_attention(
                     item_t *it = &items[n_items++];
                     it->seq = s; it->row = r; it->h0 = h0; it->h1 = h1;
                     it->split = ns > 1 ? c : -1;
-                    it->t0 = ns > 1 ? c * split_len : 0;
-                    it->t1 = ns > 1 ? ((c + 1) * split_len < vis ? (c + 1) * split_len : vis) : vis;
+                    it->t0 = lo + (ns > 1 ? c * split_len : 0);
+                    it->t1 = lo + (ns > 1 ? ((c + 1) * split_len < vis ? (c + 1) * split_len : vis) : vis);
                     it->scratch = ns > 1 ? scratch_floats : 0;
                     if (ns > 1) scratch_floats += per_partial;
                 }
@@ -378,8 +456,9 @@ int pagedkv_paged_attention(
     float *work = (float *)malloc(sizeof(float) * (size_t)(wpt * nthreads));
     float *scratch = scratch_floats ? (float *)malloc(sizeof(float) * (size_t)scratch_floats) : NULL;
     if (!work || (scratch_floats && !scratch)) { free(items); free(work); free(scratch); return -3; }
-    args_t A = {dtype, hq, hkv, d, bs, prefetch, scale, (const char *)q, q_s0, q_s1, (const char *)k,
-                (const char *)v, s_blk, s_tok, s_head, bt, bt_s0, seq_lens, q_start,
+    args_t A = {qdt, kdt, hq, hkv, d, bs, prefetch, scale, softcap, (const char *)q, q_s0, q_s1, (const char *)k,
+                (const char *)v, s_blk, s_tok, s_head, (const uint16_t *)ks, (const uint16_t *)vs,
+                ss_blk, ss_tok, ss_head, grp, bt, bt_s0, seq_lens, q_start,
                 (char *)out, o_s0, o_s1, scratch, work, wpt};
     if (n_items == 1 || nthreads == 1) {
         for (int64_t i = 0; i < n_items; i++) run_item(&A, &items[i], work);

@@ -17,6 +17,16 @@ memory and how attention reads it. Both agree on these tensors:
   row, a prefill chunk has many). The new tokens of sequence i sit at positions
   ``seq_lens[i] - q_len_i ... seq_lens[i] - 1``; attention is causal over those positions.
 
+Per-layer options of ``forward`` (keyword arguments, the same for every sequence of a call):
+
+* ``sliding_window`` (tokens, ``None`` = full attention): the query at position ``p`` sees keys
+  at positions ``p - sliding_window < k <= p`` (``sliding_window`` keys including its own), as
+  transformers' Mistral / Gemma-2 masks. A backend reads no K/V of positions below
+  ``p - sliding_window + 1`` for the earliest query of a sequence: the block table entries of
+  blocks wholly before that position may be a placeholder (null) block.
+* ``logits_soft_cap`` (``None`` = off): scores ``s = scale * q.k`` become
+  ``cap * tanh(s / cap)`` before the mask and the softmax (Gemma-2).
+
 Queries, keys and values of the flat batch are ``[num_tokens, num_heads, head_dim]`` (keys and
 values with ``num_kv_heads``); GQA/MQA map query head h to KV head ``h // (num_heads //
 num_kv_heads)``.
@@ -24,12 +34,13 @@ num_kv_heads)``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from pagedkv.errors import InvalidRequestError
+from pagedkv.errors import BackendError, InvalidRequestError
 from pagedkv.kv.block_table import BatchSlots, build_slots
 
 
@@ -97,13 +108,36 @@ class AttentionMetadata:
         )
 
 
+def check_window(sliding_window: int | None, logits_soft_cap: float | None) -> tuple[int, float]:
+    """Validate ``forward``'s per-layer options; returns ``(window, cap)`` with 0 meaning
+    "off". Raises ``BackendError`` for a non-positive or non-integral window, or a cap that
+    is not a positive finite number."""
+    window = 0
+    if sliding_window is not None:
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window <= 0:
+            raise BackendError(f"sliding_window must be a positive int (tokens) or None, got {sliding_window!r}")
+        window = int(sliding_window)
+    cap = 0.0
+    if logits_soft_cap is not None:
+        if isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap, (int, float)) \
+                or not math.isfinite(logits_soft_cap) or logits_soft_cap <= 0:
+            raise BackendError(f"logits_soft_cap must be a positive finite number or None, got {logits_soft_cap!r}")
+        cap = float(logits_soft_cap)
+    return window, cap
+
+
+def window_start(pos: int, window: int) -> int:
+    """First key position (tokens) the query at ``pos`` sees with ``window`` (0 = no window)."""
+    return max(0, pos - window + 1) if window else 0
+
+
 @runtime_checkable
 class AttentionBackend(Protocol):
     """What every backend implements. A backend owns its KV layout; callers never index the
     cache tensors themselves (use ``gather_kv`` for inspection in tests).
 
     One cache object per layer. ``copy_blocks`` applies copy-on-write copies decided by the
-    memory system before the step's writes.
+    memory system before the step's writes (codes and scales alike for a quantised cache).
     """
 
     name: str
@@ -114,23 +148,30 @@ class AttentionBackend(Protocol):
         block_size: int,
         num_kv_heads: int,
         head_dim: int,
-        dtype: torch.dtype,
+        dtype: torch.dtype | str,
         device: torch.device | str = "cpu",
+        quant_group_size: int | None = None,
     ) -> Any:
-        """Allocate one layer's K and V cache (zeros) in this backend's layout."""
+        """Allocate one layer's K and V cache (zeros) in this backend's layout. ``dtype``: a
+        floating torch dtype, or a quantised ``kv_cache_dtype`` (``"int8"``, ``"fp8_e4m3"``,
+        ``"fp8_e5m2"``: one-byte codes plus an bf16 scale per ``quant_group_size`` elements of
+        each head vector, see ``pagedkv.attention.quant``)."""
         ...
 
     def write_kv(self, kv_cache: Any, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` to their slots;
-        rows whose slot is -1 are skipped."""
+        rows whose slot is -1 are skipped. A quantised cache quantises here."""
         ...
 
     def forward(
-        self, query: torch.Tensor, kv_cache: Any, metadata: AttentionMetadata, scale: float
+        self, query: torch.Tensor, kv_cache: Any, metadata: AttentionMetadata, scale: float,
+        sliding_window: int | None = None, logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         """Causal attention of ``query`` ``[num_tokens, num_heads, head_dim]`` over each
         sequence's paged context; returns ``[num_tokens, num_heads, head_dim]`` in the
-        query's dtype."""
+        query's dtype. A quantised cache is dequantised inside the read (a tile at a time).
+        ``sliding_window`` (tokens) and ``logits_soft_cap``: see the module doc (validated by
+        :func:`check_window`, ``BackendError``)."""
         ...
 
     def copy_blocks(self, kv_cache: Any, copies: Sequence[tuple[int, int]]) -> None:
@@ -150,5 +191,7 @@ class AttentionBackend(Protocol):
 
     def gather_kv(self, kv_cache: Any, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Read K and V at ``slots`` (int64 ``[n]``) -> two ``[n, num_kv_heads, head_dim]``
-        tensors. For tests and debugging."""
+        tensors (float32 dequantised values for a quantised cache). For tests and debugging.
+        Backends with quantised caches also have ``gather_kv_raw(kv_cache, slots) -> (K codes,
+        V codes, K scales, V scales)``, which the conformance kit's oracle dequantises itself."""
         ...

@@ -14,6 +14,11 @@ Two paths, picked per sequence:
   on the fallback: float32 matmul / softmax / matmul).
 
 Layouts: ``nhd`` (default), ``hnd`` and ``ascend``; the kernel takes the layout as strides.
+
+Quantised caches (int8, fp8; :mod:`pagedkv.attention.quant`): the kernel dequantises each K
+row in registers and each 16-token V chunk in L1; the torch path dequantises
+``TILE_TOKENS`` of context at a time into a small float32 tile and merges the tiles with an
+online softmax. Neither ever expands a whole context (let alone the cache) to float32.
 """
 
 from __future__ import annotations
@@ -29,12 +34,15 @@ from pagedkv.utils import cdiv
 import torch.nn.functional as F
 
 from pagedkv.attention import layouts as L
-from pagedkv.attention.base import AttentionMetadata
+from pagedkv.attention import quant as Q
+from pagedkv.attention.base import AttentionMetadata, check_window, window_start
 from pagedkv.attention.reference import LayoutMemory, check_inputs, lists_of
 
 # Sequences with at most this many new tokens go through the C kernel; longer chunks use
 # matmuls (better arithmetic intensity).
 DECODE_MAX_QLEN = 8
+# Context tokens the torch path dequantises at once for a quantised cache.
+TILE_TOKENS = 256
 
 
 class _Workspace:
@@ -91,10 +99,14 @@ class CPUBackend(LayoutMemory):
         return plan
 
     def forward(self, query: torch.Tensor, kv_cache: L.PagedKVCache, metadata: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> torch.Tensor:
         """Causal paged attention; ``query`` ``[num_tokens, num_heads, head_dim]`` -> output of
-        the same shape and dtype. Raises ``BackendError`` on shape mismatches."""
+        the same shape and dtype; ``sliding_window`` (tokens) / ``logits_soft_cap`` as in
+        ``pagedkv.attention.base`` (out-of-window blocks are never read). Raises
+        ``BackendError`` on shape mismatches or a bad window / cap."""
         n, hq, d = check_inputs(query, kv_cache, metadata)
+        window, cap = check_window(sliding_window, logits_soft_cap)
         kernel = _kernel() if self.use_kernel and query.device.type == "cpu" else None
         if kernel is not None and not kernel.supports(query, kv_cache):
             kernel = None
@@ -103,62 +115,134 @@ class CPUBackend(LayoutMemory):
         if plan.num_real < n:  # padding rows of the flat batch
             out[plan.num_real:].zero_()
         if plan.kernel_seqs:
-            kernel.run(query, kv_cache, plan, scale, out)
+            kernel.run(query, kv_cache, plan, scale, out, window=window, soft_cap=cap)
         for i in plan.torch_seqs:
             a, b = plan.starts[i], plan.starts[i + 1]
-            out[a:b] = self._attend_torch(query[a:b], kv_cache, metadata.block_tables[i], plan.seq_lens[i], scale)
+            out[a:b] = self._attend_torch(query[a:b], kv_cache, metadata.block_tables[i], plan.seq_lens[i], scale,
+                                          window, cap)
         return out
 
-    def _gather_seq(self, cache: L.PagedKVCache, table_row: torch.Tensor, seq_len: int
+    def _gather_seq(self, cache: L.PagedKVCache, table_row: torch.Tensor, seq_len: int, lo: int = 0
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one sequence as ``[Hkv, seq_len, d]`` views into the workspace."""
+        """K and V of positions ``lo .. seq_len-1`` of one sequence as ``[Hkv, seq_len - lo, d]``
+        views into the workspace (blocks before ``lo``'s are not read)."""
         bs, h, d = cache.block_size, cache.num_kv_heads, cache.head_dim
-        nblk = cdiv(seq_len, bs)
-        idx = table_row[:nblk]
+        b0 = lo // bs
+        nblk = cdiv(seq_len, bs) - b0
+        idx = table_row[b0 : b0 + nblk]
         per_block = bs * h * d
+        a, e = lo - b0 * bs, seq_len - b0 * bs
         res = []
         for name, t in (("k", cache.key), ("v", cache.value)):
             ws = self._ws.get(name, nblk * per_block, t.dtype, t.device)
             if self.layout.name == "hnd":
                 src = t.view(t.shape[0], h, bs * d).transpose(0, 1)  # [h, nb, bs*d]
                 torch.index_select(src, 1, idx, out=ws.view(h, nblk, bs * d))
-                res.append(ws.view(h, nblk * bs, d)[:, :seq_len])
+                res.append(ws.view(h, nblk * bs, d)[:, a:e])
             else:
                 torch.index_select(t.view(t.shape[0], per_block), 0, idx, out=ws.view(nblk, per_block))
-                res.append(ws.view(nblk * bs, h, d)[:seq_len].transpose(0, 1))
+                res.append(ws.view(nblk * bs, h, d)[a:e].transpose(0, 1))
         return res[0], res[1]
 
     def _attend_torch(self, q: torch.Tensor, cache: L.PagedKVCache, table_row: torch.Tensor,
-                      seq_len: int, scale: float) -> torch.Tensor:
-        """One sequence: ``q`` ``[ql, hq, d]`` over its first ``seq_len`` cached positions."""
+                      seq_len: int, scale: float, window: int = 0, cap: float = 0.0) -> torch.Tensor:
+        """One sequence: ``q`` ``[ql, hq, d]`` over its cached positions ``lo .. seq_len-1``
+        (``lo`` = the first query's window start; 0 without a window)."""
+        if cache.quant is not None:
+            return _attend_quantized(q, cache, table_row, seq_len, scale, window, cap)
         ql, hq, d = q.shape
         h = cache.num_kv_heads
-        k, v = self._gather_seq(cache, table_row, seq_len)  # [h, sl, d] views of the workspace
+        lo = window_start(seq_len - ql, window)
+        n = seq_len - lo
+        k, v = self._gather_seq(cache, table_row, seq_len, lo)  # [h, n, d] views of the workspace
         if k.dtype != torch.float32:  # compute in float32 like the decode kernel and the oracle
-            k32 = self._ws.get("k32", h * seq_len * d, torch.float32, k.device).view(h, seq_len, d)
-            v32 = self._ws.get("v32", h * seq_len * d, torch.float32, v.device).view(h, seq_len, d)
+            k32 = self._ws.get("k32", h * n * d, torch.float32, k.device).view(h, n, d)
+            v32 = self._ws.get("v32", h * n * d, torch.float32, v.device).view(h, n, d)
             k = k32.copy_(k)
             v = v32.copy_(v)
-        if ql > 1:
+        if ql > 1 and not cap:
             # a chunk: one fused SDPA call (flash kernel) with the chunk's bottom-right causal
             # mask (query row j sits at position seq_len - ql + j)
             qh = q.float().transpose(0, 1).unsqueeze(0)  # [1, hq, ql, d]
-            if ql == seq_len:
+            if ql == seq_len and not window:
                 o = F.scaled_dot_product_attention(qh, k.unsqueeze(0), v.unsqueeze(0), is_causal=True,
                                                    scale=scale, enable_gqa=True)
             else:
-                pos = torch.arange(seq_len - ql, seq_len, device=q.device)
-                mask = torch.arange(seq_len, device=q.device)[None, :] <= pos[:, None]
-                o = F.scaled_dot_product_attention(qh, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
+                o = F.scaled_dot_product_attention(qh, k.unsqueeze(0), v.unsqueeze(0),
+                                                   attn_mask=_visible(seq_len, ql, lo, window, q.device),
                                                    scale=scale, enable_gqa=True)
             return o[0].transpose(0, 1).to(q.dtype)
-        # a decode row (torch fallback): float32 matmuls, the GQA group as rows
+        # decode rows (torch fallback) and soft-capped chunks: float32 matmuls, the GQA group
+        # and the query rows as rows of one matrix per KV head
         g = hq // h
-        qh = q.float().view(h, g, d)
-        scores = torch.bmm(qh, k.transpose(1, 2))  # [h, g, sl]
+        qh = q.float().reshape(ql, h, g, d).permute(1, 2, 0, 3).reshape(h, g * ql, d)
+        scores = torch.bmm(qh, k.transpose(1, 2))  # [h, g*ql, n]
         scores.mul_(scale)
+        if cap:
+            scores = torch.tanh(scores.div_(cap)).mul_(cap)
+        if ql > 1:
+            mask = _visible(seq_len, ql, lo, window, q.device)  # [ql, n]
+            scores = scores.view(h, g, ql, n).masked_fill(~mask, float("-inf")).view(h, g * ql, n)
         torch.softmax(scores, dim=-1, out=scores)
-        return torch.bmm(scores, v).view(1, hq, d).to(q.dtype)
+        o = torch.bmm(scores, v)  # [h, g*ql, d]
+        return o.view(h, g, ql, d).permute(2, 0, 1, 3).reshape(ql, hq, d).to(q.dtype)
+
+
+def _visible(seq_len: int, ql: int, lo: int, window: int, device: torch.device) -> torch.Tensor:
+    """bool ``[ql, seq_len - lo]``: query row j (position ``seq_len - ql + j``) sees key
+    position ``lo + c`` (causal, and inside the window when ``window`` > 0)."""
+    q_pos = torch.arange(seq_len - ql, seq_len, device=device)[:, None]
+    k_pos = torch.arange(lo, seq_len, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if window:
+        mask &= k_pos > q_pos - window
+    return mask
+
+
+def _attend_quantized(q: torch.Tensor, cache: L.PagedKVCache, table_row: torch.Tensor, seq_len: int,
+                      scale: float, window: int = 0, cap: float = 0.0) -> torch.Tensor:
+    """One sequence over a quantised cache, ``q`` ``[ql, hq, d]`` -> ``[ql, hq, d]``: the
+    context (from the first query's window start) is dequantised ``TILE_TOKENS`` (whole
+    blocks) at a time; scores of each tile are merged with an online softmax (running max
+    ``m``, sum ``l``, accumulator ``acc``; float32)."""
+    ql, hq, d = q.shape
+    h, bs = cache.num_kv_heads, cache.block_size
+    g = hq // h
+    lo = window_start(seq_len - ql, window)
+    nblk = cdiv(seq_len, bs)
+    tile = max(1, TILE_TOKENS // bs)
+    rows = g * ql  # per KV head: its g query heads x the ql query rows (row r: head r // ql)
+    qh = q.float().reshape(ql, h, g, d).permute(1, 2, 0, 3).reshape(h, rows, d) * scale
+    q_pos = torch.arange(seq_len - ql, seq_len, device=q.device).repeat(g)  # [rows]
+    m = torch.full((h, rows, 1), float("-inf"), device=q.device)
+    l = torch.zeros((h, rows, 1), device=q.device)
+    acc = torch.zeros((h, rows, d), device=q.device)
+    views = ((cache.key_nhd(), cache.scale_nhd("key")), (cache.value_nhd(), cache.scale_nhd("value")))
+    for b0 in range(lo // bs, nblk, tile):
+        idx = table_row[b0 : min(nblk, b0 + tile)].to(torch.int64)
+        t0 = max(b0 * bs, lo)  # positions before lo are never read (they may be freed)
+        n = min(seq_len, b0 * bs + idx.numel() * bs) - t0
+        skip = t0 - b0 * bs
+        k, v = (Q.dequantize(c.index_select(0, idx), s.index_select(0, idx), cache.quant)
+                .view(-1, h, d)[skip : skip + n].transpose(0, 1) for c, s in views)  # [h, n, d] float32
+        sc = torch.bmm(qh, k.transpose(1, 2))  # [h, rows, n]
+        if cap:
+            sc = torch.tanh(sc / cap) * cap
+        k_pos = torch.arange(t0, t0 + n, device=q.device)
+        hidden = k_pos[None, :] > q_pos[:, None]
+        if window:
+            hidden |= k_pos[None, :] <= q_pos[:, None] - window
+        sc.masked_fill_(hidden[None], float("-inf"))
+        # a row may see nothing in a tile (window): keep its m at -inf and its p at 0
+        m_new = torch.maximum(m, sc.amax(dim=-1, keepdim=True))
+        m_use = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        alpha = torch.exp(m - m_use)
+        p = torch.exp(sc - m_use)
+        l = l * alpha + p.sum(dim=-1, keepdim=True)
+        acc = acc * alpha + torch.bmm(p, v)
+        m = m_new
+    out = (acc / l).view(h, g, ql, d).permute(2, 0, 1, 3).reshape(ql, hq, d)
+    return out.to(q.dtype)
 
 
 class _Plan:

@@ -30,7 +30,8 @@ from pagedkv.attention.layouts import PagedKVCache
 _SRC = Path(__file__).with_name("_cpu_kernel.c")
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
           "-fassociative-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # query/output; plain caches likewise
+# quantised caches: pagedkv.attention.quant.QuantFormat.kernel_id (2 int8, 3 fp8_e4m3, 4 fp8_e5m2)
 # Smallest context split (tokens) of the split-K path (used only when there are fewer work
 # items than 4x the threads).
 MIN_SPLIT_LEN = 512
@@ -85,14 +86,15 @@ def _build() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(so))
     f = lib.pagedkv_paged_attention
     i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-    f.argtypes = [i32, i32, i32, i32, i32, ctypes.c_float,
+    f.argtypes = [i32, i32, i32, i32, i32, i32, ctypes.c_float,
                   ptr, i64, i64,
                   ptr, ptr, i64, i64, i64,
+                  ptr, ptr, i64, i64, i64, i32,
                   ptr, i64,
                   ptr, ptr,
                   ptr, ptr, i32,
                   ptr, i64, i64,
-                  i32, i32, i32]
+                  i32, i32, i32, i32, ctypes.c_float]
     f.restype = ctypes.c_int
     return lib
 
@@ -109,9 +111,16 @@ class CPUKernel:
         self.min_split_len = MIN_SPLIT_LEN
 
     def supports(self, query: torch.Tensor, cache) -> bool:
-        """Whether this call can run here (dtype, head dim, GQA group, strides)."""
+        """Whether this call can run here (dtypes, head dim, GQA group, strides; a quantised
+        cache needs a group size that is a multiple of 8)."""
+        if not isinstance(cache, PagedKVCache):
+            return False
+        if cache.quant is not None:
+            cache_ok = cache.group_size % 8 == 0
+        else:
+            cache_ok = cache.dtype in _DTYPES
         return (
-            query.dtype in _DTYPES and cache.dtype == query.dtype and isinstance(cache, PagedKVCache)
+            query.dtype in _DTYPES and cache_ok
             and query.device.type == "cpu"
             and cache.head_dim <= self.max_head_dim and cache.head_dim % 8 == 0
             and query.shape[1] <= self.max_heads
@@ -119,19 +128,26 @@ class CPUKernel:
         )
 
     def run(self, query: torch.Tensor, cache, plan, scale: float, out: torch.Tensor,
-            nthreads: int | None = None) -> None:
+            nthreads: int | None = None, window: int = 0, soft_cap: float = 0.0) -> None:
         """Attention of ``plan.kernel_seqs`` into ``out`` (``[num_tokens, Hq, d]``, last dim
-        contiguous); ``plan.kernel_inputs`` is a ``KernelInputs``."""
+        contiguous); ``plan.kernel_inputs`` is a ``KernelInputs``. ``window`` (tokens) and
+        ``soft_cap``: 0 = off (see ``pagedkv.attention.base``)."""
         ki = plan.kernel_inputs
-        s_blk, s_tok, s_head, _ = cache.layout.as_nhd(cache.key, cache.num_kv_heads, cache.head_dim).stride()
+        s_blk, s_tok, s_head, _ = cache.key_nhd().stride()
+        if cache.quant is not None:
+            kdt, ss, grp = cache.quant.kernel_id, cache.scale_nhd("key").stride()[:3], cache.group_size
+            ks, vs = cache.key_scale.data_ptr(), cache.value_scale.data_ptr()
+        else:
+            kdt, ss, grp, ks, vs = _DTYPES[cache.dtype], (0, 0, 0), 0, None, None
         rc = self._f(
-            _DTYPES[query.dtype], query.shape[1], cache.num_kv_heads, cache.head_dim, cache.block_size,
+            _DTYPES[query.dtype], kdt, query.shape[1], cache.num_kv_heads, cache.head_dim, cache.block_size,
             scale,
             query.data_ptr(), query.stride(0), query.stride(1),
             cache.key.data_ptr(), cache.value.data_ptr(), s_blk, s_tok, s_head,
+            ks, vs, *ss, grp,
             ki.bt_ptr, ki.bt_s0, ki.seq_lens_ptr, ki.qsl_ptr, ki.ids_ptr, ki.qls_ptr, ki.n,
             out.data_ptr(), out.stride(0), out.stride(1),
-            nthreads or torch.get_num_threads(), self.min_split_len, self.prefetch,
+            nthreads or torch.get_num_threads(), self.min_split_len, self.prefetch, int(window), float(soft_cap),
         )
         if rc != 0:
             raise RuntimeError(f"pagedkv CPU kernel failed with code {rc}")

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedkv.attention import quant as Q
 from pagedkv.errors import BackendError, ConfigError
 
 
@@ -113,8 +114,11 @@ class PagedKVCache:
     """One layer's paged K and V cache, in a backend's layout.
 
     ``key`` and ``value`` have ``layout.shape(num_blocks, block_size, num_kv_heads, head_dim)``
-    and the cache dtype. Only the owning backend indexes them; other code uses the backend's
-    ``write_kv`` / ``gather_kv`` / ``copy_blocks``.
+    and the cache dtype; for a quantised cache (``quant`` set, see
+    :mod:`pagedkv.attention.quant`) they hold one-byte codes, and ``key_scale`` /
+    ``value_scale`` (bf16, ``layout.shape(num_blocks, block_size, num_kv_heads, head_dim //
+    group_size)``) one scale per group of ``group_size`` elements. Only the owning backend
+    indexes them; other code uses the backend's ``write_kv`` / ``gather_kv`` / ``copy_blocks``.
     """
 
     key: torch.Tensor
@@ -124,19 +128,42 @@ class PagedKVCache:
     block_size: int
     num_kv_heads: int
     head_dim: int
+    key_scale: torch.Tensor | None = None
+    value_scale: torch.Tensor | None = None
+    quant: Q.QuantFormat | None = None
+    group_size: int = 0  # elements per scale (quantised caches)
 
     @property
     def dtype(self) -> torch.dtype:
+        """Element dtype of ``key``/``value`` (the codes' storage dtype when quantised)."""
         return self.key.dtype
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The format's name: ``int8``, ``fp8_e4m3``, ``fp8_e5m2``, or the torch dtype's
+        (``float32``, ``bfloat16``, ``float16``)."""
+        return self.quant.name if self.quant is not None else str(self.dtype).removeprefix("torch.")
+
+    @property
+    def num_groups(self) -> int:
+        """Scales per head vector (1 for a plain cache)."""
+        return self.head_dim // self.group_size if self.quant is not None else 1
 
     @property
     def device(self) -> torch.device:
         return self.key.device
 
+    def block_tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor that holds this cache's blocks, the physical block id leading: K and
+        V, then the scales of a quantised cache. ``copy_blocks`` / ``export_blocks`` /
+        ``import_blocks`` move exactly these."""
+        scales = (self.key_scale, self.value_scale) if self.quant is not None else ()
+        return (self.key, self.value, *scales)  # type: ignore[return-value]
+
     @property
     def nbytes(self) -> int:
-        """Bytes held by K and V together."""
-        return self.key.numel() * self.key.element_size() * 2
+        """Bytes held by K and V together, scales included."""
+        return sum(t.numel() * t.element_size() for t in self.block_tensors())
 
     def key_nhd(self) -> torch.Tensor:
         """``[num_blocks, block_size, Hkv, d]`` view of K (strided for ``hnd``)."""
@@ -145,16 +172,25 @@ class PagedKVCache:
     def value_nhd(self) -> torch.Tensor:
         return self.layout.as_nhd(self.value, self.num_kv_heads, self.head_dim)
 
-    def block_tensors(self) -> tuple[torch.Tensor, ...]:
-        """Every tensor that holds this cache's blocks, the physical block id leading: K and
-        V (a cache with more per-block state, e.g. quantisation scales, lists it too).
-        ``copy_blocks`` / ``export_blocks`` / ``import_blocks`` move exactly these."""
-        return (self.key, self.value)
+    def scale_nhd(self, which: str) -> torch.Tensor:
+        """``[num_blocks, block_size, Hkv, d / G]`` view of ``key_scale`` (``which="key"``)
+        or ``value_scale``. Quantised caches only."""
+        t = self.key_scale if which == "key" else self.value_scale
+        return self.layout.as_nhd(t, self.num_kv_heads, self.num_groups)
 
     def fill_(self, value: float) -> "PagedKVCache":
-        """Fill K and V with ``value`` (e.g. NaN in tests); returns self."""
-        self.key.fill_(value)
-        self.value.fill_(value)
+        """Make every element read back as ``value`` (e.g. NaN in tests); returns self. A
+        quantised cache gets the code of 1.0 and scale ``value``."""
+        if self.quant is None:
+            self.key.fill_(value)
+            self.value.fill_(value)
+            return self
+        fmt = self.quant
+        one = torch.ones(1).to(fmt.code_dtype).view(torch.uint8) if fmt.code_dtype is not None else 1
+        for t in (self.key, self.value):
+            t.fill_(int(one))  # the code whose value is exactly 1.0
+        for t in (self.key_scale, self.value_scale):
+            t.fill_(value)
         return self
 
 
@@ -169,16 +205,62 @@ def validate_cache_args(num_blocks: int, block_size: int, num_kv_heads: int, hea
 
 
 def allocate(layout: Layout, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-             dtype: torch.dtype, device: torch.device | str = "cpu") -> PagedKVCache:
-    """Zero-filled ``PagedKVCache`` in ``layout``."""
-    validate_cache_args(num_blocks, block_size, num_kv_heads, head_dim, dtype)
+             dtype: torch.dtype | str, device: torch.device | str = "cpu",
+             quant_group_size: int | None = None) -> PagedKVCache:
+    """Zero-filled ``PagedKVCache`` in ``layout``. ``dtype``: a floating torch dtype, or a
+    ``kv_cache_dtype`` name (``"int8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"`` quantise, with
+    ``quant_group_size`` elements per scale, default ``head_dim``). Raises ``ConfigError``."""
+    plain, fmt = Q.resolve(dtype)
+    if fmt is None:
+        validate_cache_args(num_blocks, block_size, num_kv_heads, head_dim, plain)
+        shape = layout.shape(num_blocks, block_size, num_kv_heads, head_dim)
+        return PagedKVCache(torch.zeros(shape, dtype=plain, device=device), torch.zeros(shape, dtype=plain, device=device),
+                            layout, num_blocks, block_size, num_kv_heads, head_dim)
+    validate_cache_args(num_blocks, block_size, num_kv_heads, head_dim, torch.float32)
+    g = Q.check_group_size(quant_group_size, head_dim)
     shape = layout.shape(num_blocks, block_size, num_kv_heads, head_dim)
-    return PagedKVCache(
-        key=torch.zeros(shape, dtype=dtype, device=device),
-        value=torch.zeros(shape, dtype=dtype, device=device),
-        layout=layout, num_blocks=num_blocks, block_size=block_size,
-        num_kv_heads=num_kv_heads, head_dim=head_dim,
-    )
+    sshape = layout.shape(num_blocks, block_size, num_kv_heads, head_dim // g)
+    codes = [torch.zeros(shape, dtype=fmt.storage, device=device) for _ in range(2)]
+    scales = [torch.zeros(sshape, dtype=Q.SCALE_DTYPE, device=device) for _ in range(2)]
+    return PagedKVCache(codes[0], codes[1], layout, num_blocks, block_size, num_kv_heads, head_dim,
+                        scales[0], scales[1], fmt, g)
+
+
+def write(cache: PagedKVCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+    """Write ``key``/``value`` ``[n, Hkv, d]`` at ``slots`` (int64 ``[n]``, all >= 0),
+    quantising them for a quantised cache (codes and scales alike)."""
+    lay, bs = cache.layout, cache.block_size
+    if cache.quant is None:
+        lay.write(cache.key, key, slots, bs)
+        lay.write(cache.value, value, slots, bs)
+        return
+    for x, codes, scales in ((key, cache.key, cache.key_scale), (value, cache.value, cache.value_scale)):
+        c, s = Q.quantize(x, cache.quant, cache.group_size)
+        lay.write(codes, c, slots, bs)
+        lay.write(scales, s, slots, bs)
+
+
+def gather_raw(cache: PagedKVCache, slots: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """What is stored at ``slots`` (int64 ``[n]``): ``(K, V, K scales, V scales)``; K and V
+    ``[n, Hkv, d]`` in the cache dtype (codes when quantised), scales ``[n, Hkv, d / G]`` bf16
+    or ``None`` for a plain cache."""
+    slots = slots.to(device=cache.device, dtype=torch.int64)
+    out = [cache.layout.read(t, slots, cache.block_size, cache.num_kv_heads, cache.head_dim)
+           for t in (cache.key, cache.value)]
+    if cache.quant is None:
+        return out[0], out[1], None, None
+    ks, vs = (cache.layout.read(t, slots, cache.block_size, cache.num_kv_heads, cache.num_groups)
+              for t in (cache.key_scale, cache.value_scale))
+    return out[0], out[1], ks, vs
+
+
+def gather(cache: PagedKVCache, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V ``[n, Hkv, d]`` at ``slots`` as attention sees them: the cache dtype, or
+    float32 dequantised values for a quantised cache."""
+    k, v, ks, vs = gather_raw(cache, slots)
+    if cache.quant is None:
+        return k, v
+    return Q.dequantize(k, ks, cache.quant), Q.dequantize(v, vs, cache.quant)
 
 
 def valid_slots(slot_mapping: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -192,7 +274,8 @@ def valid_slots(slot_mapping: torch.Tensor, *tensors: torch.Tensor) -> tuple[tor
 
 
 def copy_blocks(cache: PagedKVCache, copies) -> None:
-    """Copy whole physical blocks ``src -> dst`` in K and V (any layout: blocks lead)."""
+    """Copy whole physical blocks ``src -> dst`` in K and V, and their scales when quantised
+    (any layout: blocks lead)."""
     if not copies:
         return
     src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=cache.device)

@@ -12,7 +12,7 @@ import torch
 from pagedkv.utils import cdiv
 
 from pagedkv.attention import layouts as L
-from pagedkv.attention.base import AttentionMetadata
+from pagedkv.attention.base import AttentionMetadata, check_window, window_start
 from pagedkv.errors import BackendError
 
 
@@ -63,37 +63,43 @@ class LayoutMemory(L.BlockTransfer):
 
     # -- memory ---------------------------------------------------------------------------
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                          dtype: torch.dtype, device: torch.device | str = "cpu") -> L.PagedKVCache:
-        """Zero-filled ``PagedKVCache``; K and V each ``layout.shape(...)`` in ``dtype``.
-        Raises ``ConfigError`` for a non-positive size or non-floating dtype."""
-        return L.allocate(self.layout, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+                          dtype: torch.dtype | str, device: torch.device | str = "cpu",
+                          quant_group_size: int | None = None) -> L.PagedKVCache:
+        """Zero-filled ``PagedKVCache``; K and V each ``layout.shape(...)`` in ``dtype`` (a
+        floating torch dtype, or ``"int8"`` / ``"fp8_e4m3"`` / ``"fp8_e5m2"``: codes plus bf16
+        scales per ``quant_group_size`` elements). Raises ``ConfigError`` for a non-positive
+        size, an unknown dtype or a group size that does not divide ``head_dim``."""
+        return L.allocate(self.layout, num_blocks, block_size, num_kv_heads, head_dim, dtype, device,
+                          quant_group_size)
 
     def write_kv(self, kv_cache: L.PagedKVCache, key: torch.Tensor, value: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
         """Write ``key``/``value`` ``[num_tokens, Hkv, d]`` at ``slot_mapping`` (int64
-        ``[num_tokens]``; ``-1`` rows skipped)."""
+        ``[num_tokens]``; ``-1`` rows skipped), quantised for a quantised cache."""
         slots, key, value = L.valid_slots(slot_mapping, key, value)
         if slots.numel() == 0:
             return
-        self.layout.write(kv_cache.key, key, slots, kv_cache.block_size)
-        self.layout.write(kv_cache.value, value, slots, kv_cache.block_size)
+        L.write(kv_cache, key, value, slots)
 
     def copy_blocks(self, kv_cache: L.PagedKVCache, copies: Sequence[tuple[int, int]]) -> None:
-        """Copy physical blocks ``src -> dst`` (K and V)."""
+        """Copy physical blocks ``src -> dst`` (K and V, and their scales)."""
         L.copy_blocks(kv_cache, copies)
 
     def gather_kv(self, kv_cache: L.PagedKVCache, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V ``[n, Hkv, d]`` at ``slots`` (int64 ``[n]``)."""
-        slots = slots.to(torch.int64)
-        c = kv_cache
-        return (self.layout.read(c.key, slots, c.block_size, c.num_kv_heads, c.head_dim),
-                self.layout.read(c.value, slots, c.block_size, c.num_kv_heads, c.head_dim))
+        """K and V ``[n, Hkv, d]`` at ``slots`` (int64 ``[n]``); float32 dequantised values
+        for a quantised cache."""
+        return L.gather(kv_cache, slots)
+
+    def gather_kv_raw(self, kv_cache: L.PagedKVCache, slots: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """``(K, V, K scales, V scales)`` as stored at ``slots`` (see ``layouts.gather_raw``)."""
+        return L.gather_raw(kv_cache, slots)
 
 
 class ReferenceBackend(LayoutMemory):
-    """Oracle backend: any layout (default NHD), any floating dtype, any device torch runs on.
+    """Oracle backend: any layout (default NHD), any floating or quantised cache dtype, any
+    device torch runs on.
 
-    Per sequence: gather K/V ``[seq_len, Hkv, d]`` by slot, compute ``softmax(q k^T * scale)``
+    Per sequence: gather K/V ``[seq_len, Hkv, d]`` by slot (dequantised for a quantised cache), compute ``softmax(q k^T * scale)``
     with the causal mask (query row ``j`` of a ``q_len`` chunk sits at position
     ``seq_len - q_len + j``) in float32, cast back to the query dtype.
     """
@@ -104,24 +110,34 @@ class ReferenceBackend(LayoutMemory):
 
     # -- attention ------------------------------------------------------------------------
     def forward(self, query: torch.Tensor, kv_cache: L.PagedKVCache, metadata: AttentionMetadata,
-                scale: float) -> torch.Tensor:
-        """``[num_tokens, num_heads, head_dim]`` output in ``query.dtype``."""
+                scale: float, sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> torch.Tensor:
+        """``[num_tokens, num_heads, head_dim]`` output in ``query.dtype``. With a
+        ``sliding_window`` only positions from the first query's window start on are gathered;
+        ``logits_soft_cap`` caps the scores before the mask (see ``base``)."""
         n, hq, d = check_inputs(query, kv_cache, metadata)
+        window, cap = check_window(sliding_window, logits_soft_cap)
         out = torch.zeros_like(query)  # rows past query_start_loc[-1] (batch padding) stay 0
         seq_lens, q_lens, starts = lists_of(metadata)
         group = hq // kv_cache.num_kv_heads
         for i, (sl, ql) in enumerate(zip(seq_lens, q_lens)):
             if ql == 0:
                 continue
-            slots = context_slots(metadata.block_tables[i], sl, kv_cache.block_size)
+            lo = window_start(sl - ql, window)
+            slots = context_slots(metadata.block_tables[i], sl, kv_cache.block_size)[lo:]
             k, v = self.gather_kv(kv_cache, slots)
-            k = k.float().repeat_interleave(group, dim=1)  # [sl, hq, d]
+            k = k.float().repeat_interleave(group, dim=1)  # [sl - lo, hq, d]
             v = v.float().repeat_interleave(group, dim=1)
             q = query[starts[i] : starts[i] + ql].float()  # [ql, hq, d]
-            scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [hq, ql, sl]
+            scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [hq, ql, sl - lo]
+            if cap:
+                scores = torch.tanh(scores / cap) * cap
             q_pos = torch.arange(sl - ql, sl, device=query.device)[:, None]
-            k_pos = torch.arange(sl, device=query.device)[None, :]
-            scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+            k_pos = torch.arange(lo, sl, device=query.device)[None, :]
+            hidden = k_pos > q_pos
+            if window:
+                hidden |= k_pos <= q_pos - window
+            scores = scores.masked_fill(hidden, float("-inf"))
             p = torch.softmax(scores, dim=-1)
             out[starts[i] : starts[i] + ql] = torch.einsum("hqk,khd->qhd", p, v).to(query.dtype)
         return out

@@ -3,8 +3,9 @@
 Three kernels, all reading K/V through the block table (seed §02) and never touching a
 block-table entry or slot past a sequence's ``seq_len``:
 
-* ``_write_kv_kernel``: one program per new token; scatters its K/V rows to
-  ``slot_mapping[t]`` (skips ``-1``), no host sync.
+* ``_write_kv_kernel`` / ``_write_kv_quant_kernel`` (in :mod:`pagedkv.attention.triton_kv`,
+  with the tile loader ``_load_kv``): scatter new K/V rows to ``slot_mapping`` (skipping
+  ``-1``), quantising them for an int8 / fp8 cache.
 * ``_decode_kernel``: sequences with one new token. Grid ``(num_seqs, Hkv, num_splits)``: a
   program loads the ``g = Hq/Hkv`` query heads of one KV head as one ``[G, D]`` tile (GQA
   packing: each K/V row is read once for all its query heads) and runs an online softmax over
@@ -16,16 +17,16 @@ block-table entry or slot past a sequence's ``seq_len``:
   causal over positions ``seq_len - q_len .. seq_len - 1``; the GQA group's query heads are
   packed into the tile rows so each K/V tile is loaded once per group.
 
-On an NVIDIA GPU it runs natively. Without CUDA, importing this module sets
+On an NVIDIA GPU it runs natively. Without CUDA, importing this module (through triton_kv) sets
 ``TRITON_INTERPRET=1`` (unless already set) so the kernels run on CPU tensors under Triton's
 interpreter (tests; small shapes only). Under the interpreter ``tl.dot`` on bf16 inputs is
 wrong, so dots are done in float32 there (and always for float32 caches, with
-``input_precision="ieee"`` so GPUs do not silently use TF32).
+``input_precision="ieee"`` so GPUs do not silently use TF32). A quantised cache is dequantised
+in the K/V tile loader (codes x their group's scale), never outside the kernel.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Sequence
 
 import torch
@@ -33,67 +34,17 @@ import torch
 from pagedkv.utils import cdiv
 
 from pagedkv.attention import layouts as L
-from pagedkv.attention.base import AttentionMetadata
+from pagedkv.attention import quant as Q
+from pagedkv.attention.base import AttentionMetadata, check_window
 from pagedkv.attention.reference import check_inputs
 from pagedkv.errors import BackendError
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-try:
-    import triton
-    import triton.language as tl
-
-    _IMPORT_ERROR: Exception | None = None
-except Exception as exc:  # noqa: BLE001 - reported when the backend is constructed
-    triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
-    _IMPORT_ERROR = exc
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
-
-
-def _interpreter_state_error() -> str | None:
-    """Triton's own ``@jit`` helpers (``tl.sum``, ``tl.max``) are created when triton is first
-    imported; if that happened before ``TRITON_INTERPRET=1`` was set they cannot run inside
-    interpreted kernels."""
-    if triton is None or not _interpreting():
-        return None
-    if type(tl.sum).__name__ == "JITFunction":
-        return ("triton was imported before TRITON_INTERPRET=1 was set, so its interpreter cannot "
-                "run here: set TRITON_INTERPRET=1 in the environment, or import "
-                "pagedkv.attention.triton_backend before triton")
-    return None
-
+from pagedkv.attention.triton_kv import (  # noqa: F401 - sets TRITON_INTERPRET first
+    _IMPORT_ERROR, _interpreter_state_error, _interpreting, tl, triton,
+)
 
 if triton is not None:
-
-    @triton.jit
-    def _write_kv_kernel(
-        key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_tokens,
-        s_kt, s_kh, s_vt, s_vh,  # new K/V strides (token, head); d contiguous
-        s_blk, s_tok, s_head,  # cache strides
-        block_size, num_kv_heads, head_dim,
-        BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr, D_PAD: tl.constexpr,
-    ):
-        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        tmask = t < num_tokens
-        slot = tl.load(slot_ptr + t, mask=tmask, other=-1).to(tl.int64)
-        tmask = tmask & (slot >= 0)
-        blk = slot // block_size
-        off = slot % block_size
-        idx = tl.arange(0, BLOCK_HD)
-        h = idx // D_PAD
-        x = idx % D_PAD
-        mask = tmask[:, None] & ((h < num_kv_heads) & (x < head_dim))[None, :]
-        t64 = t.to(tl.int64)[:, None]
-        k = tl.load(key_ptr + t64 * s_kt + (h * s_kh + x)[None, :], mask=mask)
-        v = tl.load(value_ptr + t64 * s_vt + (h * s_vh + x)[None, :], mask=mask)
-        dst = (blk * s_blk + off * s_tok)[:, None] + (h * s_head + x)[None, :]
-        tl.store(k_cache_ptr + dst, k, mask=mask)
-        tl.store(v_cache_ptr + dst, v, mask=mask)
+    from pagedkv.attention.triton_kv import _load_kv, _write_kv_kernel, _write_kv_quant_kernel
 
     @triton.jit
     def _program_seq(qsl_ptr, seq_lens_ptr):
@@ -107,25 +58,37 @@ if triton is not None:
     @triton.jit
     def _attend_tile(
         q, m_i, l_i, acc, start, kv_end, q_pos, bt_row, k_cache_ptr, v_cache_ptr,
-        s_blk, s_tok, s_head, h, x, xmask, block_size,
-        BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, CAUSAL: tl.constexpr,
+        s_blk, s_tok, s_head, h, x, xmask, block_size, ks_ptr, vs_ptr, ss_blk, ss_tok, ss_head,
+        window, softcap,
+        BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, CAUSAL: tl.constexpr, GRP: tl.constexpr,
+        KDT: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
     ):
         """One online-softmax update with the K/V tile of positions ``start ..
         start + BLOCK_N`` (< ``kv_end``), read through the block table row ``bt_row``;
-        ``CAUSAL``: row i sees positions <= ``q_pos[i]``. Returns the new (m, l, acc)."""
+        ``CAUSAL``: row i sees positions <= ``q_pos[i]`` (and, with ``WINDOW``, > ``q_pos[i] -
+        window``); ``SOFTCAP``: scores become ``softcap * tanh(score / softcap)``. Returns the
+        new (m, l, acc)."""
         n = start + tl.arange(0, BLOCK_N)
         nmask = n < kv_end
         blk = tl.load(bt_row + n // block_size, mask=nmask, other=0).to(tl.int64)
         row = blk * s_blk + (n % block_size) * s_tok + h * s_head
         kv_mask = nmask[:, None] & xmask[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + x[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + row[:, None] + x[None, :], mask=kv_mask, other=0.0)
+        srow = blk * ss_blk + (n % block_size) * ss_tok + h * ss_head  # quantised: scale rows
+        k = _load_kv(k_cache_ptr, ks_ptr, row[:, None] + x[None, :], srow, x, kv_mask, GRP, KDT, DOT_F32)
+        v = _load_kv(v_cache_ptr, vs_ptr, row[:, None] + x[None, :], srow, x, kv_mask, GRP, KDT, DOT_F32)
         if DOT_F32:
             sc = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             sc = tl.dot(q.to(k.dtype), tl.trans(k))
+        if SOFTCAP:  # tanh from exp (no tanh in every Triton build): sign(y) (1 - e) / (1 + e), e = exp(-2|y|)
+            y = sc / softcap
+            e = tl.exp(-2.0 * tl.abs(y))
+            t = (1.0 - e) / (1.0 + e)
+            sc = softcap * tl.where(y < 0, -t, t)
         if CAUSAL:
             valid = (n[None, :] <= q_pos[:, None]) & nmask[None, :]
+            if WINDOW:
+                valid = valid & (n[None, :] > q_pos[:, None] - window)
         else:
             valid = nmask[None, :] & (q_pos[:, None] >= 0)
         sc = tl.where(valid, sc, float("-inf"))
@@ -146,13 +109,18 @@ if triton is not None:
         scale,
         s_qt, s_qh, s_ot, s_oh,
         s_blk, s_tok, s_head, s_bt,
-        block_size, head_dim, num_splits, split_len,
+        block_size, head_dim, num_splits, split_len, ks_ptr, vs_ptr, ss_blk, ss_tok, ss_head,
+        window, softcap,
         GROUP: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-        DOT_F32: tl.constexpr, SPLIT: tl.constexpr,
+        DOT_F32: tl.constexpr, SPLIT: tl.constexpr, GRP: tl.constexpr, KDT: tl.constexpr,
+        WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
     ):
         s, h, c, q_start, q_len, seq_len = _program_seq(qsl_ptr, seq_lens_ptr)
         if q_len == 1:
-            t_begin = c * split_len
+            lo = 0
+            if WINDOW:  # the window's first position: nothing before it is read
+                lo = tl.maximum(seq_len - window, 0)
+            t_begin = lo + c * split_len
             t_end = tl.minimum(seq_len, t_begin + split_len)
             g = tl.arange(0, G_PAD)
             x = tl.arange(0, D_PAD)
@@ -169,7 +137,8 @@ if triton is not None:
             for start in range(t_begin, t_end, BLOCK_N):
                 m_i, l_i, acc = _attend_tile(
                     q, m_i, l_i, acc, start, t_end, g, bt_row, k_cache_ptr, v_cache_ptr,
-                    s_blk, s_tok, s_head, h, x, xmask, block_size, BLOCK_N, DOT_F32, False,
+                    s_blk, s_tok, s_head, h, x, xmask, block_size, ks_ptr, vs_ptr, ss_blk, ss_tok, ss_head,
+                    window, softcap, BLOCK_N, DOT_F32, False, GRP, KDT, False, SOFTCAP,
                 )
             if SPLIT:
                 # partials [num_seqs, Hq, num_splits] (+ D for acc)
@@ -186,8 +155,8 @@ if triton is not None:
     @triton.jit
     def _reduce_kernel(
         out_ptr, qsl_ptr, seq_lens_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-        s_ot, s_oh, head_dim, num_heads, num_splits, split_len,
-        S_PAD: tl.constexpr, D_PAD: tl.constexpr,
+        s_ot, s_oh, head_dim, num_heads, num_splits, split_len, window,
+        S_PAD: tl.constexpr, D_PAD: tl.constexpr, WINDOW: tl.constexpr,
     ):
         s = tl.program_id(0)
         qh = tl.program_id(1)
@@ -195,6 +164,8 @@ if triton is not None:
         q_len = tl.load(qsl_ptr + s + 1) - q_start
         if q_len == 1:
             seq_len = tl.load(seq_lens_ptr + s)
+            if WINDOW:
+                seq_len = tl.minimum(seq_len, window)  # the splits cover the window only
             used = tl.cdiv(seq_len, split_len)  # splits that saw at least one token
             c = tl.arange(0, S_PAD)
             cmask = c < used
@@ -215,9 +186,10 @@ if triton is not None:
         scale,
         s_qt, s_qh, s_ot, s_oh,
         s_blk, s_tok, s_head, s_bt,
-        block_size, head_dim,
+        block_size, head_dim, ks_ptr, vs_ptr, ss_blk, ss_tok, ss_head, window, softcap,
         GROUP: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+        BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, GRP: tl.constexpr, KDT: tl.constexpr,
+        WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
     ):
         # one program: BLOCK_M query positions x the G query heads of KV head h, packed as
         # BLOCK_M * G_PAD tile rows (row i: position i // G_PAD, head i % G_PAD), so each K/V
@@ -242,10 +214,14 @@ if triton is not None:
             # keys up to the last query position of this tile
             kv_end = tl.minimum(seq_len, seq_len - q_len + (mt + 1) * BLOCK_M)
             bt_row = bt_ptr + s.to(tl.int64) * s_bt
-            for start in range(0, kv_end, BLOCK_N):
+            kv_begin = 0
+            if WINDOW:  # the window start of this tile's first query: nothing before it is read
+                kv_begin = tl.maximum(seq_len - q_len + mt * BLOCK_M - window + 1, 0)
+            for start in range(kv_begin, kv_end, BLOCK_N):
                 m_i, l_i, acc = _attend_tile(
                     q, m_i, l_i, acc, start, kv_end, q_pos, bt_row, k_cache_ptr, v_cache_ptr,
-                    s_blk, s_tok, s_head, h, x, xmask, block_size, BLOCK_N, DOT_F32, True,
+                    s_blk, s_tok, s_head, h, x, xmask, block_size, ks_ptr, vs_ptr, ss_blk, ss_tok, ss_head,
+                    window, softcap, BLOCK_N, DOT_F32, True, GRP, KDT, WINDOW, SOFTCAP,
                 )
             o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(out_ptr + q_rows[:, None] * s_ot + qh[:, None] * s_oh + x[None, :],
@@ -290,12 +266,16 @@ class TritonBackend(L.BlockTransfer):
 
     # -- memory ---------------------------------------------------------------------------
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                          dtype: torch.dtype, device: torch.device | str = "cpu") -> L.PagedKVCache:
-        """Zero-filled ``PagedKVCache`` (K and V ``[num_blocks, block_size, Hkv, d]``).
+                          dtype: torch.dtype | str, device: torch.device | str = "cpu",
+                          quant_group_size: int | None = None) -> L.PagedKVCache:
+        """Zero-filled ``PagedKVCache`` (K and V ``[num_blocks, block_size, Hkv, d]``); ``dtype``
+        float32/float16/bfloat16 or a quantised ``kv_cache_dtype`` (int8, fp8_e4m3, fp8_e5m2).
         Raises ``ConfigError`` for bad sizes, ``BackendError`` for an unsupported dtype."""
-        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise BackendError(f"triton backend supports float32/float16/bfloat16, not {dtype}")
-        return L.allocate(self.layout, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+        plain, _ = Q.resolve(dtype)
+        if plain is not None and plain not in (torch.float32, torch.float16, torch.bfloat16):
+            raise BackendError(f"triton backend supports float32/float16/bfloat16, int8 and fp8, not {dtype}")
+        return L.allocate(self.layout, num_blocks, block_size, num_kv_heads, head_dim, dtype, device,
+                          quant_group_size)
 
     def write_kv(self, kv_cache: L.PagedKVCache, key: torch.Tensor, value: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -304,13 +284,25 @@ class TritonBackend(L.BlockTransfer):
         if n == 0:
             return
         c = kv_cache
-        key = key.to(c.dtype)
-        value = value.to(c.dtype)
+        if c.quant is None:
+            key, value = key.to(c.dtype), value.to(c.dtype)
         if key.stride(-1) != 1:
             key = key.contiguous()
         if value.stride(-1) != 1:
             value = value.contiguous()
         kn = c.key_nhd()
+        if c.quant is not None:
+            ss = c.scale_nhd("key").stride()[:3]
+            hg_pad = _next_pow2(c.num_kv_heads * c.num_groups)
+            block_t = 256 if _interpreting() else max(1, min(16, 4096 // (hg_pad * _next_pow2(c.group_size))))
+            _write_kv_quant_kernel[(triton.cdiv(n, block_t),)](
+                key, value, c.key, c.value, c.key_scale, c.value_scale, slot_mapping.to(torch.int64), n,
+                key.stride(0), key.stride(1), value.stride(0), value.stride(1), *kn.stride()[:3], *ss,
+                c.block_size, c.num_kv_heads, c.num_groups, c.quant.qmax,
+                GRP=c.group_size, KDT=c.quant.kernel_id, BLOCK_T=block_t, HG_PAD=hg_pad,
+                G_PAD=_next_pow2(c.group_size),
+            )
+            return
         d_pad = _next_pow2(c.head_dim)
         block_hd = _next_pow2(c.num_kv_heads) * d_pad
         # tokens per program: a few on a GPU; many under the interpreter (per-program cost)
@@ -328,11 +320,13 @@ class TritonBackend(L.BlockTransfer):
         L.copy_blocks(kv_cache, copies)
 
     def gather_kv(self, kv_cache: L.PagedKVCache, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V ``[n, Hkv, d]`` at ``slots`` (int64 ``[n]``)."""
-        c = kv_cache
-        slots = slots.to(device=c.device, dtype=torch.int64)
-        return (self.layout.read(c.key, slots, c.block_size, c.num_kv_heads, c.head_dim),
-                self.layout.read(c.value, slots, c.block_size, c.num_kv_heads, c.head_dim))
+        """K and V ``[n, Hkv, d]`` at ``slots`` (int64 ``[n]``); float32 dequantised values for
+        a quantised cache."""
+        return L.gather(kv_cache, slots)
+
+    def gather_kv_raw(self, kv_cache: L.PagedKVCache, slots: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """``(K, V, K scales, V scales)`` as stored at ``slots`` (see ``layouts.gather_raw``)."""
+        return L.gather_raw(kv_cache, slots)
 
     # -- attention ------------------------------------------------------------------------
     def _workspace(self, key: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -347,9 +341,15 @@ class TritonBackend(L.BlockTransfer):
         return buf[:numel].view(shape)
 
     def forward(self, query: torch.Tensor, kv_cache: L.PagedKVCache, metadata: AttentionMetadata,
-                scale: float) -> torch.Tensor:
-        """Causal paged attention; ``query`` ``[num_tokens, Hq, d]`` -> same shape and dtype."""
+                scale: float, sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> torch.Tensor:
+        """Causal paged attention; ``query`` ``[num_tokens, Hq, d]`` -> same shape and dtype.
+        ``sliding_window`` (tokens) / ``logits_soft_cap``: see ``pagedkv.attention.base``; the
+        kernels start each query tile at its window (out-of-window blocks are not read)."""
         n, hq, d = check_inputs(query, kv_cache, metadata)
+        window, cap = check_window(sliding_window, logits_soft_cap)
+        wargs = (window, cap or 1.0)
+        wconst = {"WINDOW": window > 0, "SOFTCAP": cap > 0}
         c, md = kv_cache, metadata
         if query.stride(-1) != 1:
             query = query.contiguous()
@@ -372,11 +372,17 @@ class TritonBackend(L.BlockTransfer):
             bt = bt.to(torch.int32).contiguous()
         seq_lens = md.seq_lens.to(torch.int32)
         qsl = md.query_start_loc.to(torch.int32)
-        dot_f32 = _interpreting() or c.dtype == torch.float32
+        dot_f32 = _interpreting() or c.dtype == torch.float32 or (c.quant is not None and query.dtype == torch.float32)
+        if c.quant is not None:  # codes + scales (a plain cache passes K/V again as unused scale pointers)
+            qargs = (c.key_scale, c.value_scale, *c.scale_nhd("key").stride()[:3])
+            qconst = {"GRP": c.group_size, "KDT": c.quant.kernel_id}
+        else:
+            qargs, qconst = (c.key, c.value, 0, 0, 0), {"GRP": 1, "KDT": 0}
         # decode rows (q_len == 1), split-K when the longest context exceeds split_len
-        num_splits = max(1, cdiv(md.max_seq_len, self.split_len))
+        longest = min(md.max_seq_len, window) if window else md.max_seq_len  # keys a decode row reads
+        num_splits = max(1, cdiv(longest, self.split_len))
         split = num_splits > 1
-        split_len = self.split_len if split else max(md.max_seq_len, 1)
+        split_len = self.split_len if split else max(longest, 1)
         if split:
             pm = self._workspace("m", (num_seqs, hq, num_splits), query.device)
             pl = self._workspace("l", (num_seqs, hq, num_splits), query.device)
@@ -388,14 +394,14 @@ class TritonBackend(L.BlockTransfer):
                 query, c.key, c.value, out, bt, seq_lens, qsl, pm, pl, pa, float(scale),
                 query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                 s_blk, s_tok, s_head, bt.stride(0),
-                c.block_size, d, num_splits, split_len,
+                c.block_size, d, num_splits, split_len, *qargs, *wargs,
                 GROUP=group, G_PAD=max(16, _next_pow2(group)), D_PAD=d_pad, BLOCK_N=self.block_n,
-                DOT_F32=dot_f32, SPLIT=split, **self._launch,
+                DOT_F32=dot_f32, SPLIT=split, **qconst, **wconst, **self._launch,
             )
             if split:
                 _reduce_kernel[(num_seqs, hq)](
-                    out, qsl, seq_lens, pm, pl, pa, out.stride(0), out.stride(1), d, hq, num_splits, split_len,
-                    S_PAD=max(2, _next_pow2(num_splits)), D_PAD=d_pad, num_warps=self.num_warps,
+                    out, qsl, seq_lens, pm, pl, pa, out.stride(0), out.stride(1), d, hq, num_splits, split_len, window,
+                    S_PAD=max(2, _next_pow2(num_splits)), D_PAD=d_pad, WINDOW=window > 0, num_warps=self.num_warps,
                 )
         if md.max_query_len > 1:
             g_pad = _next_pow2(group)
@@ -404,8 +410,8 @@ class TritonBackend(L.BlockTransfer):
                 query, c.key, c.value, out, bt, seq_lens, qsl, float(scale),
                 query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                 s_blk, s_tok, s_head, bt.stride(0),
-                c.block_size, d,
+                c.block_size, d, *qargs, *wargs,
                 GROUP=group, G_PAD=g_pad, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=self.block_n,
-                DOT_F32=dot_f32, **self._launch,
+                DOT_F32=dot_f32, **qconst, **wconst, **self._launch,
             )
         return out

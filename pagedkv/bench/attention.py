@@ -56,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--min-working-set-mb", type=float, default=None,
                    help="KV working set per variant, MB (default 2x the last-level cache, >= 64)")
     p.add_argument("--no-naive", action="store_true", help="skip the naive-gather baseline")
+    p.add_argument("--kv-cache-dtypes", default=None,
+                   help="also time decode per KV cache format, float32 queries, e.g. float32,bfloat16,int8,fp8_e4m3 "
+                        "(see pagedkv.bench.attention_kv)")
     add_run_options(p, tiny="batch 2, contexts 64,256, 3 repeats, small buffers (seconds)")
 
 
@@ -295,6 +298,15 @@ def run_attention(args: argparse.Namespace) -> dict[str, Any]:
                 f"({row['paged_GBps']:.1f} GB/s = {100 * row['paged_bw_fraction']:.0f}% of {bw['read_GBps']:.1f}; "
                 f"best {row['paged_best_GBps']:.1f} = {100 * row['paged_best_bw_fraction']:.0f}%) "
                 f"contiguous {row['contiguous_ms']:.3f} ms -> {row['paged_vs_contiguous']:.2f}x")
+    kv_rows = []
+    if args.kv_cache_dtypes:
+        from pagedkv.bench.attention_kv import bench_kv_formats
+
+        for ctx in contexts:
+            kv_rows += bench_kv_formats(args, ctx, working_set, _interleaved)
+            log("decode by KV format L=%d: %s" % (ctx, ", ".join(
+                f"{r['kv_cache_dtype']} {r['ms']:.3f} ms ({r['time_vs_float32']:.2f}x time, "
+                f"{r['bytes_vs_float32']:.2f}x bytes)" for r in kv_rows if r["context"] == ctx)))
     prefill_rows = []
     for dt in dtypes:
         for ctx in contexts:
@@ -313,6 +325,7 @@ def run_attention(args: argparse.Namespace) -> dict[str, Any]:
         },
         "bandwidth": bw,
         "decode": rows,
+        "decode_by_kv_format": kv_rows,
         "prefill": prefill_rows,
         "runtime_s": time.perf_counter() - t0,
     }
@@ -354,6 +367,13 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
     extra = [k for k in ("paged_torch_ms", "torch_path_vs_contiguous", "naive_gather_ms", "naive_vs_contiguous")
              if k in data["decode"][0]]
     lines.append(markdown_table(data["decode"], cols + extra + ["max_abs_err"]))
+    if data.get("decode_by_kv_format"):
+        lines += ["", f"## Decode by KV cache format (batch {c['batch']}, float32 queries, one round-robin loop per context)",
+                  "", "`kv_bytes`: codes + bf16 scales (quantised) or values, of the context read per call; "
+                  "`time_vs_float32` / `bytes_vs_float32`: against the float32 cache in the same loop.", ""]
+        lines.append(markdown_table(data["decode_by_kv_format"], [
+            "kv_cache_dtype", "context", "ms", "best_ms", "kv_bytes", "GBps", "time_vs_float32", "bytes_vs_float32",
+            "max_abs_diff_vs_float32"]))
     lines += ["", f"## Prefill over paged context (one chunk of {c['prefill_chunk']} new tokens at the end of L)", ""]
     lines.append(markdown_table(data["prefill"], ["dtype", "context", "chunk", "contiguous_ms", "paged_ms",
                                                   "paged_vs_contiguous", "paged_GFLOPs", "paged_tokens_per_s",
@@ -400,7 +420,7 @@ def run(args: argparse.Namespace) -> int:
     data["machine"] = machine_info(threads)
     data["plot"] = None
     publish("attention", data, render_markdown, args.out_dir, plots=None if args.no_plot else make_plots,
-            as_json=args.json, json_keys=("config", "bandwidth", "decode", "prefill", "runtime_s"), summary=_summary)
+            as_json=args.json, json_keys=("config", "bandwidth", "decode", "decode_by_kv_format", "prefill", "runtime_s"), summary=_summary)
     return 0
 
 

@@ -185,6 +185,10 @@ def _parse_block_sizes(text: str) -> list[int]:
 
 def run_capacity(args: argparse.Namespace) -> dict[str, Any]:
     """Run every (model, layout) replay; returns the result document (JSON-ready)."""
+    if getattr(args, "kv_cache_dtype", None) and args.kv_cache_dtype != "auto":
+        from pagedkv.utils import canonical_dtype, kv_cache_dtype
+
+        args.dtype = canonical_dtype(kv_cache_dtype(args.kv_cache_dtype))  # ConfigError naming the valid ones
     from tqdm import tqdm
 
     t0 = time.perf_counter()
@@ -317,6 +321,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "Qwen2.5-7B (GQA), DeepSeek-V3 (MLA))")
     p.add_argument("--dtype", default="bf16",
                    help="KV cache dtype: bf16, fp16, fp32, fp8, int8, int4 (default bf16)")
+    p.add_argument("--kv-cache-dtype", default=None,
+                   help="the engine's name for it instead (float32 bfloat16 int8 fp8_e4m3 ...; int8/fp8 with "
+                        "one bf16 scale per head vector, as the engine allocates)")
     p.add_argument("--kv-budget", default=DEFAULT_KV_BUDGET,
                    help=f"KV memory per model, e.g. 2GiB or 512MB (default {DEFAULT_KV_BUDGET})")
     p.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN,

@@ -8,7 +8,9 @@ import importlib
 # name -> module defining add_arguments(parser) and run(args) -> int
 BENCHES: dict[str, str] = {
     "capacity": "pagedkv.bench.capacity",
+    "kv_quality": "pagedkv.bench.kv_quality",
     "serve": "pagedkv.bench.serve",
+    "kv_serving": "pagedkv.bench.kv_serving",
     "peers": "pagedkv.bench.peers",
     "attention": "pagedkv.bench.attention",
     "block_manager": "pagedkv.bench.block_manager",

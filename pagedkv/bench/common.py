@@ -141,14 +141,21 @@ def json_clean(obj: Any) -> Any:
 
 
 # ---- the model and engines (serve, peers, ablation) ----------------------------------------
-def load_fp32_model(loaded: Any = None, path: Optional[str] = None) -> Any:
+def load_fp32_model(loaded: Any = None, path: Optional[str] = None, weights: str = "fp32") -> Any:
     """``loaded`` if given (tests pass a shared fixture), else the model at ``path`` (default:
-    the bundled SmolLM2-135M) loaded in float32."""
+    the bundled SmolLM2-135M) loaded in float32 with ``weights``-format linear layers
+    (``fp32 | bf16 | int8 | int4 | auto``, see docs/weights.md; ``ConfigError`` for another
+    name)."""
     if loaded is not None:
         return loaded
     from pagedkv.model.loader import load_model
 
-    return load_model(path, dtype="float32")
+    return load_model(path, dtype="float32", weights=None if weights == "fp32" else weights)
+
+
+def weights_of(loaded: Any) -> str:
+    """The linear-layer format of a loaded model (``fp32`` when unquantised)."""
+    return str(getattr(loaded, "weights", None) or "fp32")
 
 
 def engine_from_args(loaded: Any, args: Any, **overrides: Any) -> Any:

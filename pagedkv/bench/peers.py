@@ -38,6 +38,7 @@ from pagedkv.bench.common import (
     add_run_options,
     json_clean,
     load_fp32_model,
+    weights_of,
     log,
 )
 from pagedkv.bench.peers_report import plot, render_markdown
@@ -78,6 +79,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-repeat", action="store_true",
                    help="skip the second pagedkv run after the peers (it brackets the peers, so a change in the "
                         "shared machine's load shows; ratios use the slower of the two pagedkv runs)")
+    p.add_argument("--weights", default="fp32",
+                   help="pagedkv's linear-layer format: fp32 | bf16 | int8 | int4 | auto (default fp32, the "
+                        "transformers peers' precision; int4 keeps the GGUF's Q4_1 codes, llama.cpp's weights; "
+                        "results of another format go to peers_<format>.*)")
     p.add_argument("--kv-cache-memory", default="1GiB", help="pagedkv KV budget (default 1GiB)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="pagedkv max running requests (default 64)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="pagedkv tokens per step (default 512)")
@@ -178,7 +183,7 @@ def run_peers(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None
 
     t = time.time()
     if systems & {PAGEDKV, B1}:
-        loaded = load_fp32_model(loaded)
+        loaded = load_fp32_model(loaded, weights=args.weights)
     timings["pagedkv_load_s"] = time.time() - t
     reqs, scaling = requests_from_args(args, _vocab_size(loaded, hf_model))
 
@@ -252,6 +257,7 @@ def run_peers(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None
             "seed": args.seed,
             "threads": threads,
             "dtype": "float32",
+            "pagedkv_weights": weights_of(loaded) if loaded is not None else None,
             "decoding": "greedy, ignore_eos (outputs forced to the drawn length)",
             "submission": "all requests at t0 (offline)",
             "transformers_batch_sizes": batch_sizes,
@@ -260,7 +266,8 @@ def run_peers(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None
             "notes": args.note,
             "command": (f"pagedkv bench peers --threads {threads} --num-requests {len(reqs)} --seed {args.seed} "
                         f"--max-prompt {args.max_prompt} --max-output {args.max_output} --batch-size "
-                        f"{args.batch_size} --systems {args.systems}" + (" --no-repeat" if args.no_repeat else "")),
+                        f"{args.batch_size} --systems {args.systems}" +
+                        (f" --weights {args.weights}" if args.weights != "fp32" else "") + (" --no-repeat" if args.no_repeat else "")),
         },
         "workload": {
             "prompt_tokens": sum(r.prompt_len for r in reqs),
@@ -289,6 +296,7 @@ def _vocab_size(loaded: Any, hf_model: Any) -> int:
 
 def run(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None) -> int:
     data = run_peers(args, loaded=loaded, hf_model=hf_model, progress=not args.json)
-    publish(NAME, data, render_markdown, args.out_dir, as_json=args.json,
-            plots=None if args.no_plot else single_plot(NAME, "output tokens/s and TTFT per system", plot))
+    name = NAME if args.weights == "fp32" else f"{NAME}_{data['config']['pagedkv_weights']}"
+    publish(name, data, render_markdown, args.out_dir, as_json=args.json,
+            plots=None if args.no_plot else single_plot(name, "output tokens/s and TTFT per system", plot))
     return 0

@@ -15,7 +15,7 @@ _NOTES = (
     "transformers' ContinuousBatchingManager with per-request max_new_tokens, the same tokens per step as "
     "pagedkv and a KV cache sized to hold all requests. llama.cpp runs one request at "
     "a time on the Q4_1 weights as stored (not fp32); 'pagedkv (one at a time)' runs the same requests the same "
-    "way on fp32 weights. The machine is shared with other jobs, so compare the "
+    "way on the weights named in the title (fp32 unless --weights). The machine is shared with other jobs, so compare the "
     "ratios (measured side by side in one run) rather than absolute numbers. Output tokens per CPU-second "
     "(this process's CPU time, all threads, over the timed span) is less sensitive to other jobs than wall "
     "time."
@@ -49,7 +49,8 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
         f"{cfg['num_requests']} requests drawn from the Azure LLM conversation trace (2023), lengths scaled: "
         f"{cfg['length_scaling_text']}. Workload: {w['prompt_tokens']} prompt tokens, {w['output_tokens']} output "
         f"tokens (prompt p50 {w['prompt_len']['p50']:.0f}, output p50 {w['output_len']['p50']:.0f}). "
-        f"Synthetic token-id prompts, {cfg['decoding']}, {cfg['dtype']}, {cfg['threads']} torch threads, "
+        f"Synthetic token-id prompts, {cfg['decoding']}, {cfg['dtype']} activations, pagedkv weights "
+        f"{cfg.get('pagedkv_weights') or 'fp32'}, {cfg['threads']} torch threads, "
         f"{cfg['submission']}: TTFT includes queueing.",
         "",
         markdown_table(table),
@@ -133,5 +134,6 @@ def plot(data: dict[str, Any], path: Path) -> None:
     a3.set_xscale("log")
     a3.set_xlabel("TPOT p50, ms (log scale; lower is better)")
     cfg = data["config"]
-    fig.suptitle(f"{cfg['num_requests']} trace requests, {cfg['threads']} threads, fp32, greedy")
+    fig.suptitle(f"{cfg['num_requests']} trace requests, {cfg['threads']} threads, pagedkv weights "
+                 f"{cfg.get('pagedkv_weights') or 'fp32'}, greedy")
     save_figure(fig, path)

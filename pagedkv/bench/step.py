@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from pagedkv.bench.common import add_options, load_average, load_fp32_model, log, machine_info, pin_threads
+from pagedkv.bench.common import add_options, load_average, load_fp32_model, log, machine_info, pin_threads, weights_of
 from pagedkv.bench.report import markdown_table, publish, save_figure, single_plot
 from pagedkv.bench.step_profile import (
     CATEGORIES,
@@ -104,13 +104,7 @@ def collect(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
     batches = [int(b) for b in str(args.batches).split(",") if b.strip()]
     log("[step] measuring copy bandwidth and matmul peak")
     bw, peak = copy_bandwidth(), matmul_peak()
-    if loaded is None and args.weights != "fp32":
-        from pagedkv.model.loader import load_model
-        from pagedkv.model.quant import resolve_weights
-
-        fmt = resolve_weights(args.weights)[0]
-        loaded = load_model(args.model, dtype="float32", weights=fmt)
-    loaded = load_fp32_model(loaded, args.model)
+    loaded = load_fp32_model(loaded, args.model, args.weights)
     model = loaded.model
     dec, head = linear_params(model)
     eng = _engine(loaded, args, max(batches, default=1))
@@ -123,7 +117,7 @@ def collect(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
     cases.append(_prefill_case(eng, args.prefill_len, args.steps))
     for c in cases:
         rows = c["batch"]
-        nbytes, flops = _costs(model, _weights_of(loaded), kvb, c["tokens"], rows, c["context"])
+        nbytes, flops = _costs(model, weights_of(loaded), kvb, c["tokens"], rows, c["context"])
         c["limit"] = step_limit(nbytes, flops, bw, peak)
         c["bytes"], c["flops"] = nbytes, flops
         c["x_limit"] = c["plain_ms"] / c["limit"]["limit_ms"]
@@ -132,18 +126,13 @@ def collect(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
         c["host_and_small_ops_ms"] = c["parts_ms"]["host"] + c["parts_ms"]["other_ops"]
     return {
         "config": {"batches": batches, "prefill_len": args.prefill_len, "steps": args.steps,
-                   "block_size": args.block_size, "prompt_len": PROMPT_LEN, "weights": _weights_of(loaded)},
+                   "block_size": args.block_size, "prompt_len": PROMPT_LEN, "weights": weights_of(loaded)},
         "machine_limits": {"copy_bandwidth_gb_s": bw / 1e9, "matmul_peak_gflop_s": peak / 1e9},
         "weight_bytes": weight_bytes(dec, head),
         "cases": cases,
         "load_average_1m": load_average(),
         "machine": machine_info(threads),
     }
-
-
-def _weights_of(loaded: Any) -> str:
-    """The linear layers' format of ``loaded`` (fp32 unless quantised)."""
-    return str(getattr(loaded, "weights", None) or "fp32")
 
 
 def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:

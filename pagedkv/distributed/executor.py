@@ -112,8 +112,9 @@ class TPExecutor:
     ``backend``: rank 0's attention backend object; ``backend_name``: what workers pass to
     ``get_backend``. ``num_blocks`` / ``block_size``: every rank allocates this many blocks for
     its own KV heads (block ids are the driver's, the same on every rank). ``dtype``,
-    ``device``: model and cache dtype, device (``cuda`` = ``cuda:<rank>`` per worker, NCCL
-    all-reduce). ``timeout_s`` / ``startup_timeout_s``: see ``default_timeouts``.
+    ``device``: model dtype, device (``cuda`` = ``cuda:<rank>`` per worker, NCCL
+    all-reduce). ``kv_cache_dtype`` / ``kv_quant_group_size``: the cache format of every rank
+    (None: the model dtype; else a ``ModelRunner`` cache dtype name and its group size). ``timeout_s`` / ``startup_timeout_s``: see ``default_timeouts``.
     ``worker_threads``: torch threads per worker (default ``PAGEDKV_TP_THREADS`` or
     ``cpu_count // tp_size``).
 
@@ -137,6 +138,8 @@ class TPExecutor:
         block_size: int,
         dtype: torch.dtype,
         device: str = "cpu",
+        kv_cache_dtype: Optional[str] = None,
+        kv_quant_group_size: Optional[int] = None,
         timeout_s: Optional[float] = None,
         startup_timeout_s: Optional[float] = None,
         worker_threads: Optional[int] = None,
@@ -186,6 +189,8 @@ class TPExecutor:
             "cache_dir": str(loaded.cache_dir.parent) if getattr(loaded, "cache_dir", None) else None,
             "model_config": config.to_dict(),
             "dtype": str(dtype).removeprefix("torch."),
+            "kv_cache_dtype": kv_cache_dtype,
+            "kv_quant_group_size": kv_quant_group_size,
             "device": str(device),
             "backend": backend_name,
             "num_blocks": num_blocks,

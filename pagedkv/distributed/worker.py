@@ -134,7 +134,8 @@ class Rank:
         self.num_blocks, self.block_size = init["num_blocks"], init["block_size"]
         self.runner = ModelRunner(
             self.model, backend, config.num_layers, self.num_blocks, self.block_size,
-            self.shard.num_kv_heads, config.head_dim, dtype, device,
+            self.shard.num_kv_heads, config.head_dim, init.get("kv_cache_dtype") or dtype, device,
+            init.get("kv_quant_group_size"),
         )
 
     def connect(self, groups: Groups) -> None:

@@ -19,6 +19,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
     g.add_argument("--weights", default="auto",
                    help="linear weights: auto (fastest within the quality bounds on this CPU) | fp32 | bf16 | int8 | int4")
+    g.add_argument("--kv-cache-dtype", default="auto",
+                   help="KV cache format: auto (= --dtype) | float32 | bfloat16 | float16 | int8 | fp8_e4m3 | "
+                        "fp8_e5m2 (int8/fp8: one-byte codes + an bf16 scale per group of each head vector)")
+    g.add_argument("--kv-quant-group-size", type=int, default=None,
+                   help="elements per scale of an int8/fp8 KV cache (default: head_dim; must divide it)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     g.add_argument("--kv-cache-memory", default=None, help='KV cache budget, e.g. "1GiB" (default 1GiB)')
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory)")
@@ -50,6 +55,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     return dict(
         dtype=args.dtype, weights=args.weights, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+        kv_cache_dtype=args.kv_cache_dtype, kv_quant_group_size=args.kv_quant_group_size,
         num_blocks=args.num_blocks, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching, enable_paging=not args.disable_paging,
@@ -91,7 +97,7 @@ def _make_llm(args: argparse.Namespace):
     kv = llm.engine.kv_summary()
     print(
         f"[pagedkv] model loaded in {time.time() - t0:.1f}s, weights {llm.engine.loaded.weights} "
-        f"({llm.engine.loaded.weights_reason}); KV cache: {kv['num_blocks']} blocks x "
+        f"({llm.engine.loaded.weights_reason}); KV cache ({kv['kv_cache_dtype']}): {kv['num_blocks']} blocks x "
         f"{kv['block_size']} tokens = {kv['tokens']} tokens ({kv['bytes'] / 2**20:.0f} MiB, "
         f"{kv['bytes_per_token']} B/token); max concurrency at max_model_len "
         f"{kv['max_model_len']}: {kv['max_concurrency_at_max_model_len']:.2f}",

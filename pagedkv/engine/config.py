@@ -7,7 +7,7 @@ from typing import Any, Optional, Union
 
 from pagedkv.errors import ConfigError
 from pagedkv.kv.tiers.spec import parse_tier_specs
-from pagedkv.utils import MODEL_DTYPES, canonical_dtype, cdiv
+from pagedkv.utils import MODEL_DTYPES, canonical_dtype, cdiv, kv_cache_dtype
 
 
 def _is_int(v: Any) -> bool:
@@ -37,6 +37,11 @@ class EngineConfig:
     policy: str = "fcfs"  # "fcfs" | "priority"
     watermark: float = 0.01
     dtype: Any = "float32"  # float32 | bfloat16 | float16 (a name or a torch dtype)
+    # KV cache storage (vLLM's names): auto (= dtype) | float32 | bfloat16 | float16 | int8 |
+    # fp8_e4m3 | fp8_e5m2; quantised formats keep one bf16 scale per kv_quant_group_size
+    # elements of each head vector (None = one per head vector; must divide head_dim)
+    kv_cache_dtype: str = "auto"
+    kv_quant_group_size: Optional[int] = None
     device: str = "cpu"
     attention_backend: str = "cpu"
     seed: int = 0
@@ -90,6 +95,15 @@ class EngineConfig:
         from pagedkv.model.quant import check_weights
 
         check_weights(self.weights)
+        kv_name = kv_cache_dtype(self.kv_cache_dtype, self.dtype)  # names the valid values
+        g = self.kv_quant_group_size
+        if g is not None and (not _is_int(g) or g < 1):
+            raise ConfigError(f"kv_quant_group_size must be a positive integer or None, got {g!r}")
+        from pagedkv.attention.quant import FORMATS
+
+        if g is not None and kv_name not in FORMATS:  # before any model is loaded
+            raise ConfigError(f"kv_quant_group_size applies to a quantised kv_cache_dtype "
+                              f"({', '.join(FORMATS)}), not {kv_name}")
         import torch
 
         try:

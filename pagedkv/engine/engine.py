@@ -38,7 +38,8 @@ from pagedkv.kv import CacheKeys, KVCacheSpec, parse_size
 from pagedkv.kv.tiers import StoreIdentity, ZmqEventPublisher, open_tiers, parse_tier_specs, replay_endpoint_for
 from pagedkv.model.loader import LoadedModel, load_model
 from pagedkv.model.quant import resolve_weights
-from pagedkv.utils import canonical_dtype, profile_scope, torch_dtype
+from pagedkv.attention.quant import FORMATS, check_group_size
+from pagedkv.utils import canonical_dtype, kv_cache_dtype, profile_scope, torch_dtype
 from pagedkv.worker.runner import ModelRunner
 
 logger = logging.getLogger("pagedkv")
@@ -76,10 +77,18 @@ class LLMEngine:
         tp = cfg.tensor_parallel_size
         if tp != 1:
             check_tp_size(mc, tp)  # ConfigError naming the valid sizes
+        # the KV cache format: a plain dtype, or int8/fp8 codes + bf16 scales per group
+        self.kv_cache_dtype = kv_cache_dtype(cfg.kv_cache_dtype, dtype)
+        quant = FORMATS.get(self.kv_cache_dtype)  # a group size without one: EngineConfig raised
+        self.kv_quant_group_size = check_group_size(cfg.kv_quant_group_size, mc.head_dim) if quant else None
         self.kv_spec = KVCacheSpec(
             num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-            dtype=canonical_dtype(dtype), tp_size=tp,
+            dtype=quant.spec_dtype if quant else canonical_dtype(self.kv_cache_dtype), tp_size=tp,
+            quant_group_size=self.kv_quant_group_size,
         )
+        cache_dtype = self.kv_cache_dtype if quant else torch_dtype(self.kv_cache_dtype)
+        # the prefix-cache identity of this cache's bytes (format and, when quantised, group)
+        self.kv_format_id = f"{self.kv_cache_dtype}/g{self.kv_quant_group_size}" if quant else self.kv_cache_dtype
         if cfg.num_blocks is not None:
             num_blocks = cfg.num_blocks
         else:
@@ -91,12 +100,13 @@ class LLMEngine:
         if tp == 1:
             self.runner = ModelRunner(
                 loaded.model, self.backend, mc.num_layers, num_blocks, cfg.block_size,
-                mc.num_kv_heads, mc.head_dim, dtype, cfg.device,
+                mc.num_kv_heads, mc.head_dim, cache_dtype, cfg.device, self.kv_quant_group_size,
             )
         else:  # same prepare/copy_blocks/execute, run on tp ranks (this process is rank 0)
             self.runner = TPExecutor(
                 loaded, self.backend, cfg.attention_backend, tp_size=tp, num_blocks=num_blocks,
                 block_size=cfg.block_size, dtype=dtype, device=cfg.device,
+                kv_cache_dtype=self.kv_cache_dtype, kv_quant_group_size=self.kv_quant_group_size,
             )
         self.kv_tiers, self.kv_stores, self.kv_events = self._open_kv_tiers(mc, dtype)
         self.scheduler = Scheduler(SchedulerConfig(
@@ -115,7 +125,7 @@ class LLMEngine:
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%s, %d B/token); max concurrency at "
             "max_model_len %d: %.2f", num_blocks, cfg.block_size, num_blocks * cfg.block_size,
-            self.kv_spec.dtype, self.kv_spec.bytes_per_token, self.max_model_len,
+            self.kv_cache_dtype, self.kv_spec.bytes_per_token, self.max_model_len,
             num_blocks * cfg.block_size / self.max_model_len,
         )
 
@@ -135,7 +145,7 @@ class LLMEngine:
                 codec = self.runner.kv_payload_codec()
                 identity = StoreIdentity(
                     model_id=self.model_id, revision=self.revision, weights=str(self.loaded.weights),
-                    kv_dtype=canonical_dtype(dtype),
+                    kv_dtype=self.kv_format_id,  # the cache format: int8/g64 blocks are not float32 ones
                     block_size=cfg.block_size, num_layers=mc.num_layers, block_format=codec.format,
                     block_nbytes=codec.nbytes,
                 )
@@ -179,10 +189,12 @@ class LLMEngine:
 
     # ---- requests --------------------------------------------------------------------
     def kv_summary(self) -> dict[str, Any]:
-        """Size of the paged KV cache (blocks, tokens, bytes) and the max concurrency at
-        max_model_len."""
+        """The paged KV cache: its format (``kv_cache_dtype``, ``kv_quant_group_size``), size
+        (blocks, tokens, bytes) and the max concurrency at max_model_len."""
         bs = self.config.block_size
         return {
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "kv_quant_group_size": self.kv_quant_group_size,
             "num_blocks": self.num_blocks,
             "block_size": bs,
             "tokens": self.num_blocks * bs,
@@ -226,7 +238,8 @@ class LLMEngine:
         a request that could never fit the whole pool, or a duplicate id.
 
         Prefix-cache identity (a cached block is reused only when all of these match, besides
-        the token ids): the engine's model id and revision, ``adapter_id``, ``cache_salt``,
+        the token ids): the engine's model id and revision, its KV cache format (an int8
+        block is never served to an fp32 cache), ``adapter_id``, ``cache_salt``,
         ``tenant`` (the isolation domain, e.g. the API key's owner: two tenants never share a
         block) and ``mm_hashes`` (``(content_hash, offset, length)`` per multimodal item)."""
         if tenant is not None and not isinstance(tenant, str):
@@ -290,6 +303,7 @@ class LLMEngine:
             keys = CacheKeys(
                 model_id=self.model_id, revision=self.revision, adapter_id=adapter_id,
                 cache_salt=cache_salt, mm_hashes=tuple(mm_hashes), tenant=tenant,
+                kv_cache_dtype=self.kv_format_id,
             )
             group = SequenceGroup(request_id, text, token_ids, params, t, pending_children=params.n - 1, stream=stream)
             seq = Request(

@@ -32,7 +32,8 @@ def run_plan(args: argparse.Namespace) -> int:
 
     p = plan(model=args.model, kv_budget=args.kv_budget, dtype=args.dtype,
              block_size=args.block_size, tp_size=args.tp, max_model_len=args.max_model_len,
-             workload=args.workload)
+             workload=args.workload, kv_cache_dtype=args.kv_cache_dtype,
+             quant_group_size=args.kv_quant_group_size)
     print(json.dumps(p, indent=2) if args.json else format_plan(p))
     return 0
 
@@ -56,6 +57,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     q.add_argument("--kv-budget", default="20GiB", help="KV bytes per rank, e.g. 20GiB (default)")
     q.add_argument("--dtype", default=None, help="cache dtype: fp32 bf16 fp16 fp8 int8 int4 "
                                                   "(default: the config's, fp32 for GGUF)")
+    q.add_argument("--kv-cache-dtype", default=None,
+                   help="the engine's KV cache format: auto float32 bfloat16 float16 int8 fp8_e4m3 fp8_e5m2 "
+                        "(int8/fp8: + one bf16 scale per group; the blocks the engine allocates)")
+    q.add_argument("--kv-quant-group-size", type=int, default=None,
+                   help="elements per scale of an int8/fp8 cache (default: head_dim)")
     q.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
     q.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
     q.add_argument("--max-model-len", type=int, default=None,

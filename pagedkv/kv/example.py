@@ -9,6 +9,7 @@ Both return JSON-able dicts; ``format_*`` render them for the terminal (``pagedk
 from __future__ import annotations
 
 import string
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -17,8 +18,9 @@ import numpy as np
 from pagedkv.errors import ConfigError
 from pagedkv.gguf_header import is_gguf_file, read_gguf_metadata
 from pagedkv.kv.manager import KVCacheManager
-from pagedkv.kv.spec import KVCacheSpec, load_hf_config, parse_size
-from pagedkv.utils import cdiv
+from pagedkv.kv.spec import SCALED_DTYPES, KVCacheSpec, check_group_size, load_hf_config, parse_size
+from pagedkv.utils import canonical_dtype, cdiv
+from pagedkv.utils import kv_cache_dtype as kv_cache_dtype_name
 
 #: Shuffle seed of the example's free queue: with lengths 17,33,8, max_len 64 and
 #: block_size 16 (a 12-block pool) it reproduces the seed §03 mapping exactly:
@@ -260,14 +262,29 @@ def plan(
     tp_size: int = 1,
     max_model_len: int | None = None,
     workload: str | Path | None = None,
+    kv_cache_dtype: str | None = None,
+    quant_group_size: int | None = None,
 ) -> dict[str, Any]:
     """Capacity plan for a per-rank KV budget. Returns bytes/token (per rank and over all
     ranks), page and block bytes, blocks, tokens held, max concurrency at max_model_len,
     and with a workload trace: mean/percentile lengths, concurrency (``num_blocks / mean
     blocks per request``) and slot utilisation (valid tokens / reserved slots) for paged vs
     contiguous max reservation. Requests longer than max_model_len are clipped (counted).
-    Raises ``ConfigError``."""
+
+    ``kv_cache_dtype`` takes the engine's names (``auto`` = the config's dtype, ``int8``,
+    ``fp8_e4m3``, ...) and ``quant_group_size`` its group size (must divide head_dim), so the
+    plan's blocks are the blocks the engine allocates; ``dtype`` is the older spelling (any
+    ``KVCacheSpec`` dtype, int4 included). Raises ``ConfigError``."""
+    if kv_cache_dtype is not None:
+        name = kv_cache_dtype_name(kv_cache_dtype, "fp32")  # validates; auto -> the config's
+        if dtype is not None and canonical_dtype(dtype) != canonical_dtype(name):
+            raise ConfigError(f"dtype {dtype!r} and kv_cache_dtype {kv_cache_dtype!r} disagree: give one")
+        dtype = None if str(kv_cache_dtype).strip().lower() == "auto" else name
     spec, max_pos, label = load_spec(model, dtype, tp_size)
+    if quant_group_size is not None:
+        if spec.dtype not in SCALED_DTYPES:
+            raise ConfigError(f"quant_group_size applies to int8 / fp8 / int4 caches, not {spec.dtype}")
+        spec = replace(spec, quant_group_size=check_group_size(quant_group_size, spec.head_dim))
     max_model_len = max_model_len or max_pos or 4096
     if not isinstance(max_model_len, int) or max_model_len < 1:
         raise ConfigError(f"max_model_len must be a positive integer, got {max_model_len!r}")
@@ -312,7 +329,9 @@ def format_plan(p: dict[str, Any]) -> str:
     kind = (f"MLA latent {s['kv_lora_rank']}+{s['qk_rope_head_dim']}" if s["mla"]
             else f"{s['num_kv_heads']} KV heads x d {s['head_dim']}")
     lines = [
-        f"model            {p['model']}: {s['num_layers']} layers, {kind}, {s['dtype']}, tp {s['tp_size']}"
+        f"model            {p['model']}: {s['num_layers']} layers, {kind}, {s['dtype']}"
+        f"{'' if s['quant_group_size'] is None else ' (bf16 scale per ' + str(s['quant_group_size']) + ' elements)'}"
+        f", tp {s['tp_size']}"
         f" ({s['kv_heads_per_rank']} KV heads/rank, replication {s['replication']})",
         f"bytes/token      {p['bytes_per_token']:,} per rank, {p['bytes_per_token_total']:,} over all ranks",
         f"block            {p['block_size']} tokens: page {p['page_size_bytes']:,} B/layer, "

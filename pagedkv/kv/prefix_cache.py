@@ -2,7 +2,8 @@
 
 ``hash(block i) = sha256(hash(block i-1) | token ids of block i (int64 LE) | extra keys)``
 
-The extra keys say *whose* K/V these are: model id + revision, adapter id, cache salt
+The extra keys say *whose* K/V these are and how they are stored: model id + revision, the
+KV cache format (``int8/g64`` K/V are different bytes from ``float32`` ones), adapter id, cache salt
 (applied to every block) and the multimodal items overlapping the block's token range
 (content hash, offset, length). They are serialised with their types, so salt ``"7"`` and
 adapter ``7`` never produce the same bytes. The published block also keeps the exact bytes
@@ -47,7 +48,9 @@ class CacheKeys:
     they hash differently.
 
     ``mm_hashes``: one ``(content_hash, offset, length)`` per multimodal item, ``offset`` and
-    ``length`` in token positions of the placeholder tokens it fills.
+    ``length`` in token positions of the placeholder tokens it fills. ``kv_cache_dtype``: the
+    storage format of the K/V (e.g. ``"float32"``, ``"int8/g64"``); a block written in one
+    format is never served to a cache of another.
     Raises ``InvalidRequestError`` on a malformed ``mm_hashes`` entry.
     """
 
@@ -57,6 +60,7 @@ class CacheKeys:
     cache_salt: str | None = None
     mm_hashes: tuple[tuple[str, int, int], ...] = ()
     tenant: str | None = None
+    kv_cache_dtype: str | None = None
 
     def __post_init__(self) -> None:
         items = []
@@ -74,7 +78,7 @@ class CacheKeys:
             "model=" + _typed(self.model_id), "rev=" + _typed(self.revision),
             "adapter=" + _typed(self.adapter_id), "salt=" + _typed(self.cache_salt),
             "tenant=" + _typed(self.tenant),
-        ))
+        ) + (("kv=" + _typed(self.kv_cache_dtype),) if self.kv_cache_dtype is not None else ()))
         object.__setattr__(self, "_base", base.encode())
 
     def extra_bytes(self, start: int, end: int) -> bytes:

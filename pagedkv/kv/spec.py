@@ -6,12 +6,15 @@ Formulas (all results in bytes):
   multiplies by the number of layers ``L``: ``2 . L . Hkv . d . b``.
 * MLA (DeepSeek-V2/V3): one compressed latent of ``kv_lora_rank + qk_rope_head_dim``
   elements per token per layer (no x2, no heads): ``L . (r + rope) . b``.
-* Quantised caches:
-  - ``fp8``: 1 byte/element; one fp32 scale per tensor per layer (K and V), which does not
-    grow with tokens and is therefore not counted per token.
-  - ``int8``: 1 byte/element plus one ``scale_bytes`` (fp16 by default) scale per group of
-    ``quant_group_size`` elements; the default group is one head vector (``d`` elements of
-    one head of one token, for K and V separately; for MLA, the whole latent of a token).
+* Quantised caches (what the engine allocates for ``kv_cache_dtype``, see
+  ``pagedkv.attention.quant``):
+  - ``int8`` and ``fp8`` (e4m3 or e5m2): 1 byte/element plus one ``scale_bytes`` (bf16 by
+    default) scale per group of ``quant_group_size`` elements; the default group is one head
+    vector (``d`` elements of one head of one token, for K and V separately; for MLA, the
+    whole latent of a token). fp8 keeps per-group scales too: a paged cache is written a
+    token at a time with no calibration pass, and a per-vector scale keeps e4m3 inside its
+    +-448 range (vLLM's uncalibrated fp8 uses one per-tensor scale of 1.0 instead: 2 bytes
+    per head vector less).
   - ``int4``: two elements packed per byte (``ceil(n/2)`` bytes per vector) plus the same
     per-group scales as int8.
 * Tensor parallel over ``tp`` ranks: the KV heads are split (``Hkv / tp`` per rank); when
@@ -36,13 +39,25 @@ from pagedkv.gguf_header import read_gguf_metadata
 from pagedkv.utils import canonical_dtype, cdiv, dtype_bytes
 
 #: dtypes that carry per-group scales counted per token.
-SCALED_DTYPES = ("int8", "int4")
+SCALED_DTYPES = ("int8", "fp8", "int4")
 
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
 
 # HF ``model_type`` values from_hf_config understands.
 _MHA_TYPES = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "gemma", "gemma2")
 _MLA_TYPES = ("deepseek_v2", "deepseek_v3")
+
+
+def check_group_size(group_size: int | None, head_dim: int) -> int:
+    """The group size to use (``None`` = ``head_dim``). Raises ``ConfigError`` naming the valid
+    values (the divisors of ``head_dim``) when it is not a positive divisor."""
+    if group_size is None:
+        return head_dim
+    valid = [g for g in range(1, head_dim + 1) if head_dim % g == 0]
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size not in valid:
+        raise ConfigError(f"kv_quant_group_size: {group_size!r} does not divide head_dim {head_dim} "
+                          f"(valid: {', '.join(map(str, valid))})")
+    return group_size
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -59,7 +74,7 @@ class KVCacheSpec:
     elements), ``dtype`` (a name or alias of ``pagedkv.utils.DTYPES``; stored canonical),
     ``tp_size`` (ranks). Set both ``kv_lora_rank`` and ``qk_rope_head_dim`` for MLA (then Hkv
     and d are ignored for sizing). ``quant_group_size`` (elements per scale, default: one head vector) and
-    ``scale_bytes`` (bytes per scale, default 2 = fp16) apply to int8/int4 only.
+    ``scale_bytes`` (bytes per scale, default 2 = bf16) apply to int8/fp8/int4 only.
 
     Raises ``ConfigError`` naming the field on a bad value.
     """
@@ -174,6 +189,7 @@ class KVCacheSpec:
             "kv_lora_rank": self.kv_lora_rank, "qk_rope_head_dim": self.qk_rope_head_dim,
             "mla": self.is_mla, "kv_heads_per_rank": self.kv_heads_per_rank,
             "replication": self.replication,
+            "quant_group_size": (self.quant_group_size or self.head_dim) if self.dtype in SCALED_DTYPES else None,
             "bytes_per_token": self.bytes_per_token,
             "bytes_per_token_total": self.bytes_per_token_total,
         }

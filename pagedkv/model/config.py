@@ -7,7 +7,9 @@ Both builders are pure (they take already-parsed metadata); files are read by
 :class:`pagedkv.errors.ConfigError` whose message names the offending field or key.
 
 Supported families: Llama (incl. SmolLM2, Llama 3.x with ``llama3`` RoPE scaling), Mistral
-(no sliding window inside the supported context; see ``from_hf_config``) and Qwen2 (q/k/v bias).
+(sliding window), Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm), Phi-3 (fused checkpoints; not
+LongRoPE), Gemma-2 and Gemma-3 (text): what differs is a few switches, read by
+``pagedkv.model.families``.
 """
 
 from __future__ import annotations
@@ -17,17 +19,11 @@ from dataclasses import MISSING as _DC_MISSING, asdict, dataclass, fields
 from typing import Any, Mapping, Sequence
 
 from pagedkv.errors import ConfigError
+from pagedkv.model import families
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 
 _MISSING: Any = object()  # "no default" sentinel of the builders' key lookups
-
-# HF ``architectures`` entries we accept, mapped to our architecture name.
-_HF_ARCH_CLASSES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
 
 # RoPE variants implemented by ``pagedkv.model.llama.rope_inv_freq``.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
@@ -35,7 +31,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 
 @dataclass
 class ModelConfig:
-    """Architecture of one Llama-family decoder.
+    """Architecture of one decoder (the Llama family and the switches of the others).
 
     Sizes are element counts; ``rope_theta`` is the RoPE base; ``max_position_embeddings`` is
     the longest context (in tokens) the model supports here. ``eos_token_ids`` lists every id
@@ -51,6 +47,18 @@ class ModelConfig:
     * ``{"rope_type": "freq_factors", "factors": [d/2 floats]}``: per-frequency divisors as
       stored by llama.cpp in a GGUF's ``rope_freqs.weight`` tensor (how llama3 scaling travels
       in GGUF files).
+
+    Family switches (defaults = Llama; see ``pagedkv.model.families``): ``hidden_act``
+    (``silu`` SwiGLU or ``gelu_pytorch_tanh`` GeGLU); ``qk_norm`` (RMSNorm over each q and k
+    head, weights ``[head_dim]``, before RoPE); ``norm_offset`` (every RMSNorm multiplies by
+    ``norm_offset + w``: 1.0 for Gemma); ``sandwich_norms`` (norms on the attention output and
+    around the MLP, Gemma); ``embed_scale`` (embeddings times it, rounded to the model dtype);
+    ``attn_scale`` (``None``: ``head_dim ** -0.5``); ``attn_logit_softcap`` /
+    ``final_logit_softcap`` (``cap * tanh(x / cap)`` on attention scores / logits);
+    ``sliding_window`` (tokens) on the layers ``layer_types`` marks ``"sliding_attention"``
+    (``None``: on every layer when ``sliding_window`` is set); ``rope_local_theta``: RoPE base
+    of the sliding layers (Gemma-3; ``None``: ``rope_theta``, and ``rope_scaling`` applies to
+    every layer).
     """
 
     architecture: str
@@ -71,6 +79,17 @@ class ModelConfig:
     revision: str = ""
     attention_bias: bool = False
     rope_scaling: dict[str, Any] | None = None
+    hidden_act: str = "silu"
+    qk_norm: bool = False
+    norm_offset: float = 0.0
+    sandwich_norms: bool = False
+    embed_scale: float = 1.0
+    attn_scale: float | None = None
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    rope_local_theta: float | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -102,6 +121,40 @@ class ModelConfig:
             if not 0 <= t < self.vocab_size:
                 raise ConfigError(f"eos_token_ids/bos_token_id: id {t} outside vocab [0, {self.vocab_size})")
         self.rope_scaling = _check_rope_scaling(self.rope_scaling, self.head_dim)
+        self._check_family()
+
+    def _check_family(self) -> None:
+        ACTIVATIONS, LAYER_TYPES = families.ACTIVATIONS, families.LAYER_TYPES
+        if self.hidden_act not in ACTIVATIONS:
+            raise ConfigError(f"hidden_act: unsupported {self.hidden_act!r} (supported: {', '.join(ACTIVATIONS)})")
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool)
+                                                or not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
+            raise ConfigError(f"sliding_window: must be a positive integer or None, got {self.sliding_window!r}")
+        if self.layer_types is not None:
+            self.layer_types = list(self.layer_types)
+            if len(self.layer_types) != self.num_layers or any(t not in LAYER_TYPES for t in self.layer_types):
+                raise ConfigError(f"layer_types: expected {self.num_layers} entries of {LAYER_TYPES}")
+            if self.sliding_window is None and "sliding_attention" in self.layer_types:
+                raise ConfigError("layer_types: sliding layers need a sliding_window")
+        for name in ("attn_logit_softcap", "final_logit_softcap", "attn_scale", "rope_local_theta"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ConfigError(f"{name}: must be a positive number or None, got {v!r}")
+        if not (self.embed_scale > 0 and math.isfinite(self.embed_scale)):
+            raise ConfigError(f"embed_scale: must be a positive number, got {self.embed_scale!r}")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window (tokens) of layer ``layer``, ``None`` for a full-attention layer:
+        the query at position ``p`` sees keys ``p - window < k <= p``."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    def layer_windows(self) -> list[int | None]:
+        """``layer_window(i)`` of every layer (what a hybrid KV manager groups layers by)."""
+        return [self.layer_window(i) for i in range(self.num_layers)]
 
     # ---- derived sizes -------------------------------------------------------------------
     @property
@@ -157,10 +210,9 @@ class ModelConfig:
         if arch is None:
             raise ConfigError("general.architecture: missing from GGUF metadata")
         arch = str(arch)
-        if arch not in ("llama", "qwen2"):
-            raise ConfigError(
-                f"general.architecture: unsupported GGUF architecture {arch!r} (supported: llama, qwen2)"
-            )
+        if arch not in families.GGUF_ARCHITECTURES:
+            raise ConfigError(f"general.architecture: unsupported GGUF architecture {arch!r} "
+                              f"(supported: {', '.join(families.GGUF_ARCHITECTURES)})")
 
         def get(key: str, default: Any = _MISSING) -> Any:
             full = f"{arch}.{key}"
@@ -223,15 +275,17 @@ class ModelConfig:
             raise ConfigError("tokenizer.ggml.eos_token_id: missing from GGUF metadata")
         bos = metadata.get("tokenizer.ggml.bos_token_id")
 
+        num_layers = _as_int(get("block_count"), f"{arch}.block_count")
+        head_dim = _as_int(head_dim, f"{arch}.attention.key_length")
         return cls(
             architecture=arch,
             vocab_size=_as_int(vocab, f"{arch}.vocab_size"),
             hidden_size=hidden,
             intermediate_size=_as_int(get("feed_forward_length"), f"{arch}.feed_forward_length"),
-            num_layers=_as_int(get("block_count"), f"{arch}.block_count"),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=_as_int(num_kv_heads, f"{arch}.attention.head_count_kv"),
-            head_dim=_as_int(head_dim, f"{arch}.attention.key_length"),
+            head_dim=head_dim,
             rope_theta=_as_float(get("rope.freq_base", 10000.0), f"{arch}.rope.freq_base"),
             rope_scaling=rope_scaling,
             rms_norm_eps=_as_float(
@@ -244,6 +298,7 @@ class ModelConfig:
             model_id=model_id,
             revision=revision,
             attention_bias="blk.0.attn_q.bias" in names,
+            **families.gguf_family_fields(arch, metadata, names, num_layers, hidden, head_dim),
         )
 
     @classmethod
@@ -260,58 +315,28 @@ class ModelConfig:
         ``eos_token_ids``.
 
         Accepts both the transformers 4 (``rope_theta`` + ``rope_scaling``) and 5
-        (``rope_parameters``) spellings. A sliding window shorter than
-        ``max_position_embeddings`` caps ``max_position_embeddings`` at the window, where full
-        causal attention is exact. Raises ``ConfigError`` naming the field for an unsupported
-        model_type, activation or option, or a missing field.
+        (``rope_parameters``) spellings. Sliding windows, soft-caps and the other family
+        switches come from ``pagedkv.model.families.hf_family_fields``. Raises ``ConfigError``
+        naming the field for an unsupported model_type, activation or option, or a missing
+        field.
         """
-        model_type = config.get("model_type")
-        if model_type is None:
-            archs = config.get("architectures") or []
-            model_type = next((_HF_ARCH_CLASSES[a] for a in archs if a in _HF_ARCH_CLASSES), None)
-            if model_type is None:
-                raise ConfigError(f"model_type: missing from config.json (architectures={archs!r})")
-        if model_type not in SUPPORTED_ARCHITECTURES:
-            raise ConfigError(
-                f"model_type: unsupported {model_type!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-            )
+        model_type = families.hf_model_type(config)
 
         def req(key: str) -> Any:
             if config.get(key) is None:
                 raise ConfigError(f"{key}: missing from config.json")
             return config[key]
 
-        act = config.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ConfigError(f"hidden_act: unsupported activation {act!r} (only silu)")
         if config.get("mlp_bias"):
             raise ConfigError("mlp_bias: MLP biases are not supported")
-        if float(config.get("partial_rotary_factor", 1.0) or 1.0) != 1.0:
-            raise ConfigError("partial_rotary_factor: partial RoPE is not supported")
 
         num_heads = _as_int(req("num_attention_heads"), "num_attention_heads")
         hidden = _as_int(req("hidden_size"), "hidden_size")
         head_dim = config.get("head_dim") or hidden // num_heads
 
-        rope_params = dict(config.get("rope_parameters") or {})
-        theta = config.get("rope_theta") or rope_params.get("rope_theta") or 10000.0
-        scaling = config.get("rope_scaling")
-        if scaling is None and rope_params:
-            scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
-        if scaling is not None:
-            scaling = dict(scaling)
-            rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
-            scaling.pop("type", None)
-            if rope_type == "default":
-                scaling = None
-            else:
-                scaling = {"rope_type": rope_type, **scaling}
-
+        theta, scaling, local_theta = families.hf_rope(config)
+        num_layers = _as_int(req("num_hidden_layers"), "num_hidden_layers")
         max_pos = _as_int(req("max_position_embeddings"), "max_position_embeddings")
-        window = config.get("sliding_window")
-        window_on = model_type == "mistral" or bool(config.get("use_sliding_window"))
-        if window_on and window is not None and 0 < int(window) < max_pos:
-            max_pos = int(window)
 
         eos: list[int] = []
         for src in (config, generation_config or {}):
@@ -330,7 +355,7 @@ class ModelConfig:
             vocab_size=_as_int(req("vocab_size"), "vocab_size"),
             hidden_size=hidden,
             intermediate_size=_as_int(req("intermediate_size"), "intermediate_size"),
-            num_layers=_as_int(req("num_hidden_layers"), "num_hidden_layers"),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=_as_int(config.get("num_key_value_heads") or num_heads, "num_key_value_heads"),
             head_dim=_as_int(head_dim, "head_dim"),
@@ -344,6 +369,8 @@ class ModelConfig:
             model_id=model_id,
             revision=revision,
             attention_bias=True if model_type == "qwen2" else bool(config.get("attention_bias", False)),
+            rope_local_theta=local_theta,
+            **families.hf_family_fields(model_type, config, num_layers),
         )
 
 

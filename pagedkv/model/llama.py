@@ -1,11 +1,14 @@
-"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2) on a flat token batch.
+"""The decoder (Llama, SmolLM2, Mistral, Qwen2/3, Phi-3, Gemma-2/3) on a flat token batch.
 
 The engine packs every scheduled token of every sequence into one flat batch of ``T`` rows
 (prefill chunks and decode tokens mixed); there is no batch dimension and no padding. Each
 layer projects q/k/v with one fused matmul, applies rotate-half RoPE at each token's own
 position, writes k/v into the paged cache through the attention backend
 (``backend.write_kv``), and lets the backend attend over each sequence's paged context
-(``backend.forward``). See ``pagedkv.attention.base`` for the metadata contract.
+(``backend.forward``, with the layer's sliding window and score soft-cap, if any). See
+``pagedkv.attention.base`` for the metadata contract. The families differ only by the
+``ModelConfig`` switches of ``pagedkv.model.families`` (q/k norms, Gemma's ``1 + w`` and
+sandwich norms, GeGLU, scaled embeddings, per-layer windows and RoPE bases, logit soft-caps).
 
 Weights (state-dict names, ``H`` = hidden_size, ``I`` = intermediate_size, ``d`` = head_dim):
 
@@ -18,10 +21,15 @@ Weights (state-dict names, ``H`` = hidden_size, ``I`` = intermediate_size, ``d``
 * ``layers.{i}.o_proj.weight`` ``[H, num_heads * d]``
 * ``layers.{i}.gate_up_proj.weight`` ``[2 * I, H]`` = gate rows then up rows;
   ``layers.{i}.down_proj.weight`` ``[H, I]``
+* ``qk_norm``: ``layers.{i}.q_norm.weight`` / ``k_norm.weight`` ``[d]``
+* ``sandwich_norms``: ``layers.{i}.pre_feedforward_layernorm.weight`` /
+  ``post_feedforward_layernorm.weight`` ``[H]`` (``post_attention_layernorm`` then normalises
+  the attention output instead of the MLP input)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -81,23 +89,34 @@ def rope_cos_sin(config: ModelConfig, num_positions: int) -> tuple[torch.Tensor,
 
 
 class DecoderLayer(nn.Module):
-    """One pre-norm transformer block: attention (through the backend) + SwiGLU MLP."""
+    """One pre-norm transformer block: attention (through the backend) + gated MLP (SwiGLU or
+    GeGLU), with the family's extra norms. ``layer`` is its index (which picks its window)."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str, layer: int = 0) -> None:
         super().__init__()
         h, d = config.hidden_size, config.head_dim
         kw = {"dtype": dtype, "device": device}
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.intermediate_size = config.intermediate_size
-        self.eps = config.rms_norm_eps
-        self.scale = d**-0.5
+        self.eps, self.norm_offset = config.rms_norm_eps, config.norm_offset
+        self.scale = config.attn_scale or d**-0.5
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"
+        window = config.layer_window(layer)
+        # the backend's per-layer options, passed only when set
+        self.attn_options = {k: v for k, v in (("sliding_window", window),
+                                               ("logits_soft_cap", config.attn_logit_softcap)) if v is not None}
+        self.local_rope = window is not None and config.rope_local_theta is not None
         self.input_layernorm = _RMSNormWeight(h, **kw)
         self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=config.attention_bias, **kw)
         self.o_proj = nn.Linear(self.q_size, h, bias=False, **kw)
         self.post_attention_layernorm = _RMSNormWeight(h, **kw)
         self.gate_up_proj = nn.Linear(h, 2 * config.intermediate_size, bias=False, **kw)
         self.down_proj = nn.Linear(config.intermediate_size, h, bias=False, **kw)
+        self.q_norm = _RMSNormWeight(d, **kw) if config.qk_norm else None
+        self.k_norm = _RMSNormWeight(d, **kw) if config.qk_norm else None
+        self.pre_feedforward_layernorm = _RMSNormWeight(h, **kw) if config.sandwich_norms else None
+        self.post_feedforward_layernorm = _RMSNormWeight(h, **kw) if config.sandwich_norms else None
         # Tensor parallel (pagedkv.distributed): o_proj and down_proj are row-parallel shards and
         # this sums their partial outputs [T, H] over the ranks, in place. None = one device.
         self.all_reduce: Callable[[torch.Tensor], None] | None = None
@@ -114,30 +133,42 @@ class DecoderLayer(nn.Module):
         """Add this block's attention and MLP outputs to the residual stream ``[T, H]``
         **in place**; ``cos``/``sin`` ``[T, 1, d/2]`` are the tokens' RoPE rows."""
         t = residual.shape[0]
-        x = _rms_norm(residual, self.input_layernorm.weight, self.eps)
+        x = self._norm(residual, self.input_layernorm)
         qkv = self.qkv_proj(x)
-        q = _apply_rope(qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim), cos, sin)
-        k = _apply_rope(
-            qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim), cos, sin
-        )
+        q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # per-head RMSNorm before RoPE (Qwen3, Gemma-3)
+            q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
+        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
         v = qkv[:, self.q_size + self.kv_size :].reshape(t, self.num_kv_heads, self.head_dim).contiguous()
         with profile_scope("pagedkv.attention"):
             backend.write_kv(kv_cache, k, v, md.slot_mapping)
-            o = backend.forward(q, kv_cache, md, self.scale)
+            o = backend.forward(q, kv_cache, md, self.scale, **self.attn_options)
         attn_out = self.o_proj(o.reshape(t, self.q_size))
         if self.all_reduce is not None:
             self.all_reduce(attn_out)
-        residual.add_(attn_out)
-
-        x = _rms_norm(residual, self.post_attention_layernorm.weight, self.eps)
+        if self.pre_feedforward_layernorm is not None:  # sandwich norms (Gemma)
+            residual.add_(self._norm(attn_out, self.post_attention_layernorm))
+            x = self._norm(residual, self.pre_feedforward_layernorm)
+        else:
+            residual.add_(attn_out)
+            x = self._norm(residual, self.post_attention_layernorm)
         gate_up = self.gate_up_proj(x)
         gate = gate_up[:, : self.intermediate_size]
-        F.silu(gate, inplace=True)
+        if self.gelu:
+            gate = F.gelu(gate, approximate="tanh")
+        else:
+            F.silu(gate, inplace=True)
         gate.mul_(gate_up[:, self.intermediate_size :])
         mlp_out = self.down_proj(gate)
         if self.all_reduce is not None:
             self.all_reduce(mlp_out)
+        if self.post_feedforward_layernorm is not None:
+            mlp_out = self._norm(mlp_out, self.post_feedforward_layernorm)
         residual.add_(mlp_out)
+
+    def _norm(self, x: torch.Tensor, norm: "_RMSNormWeight") -> torch.Tensor:
+        return _rms_norm(x, norm.weight, self.eps, self.norm_offset)
 
 
 class _RMSNormWeight(nn.Module):
@@ -148,9 +179,12 @@ class _RMSNormWeight(nn.Module):
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
     # Statistics in fp32; for 16-bit models the normalised value is rounded to the model dtype
-    # *before* the weight multiply, as transformers' Llama/Qwen2 RMSNorm does.
+    # *before* the weight multiply, as transformers' Llama/Qwen2 RMSNorm does. With an offset
+    # (Gemma: times 1 + w) the multiply happens in fp32 and the product is rounded, as Gemma's.
+    if offset:
+        return F.rms_norm(x.float(), (x.shape[-1],), weight.float() + offset, eps).to(x.dtype)
     if x.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype).mul_(weight)
@@ -196,7 +230,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(
             config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size, **kw)
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, **kw) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, **kw, layer=i) for i in range(config.num_layers))
         self.norm = _RMSNormWeight(config.hidden_size, **kw)
         self.lm_head = (
             None if config.tie_word_embeddings
@@ -207,6 +241,14 @@ class LlamaForCausalLM(nn.Module):
         # Tables in the model dtype (transformers casts cos/sin to the activation dtype too).
         self.register_buffer("rope_cos", cos.to(device=device, dtype=dtype), persistent=False)
         self.register_buffer("rope_sin", sin.to(device=device, dtype=dtype), persistent=False)
+        local = None
+        if config.rope_local_theta is not None:  # the sliding layers' plain RoPE (Gemma-3)
+            lc = dataclasses.replace(config, rope_theta=config.rope_local_theta, rope_scaling=None)
+            local = [x.to(device=device, dtype=dtype) for x in rope_cos_sin(lc, config.max_position_embeddings)]
+        self.register_buffer("rope_cos_local", local[0] if local else None, persistent=False)
+        self.register_buffer("rope_sin_local", local[1] if local else None, persistent=False)
+        # sqrt(hidden) for Gemma, rounded to the model dtype as transformers does
+        self.embed_scale = float(torch.tensor(config.embed_scale, dtype=dtype))
 
     # ---- info for the engine -------------------------------------------------------------
     @property
@@ -247,7 +289,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: Sequence[Any],
-        attn_metadata: AttentionMetadata,
+        attn_metadata: AttentionMetadata | Sequence[AttentionMetadata],
         backend: AttentionBackend,
     ) -> torch.Tensor:
         """Run the decoder over a flat batch.
@@ -255,7 +297,9 @@ class LlamaForCausalLM(nn.Module):
         ``input_ids`` int64 ``[T]`` token ids; ``positions`` int64 ``[T]`` each token's
         position in its sequence (0-based, ``< max_position_embeddings``); ``kv_caches`` one
         cache per layer from ``backend.allocate_kv_cache``; ``attn_metadata`` built for the same
-        ``T`` tokens. Writes this step's K/V into the caches at ``attn_metadata.slot_mapping``.
+        ``T`` tokens: one for every layer, or a sequence of one per layer (a hybrid KV cache
+        gives sliding and full layers their own block tables and slots). Writes this step's K/V
+        into the caches at the metadata's ``slot_mapping``.
 
         Returns the final-normed hidden states ``[T, hidden_size]`` in the model dtype (feed
         the rows you want to sample from to ``compute_logits``). Raises ``ValueError`` on
@@ -265,17 +309,27 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must be equal [T]")
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
-        cos = self.rope_cos.index_select(0, positions).unsqueeze(1)  # [T, 1, d/2]
-        sin = self.rope_sin.index_select(0, positions).unsqueeze(1)
+        per_layer = not isinstance(attn_metadata, AttentionMetadata)
+        if per_layer and len(attn_metadata) != len(self.layers):
+            raise ValueError(f"got {len(attn_metadata)} attention metadata for {len(self.layers)} layers")
+        rope = [(t.index_select(0, positions).unsqueeze(1), u.index_select(0, positions).unsqueeze(1))  # [T, 1, d/2]
+                for t, u in ((self.rope_cos, self.rope_sin), (self.rope_cos_local, self.rope_sin_local)) if t is not None]
         residual = F.embedding(input_ids, self.embed_tokens.weight)  # fresh tensor: owned, mutated in place
-        for layer, cache in zip(self.layers, kv_caches):
-            layer(residual, cos, sin, cache, attn_metadata, backend)
-        return _rms_norm(residual, self.norm.weight, self.config.rms_norm_eps)
+        if self.embed_scale != 1.0:
+            residual.mul_(self.embed_scale)
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
+            cos, sin = rope[1 if layer.local_rope else 0]
+            layer(residual, cos, sin, cache, attn_metadata[i] if per_layer else attn_metadata, backend)
+        return _rms_norm(residual, self.norm.weight, self.config.rms_norm_eps, self.config.norm_offset)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[n, vocab_size]`` float32 for hidden states ``[n, hidden_size]`` (the tied
-        embedding matrix or ``lm_head``, which a weight format may have quantised)."""
+        embedding matrix or ``lm_head``, which a weight format may have quantised), soft-capped
+        as ``cap * tanh(logits / cap)`` when the config has a ``final_logit_softcap``."""
         if self.lm_head is None:
-            return F.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            logits = F.linear(hidden, self.embed_tokens.weight).float()
+        else:
+            logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 

@@ -41,9 +41,14 @@ _Parts = dict[tuple[int, str], torch.Tensor]
 
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",  # the MLP input norm (Gemma: see _gguf_layer_name)
     "attn_output.weight": "o_proj.weight",
     "ffn_down.weight": "down_proj.weight",
+    "attn_q_norm.weight": "q_norm.weight",  # Qwen3, Gemma-3
+    "attn_k_norm.weight": "k_norm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",  # Gemma: the attention output's norm
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "attn_qkv.weight": "qkv_proj.weight",  # Phi-3: q, k, v rows fused
 }
 _GGUF_FUSED_PARTS = (
     "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_q.bias", "attn_k.bias", "attn_v.bias",
@@ -134,17 +139,21 @@ def gguf_state_dict(
     ``tensors``: other ``(gguf name, tensor [rows, ...])`` to map instead (any per-row form,
     e.g. the stored 4-bit codes of ``pagedkv.model.quantize``)."""
     permuted = config.architecture in ("llama", "mistral")  # llama.cpp permutes llama-arch Q/K
+    gemma = config.architecture in ("gemma2", "gemma3")  # llama.cpp stores Gemma's norms as 1 + w
     state: StateDict = {}
     parts: _Parts = {}
     for name, w in tensors if tensors is not None else dequantize_gguf(path, header.tensors):
         if name == "rope_freqs.weight":
             continue  # folded into config.rope_scaling
+        if gemma and name.endswith("norm.weight"):
+            w = w - 1.0
         if name in _GGUF_TOP_NAMES:
             state[_GGUF_TOP_NAMES[name]] = w
             continue
         _, idx, rest = name.split(".", 2) if name.startswith("blk.") else ("", "", "")
-        if rest in _GGUF_LAYER_NAMES:
-            state[f"layers.{int(idx)}.{_GGUF_LAYER_NAMES[rest]}"] = w
+        ours = _gguf_layer_name(config.architecture, rest)
+        if ours is not None:
+            state[f"layers.{int(idx)}.{ours}"] = w
         elif rest in _GGUF_FUSED_PARTS:
             if permuted and rest.startswith(("attn_q.", "attn_k.")):
                 w = _unpermute_rope_rows(w, config.num_heads if rest.startswith("attn_q") else config.num_kv_heads)
@@ -152,6 +161,17 @@ def gguf_state_dict(
         else:  # not blk.<i>.<known part>
             raise ConfigError(f"weights: unexpected GGUF tensor {name!r}")
     return _fuse_layers(state, parts, config, ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up"))
+
+
+def _gguf_layer_name(arch: str, rest: str) -> str | None:
+    """Our name of GGUF layer tensor ``rest`` (``attn_q_norm.weight``), or ``None`` when it is
+    a part to fuse. Gemma's ``ffn_norm`` is the pre-feed-forward norm; Phi-3's ``ffn_up``
+    holds gate and up rows fused."""
+    if arch in ("gemma2", "gemma3") and rest == "ffn_norm.weight":
+        return "pre_feedforward_layernorm.weight"
+    if arch == "phi3" and rest == "ffn_up.weight":
+        return "gate_up_proj.weight"
+    return _GGUF_LAYER_NAMES.get(rest)
 
 
 def _fuse_layers(state: StateDict, parts: _Parts, config: ModelConfig, names: tuple[str, ...]) -> StateDict:
@@ -166,11 +186,13 @@ def _fuse_layers(state: StateDict, parts: _Parts, config: ModelConfig, names: tu
             raise ConfigError(f"weights: layer {i} is missing {e.args[0][1]}") from None
 
     q, k, v, gate, up = names
-    for i in range(config.num_layers):
-        state[f"layers.{i}.qkv_proj.weight"] = cat(i, f"{q}.weight", f"{k}.weight", f"{v}.weight")
+    for i in range(config.num_layers):  # a checkpoint that stores them fused (Phi-3) has them already
+        if f"layers.{i}.qkv_proj.weight" not in state:
+            state[f"layers.{i}.qkv_proj.weight"] = cat(i, f"{q}.weight", f"{k}.weight", f"{v}.weight")
         if (i, f"{q}.bias") in parts:
             state[f"layers.{i}.qkv_proj.bias"] = cat(i, f"{q}.bias", f"{k}.bias", f"{v}.bias")
-        state[f"layers.{i}.gate_up_proj.weight"] = cat(i, f"{gate}.weight", f"{up}.weight")
+        if f"layers.{i}.gate_up_proj.weight" not in state:
+            state[f"layers.{i}.gate_up_proj.weight"] = cat(i, f"{gate}.weight", f"{up}.weight")
     if parts:
         raise ConfigError(f"weights: tensors of layers beyond num_layers: {sorted(parts)[:3]}")
     if config.tie_word_embeddings:
@@ -187,6 +209,12 @@ _HF_LAYER_NAMES = {
     "post_attention_layernorm.weight": "post_attention_layernorm.weight",
     "self_attn.o_proj.weight": "o_proj.weight",
     "mlp.down_proj.weight": "down_proj.weight",
+    "self_attn.q_norm.weight": "q_norm.weight",  # Qwen3, Gemma-3
+    "self_attn.k_norm.weight": "k_norm.weight",
+    "pre_feedforward_layernorm.weight": "pre_feedforward_layernorm.weight",  # Gemma-2/3
+    "post_feedforward_layernorm.weight": "post_feedforward_layernorm.weight",
+    "self_attn.qkv_proj.weight": "qkv_proj.weight",  # Phi-3 stores them fused
+    "mlp.gate_up_proj.weight": "gate_up_proj.weight",
 }
 _HF_FUSED_PARTS = {
     "self_attn.q_proj.weight": "q.weight", "self_attn.k_proj.weight": "k.weight", "self_attn.v_proj.weight": "v.weight",

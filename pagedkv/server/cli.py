@@ -25,7 +25,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = LLMEngine(args.model, **engine_kwargs(args))
     kv = engine.kv_summary()
     print(f"[pagedkv] model {engine.model_id} loaded in {time.time() - t0:.1f}s, weights {engine.loaded.weights} "
-          f"({engine.loaded.weights_reason}); KV cache {kv['num_blocks']} "
+          f"({engine.loaded.weights_reason}); KV cache ({kv['kv_cache_dtype']}) {kv['num_blocks']} "
           f"blocks x {kv['block_size']} tokens; tenants: {len(set(keys.values())) if keys else 'off'}",
           file=sys.stderr)
     app = build_app(engine, served_model_name=args.served_model_name, api_keys=keys,

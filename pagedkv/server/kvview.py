@@ -4,6 +4,8 @@ Shape (``GET /ui/state``)::
 
     {"time": epoch seconds, "step": engine-loop steps so far, "paused": bool,
      "num_blocks", "block_size", "num_used_blocks", "num_free_blocks", "usage" (0-1),
+     "kv_cache_dtype" (e.g. "float32", "int8"), "kv_quant_group_size" (int8/fp8, else null),
+     "kv_bytes_per_token" (all layers, scales included),
      "blocks": {"ref_cnt": [per block id], "cached": [0/1 per block id],
                 "owners": {block_id: [sequence ids holding it in their block table]}},
      "requests": [{"request_id", "parent_id", "index", "status", "prompt_tokens",
@@ -32,6 +34,7 @@ def kv_view(engine: Any, loop: Optional[Any] = None, viewer: Optional[str] = Non
     the ids do not)."""
     view = engine.snapshot()
     snap, stats = view["kv"], view["stats"]
+    kv = engine.kv_summary()
     requests = []
     for r in view["requests"]:
         if viewer is not None and not _mine(loop, r["request_id"], viewer):
@@ -51,6 +54,9 @@ def kv_view(engine: Any, loop: Optional[Any] = None, viewer: Optional[str] = Non
         "num_used_blocks": snap["num_blocks"] - snap["num_free_blocks"],
         "num_free_blocks": snap["num_free_blocks"],
         "usage": snap["usage"],
+        "kv_cache_dtype": kv["kv_cache_dtype"],
+        "kv_quant_group_size": kv["kv_quant_group_size"],
+        "kv_bytes_per_token": kv["bytes_per_token"],
         "blocks": {
             "ref_cnt": [b["ref_cnt"] for b in blocks],
             "cached": [1 if b["is_cached"] else 0 for b in blocks],

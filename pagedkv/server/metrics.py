@@ -1,6 +1,7 @@
 """Prometheus metrics of the server (``GET /metrics``).
 
-Gauges and counters that the engine already keeps (requests running/waiting, KV blocks,
+Gauges and counters that the engine already keeps (requests running/waiting, KV blocks, the
+KV cache format and its bytes per token,
 prefix-cache hits, preemptions, copy-on-write copies, tokens) are read from
 ``engine.get_stats()`` at scrape time by a custom collector, so they are never stale and
 cost nothing per step. Latency histograms are observed when a request finishes.
@@ -67,6 +68,14 @@ class _EngineCollector:
         yield counter("pagedkv_generation_tokens", "Tokens generated (all sequences).", st.num_generated_tokens)
         yield counter("pagedkv_prompt_tokens", "Prompt tokens admitted.", st.num_prompt_tokens)
         yield counter("pagedkv_engine_steps", "Engine steps run.", st.num_steps)
+        kv = self.engine.kv_summary()
+        info = GaugeMetricFamily("pagedkv_kv_cache_info", "The KV cache format (value 1): kv_cache_dtype and, "
+                                 "for int8/fp8, elements per bf16 scale (quant_group_size).",
+                                 labels=labels + ["kv_cache_dtype", "quant_group_size"])
+        info.add_metric(val + [kv["kv_cache_dtype"], str(kv["kv_quant_group_size"] or "")], 1.0)
+        yield info
+        yield gauge("pagedkv_kv_cache_bytes_per_token", "KV cache bytes per token (all layers, this rank; scales included).",
+                    kv["bytes_per_token"])
         yield from _tier_metrics(st, labels, val)
 
 

@@ -14,7 +14,9 @@ from pagedkv.testing.conformance import (
     check_backend,
     conformance_cases,
     pytest_params,
+    quantized_cases,
     run_case,
+    window_cases,
 )
 
 __all__ = [
@@ -26,5 +28,7 @@ __all__ = [
     "check_backend",
     "conformance_cases",
     "pytest_params",
+    "quantized_cases",
     "run_case",
+    "window_cases",
 ]

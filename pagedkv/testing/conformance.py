@@ -14,6 +14,16 @@ Every case builds its cache **only through the protocol** (``allocate_kv_cache``
 4. ``forward`` runs and its output must be finite and match the oracle within the dtype's
    tolerance; ``gather_kv`` must return what was written; ``copy_blocks`` must copy.
 
+Quantised cases (``Case.kv_cache_dtype`` int8 / fp8_e4m3 / fp8_e5m2, from
+:func:`quantized_cases`) read the stored codes and scales back with ``gather_kv_raw`` and the
+oracle dequantises them itself (float64 ``code * scale``). Their tolerances are derived from
+the format, not tuned: (a) each stored value is within the format's error bound of the value
+written (:func:`pagedkv.attention.quant.error_bound`: int8 ``scale/2``, fp8 half an ulp);
+(b) the output matches attention over the explicitly dequantised K/V within the query
+dtype's tolerance (the dequantised values are exact in float32); (c) the output is within
+the propagated bound of attention over the unquantised K/V: with per-key score errors at most
+``delta = scale * sum_i |q_i| e_k[i]``, ``|out' - out| <= max e_v + (exp(2 delta) - 1) max |v|``.
+
 Public API::
 
     from pagedkv.testing import check_backend, conformance_cases, run_case
@@ -36,6 +46,7 @@ import torch
 
 from pagedkv.attention.base import AttentionBackend, AttentionMetadata
 from pagedkv.kv.block_table import slot_mapping
+from pagedkv.testing.cases import Case, conformance_cases, quantized_cases, window_cases  # noqa: F401 - re-exported
 from pagedkv.utils import cdiv
 
 # max |out - expected| allowed: atol + rtol * |expected|
@@ -44,59 +55,6 @@ TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float16: (4e-3, 4e-3),
     torch.bfloat16: (3e-2, 2e-2),
 }
-
-
-@dataclass(frozen=True)
-class Case:
-    """One conformance scenario. ``seq_lens[i]`` is sequence i's context length after the step
-    (tokens), ``query_lens[i]`` its new tokens this step (1 = decode). ``shared_prefix_blocks``
-    leading full blocks are the *same physical blocks* in every sequence (prefix caching)."""
-
-    name: str
-    seq_lens: tuple[int, ...]
-    query_lens: tuple[int, ...]
-    block_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    shared_prefix_blocks: int = 0
-    table_padding: int = 2  # extra block-table entries per row, pointing at NaN blocks
-    spare_blocks: int = 3  # unused (NaN) physical blocks
-    tags: tuple[str, ...] = ()
-
-    @property
-    def gqa_ratio(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-
-def conformance_cases(small: bool = False) -> list[Case]:
-    """The scenarios the issue asks for. ``small=True`` keeps only shapes cheap enough for an
-    interpreter (Triton ``TRITON_INTERPRET=1``): same coverage, shorter contexts."""
-    long_ctx = 600 if small else 1100  # spans many blocks; >= 1024 triggers split-K paths
-    cases = [
-        # seed §03's worked example: A=17, B=33, C=8 tokens, block_size 16, decode
-        Case("seed03_decode", (17, 33, 8), (1, 1, 1), 16, 6, 2, 32, tags=("decode", "partial_block")),
-        Case("block_size_1", (5, 9, 1), (1, 4, 1), 1, 4, 2, 16, tags=("bs1", "mixed")),
-        Case("block_size_2_prefill", (7, 12), (7, 5), 2, 4, 1, 16, tags=("prefill", "mqa")),
-        Case("block_size_128", (130, 7), (1, 7), 128, 4, 2, 16, tags=("bs128", "mixed")),
-        Case("mha_ratio1", (23, 40), (1, 3), 8, 4, 4, 32, tags=("gqa1",)),
-        Case("smollm_shape_gqa3", (45, 64, 3), (1, 16, 3), 16, 9, 3, 64, tags=("gqa3", "mixed")),
-        Case("gqa8", (31, 19), (1, 19), 4, 16, 2, 32, tags=("gqa8", "mixed")),
-        Case("mqa", (50, 12), (2, 1), 8, 8, 1, 32, tags=("mqa",)),
-        Case("head_dim_128", (20, 9), (1, 9), 8, 4, 2, 128, tags=("d128",)),
-        Case("long_context_decode", (long_ctx,), (1,), 16, 4, 2, 32, tags=("long", "decode", "split")),
-        Case("long_context_batch", (long_ctx // 2, 77, long_ctx // 3), (1, 1, 1), 16, 6, 2, 32,
-             tags=("long", "decode")),
-        Case("prefill_from_scratch", (37,), (37,), 8, 6, 2, 32, tags=("prefill", "partial_block")),
-        Case("chunked_prefill_cached_context", (50, 41), (13, 40), 16, 6, 3, 32, tags=("prefill", "chunked")),
-        Case("mixed_prefill_decode", (40, 25, 70, 1), (1, 25, 9, 1), 16, 6, 2, 32, tags=("mixed",)),
-        # 3 sequences share their first 2 blocks; the second has its whole prompt cached except
-        # its last token (seq_len = 2*bs + 1, q_len 1); the third is a chunk after the prefix
-        Case("shared_prefix", (37, 33, 45), (1, 1, 13), 16, 6, 2, 32, shared_prefix_blocks=2,
-             tags=("prefix", "cached_all_but_last")),
-        Case("shared_prefix_bs1", (9, 7), (2, 1), 1, 4, 2, 16, shared_prefix_blocks=6, tags=("prefix", "bs1")),
-    ]
-    return cases
 
 
 @dataclass
@@ -140,18 +98,25 @@ class ConformanceError(AssertionError):
     """A backend broke the protocol (message says how)."""
 
 
-def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     window: int | None = None, cap: float | None = None) -> torch.Tensor:
     """float64 causal attention of ``q`` [ql, hq, d] over ``k``/``v`` [sl, hkv, d]; the new
-    tokens sit at the last ``ql`` positions."""
+    tokens sit at the last ``ql`` positions. ``window``: the query at ``p`` sees ``p - window <
+    k <= p``; ``cap``: scores ``cap * tanh(s / cap)`` before the mask (transformers' Gemma-2)."""
     ql, hq, d = q.shape
     sl, hkv, _ = k.shape
     g = hq // hkv
     k = k.double().repeat_interleave(g, dim=1)
     v = v.double().repeat_interleave(g, dim=1)
     s = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    if cap:
+        s = cap * torch.tanh(s / cap)
     qpos = torch.arange(sl - ql, sl)[:, None]
     kpos = torch.arange(sl)[None, :]
-    s = s.masked_fill(kpos > qpos, float("-inf"))
+    hidden = kpos > qpos
+    if window:
+        hidden = hidden | (kpos <= qpos - window)
+    s = s.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), v)
 
 
@@ -199,7 +164,19 @@ def _run(backend: AttentionBackend, case: Case, dtype: torch.dtype, device: torc
     gen = torch.Generator().manual_seed(seed)
     bs, hq, hkv, d = case.block_size, case.num_heads, case.num_kv_heads, case.head_dim
     tables, num_blocks = _layout_blocks(case, rng)
-    cache = backend.allocate_kv_cache(num_blocks, bs, hkv, d, dtype, device)
+    los = [case.window_start(i) for i in range(len(case.seq_lens))]
+    if any(los):  # blocks wholly before the window: the null block (never written: NaN)
+        if case.shared_prefix_blocks:
+            raise ValueError(f"case {case.name}: windows with a shared prefix are not generated")
+        null = num_blocks  # one more physical block, left NaN
+        num_blocks += 1
+        for t, lo in zip(tables, los):
+            t[: lo // bs] = [null] * (lo // bs)
+    if case.kv_cache_dtype is None:
+        cache = backend.allocate_kv_cache(num_blocks, bs, hkv, d, dtype, device)
+    else:
+        cache = backend.allocate_kv_cache(num_blocks, bs, hkv, d, case.kv_cache_dtype, device,
+                                          quant_group_size=case.quant_group_size)
 
     def write(k: torch.Tensor, v: torch.Tensor, slots: Sequence[int] | torch.Tensor) -> None:
         slots_t = torch.as_tensor(slots, dtype=torch.int64).to(device)
@@ -230,7 +207,7 @@ def _run(backend: AttentionBackend, case: Case, dtype: torch.dtype, device: torc
             raise ValueError(f"case {case.name}: a new token of sequence {i} falls inside the shared prefix")
     rows = []
     for i, (sl, ql) in enumerate(zip(case.seq_lens, case.query_lens)):
-        start = p_tokens if i > 0 else 0
+        start = max(p_tokens if i > 0 else 0, los[i])  # before the window: never written
         rows += [(i, pos) for pos in range(start, sl - ql)]
     rng.shuffle(rows)
     if rows:
@@ -256,7 +233,9 @@ def _run(backend: AttentionBackend, case: Case, dtype: torch.dtype, device: torc
     # 4. forward
     q = torch.randn(md.num_tokens, hq, d, generator=gen).to(dtype)
     scale = 1.0 / math.sqrt(d)
-    out = backend.forward(q.to(device), cache, md, scale)
+    opts = {k: v for k, v in (("sliding_window", case.sliding_window), ("logits_soft_cap", case.logits_soft_cap))
+            if v is not None}  # only what the case uses: backends written before these options still run
+    out = backend.forward(q.to(device), cache, md, scale, **opts)
     if tuple(out.shape) != (md.num_tokens, hq, d):
         raise ConformanceError(f"output shape {tuple(out.shape)} != {(md.num_tokens, hq, d)}")
     if out.dtype != dtype:
@@ -266,35 +245,111 @@ def _run(backend: AttentionBackend, case: Case, dtype: torch.dtype, device: torc
         bad = (~torch.isfinite(out)).any(-1).any(-1).nonzero().flatten().tolist()
         raise ConformanceError(f"non-finite output rows {bad[:8]}: a padding/unused slot was read")
     atol, rtol = TOLERANCES.get(dtype, (1e-2, 1e-2))
-    expected = []
     qsl = md.query_start_loc.cpu().tolist()
-    for i in range(len(case.seq_lens)):
-        expected.append(_dense_attention(q[qsl[i] : qsl[i + 1]].double(), dense_k[i], dense_v[i], scale))
-    exp = torch.cat(expected)
-    err = (out - exp).abs()
-    max_err = float(err.max()) if err.numel() else 0.0
-    if not bool((err <= atol + rtol * exp.abs()).all()):
-        row = int(err.amax(dim=(1, 2)).argmax())
-        seq = max(i for i in range(len(qsl) - 1) if qsl[i] <= row)
-        raise ConformanceError(f"max |err| {max_err:.3e} > tol (atol {atol}, rtol {rtol}) at token {row} (sequence {seq})")
+    qs = [q[qsl[i] : qsl[i + 1]].double() for i in range(len(case.seq_lens))]
+    if case.kv_cache_dtype is None:
+        exp = torch.cat([_dense_attention(qs[i], dense_k[i], dense_v[i], scale, case.sliding_window, case.logits_soft_cap)
+                         for i in range(len(qs))])
+        max_err = _check_close(out, exp, atol + rtol * exp.abs(), qsl, f" (atol {atol}, rtol {rtol})")
+    else:
+        max_err = _check_quantized(backend, cache, case, tables, qs, dense_k, dense_v, out, scale, atol, rtol, qsl,
+                                   device, los)
 
     # 5. gather_kv returns what was written (new tokens), NaN rows were not written
     gk, gv = backend.gather_kv(cache, md.slot_mapping)
-    if not (torch.equal(gk.cpu().to(dtype), new_k.to(dtype)) and torch.equal(gv.cpu().to(dtype), new_v.to(dtype))):
+    if case.kv_cache_dtype is not None:
+        rk, rv, rks, rvs = backend.gather_kv_raw(cache, md.slot_mapping)
+        same = torch.equal(gk.cpu().double(), _dequantize(rk, rks, cache)) and torch.equal(gv.cpu().double(), _dequantize(rv, rvs, cache))
+        if not same:
+            raise ConformanceError("gather_kv(slot_mapping) differs from the stored codes x scales")
+        gk, gv = _dequantize(rk, rks, cache), _dequantize(rv, rvs, cache)
+        _check_stored(cache, new_k, rk, rks, "new K")
+        _check_stored(cache, new_v, rv, rvs, "new V")
+    elif not (torch.equal(gk.cpu().to(dtype), new_k.to(dtype)) and torch.equal(gv.cpu().to(dtype), new_v.to(dtype))):
         raise ConformanceError("gather_kv(slot_mapping) differs from what write_kv wrote")
 
     # 6. copy_blocks: copy sequence 0's first block onto an unused block, read it back
     used = {b for t, sl in zip(tables, case.seq_lens) for b in t[: -(-sl // bs)]}
     spare = sorted(set(range(num_blocks)) - used)
     if spare:
-        src, dst = tables[0][0], spare[0]
+        first = los[0] // bs  # sequence 0's first real block
+        src, dst = tables[0][first], spare[0]
         backend.copy_blocks(cache, [(src, dst)])
-        n_written = min(bs, case.seq_lens[0])
-        a = backend.gather_kv(cache, torch.arange(src * bs, src * bs + n_written, device=device))
-        b = backend.gather_kv(cache, torch.arange(dst * bs, dst * bs + n_written, device=device))
-        if not all(torch.equal(x.cpu(), y.cpu()) for x, y in zip(a, b)):
+        n_written = min(bs, case.seq_lens[0] - first * bs)
+        read = backend.gather_kv if case.kv_cache_dtype is None else backend.gather_kv_raw  # codes and scales
+        a = read(cache, torch.arange(src * bs, src * bs + n_written, device=device))
+        b = read(cache, torch.arange(dst * bs, dst * bs + n_written, device=device))
+        if not all(_same_bits(x, y) for x, y in zip(a, b)):
             raise ConformanceError("copy_blocks did not copy the block")
     return max_err
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality (a copied NaN equals itself)."""
+    return a.shape == b.shape and torch.equal(a.cpu().contiguous().view(torch.uint8), b.cpu().contiguous().view(torch.uint8))
+
+
+def _check_close(out: torch.Tensor, exp: torch.Tensor, tol: torch.Tensor, qsl: list[int], what: str) -> float:
+    """Raise ``ConformanceError`` unless ``|out - exp| <= tol`` everywhere; returns max |err|."""
+    err = (out - exp).abs()
+    max_err = float(err.max()) if err.numel() else 0.0
+    if not bool((err <= tol).all()):
+        row = int((err - tol).amax(dim=(1, 2)).argmax())
+        seq = max(i for i in range(len(qsl) - 1) if qsl[i] <= row)
+        raise ConformanceError(f"max |err| {max_err:.3e} > tol{what} at token {row} (sequence {seq})")
+    return max_err
+
+
+def _dequantize(codes: torch.Tensor, scales: torch.Tensor, cache: Any) -> torch.Tensor:
+    """The oracle's own dequantisation: float64 ``code * scale`` of stored codes ``[n, H, d]``
+    (fp8 codes are uint8 bits of the format's float8 dtype) and scales ``[n, H, d / G]``."""
+    fmt = cache.quant
+    vals = (codes.cpu().view(fmt.code_dtype) if fmt.code_dtype is not None else codes.cpu()).double()
+    return vals * scales.cpu().double().repeat_interleave(codes.shape[-1] // scales.shape[-1], dim=-1)
+
+
+def _check_stored(cache: Any, written: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, what: str) -> None:
+    """Each stored value is within the format's error bound of the value written."""
+    from pagedkv.attention.quant import error_bound
+
+    bound = error_bound(written, scales.cpu(), cache.quant)
+    if not bool(((_dequantize(codes, scales, cache) - written.double()).abs() <= bound).all()):
+        raise ConformanceError(f"{what}: a stored value is outside the {cache.quant.name} error bound of what was written")
+
+
+def _check_quantized(backend: Any, cache: Any, case: Case, tables: list[list[int]], qs: list[torch.Tensor],
+                     dense_k: list[torch.Tensor], dense_v: list[torch.Tensor], out: torch.Tensor, scale: float,
+                     atol: float, rtol: float, qsl: list[int], device: torch.device, los: list[int]) -> float:
+    """Checks (a)-(c) of the module doc for a quantised case; returns max |out - oracle|.
+    Positions before ``los[i]`` (outside every window of sequence i) were never stored: the
+    oracle masks them, so they keep their unquantised values and a zero error bound."""
+    from pagedkv.attention.quant import error_bound
+
+    exact, exp_full, bounds = [], [], []
+    w, cap = case.sliding_window, case.logits_soft_cap
+    for i, sl in enumerate(case.seq_lens):
+        lo = los[i]
+        slots = torch.tensor([int(slot_mapping(tables[i], case.block_size, p, p + 1)[0]) for p in range(lo, sl)],
+                             dtype=torch.int64, device=device)
+        k, v, ks, vs = backend.gather_kv_raw(cache, slots)
+        _check_stored(cache, dense_k[i][lo:], k, ks, f"sequence {i} K")
+        _check_stored(cache, dense_v[i][lo:], v, vs, f"sequence {i} V")
+        kq, vq = dense_k[i].clone(), dense_v[i].clone()
+        kq[lo:], vq[lo:] = _dequantize(k, ks, cache), _dequantize(v, vs, cache)
+        exact.append(_dense_attention(qs[i], kq, vq, scale, w, cap))
+        exp_full.append(_dense_attention(qs[i], dense_k[i], dense_v[i], scale, w, cap))
+        g = case.num_heads // case.num_kv_heads
+        pad = torch.zeros(lo, case.num_kv_heads, case.head_dim, dtype=torch.float64)
+        e_k = torch.cat([pad, error_bound(dense_k[i][lo:], ks.cpu(), cache.quant)]).repeat_interleave(g, dim=1)
+        e_v = error_bound(dense_v[i][lo:], vs.cpu(), cache.quant).repeat_interleave(g, dim=1)
+        delta = scale * torch.einsum("qhd,khd->qhk", qs[i].abs(), e_k).amax(dim=-1, keepdim=True)  # [ql, hq, 1]
+        v_max = dense_v[i].abs().repeat_interleave(g, dim=1).amax(dim=0)  # [hq, d]
+        bounds.append(e_v.amax(dim=0) + torch.expm1(2 * delta) * v_max)
+    exact_t, full_t = torch.cat(exact), torch.cat(exp_full)
+    err = _check_close(out, exact_t, atol + rtol * exact_t.abs(), qsl, f" (atol {atol}, rtol {rtol}) vs the dequantised oracle")
+    _check_close(out, full_t, torch.cat(bounds) + atol + rtol * full_t.abs(), qsl,
+                 f" (the {cache.quant.name} error bound) vs the unquantised oracle")
+    return err
 
 
 def _resolve(backend: AttentionBackend | str) -> AttentionBackend:

@@ -40,7 +40,9 @@ class ModelInput:
 
 
 class ModelRunner:
-    """Owns the model, the attention backend and one KV cache object per layer."""
+    """Owns the model, the attention backend and one KV cache object per layer. ``dtype`` is
+    the cache's: a torch dtype, or a quantised format name (``"int8"``, ``"fp8_e4m3"``,
+    ``"fp8_e5m2"``) with ``quant_group_size`` elements per scale (None: ``head_dim``)."""
 
     def __init__(
         self,
@@ -51,15 +53,17 @@ class ModelRunner:
         block_size: int,
         num_kv_heads: int,
         head_dim: int,
-        dtype: torch.dtype,
+        dtype: torch.dtype | str,
         device: str | torch.device = "cpu",
+        quant_group_size: int | None = None,
     ) -> None:
         self.model = model
         self.backend = backend
         self.block_size = block_size
         self.device = torch.device(device)
+        quant = {} if quant_group_size is None else {"quant_group_size": quant_group_size}
         self.kv_caches = [
-            backend.allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, self.device)
+            backend.allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, self.device, **quant)
             for _ in range(num_layers)
         ]
         self._codec: BlockPayloadCodec | None = None

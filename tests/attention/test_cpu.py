@@ -32,7 +32,7 @@ def test_kernel_split_k_and_threads(threads, min_split, monkeypatch):
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        cases = [c for c in conformance_cases() if {"long", "decode", "prefix"} & set(c.tags)]
+        cases = [c for c in conformance_cases() if {"long", "decode", "prefix", "window", "softcap"} & set(c.tags)]
         cases.append(Case("batch1_gqa8_split", (333,), (2,), 7, 16, 2, 64, tags=("split",)))
         report = check_backend(CPUBackend(), cases=cases)
     finally:

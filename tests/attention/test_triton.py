@@ -20,6 +20,20 @@ def _triton(**kw):
         pytest.skip(str(exc))
 
 
+def test_windowed_split_k_and_prefill_tiles():
+    """A window of 150 over 200-331 token contexts split into 64-token partitions (the splits
+    cover the window only; the reduce merges just those), and a prefill whose query tiles
+    start their key loops at different window starts; blocks before the window are NaN."""
+    be = _triton(split_len=64, block_n=32, block_m=16)
+    cases = [Case("window_splits", (200, 331, 90), (1, 1, 70), 8, 6, 2, 32, sliding_window=150,
+                  logits_soft_cap=4.0, tags=("window", "split", "mixed")),
+             Case("window_splits_int8", (331, 47), (1, 40), 8, 4, 2, 32, sliding_window=150,
+                  kv_cache_dtype="int8", tags=("window", "split", "quantized"))]
+    for case in cases:
+        res = run_case(be, case, torch.float32)
+        assert res.ok, res.line()
+
+
 def test_many_splits_in_a_mixed_batch():
     be = _triton(split_len=64, block_n=32)
     case = Case("mixed_split", (200, 30, 131), (1, 30, 1), 8, 6, 2, 32, tags=("split", "mixed"))

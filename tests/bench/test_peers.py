@@ -90,3 +90,29 @@ def test_bench_peers_tiny(loaded_model, hf_model, tmp_path):
         assert data["batch1"]["decode_ratio"] is None
     assert (tmp_path / "peers.md").read_text().startswith("# Peers")
     assert (tmp_path / "peers.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_bench_peers_weights_int4(tmp_path):
+    """--weights int4: pagedkv runs on the GGUF's Q4_1 codes (llama.cpp's weights) and the
+    results go to peers_int4.* with the format recorded."""
+    from pagedkv.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "peers", "--tiny", "--weights", "int4", "--systems", "pagedkv-b1",
+                                      "--out-dir", str(tmp_path), "--no-plot"])
+    assert peers.run(args) == 0
+    data = json.loads((tmp_path / "peers_int4.json").read_text())
+    assert data["config"]["pagedkv_weights"] == "int4"
+    assert data["config"]["command"].endswith("--weights int4")
+    (row,) = data["systems"]
+    assert row["name"] == peers.PAGEDKV_B1 and row["status"] == "ok" and row["completed"] == 4
+    assert "pagedkv weights int4" in (tmp_path / "peers_int4.md").read_text()
+    assert not (tmp_path / "peers.json").exists()
+
+
+def test_bench_peers_weights_refused():
+    from pagedkv.bench.common import load_fp32_model
+    from pagedkv.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="int3"):
+        load_fp32_model(None, weights="int3")

@@ -50,7 +50,7 @@ def test_breakdown_assigns_ops_to_their_regions():
 
 
 def test_bench_step_tiny(loaded_model, tmp_path):
-    args = argparse.Namespace(batches="1,2", prefill_len=40, steps=2, block_size=16, model=None,
+    args = argparse.Namespace(batches="1,2", prefill_len=40, steps=2, block_size=16, model=None, weights="fp32",
                               threads=2, json=False, out_dir=str(tmp_path))
     assert bench_step.run(args, loaded=loaded_model) == 0
     data = json.loads((tmp_path / "step.json").read_text())

@@ -64,7 +64,7 @@ def cold(loaded_model):
 
 
 def keys(llm):
-    return CacheKeys(model_id=llm.engine.model_id, revision=llm.engine.revision)
+    return CacheKeys(model_id=llm.engine.model_id, revision=llm.engine.revision, kv_cache_dtype=llm.engine.kv_format_id)
 
 
 def test_greedy_identical_and_a_hit_from_each_tier(loaded_model, tmp_path, cold):

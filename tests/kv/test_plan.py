@@ -35,9 +35,10 @@ def test_plan_bundled_model_default():
 def test_plan_tp_and_dtype():
     p = plan("llama-3-8b", "1GiB", dtype="fp8", block_size=16, tp_size=16, max_model_len=4096)
     assert p["spec"]["kv_heads_per_rank"] == 1 and p["spec"]["replication"] == 2
-    assert p["bytes_per_token"] == 2 * 32 * 128 == 8192
-    assert p["bytes_per_token_total"] == 16 * 8192
-    assert p["num_blocks"] == 1_073_741_824 // (16 * 8192) == 8192
+    # 1 byte/element + one bf16 scale per head vector (K and V)
+    assert p["bytes_per_token"] == 2 * 32 * (128 + 2) == 8320
+    assert p["bytes_per_token_total"] == 16 * 8320
+    assert p["num_blocks"] == 1_073_741_824 // (16 * 8320) == 8065
 
 
 def test_plan_with_workload(tmp_path):

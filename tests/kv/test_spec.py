@@ -73,9 +73,10 @@ def test_bundled_smollm2_from_gguf():
 
 def test_quantised_dtypes_count_scales():
     base = dict(num_layers=32, num_kv_heads=8, head_dim=128)
-    # fp8: 1 byte/element, per-tensor scale not counted per token.
-    assert KVCacheSpec(**base, dtype="fp8").bytes_per_token == 2 * 32 * 8 * 128 == 65_536
-    # int8: + one fp16 scale per head vector (128 elements): 130 bytes per vector.
+    # fp8 as the engine stores it: 1 byte/element + one bf16 scale per head vector, like int8.
+    assert KVCacheSpec(**base, dtype="fp8").bytes_per_token == 2 * 32 * 8 * 130 == 66_560
+    assert KVCacheSpec(**base, dtype="fp8_e5m2").bytes_per_token == 66_560
+    # int8: + one bf16 scale per head vector (128 elements): 130 bytes per vector.
     assert KVCacheSpec(**base, dtype="int8").bytes_per_token == 2 * 32 * 8 * 130 == 66_560
     # int4 packed: 64 bytes + 2-byte scale per vector.
     assert KVCacheSpec(**base, dtype="int4").bytes_per_token == 2 * 32 * 8 * 66 == 33_792

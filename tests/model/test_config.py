@@ -92,10 +92,28 @@ def test_hf_variants():
     qwen = ModelConfig.from_hf_config({**SMOLLM2_HF, "model_type": "qwen2", "use_sliding_window": False,
                                        "sliding_window": 4096})
     assert qwen.architecture == "qwen2" and qwen.attention_bias is True and qwen.max_position_embeddings == 8192
+    assert qwen.layer_windows() == [None] * 30
     mistral = ModelConfig.from_hf_config({**SMOLLM2_HF, "model_type": "mistral", "sliding_window": 4096})
-    assert mistral.max_position_embeddings == 4096  # full attention is exact inside the window
+    assert mistral.max_position_embeddings == 8192  # the window is real: it no longer caps the context
+    assert mistral.layer_windows() == [4096] * 30
     no_window = ModelConfig.from_hf_config({**SMOLLM2_HF, "model_type": "mistral", "sliding_window": None})
-    assert no_window.max_position_embeddings == 8192
+    assert no_window.max_position_embeddings == 8192 and no_window.layer_windows() == [None] * 30
+    qwen_w = ModelConfig.from_hf_config({**SMOLLM2_HF, "model_type": "qwen2", "use_sliding_window": True,
+                                         "sliding_window": 512, "max_window_layers": 28})
+    assert qwen_w.layer_windows() == [None] * 28 + [512, 512]
+    # Gemma-2 without layer_types: every 2nd layer full; Gemma-3: every 6th (sliding_window_pattern)
+    gemma2 = ModelConfig.from_hf_config({**SMOLLM2_HF, "model_type": "gemma2", "sliding_window": 4096,
+                                         "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 144,
+                                         "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0})
+    assert gemma2.layer_windows()[:4] == [4096, None, 4096, None]
+    assert (gemma2.attn_scale, gemma2.attn_logit_softcap, gemma2.final_logit_softcap) == (144 ** -0.5, 50.0, 30.0)
+    assert (gemma2.norm_offset, gemma2.sandwich_norms, gemma2.embed_scale) == (1.0, True, 576 ** 0.5)
+    gemma3 = ModelConfig.from_hf_config({**SMOLLM2_HF, "model_type": "gemma3_text", "sliding_window": 1024,
+                                         "hidden_activation": "gelu_pytorch_tanh", "rope_local_base_freq": 10000.0,
+                                         "rope_theta": 1e6})
+    assert gemma3.layer_windows()[:6] == [1024] * 5 + [None] and gemma3.qk_norm
+    assert (gemma3.rope_theta, gemma3.rope_local_theta) == (1e6, 10000.0)
+    assert ModelConfig.from_dict(gemma3.to_dict()) == gemma3
     llama3 = ModelConfig.from_hf_config(
         {**SMOLLM2_HF, "eos_token_id": [128001, 128009], "rope_theta": None,
          "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
@@ -149,6 +167,18 @@ def test_gguf_errors_name_the_field(change, field):
         ({"eos_token_id": None}, "eos_token_id"),
         ({"num_key_value_heads": 2}, "num_kv_heads"),
         ({"num_hidden_layers": 0}, "num_layers"),
+        ({"model_type": "phi3", "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 32,
+                                                 "long_factor": [1.0] * 32}}, "rope_scaling"),
+        ({"model_type": "phi3", "rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+         "partial_rotary_factor"),
+        ({"model_type": "gemma3", "text_config": {}}, "model_type"),
+        ({"model_type": "gemma2", "use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ({"model_type": "mistral", "sliding_window": 0}, "sliding_window"),
+        ({"model_type": "gemma2", "sliding_window": 8, "layer_types": ["full_attention"]}, "layer_types"),
+        ({"model_type": "gemma2", "attn_logit_softcapping": -1.0}, "attn_logit_softcapping"),
+        ({"model_type": "gemma3_text", "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "linear", "factor": 2.0}}}, "rope_parameters.sliding_attention"),
     ],
 )
 def test_hf_errors_name_the_field(change, field):

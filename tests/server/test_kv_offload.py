@@ -158,5 +158,5 @@ def _chain(leaf, entries):
 def _first_hash_on_disk(llm, tokens, entries) -> bool:
     from pagedkv.kv import CacheKeys, hash_blocks
 
-    keys = CacheKeys(model_id=llm.engine.model_id, revision=llm.engine.revision)
+    keys = CacheKeys(model_id=llm.engine.model_id, revision=llm.engine.revision, kv_cache_dtype=llm.engine.kv_format_id)
     return hash_blocks(tokens[:BS], BS, keys)[0] in entries

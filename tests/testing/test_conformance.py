@@ -95,6 +95,56 @@ class _IgnoresMinusOneSlots(ReferenceBackend):
         self.layout.write(kv_cache.value, value, slots, kv_cache.block_size)
 
 
+class _IgnoresWindow(ReferenceBackend):
+    """Attends over the whole context whatever the window (reads freed blocks)."""
+
+    def forward(self, query, kv_cache, metadata, scale, sliding_window=None, logits_soft_cap=None):
+        return super().forward(query, kv_cache, metadata, scale, logits_soft_cap=logits_soft_cap)
+
+
+class _WindowOffByOne(ReferenceBackend):
+    """Sees one key more than the window (p - window <= k <= p) by widening it by one."""
+
+    def forward(self, query, kv_cache, metadata, scale, sliding_window=None, logits_soft_cap=None):
+        w = sliding_window + 1 if sliding_window else None
+        return super().forward(query, kv_cache, metadata, scale, sliding_window=w, logits_soft_cap=logits_soft_cap)
+
+
+class _CapsAfterMask(ReferenceBackend):
+    """Ignores the soft cap (softmax of raw scores)."""
+
+    def forward(self, query, kv_cache, metadata, scale, sliding_window=None, logits_soft_cap=None):
+        return super().forward(query, kv_cache, metadata, scale, sliding_window=sliding_window)
+
+
+@pytest.mark.parametrize("broken", [_IgnoresWindow, _WindowOffByOne, _CapsAfterMask])
+def test_kit_rejects_wrong_windows_and_caps(broken):
+    from pagedkv.testing import window_cases
+
+    report = check_backend(broken(), dtypes=(torch.float32,), cases=window_cases(small=True))
+    failed = {r.case for r in report.failures}
+    if broken is _CapsAfterMask:
+        assert failed == {"softcap_mixed", "window_softcap"}
+    else:
+        assert failed >= {"window_lt_block", "window_eq_block", "window_spans_blocks", "window_bs1", "window_softcap"}
+
+
+def test_bad_window_or_cap_is_a_backend_error():
+    from pagedkv.attention import get_backend
+    from pagedkv.attention.base import AttentionMetadata
+    from pagedkv.errors import BackendError
+
+    for name in ("reference", "cpu"):
+        be = get_backend(name)
+        cache = be.allocate_kv_cache(2, 4, 1, 8, torch.float32)
+        md = AttentionMetadata.build([3], [3], [[0]], 4)
+        q = torch.zeros(3, 1, 8)
+        for kw in ({"sliding_window": 0}, {"sliding_window": 2.5}, {"logits_soft_cap": 0.0},
+                   {"logits_soft_cap": float("inf")}):
+            with pytest.raises(BackendError):
+                be.forward(q, cache, md, 1.0, **kw)
+
+
 @pytest.mark.parametrize("broken", [_ReadsOneBlockTooMany, _TopLeftCausal, _WrongGQAMapping, _IgnoresMinusOneSlots])
 def test_kit_rejects_broken_backends(broken):
     report = check_backend(broken(), dtypes=(torch.float32,))
@@ -106,7 +156,10 @@ def test_cases_cover_the_issue_list():
     cases = conformance_cases()
     tags = {t for c in cases for t in c.tags}
     assert {"bs1", "bs128", "gqa1", "gqa3", "gqa8", "mqa", "long", "mixed", "prefix",
-            "cached_all_but_last", "partial_block", "chunked"} <= tags
+            "cached_all_but_last", "partial_block", "chunked", "window", "softcap"} <= tags
+    # windows below, at and above the block size; one window longer than a split-K split
+    assert {(c.sliding_window > c.block_size) - (c.sliding_window < c.block_size) for c in cases if c.sliding_window} == {-1, 0, 1}
+    assert any(c.sliding_window and c.sliding_window > 512 for c in cases)
     assert any(c.num_kv_heads == 1 for c in cases)
     assert {c.gqa_ratio for c in cases} >= {1, 3, 8}
     assert all(c.table_padding > 0 and c.spare_blocks > 0 for c in cases)

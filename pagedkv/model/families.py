@@ -1,0 +1,184 @@
+"""What differs between the decoder families pagedkv runs, read from a config.json.
+
+Every family runs on the one decoder of ``pagedkv.model.llama``; the differences are a few
+``ModelConfig`` switches, filled here from an HF ``config.json`` (``hf_family_fields``):
+
+=========  =====================================================================================
+family     switches
+=========  =====================================================================================
+llama      none (Llama 1-3, SmolLM2)
+mistral    ``sliding_window`` on every layer (when set)
+qwen2      q/k/v bias; ``sliding_window`` on the layers ``layer_types`` marks (``use_sliding_window``)
+qwen3      ``qk_norm`` (RMSNorm of each q and k head before RoPE); windows as qwen2
+phi3       fused ``qkv_proj`` / ``gate_up_proj`` checkpoints; ``sliding_window`` on every layer
+gemma2     ``layer_types`` alternating sliding / full (every 2nd layer full); attention and final
+           logit soft-capping; ``norm_offset`` 1 (RMSNorm times ``1 + w``); ``sandwich_norms``
+           (post-attention, pre- and post-feed-forward norms); GeGLU (``gelu_pytorch_tanh``);
+           ``embed_scale`` sqrt(hidden); ``attn_scale`` = ``query_pre_attn_scalar ** -0.5``
+gemma3     gemma2's switches plus ``qk_norm``; every 6th layer full (``sliding_window_pattern``
+           or ``layer_types``); ``rope_local_theta`` for the sliding layers' RoPE base
+=========  =====================================================================================
+
+Semantics of the window are transformers': the query at position ``p`` sees ``p - W < k <= p``.
+Raises ``ConfigError`` naming the field for what the decoder does not implement (LongRoPE,
+partial RoPE, bidirectional Gemma-3, unknown activations).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+from pagedkv.errors import ConfigError
+
+#: HF ``model_type`` values -> our architecture names.
+HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+                  "gemma2": "gemma2", "gemma3_text": "gemma3"}
+#: HF ``architectures`` entries -> our architecture names (when ``model_type`` is missing).
+HF_ARCH_CLASSES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                   "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
+                   "Gemma3ForCausalLM": "gemma3"}
+LAYER_TYPES = ("full_attention", "sliding_attention")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+_GEMMA = ("gemma2", "gemma3")
+
+
+def hf_model_type(config: Mapping[str, Any]) -> str:
+    """Our architecture name for a config.json. Raises ``ConfigError`` for an unsupported one
+    (a multimodal Gemma-3 checkpoint is named as such: load its text model)."""
+    model_type = config.get("model_type")
+    if model_type is None:
+        archs = config.get("architectures") or []
+        found = next((HF_ARCH_CLASSES[a] for a in archs if a in HF_ARCH_CLASSES), None)
+        if found is None:
+            raise ConfigError(f"model_type: missing from config.json (architectures={archs!r})")
+        return found
+    if model_type == "gemma3" and "text_config" in config:
+        raise ConfigError("model_type: 'gemma3' is the multimodal Gemma-3; only its text model "
+                          "(model_type 'gemma3_text', Gemma3ForCausalLM) is supported")
+    if model_type not in HF_MODEL_TYPES:
+        raise ConfigError(f"model_type: unsupported {model_type!r} (supported: {', '.join(HF_MODEL_TYPES)})")
+    return HF_MODEL_TYPES[model_type]
+
+
+def hf_family_fields(arch: str, config: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    """The family switches of ``ModelConfig`` (see the module doc) from a config.json."""
+    act = config.get("hidden_activation") or config.get("hidden_act") or "silu"
+    act = "silu" if act == "swish" else act
+    if act not in ACTIVATIONS:
+        raise ConfigError(f"hidden_act: unsupported activation {act!r} (supported: {', '.join(ACTIVATIONS)})")
+    if config.get("use_bidirectional_attention"):
+        raise ConfigError("use_bidirectional_attention: bidirectional attention is not supported (causal decoders only)")
+    out: dict[str, Any] = {"hidden_act": act, "qk_norm": arch in ("qwen3", "gemma3")}
+    out.update(_windows(arch, config, num_layers))
+    if arch in _GEMMA:
+        hidden = int(config["hidden_size"])
+        out.update(
+            norm_offset=1.0, sandwich_norms=True, embed_scale=math.sqrt(hidden),
+            attn_scale=float(config.get("query_pre_attn_scalar") or 256) ** -0.5,
+            attn_logit_softcap=_cap(config, "attn_logit_softcapping"),
+            final_logit_softcap=_cap(config, "final_logit_softcapping"),
+        )
+    return out
+
+
+def _cap(config: Mapping[str, Any], key: str) -> float | None:
+    v = config.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+        raise ConfigError(f"{key}: must be a positive number or null, got {v!r}")
+    return float(v)
+
+
+def _windows(arch: str, config: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    """``sliding_window`` and ``layer_types`` (``None`` when every layer is full)."""
+    window = config.get("sliding_window")
+    if arch in ("qwen2", "qwen3") and not config.get("use_sliding_window"):
+        window = None
+    if window is None:
+        return {"sliding_window": None, "layer_types": None}
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise ConfigError(f"sliding_window: must be a positive integer or null, got {window!r}")
+    types = config.get("layer_types")
+    if types is None:
+        if arch in _GEMMA:  # every pattern-th layer is global
+            pattern = int(config.get("sliding_window_pattern") or (2 if arch == "gemma2" else 6))
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+        elif arch in ("qwen2", "qwen3"):
+            first = int(config.get("max_window_layers", num_layers))
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+        else:  # mistral, phi3: every layer
+            types = ["sliding_attention"] * num_layers
+    types = list(types)
+    if len(types) != num_layers or any(t not in LAYER_TYPES for t in types):
+        raise ConfigError(f"layer_types: expected {num_layers} entries of {LAYER_TYPES}, got {types!r}")
+    if "sliding_attention" not in types:
+        return {"sliding_window": None, "layer_types": None}
+    return {"sliding_window": window, "layer_types": types}
+
+
+def hf_rope(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None, float | None]:
+    """``(rope_theta, rope_scaling, rope_local_theta)`` from a config.json in the transformers 4
+    (``rope_theta`` + ``rope_scaling``) or 5 (``rope_parameters``, per layer type for Gemma-3)
+    spelling. ``rope_scaling`` applies to the full-attention layers; the sliding layers of a
+    Gemma-3 use plain RoPE with base ``rope_local_theta``. Raises ``ConfigError`` for partial
+    RoPE or scaling on the sliding layers."""
+    params = dict(config.get("rope_parameters") or {})
+    local_theta = None
+    if "full_attention" in params or "sliding_attention" in params:
+        local = dict(params.get("sliding_attention") or {})
+        params = dict(params.get("full_attention") or {})
+        if local.get("rope_type", "default") != "default":
+            raise ConfigError(f"rope_parameters.sliding_attention: unsupported rope_type {local['rope_type']!r}")
+        local_theta = local.get("rope_theta") or config.get("rope_local_base_freq") or 10000.0
+    elif config.get("rope_local_base_freq") is not None:
+        local_theta = config["rope_local_base_freq"]
+    partial = params.pop("partial_rotary_factor", None) or config.get("partial_rotary_factor") or 1.0
+    if float(partial) != 1.0:
+        raise ConfigError("partial_rotary_factor: partial RoPE is not supported")
+    theta = config.get("rope_theta") or params.get("rope_theta") or 10000.0
+    scaling = config.get("rope_scaling")
+    if scaling is None and params:
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    if scaling is not None:
+        scaling = dict(scaling)
+        rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
+        scaling.pop("type", None)
+        scaling = None if rope_type == "default" else {"rope_type": rope_type, **scaling}
+    return theta, scaling, None if local_theta is None else float(local_theta)
+
+
+#: GGUF ``general.architecture`` values we load (Mistral GGUFs are written as ``llama``).
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+
+
+def gguf_family_fields(arch: str, metadata: Mapping[str, Any], tensor_names: set[str], num_layers: int,
+                       hidden: int, head_dim: int) -> dict[str, Any]:
+    """The family switches from GGUF metadata, as llama.cpp writes and reads them: windows from
+    ``{arch}.attention.sliding_window`` (Gemma-2: every 2nd layer full, Gemma-3: every 6th, with
+    the local RoPE base 10000 llama.cpp assumes), soft caps from ``{arch}.attn_logit_softcapping``
+    / ``final_logit_softcapping``. GGUF has no ``query_pre_attn_scalar``: Gemma's attention scale
+    is ``head_dim ** -0.5`` (what llama.cpp uses for every size but the 27B ones). Raises
+    ``ConfigError`` for Phi-3 LongRoPE (``rope_factors_long.weight``)."""
+    def key(name: str) -> Any:
+        return metadata.get(f"{arch}.{name}")
+
+    if arch == "phi3" and "rope_factors_long.weight" in tensor_names:
+        raise ConfigError("rope_factors_long.weight: Phi-3 LongRoPE is not supported")
+    out: dict[str, Any] = {"qk_norm": arch in ("qwen3", "gemma3")}
+    window = key("attention.sliding_window")
+    if window is not None and arch in ("phi3", "gemma2", "gemma3"):
+        window = int(window)
+        pattern = {"gemma2": 2, "gemma3": 6}.get(arch)
+        types = None if pattern is None else [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+        out.update(sliding_window=window, layer_types=types)
+    if arch in _GEMMA:
+        out.update(hidden_act="gelu_pytorch_tanh", norm_offset=1.0, sandwich_norms=True,
+                   embed_scale=math.sqrt(hidden), attn_scale=head_dim ** -0.5,
+                   attn_logit_softcap=_cap({"x": key("attn_logit_softcapping")}, "x"),
+                   final_logit_softcap=_cap({"x": key("final_logit_softcapping")}, "x"))
+        if arch == "gemma3":
+            out["rope_local_theta"] = 10000.0
+    return out
