@@ -1,8 +1,8 @@
 """A replica's prefix index: the block hashes the router believes one replica holds.
 
 Hashes are the engine's own chained block hashes (:func:`pagedkv.kv.prefix_cache.iter_block_hashes`
-over :class:`pagedkv.kv.prefix_cache.CacheKeys` with the model id, revision, tenant and cache
-salt), so an index fed by the replica's KV events (BlockStored / BlockRemoved) and the
+over :class:`pagedkv.kv.prefix_cache.CacheKeys` with the model id, revision, KV cache format,
+tenant and cache salt), so an index fed by the replica's KV events (BlockStored / BlockRemoved) and the
 approximate index (the prompts the router sent there) hold the same keys. The tenant is part of
 every hash: one tenant's lookup can only ever match its own blocks, so another tenant's
 prefixes never guide its routing.
@@ -17,11 +17,13 @@ from pagedkv.kv.prefix_cache import CacheKeys, iter_block_hashes
 
 
 def prompt_hashes(token_ids: Sequence[int], block_size: int, *, model_id: Optional[str], revision: Optional[str],
-                  tenant: Optional[str], cache_salt: Optional[str]) -> list[bytes]:
+                  tenant: Optional[str], cache_salt: Optional[str], kv_format: Optional[str] = None) -> list[bytes]:
     """The chained hashes (32-byte sha256 each) of every full ``block_size``-token block of a
-    prompt, exactly as the replica's engine computes them. Raises ``InvalidRequestError``
-    for token ids that are not int64."""
-    keys = CacheKeys(model_id=model_id, revision=revision, cache_salt=cache_salt, tenant=tenant)
+    prompt, exactly as the replica's engine computes them (``kv_format``: its
+    ``LLMEngine.kv_format_id``, e.g. ``"float32"`` or ``"int8/g64"``). Raises
+    ``InvalidRequestError`` for token ids that are not int64."""
+    keys = CacheKeys(model_id=model_id, revision=revision, cache_salt=cache_salt, tenant=tenant,
+                     kv_cache_dtype=kv_format)
     return [h for h, *_ in iter_block_hashes(token_ids, block_size, keys)]
 
 

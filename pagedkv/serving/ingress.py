@@ -68,8 +68,8 @@ def _sse_error(message: str) -> bytes:
 
 
 class Ingress:
-    """The state behind the ingress app. ``model``: ``{"model_id", "revision", "block_size"}``
-    of the replicas' engine (the prefix hashes must match theirs). ``tokenizer``: the
+    """The state behind the ingress app. ``model``: ``{"model_id", "revision", "kv_format",
+    "block_size"}`` of the replicas' engine (the prefix hashes must match theirs). ``tokenizer``: the
     replicas' HF tokenizer (prompt text and chat template -> token ids). ``poll_s``: seconds
     between two ``control.refresh`` calls."""
 
@@ -127,7 +127,8 @@ class Ingress:
             ids = self.prompt_ids(path, body)
             return prompt_hashes(ids, self.model["block_size"], model_id=self.model["model_id"],
                                  revision=self.model["revision"], tenant=tenant,
-                                 cache_salt=salt if isinstance(salt, str) else None)
+                                 cache_salt=salt if isinstance(salt, str) else None,
+                                 kv_format=self.model.get("kv_format"))
         except Exception:  # malformed: no prefix to route by; the replica answers the 4xx
             return []
 

@@ -158,7 +158,7 @@ more after its first try) raises ``ConfigError`` after stopping what was started
             v.index.capacity = max(1, int(self.info["num_blocks"]))  # a replica holds no more
         router = Router(views, policy, load_gap)
         self.control = RayReplicas(self.handles, events=bool(self.info["kv_events"]))
-        model = {k: self.info[k] for k in ("model_id", "revision", "block_size")}
+        model = {k: self.info[k] for k in ("model_id", "revision", "kv_format", "block_size")}
         ing = Ingress(router, self.control, self.tokenizer, model, api_keys=api_keys,
                       max_body_bytes=max_body_bytes, open_routes=open_routes, poll_s=poll_s)
         return build_ingress(ing)

@@ -6,7 +6,7 @@ port of its node's IP; the ingress sends HTTP there directly (streams included).
 its life: ``check_health`` fails when the HTTP thread or the engine loop died, and the Serve
 controller replaces a replica whose process ended (the new process reports a new ``pid`` and
 ``url``). Its methods, called through a ``DeploymentHandle``, report what the ingress needs:
-``info`` (url, pid, model identity, block size, KV events endpoint), ``stats``, ``metrics_text``
+``info`` (url, pid, model identity and KV format, block size, KV events endpoint), ``stats``, ``metrics_text``
 and ``tokenizer``.
 """
 
@@ -52,11 +52,11 @@ class EngineReplica:
         self.kv_events = kw.get("kv_events")
 
     def info(self) -> dict[str, Any]:
-        """Who and where: ``rank``, ``url``, ``pid``, ``model_id``, ``revision``,
-        ``block_size`` (tokens), ``num_blocks``, ``kv_events`` (endpoint or None)."""
+        """Who and where: ``rank``, ``url``, ``pid``, ``model_id``, ``revision``, ``kv_format``
+        (the cache format in its block hashes), ``block_size`` (tokens), ``num_blocks``, ``kv_events`` (endpoint or None)."""
         cfg = self.engine.config
         return {"rank": self.rank, "url": self.server.url, "pid": os.getpid(), "model_id": self.engine.model_id,
-                "revision": self.engine.revision, "block_size": cfg.block_size, "num_blocks": self.engine.num_blocks,
+                "revision": self.engine.revision, "kv_format": self.engine.kv_format_id, "block_size": cfg.block_size, "num_blocks": self.engine.num_blocks,
                 "kv_events": self.kv_events}
 
     def stats(self) -> dict[str, Any]:

@@ -123,6 +123,31 @@ def _stream_lines(resp: httpx.Response):
             yield line[6:]
 
 
+def _until(cond, what: str, timeout_s: float = 30.0):
+    deadline = time.monotonic() + timeout_s
+    while not (v := cond()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+    return v
+
+
+def test_the_replicas_kv_events_feed_the_router_with_the_same_hashes(service):
+    svc, ing, srv = service
+    feeds, views = svc.control.feeds, ing.router.replicas
+    assert set(feeds) == {0, 1}
+    svc.reset_prefix_caches()  # AllBlocksCleared, published with a replica's next step
+    seen = {r: f.batches for r, f in feeds.items()}
+    prompt = list(range(900, 940))  # 5 full blocks; with 4 answer tokens no 6th fills
+    mine = ing.hashes("/v1/completions", json.dumps({"prompt": prompt}).encode(), None)  # the router's
+    resp = _complete(srv.url, prompt, max_tokens=4)
+    rank = int(resp.headers["x-pagedkv-replica"])
+    # the batch of that step clears the index (the router's own insert too), then BlockStored
+    # adds the engine's hashes: the index holds the router's 5 keys again only if they are the same
+    idx = views[rank].index
+    _until(lambda: feeds[rank].batches > seen[rank] and len(idx) == 5 and idx.match(mine) == 5,
+           "the engine's BlockStored hashes to equal the router's")
+
+
 def _wait_rejoined(srv, rank: int, restarts: int) -> None:
     """Ray Serve replaces the replica; the ingress's poll puts it back (deadline: 120 s)."""
     deadline = time.monotonic() + 120

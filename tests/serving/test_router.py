@@ -24,12 +24,15 @@ def _views(n: int = 2) -> list[ReplicaView]:
 
 
 def _h(ids, tenant=None, salt=None):
-    return prompt_hashes(ids, BS, model_id="m", revision="r", tenant=tenant, cache_salt=salt)
+    return prompt_hashes(ids, BS, model_id="m", revision="r", tenant=tenant, cache_salt=salt, kv_format="float32")
 
 
 def test_prompt_hashes_are_the_engines_block_hashes():
     ids = list(range(10, 23))  # 13 tokens: 3 full blocks of 4
-    assert _h(ids, "t", "s") == hash_blocks(ids, BS, CacheKeys(model_id="m", revision="r", cache_salt="s", tenant="t"))
+    keys = CacheKeys(model_id="m", revision="r", cache_salt="s", tenant="t", kv_cache_dtype="float32")
+    assert _h(ids, "t", "s") == hash_blocks(ids, BS, keys)
+    assert _h(ids, "t", "s") != prompt_hashes(ids, BS, model_id="m", revision="r", tenant="t", cache_salt="s",
+                                              kv_format="int8/g64")  # another cache format: other bytes
     assert len(_h(ids)) == 3
     assert _h(ids, "a") != _h(ids, "b") and _h(ids, "a")[0] != _h(ids)[0]
 
@@ -172,7 +175,8 @@ def test_kv_events_of_an_engine_feed_the_replica_index(loaded_model):
     feed = EventFeed(router, views[0], engine.config.kv_events)
     try:
         ids = list(range(300, 318))  # 18 tokens: 4 full prompt blocks
-        want = prompt_hashes(ids, BS, model_id=engine.model_id, revision=engine.revision, tenant="t", cache_salt=None)
+        ident = {"model_id": engine.model_id, "revision": engine.revision, "kv_format": engine.kv_format_id}
+        want = prompt_hashes(ids, BS, tenant="t", cache_salt=None, **ident)
         deadline = time.monotonic() + 30
         while views[0].index.match(want) < 4:  # the SUB socket joins asynchronously: send until seen
             assert time.monotonic() < deadline, "no BlockStored event reached the index"
@@ -182,7 +186,7 @@ def test_kv_events_of_an_engine_feed_the_replica_index(loaded_model):
                 engine.step()
             time.sleep(0.05)
         assert feed.batches >= 1
-        other = prompt_hashes(ids, BS, model_id=engine.model_id, revision=engine.revision, tenant="u", cache_salt=None)
+        other = prompt_hashes(ids, BS, tenant="u", cache_salt=None, **ident)
         assert views[0].index.match(other) == 0
         feed.apply(msgpack.packb([0.0, [["BlockRemoved", want[2:], "pool"]]]))
         assert views[0].index.match(want) == 2
@@ -206,7 +210,8 @@ def test_ingress_hashes_prompts_as_the_replica_tokenizes_them(loaded_model):
     from pagedkv.serving.ingress import Ingress
 
     tok = loaded_model.tokenizer
-    ing = Ingress(Router(_views(2)), None, tok, {"model_id": "m", "revision": "r", "block_size": BS})
+    ing = Ingress(Router(_views(2)), None, tok, {"model_id": "m", "revision": "r", "kv_format": "float32",
+                                                 "block_size": BS})
     msgs = [{"role": "developer", "content": "Answer briefly, please."},
             {"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]}]
     raw = json.dumps({"model": "x", "messages": msgs, "cache_salt": "s"}).encode()
