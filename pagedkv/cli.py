@@ -15,7 +15,7 @@ COMMAND_MODULES = [
     "pagedkv.kv.cli",
     "pagedkv.engine.cli",
     "pagedkv.bench.cli",
-    "pagedkv.server.cli",
+    "pagedkv.serving.cli",  # serve (one engine, or --data-parallel-size N replicas)
     "pagedkv.testing.cli",
 ]
 

@@ -5,11 +5,18 @@
   cache root, so after the first run it loads in about a second)
 * ``hf_model``: transformers' ``LlamaForCausalLM`` from the same GGUF, float32, eval mode (~20 s)
 * ``hf_tokenizer``: transformers' tokenizer read from the same GGUF
+* ``browser``: headless Chromium driven by selenium (installed by scripts/install_browser.sh
+  when missing; a failure under CI=1)
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -117,3 +124,44 @@ def _agreement(got, want) -> tuple[int, int, int]:
 def agreement():
     """``agreement(got, want) -> (identical, total, shortest common prefix)``: see ``_agreement``."""
     return _agreement
+
+
+# ---- the /ui pages in headless Chromium (tests/server/test_ui.py, tests/serving) ----------------
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+
+
+def _browser_ready() -> bool:
+    try:
+        import selenium  # noqa: F401
+    except ImportError:
+        return False
+    return os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not _browser_ready():
+        proc = subprocess.run(["bash", str(Path(__file__).resolve().parents[1] / "scripts" / "install_browser.sh"), sys.executable],
+                              capture_output=True, text=True, timeout=900)
+        if proc.returncode != 0 or not _browser_ready():
+            msg = f"cannot install chromium/selenium:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+            if os.environ.get("CI"):
+                pytest.fail(msg)
+            pytest.skip(msg)
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    profile = tempfile.mkdtemp(prefix="pagedkv-chromium-")
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run",
+                 "--disable-dev-shm-usage", f"--user-data-dir={profile}", "--window-size=1280,1000"):
+        opts.add_argument(flag)
+    os.environ.setdefault("SE_OFFLINE", "true")  # selenium-manager must not fetch anything
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
+    driver.set_script_timeout(30)
+    yield driver
+    driver.quit()
+    shutil.rmtree(profile, ignore_errors=True)

@@ -19,6 +19,7 @@ BENCHES: dict[str, str] = {
     "quality": "pagedkv.bench.quality",
     "offload": "pagedkv.bench.offload",
     "hybrid_blocks": "pagedkv.bench.hybrid_blocks",
+    "route": "pagedkv.bench.route",
 }
 
 

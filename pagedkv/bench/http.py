@@ -142,6 +142,7 @@ class StreamRecord(RequestRecord):
 
     chunks: int = 0
     last_chunk_time: Optional[float] = None
+    text: str = ""  # the streamed text, joined
 
 
 async def _stream_one(client: Any, url: str, model: str, req: BenchRequest, rec: StreamRecord,
@@ -175,6 +176,7 @@ async def _stream_one(client: Any, url: str, model: str, req: BenchRequest, rec:
                     if rec.first_token_time is None and (ch.get("text") or ch.get("finish_reason")):
                         rec.first_token_time = time.time()
                     if ch.get("text"):
+                        rec.text += ch["text"]
                         rec.chunks += 1
                         rec.last_chunk_time = time.time()
                     if ch.get("finish_reason"):

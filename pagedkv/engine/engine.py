@@ -461,6 +461,12 @@ class LLMEngine:
         with self._lock:
             return collect_stats(self.scheduler)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the prefix cache (benchmarks: every policy starts cold). Safe at any time;
+        running requests keep their blocks. Returns how many pool blocks were cached."""
+        with self._lock:
+            return self.scheduler.reset_prefix_cache()
+
     def num_shared_blocks(self) -> int:
         """Blocks referenced more than once right now (see ``Scheduler.num_shared_blocks``)."""
         with self._lock:

@@ -419,6 +419,11 @@ class Scheduler:
         prefix hit, a fork or a beam; a step-fence hold also counts as a reference)."""
         return sum(1 for b in self.kv.pool.blocks if b.ref_cnt > 1)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every published block hash (K/V and tables stay; a KV event
+        ``AllBlocksCleared`` is published). Returns how many pool blocks were cached."""
+        return self.kv.reset_prefix_cache()
+
     def snapshot(self) -> dict:
         """``{"kv": KVCacheManager.snapshot(), "requests": [...]}`` (running, then waiting);
         each request has request_id, parent_id, index, status, prompt_tokens, output_tokens,

@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 import time
+from typing import Optional
 
 from pagedkv.engine.cli import add_engine_args, engine_kwargs
 from pagedkv.server.app import OPENABLE_ROUTES
@@ -16,19 +17,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from pagedkv.engine.engine import LLMEngine
-    from pagedkv.errors import ConfigError
-    from pagedkv.server.api_keys import load_api_keys
     from pagedkv.server.app import build_app
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    keys = None
-    if args.api_keys:
-        try:
-            keys = load_api_keys(args.api_keys)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"--api-keys: {e}") from None
-    if args.max_body_bytes < 1024:
-        raise ConfigError(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
+    keys = load_keys(args)
     t0 = time.time()
     engine = LLMEngine(args.model, **engine_kwargs(args))
     kv = engine.kv_summary()
@@ -65,7 +57,9 @@ def _port(text: str) -> int:
     return v
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """The ``serve`` sub-command's parser with every server and engine option (``func``:
+    :func:`cmd_serve`); ``pagedkv.serving.cli`` adds the data-parallel options to it."""
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /ui)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=_port, default=8000, help="TCP port (default 8000; 0 = any free port)")
@@ -93,3 +87,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
+    return p
+
+
+def load_keys(args: argparse.Namespace) -> Optional[dict[str, str]]:
+    """``--api-keys`` read (None without it); checks ``--max-body-bytes``. Raises ``ConfigError``."""
+    from pagedkv.errors import ConfigError
+    from pagedkv.server.api_keys import load_api_keys
+
+    if args.max_body_bytes < 1024:
+        raise ConfigError(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
+    if not args.api_keys:
+        return None
+    try:
+        return load_api_keys(args.api_keys)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--api-keys: {e}") from None

@@ -255,3 +255,24 @@ def test_engine_and_request_stats_name_every_sharing_counter(loaded_model, base_
     assert sum(o.metrics.num_cow_copies for o in outs) == 2
     assert all(o.metrics.prefix_query_tokens == 9 for o in outs)
     assert_clean(llm.engine)
+
+
+def test_reset_prefix_cache_forgets_every_hash(loaded_model):
+    from pagedkv.engine.engine import LLMEngine
+    from pagedkv.engine.request import SamplingParams
+    from pagedkv.testing.tiny import tiny_random_model
+
+    engine = LLMEngine(tiny_random_model(loaded_model), num_blocks=16, block_size=4, max_model_len=32,
+                       enable_prefix_caching=True)
+    prompt = list(range(400, 413))  # 3 full blocks
+
+    def cached() -> int:
+        engine.add_request(None, prompt, SamplingParams(max_tokens=1, temperature=0))
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += [o for o in engine.step() if o.finished]
+        return outs[0].num_cached_tokens
+
+    assert cached() == 0 and cached() == 12
+    assert engine.reset_prefix_cache() == 3
+    assert cached() == 0 and cached() == 12  # published again by the run after the reset

@@ -1,6 +1,6 @@
 """The /ui page in headless Chromium (Debian ``chromium`` + ``chromedriver``, driven by
 selenium; ``scripts/install_browser.sh`` installs them, and this module runs it when they
-are missing). While requests run, the page's block cells carry the owners of the engine's
+are missing: the ``browser`` fixture of tests/conftest.py). While requests run, the page's block cells carry the owners of the engine's
 block tables; the seed §03 calculator shows 6 blocks / 96 slots for 17,33,8 at block size 16.
 """
 
@@ -8,13 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -23,47 +17,6 @@ from pagedkv.engine.engine import LLMEngine
 from pagedkv.kv import check_invariants
 from pagedkv.server.app import build_app
 from pagedkv.server.threaded import ThreadedServer
-
-ROOT = Path(__file__).resolve().parents[2]
-CHROMIUM = "/usr/bin/chromium"
-CHROMEDRIVER = "/usr/bin/chromedriver"
-
-
-def _browser_ready() -> bool:
-    try:
-        import selenium  # noqa: F401
-    except ImportError:
-        return False
-    return os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not _browser_ready():
-        proc = subprocess.run(["bash", str(ROOT / "scripts" / "install_browser.sh"), sys.executable],
-                              capture_output=True, text=True, timeout=900)
-        if proc.returncode != 0 or not _browser_ready():
-            msg = f"cannot install chromium/selenium:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
-            if os.environ.get("CI"):
-                pytest.fail(msg)
-            pytest.skip(msg)
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    profile = tempfile.mkdtemp(prefix="pagedkv-chromium-")
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run",
-                 "--disable-dev-shm-usage", f"--user-data-dir={profile}", "--window-size=1280,1000"):
-        opts.add_argument(flag)
-    os.environ.setdefault("SE_OFFLINE", "true")  # selenium-manager must not fetch anything
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
-    driver.set_script_timeout(30)
-    yield driver
-    driver.quit()
-    shutil.rmtree(profile, ignore_errors=True)
-
 
 @pytest.fixture(scope="module")
 def server(loaded_model):
