@@ -1,5 +1,6 @@
 """KV blocks one long request holds: hybrid (sliding-window layer groups) vs all-full, planner
-vs a live engine run, on a tiny random Gemma-2-shaped model (alternating window / full layers).
+vs a live engine run, on a tiny random Gemma-shaped model (every ``--full-every``-th layer full
+attention, the others a sliding window: 2 is Gemma-2's alternation, 6 Gemma-3's 5:1 mix).
 
 The model is built with transformers (random weights, ``--layers`` layers, window
 ``--window``) and served by the engine; one request of ``--context`` tokens (a prompt of
@@ -22,11 +23,18 @@ from pagedkv.bench.common import machine_info, pin_threads
 from pagedkv.bench.report import markdown_table, publish
 
 
-def _tiny_gemma2(path: Path, layers: int, window: int | None, max_pos: int) -> None:
+def layer_windows(layers: int, window: int, full_every: int) -> list[int | None]:
+    """Per layer: ``None`` (full attention) for every ``full_every``-th layer, else ``window``
+    (``full_every`` 2: Gemma-2's alternation; 6: Gemma-3's five local layers per global one)."""
+    return [None if (i + 1) % full_every == 0 else window for i in range(layers)]
+
+
+def _tiny_gemma2(path: Path, windows: list[int | None], max_pos: int) -> None:
     import torch
     import transformers as tf
 
-    types = ["sliding_attention" if window and i % 2 == 0 else "full_attention" for i in range(layers)]
+    layers, window = len(windows), next((w for w in windows if w), None)
+    types = ["sliding_attention" if w else "full_attention" for w in windows]
     cfg = tf.Gemma2Config(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
                           num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=window or 4096,
                           layer_types=types, max_position_embeddings=max_pos, bos_token_id=1, eos_token_id=2,
@@ -41,7 +49,7 @@ def _tiny_gemma2(path: Path, layers: int, window: int | None, max_pos: int) -> N
                                pad_token="t0").save_pretrained(path)
 
 
-def _live(args: argparse.Namespace, window: int | None) -> dict[str, Any]:
+def _live(args: argparse.Namespace, spec: Any) -> dict[str, Any]:
     import random
 
     from pagedkv.engine.llm import LLM
@@ -50,9 +58,9 @@ def _live(args: argparse.Namespace, window: int | None) -> dict[str, Any]:
 
     T, bs = args.context, args.block_size
     with tempfile.TemporaryDirectory() as d:
-        _tiny_gemma2(Path(d), args.layers, window, T + 64)
+        _tiny_gemma2(Path(d), spec.layer_windows or [None] * args.layers, T + 64)
         lm = load_model(d)
-    need = 2 * (T // bs + 8)
+    need = spec.blocks_per_request(T, bs, chunk=args.chunk) + 16
     llm = LLM(lm, block_size=bs, num_blocks=need, max_num_batched_tokens=args.chunk, max_model_len=T + 8,
               debug_invariants=False)
     eng, kv = llm.engine, llm.engine.kv
@@ -79,11 +87,11 @@ def run_blocks(args: argparse.Namespace) -> dict[str, Any]:
 
     T, bs, W = args.context, args.block_size, args.window
     spec = KVCacheSpec(num_layers=args.layers, num_kv_heads=1, head_dim=16, dtype="fp32",
-                       layer_windows=[W if i % 2 == 0 else None for i in range(args.layers)])
+                       layer_windows=layer_windows(args.layers, W, args.full_every))
     full = replace(spec, layer_windows=None)
     rows = []
-    for label, s, w in (("hybrid", spec, W), ("all-full", full, None)):
-        live = _live(args, w)
+    for label, s in (("hybrid", spec), ("all-full", full)):
+        live = _live(args, s)
         rows.append({
             "layout": label, "plan_block_bytes": s.block_bytes(bs), "live_block_bytes": live["block_bytes"],
             "plan_blocks_end": s.blocks_per_request(T, bs), "live_blocks_end": live["end"]["total"],
@@ -95,7 +103,8 @@ def run_blocks(args: argparse.Namespace) -> dict[str, Any]:
     h, f = rows
     return {
         "benchmark": "hybrid_blocks",
-        "config": {"layers": args.layers, "window": W, "context": T, "block_size": bs, "chunk": args.chunk},
+        "config": {"layers": args.layers, "full_every": args.full_every, "window": W, "context": T,
+                   "block_size": bs, "chunk": args.chunk, "groups": spec.groups.describe()},
         "results": rows,
         "bytes_ratio_end": h["bytes_end"] / f["bytes_end"],
         "plan_bytes_ratio_end": spec.bytes_per_request(T, bs) / full.bytes_per_request(T, bs),
@@ -103,27 +112,38 @@ def run_blocks(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _floor(c: dict[str, Any]) -> float:
+    full = 1 / c["full_every"]
+    return full + (1 - full) * c["window"] / c["context"]
+
+
 def render(data: dict[str, Any], plots: dict[str, str]) -> str:
     c = data["config"]
     return "\n".join([
         "# KV blocks one request holds: hybrid vs all-full, planner vs live",
         "",
-        f"Tiny random Gemma-2-shaped model: {c['layers']} layers alternating window {c['window']} / full, "
+        f"Tiny random Gemma-shaped model: {c['layers']} layers, every {c['full_every']}th full attention, the "
+        f"others window {c['window']} ({len(c['groups'])} layer groups of "
+        f"{max(len(g['layers']) for g in c['groups'])} layers), "
         f"one request of {c['context']} tokens, block size {c['block_size']}, prefill chunks of {c['chunk']}.",
         "",
         markdown_table(data["results"]),
         "",
         f"Bytes held at the end, hybrid / all-full: live {data['bytes_ratio_end']:.4f}, planner "
         f"{data['plan_bytes_ratio_end']:.4f}; planner == live block counts: {data['planner_agrees']}.",
-        "With half the layers windowed the ratio cannot go below 0.5 + 0.5 W / context "
-        f"(= {0.5 + 0.5 * c['window'] / c['context']:.4f} here) plus one block.",
+        f"With 1/{c['full_every']} of the layers full the ratio cannot go below 1/{c['full_every']} + "
+        f"(1 - 1/{c['full_every']}) W / context (= {_floor(c):.4f} here) plus one block.",
         "",
-        "Reproduce: `pagedkv bench hybrid_blocks --threads 1` (the defaults are the numbers above).",
+        f"Reproduce: `pagedkv bench hybrid_blocks --threads 1 --layers {c['layers']} --full-every {c['full_every']} "
+        f"--window {c['window']}`.",
     ])
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--layers", type=int, default=4, help="layers, alternating window / full (default 4)")
+    p.add_argument("--layers", type=int, default=4, help="layers (default 4)")
+    p.add_argument("--full-every", type=int, default=2,
+                   help="every K-th layer has full attention, the others the window (default 2, Gemma-2; Gemma-3: 6); "
+                        "results of K != 2 go to hybrid_blocks_1in<K>.*")
     p.add_argument("--window", type=int, default=4096, help="sliding window in tokens (default 4096)")
     p.add_argument("--context", type=int, default=32768, help="tokens of the request (default 32768)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
@@ -134,5 +154,6 @@ def run(args: argparse.Namespace) -> int:
     threads = pin_threads(args.threads)
     data = run_blocks(args)
     data["machine"] = machine_info(threads)
-    publish("hybrid_blocks", data, render, args.out_dir, as_json=args.json)
+    name = "hybrid_blocks" if args.full_every == 2 else f"hybrid_blocks_1in{args.full_every}"
+    publish(name, data, render, args.out_dir, as_json=args.json)
     return 0

@@ -8,6 +8,8 @@ Both return JSON-able dicts; ``format_*`` render them for the terminal (``pagedk
 
 from __future__ import annotations
 
+import itertools
+
 import string
 from dataclasses import replace
 from pathlib import Path
@@ -380,7 +382,7 @@ def format_plan(p: dict[str, Any]) -> str:
         f" ({s['kv_heads_per_rank']} KV heads/rank, replication {s['replication']})",
         f"bytes/token      {p['bytes_per_token']:,} per rank, {p['bytes_per_token_total']:,} over all ranks",
         f"block            {p['block_size']} tokens: page {p['page_size_bytes']:,} B/layer, "
-        f"{p['block_bytes']:,} B all layers",
+        f"{p['block_bytes']:,} B per block id ({p['block_bytes'] // p['page_size_bytes']} layers)",
         f"KV budget        {p['kv_budget_bytes']:,} B per rank -> {p['num_blocks']:,} blocks, "
         f"{p['tokens_held']:,} tokens held",
         f"max concurrency  {p['max_concurrency_at_max_model_len']:,} requests at max_model_len "
@@ -388,8 +390,10 @@ def format_plan(p: dict[str, Any]) -> str:
     ]
     lg = p.get("layer_groups")
     if lg:
-        groups = ", ".join(f"{x['num_layers']} layers {'full' if x['window'] is None else 'window ' + str(x['window'])}"
-                           f" ({x['blocks_per_request']:,} blocks)" for x in lg["groups"])
+        kinds = [(x["num_layers"], x["window"], x["blocks_per_request"]) for x in lg["groups"]]
+        groups = ", ".join(f"{'' if n == 1 else f'{n} x '}{k[0]} layers "
+                           f"{'full' if k[1] is None else 'window ' + str(k[1])} ({k[2]:,} blocks)"
+                           for k, n in ((k, len(list(run))) for k, run in itertools.groupby(kinds)))
         h, f = lg["hybrid"], lg["all_full"]
         lines += [
             f"layer groups     {groups} per request at max_model_len",

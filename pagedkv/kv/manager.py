@@ -124,7 +124,7 @@ class KVCacheManager(PrefixLookup, StepFences):
         self._reserve_blocks = cdiv(max_model_len, block_size) if max_model_len else 0
         self._gtables: list[dict[str, BlockTable]] = [{} for _ in groups.windows]
         self._tables = self._gtables[0]
-        self._gtags = [None] + [f"window={w}" for w in groups.windows[1:]]
+        self._gtags = [None] + [f"group={g},window={w}" for g, w in enumerate(groups.windows)][1:]
         self._stats = KVCacheStats()
         self._pending_query: dict[str, tuple[int, int]] = {}
         self._init_fences()

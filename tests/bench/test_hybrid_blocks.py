@@ -26,3 +26,20 @@ def test_planner_equals_live_run(tmp_path):
     assert 16 < h["live_blocks_peak"] <= h["plan_blocks_peak"]
     assert data["bytes_ratio_end"] == data["plan_bytes_ratio_end"] == 18 * 2 / (16 * 4)
     assert data["planner_agrees"] and h["window_freed_blocks"] == 14 and h["leaked_blocks"] == 0
+
+
+def test_gemma3_shaped_equal_size_groups(tmp_path):
+    """6 layers, every 6th full (Gemma-3's mix): one full + five 1-layer window groups; a block id
+    spans one layer, so 256 tokens hold 16 + 5 x 2 one-layer block ids vs 16 six-layer ones."""
+    p = argparse.ArgumentParser()
+    hybrid_blocks.add_arguments(p)
+    args = p.parse_args(["--context", "256", "--window", "32", "--chunk", "64", "--layers", "6", "--full-every", "6"])
+    args.threads, args.json, args.out_dir = 1, False, str(tmp_path)
+    assert hybrid_blocks.run(args) == 0
+    data = json.loads((tmp_path / "hybrid_blocks_1in6.json").read_text())
+    assert [g["layers"] for g in data["config"]["groups"]] == [[5], [0], [1], [2], [3], [4]]
+    h, f = data["results"]
+    assert (h["plan_blocks_end"], h["live_blocks_end"], h["live_blocks_per_group"]) == (26, 26, [16] + [2] * 5)
+    assert h["live_block_bytes"] == h["plan_block_bytes"] == f["live_block_bytes"] // 6
+    assert data["bytes_ratio_end"] == data["plan_bytes_ratio_end"] == 26 / (16 * 6)
+    assert data["planner_agrees"] and h["leaked_blocks"] == 0

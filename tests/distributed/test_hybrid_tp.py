@@ -28,12 +28,12 @@ def test_tp2_hybrid_greedy_equals_transformers(gemma2, monkeypatch):  # noqa: F8
         eng = llm.engine
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == refs
-        assert eng.kv.num_groups == 2 and eng.kv.stats.window_freed_blocks > 0
+        assert eng.kv.num_groups == 3 and eng.kv.stats.window_freed_blocks > 0
         infos = eng.runner.query_workers()
         assert [i["num_layers"] for i in infos] == [3, 3]
         assert [i["num_blocks"] for i in infos] == [48, 48]
-        # 2 shared caches x 48 blocks x 4 tokens x K+V x 1 head x 16 dims x 4 bytes
-        assert [i["kv_cache_bytes"] for i in infos] == [2 * 48 * 4 * 2 * 16 * 4] * 2
+        # 1 shared cache (three 1-layer groups) x 48 blocks x 4 tokens x K+V x 1 head x 16 dims x 4 bytes
+        assert [i["kv_cache_bytes"] for i in infos] == [1 * 48 * 4 * 2 * 16 * 4] * 2
         assert eng.kv.num_used_blocks == 0
         check_invariants(eng.kv)
     finally:

@@ -12,7 +12,7 @@ import pytest
 
 from pagedkv.errors import ConfigError, InvalidRequestError, InvariantViolation, NoFreeBlocksError
 from pagedkv.kv import KVCacheManager, KVCacheSpec, check_invariants
-from pagedkv.kv.groups import LayerGroups, longest_valid_hit
+from pagedkv.kv.groups import MAX_GROUPS, LayerGroups, longest_valid_hit
 
 WINDOWS = [None, 8, None, 8]
 
@@ -29,16 +29,43 @@ def run(m: KVCacheManager, rid: str, start: int, end: int) -> None:
 
 
 def test_groups_from_layer_windows():
-    g = LayerGroups.from_layer_windows([8, None, 8, None, 16])
-    assert g.windows == (None, 8, 16)
-    assert g.layer_group == (1, 0, 1, 0, 2)
-    assert g.slot_of_layer == [0, 0, 1, 1, 0]
-    assert g.max_layers == 2 and g.is_hybrid
-    assert g.page_waste == pytest.approx(1 - 5 / 6)
+    g = LayerGroups.from_layer_windows([8, None, 8, None])  # equal kinds: one group each
+    assert g.windows == (None, 8) and g.layer_group == (1, 0, 1, 0)
+    assert g.slot_of_layer == [0, 0, 1, 1]
+    assert g.max_layers == 2 and g.is_hybrid and g.page_waste == 0
     assert [g.first_live_block(1, p, 4) for p in (0, 7, 8, 11, 12)] == [0, 0, 0, 1, 1]
+    # unequal kinds are cut into groups of the smallest kind's size (here 1 layer)
+    g = LayerGroups.from_layer_windows([8, None, 8, None, 16])
+    assert g.windows == (None, None, 8, 8, 16)
+    assert g.layer_group == (2, 0, 3, 1, 4)
+    assert g.slot_of_layer == [0] * 5 and g.max_layers == 1 and g.page_waste == 0
+    # ... but never more than about MAX_GROUPS groups: 1 full + 20 window layers -> groups of 3
+    g = LayerGroups.from_layer_windows([None] + [4] * 20)
+    assert MAX_GROUPS == 8 and g.windows == (None,) + (4,) * 7
+    assert g.layer_group == (0,) + tuple(1 + i // 3 for i in range(20))
+    assert g.max_layers == 3 and g.page_waste == pytest.approx(1 - 21 / 24)
     assert not LayerGroups.from_layer_windows(None, 3).is_hybrid
     with pytest.raises(ConfigError):
         LayerGroups.from_layer_windows([0, None])
+
+
+def test_gemma3_12b_groups_and_plan():
+    """The shipped Gemma-3-12B config: 8 full + 40 window-1024 layers -> one full group and five
+    window groups of 8 layers; a 32k request holds 2048 + 5 x 64 block ids of 8 layers each =
+    0.1927x the all-full bytes (one 40-layer group would have been 0.8594x)."""
+    from pagedkv.kv.example import group_plan
+
+    spec = KVCacheSpec.from_hf_config("gemma-3-12b", dtype="bf16")
+    g = spec.groups
+    assert g.windows == (None,) + (1024,) * 5 and g.max_layers == 8 and g.page_waste == 0
+    assert g.layers_of(0) == list(range(5, 48, 6))
+    assert g.layers_of(1) == [0, 1, 2, 3, 4, 6, 7, 8]
+    plan = group_plan(spec, 20 * 2**30, 16, 32768)
+    assert [x["blocks_per_request"] for x in plan["groups"]] == [2048] + [64] * 5
+    assert plan["hybrid"]["block_bytes"] == 16 * 2 * 8 * 256 * 2 * 8 == 1_048_576
+    assert plan["hybrid"]["bytes_per_request"] == (2048 + 5 * 64) * 1_048_576
+    assert plan["all_full"]["bytes_per_request"] == 2048 * 1_048_576 * 6
+    assert plan["bytes_per_request_ratio"] == pytest.approx(2368 / (2048 * 6))
 
 
 def test_window_blocks_freed_exactly_after_the_step_fence():

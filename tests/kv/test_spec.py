@@ -15,7 +15,7 @@ KiB = 1024
 
 def test_known_configs_shipped():
     assert known_configs() == [
-        "deepseek-v3", "gemma-2-9b", "llama-2-7b", "llama-3-8b", "mistral-7b", "qwen2.5-7b",
+        "deepseek-v3", "gemma-2-9b", "gemma-3-12b", "llama-2-7b", "llama-3-8b", "mistral-7b", "qwen2.5-7b",
     ]
     assert known_config("llama-3-8b")["num_key_value_heads"] == 8
 
