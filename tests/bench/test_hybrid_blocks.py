@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 
+import pytest
+
 from pagedkv.bench import hybrid_blocks
 
 
@@ -43,3 +45,13 @@ def test_gemma3_shaped_equal_size_groups(tmp_path):
     assert h["live_block_bytes"] == h["plan_block_bytes"] == f["live_block_bytes"] // 6
     assert data["bytes_ratio_end"] == data["plan_bytes_ratio_end"] == 26 / (16 * 6)
     assert data["planner_agrees"] and h["leaked_blocks"] == 0
+
+
+def test_full_every_below_two_is_a_usage_error(capsys):
+    from pagedkv.cli import main
+
+    for bad in ("0", "1", "x"):
+        with pytest.raises(SystemExit) as e:
+            main(["bench", "hybrid_blocks", "--full-every", bad])
+        assert e.value.code == 2
+        assert "--full-every: an integer >= 2" in capsys.readouterr().err
