@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from pagedkv.bench.common import int_at_least
+
 # name -> module defining add_arguments(parser) and run(args) -> int
 BENCHES: dict[str, str] = {
     "capacity": "pagedkv.bench.capacity",
@@ -23,13 +25,6 @@ BENCHES: dict[str, str] = {
 }
 
 
-def _positive_int(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("bench", help="run a benchmark (results under docs/benchmarks/)")
     sub = p.add_subparsers(dest="bench", required=True)
@@ -38,6 +33,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         bp = sub.add_parser(name, help=(mod.__doc__ or name).strip().splitlines()[0])
         bp.add_argument("--json", action="store_true", help="print results as JSON on stdout")
         bp.add_argument("--out-dir", default=None, help="where to write results (default docs/benchmarks/)")
-        bp.add_argument("--threads", type=_positive_int, default=2, help="torch threads to pin (default 2)")
+        bp.add_argument("--threads", type=int_at_least(1), default=2, help="torch threads to pin (default 2)")
         mod.add_arguments(bp)
         bp.set_defaults(func=mod.run)

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = REPO_ROOT / "docs" / "benchmarks"
@@ -141,6 +141,21 @@ def json_clean(obj: Any) -> Any:
 
 
 # ---- the model and engines (serve, peers, ablation) ----------------------------------------
+def int_at_least(lowest: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer ``>= lowest``, else a usage error (exit 2) saying so."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {lowest}, got {text!r}") from None
+        if v < lowest:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {lowest}, got {v}")
+        return v
+
+    return parse
+
+
 def load_fp32_model(loaded: Any = None, path: Optional[str] = None, weights: str = "fp32") -> Any:
     """``loaded`` if given (tests pass a shared fixture), else the model at ``path`` (default:
     the bundled SmolLM2-135M) loaded in float32 with ``weights``-format linear layers

@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pagedkv.bench.common import machine_info, pin_threads
+from pagedkv.bench.common import int_at_least, machine_info, pin_threads
 from pagedkv.bench.report import markdown_table, publish
 
 
@@ -139,20 +139,9 @@ def render(data: dict[str, Any], plots: dict[str, str]) -> str:
     ])
 
 
-def _at_least_two(text: str) -> int:
-    """``--full-every``: an integer >= 2 (1 would make every layer full: nothing to compare)."""
-    try:
-        k = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"an integer >= 2, got {text!r}") from None
-    if k < 2:
-        raise argparse.ArgumentTypeError(f"an integer >= 2 (every K-th layer full), got {k}")
-    return k
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=4, help="layers (default 4)")
-    p.add_argument("--full-every", type=_at_least_two, default=2,
+    p.add_argument("--full-every", type=int_at_least(2), default=2,
                    help="every K-th layer has full attention, the others the window (default 2, Gemma-2; Gemma-3: 6); "
                         "results of K != 2 go to hybrid_blocks_1in<K>.*")
     p.add_argument("--window", type=int, default=4096, help="sliding window in tokens (default 4096)")

@@ -54,4 +54,4 @@ def test_full_every_below_two_is_a_usage_error(capsys):
         with pytest.raises(SystemExit) as e:
             main(["bench", "hybrid_blocks", "--full-every", bad])
         assert e.value.code == 2
-        assert "--full-every: an integer >= 2" in capsys.readouterr().err
+        assert "--full-every: must be an integer >= 2" in capsys.readouterr().err
