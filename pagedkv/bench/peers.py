@@ -296,7 +296,7 @@ def _vocab_size(loaded: Any, hf_model: Any) -> int:
 
 def run(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None) -> int:
     data = run_peers(args, loaded=loaded, hf_model=hf_model, progress=not args.json)
-    name = NAME if args.weights == "fp32" else f"{NAME}_{data['config']['pagedkv_weights']}"
+    name = NAME if args.weights == "fp32" else f"{NAME}_{data['config']['pagedkv_weights'] or args.weights}"
     publish(name, data, render_markdown, args.out_dir, as_json=args.json,
             plots=None if args.no_plot else single_plot(name, "output tokens/s and TTFT per system", plot))
     return 0
