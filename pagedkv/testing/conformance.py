@@ -49,9 +49,12 @@ from pagedkv.kv.block_table import slot_mapping
 from pagedkv.testing.cases import Case, conformance_cases, quantized_cases, window_cases  # noqa: F401 - re-exported
 from pagedkv.utils import cdiv
 
-# max |out - expected| allowed: atol + rtol * |expected|
+# max |out - expected| allowed: atol + rtol * |expected|. float32: a correct backend lands near
+# 3e-7 on the kit's cases here, but the BLAS picks its own kernels and summation order per CPU
+# (CI saw 3.1e-5 on the soft-capped torch path); every indexing or masking bug seen so far
+# errs by 1e-2 or more, so 1e-4 keeps the kit sharp without failing on another CPU.
 TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
-    torch.float32: (2e-5, 2e-5),
+    torch.float32: (1e-4, 1e-4),
     torch.float16: (4e-3, 4e-3),
     torch.bfloat16: (3e-2, 2e-2),
 }
