@@ -63,27 +63,36 @@ def _cache_dir() -> Path:
     return Path(base)
 
 
-def _build() -> ctypes.CDLL:
+def compile_c(src_path: Path, stem: str, flags: Sequence[str] = _FLAGS) -> ctypes.CDLL:
+    """Compile the C file ``src_path`` (no Python or torch headers) into a shared object and
+    load it. The object is cached under ``$PAGEDKV_CACHE_DIR`` (default ``~/.cache/pagedkv``)
+    as ``{stem}_{key}.so``, keyed by the source, compiler, flags and the CPU's feature flags.
+    Raises ``RuntimeError`` when there is no compiler or the build fails."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set $CC)")
-    src = _SRC.read_bytes()
-    key = hashlib.sha256(src + " ".join([cc, *_FLAGS, platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
+    src = src_path.read_bytes()
+    key = hashlib.sha256(src + " ".join([cc, *flags, platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
     out_dir = _cache_dir()
-    so = out_dir / f"pagedkv_cpu_kernel_{key}.so"
+    so = out_dir / f"{stem}_{key}.so"
     if not so.exists():
         out_dir.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
         os.close(fd)
         try:
-            res = subprocess.run([cc, *_FLAGS, str(_SRC), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120)
+            res = subprocess.run([cc, *flags, str(src_path), "-o", tmp, "-lm"], capture_output=True, text=True,
+                                 timeout=120)
             if res.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {res.stderr.strip()[-2000:]}")
             os.replace(tmp, so)  # atomic: concurrent builders race harmlessly
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    lib = ctypes.CDLL(str(so))
+    return ctypes.CDLL(str(so))
+
+
+def _build() -> ctypes.CDLL:
+    lib = compile_c(_SRC, "pagedkv_cpu_kernel")
     f = lib.pagedkv_paged_attention
     i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
     f.argtypes = [i32, i32, i32, i32, i32, i32, ctypes.c_float,

@@ -50,7 +50,7 @@ class Layout:
         """Scatter ``x`` ``[n, Hkv, d]`` to ``slots`` (int64 ``[n]``, all >= 0)."""
         nhd = self.as_nhd(t, x.shape[1], x.shape[2])
         if nhd.is_contiguous():
-            nhd.view(-1, x.shape[1], x.shape[2]).index_copy_(0, slots, x.to(t.dtype))
+            nhd.view(-1, x.shape[1], x.shape[2]).index_copy_(0, slots, x if x.dtype == t.dtype else x.to(t.dtype))
         else:
             nhd[slots // block_size, slots % block_size] = x.to(t.dtype)
 
@@ -266,8 +266,19 @@ def gather(cache: PagedKVCache, slots: torch.Tensor) -> tuple[torch.Tensor, torc
 def valid_slots(slot_mapping: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Drop rows whose slot is ``-1``. Returns ``(slots, *tensors)`` filtered alike (no copy
     when every slot is valid)."""
-    slots = slot_mapping.to(torch.int64)
-    if slots.numel() == 0 or bool((slots >= 0).all()):
+    slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.to(torch.int64)
+    # Every layer writes through the same slot_mapping, so the check is remembered on the tensor,
+    # keyed by its version counter. Inference tensors (the engine's) have none: the engine
+    # builds a fresh slot_mapping every step; one refilled in place with -1 after an all-valid
+    # check makes index_copy_ raise (index out of range), it cannot write a wrong slot.
+    version = -1 if slot_mapping.is_inference() else slot_mapping._version
+    seen = getattr(slot_mapping, "_pagedkv_all_valid", None)
+    if seen is not None and seen[0] == version:
+        all_valid = seen[1]
+    else:
+        all_valid = slots.numel() == 0 or bool((slots >= 0).all())
+        slot_mapping._pagedkv_all_valid = (version, all_valid)
+    if all_valid:
         return (slots, *tensors)
     keep = slots >= 0
     return (slots[keep], *(t[keep] for t in tensors))

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 
 from pagedkv.bench.common import int_at_least
+from pagedkv.utils import passive_wait_warning
 
 # name -> module defining add_arguments(parser) and run(args) -> int
 BENCHES: dict[str, str] = {
@@ -25,6 +27,16 @@ BENCHES: dict[str, str] = {
 }
 
 
+def _with_wait_check(run):
+    """``run`` preceded by a stderr note when OMP_WAIT_POLICY=PASSIVE would slow the run."""
+    def checked(args: argparse.Namespace, *rest):
+        warning = passive_wait_warning(getattr(args, "threads", 1))
+        if warning is not None:
+            print(f"note: {warning}; the results record the policy", file=sys.stderr)
+        return run(args, *rest)
+    return checked
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("bench", help="run a benchmark (results under docs/benchmarks/)")
     sub = p.add_subparsers(dest="bench", required=True)
@@ -35,4 +47,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         bp.add_argument("--out-dir", default=None, help="where to write results (default docs/benchmarks/)")
         bp.add_argument("--threads", type=int_at_least(1), default=2, help="torch threads to pin (default 2)")
         mod.add_arguments(bp)
-        bp.set_defaults(func=mod.run)
+        bp.set_defaults(func=_with_wait_check(mod.run))

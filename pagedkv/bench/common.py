@@ -85,6 +85,7 @@ def machine_info(num_threads: int | None = None) -> dict[str, Any]:
         "memory_bytes": mem_bytes,
         "python": platform.python_version(),
         "torch_threads": num_threads if num_threads is not None else torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY") or "default",
         "packages": versions,
         "commit": git_commit(),
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

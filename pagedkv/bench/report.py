@@ -78,6 +78,7 @@ def write_results(
     m = data["machine"]
     footer = (
         f"\n_Machine: {m['machine']}, {m['cpu_count']} CPUs, torch threads {m['torch_threads']}, "
+        f"OMP_WAIT_POLICY {m.get('omp_wait_policy', 'default')}, "
         f"torch {m['packages'].get('torch')}, commit {m['commit']}, {m['time_utc']}._\n"
     )
     mpath.write_text(markdown.rstrip() + "\n" + footer)

@@ -39,7 +39,7 @@ from pagedkv.kv.tiers import StoreIdentity, ZmqEventPublisher, open_tiers, parse
 from pagedkv.model.loader import LoadedModel, load_model
 from pagedkv.model.quant import resolve_weights
 from pagedkv.attention.quant import FORMATS, check_group_size
-from pagedkv.utils import canonical_dtype, cdiv, kv_cache_dtype, profile_scope, torch_dtype
+from pagedkv.utils import canonical_dtype, cdiv, kv_cache_dtype, passive_wait_warning, profile_scope, torch_dtype
 from pagedkv.worker.runner import ModelRunner
 
 logger = logging.getLogger("pagedkv")
@@ -67,6 +67,8 @@ class LLMEngine:
             loaded = load_model(model, dtype=dtype, device=cfg.device, weights=weights)
             loaded.weights_reason = why
         logger.info("weights: %s (%s)", loaded.weights, loaded.weights_reason)
+        if (warning := passive_wait_warning(torch.get_num_threads())) is not None:
+            logger.warning(warning)
         self.loaded = loaded
         self.model_config = mc = loaded.config
         self.tokenizer = loaded.tokenizer

@@ -120,6 +120,10 @@ class DecoderLayer(nn.Module):
         # Tensor parallel (pagedkv.distributed): o_proj and down_proj are row-parallel shards and
         # this sums their partial outputs [T, H] over the ranks, in place. None = one device.
         self.all_reduce: Callable[[torch.Tensor], None] | None = None
+        # pagedkv.model.fused ops, set by LlamaForCausalLM for a float32 model on the CPU when
+        # this layer's shape allows them (no q/k norms, no sandwich norms); None = torch ops.
+        self.fusable = not config.qk_norm and not config.sandwich_norms
+        self.fused: Any = None
 
     def forward(
         self,
@@ -132,6 +136,8 @@ class DecoderLayer(nn.Module):
     ) -> None:
         """Add this block's attention and MLP outputs to the residual stream ``[T, H]``
         **in place**; ``cos``/``sin`` ``[T, 1, d/2]`` are the tokens' RoPE rows."""
+        if self.fused is not None and self.all_reduce is None:
+            return self._forward_fused(residual, cos, sin, kv_cache, md, backend)
         t = residual.shape[0]
         x = self._norm(residual, self.input_layernorm)
         qkv = self.qkv_proj(x)
@@ -167,6 +173,24 @@ class DecoderLayer(nn.Module):
             mlp_out = self._norm(mlp_out, self.post_feedforward_layernorm)
         residual.add_(mlp_out)
 
+    def _forward_fused(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: Any,
+                       md: AttentionMetadata, backend: AttentionBackend) -> None:
+        """``forward`` with the element-wise groups fused (``pagedkv.model.fused``): norm (and
+        the residual add before it), RoPE + q/k/v split, activation x up. Activations enter a
+        quantised matmul already in the bf16 its kernel rounds them to, and leave it in bf16."""
+        t, ops = residual.shape[0], self.fused
+        x = ops.add_rms_norm(residual, None, self.input_layernorm.weight, self.eps, self.norm_offset,
+                             _act_dtype(self.qkv_proj, t))
+        q, k, v = ops.rope_split(self.qkv_proj(x), cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
+        with profile_scope("pagedkv.attention"):
+            backend.write_kv(kv_cache, k, v, md.slot_mapping)
+            o = backend.forward(q, kv_cache, md, self.scale, **self.attn_options)
+        attn_out = self.o_proj(o.reshape(t, self.q_size))
+        x = ops.add_rms_norm(residual, attn_out, self.post_attention_layernorm.weight, self.eps, self.norm_offset,
+                             _act_dtype(self.gate_up_proj, t))
+        h = ops.act_mul(self.gate_up_proj(x), self.intermediate_size, self.gelu, _act_dtype(self.down_proj, t))
+        residual.add_(self.down_proj(h))
+
     def _norm(self, x: torch.Tensor, norm: "_RMSNormWeight") -> torch.Tensor:
         return _rms_norm(x, norm.weight, self.eps, self.norm_offset)
 
@@ -188,6 +212,13 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float =
     if x.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype).mul_(weight)
+
+
+def _act_dtype(linear: nn.Module, rows: int) -> torch.dtype:
+    """The dtype to hand ``linear`` a ``rows``-row input in: bf16 where its kernel rounds
+    to bf16 anyway (``QuantLinear.takes_bf16``), else float32."""
+    takes_bf16 = getattr(linear, "takes_bf16", None)
+    return torch.bfloat16 if takes_bf16 is not None and takes_bf16(rows) else torch.float32
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -249,6 +280,17 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_sin_local", local[1] if local else None, persistent=False)
         # sqrt(hidden) for Gemma, rounded to the model dtype as transformers does
         self.embed_scale = float(torch.tensor(config.embed_scale, dtype=dtype))
+        self._fused_state: str | None = None  # "on" / "off (why)" once the first forward ran
+
+    def _attach_fused(self) -> None:
+        """Give the fusable layers the fused CPU ops (float32 model on the CPU and the ops
+        built; ``PAGEDKV_FUSED=0`` keeps torch ops). Runs once, at the first forward."""
+        from pagedkv.model import fused
+
+        ops = fused.get() if self.device.type == "cpu" and self.dtype == torch.float32 else None
+        for layer in self.layers:
+            layer.fused = ops if layer.fusable else None
+        self._fused_state = "on" if ops is not None else f"off ({fused.build_error() or 'not a float32 CPU model'})"
 
     # ---- info for the engine -------------------------------------------------------------
     @property
@@ -314,6 +356,8 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"got {len(attn_metadata)} attention metadata for {len(self.layers)} layers")
         rope = [(t.index_select(0, positions).unsqueeze(1), u.index_select(0, positions).unsqueeze(1))  # [T, 1, d/2]
                 for t, u in ((self.rope_cos, self.rope_sin), (self.rope_cos_local, self.rope_sin_local)) if t is not None]
+        if self._fused_state is None:
+            self._attach_fused()
         residual = F.embedding(input_ids, self.embed_tokens.weight)  # fresh tensor: owned, mutated in place
         if self.embed_scale != 1.0:
             residual.mul_(self.embed_scale)

@@ -194,9 +194,16 @@ class QuantLinear(nn.Module):
     def _fast(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def takes_bf16(self, rows: int) -> bool:
+        """Whether a ``rows``-row input runs the bf16 kernel (its activations are rounded to
+        bf16 and the result comes back in bf16 before any cast): a caller may hand bf16 in."""
+        return self.route == "fast" and (rows <= KERNEL_ROWS or self.fmt == "bf16")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.route == "fast" and (x.shape[0] <= KERNEL_ROWS or self.fmt == "bf16"):
-            y = self._fast(x.to(torch.bfloat16)).to(x.dtype)
+        if self.takes_bf16(x.shape[0]):
+            y = self._fast(x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16))
+            if x.dtype != torch.bfloat16:
+                y = y.to(x.dtype)
         elif self.route == "fast":  # a prefill chunk: dequantise once, one wide matmul
             wide = torch.bfloat16 if self._wide_bf16 else x.dtype
             y = F.linear(x.to(wide), self.dequantize().to(wide)).to(x.dtype)

@@ -1,0 +1,133 @@
+"""Fused element-wise ops of the decoder layer on the CPU (``_fused_ops.c`` through ctypes).
+
+A decode step at batch 1 spends more time between the matmuls than in them when every norm,
+RoPE, activation and dtype conversion is its own torch call (docs/benchmarks/step.md). These
+three ops do each group in one pass, reading and writing float32 or bfloat16 (the dtype the
+neighbouring quantised matmul takes or returns, so no conversion calls remain):
+
+* ``add_rms_norm``: ``residual += delta`` (optional), then RMSNorm of the residual
+* ``rope_split``: the fused qkv rows -> RoPE'd q and k, and v (float32, contiguous)
+* ``act_mul``: ``act(gate) * up`` (SiLU or tanh-GELU) from the fused gate/up rows
+
+They run for float32 models on the CPU (``pagedkv.model.llama`` decides per layer); the
+torch path stays the reference and the fallback. ``get()`` returns ``None`` when there is no C
+compiler, the build fails, or ``PAGEDKV_FUSED=0``; ``build_error()`` says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from pagedkv.attention.cpu_kernel import compile_c
+
+_SRC = Path(__file__).with_name("_fused_ops.c")
+_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-fPIC", "-shared",
+          "-std=c11"]
+_DT = {torch.float32: 0, torch.bfloat16: 1}
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class FusedOps:
+    """Callable wrappers of the compiled ops. Inputs are checked for what the C code assumes
+    (dtype, device, unit last stride); a violation raises ``ValueError``."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        i32, i64, ptr, f32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+        self._norm = lib.pagedkv_add_rms_norm
+        self._norm.argtypes = [i64, i64, ptr, i64, ptr, i64, i32, ptr, f32, f32, ptr, i32]
+        self._rope = lib.pagedkv_rope_split
+        self._rope.argtypes = [i64, i32, i32, i32, ptr, i64, i32, ptr, ptr, ptr, ptr, ptr]
+        self._act = lib.pagedkv_act_mul
+        self._act.argtypes = [i64, i64, ptr, i64, i32, i32, ptr, i32]
+        for f in (self._norm, self._rope, self._act):
+            f.restype = None
+
+    @staticmethod
+    def _rows(t: torch.Tensor, name: str) -> None:
+        if t.device.type != "cpu" or t.dtype not in _DT or t.dim() != 2 or t.stride(1) != 1:
+            raise ValueError(f"{name}: need a CPU float32/bfloat16 [rows, cols] tensor with unit column stride, "
+                             f"got {t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}")
+
+    def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                     offset: float = 0.0, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``residual`` float32 ``[T, H]`` (updated in place by ``+= delta`` when ``delta``
+        ``[T, H]`` float32/bfloat16 is given); returns ``RMSNorm(residual) * (weight + offset)``
+        as a new contiguous ``[T, H]`` tensor in ``out_dtype`` (float32 or bfloat16)."""
+        self._rows(residual, "residual")
+        if residual.dtype != torch.float32 or weight.dtype != torch.float32 or not weight.is_contiguous():
+            raise ValueError("add_rms_norm: residual and weight must be float32 (weight contiguous)")
+        t, h = residual.shape
+        if delta is not None:
+            self._rows(delta, "delta")
+            if tuple(delta.shape) != (t, h):
+                raise ValueError(f"add_rms_norm: delta {tuple(delta.shape)} != residual {(t, h)}")
+        out = torch.empty(t, h, dtype=out_dtype)
+        self._norm(t, h, residual.data_ptr(), residual.stride(0), _ptr(delta), 0 if delta is None else delta.stride(0),
+                   _DT[delta.dtype] if delta is not None else 0, weight.data_ptr(), eps, offset, out.data_ptr(),
+                   _DT[out_dtype])
+        return out
+
+    def rope_split(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                   num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``qkv`` ``[T, (num_heads + 2 num_kv_heads) * head_dim]`` float32/bfloat16, ``cos``/
+        ``sin`` float32 contiguous ``[T, head_dim / 2]`` (any view of that size) ->
+        ``q`` ``[T, num_heads, head_dim]``, ``k`` and ``v`` ``[T, num_kv_heads, head_dim]``,
+        float32 contiguous, q and k rotated (rotate-half RoPE)."""
+        self._rows(qkv, "qkv")
+        t = qkv.shape[0]
+        if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or head_dim % 2:
+            raise ValueError(f"rope_split: qkv {tuple(qkv.shape)} does not hold {num_heads}+2x{num_kv_heads} heads "
+                             f"of {head_dim}")
+        for name, x in (("cos", cos), ("sin", sin)):
+            if x.dtype != torch.float32 or not x.is_contiguous() or x.numel() != t * head_dim // 2:
+                raise ValueError(f"rope_split: {name} must be float32 contiguous with {t} x {head_dim // 2} values")
+        q = torch.empty(t, num_heads, head_dim)
+        k = torch.empty(t, num_kv_heads, head_dim)
+        v = torch.empty(t, num_kv_heads, head_dim)
+        self._rope(t, num_heads, num_kv_heads, head_dim, qkv.data_ptr(), qkv.stride(0), _DT[qkv.dtype],
+                   cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr())
+        return q, k, v
+
+    def act_mul(self, gate_up: torch.Tensor, intermediate_size: int, gelu: bool = False,
+                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``gate_up`` ``[T, 2 I]`` float32/bfloat16 (gate columns, then up) -> ``act(gate) *
+        up`` ``[T, I]`` in ``out_dtype``; act = SiLU, or tanh-approximated GELU with ``gelu``."""
+        self._rows(gate_up, "gate_up")
+        t = gate_up.shape[0]
+        if gate_up.shape[1] != 2 * intermediate_size:
+            raise ValueError(f"act_mul: gate_up {tuple(gate_up.shape)} is not [T, 2 x {intermediate_size}]")
+        out = torch.empty(t, intermediate_size, dtype=out_dtype)
+        self._act(t, intermediate_size, gate_up.data_ptr(), gate_up.stride(0), _DT[gate_up.dtype], int(gelu),
+                  out.data_ptr(), _DT[out_dtype])
+        return out
+
+
+def get() -> FusedOps | None:
+    """The ops (built on first call), or ``None`` when unavailable."""
+    if "ops" in _state:
+        return _state["ops"]  # type: ignore[return-value]
+    if os.environ.get("PAGEDKV_FUSED", "1") == "0":
+        _state.update(ops=None, error="disabled by PAGEDKV_FUSED=0")
+        return None
+    with _lock:
+        if "ops" not in _state:
+            try:
+                _state["ops"] = FusedOps(compile_c(_SRC, "pagedkv_fused_ops", _FLAGS))
+            except Exception as exc:  # noqa: BLE001 - any failure means "use the torch path"
+                _state.update(ops=None, error=f"{type(exc).__name__}: {exc}")
+    return _state["ops"]  # type: ignore[return-value]
+
+
+def build_error() -> str | None:
+    """Why ``get()`` returned ``None`` (``None`` if it did not, or was not called yet)."""
+    return _state.get("error")  # type: ignore[return-value]
