@@ -79,6 +79,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-repeat", action="store_true",
                    help="skip the second pagedkv run after the peers (it brackets the peers, so a change in the "
                         "shared machine's load shows; ratios use the slower of the two pagedkv runs)")
+    p.add_argument("--compile-decode", action="store_true",
+                   help="pagedkv decode steps through torch.compile (compiled before timing; docs/performance.md)")
     p.add_argument("--weights", default="fp32",
                    help="pagedkv's linear-layer format: fp32 | bf16 | int8 | int4 | auto (default fp32, the "
                         "transformers peers' precision; int4 keeps the GGUF's Q4_1 codes, llama.cpp's weights; "
@@ -191,7 +193,8 @@ def run_peers(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None
     outputs: dict[str, list[list[int]]] = {}
     engine_kwargs = dict(kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens, dtype="float32",
-                         max_model_len=max(r.prompt_len + r.output_len for r in reqs) + 16)
+                         max_model_len=max(r.prompt_len + r.output_len for r in reqs) + 16,
+                         compile_decode=args.compile_decode)
 
     def attempt(name: str, fn: Any, *a: Any) -> None:
         log(f"[peers] {name} ...")
@@ -297,6 +300,8 @@ def _vocab_size(loaded: Any, hf_model: Any) -> int:
 def run(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None) -> int:
     data = run_peers(args, loaded=loaded, hf_model=hf_model, progress=not args.json)
     name = NAME if args.weights == "fp32" else f"{NAME}_{data['config']['pagedkv_weights'] or args.weights}"
+    if args.compile_decode:
+        name += "_compiled"
     publish(name, data, render_markdown, args.out_dir, as_json=args.json,
             plots=None if args.no_plot else single_plot(name, "output tokens/s and TTFT per system", plot))
     return 0

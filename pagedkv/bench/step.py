@@ -39,6 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         ("--block-size", 16, "tokens per KV block (default 16)"),
     ])
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled model)")
+    p.add_argument("--compile-decode", action="store_true",
+                   help="pagedkv decode steps through torch.compile (compiled before timing; docs/performance.md)")
     p.add_argument("--weights", default="fp32",
                    help="linear-layer format: fp32 | bf16 | int8 | int4 | auto (default fp32; see docs/weights.md)")
 
@@ -49,7 +51,8 @@ def _engine(loaded: Any, args: Any, max_batch: int) -> Any:
     tokens = max_batch * (PROMPT_LEN + 4 * args.steps + 8) + args.prefill_len + 64
     return LLMEngine(loaded, dtype="float32", block_size=args.block_size,
                      num_blocks=tokens // args.block_size + 64, max_num_seqs=max(max_batch, 1),
-                     max_num_batched_tokens=max(args.prefill_len, 512))
+                     max_num_batched_tokens=max(args.prefill_len, 512),
+                     compile_decode=getattr(args, "compile_decode", False))
 
 
 def _costs(model: Any, weights: str, kv_bytes_per_token: int, tokens: int, rows: int,
@@ -126,7 +129,8 @@ def collect(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
         c["host_and_small_ops_ms"] = c["parts_ms"]["host"] + c["parts_ms"]["other_ops"]
     return {
         "config": {"batches": batches, "prefill_len": args.prefill_len, "steps": args.steps,
-                   "block_size": args.block_size, "prompt_len": PROMPT_LEN, "weights": weights_of(loaded)},
+                   "block_size": args.block_size, "prompt_len": PROMPT_LEN, "weights": weights_of(loaded),
+                   "compile_decode": bool(getattr(args, "compile_decode", False))},
         "machine_limits": {"copy_bandwidth_gb_s": bw / 1e9, "matmul_peak_gflop_s": peak / 1e9},
         "weight_bytes": weight_bytes(dec, head),
         "cases": cases,
@@ -145,7 +149,8 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
         rows.append(row)
     wb = data["weight_bytes"]
     return (
-        f"# Per-step profile\n\n`pagedkv bench step --weights {data['config']['weights']}` (torch threads pinned to "
+        f"# Per-step profile\n\n`pagedkv bench step --weights {data['config']['weights']}"
+        f"{' --compile-decode' if data['config'].get('compile_decode') else ''}` (torch threads pinned to "
         f"{data['machine']['torch_threads']}). Measured here: copy bandwidth "
         f"{lim['copy_bandwidth_gb_s']:.1f} GB/s (read + write), fp32 matmul peak "
         f"{lim['matmul_peak_gflop_s']:.0f} GFLOP/s. Linear + LM head weight bytes per step: "
@@ -181,6 +186,8 @@ def _draw(data: dict[str, Any], path: Any) -> None:
 def run(args: argparse.Namespace, loaded: Any = None) -> int:
     data = collect(args, loaded)
     name = "step" if data["config"]["weights"] == "fp32" else f"step_{data['config']['weights']}"
+    if data["config"].get("compile_decode"):
+        name += "_compiled"
     publish(name, data, render_markdown, args.out_dir, plots=single_plot(name, "step time breakdown", _draw),
             as_json=args.json)
     return 0

@@ -44,6 +44,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-events", default=None, metavar="ENDPOINT",
                    help="publish KV events over ZeroMQ, e.g. tcp://127.0.0.1:5557 (replay socket: port + 1)")
     g.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT", help="the replay socket's endpoint")
+    g.add_argument("--compile-decode", action="store_true",
+                   help="run decode steps (<= 64 tokens) through torch.compile: ~80 s per graph at the first start "
+                        "on a 2-core CPU, cached under ~/.cache/pagedkv/inductor (docs/performance.md)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -63,6 +66,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         kv_offload=getattr(args, "kv_offload", None), kv_events=getattr(args, "kv_events", None),
         kv_events_replay=getattr(args, "kv_events_replay", None),
+        compile_decode=getattr(args, "compile_decode", False),
     )
 
 

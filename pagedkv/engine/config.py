@@ -60,6 +60,9 @@ class EngineConfig:
     # endpoint (default: the same host, port + 1); turns prefix caching on
     kv_events: Optional[str] = None
     kv_events_replay: Optional[str] = None
+    # decode steps (up to 64 tokens) through torch.compile (pagedkv.model.compiled): compiled at
+    # start-up, ~80 s per graph the first time on a 2-core CPU, cached afterwards
+    compile_decode: bool = False
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> "EngineConfig":
@@ -112,6 +115,10 @@ class EngineConfig:
             raise ConfigError(f"device: unknown device {self.device!r}") from None
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device: CUDA is not available on this machine")
+        if not isinstance(self.compile_decode, bool):
+            raise ConfigError(f"compile_decode must be True or False, got {self.compile_decode!r}")
+        if self.compile_decode and (dev.type != "cpu" or self.tensor_parallel_size != 1):
+            raise ConfigError("compile_decode: CPU and tensor_parallel_size 1 only")
         self._validate_kv_tiers()
 
     def _validate_kv_tiers(self) -> None:

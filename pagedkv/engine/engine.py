@@ -36,6 +36,7 @@ from pagedkv.engine.stats import EngineStats, collect_stats
 from pagedkv.errors import ConfigError, InvalidRequestError
 from pagedkv.kv import CacheKeys, KVCacheSpec, parse_size
 from pagedkv.kv.tiers import StoreIdentity, ZmqEventPublisher, open_tiers, parse_tier_specs, replay_endpoint_for
+from pagedkv.model.compiled import compile_decode
 from pagedkv.model.loader import LoadedModel, load_model
 from pagedkv.model.quant import resolve_weights
 from pagedkv.attention.quant import FORMATS, check_group_size
@@ -114,6 +115,7 @@ class LLMEngine:
                 block_size=cfg.block_size, dtype=dtype, device=cfg.device,
                 kv_cache_dtype=self.kv_cache_dtype, kv_quant_group_size=self.kv_quant_group_size,
             )
+        loaded.model.compiled = compile_decode(loaded.model) if cfg.compile_decode else None
         self.kv_tiers, self.kv_stores, self.kv_events = self._open_kv_tiers(mc, dtype)
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=num_blocks, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,

@@ -71,8 +71,10 @@ def apply_logit_bias(logits: torch.Tensor, req: Request) -> torch.Tensor:
 
 def _check_finite(logits: torch.Tensor, requests: Sequence[Request]) -> None:
     """Raise :class:`SamplingError` for rows of ``logits`` ``[R, vocab]`` with a NaN or +inf,
-    or no finite value at all (softmax of those is NaN). One pass when all are finite."""
-    if bool(torch.isfinite(logits).all()):
+    or no finite value at all (softmax of those is NaN). One reduction when all are finite:
+    the sum is finite only if every value is (a finite sum that overflows, or a -inf from a
+    logit bias, takes the exact path below)."""
+    if math.isfinite(float(logits.sum())):
         return
     bad = torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1) | torch.isneginf(logits).all(-1)
     if bool(bad.any()):

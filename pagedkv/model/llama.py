@@ -138,6 +138,19 @@ class DecoderLayer(nn.Module):
         **in place**; ``cos``/``sin`` ``[T, 1, d/2]`` are the tokens' RoPE rows."""
         if self.fused is not None and self.all_reduce is None:
             return self._forward_fused(residual, cos, sin, kv_cache, md, backend)
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            with profile_scope("pagedkv.attention"):
+                backend.write_kv(kv_cache, k, v, md.slot_mapping)
+                return backend.forward(q, kv_cache, md, self.scale, **self.attn_options)
+
+        self.forward_with(residual, cos, sin, attend)
+
+    def forward_with(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        """The torch-op body of ``forward``: ``attend(q [T, Hq, d], k, v [T, Hkv, d]) -> [T, Hq, d]``
+        writes k/v to the cache and attends (``pagedkv.model.compiled`` passes a custom op, so
+        that ``torch.compile`` traces this body without entering the backend)."""
         t = residual.shape[0]
         x = self._norm(residual, self.input_layernorm)
         qkv = self.qkv_proj(x)
@@ -147,9 +160,7 @@ class DecoderLayer(nn.Module):
             q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
         v = qkv[:, self.q_size + self.kv_size :].reshape(t, self.num_kv_heads, self.head_dim).contiguous()
-        with profile_scope("pagedkv.attention"):
-            backend.write_kv(kv_cache, k, v, md.slot_mapping)
-            o = backend.forward(q, kv_cache, md, self.scale, **self.attn_options)
+        o = attend(q, k, v)
         attn_out = self.o_proj(o.reshape(t, self.q_size))
         if self.all_reduce is not None:
             self.all_reduce(attn_out)
@@ -227,13 +238,7 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     ``out[:half] = x1*cos - x2*sin``, ``out[half:] = x2*cos + x1*sin``."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    o1, o2 = out[..., :half], out[..., half:]
-    torch.mul(x1, cos, out=o1)
-    o1.sub_(x2 * sin)
-    torch.mul(x2, cos, out=o2)
-    o2.add_(x1 * sin)
-    return out
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)  # (no out=: torch.compile traces it)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -281,6 +286,7 @@ class LlamaForCausalLM(nn.Module):
         # sqrt(hidden) for Gemma, rounded to the model dtype as transformers does
         self.embed_scale = float(torch.tensor(config.embed_scale, dtype=dtype))
         self._fused_state: str | None = None  # "on" / "off (why)" once the first forward ran
+        self.compiled: Any = None  # a pagedkv.model.compiled.CompiledDecode once enabled
 
     def _attach_fused(self) -> None:
         """Give the fusable layers the fused CPU ops (float32 model on the CPU and the ops
@@ -354,16 +360,40 @@ class LlamaForCausalLM(nn.Module):
         per_layer = not isinstance(attn_metadata, AttentionMetadata)
         if per_layer and len(attn_metadata) != len(self.layers):
             raise ValueError(f"got {len(attn_metadata)} attention metadata for {len(self.layers)} layers")
-        rope = [(t.index_select(0, positions).unsqueeze(1), u.index_select(0, positions).unsqueeze(1))  # [T, 1, d/2]
-                for t, u in ((self.rope_cos, self.rope_sin), (self.rope_cos_local, self.rope_sin_local)) if t is not None]
+        if self.compiled is not None and self.compiled.accepts(input_ids.shape[0]):
+            out = self.compiled(input_ids, positions, kv_caches, attn_metadata, backend)
+            if out is not None:  # None: the compiler failed (logged); run eager
+                return out
         if self._fused_state is None:
             self._attach_fused()
-        residual = F.embedding(input_ids, self.embed_tokens.weight)  # fresh tensor: owned, mutated in place
-        if self.embed_scale != 1.0:
-            residual.mul_(self.embed_scale)
+        rope, residual = self._rope_rows(positions), self._embed(input_ids)
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             cos, sin = rope[1 if layer.local_rope else 0]
             layer(residual, cos, sin, cache, attn_metadata[i] if per_layer else attn_metadata, backend)
+        return self._final_norm(residual)
+
+    def forward_with(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                     attend_for: Callable[[int], Callable[..., torch.Tensor]]) -> torch.Tensor:
+        """``forward``'s torch-op body with layer ``i``'s attention ``attend_for(i)`` (see
+        ``DecoderLayer.forward_with``): what ``pagedkv.model.compiled`` traces."""
+        rope, residual = self._rope_rows(positions), self._embed(input_ids)
+        for i, layer in enumerate(self.layers):
+            cos, sin = rope[1 if layer.local_rope else 0]
+            layer.forward_with(residual, cos, sin, attend_for(i))
+        return self._final_norm(residual)
+
+    def _rope_rows(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(cos, sin)`` ``[T, 1, d/2]`` of the tokens, global RoPE then (Gemma-3) local."""
+        return [(t.index_select(0, positions).unsqueeze(1), u.index_select(0, positions).unsqueeze(1))
+                for t, u in ((self.rope_cos, self.rope_sin), (self.rope_cos_local, self.rope_sin_local)) if t is not None]
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        residual = F.embedding(input_ids, self.embed_tokens.weight)  # fresh tensor: owned, mutated in place
+        if self.embed_scale != 1.0:
+            residual.mul_(self.embed_scale)
+        return residual
+
+    def _final_norm(self, residual: torch.Tensor) -> torch.Tensor:
         return _rms_norm(residual, self.norm.weight, self.config.rms_norm_eps, self.config.norm_offset)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

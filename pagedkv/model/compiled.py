@@ -1,0 +1,153 @@
+"""Compiled decode steps: the decoder's torch ops through ``torch.compile`` (inductor's C++ code
+generation, with its C++ wrapper), attention kept as one custom op per layer.
+
+On a CPU a batch-1 decode step of a small model is mostly Python: about a hundred torch calls
+per layer, each cheap alone (docs/performance.md). Compiled, a step is one call into generated
+C++ that runs the matmuls (the same int4/int8/bf16/fp32 kernels as eager), fuses the
+element-wise ops between them, and calls back into Python once per layer for paged attention:
+``pagedkv::layer_attention`` writes the layer's K/V through ``slot_mapping`` and attends over
+its block table with the engine's backend (``backend.write_kv`` + ``backend.forward``), exactly
+as the eager path does. The graph never sees the KV cache or the metadata, so one graph serves
+every batch composition, block table and context length.
+
+Graphs: one for a single row (batch-1 decode), one with the row count dynamic (2 ..
+``max_rows``); larger steps (prefill chunks) run eagerly. :meth:`CompiledDecode.warm_up`
+compiles both at start-up (about 80 s each the first time on a 2-core machine, seconds once
+inductor's cache under ``~/.cache/pagedkv/inductor`` holds them). If compilation fails (no C++
+compiler, an unsupported op) the model falls back to eager and says why (``failed``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any, Callable, Sequence
+
+import torch
+
+from pagedkv.attention.base import AttentionBackend, AttentionMetadata
+from pagedkv.utils import profile_scope
+
+logger = logging.getLogger(__name__)
+_STEP = threading.local()  # .attend: (layer, q, k, v) -> out, set for the duration of a step
+
+
+@torch.library.custom_op("pagedkv::layer_attention", mutates_args=())
+def layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    """Layer ``layer``'s paged attention inside a compiled step: ``q`` ``[T, Hq, d]``, ``k``/``v``
+    ``[T, Hkv, d]`` -> ``[T, Hq, d]`` (writes k/v into the layer's cache). Raises
+    ``RuntimeError`` outside :meth:`CompiledDecode.__call__`."""
+    attend = getattr(_STEP, "attend", None)
+    if attend is None:
+        raise RuntimeError("pagedkv::layer_attention runs only inside a compiled decode step")
+    return attend(layer, q, k, v)
+
+
+@layer_attention.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+def _attend_for(i: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    return lambda q, k, v: torch.ops.pagedkv.layer_attention(q, k, v, i)
+
+
+def inductor_cache_dir() -> str:
+    """Where inductor keeps compiled code: ``$TORCHINDUCTOR_CACHE_DIR`` if set, else
+    ``$PAGEDKV_CACHE_DIR/inductor`` (default ``~/.cache/pagedkv/inductor``), set here."""
+    if not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        base = os.environ.get("PAGEDKV_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagedkv")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, "inductor")
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
+class CompiledDecode:
+    """The compiled forward of ``model`` (a ``LlamaForCausalLM``) for steps of 1 ..
+    ``max_rows`` tokens. ``LlamaForCausalLM.forward`` calls it when :meth:`accepts` says so."""
+
+    def __init__(self, model: torch.nn.Module, max_rows: int = 64) -> None:
+        self.model = model
+        self.max_rows = max_rows
+        self.failed: str | None = None  # why compiled steps stopped (eager from then on)
+        self.steps = 0  # steps run compiled
+        self.cache_dir = inductor_cache_dir()
+        self._fn = torch.compile(self._traced, dynamic=None, options={"cpp_wrapper": True})
+
+    def _traced(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model.forward_with(input_ids, positions, _attend_for)
+
+    def accepts(self, rows: int) -> bool:
+        """Whether a step of ``rows`` tokens runs compiled (not after a failure, not for tensor
+        parallel shards, whose all-reduce stays eager)."""
+        return (self.failed is None and 1 <= rows <= self.max_rows
+                and all(layer.all_reduce is None for layer in self.model.layers))
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[Any],
+                 attn_metadata: AttentionMetadata | Sequence[AttentionMetadata],
+                 backend: AttentionBackend) -> torch.Tensor | None:
+        """``LlamaForCausalLM.forward``'s result, or ``None`` (caller runs eager) when the
+        compiler failed; the failure is logged once and kept in ``failed``."""
+        per_layer = not isinstance(attn_metadata, AttentionMetadata)
+        layers = self.model.layers
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            md = attn_metadata[i] if per_layer else attn_metadata
+            with profile_scope("pagedkv.attention"):
+                backend.write_kv(kv_caches[i], k, v, md.slot_mapping)
+                return backend.forward(q, kv_caches[i], md, layers[i].scale, **layers[i].attn_options)
+
+        return self._run(attend, input_ids, positions)
+
+    def _run(self, attend: Callable[..., torch.Tensor], input_ids: torch.Tensor,
+             positions: torch.Tensor) -> torch.Tensor | None:
+        _STEP.attend = attend
+        try:
+            out = self._fn(input_ids, positions)
+            self.steps += 1
+            return out
+        except Exception as exc:  # noqa: BLE001 - a compiler failure means "run eager"
+            if self._is_compile_error(exc):
+                self.failed = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
+                logger.warning("compiled decode disabled, running eager: %s", self.failed)
+                return None
+            raise
+        finally:
+            _STEP.attend = None
+
+    @staticmethod
+    def _is_compile_error(exc: Exception) -> bool:
+        # torch._dynamo.exc.BackendCompilerFailed / InductorError / a C++ build error; an error
+        # raised by the model's own code (a BackendError from attention) propagates unchanged
+        mod = type(exc).__module__ or ""
+        return mod.startswith(("torch._dynamo", "torch._inductor")) or "CppCompileError" in type(exc).__name__
+
+    def warm_up(self, progress: bool = True) -> float:
+        """Compile both graphs now (a 1-row and a 2-row step through a stand-in attention that
+        returns zeros and writes nothing). Returns the seconds it took."""
+        import time
+
+        from tqdm import tqdm
+
+        t0 = time.perf_counter()
+        dev = self.model.device
+        sizes = [n for n in (1, 2) if n <= self.max_rows]
+        bar = tqdm(sizes, desc="compiling decode steps (cached after the first run)", unit="graph",
+                   disable=not progress)
+        for n in bar:
+            ids = torch.zeros(n, dtype=torch.int64, device=dev)
+            with torch.inference_mode():
+                self._run(lambda i, q, k, v: torch.zeros_like(q), ids, ids.clone())
+            if self.failed is not None:
+                break
+        return time.perf_counter() - t0
+
+
+def compile_decode(model: torch.nn.Module, max_rows: int = 64, progress: bool = True) -> CompiledDecode:
+    """A warmed :class:`CompiledDecode` of ``model`` (what ``LLMEngine(compile_decode=True)``
+    attaches as ``model.compiled``). Compile failures are logged and leave it eager."""
+    cd = CompiledDecode(model, max_rows)
+    seconds = cd.warm_up(progress)
+    if cd.failed is None:
+        logger.info("compiled decode steps of 1..%d tokens in %.1f s (cache %s)", max_rows, seconds, cd.cache_dir)
+    return cd

@@ -1,0 +1,124 @@
+"""Compiled decode steps (pagedkv.model.compiled) against the eager model: the same greedy tokens
+through the engine, the same hidden states, eager fallback when the compiler fails."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedkv.engine.engine import LLMEngine
+from pagedkv.engine.request import SamplingParams
+from pagedkv.errors import ConfigError
+from pagedkv.model import compiled as C
+from pagedkv.testing.tiny import tiny_random_model
+
+
+@pytest.fixture(scope="module")
+def tiny(loaded_model):
+    return tiny_random_model(loaded_model, seed=5)
+
+
+def _greedy(loaded, **kw):
+    """Three requests of different lengths (decode steps of 3, 2, then 1 rows) -> token ids."""
+    eng = LLMEngine(loaded, dtype="float32", block_size=16, num_blocks=64, max_num_seqs=4, **kw)
+    prompts = {"a": [(i * 37 + 3) % 3000 + 5 for i in range(21)], "b": [7, 99, 1234, 56], "c": list(range(300, 340))}
+    for rid, n in zip(prompts, (30, 12, 6)):
+        eng.add_request(rid, prompts[rid], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    out = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                out[o.request_id] = list(o.token_ids)
+    return eng, out
+
+
+def test_compiled_decode_gives_the_eager_tokens(tiny):
+    _, eager = _greedy(tiny)
+    assert tiny.model.compiled is None
+    eng, comp = _greedy(tiny, compile_decode=True)
+    cd = tiny.model.compiled
+    assert isinstance(cd, C.CompiledDecode) and cd.failed is None, cd.failed
+    # 30 decode steps of 1-3 rows ran compiled (2 more were the warm-up); prefill chunks did not
+    assert cd.steps >= 2 + 29
+    assert comp == eager and [len(comp[k]) for k in "abc"] == [30, 12, 6]
+    # one step by hand, decode rows of two sequences in shuffled blocks: the same hidden states
+    # and the same cache contents as eager, to float32 rounding
+    from pagedkv.attention import get_backend
+    from pagedkv.attention.base import AttentionMetadata
+
+    backend = get_backend("cpu")
+    md = AttentionMetadata.build([9, 20], [1, 2], [[3], [5, 1]], 16)
+    ids, pos = torch.tensor([11, 12, 13]), torch.tensor([8, 18, 19])
+    outs, before = [], cd.steps
+    for use in (cd, None):
+        tiny.model.compiled = use
+        caches = tiny.model.allocate_kv_caches(backend, num_blocks=8, block_size=16)
+        gen = torch.Generator().manual_seed(0)
+        for c in caches:  # the context before this step
+            c.key.copy_(torch.randn(c.key.shape, generator=gen))
+            c.value.copy_(torch.randn(c.value.shape, generator=gen))
+        with torch.inference_mode():
+            outs.append((tiny.model(ids, pos, caches, md, backend), caches))
+    assert cd.steps == before + 1  # the first run was compiled, the second eager
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(outs[0][1], outs[1][1]):
+        torch.testing.assert_close(a.key, b.key, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.value, b.value, rtol=1e-5, atol=1e-5)
+    tiny.model.compiled = cd
+    LLMEngine(tiny, dtype="float32", num_blocks=8)  # an engine without the option detaches it
+    assert tiny.model.compiled is None
+
+
+def test_compiler_failure_falls_back_to_eager(tiny, monkeypatch):
+    _, eager = _greedy(tiny)
+
+    class InductorError(Exception):
+        pass
+
+    InductorError.__module__ = "torch._inductor.exc"
+
+    def broken(*a, **k):
+        raise InductorError("C++ compile failed: no compiler")
+
+    monkeypatch.setattr(C.CompiledDecode, "warm_up", lambda self, progress=True: 0.0)
+    monkeypatch.setattr(C.CompiledDecode, "__init__", _init_with(broken))
+    _, got = _greedy(tiny, compile_decode=True)
+    cd = tiny.model.compiled
+    assert cd.failed == "InductorError: C++ compile failed: no compiler" and cd.steps == 0
+    assert not cd.accepts(1)
+    assert got == eager
+
+
+def _init_with(fn):
+    def init(self, model, max_rows=64):
+        self.model, self.max_rows, self.failed, self.steps, self.cache_dir = model, max_rows, None, 0, "-"
+        self._fn = fn
+    return init
+
+
+def test_model_errors_are_not_swallowed(tiny, monkeypatch):
+    def boom(*a, **k):
+        raise ValueError("a bug in the model code")
+
+    monkeypatch.setattr(C.CompiledDecode, "__init__", _init_with(boom))
+    cd = C.CompiledDecode(tiny.model)
+    with pytest.raises(ValueError, match="a bug"):
+        cd._run(lambda *a: None, torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
+    assert cd.failed is None
+
+
+def test_layer_attention_outside_a_step_and_bad_options():
+    with pytest.raises(RuntimeError, match="only inside a compiled decode step"):
+        torch.ops.pagedkv.layer_attention(torch.zeros(1, 2, 4), torch.zeros(1, 1, 4), torch.zeros(1, 1, 4), 0)
+    with pytest.raises(ConfigError, match="compile_decode must be True or False"):
+        LLMEngine(None, compile_decode="yes")
+    with pytest.raises(ConfigError, match="tensor_parallel_size 1 only"):
+        LLMEngine(None, compile_decode=True, tensor_parallel_size=2)
+
+
+def test_inductor_cache_goes_under_the_pagedkv_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path))
+    assert C.inductor_cache_dir() == str(tmp_path / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/else")
+    assert C.inductor_cache_dir() == "/somewhere/else"
