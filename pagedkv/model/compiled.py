@@ -72,7 +72,9 @@ class CompiledDecode:
         self.failed: str | None = None  # why compiled steps stopped (eager from then on)
         self.steps = 0  # steps run compiled
         self.cache_dir = inductor_cache_dir()
-        self._fn = torch.compile(self._traced, dynamic=None, options={"cpp_wrapper": True})
+        # freezing: the weights are constants of the graph (inference only), which drops them
+        # from the per-call inputs and guards (measured 13.5 vs 14.5 ms per batch-1 int4 step)
+        self._fn = torch.compile(self._traced, dynamic=None, options={"cpp_wrapper": True, "freezing": True})
 
     def _traced(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model.forward_with(input_ids, positions, _attend_for)
