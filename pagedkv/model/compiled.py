@@ -27,7 +27,6 @@ from typing import Any, Callable, Sequence
 import torch
 
 from pagedkv.attention.base import AttentionBackend, AttentionMetadata
-from pagedkv.utils import profile_scope
 
 logger = logging.getLogger(__name__)
 _STEP = threading.local()  # .attend: (layer, q, k, v) -> out, set for the duration of a step
@@ -94,10 +93,7 @@ class CompiledDecode:
         layers = self.model.layers
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            md = attn_metadata[i] if per_layer else attn_metadata
-            with profile_scope("pagedkv.attention"):
-                backend.write_kv(kv_caches[i], k, v, md.slot_mapping)
-                return backend.forward(q, kv_caches[i], md, layers[i].scale, **layers[i].attn_options)
+            return layers[i].attention(q, k, v, kv_caches[i], attn_metadata[i] if per_layer else attn_metadata, backend)
 
         return self._run(attend, input_ids, positions)
 

@@ -139,12 +139,15 @@ class DecoderLayer(nn.Module):
         if self.fused is not None and self.all_reduce is None:
             return self._forward_fused(residual, cos, sin, kv_cache, md, backend)
 
-        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            with profile_scope("pagedkv.attention"):
-                backend.write_kv(kv_cache, k, v, md.slot_mapping)
-                return backend.forward(q, kv_cache, md, self.scale, **self.attn_options)
+        self.forward_with(residual, cos, sin, lambda q, k, v: self.attention(q, k, v, kv_cache, md, backend))
 
-        self.forward_with(residual, cos, sin, attend)
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Any, md: AttentionMetadata,
+                  backend: AttentionBackend) -> torch.Tensor:
+        """Write ``k``/``v`` ``[T, Hkv, d]`` at ``md.slot_mapping`` and attend ``q`` ``[T, Hq, d]``
+        over each sequence's paged context with this layer's window / soft-cap -> ``[T, Hq, d]``."""
+        with profile_scope("pagedkv.attention"):
+            backend.write_kv(kv_cache, k, v, md.slot_mapping)
+            return backend.forward(q, kv_cache, md, self.scale, **self.attn_options)
 
     def forward_with(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
@@ -193,9 +196,7 @@ class DecoderLayer(nn.Module):
         x = ops.add_rms_norm(residual, None, self.input_layernorm.weight, self.eps, self.norm_offset,
                              _act_dtype(self.qkv_proj, t))
         q, k, v = ops.rope_split(self.qkv_proj(x), cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
-        with profile_scope("pagedkv.attention"):
-            backend.write_kv(kv_cache, k, v, md.slot_mapping)
-            o = backend.forward(q, kv_cache, md, self.scale, **self.attn_options)
+        o = self.attention(q, k, v, kv_cache, md, backend)
         attn_out = self.o_proj(o.reshape(t, self.q_size))
         x = ops.add_rms_norm(residual, attn_out, self.post_attention_layernorm.weight, self.eps, self.norm_offset,
                              _act_dtype(self.gate_up_proj, t))
