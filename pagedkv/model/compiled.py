@@ -133,9 +133,12 @@ class CompiledDecode:
         bar = tqdm(sizes, desc="compiling decode steps (cached after the first run)", unit="graph",
                    disable=not progress)
         for n in bar:
-            ids = torch.zeros(n, dtype=torch.int64, device=dev)
+            # inputs made outside inference mode, as the runner makes them: dynamo guards on a
+            # tensor's dispatch keys, and an inference tensor here would compile graphs that
+            # the real steps then miss (and recompile)
+            ids, positions = torch.zeros(n, dtype=torch.int64, device=dev), torch.zeros(n, dtype=torch.int64, device=dev)
             with torch.inference_mode():
-                self._run(lambda i, q, k, v: torch.zeros_like(q), ids, ids.clone())
+                self._run(lambda i, q, k, v: torch.zeros_like(q), ids, positions)
             if self.failed is not None:
                 break
         return time.perf_counter() - t0
