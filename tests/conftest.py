@@ -24,6 +24,11 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(2)
+if not torch.cuda.is_available():
+    # Triton runs its CPU interpreter only if this is set before triton is first imported, and
+    # torch._dynamo (compiled decode, tests/model/test_compiled.py) imports triton: set it
+    # before any test module can, whatever order the tests are collected in
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 STRICT = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")

@@ -36,9 +36,6 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # query/output; plain caches li
 # items than 4x the threads).
 MIN_SPLIT_LEN = 512
 
-_lock = threading.Lock()
-_MISSING = object()
-_state: dict[str, object] = {}
 
 
 def _cpu_flags() -> str:
@@ -63,9 +60,9 @@ def _cache_dir() -> Path:
     return Path(base)
 
 
-def compile_c(src_path: Path, stem: str, flags: Sequence[str] = _FLAGS) -> ctypes.CDLL:
+def compile_c(src_path: Path, stem: str, flags: Sequence[str]) -> ctypes.CDLL:
     """Compile the C file ``src_path`` (no Python or torch headers) into a shared object and
-    load it. The object is cached under ``$PAGEDKV_CACHE_DIR`` (default ``~/.cache/pagedkv``)
+    load it with ``flags`` (e.g. ``-O3 -march=native -fopenmp -fPIC -shared``). The object is cached under ``$PAGEDKV_CACHE_DIR`` (default ``~/.cache/pagedkv``)
     as ``{stem}_{key}.so``, keyed by the source, compiler, flags and the CPU's feature flags.
     Raises ``RuntimeError`` when there is no compiler or the build fails."""
     cc = _compiler()
@@ -92,7 +89,7 @@ def compile_c(src_path: Path, stem: str, flags: Sequence[str] = _FLAGS) -> ctype
 
 
 def _build() -> ctypes.CDLL:
-    lib = compile_c(_SRC, "pagedkv_cpu_kernel")
+    lib = compile_c(_SRC, "pagedkv_cpu_kernel", _FLAGS)  # _FLAGS read now: a test swaps -march
     f = lib.pagedkv_paged_attention
     i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
     f.argtypes = [i32, i32, i32, i32, i32, i32, ctypes.c_float,
@@ -180,25 +177,43 @@ class KernelInputs:
         self.ids_ptr, self.qls_ptr, self.n = self.ids.data_ptr(), self.qls.data_ptr(), len(seq_ids)
 
 
+class BuiltOnce:
+    """A compiled helper built on first use, shared by the process: ``get()`` returns it, or
+    ``None`` (callers use their torch path) when ``env_var`` is ``"0"`` or ``build()`` raised;
+    ``error()`` says why."""
+
+    def __init__(self, env_var: str, build) -> None:
+        self._env_var, self._build = env_var, build
+        self._lock = threading.Lock()
+        self._state: dict[str, object] = {}
+
+    def get(self):
+        if "value" in self._state:
+            return self._state["value"]
+        if os.environ.get(self._env_var, "1") == "0":
+            self._state.update(value=None, error=f"disabled by {self._env_var}=0")
+            return None
+        with self._lock:
+            if "value" not in self._state:
+                try:
+                    self._state["value"] = self._build()
+                except Exception as exc:  # noqa: BLE001 - any failure means "use the torch path"
+                    self._state.update(value=None, error=f"{type(exc).__name__}: {exc}")
+        return self._state["value"]
+
+    def error(self) -> str | None:
+        """Why ``get()`` returned ``None`` (``None`` if it did not, or was not called yet)."""
+        return self._state.get("error")  # type: ignore[return-value]
+
+
+_KERNEL = BuiltOnce("PAGEDKV_CPU_KERNEL", lambda: CPUKernel(_build()))
+
+
 def get() -> CPUKernel | None:
     """The kernel (built on first call), or ``None`` when unavailable."""
-    k = _state.get("kernel", _MISSING)
-    if k is not _MISSING:
-        return k  # type: ignore[return-value]
-    if os.environ.get("PAGEDKV_CPU_KERNEL", "1") == "0":
-        _state["kernel"] = None
-        _state["error"] = "disabled by PAGEDKV_CPU_KERNEL=0"
-        return None
-    with _lock:
-        if "kernel" not in _state:
-            try:
-                _state["kernel"] = CPUKernel(_build())
-            except Exception as exc:  # noqa: BLE001 - any failure means "use the torch path"
-                _state["kernel"] = None
-                _state["error"] = f"{type(exc).__name__}: {exc}"
-    return _state["kernel"]  # type: ignore[return-value]
+    return _KERNEL.get()
 
 
 def build_error() -> str | None:
     """Why ``get()`` returned ``None`` (``None`` if it did not, or was not called yet)."""
-    return _state.get("error")  # type: ignore[return-value]
+    return _KERNEL.error()

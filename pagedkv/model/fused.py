@@ -17,20 +17,18 @@ compiler, the build fails, or ``PAGEDKV_FUSED=0``; ``build_error()`` says why.
 from __future__ import annotations
 
 import ctypes
-import os
-import threading
 from pathlib import Path
 
 import torch
 
-from pagedkv.attention.cpu_kernel import compile_c
+from pagedkv.attention.cpu_kernel import BuiltOnce, compile_c
 
 _SRC = Path(__file__).with_name("_fused_ops.c")
+# unlike the attention kernel's flags, no -ffp-contract=fast / -fassociative-math: the float32
+# results should round as torch's element-wise ops do (the tests compare them to 2e-6)
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-fPIC", "-shared",
           "-std=c11"]
 _DT = {torch.float32: 0, torch.bfloat16: 1}
-_lock = threading.Lock()
-_state: dict[str, object] = {}
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -112,22 +110,14 @@ class FusedOps:
         return out
 
 
+_OPS = BuiltOnce("PAGEDKV_FUSED", lambda: FusedOps(compile_c(_SRC, "pagedkv_fused_ops", _FLAGS)))
+
+
 def get() -> FusedOps | None:
     """The ops (built on first call), or ``None`` when unavailable."""
-    if "ops" in _state:
-        return _state["ops"]  # type: ignore[return-value]
-    if os.environ.get("PAGEDKV_FUSED", "1") == "0":
-        _state.update(ops=None, error="disabled by PAGEDKV_FUSED=0")
-        return None
-    with _lock:
-        if "ops" not in _state:
-            try:
-                _state["ops"] = FusedOps(compile_c(_SRC, "pagedkv_fused_ops", _FLAGS))
-            except Exception as exc:  # noqa: BLE001 - any failure means "use the torch path"
-                _state.update(ops=None, error=f"{type(exc).__name__}: {exc}")
-    return _state["ops"]  # type: ignore[return-value]
+    return _OPS.get()
 
 
 def build_error() -> str | None:
     """Why ``get()`` returned ``None`` (``None`` if it did not, or was not called yet)."""
-    return _state.get("error")  # type: ignore[return-value]
+    return _OPS.error()
