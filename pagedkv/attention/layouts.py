@@ -268,16 +268,16 @@ def valid_slots(slot_mapping: torch.Tensor, *tensors: torch.Tensor) -> tuple[tor
     when every slot is valid)."""
     slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.to(torch.int64)
     # Every layer writes through the same slot_mapping, so the check is remembered on the tensor,
-    # keyed by its version counter. Inference tensors (the engine's) have none: the engine
-    # builds a fresh slot_mapping every step; one refilled in place with -1 after an all-valid
-    # check makes index_copy_ raise (index out of range), it cannot write a wrong slot.
-    version = -1 if slot_mapping.is_inference() else slot_mapping._version
+    # keyed by its version counter: any in-place refill invalidates it. Inference tensors have
+    # no version counter and are checked every time (the engine builds its metadata outside
+    # inference mode, so its steps check once).
     seen = getattr(slot_mapping, "_pagedkv_all_valid", None)
-    if seen is not None and seen[0] == version:
+    if seen is not None and not slot_mapping.is_inference() and seen[0] == slot_mapping._version:
         all_valid = seen[1]
     else:
         all_valid = slots.numel() == 0 or bool((slots >= 0).all())
-        slot_mapping._pagedkv_all_valid = (version, all_valid)
+        if not slot_mapping.is_inference():
+            slot_mapping._pagedkv_all_valid = (slot_mapping._version, all_valid)
     if all_valid:
         return (slots, *tensors)
     keep = slots >= 0
