@@ -486,3 +486,62 @@ int pagedkv_paged_attention(
     free(items);
     return 0;
 }
+
+/* ---- fused decode-layer entry: write the step's new K/V rows, then attend ----------------
+ * The engine calls this once per layer of a step whose rows all go to the kernel; everything
+ * that is the same for every layer of the step (lengths, block tables, slot_mapping, cache
+ * geometry) sits in one layer_args_t built once per step, so a layer costs one short call. */
+typedef struct {
+    int32_t qdt, kdt, hq, hkv, d, bs;       /* kdt: 0 float32 / 1 bfloat16 caches only */
+    int64_t s_blk, s_tok, s_head;           /* cache strides (elements), as in the main entry */
+    int64_t num_slots;                      /* num_blocks * bs: slots must be below it */
+    const int32_t *bt; int64_t bt_s0;
+    const int32_t *seq_lens, *q_start, *seq_ids, *q_lens; int32_t n_seqs;
+    const int64_t *slots; int32_t n_tokens; /* slot_mapping [n_tokens] (-1 or below: skip) */
+    int32_t n_real;                         /* rows >= n_real are padding: output zeros */
+    int32_t nthreads, min_split_len, prefetch;
+} layer_args_t;
+
+/* Copy n_tokens rows [hkv, d] (contiguous, format qdt) to their slots of a float32/bf16 cache;
+ * every slot is checked before anything is written (-4: one is >= num_slots). */
+static int write_rows(const layer_args_t *S, const char *src, char *dst) {
+    for (int i = 0; i < S->n_tokens; i++) if (S->slots[i] >= S->num_slots) return -4;
+    const int d = S->d, se = S->qdt ? 2 : 4, de = S->kdt ? 2 : 4;
+    for (int i = 0; i < S->n_tokens; i++) {
+        const int64_t slot = S->slots[i];
+        if (slot < 0) continue;
+        const int64_t base = (slot / S->bs) * S->s_blk + (slot % S->bs) * S->s_tok;
+        for (int h = 0; h < S->hkv; h++) {
+            const char *s = src + ((int64_t)i * S->hkv + h) * d * se;
+            char *o = dst + (base + h * S->s_head) * de;
+            if (S->qdt == S->kdt) { memcpy(o, s, (size_t)d * se); continue; }
+            if (S->kdt == 1) { /* float32 -> bf16, round to nearest even (torch's .to) */
+                const float *sf = (const float *)s; uint16_t *ob = (uint16_t *)o;
+                for (int x = 0; x < d; x++) ob[x] = f32_to_bf16(sf[x]);
+            } else {           /* bf16 -> float32, exact */
+                const uint16_t *sb = (const uint16_t *)s; float *of = (float *)o;
+                for (int x = 0; x < d; x++) of[x] = bf16_to_f32(sb[x]);
+            }
+        }
+    }
+    return 0;
+}
+
+/* One layer: k_new / v_new [n_tokens, hkv, d] and q / out [n_tokens, hq, d], all contiguous in
+ * format qdt. Returns 0, -4 (a slot out of range; nothing written), or the attention's code. */
+int pagedkv_write_attend(const layer_args_t *S, const void *q, const void *k_new, const void *v_new,
+                         void *k, void *v, void *out, float scale, int window, float softcap)
+{
+    if ((S->kdt != 0 && S->kdt != 1) || (S->qdt != 0 && S->qdt != 1)) return -2;
+    if (S->hkv <= 0 || S->d <= 0 || S->bs <= 0) return -1;
+    int rc = write_rows(S, (const char *)k_new, (char *)k);
+    if (rc) return rc;
+    write_rows(S, (const char *)v_new, (char *)v);
+    const int64_t row = (int64_t)S->hq * S->d;
+    if (S->n_real < S->n_tokens)
+        memset((char *)out + S->n_real * row * (S->qdt ? 2 : 4), 0, (size_t)((S->n_tokens - S->n_real) * row * (S->qdt ? 2 : 4)));
+    return pagedkv_paged_attention(S->qdt, S->kdt, S->hq, S->hkv, S->d, S->bs, scale, q, row, S->d,
+                                   k, v, S->s_blk, S->s_tok, S->s_head, NULL, NULL, 0, 0, 0, 0,
+                                   S->bt, S->bt_s0, S->seq_lens, S->q_start, S->seq_ids, S->q_lens, S->n_seqs,
+                                   out, row, S->d, S->nthreads, S->min_split_len, S->prefetch, window, softcap);
+}

@@ -23,9 +23,9 @@ online softmax. Neither ever expands a whole context (let alone the cache) to fl
 
 from __future__ import annotations
 
-import threading
-
+import ctypes
 import math
+import threading
 from typing import Sequence
 
 import torch
@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from pagedkv.attention import layouts as L
 from pagedkv.attention import quant as Q
 from pagedkv.attention.base import AttentionMetadata, check_window, window_start
+from pagedkv.errors import BackendError
 from pagedkv.attention.reference import LayoutMemory, check_inputs, lists_of
 
 # Sequences with at most this many new tokens go through the C kernel; longer chunks use
@@ -121,6 +122,57 @@ class CPUBackend(LayoutMemory):
             out[a:b] = self._attend_torch(query[a:b], kv_cache, metadata.block_tables[i], plan.seq_lens[i], scale,
                                           window, cap)
         return out
+
+    def write_and_forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          kv_cache: L.PagedKVCache, metadata: AttentionMetadata, scale: float,
+                          sliding_window: int | None = None,
+                          logits_soft_cap: float | None = None) -> torch.Tensor:
+        """``write_kv(kv_cache, key, value, metadata.slot_mapping)`` then ``forward(query, ...)``
+        (same results, same errors): a layer's whole attention. When every sequence of the
+        step goes to the C kernel over a float32/bf16 cache, it is one call into
+        ``pagedkv_write_attend`` with inputs prepared once per step (a decode layer costs a
+        few microseconds of Python instead of ~60); otherwise the two calls. Raises
+        ``BackendError`` (shapes, options, a slot past the cache)."""
+        args = self._fused_args(query, key, value, kv_cache, metadata)
+        if args is None:
+            self.write_kv(kv_cache, key, value, metadata.slot_mapping)
+            return self.forward(query, kv_cache, metadata, scale, sliding_window, logits_soft_cap)
+        kernel, ref = args
+        window, cap = check_window(sliding_window, logits_soft_cap)
+        out = torch.empty_like(query)
+        rc = kernel.write_attend(ref, query, key, value, kv_cache, out, scale, window, cap)
+        if rc == -4:
+            raise BackendError(f"slot_mapping has a slot >= the cache's {kv_cache.num_blocks * kv_cache.block_size} "
+                               "slots (nothing written)")
+        if rc != 0:
+            raise RuntimeError(f"pagedkv CPU kernel failed with code {rc}")
+        return out
+
+    def _fused_args(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: L.PagedKVCache,
+                    md: AttentionMetadata):
+        """``(kernel, byref(LayerArgs))`` for :meth:`write_and_forward`'s one-call path, or
+        ``None``. The arguments are built once per (step metadata, query/cache geometry)."""
+        if not self.use_kernel or query.device.type != "cpu":
+            return None
+        kernel = _kernel()
+        slots = md.slot_mapping
+        if (kernel is None or slots.dtype != torch.int64 or not slots.is_contiguous()
+                or query.dim() != 3 or key.dim() != 3 or key.shape != value.shape
+                or key.dtype != query.dtype or value.dtype != query.dtype or key.shape[0] != query.shape[0]
+                or key.shape[1] != cache.num_kv_heads or key.shape[2] != cache.head_dim
+                or not (query.is_contiguous() and key.is_contiguous() and value.is_contiguous())):
+            return None
+        check_inputs(query, cache, md)
+        plan = self._plan(md, kernel)
+        gk = (query.dtype, query.shape[1], cache.layout.name, cache.num_blocks, cache.block_size,
+              cache.num_kv_heads, cache.head_dim, cache.key.dtype, cache.quant)
+        if plan.fused_slots is not slots:  # a new slot_mapping tensor: nothing prepared is valid
+            plan.fused_slots, plan.fused = slots, {}
+        hit = plan.fused.get(gk)
+        if hit is None:
+            la = kernel.layer_args(query, cache, plan, slots)
+            hit = plan.fused[gk] = (kernel, ctypes.byref(la), la) if la is not None else ()
+        return hit[:2] if hit else None
 
     def _gather_seq(self, cache: L.PagedKVCache, table_row: torch.Tensor, seq_len: int, lo: int = 0
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,6 +302,8 @@ class _Plan:
 
     def __init__(self, md: AttentionMetadata, kernel, key) -> None:
         self.key = key
+        self.fused_slots: torch.Tensor | None = None  # write_and_forward's prepared calls,
+        self.fused: dict = {}  # keyed by query/cache geometry, valid for fused_slots
         self.seq_lens, self.q_lens, self.starts = lists_of(md)
         self.num_real = self.starts[-1]
         self.kernel_seqs = [i for i, ql in enumerate(self.q_lens)

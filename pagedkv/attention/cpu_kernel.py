@@ -102,7 +102,24 @@ def _build() -> ctypes.CDLL:
                   ptr, i64, i64,
                   i32, i32, i32, i32, ctypes.c_float]
     f.restype = ctypes.c_int
+    g = lib.pagedkv_write_attend
+    g.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_float, i32, ctypes.c_float]
+    g.restype = ctypes.c_int
     return lib
+
+
+class LayerArgs(ctypes.Structure):
+    """``layer_args_t`` of ``_cpu_kernel.c``: one step's per-layer-invariant inputs of
+    ``pagedkv_write_attend`` (see :meth:`CPUKernel.layer_args`)."""
+
+    _fields_ = [(n, ctypes.c_int32) for n in ("qdt", "kdt", "hq", "hkv", "d", "bs")] + [
+        ("s_blk", ctypes.c_int64), ("s_tok", ctypes.c_int64), ("s_head", ctypes.c_int64),
+        ("num_slots", ctypes.c_int64),
+        ("bt", ctypes.c_void_p), ("bt_s0", ctypes.c_int64),
+        ("seq_lens", ctypes.c_void_p), ("q_start", ctypes.c_void_p), ("seq_ids", ctypes.c_void_p),
+        ("q_lens", ctypes.c_void_p), ("n_seqs", ctypes.c_int32),
+        ("slots", ctypes.c_void_p), ("n_tokens", ctypes.c_int32), ("n_real", ctypes.c_int32),
+        ("nthreads", ctypes.c_int32), ("min_split_len", ctypes.c_int32), ("prefetch", ctypes.c_int32)]
 
 
 class CPUKernel:
@@ -110,6 +127,7 @@ class CPUKernel:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._f = lib.pagedkv_paged_attention
+        self._write_attend = lib.pagedkv_write_attend
         self.max_heads = lib.pagedkv_max_heads()
         self.max_head_dim = lib.pagedkv_max_head_dim()
         # software prefetch of the next chunk (on by default; PAGEDKV_CPU_PREFETCH=0 disables)
@@ -157,6 +175,38 @@ class CPUKernel:
         )
         if rc != 0:
             raise RuntimeError(f"pagedkv CPU kernel failed with code {rc}")
+
+
+    def layer_args(self, query: torch.Tensor, cache: PagedKVCache, plan, slots: torch.Tensor) -> LayerArgs | None:
+        """The per-step inputs of :meth:`write_attend` for queries like ``query`` over caches
+        like ``cache``, or ``None`` when the fused call does not apply (a quantised or
+        float16 cache, unsupported shapes, a chunk for the torch path). ``slots``: int64
+        ``[num_tokens]``, contiguous; kept alive by the caller with ``plan``."""
+        if (cache.quant is not None or cache.dtype not in _DTYPES or plan.torch_seqs
+                or not self.supports(query, cache)):
+            return None
+        ki = plan.kernel_inputs if plan.kernel_seqs else None
+        s_blk, s_tok, s_head, _ = cache.key_nhd().stride()
+        a = LayerArgs()
+        a.qdt, a.kdt, a.hq, a.hkv, a.d, a.bs = (_DTYPES[query.dtype], _DTYPES[cache.dtype], query.shape[1],
+                                                cache.num_kv_heads, cache.head_dim, cache.block_size)
+        a.s_blk, a.s_tok, a.s_head, a.num_slots = s_blk, s_tok, s_head, cache.num_blocks * cache.block_size
+        if ki is not None:
+            a.bt, a.bt_s0, a.seq_lens, a.q_start = ki.bt_ptr, ki.bt_s0, ki.seq_lens_ptr, ki.qsl_ptr
+            a.seq_ids, a.q_lens, a.n_seqs = ki.ids_ptr, ki.qls_ptr, ki.n
+        a.slots, a.n_tokens, a.n_real = slots.data_ptr(), slots.numel(), plan.num_real
+        a.nthreads, a.min_split_len, a.prefetch = torch.get_num_threads(), self.min_split_len, self.prefetch
+        return a
+
+    def write_attend(self, args_ref, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     cache: PagedKVCache, out: torch.Tensor, scale: float, window: int, soft_cap: float) -> int:
+        """One layer through ``pagedkv_write_attend``: ``key``/``value`` ``[T, Hkv, d]`` written
+        at the step's slots, then ``query`` ``[T, Hq, d]`` attends into ``out``; all contiguous
+        in the query dtype. ``args_ref``: ``ctypes.byref`` of :meth:`layer_args`. Returns the C
+        code (0 ok, -4 a slot out of range, nothing written)."""
+        return self._write_attend(args_ref, query.data_ptr(), key.data_ptr(), value.data_ptr(),
+                                  cache.key.data_ptr(), cache.value.data_ptr(), out.data_ptr(),
+                                  scale, window, soft_cap)
 
 
 class KernelInputs:

@@ -270,7 +270,8 @@ def run_peers(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None
             "command": (f"pagedkv bench peers --threads {threads} --num-requests {len(reqs)} --seed {args.seed} "
                         f"--max-prompt {args.max_prompt} --max-output {args.max_output} --batch-size "
                         f"{args.batch_size} --systems {args.systems}" +
-                        (f" --weights {args.weights}" if args.weights != "fp32" else "") + (" --no-repeat" if args.no_repeat else "")),
+                        (f" --weights {args.weights}" if args.weights != "fp32" else "") + (" --no-repeat" if args.no_repeat else "")
+                        + (" --compile-decode" if args.compile_decode else "")),
         },
         "workload": {
             "prompt_tokens": sum(r.prompt_len for r in reqs),

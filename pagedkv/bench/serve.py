@@ -42,6 +42,7 @@ from pagedkv.bench.common import (
     greedy,
     json_clean,
     load_fp32_model,
+    weights_of,
     log,
     warm_up,
 )
@@ -81,6 +82,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--num-blocks", type=int, default=128, help="KV budget in blocks (default 128 = 2 x max_model_len at block 16)")
     e.add_argument("--block-size", type=int, default=16)
     e.add_argument("--max-num-seqs", type=int, default=64)
+    e.add_argument("--weights", default="fp32",
+                   help="linear-layer format: fp32 | bf16 | int8 | int4 | auto (default fp32; results of another "
+                        "format go to serving_<format>.*)")
+    e.add_argument("--compile-decode", action="store_true",
+                   help="decode steps through torch.compile (compiled once, before the first cell; "
+                        "docs/performance.md; results get a _compiled suffix)")
     e.add_argument("--max-num-batched-tokens", type=int, default=32,
                    help="tokens per engine step (default 32: a step of 512 tokens takes ~2 s on 2 idle cores and one "
                         "of 32 ~0.2 s, so larger steps put every running request past a TPOT target)")
@@ -125,7 +132,8 @@ def _apply_tiny(args: argparse.Namespace) -> None:
 
 def make_engine(loaded: Any, cell: dict[str, Any], args: argparse.Namespace) -> Any:
     return engine_from_args(loaded, args, seed=args.seed, enable_paging=cell["enable_paging"],
-                            enable_prefix_caching=cell["enable_prefix_caching"])
+                            enable_prefix_caching=cell["enable_prefix_caching"],
+                            compile_decode=bool(getattr(args, "compile_decode", False)))
 
 
 def _warm_prompt(loaded: Any) -> list[int]:
@@ -234,6 +242,10 @@ def serve_flags(cell: dict[str, Any], args: argparse.Namespace) -> list[str]:
              "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
              "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--threads", str(args.threads),
              "--seed", str(args.seed)]
+    if getattr(args, "weights", "fp32") != "fp32":
+        flags += ["--weights", args.weights]
+    if getattr(args, "compile_decode", False):
+        flags.append("--compile-decode")
     if not cell["enable_paging"]:
         flags.append("--disable-paging")
     if cell["enable_prefix_caching"]:
@@ -289,7 +301,7 @@ def run_serving(args: argparse.Namespace, loaded: Any = None, progress: bool = T
     facts = RunFacts.start(args.threads)
     threads = facts.threads
     t_all = time.time()
-    loaded = load_fp32_model(loaded)
+    loaded = load_fp32_model(loaded, weights=args.weights)
     base, scaling = requests_from_args(args, int(loaded.config.vocab_size), args.shared_prefix_len)
     unit = poisson_arrivals(args.num_requests, 1.0, seed=args.seed + 2)
     target = (args.target_ttft_p90, args.target_tpot_p90)
@@ -368,6 +380,8 @@ def run_serving(args: argparse.Namespace, loaded: Any = None, progress: bool = T
             "seed": args.seed,
             "threads": threads,
             "dtype": "float32",
+            "weights": weights_of(loaded),
+            "compile_decode": bool(args.compile_decode),
             "decoding": "greedy, ignore_eos",
             "block_size": args.block_size,
             "num_blocks": args.num_blocks,
@@ -417,6 +431,8 @@ def run(args: argparse.Namespace, loaded: Any = None) -> int:
     if args.peer:  # side by side with a peer server: its own runs and result files
         return serve_peer.run(args)
     data = run_serving(args, loaded=loaded, progress=not args.json)
-    publish(NAME, data, render_markdown, args.out_dir, as_json=args.json,
-            plots=None if args.no_plot else single_plot(NAME, "rate sweep", plot))
+    name = NAME if data["config"]["weights"] == "fp32" else f"{NAME}_{data['config']['weights']}"
+    name += "_compiled" if args.compile_decode else ""
+    publish(name, data, render_markdown, args.out_dir, as_json=args.json,
+            plots=None if args.no_plot else single_plot(name, "rate sweep", plot))
     return 0

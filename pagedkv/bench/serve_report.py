@@ -51,7 +51,9 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
         f"{c['num_requests']} requests per run, lengths drawn from the Azure LLM conversation trace (2023) and "
         f"scaled: {c['length_scaling_text']} (prompt p50 {w['prompt_len']['p50']:.0f}, output p50 "
         f"{w['output_len']['p50']:.0f} tokens). Synthetic token-id prompts whose first {c['shared_prefix_len']} "
-        f"tokens are a shared system prompt; {c['decoding']}; {c['dtype']}; {c['threads']} torch threads.",
+        f"tokens are a shared system prompt; {c['decoding']}; {c['dtype']} activations, "
+        f"{c.get('weights', 'fp32')} linear layers"
+        f"{', decode steps compiled (torch.compile)' if c.get('compile_decode') else ''}; {c['threads']} torch threads.",
         "",
         f"Same KV budget in every cell: {c['num_blocks']} blocks x {c['block_size']} tokens = {c['kv_budget_tokens']} "
         f"tokens = {budget_mib:.0f} MiB ({c['kv_bytes_per_token']} B/token); max_model_len {c['max_model_len']}, so "

@@ -146,6 +146,9 @@ class DecoderLayer(nn.Module):
         """Write ``k``/``v`` ``[T, Hkv, d]`` at ``md.slot_mapping`` and attend ``q`` ``[T, Hq, d]``
         over each sequence's paged context with this layer's window / soft-cap -> ``[T, Hq, d]``."""
         with profile_scope("pagedkv.attention"):
+            fused = getattr(backend, "write_and_forward", None)  # optional: one call for both
+            if fused is not None:
+                return fused(q, k, v, kv_cache, md, self.scale, **self.attn_options)
             backend.write_kv(kv_cache, k, v, md.slot_mapping)
             return backend.forward(q, kv_cache, md, self.scale, **self.attn_options)
 

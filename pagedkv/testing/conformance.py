@@ -11,6 +11,9 @@ Every case builds its cache **only through the protocol** (``allocate_kv_cache``
    that point at NaN blocks;
 3. the cached context is written (in shuffled token order), then the step's new tokens with the
    step's ``slot_mapping`` — plus rows with slot ``-1`` carrying NaN, which must be skipped;
+   (a backend that offers the optional ``write_and_forward(q, k, v, cache, md, scale, ...)``,
+   write and attend in one call, gets the step's rows through it instead; the ``-1`` rows still
+   go through ``write_kv``);
 4. ``forward`` runs and its output must be finite and match the oracle within the dtype's
    tolerance; ``gather_kv`` must return what was written; ``copy_blocks`` must copy.
 
@@ -225,12 +228,16 @@ def _run(backend: AttentionBackend, case: Case, dtype: torch.dtype, device: torc
     new_v = torch.cat([dense_v[i][sl - ql : sl] for i, (sl, ql) in enumerate(zip(case.seq_lens, case.query_lens))])
     n_new = new_k.shape[0]
     pad_at = sorted(rng.sample(range(n_new + 1), k=min(2, n_new + 1)))
+    # A backend with the optional ``write_and_forward`` (write + attend in one call) gets the
+    # step's rows through it; the NaN rows at slot -1 still go through write_kv (skipped).
+    fused = getattr(backend, "write_and_forward", None)
     slots = md.slot_mapping.cpu().tolist()
-    wk, wv, ws = list(new_k), list(new_v), list(slots)
+    wk, wv, ws = ([], [], []) if fused is not None else (list(new_k), list(new_v), list(slots))
     for j, at in enumerate(pad_at):
-        wk.insert(at + j, torch.full((hkv, d), float("nan"), dtype=torch.float64))
-        wv.insert(at + j, torch.full((hkv, d), float("nan"), dtype=torch.float64))
-        ws.insert(at + j, -1)
+        at = 0 if fused is not None else at + j
+        wk.insert(at, torch.full((hkv, d), float("nan"), dtype=torch.float64))
+        wv.insert(at, torch.full((hkv, d), float("nan"), dtype=torch.float64))
+        ws.insert(at, -1)
     write(torch.stack(wk).to(dtype), torch.stack(wv).to(dtype), ws)
 
     # 4. forward
@@ -238,7 +245,11 @@ def _run(backend: AttentionBackend, case: Case, dtype: torch.dtype, device: torc
     scale = 1.0 / math.sqrt(d)
     opts = {k: v for k, v in (("sliding_window", case.sliding_window), ("logits_soft_cap", case.logits_soft_cap))
             if v is not None}  # only what the case uses: backends written before these options still run
-    out = backend.forward(q.to(device), cache, md, scale, **opts)
+    if fused is not None:
+        out = fused(q.to(device), new_k.to(device=device, dtype=dtype), new_v.to(device=device, dtype=dtype),
+                    cache, md, scale, **opts)
+    else:
+        out = backend.forward(q.to(device), cache, md, scale, **opts)
     if tuple(out.shape) != (md.num_tokens, hq, d):
         raise ConformanceError(f"output shape {tuple(out.shape)} != {(md.num_tokens, hq, d)}")
     if out.dtype != dtype:

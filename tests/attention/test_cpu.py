@@ -122,3 +122,91 @@ def test_metadata_refilled_in_place_is_not_served_stale():
     got = be.forward(q, cache, md, 0.125)
     want = get_backend("reference").forward(q, cache, md, 0.125)
     assert (got - want).abs().max() < 1e-5
+
+
+# -- write_and_forward: the one-call decode path (pagedkv_write_attend) -----------------------
+def _fused_step(layout, q_dtype, cache_dtype, seq_lens, q_lens, seed=0):
+    """A step whose context is in two identical caches; returns (backend, cache_a, cache_b, md,
+    q, k, v) with the step's new rows not yet written."""
+    be, cache, md = _random_step(layout, cache_dtype, seq_lens, q_lens, seed=seed)
+    twin = be.allocate_kv_cache(cache.num_blocks, cache.block_size, cache.num_kv_heads, cache.head_dim, cache_dtype)
+    twin.key.copy_(cache.key)
+    twin.value.copy_(cache.value)
+    g = torch.Generator().manual_seed(seed + 1)
+    n = md.num_tokens
+    q, k, v = (torch.randn(n, h, 64, generator=g).to(q_dtype) for h in (9, 3, 3))
+    return be, cache, twin, md, q, k, v
+
+
+def _calls(monkeypatch):
+    k = _kernel()
+    seen = []
+    orig = type(k).write_attend
+    monkeypatch.setattr(type(k), "write_attend", lambda self, *a, **kw: seen.append(1) or orig(self, *a, **kw))
+    return seen
+
+
+@pytest.mark.parametrize("layout", ["nhd", "hnd", "ascend"])
+@pytest.mark.parametrize("q_dtype,cache_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                                 (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_write_and_forward_equals_write_kv_then_forward(layout, q_dtype, cache_dtype, monkeypatch):
+    seen = _calls(monkeypatch)
+    be, a, b, md, q, k, v = _fused_step(layout, q_dtype, cache_dtype, [40, 70, 16, 33], [1, 1, 1, 8])
+    got = be.write_and_forward(q, k, v, a, md, 0.125, sliding_window=30, logits_soft_cap=20.0)
+    assert seen == [1]  # the one-call path ran
+    be.write_kv(b, k, v, md.slot_mapping)
+    want = be.forward(q, b, md, 0.125, sliding_window=30, logits_soft_cap=20.0)
+    assert got.dtype == q_dtype and torch.equal(got, want)
+    assert torch.equal(a.key, b.key) and torch.equal(a.value, b.value)  # same bits written, nothing else
+
+
+def test_write_and_forward_padding_rows_are_zero_and_not_written(monkeypatch):
+    seen = _calls(monkeypatch)
+    be, a, b, md, _, _, _ = _fused_step("nhd", torch.float32, torch.float32, [20, 9], [1, 1])
+    md.slot_mapping = torch.cat([md.slot_mapping, torch.tensor([-1, -1])])
+    q, k, v = torch.randn(4, 9, 64), torch.randn(4, 3, 64), torch.randn(4, 3, 64)
+    k[2:] = float("nan")
+    v[2:] = float("nan")
+    out = be.write_and_forward(q, k, v, a, md, 0.125)
+    assert seen == [1]
+    assert torch.isfinite(out).all() and (out[2:] == 0).all() and not (out[:2] == 0).all()
+    assert torch.isfinite(a.key).all() and torch.isfinite(a.value).all()
+    be.write_kv(b, k, v, md.slot_mapping)
+    assert torch.equal(a.key, b.key) and torch.equal(a.value, b.value)
+
+
+def test_write_and_forward_slot_past_the_cache_raises_and_writes_nothing(monkeypatch):
+    from pagedkv.errors import BackendError
+
+    _calls(monkeypatch)
+    be, a, b, md, q, k, v = _fused_step("nhd", torch.float32, torch.float32, [20, 9], [1, 1])
+    md.slot_mapping = torch.tensor([int(md.slot_mapping[0]), a.num_blocks * a.block_size])
+    with pytest.raises(BackendError, match="slot"):
+        be.write_and_forward(q, k, v, a, md, 0.125)
+    assert torch.equal(a.key, b.key) and torch.equal(a.value, b.value)
+
+
+def test_write_and_forward_prepares_once_per_step_and_sees_a_new_slot_mapping(monkeypatch):
+    seen = _calls(monkeypatch)
+    be, a, b, md, q, k, v = _fused_step("nhd", torch.float32, torch.float32, [40, 70], [1, 1])
+    for _ in range(3):  # three "layers" over caches of one geometry: one prepared call
+        be.write_and_forward(q, k, v, a, md, 0.125)
+    plan = md.__dict__["_pagedkv_cpu_plan"]
+    assert len(seen) == 3 and len(plan.fused) == 1
+    # a fresh slot_mapping tensor (other slots) must be used, not the prepared one's
+    table0 = md.block_tables[0].tolist()
+    md.slot_mapping = torch.tensor([table0[0] * 16 + 5, int(md.slot_mapping[1])])
+    be.write_and_forward(q, k, v, a, md, 0.125)
+    assert torch.equal(a.key.view(-1, 3, 64)[table0[0] * 16 + 5], k[0])
+
+
+def test_write_and_forward_falls_back_for_chunks_and_quantised_caches(monkeypatch):
+    seen = _calls(monkeypatch)
+    be, a, b, md, q, k, v = _fused_step("nhd", torch.float32, torch.float32, [40, 70], [1, 20])  # a 20-row chunk
+    got = be.write_and_forward(q, k, v, a, md, 0.125)
+    be.write_kv(b, k, v, md.slot_mapping)
+    assert seen == [] and torch.equal(got, be.forward(q, b, md, 0.125))
+    qc = be.allocate_kv_cache(a.num_blocks, 16, 3, 64, "int8", quant_group_size=32)
+    md1 = AttentionMetadata.build([5], [1], [[0]], 16)
+    out = be.write_and_forward(q[:1], k[:1], v[:1], qc, md1, 0.125)
+    assert seen == [] and out.shape == (1, 9, 64) and torch.isfinite(out).all()

@@ -108,3 +108,16 @@ def test_bench_serve_tiny(loaded_model, tmp_path):
     assert data["cells"][2]["cached_prompt_tokens"] > 0
     assert (tmp_path / "serving.md").read_text().startswith("# Serving")
     assert (tmp_path / "serving.png").stat().st_size > 1000
+
+
+def test_sweep_weights_and_compiled_steps_reach_both_engines():
+    """--weights / --compile-decode reach the in-process engines and the `pagedkv serve` flags."""
+    from pagedkv.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "serve", "--weights", "int4", "--compile-decode"])
+    assert (args.weights, args.compile_decode) == ("int4", True)
+    flags = serve.serve_flags(serve.CELLS[1], args)
+    assert flags[flags.index("--weights") + 1] == "int4" and "--compile-decode" in flags
+    assert "--disable-paging" in flags
+    plain = serve.serve_flags(serve.CELLS[0], build_parser().parse_args(["bench", "serve"]))
+    assert "--weights" not in plain and "--compile-decode" not in plain and "--disable-paging" not in plain

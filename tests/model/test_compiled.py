@@ -85,6 +85,7 @@ def test_compiler_failure_falls_back_to_eager(tiny, monkeypatch):
     def broken(*a, **k):
         raise InductorError("C++ compile failed: no compiler")
 
+    monkeypatch.setattr(tiny.model, "_pagedkv_compiled_decode", None, raising=False)  # build anew (restored after)
     monkeypatch.setattr(C.CompiledDecode, "warm_up", lambda self, progress=True: 0.0)
     monkeypatch.setattr(C.CompiledDecode, "__init__", _init_with(broken))
     _, got = _greedy(tiny, compile_decode=True)
@@ -127,3 +128,16 @@ def test_inductor_cache_goes_under_the_pagedkv_cache_dir(monkeypatch, tmp_path):
     assert C.inductor_cache_dir() == str(tmp_path / "inductor")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/else")
     assert C.inductor_cache_dir() == "/somewhere/else"
+
+
+def test_engines_over_one_model_share_its_compiled_steps(tiny):
+    """A second engine (a benchmark sweep builds one per cell) reuses the model's compiled
+    steps: no new graph, and dynamo's per-code cache does not fill up (it then runs eager)."""
+    eng1, out1 = _greedy(tiny, compile_decode=True)
+    first = tiny.model.compiled
+    graphs = counters["stats"]["unique_graphs"]
+    LLMEngine(tiny, dtype="float32", block_size=16, num_blocks=64)  # an eager engine between
+    assert tiny.model.compiled is None
+    eng2, out2 = _greedy(tiny, compile_decode=True)
+    assert tiny.model.compiled is first and first.failed is None
+    assert counters["stats"]["unique_graphs"] == graphs and out2 == out1
