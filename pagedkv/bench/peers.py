@@ -86,6 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "transformers peers' precision; int4 keeps the GGUF's Q4_1 codes, llama.cpp's weights; "
                         "results of another format go to peers_<format>.*)")
     p.add_argument("--kv-cache-memory", default="1GiB", help="pagedkv KV budget (default 1GiB)")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="pagedkv KV cache format (default auto = the model dtype, float32; bfloat16 stores 2 bytes "
+                        "per element like llama.cpp's default f16 cache; int8 / fp8_e4m3 / fp8_e5m2)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="pagedkv max running requests (default 64)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="pagedkv tokens per step (default 512)")
     add_run_options(p, tiny="4 requests, <=4 output and <=32 prompt tokens, batch 2", note=True)
@@ -191,7 +194,8 @@ def run_peers(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None
 
     rows: list[dict[str, Any]] = []
     outputs: dict[str, list[list[int]]] = {}
-    engine_kwargs = dict(kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+    engine_kwargs = dict(kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
+                         max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens, dtype="float32",
                          max_model_len=max(r.prompt_len + r.output_len for r in reqs) + 16,
                          compile_decode=args.compile_decode)
@@ -271,7 +275,8 @@ def run_peers(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None
                         f"--max-prompt {args.max_prompt} --max-output {args.max_output} --batch-size "
                         f"{args.batch_size} --systems {args.systems}" +
                         (f" --weights {args.weights}" if args.weights != "fp32" else "") + (" --no-repeat" if args.no_repeat else "")
-                        + (" --compile-decode" if args.compile_decode else "")),
+                        + (" --compile-decode" if args.compile_decode else "")
+                        + (f" --kv-cache-dtype {args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else "")),
         },
         "workload": {
             "prompt_tokens": sum(r.prompt_len for r in reqs),
@@ -303,6 +308,8 @@ def run(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None) -> i
     name = NAME if args.weights == "fp32" else f"{NAME}_{data['config']['pagedkv_weights'] or args.weights}"
     if args.compile_decode:
         name += "_compiled"
+    if args.kv_cache_dtype != "auto":
+        name += f"_kv_{args.kv_cache_dtype}"
     publish(name, data, render_markdown, args.out_dir, as_json=args.json,
             plots=None if args.no_plot else single_plot(name, "output tokens/s and TTFT per system", plot))
     return 0

@@ -50,8 +50,9 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
         f"{cfg['length_scaling_text']}. Workload: {w['prompt_tokens']} prompt tokens, {w['output_tokens']} output "
         f"tokens (prompt p50 {w['prompt_len']['p50']:.0f}, output p50 {w['output_len']['p50']:.0f}). "
         f"Synthetic token-id prompts, {cfg['decoding']}, {cfg['dtype']} activations, pagedkv weights "
-        f"{cfg.get('pagedkv_weights') or 'fp32'}, {cfg['threads']} torch threads, "
-        f"{cfg['submission']}: TTFT includes queueing.",
+        f"{cfg.get('pagedkv_weights') or 'fp32'}, pagedkv KV cache "
+        f"{(cfg.get('pagedkv_engine') or {}).get('kv_cache_dtype', 'auto')} (auto = float32), "
+        f"{cfg['threads']} torch threads, {cfg['submission']}: TTFT includes queueing.",
         "",
         markdown_table(table),
         "Ratios pagedkv / peer (output tok/s: higher is better for pagedkv; TTFT: lower is better for pagedkv; "

@@ -141,3 +141,24 @@ def test_engines_over_one_model_share_its_compiled_steps(tiny):
     eng2, out2 = _greedy(tiny, compile_decode=True)
     assert tiny.model.compiled is first and first.failed is None
     assert counters["stats"]["unique_graphs"] == graphs and out2 == out1
+
+
+def test_two_models_of_one_shape_each_run_their_own_weights(tiny, loaded_model):
+    """Guards on the model's modules are skipped (the weights are frozen into the graph): a
+    second model of the same shape must still get its own graphs, not the first one's."""
+    other = tiny_random_model(loaded_model, seed=11)
+    _, eager_other = _greedy(other)
+    _, eager_tiny = _greedy(tiny)
+    assert eager_other != eager_tiny  # different weights, different tokens
+    _, got_tiny = _greedy(tiny, compile_decode=True)
+    _, got_other = _greedy(other, compile_decode=True)
+    assert got_tiny == eager_tiny and got_other == eager_other
+    assert other.model.compiled is not tiny.model.compiled and other.model.compiled.steps > 0
+    # a constant inside the graph (Gemma's norm offset) differs between models of one shape
+    offset = tiny_random_model(loaded_model, seed=11)
+    for layer in offset.model.layers:
+        layer.norm_offset = 1.0
+    _, eager_offset = _greedy(offset)
+    assert eager_offset != eager_other
+    _, got_offset = _greedy(offset, compile_decode=True)
+    assert got_offset == eager_offset
