@@ -88,9 +88,9 @@ class CompiledDecode:
         # from the per-call inputs and guards (measured 13.5 vs 14.5 ms per batch-1 int4 step)
         # no guards on the model's modules: dynamo otherwise checks ~1,000 module attributes and
         # ~300 weight tensors before every step (measured 0.80 -> 0.05 ms per batch-1 step in
-        # torch.profiler's "TorchDynamo Cache Lookup"); freezing has made the weights constants
-        # of the graph anyway, so the compiled steps assume the model is not modified after
-        # compile_decode (pagedkv never does; guards on the inputs' shapes stay)
+        # torch.profiler's "TorchDynamo Cache Lookup"). So the compiled steps assume the model
+        # (its modules, their Python constants such as norm offsets, its weights) is not
+        # modified after compile_decode: pagedkv never does. Guards on the inputs' shapes stay.
         opts = {"cpp_wrapper": True, "freezing": True,
                 "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
         # ... and so each CompiledDecode traces a code object of its own: dynamo caches graphs
