@@ -263,9 +263,12 @@ def gather(cache: PagedKVCache, slots: torch.Tensor) -> tuple[torch.Tensor, torc
     return Q.dequantize(k, ks, cache.quant), Q.dequantize(v, vs, cache.quant)
 
 
-def valid_slots(slot_mapping: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def valid_slots(slot_mapping: torch.Tensor, *tensors: torch.Tensor, num_slots: int | None = None
+                ) -> tuple[torch.Tensor, ...]:
     """Drop rows whose slot is ``-1``. Returns ``(slots, *tensors)`` filtered alike (no copy
-    when every slot is valid)."""
+    when every slot is valid). With ``num_slots`` (the cache's ``num_blocks * block_size``), a
+    slot at or past it raises ``BackendError`` before anything is written (an index write would
+    have stored the rows before the bad one)."""
     slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.to(torch.int64)
     # Every layer writes through the same slot_mapping, so the check is remembered on the tensor,
     # keyed by its version counter: any in-place refill invalidates it. Inference tensors have
@@ -273,11 +276,14 @@ def valid_slots(slot_mapping: torch.Tensor, *tensors: torch.Tensor) -> tuple[tor
     # inference mode, so its steps check once).
     seen = getattr(slot_mapping, "_pagedkv_all_valid", None)
     if seen is not None and not slot_mapping.is_inference() and seen[0] == slot_mapping._version:
-        all_valid = seen[1]
+        all_valid, top = seen[1], seen[2]
     else:
         all_valid = slots.numel() == 0 or bool((slots >= 0).all())
+        top = int(slots.max()) if slots.numel() else -1
         if not slot_mapping.is_inference():
-            slot_mapping._pagedkv_all_valid = (slot_mapping._version, all_valid)
+            slot_mapping._pagedkv_all_valid = (slot_mapping._version, all_valid, top)
+    if num_slots is not None and top >= num_slots:
+        raise BackendError(f"slot_mapping has slot {top}, past the cache's {num_slots} slots (nothing written)")
     if all_valid:
         return (slots, *tensors)
     keep = slots >= 0

@@ -75,8 +75,10 @@ class LayoutMemory(L.BlockTransfer):
     def write_kv(self, kv_cache: L.PagedKVCache, key: torch.Tensor, value: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
         """Write ``key``/``value`` ``[num_tokens, Hkv, d]`` at ``slot_mapping`` (int64
-        ``[num_tokens]``; ``-1`` rows skipped), quantised for a quantised cache."""
-        slots, key, value = L.valid_slots(slot_mapping, key, value)
+        ``[num_tokens]``; ``-1`` rows skipped), quantised for a quantised cache. A slot past the
+        cache raises ``BackendError`` and nothing is written."""
+        slots, key, value = L.valid_slots(slot_mapping, key, value,
+                                          num_slots=kv_cache.num_blocks * kv_cache.block_size)
         if slots.numel() == 0:
             return
         L.write(kv_cache, key, value, slots)

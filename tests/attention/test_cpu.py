@@ -210,3 +210,19 @@ def test_write_and_forward_falls_back_for_chunks_and_quantised_caches(monkeypatc
     md1 = AttentionMetadata.build([5], [1], [[0]], 16)
     out = be.write_and_forward(q[:1], k[:1], v[:1], qc, md1, 0.125)
     assert seen == [] and out.shape == (1, 9, 64) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference", "cpu-hnd"])
+def test_write_kv_slot_past_the_cache_raises_and_writes_nothing(backend):
+    """The rows before a bad slot must not be stored either (an index write would have)."""
+    from pagedkv.errors import BackendError
+
+    be = get_backend(backend)
+    cache = be.allocate_kv_cache(4, 16, 3, 64, torch.float32)
+    k = torch.ones(3, 3, 64)
+    with pytest.raises(BackendError, match="slot 64"):
+        be.write_kv(cache, k, k, torch.tensor([1, -1, 64]))
+    assert not cache.key.any() and not cache.value.any()
+    be.write_kv(cache, k, k, torch.tensor([1, -1, 63]))  # the last slot is fine
+    gk, gv = be.gather_kv(cache, torch.tensor([1, 63]))
+    assert gk.eq(1).all() and gv.eq(1).all() and int(cache.key.ne(0).sum()) == 2 * 3 * 64
