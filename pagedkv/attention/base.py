@@ -138,6 +138,9 @@ class AttentionBackend(Protocol):
 
     One cache object per layer. ``copy_blocks`` applies copy-on-write copies decided by the
     memory system before the step's writes (codes and scales alike for a quantised cache).
+    Optional, not part of the protocol: ``write_and_forward(query, key, value, kv_cache,
+    metadata, scale, sliding_window=None, logits_soft_cap=None)``, ``write_kv`` then ``forward``
+    in one call (same results and errors); ``DecoderLayer.attention`` uses it when present.
     """
 
     name: str
