@@ -17,7 +17,13 @@ model dtype -> ``[T, out]`` in the same dtype.
   LM head whose source is 8-bit (the bundled Q8_0 embeddings) is int8 in this format.
 
 Routes: ``fast`` (the kernels above for up to ``KERNEL_ROWS`` rows; wider inputs, i.e.
-prefill chunks, dequantise and run one bf16 matmul where oneDNN has native bf16, else fp32) or
+prefill chunks, dequantise and run one bf16 matmul where oneDNN has native bf16, else fp32;
+in int8/int4, decode batches of ``int8_rows()`` to ``KERNEL_ROWS`` rows run *dynamic int8*:
+each row of ``x`` rounded to int8 with its own scale, one ``torch._int_mm`` against per-channel
+int8 weights, int32 sums rescaled. The weight-only kernels above read the weights once per
+row group and fall behind from ~16 rows; ``_int_mm`` (oneDNN's u8s8 GEMM) is 2-3x faster at 32
+rows, measured in docs/benchmarks/step_int4_compiled.md. int4 keeps an int8 copy of its
+weights for it, rounded per output channel from the int4 values: ~1 byte per weight more) or
 ``fallback`` (dequantise the stored weights to the
 activation dtype and ``F.linear``: correct on any CPU, slow). The int8/int4 kernels are
 fast only on bf16 activations (on fp32 ones they run a scalar loop, 2-5x slower than fp32
@@ -50,6 +56,40 @@ ROUTE_ENV = "PAGEDKV_WEIGHT_ROUTE"
 #: prefill chunk) dequantises the weights and runs one bf16 (AMX) or fp32 matmul instead,
 #: measured faster above about 64 rows (``pagedkv bench quality --part routes``)
 KERNEL_ROWS = 64
+#: decode batches of at least this many rows (and at most ``KERNEL_ROWS``) run dynamic int8
+#: (``torch._int_mm``) in the int8/int4 formats on the fast route: the row count where it
+#: overtakes the weight-only kernels here (2 AVX2 cores: the 49152-row head from 8 rows, the
+#: layers' int4 kernel from ~16). ``$PAGEDKV_INT8_ROWS`` overrides it; 0 turns the route off.
+INT8_ROWS = 8
+INT8_ROWS_ENV = "PAGEDKV_INT8_ROWS"
+
+
+def int8_rows() -> int:
+    """The smallest batch (rows) for dynamic int8: ``$PAGEDKV_INT8_ROWS`` or ``INT8_ROWS``;
+    0 = never. Raises ``ConfigError`` for a value that is not a non-negative integer."""
+    raw = os.environ.get(INT8_ROWS_ENV, "").strip()
+    if not raw:
+        return INT8_ROWS
+    if not raw.isdigit():
+        raise ConfigError(f"{INT8_ROWS_ENV}: expected a non-negative integer (rows), got {raw!r}")
+    return int(raw)
+
+
+def dynamic_int8_mm(x: torch.Tensor, w8_t: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """``x`` float ``[T, in]`` times int8 weights ``w8_t`` (``[in, out]``, a transposed view of
+    ``[out, in]``) with per-output-channel scales ``w_scale`` float32 ``[out]`` -> float32
+    ``[T, out]``. Each row of ``x`` becomes two int8 rows: ``q1 = round(x / s)`` with ``s =
+    max|row| / 127`` and the remainder ``q2 = round((x - s * q1) / (s / 254))``, so the
+    activations keep ~15 bits (one int8 row per token cost +9% perplexity on the bundled
+    model: activation outliers); one ``torch._int_mm`` of the ``[2T, in]`` rows (exact int32
+    sums), then ``(s * acc1 + s / 254 * acc2) * w_scale``."""
+    x = x.float()
+    t = x.shape[0]
+    s = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-30) / 127.0
+    q1 = torch.round(x / s)
+    q2 = torch.round((x - q1 * s) * (254.0 / s))
+    acc = torch._int_mm(torch.cat([q1, q2]).to(torch.int8), w8_t).float()
+    return (acc[:t] + acc[t:] * (1.0 / 254.0)) * (s * w_scale)
 
 
 @dataclass(frozen=True)
@@ -174,6 +214,7 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("bias", None)
         self.route = "fallback"
+        self.int8_rows = 0  # dynamic int8 from this many rows (0: off); set by prepare
 
     def _set_bias(self, bias: torch.Tensor | None) -> None:
         if bias is not None:
@@ -189,18 +230,38 @@ class QuantLinear(nn.Module):
         if self.route not in ROUTES:
             raise ConfigError(f"weight route: unsupported {self.route!r} (one of {', '.join(ROUTES)})")
         self._wide_bf16 = cpu_features().bf16_fast
+        self.int8_rows = 0
         return self
+
+    def _int8_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(int8 [out, in], float32 scale [out])`` for dynamic int8, or ``None`` (no route)."""
+        return None
+
+    def _prepare_int8(self) -> None:
+        rows = int8_rows() if self.route == "fast" else 0
+        w8 = self._int8_weights() if rows else None
+        self.int8_rows = rows if w8 is not None else 0
+        if w8 is not None:
+            self._w8_t, self._w8_scale = w8[0].t(), w8[1]
 
     def _fast(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def dynamic_int8(self, rows: int) -> bool:
+        """Whether a ``rows``-row input runs dynamic int8 (``dynamic_int8_mm``)."""
+        return 0 < self.int8_rows <= rows <= KERNEL_ROWS
+
     def takes_bf16(self, rows: int) -> bool:
         """Whether a ``rows``-row input runs the bf16 kernel (its activations are rounded to
         bf16 and the result comes back in bf16 before any cast): a caller may hand bf16 in."""
-        return self.route == "fast" and (rows <= KERNEL_ROWS or self.fmt == "bf16")
+        return self.route == "fast" and (rows <= KERNEL_ROWS or self.fmt == "bf16") and not self.dynamic_int8(rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.takes_bf16(x.shape[0]):
+        if self.dynamic_int8(x.shape[0]):
+            y = dynamic_int8_mm(x, self._w8_t, self._w8_scale)
+            if x.dtype != torch.float32:
+                y = y.to(x.dtype)
+        elif self.takes_bf16(x.shape[0]):
             y = self._fast(x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16))
             if x.dtype != torch.bfloat16:
                 y = y.to(x.dtype)
@@ -260,7 +321,11 @@ class Int8Linear(QuantLinear):
     def prepare(self, route: str | None = None) -> "Int8Linear":
         super().prepare(route)
         self._scale_bf16 = self.scale.to(torch.bfloat16)
+        self._prepare_int8()
         return self
+
+    def _int8_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.qweight, self.scale  # the stored codes themselves: no copy
 
     def _fast(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int8pack_mm(x, self.qweight, self._scale_bf16)
@@ -323,7 +388,14 @@ class Int4Linear(QuantLinear):
             self._packed = torch._convert_weight_to_int4pack_for_cpu(self.codes().to(torch.int32), 1)
             zero = self.min + 8.0 * self.scale
             self._scale_zero = torch.stack([self.scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        self._prepare_int8()
         return self
+
+    def _int8_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The int4 values rounded to int8 per output channel (scale = max|w| / 127)."""
+        w = self.dequantize()
+        scale = w.abs().amax(dim=1).clamp_min(1e-30) / 127.0
+        return _aligned(torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)), scale
 
     def _fast(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int4pack_mm_for_cpu(x, self._packed, GROUP_SIZE, self._scale_zero)

@@ -11,7 +11,8 @@ import torch
 
 from pagedkv.errors import ConfigError
 from pagedkv.model.quant import (
-    BF16Linear, CpuFeatures, Int4Linear, Int8Linear, auto_route, check_weights, resolve_weights,
+    BF16Linear, CpuFeatures, Int4Linear, Int8Linear, auto_route, check_weights, dynamic_int8_mm, int8_rows,
+    resolve_weights,
 )
 
 AVX512_AMX = CpuFeatures("AVX512", avx512_bf16=True, amx=True, vnni=True)
@@ -88,6 +89,56 @@ def test_fast_and_fallback_routes_agree(make, rows):
     # and the format is close to the float weights it came from
     err = (m.dequantize() - w).abs().max().item()
     assert err < {"bf16": 2e-3, "int8": 2e-3, "int4": 0.05}[m.fmt], err
+
+
+# ---- dynamic int8 (decode batches of INT8_ROWS..KERNEL_ROWS rows in int8/int4) ----------------
+
+def test_int8_rows_from_the_environment(monkeypatch):
+    monkeypatch.delenv("PAGEDKV_INT8_ROWS", raising=False)
+    assert int8_rows() == 8
+    monkeypatch.setenv("PAGEDKV_INT8_ROWS", "0")
+    assert int8_rows() == 0
+    assert Int8Linear.from_float(torch.randn(16, 64)).prepare("fast").int8_rows == 0  # off
+    for bad in ("-1", "eight", "1.5"):
+        monkeypatch.setenv("PAGEDKV_INT8_ROWS", bad)
+        with pytest.raises(ConfigError, match="PAGEDKV_INT8_ROWS"):
+            int8_rows()
+
+
+def test_dynamic_int8_keeps_15_bits_of_the_activations():
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(-127, 128, (40, 96), generator=g).to(torch.int8)
+    scale = torch.rand(40, generator=g) * 0.01 + 1e-3
+    x = torch.randn(12, 96, generator=g)
+    x[3, 7] = 60.0  # an outlier channel: one int8 row per token would lose the rest of row 3
+    ref = x.double() @ (q.double() * scale.double()[:, None]).T
+    got = dynamic_int8_mm(x, q.t(), scale)
+    assert got.dtype == torch.float32 and got.shape == (12, 40)
+    # activation error <= max|row| / 127 / 254 / 2 per element, times sum |w| over the row
+    bound = (x.abs().amax(1, keepdim=True).double() / 127 / 254 / 2) @ (q.double().abs() * scale.double()[:, None]).sum(1, keepdim=True).T
+    assert ((got.double() - ref).abs() <= bound + 1e-5).all()
+    assert torch.equal(dynamic_int8_mm(torch.zeros(2, 96), q.t(), scale), torch.zeros(2, 40))
+
+
+@pytest.mark.parametrize("make", [Int8Linear.from_float, Int4Linear.from_float])
+def test_dynamic_int8_route_takes_decode_batches_from_int8_rows(monkeypatch, make):
+    monkeypatch.delenv("PAGEDKV_INT8_ROWS", raising=False)
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(48, 96, generator=g) * 0.1
+    bias = torch.randn(48, generator=g)
+    m = make(w, bias).prepare("fast")
+    assert m.int8_rows == 8
+    assert [m.dynamic_int8(r) for r in (1, 7, 8, 64, 65)] == [False, False, True, True, False]
+    assert m.takes_bf16(7) and not m.takes_bf16(8)  # the route quantises float32 activations itself
+    x = torch.randn(16, 96, generator=g)
+    ref = x @ m.dequantize().T + bias
+    got = m(x)
+    assert got.dtype == torch.float32
+    # int8 weights (int4: the int4 values rounded per output channel) and ~15-bit activations
+    assert (got - ref).abs().max().item() < 0.01 * ref.abs().max().item()
+    if m.fmt == "int8":  # the stored codes themselves, no copy
+        assert m._w8_t.data_ptr() == m.qweight.data_ptr()
+    assert m.prepare("fallback").int8_rows == 0 and not m.dynamic_int8(16)
 
 
 def test_int4_codes_round_trip_q4_1_values_exactly():
@@ -213,3 +264,13 @@ def test_engine_weights_option(loaded_model):
         LLMEngine(loaded_model, weights="int4", num_blocks=8)
     eng = LLMEngine(loaded_model, num_blocks=8)  # auto takes the loaded model as it is
     assert eng.loaded.weights == "fp32"
+
+
+def test_perplexity_in_decode_sized_chunks_equals_the_whole_window_on_fp32(loaded_model):
+    from pagedkv.bench.quality import perplexity
+
+    ids = loaded_model.tokenizer("The quick brown fox jumps over the lazy dog. " * 6)["input_ids"]
+    whole = perplexity(loaded_model.model, ids, window=40)
+    chunked = perplexity(loaded_model.model, ids, window=40, rows=7)  # chunks across block edges
+    assert 1.0 < whole < 1000.0
+    assert abs(chunked / whole - 1.0) < 1e-4, (whole, chunked)
