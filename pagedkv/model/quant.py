@@ -22,7 +22,7 @@ in int8/int4, decode batches of ``int8_rows()`` to ``KERNEL_ROWS`` rows run *dyn
 each row of ``x`` rounded to int8 with its own scale, one ``torch._int_mm`` against per-channel
 int8 weights, int32 sums rescaled. The weight-only kernels above read the weights once per
 row group and fall behind from ~16 rows; ``_int_mm`` (oneDNN's u8s8 GEMM) is 2-3x faster at 32
-rows, measured in docs/benchmarks/step_int4_compiled.md. int4 keeps an int8 copy of its
+rows (measured in docs/performance.md, "Dynamic int8"). int4 keeps an int8 copy of its
 weights for it, rounded per output channel from the int4 values: ~1 byte per weight more) or
 ``fallback`` (dequantise the stored weights to the
 activation dtype and ``F.linear``: correct on any CPU, slow). The int8/int4 kernels are
@@ -58,8 +58,8 @@ ROUTE_ENV = "PAGEDKV_WEIGHT_ROUTE"
 KERNEL_ROWS = 64
 #: decode batches of at least this many rows (and at most ``KERNEL_ROWS``) run dynamic int8
 #: (``torch._int_mm``) in the int8/int4 formats on the fast route: the row count where it
-#: overtakes the weight-only kernels here (2 AVX2 cores: the 49152-row head from 8 rows, the
-#: layers' int4 kernel from ~16). ``$PAGEDKV_INT8_ROWS`` overrides it; 0 turns the route off.
+#: overtakes the weight-only kernels here (2 AVX2 cores, whole engine steps: equal at 4 rows,
+#: 14% faster at 8, 28% at 16, 39% at 32; the LM head gains from 8 rows, the layers from ~16). ``$PAGEDKV_INT8_ROWS`` overrides it; 0 turns the route off.
 INT8_ROWS = 8
 INT8_ROWS_ENV = "PAGEDKV_INT8_ROWS"
 
