@@ -19,9 +19,9 @@ model dtype -> ``[T, out]`` in the same dtype.
 Routes: ``fast`` (the kernels above for up to ``KERNEL_ROWS`` rows; wider inputs, i.e.
 prefill chunks, dequantise and run one bf16 matmul where oneDNN has native bf16, else fp32;
 in int8/int4, decode batches of ``int8_rows()`` to ``KERNEL_ROWS`` rows run *dynamic int8*:
-each row of ``x`` rounded to int8 with its own scale, one ``torch._int_mm`` against per-channel
-int8 weights, int32 sums rescaled. The weight-only kernels above read the weights once per
-row group and fall behind from ~16 rows; ``_int_mm`` (oneDNN's u8s8 GEMM) is 2-3x faster at 32
+each row of ``x`` as two int8 rows (rounded row and remainder, ``dynamic_int8_mm``), one
+``torch._int_mm`` against per-channel int8 weights, int32 sums rescaled. The weight-only
+kernels above fall behind from ~8 rows; ``_int_mm`` (oneDNN's u8s8 GEMM) is 2-3x faster at 32
 rows (measured in docs/performance.md, "Dynamic int8"). int4 keeps an int8 copy of its
 weights for it, rounded per output channel from the int4 values: ~1 byte per weight more) or
 ``fallback`` (dequantise the stored weights to the
@@ -59,7 +59,8 @@ KERNEL_ROWS = 64
 #: decode batches of at least this many rows (and at most ``KERNEL_ROWS``) run dynamic int8
 #: (``torch._int_mm``) in the int8/int4 formats on the fast route: the row count where it
 #: overtakes the weight-only kernels here (2 AVX2 cores, whole engine steps: equal at 4 rows,
-#: 14% faster at 8, 28% at 16, 39% at 32; the LM head gains from 8 rows, the layers from ~16). ``$PAGEDKV_INT8_ROWS`` overrides it; 0 turns the route off.
+#: 14% faster at 8, 28% at 16, 39% at 32; the LM head gains from 8 rows, the layers from
+#: ~16). ``$PAGEDKV_INT8_ROWS`` overrides it; 0 turns the route off.
 INT8_ROWS = 8
 INT8_ROWS_ENV = "PAGEDKV_INT8_ROWS"
 
@@ -241,8 +242,8 @@ class QuantLinear(nn.Module):
         rows = int8_rows() if self.route == "fast" else 0
         w8 = self._int8_weights() if rows else None
         self.int8_rows = rows if w8 is not None else 0
-        if w8 is not None:
-            self._w8_t, self._w8_scale = w8[0].t(), w8[1]
+        # (None when off: a re-prepare on another route frees int4's int8 copy)
+        self._w8_t, self._w8_scale = (w8[0].t(), w8[1]) if w8 is not None else (None, None)
 
     def _fast(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
