@@ -24,6 +24,7 @@ from pagedkv.bench.step_profile import (
     linear_params,
     matmul_peak,
     profile_steps,
+    record_compiled_kernels,
     step_limit,
     weight_bytes,
 )
@@ -108,6 +109,8 @@ def collect(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
     log("[step] measuring copy bandwidth and matmul peak")
     bw, peak = copy_bandwidth(), matmul_peak()
     loaded = load_fp32_model(loaded, args.model, args.weights)
+    if getattr(args, "compile_decode", False):
+        record_compiled_kernels()  # else a compiled step's matmuls count as other_ops
     model = loaded.model
     dec, head = linear_params(model)
     eng = _engine(loaded, args, max(batches, default=1))

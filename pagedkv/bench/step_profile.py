@@ -5,7 +5,11 @@ The engine labels its phases with ``pagedkv.utils.profile_scope`` (``pagedkv.sch
 this module runs steps under the profiler and splits each step into:
 
 * ``linear``: self time of the matmul ops inside ``pagedkv.forward`` but outside attention
-  (the decoder's projections: weight bytes dominate at small batch);
+  (the decoder's projections: weight bytes dominate at small batch). In a compiled step
+  (``compile_decode``, inductor's C++ wrapper) a matmul is an extern call that the profiler
+  sees only as ``aoti_torch_cpu_<op>_out``, and only when the graph was generated with
+  ``torch._inductor.config.cpp.enable_kernel_profile`` (:func:`record_compiled_kernels`);
+  without it the whole graph is one event and its matmuls land in ``other_ops``;
 * ``attention``: the ``pagedkv.attention`` regions (K/V write + paged attention);
 * ``other_ops``: the rest of the forward pass (norms, RoPE, activations, residual adds, the
   per-layer Python between them);
@@ -31,9 +35,31 @@ LINEAR_OPS = {
     "aten::_int_mm", "aten::_weight_int4pack_mm", "quantized::linear_dynamic", "aten::mkldnn_linear",
     "mkldnn::_linear_pointwise", "aten::bmm",
 }
+#: how inductor's C++ wrapper names an extern call of ``aten::<op>`` in the profiler
+AOTI_PREFIX, AOTI_SUFFIX = "aoti_torch_cpu_", "_out"
 REGIONS = ("pagedkv.schedule", "pagedkv.prepare", "pagedkv.forward", "pagedkv.attention",
            "pagedkv.logits", "pagedkv.sample", "pagedkv.update", "pagedkv.output")
 CATEGORIES = ("linear", "attention", "other_ops", "logits_sampling", "host")
+
+
+def is_linear_op(name: str) -> bool:
+    """Whether a profiler event ``name`` is a matmul kernel: an aten op of :data:`LINEAR_OPS`,
+    or its extern call in a compiled graph (``aoti_torch_cpu__int_mm_out`` is
+    ``aten::_int_mm``)."""
+    if name.startswith(AOTI_PREFIX):
+        op = name[len(AOTI_PREFIX):]
+        name = "aten::" + (op[: -len(AOTI_SUFFIX)] if op.endswith(AOTI_SUFFIX) else op)
+    return name in LINEAR_OPS
+
+
+def record_compiled_kernels() -> None:
+    """Make graphs compiled from now on record each generated kernel and extern call under the
+    profiler (``torch._inductor.config.cpp.enable_kernel_profile``), so :func:`breakdown` can
+    find the matmuls inside a compiled step. Outside a profiler the records cost a flag check
+    each (tens of ns; a few hundred per step); the option is part of inductor's cache key."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.cpp.enable_kernel_profile = True
 
 
 def copy_bandwidth(num_bytes: int = 256 << 20, repeats: int = 5) -> float:
@@ -101,7 +127,7 @@ def breakdown(events: Iterable[Any], wall_s: float, num_steps: int) -> dict[str,
     for ev in events:
         if ev.name in REGIONS and _region_of(ev) != ev.name:
             region_total[ev.name] += ev.cpu_time_total
-        elif ev.name in LINEAR_OPS and _region_of(ev) == "pagedkv.forward":
+        elif is_linear_op(ev.name) and _region_of(ev) == "pagedkv.forward":
             linear += ev.self_cpu_time_total
     us = 1e3 * num_steps  # microseconds -> ms per step
     fwd, att = region_total["pagedkv.forward"] / us, region_total["pagedkv.attention"] / us

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from pagedkv.bench import step as bench_step
-from pagedkv.bench.step_profile import CATEGORIES, breakdown, step_limit, weight_bytes
+from pagedkv.bench.step_profile import CATEGORIES, breakdown, is_linear_op, step_limit, weight_bytes
 
 
 def test_weight_bytes_per_format():
@@ -47,6 +47,19 @@ def test_breakdown_assigns_ops_to_their_regions():
     assert parts["logits_sampling"] == pytest.approx(0.5)
     # host: the scheduler's 0.25 ms + wall not covered by any region: 6 - (0.25 + 4 + 0.45 + 0.05)
     assert parts["host"] == pytest.approx(0.25 + 6 - 4.75)
+
+
+def test_compiled_extern_matmuls_count_as_linear():
+    # inductor's C++ wrapper calls aten::_int_mm as the shim aoti_torch_cpu__int_mm_out
+    assert is_linear_op("aoti_torch_cpu__int_mm_out") and is_linear_op("aten::_int_mm")
+    assert is_linear_op("aoti_torch_cpu_mm_out") and is_linear_op("aoti_torch_cpu__weight_int4pack_mm_for_cpu")
+    assert not is_linear_op("aoti_torch_cpu_index_put_out") and not is_linear_op("graph_0_cpp_fused_mul_0")
+    fwd = _Ev("pagedkv.forward", 10000, 0)
+    graph = _Ev("## Call CompiledFxGraph abc", 10000, 1000, fwd)
+    events = [fwd, graph, _Ev("aoti_torch_cpu__int_mm_out", 6000, 6000, graph),
+              _Ev("graph_0_cpp_fused_abs_amax_0", 3000, 3000, graph)]
+    parts = breakdown(events, wall_s=0.010, num_steps=1)
+    assert parts["linear"] == pytest.approx(6.0) and parts["other_ops"] == pytest.approx(4.0)
 
 
 def test_bench_step_tiny(loaded_model, tmp_path):
