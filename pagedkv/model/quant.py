@@ -89,8 +89,10 @@ def dynamic_int8_mm(x: torch.Tensor, w8_t: torch.Tensor, w_scale: torch.Tensor) 
     s = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-30) / 127.0
     q1 = torch.round(x / s)
     q2 = torch.round((x - q1 * s) * (254.0 / s))
-    acc = torch._int_mm(torch.cat([q1, q2]).to(torch.int8), w8_t).float()
-    return (acc[:t] + acc[t:] * (1.0 / 254.0)) * (s * w_scale)
+    acc = torch._int_mm(torch.cat([q1, q2]).to(torch.int8), w8_t)
+    out = acc[:t].float()  # in place from here: 4 passes over [T, out] instead of 6 (eager)
+    out.add_(acc[t:], alpha=1.0 / 254.0)
+    return out.mul_(s).mul_(w_scale)
 
 
 @dataclass(frozen=True)

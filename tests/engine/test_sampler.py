@@ -129,3 +129,13 @@ def test_no_allowed_parameters_give_a_non_finite_logprob(rep, temp, freq, pres, 
     out = Sampler()(logits, [req(params, prompt=tuple(range(0, V, 2)), out=(1, 1, 5, 9))])
     assert 0 <= out.token_ids[0] < V
     assert all(math.isfinite(v) and v <= 0 for v in out.logprobs[0].values())
+
+
+def test_greedy_takes_the_first_maximum_in_all_greedy_and_mixed_batches():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 3.0], [2.0, 2.0, -1.0, 0.0], [5.0, 0.0, 0.0, 5.0]])
+    greedy = SamplingParams(temperature=0)
+    assert Sampler()(logits, [req(greedy)] * 3).token_ids == [1, 0, 0]
+    # a sampled row between greedy ones: the greedy rows still get their own first maxima
+    one_hot = SamplingParams(temperature=1.0, top_k=1)
+    out = Sampler()(logits, [req(greedy), req(one_hot), req(greedy)])
+    assert out.token_ids[0] == 1 and out.token_ids[1] in (0, 1) and out.token_ids[2] == 0
