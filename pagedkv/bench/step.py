@@ -14,7 +14,8 @@ batch-1 host + small-op time at most 3 ms, prefill at least 70% of the matmul pe
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import contextlib
+from typing import Any, Callable
 
 from pagedkv.bench.common import add_options, load_average, load_fp32_model, log, machine_info, pin_threads, weights_of
 from pagedkv.bench.report import markdown_table, publish, save_figure, single_plot
@@ -24,7 +25,7 @@ from pagedkv.bench.step_profile import (
     linear_params,
     matmul_peak,
     profile_steps,
-    record_compiled_kernels,
+    recording_compiled_kernels,
     step_limit,
     weight_bytes,
 )
@@ -56,6 +57,29 @@ def _engine(loaded: Any, args: Any, max_batch: int) -> Any:
                      compile_decode=getattr(args, "compile_decode", False))
 
 
+def _instrumented(model: Any) -> Callable[[], Any]:
+    """For a compiled model: a context-manager factory that swaps in a second compiled copy of
+    its decode graphs, generated with kernel records (the profiler then sees the matmuls
+    inside them; the plain steps keep the uninstrumented graphs, which the records slow)."""
+    from pagedkv.model.compiled import CompiledDecode
+
+    plain = model.compiled
+    with recording_compiled_kernels():
+        log("[step] compiling a profiler-instrumented copy of the decode graphs")
+        instrumented = CompiledDecode(model, plain.max_rows)
+        instrumented.warm_up()
+
+    @contextlib.contextmanager
+    def swapped() -> Any:
+        model.compiled = instrumented
+        try:
+            yield
+        finally:
+            model.compiled = plain
+
+    return swapped
+
+
 def _costs(model: Any, weights: str, kv_bytes_per_token: int, tokens: int, rows: int,
            ctx: float) -> tuple[float, float]:
     """(bytes, FLOPs) of one step over ``tokens`` new tokens, ``rows`` sampled rows and a mean
@@ -67,7 +91,7 @@ def _costs(model: Any, weights: str, kv_bytes_per_token: int, tokens: int, rows:
     return bytes_moved, 2 * dec * tokens + 2 * head * rows + attn
 
 
-def _decode_case(eng: Any, batch: int, steps: int) -> dict[str, Any]:
+def _decode_case(eng: Any, batch: int, steps: int, profiled: Any) -> dict[str, Any]:
     from pagedkv.engine.request import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=4 * steps + 8, ignore_eos=True)
@@ -78,7 +102,7 @@ def _decode_case(eng: Any, batch: int, steps: int) -> dict[str, Any]:
         eng.step()
     eng.step()
     ctx = sum(r.num_tokens for r in eng.scheduler.running) / batch + steps
-    plain, parts = profile_steps(eng.step, steps)
+    plain, parts = profile_steps(eng.step, steps, profiled=profiled)
     eng.abort_request(ids)
     while eng.has_unfinished_requests():
         eng.step()
@@ -86,7 +110,7 @@ def _decode_case(eng: Any, batch: int, steps: int) -> dict[str, Any]:
             "context": ctx, "plain_ms": plain, "parts_ms": parts}
 
 
-def _prefill_case(eng: Any, length: int, steps: int) -> dict[str, Any]:
+def _prefill_case(eng: Any, length: int, steps: int, profiled: Any) -> dict[str, Any]:
     from pagedkv.engine.request import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=1)
@@ -98,7 +122,7 @@ def _prefill_case(eng: Any, length: int, steps: int) -> dict[str, Any]:
         eng.step()
 
     step()  # warm
-    plain, parts = profile_steps(step, steps)
+    plain, parts = profile_steps(step, steps, profiled=profiled)
     return {"case": f"prefill {length}", "kind": "prefill", "batch": 1, "tokens": length,
             "context": (length + 1) / 2, "plain_ms": plain, "parts_ms": parts}
 
@@ -109,18 +133,17 @@ def collect(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
     log("[step] measuring copy bandwidth and matmul peak")
     bw, peak = copy_bandwidth(), matmul_peak()
     loaded = load_fp32_model(loaded, args.model, args.weights)
-    if getattr(args, "compile_decode", False):
-        record_compiled_kernels()  # else a compiled step's matmuls count as other_ops
     model = loaded.model
     dec, head = linear_params(model)
     eng = _engine(loaded, args, max(batches, default=1))
+    profiled = _instrumented(model) if model.compiled is not None else contextlib.nullcontext
     kvb = eng.kv_spec.bytes_per_token
     cases = []
     for b in batches:
         log(f"[step] decode batch {b}")
-        cases.append(_decode_case(eng, b, args.steps))
+        cases.append(_decode_case(eng, b, args.steps, profiled))
     log(f"[step] prefill {args.prefill_len}")
-    cases.append(_prefill_case(eng, args.prefill_len, args.steps))
+    cases.append(_prefill_case(eng, args.prefill_len, args.steps, profiled))
     for c in cases:
         rows = c["batch"]
         nbytes, flops = _costs(model, weights_of(loaded), kvb, c["tokens"], rows, c["context"])

@@ -11,8 +11,9 @@ as the eager path does. The graph never sees the KV cache or the metadata, so on
 every batch composition, block table and context length.
 
 Graphs: one for a single row (batch-1 decode), one with the row count dynamic (2 ..
-``max_rows``); larger steps (prefill chunks) run eagerly. :meth:`CompiledDecode.warm_up`
-compiles both at start-up (about 80 s each the first time on a 2-core machine, seconds once
+``max_rows``), split where a quantised linear changes kernel (int4/int8: 2-7 and 8-64 rows,
+dynamic int8 from 8); larger steps (prefill chunks) run eagerly. :meth:`CompiledDecode.warm_up`
+compiles them all at start-up (about 80 s each the first time on a 2-core machine, seconds once
 inductor's cache under ``~/.cache/pagedkv/inductor`` holds them). If compilation fails (no C++
 compiler, an unsupported op) the model falls back to eager and says why (``failed``).
 """
@@ -146,17 +147,26 @@ class CompiledDecode:
         mod = type(exc).__module__ or ""
         return mod.startswith(("torch._dynamo", "torch._inductor")) or "CppCompileError" in type(exc).__name__
 
+    def warm_up_sizes(self) -> list[int]:
+        """Row counts whose steps compile the graphs: 1 (specialised), 2 (the row count turns
+        dynamic), and the first row of every range where a quantised linear changes kernel
+        (``quant.route_boundaries``: the decode step branches there, and a range never seen
+        would compile mid-serving, ~80 s on the bundled model)."""
+        from pagedkv.model.quant import route_boundaries
+
+        extra = [n for n in route_boundaries(self.model) if 2 < n <= self.max_rows]
+        return [n for n in (1, 2) if n <= self.max_rows] + extra
+
     def warm_up(self, progress: bool = True) -> float:
-        """Compile both graphs now (a 1-row and a 2-row step through a stand-in attention that
-        returns zeros and writes nothing). Returns the seconds it took."""
+        """Compile every graph now (one step of each of :meth:`warm_up_sizes` through a
+        stand-in attention that returns zeros and writes nothing). Returns the seconds it took."""
         import time
 
         from tqdm import tqdm
 
         t0 = time.perf_counter()
         dev = self.model.device
-        sizes = [n for n in (1, 2) if n <= self.max_rows]
-        bar = tqdm(sizes, desc="compiling decode steps (cached after the first run)", unit="graph",
+        bar = tqdm(self.warm_up_sizes(), desc="compiling decode steps (cached after the first run)", unit="graph",
                    disable=not progress)
         for n in bar:
             # inputs made outside inference mode, as the runner makes them: dynamo guards on a

@@ -95,6 +95,20 @@ def dynamic_int8_mm(x: torch.Tensor, w8_t: torch.Tensor, w_scale: torch.Tensor) 
     return out.mul_(s).mul_(w_scale)
 
 
+def route_boundaries(model: nn.Module) -> list[int]:
+    """Sorted row counts at which some prepared quantised linear of ``model`` changes kernel
+    (the first row of each new range: ``int8_rows`` where dynamic int8 starts, ``KERNEL_ROWS +
+    1`` where the wide route starts). A compiled step branches on them, so each range needs a
+    graph of its own (``pagedkv.model.compiled`` warms one per range)."""
+    out: set[int] = set()
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            out.add(KERNEL_ROWS + 1)
+            if m.int8_rows:
+                out.add(m.int8_rows)
+    return sorted(out)
+
+
 @dataclass(frozen=True)
 class CpuFeatures:
     """What the running CPU (as torch sees it) offers the weight kernels. ``capability``:

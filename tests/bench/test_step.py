@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 
 import pytest
 
 from pagedkv.bench import step as bench_step
-from pagedkv.bench.step_profile import CATEGORIES, breakdown, is_linear_op, step_limit, weight_bytes
+from pagedkv.bench.step_profile import CATEGORIES, breakdown, is_linear_op, profile_steps, step_limit, weight_bytes
 
 
 def test_weight_bytes_per_format():
@@ -60,6 +61,25 @@ def test_compiled_extern_matmuls_count_as_linear():
               _Ev("graph_0_cpp_fused_abs_amax_0", 3000, 3000, graph)]
     parts = breakdown(events, wall_s=0.010, num_steps=1)
     assert parts["linear"] == pytest.approx(6.0) and parts["other_ops"] == pytest.approx(4.0)
+
+
+def test_profiled_steps_run_inside_the_profiled_context_and_plain_ones_outside():
+    # the bench times plain compiled graphs and profiles an instrumented copy (swapped in by
+    # the context): 2 warm-up + 3 plain steps outside, 2 warm-up + 3 profiled steps inside
+    state = {"inside": False}
+    calls = []
+
+    @contextlib.contextmanager
+    def swapped():
+        state["inside"] = True
+        try:
+            yield
+        finally:
+            state["inside"] = False
+
+    plain, parts = profile_steps(lambda: calls.append(state["inside"]), 3, warmup=2, profiled=swapped)
+    assert calls == [False] * 5 + [True] * 5 and not state["inside"]
+    assert plain >= 0 and set(parts) == set(CATEGORIES)
 
 
 def test_bench_step_tiny(loaded_model, tmp_path):

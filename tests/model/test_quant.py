@@ -12,7 +12,7 @@ import torch
 from pagedkv.errors import ConfigError
 from pagedkv.model.quant import (
     BF16Linear, CpuFeatures, Int4Linear, Int8Linear, auto_route, check_weights, dynamic_int8_mm, int8_rows,
-    resolve_weights,
+    resolve_weights, route_boundaries,
 )
 
 AVX512_AMX = CpuFeatures("AVX512", avx512_bf16=True, amx=True, vnni=True)
@@ -139,6 +139,29 @@ def test_dynamic_int8_route_takes_decode_batches_from_int8_rows(monkeypatch, mak
     if m.fmt == "int8":  # the stored codes themselves, no copy
         assert m._w8_t.data_ptr() == m.qweight.data_ptr()
     assert m.prepare("fallback").int8_rows == 0 and not m.dynamic_int8(16)
+
+
+def test_compiled_decode_warms_a_graph_for_every_kernel_range(monkeypatch):
+    # a compiled step branches where a linear changes kernel: int4/int8 on the fast route have
+    # 1..7 rows (weight-only), 8..64 (dynamic int8), 65.. (wide); warm-up must compile each
+    # range the compiled steps take, or the first batch of 8 compiles mid-serving
+    from pagedkv.model.compiled import CompiledDecode
+
+    monkeypatch.delenv("PAGEDKV_INT8_ROWS", raising=False)
+    w = torch.randn(32, 64)
+    fast = torch.nn.Sequential(Int4Linear.from_float(w).prepare("fast"), Int8Linear.from_float(w).prepare("fast"))
+    assert route_boundaries(fast) == [8, 65]
+    assert route_boundaries(torch.nn.Sequential(Int8Linear.from_float(w).prepare("fallback"))) == [65]
+    assert route_boundaries(torch.nn.Linear(4, 4)) == []
+    cd = CompiledDecode.__new__(CompiledDecode)
+    cd.model, cd.max_rows = fast, 64
+    assert cd.warm_up_sizes() == [1, 2, 8]
+    cd.max_rows = 128
+    assert cd.warm_up_sizes() == [1, 2, 8, 65]
+    monkeypatch.setenv("PAGEDKV_INT8_ROWS", "0")
+    cd.model = torch.nn.Sequential(Int4Linear.from_float(w).prepare("fast"))
+    cd.max_rows = 64
+    assert cd.warm_up_sizes() == [1, 2]
 
 
 def test_int4_codes_round_trip_q4_1_values_exactly():
