@@ -248,7 +248,8 @@ def _cpu_flags() -> list[str]:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from pagedkv.bench.common import markdown_table, machine_info, pin_threads, write_results
+    from pagedkv.bench.common import machine_info, pin_threads
+    from pagedkv.bench.report import markdown_table, write_results
 
     threads = pin_threads(args.threads)
     data, md = _quality(args) if args.part == "quality" else _routes(args)

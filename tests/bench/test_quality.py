@@ -1,0 +1,48 @@
+"""`pagedkv bench quality` end to end (both parts) on a short text: the files it writes hold
+real perplexities, agreement counts and per-route times."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from pagedkv.bench import quality
+
+
+def _args(tmp_path, **kw):
+    base = dict(part="quality", formats="fp32,int8", text=str(quality.TEXT), window=48, max_tokens=2, reps=1,
+                name=None, threads=2, json=False, out_dir=str(tmp_path))
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+@pytest.mark.slow
+def test_bench_quality_writes_perplexity_per_format(tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text(quality.TEXT.read_text()[:600])
+    assert quality.run(_args(tmp_path, text=str(text))) == 0
+    data = json.loads((tmp_path / "weights_quality.json").read_text())
+    rows = {r["weights"]: r for r in data["rows"]}
+    assert list(rows) == ["fp32", "int8"]
+    fp32, int8 = rows["fp32"], rows["int8"]
+    # fp32 against itself: exact, every completion identical, both routes the same perplexity
+    assert fp32["vs fp32 (worse of the two)"] == "+0.00%" and fp32["identical completions"] == "16/16"
+    assert fp32["perplexity"] == pytest.approx(fp32["perplexity 32-row steps"], rel=1e-4)
+    assert 1.0 < fp32["perplexity"] < 1000.0 and fp32["text tokens"] > 48
+    assert int8["perplexity"] != fp32["perplexity"] and int8["bound"] == "2%"
+    md = (tmp_path / "weights_quality.md").read_text()
+    assert md.startswith("# Weight formats: quality vs fp32") and "| int8 |" in md
+
+
+@pytest.mark.slow
+def test_bench_quality_routes_times_every_route(tmp_path):
+    assert quality.run(_args(tmp_path, part="routes", formats="fp32,int8")) == 0
+    data = json.loads((tmp_path / "weights_routes.json").read_text())
+    cells = {(r["weights"], r["route"].split()[0]) for r in data["rows"]}
+    assert cells == {("fp32", "fast"), ("int8", "fast"), ("int8", "fallback")}
+    for r in data["rows"]:
+        assert all(r[f"{step} ms"] > 0 for step in quality.STEP_ROWS)
+        if r["weights"] == "fp32":
+            assert r["decode 1 vs fp32"] == 1.0
