@@ -79,16 +79,21 @@ def perplexity(model: Any, token_ids: list[int], window: int, backend_name: str 
     sequence; every token but a window's first is scored. ``rows``: feed each window in
     chunks of that many tokens (chunked prefill over the paged cache), so the linear layers
     see ``rows``-row inputs and run the kernel route of a decode batch that size (``None``:
-    the whole window at once, the wide prefill route)."""
+    the whole window at once, the wide prefill route). Raises ``ValueError`` for a window or
+    a text under 2 tokens (nothing to score)."""
     import torch
 
     from pagedkv.attention import get_backend
     from pagedkv.attention.base import AttentionMetadata
 
+    if window < 2 or len(token_ids) < 2:
+        raise ValueError(f"perplexity needs a window of >= 2 tokens and a text of >= 2 tokens "
+                         f"(window {window}, text {len(token_ids)} tokens)")
     backend = get_backend(backend_name)
     block = 16
     nll, count = 0.0, 0
-    caches = model.allocate_kv_caches(backend, num_blocks=math.ceil(window / block), block_size=block)
+    span = min(window, len(token_ids))  # the cache holds one window, never more than the text
+    caches = model.allocate_kv_caches(backend, num_blocks=math.ceil(span / block), block_size=block)
     with torch.inference_mode():
         for start in range(0, len(token_ids) - 1, window):
             ids = token_ids[start:start + window]
@@ -130,18 +135,50 @@ def agreement(ref: list[list[int]], got: list[list[int]]) -> tuple[float, int]:
     return statistics.mean(fracs), same
 
 
+def _read_text(path: str) -> str:
+    """The perplexity text, UTF-8. Raises ``ConfigError`` naming ``--text``."""
+    from pagedkv.errors import ConfigError
+
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--text {path}: not a readable UTF-8 text file ({type(exc).__name__})") from None
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """``ConfigError`` for option values the run cannot use, before any model is loaded."""
+    from pagedkv.bench.report import results_dir
+    from pagedkv.errors import ConfigError
+
+    if args.part == "quality":
+        if args.window < 2:
+            raise ConfigError(f"--window: at least 2 tokens (one is scored against the one before), got {args.window}")
+        if args.max_tokens < 1:
+            raise ConfigError(f"--max-tokens: at least 1, got {args.max_tokens}")
+    elif args.reps < 1:
+        raise ConfigError(f"--reps: at least 1, got {args.reps}")
+    results_dir(args.out_dir)  # a bad --out-dir fails now, not after the run
+
+
 def _quality(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from pagedkv.errors import ConfigError
     from pagedkv.model.loader import load_model
 
-    text = Path(args.text).read_text()
+    text = _read_text(args.text)
     rows, ref_tokens, ref_ppl, ref_rows = [], None, None, None
+    chunk = min(DECODE_ROWS, args.window)
     for fmt in ["fp32"] + [f for f in _formats(args.formats) if f != "fp32"]:
         t0 = time.perf_counter()
         lm = load_model(None, weights=fmt)
         load_s = time.perf_counter() - t0
         ids = lm.tokenizer(text)["input_ids"]
+        if len(ids) < 2:
+            raise ConfigError(f"--text {args.text}: {len(ids)} token(s); perplexity needs at least 2")
+        if args.window > lm.config.max_position_embeddings:
+            raise ConfigError(f"--window {args.window}: above the model's context of "
+                              f"{lm.config.max_position_embeddings} tokens")
         ppl = perplexity(lm.model, ids, args.window)
-        ppl_rows = perplexity(lm.model, ids, args.window, rows=DECODE_ROWS)  # the decode-batch route
+        ppl_rows = perplexity(lm.model, ids, args.window, rows=chunk)  # the decode-batch route
         tokens = greedy(lm, args.max_tokens)
         if fmt == "fp32":
             ref_tokens, ref_ppl = tokens, ppl
@@ -151,7 +188,7 @@ def _quality(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         rel = max(ppl / ref_ppl, ppl_rows / ref_rows) - 1.0
         bound = BOUNDS.get(fmt)
         rows.append({
-            "weights": fmt, "perplexity": round(ppl, 4), f"perplexity {DECODE_ROWS}-row steps": round(ppl_rows, 4),
+            "weights": fmt, "perplexity": round(ppl, 4), f"perplexity {chunk}-row steps": round(ppl_rows, 4),
             "vs fp32 (worse of the two)": f"{rel:+.2%}",
             "bound": f"{bound:.0%}" if bound is not None else "exact",
             "within bound": bool(bound is None or rel <= bound),
@@ -251,6 +288,7 @@ def run(args: argparse.Namespace) -> int:
     from pagedkv.bench.common import machine_info, pin_threads
     from pagedkv.bench.report import markdown_table, write_results
 
+    check_args(args)
     threads = pin_threads(args.threads)
     data, md = _quality(args) if args.part == "quality" else _routes(args)
     data["machine"] = machine_info(threads)

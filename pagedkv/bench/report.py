@@ -19,8 +19,13 @@ PlotFn = Callable[[dict[str, Any], Path], dict[str, str]]
 
 
 def results_dir(out_dir: Path | str | None = None) -> Path:
-    """``out_dir`` (default docs/benchmarks/), created if missing."""
+    """``out_dir`` (default docs/benchmarks/), created if missing. Raises ``ConfigError`` if it
+    exists and is not a directory."""
+    from pagedkv.errors import ConfigError
+
     out = Path(out_dir) if out_dir is not None else RESULTS_DIR
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out-dir {out}: exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
     return out
 

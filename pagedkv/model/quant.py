@@ -67,13 +67,17 @@ INT8_ROWS_ENV = "PAGEDKV_INT8_ROWS"
 
 def int8_rows() -> int:
     """The smallest batch (rows) for dynamic int8: ``$PAGEDKV_INT8_ROWS`` or ``INT8_ROWS``;
-    0 = never. Raises ``ConfigError`` for a value that is not a non-negative integer."""
+    0 = never. Raises ``ConfigError`` for a value that is not an integer in 0 .. ``KERNEL_ROWS``."""
     raw = os.environ.get(INT8_ROWS_ENV, "").strip()
     if not raw:
         return INT8_ROWS
-    if not raw.isdigit():
+    if not (raw.isascii() and raw.isdecimal()):
         raise ConfigError(f"{INT8_ROWS_ENV}: expected a non-negative integer (rows), got {raw!r}")
-    return int(raw)
+    rows = int(raw)
+    if rows > KERNEL_ROWS:
+        raise ConfigError(f"{INT8_ROWS_ENV}: at most {KERNEL_ROWS} (the decode-batch kernels' rows; "
+                          f"0 turns the route off), got {rows}")
+    return rows
 
 
 def dynamic_int8_mm(x: torch.Tensor, w8_t: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
@@ -92,7 +96,7 @@ def dynamic_int8_mm(x: torch.Tensor, w8_t: torch.Tensor, w_scale: torch.Tensor) 
     acc = torch._int_mm(torch.cat([q1, q2]).to(torch.int8), w8_t)
     out = acc[:t].float()  # in place from here: 4 passes over [T, out] instead of 6 (eager)
     out.add_(acc[t:], alpha=1.0 / 254.0)
-    return out.mul_(s).mul_(w_scale)
+    return out.mul_(w_scale).mul_(s)  # the small per-channel scale first: no overflow to inf
 
 
 def route_boundaries(model: nn.Module) -> list[int]:
@@ -102,9 +106,10 @@ def route_boundaries(model: nn.Module) -> list[int]:
     graph of its own (``pagedkv.model.compiled`` warms one per range)."""
     out: set[int] = set()
     for m in model.modules():
-        if isinstance(m, QuantLinear):
-            out.add(KERNEL_ROWS + 1)
-            if m.int8_rows:
+        if isinstance(m, QuantLinear) and m.route == "fast":
+            if m.fmt != "bf16":  # bf16's fast route is one kernel at every row count
+                out.add(KERNEL_ROWS + 1)
+            if 0 < m.int8_rows <= KERNEL_ROWS:
                 out.add(m.int8_rows)
     return sorted(out)
 

@@ -46,3 +46,34 @@ def test_bench_quality_routes_times_every_route(tmp_path):
         assert all(r[f"{step} ms"] > 0 for step in quality.STEP_ROWS)
         if r["weights"] == "fp32":
             assert r["decode 1 vs fp32"] == 1.0
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(window=1), "--window: at least 2"),
+    (dict(max_tokens=0), "--max-tokens: at least 1"),
+    (dict(part="routes", reps=0), "--reps: at least 1"),
+])
+def test_bad_options_are_config_errors_before_any_model_loads(tmp_path, change, message):
+    from pagedkv.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        quality.check_args(_args(tmp_path, **change))
+
+
+def test_bad_text_and_out_dir_are_config_errors(tmp_path):
+    from pagedkv.errors import ConfigError
+
+    a_file = tmp_path / "f"
+    a_file.write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(ConfigError, match="--out-dir .* not a directory"):
+        quality.check_args(_args(tmp_path, out_dir=str(a_file)))
+    for bad in (tmp_path / "missing.txt", tmp_path, a_file):  # missing, a directory, not UTF-8
+        with pytest.raises(ConfigError, match="--text"):
+            quality._read_text(str(bad))
+
+
+def test_perplexity_rejects_what_it_cannot_score(loaded_model):
+    with pytest.raises(ValueError, match="window of >= 2"):
+        quality.perplexity(loaded_model.model, [1, 2, 3], window=1)
+    with pytest.raises(ValueError, match="text of >= 2"):
+        quality.perplexity(loaded_model.model, [5], window=64)

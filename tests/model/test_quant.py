@@ -99,7 +99,11 @@ def test_int8_rows_from_the_environment(monkeypatch):
     monkeypatch.setenv("PAGEDKV_INT8_ROWS", "0")
     assert int8_rows() == 0
     assert Int8Linear.from_float(torch.randn(16, 64)).prepare("fast").int8_rows == 0  # off
-    for bad in ("-1", "eight", "1.5"):
+    monkeypatch.setenv("PAGEDKV_INT8_ROWS", " 64 ")
+    assert int8_rows() == 64
+    # non-ASCII digits that str.isdigit accepts (superscript two, Arabic-Indic eight), and a
+    # threshold above the kernels' 64 rows (the route would silently never run)
+    for bad in ("-1", "eight", "1.5", "\u00b2", "\u0668", "65"):
         monkeypatch.setenv("PAGEDKV_INT8_ROWS", bad)
         with pytest.raises(ConfigError, match="PAGEDKV_INT8_ROWS"):
             int8_rows()
@@ -151,7 +155,9 @@ def test_compiled_decode_warms_a_graph_for_every_kernel_range(monkeypatch):
     w = torch.randn(32, 64)
     fast = torch.nn.Sequential(Int4Linear.from_float(w).prepare("fast"), Int8Linear.from_float(w).prepare("fast"))
     assert route_boundaries(fast) == [8, 65]
-    assert route_boundaries(torch.nn.Sequential(Int8Linear.from_float(w).prepare("fallback"))) == [65]
+    # nothing changes kernel on the fallback route, nor in bf16 (one kernel at every row count)
+    assert route_boundaries(torch.nn.Sequential(Int8Linear.from_float(w).prepare("fallback"))) == []
+    assert route_boundaries(torch.nn.Sequential(BF16Linear(w).prepare("fast"))) == []
     assert route_boundaries(torch.nn.Linear(4, 4)) == []
     cd = CompiledDecode.__new__(CompiledDecode)
     cd.model, cd.max_rows = fast, 64
