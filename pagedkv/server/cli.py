@@ -21,12 +21,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     keys = load_keys(args)
+    args.threads = serve_threads(args)
     t0 = time.time()
     engine = LLMEngine(args.model, **engine_kwargs(args))
     kv = engine.kv_summary()
     print(f"[pagedkv] model {engine.model_id} loaded in {time.time() - t0:.1f}s, weights {engine.loaded.weights} "
           f"({engine.loaded.weights_reason}); KV cache ({kv['kv_cache_dtype']}) {kv['num_blocks']} "
-          f"blocks x {kv['block_size']} tokens; tenants: {len(set(keys.values())) if keys else 'off'}",
+          f"blocks x {kv['block_size']} tokens; torch threads {args.threads}; "
+          f"tenants: {len(set(keys.values())) if keys else 'off'}",
           file=sys.stderr)
     app = build_app(engine, served_model_name=args.served_model_name, api_keys=keys,
                     max_body_bytes=args.max_body_bytes, max_n=args.max_n,
@@ -85,9 +87,32 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests may finish on shutdown before they are aborted (default 10)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--reserved-cpus", type=int, default=1, metavar="N",
+                   help="without --threads: torch threads = usable cores - N (at least 1), the rest left to "
+                        "the HTTP side (default 1)")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
     return p
+
+
+def serve_threads(args: argparse.Namespace) -> int:
+    """The server's torch threads: ``--threads``, else the cores this process may run on less
+    ``--reserved-cpus`` (at least 1). The cores left over run the HTTP side (asyncio,
+    tokenization, streaming) and whatever else shares the machine: torch threads that must
+    share their cores stall each other (vLLM's CPU backend reserves one the same way,
+    ``VLLM_CPU_NUM_OF_RESERVED_CPU``). Measured on 2 cores against llama-server
+    (docs/benchmarks/serving_peer.md): 1 torch thread beat 2 at concurrency 1, 4 and 16.
+    Raises ``ConfigError`` for a negative ``--reserved-cpus``."""
+    import os
+
+    from pagedkv.errors import ConfigError
+
+    if args.reserved_cpus < 0:
+        raise ConfigError(f"--reserved-cpus must be >= 0, got {args.reserved_cpus}")
+    if args.threads is not None:
+        return args.threads
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores - args.reserved_cpus)
 
 
 def load_keys(args: argparse.Namespace) -> Optional[dict[str, str]]:

@@ -221,3 +221,21 @@ def test_unsupported_parameters():
     with pytest.raises(APIError) as e:
         check_unsupported({"response_format": {"type": "json_object"}}, table)
     assert (e.value.status, e.value.param, e.value.code) == (400, "response_format", "unsupported_parameter")
+
+
+def test_serve_leaves_cores_to_the_http_side_unless_threads_are_given(monkeypatch):
+    import os
+
+    from pagedkv.errors import ConfigError
+    import argparse
+
+    from pagedkv.server.cli import add_serve_parser, serve_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    p = add_serve_parser(argparse.ArgumentParser().add_subparsers())
+    assert serve_threads(p.parse_args([])) == 3  # 4 usable cores, 1 reserved
+    assert serve_threads(p.parse_args(["--reserved-cpus", "0"])) == 4
+    assert serve_threads(p.parse_args(["--reserved-cpus", "9"])) == 1  # never below one thread
+    assert serve_threads(p.parse_args(["--threads", "2", "--reserved-cpus", "3"])) == 2  # explicit wins
+    with pytest.raises(ConfigError, match="--reserved-cpus"):
+        serve_threads(p.parse_args(["--reserved-cpus", "-1"]))
