@@ -102,8 +102,9 @@ def perplexity(model: Any, token_ids: list[int], window: int, backend_name: str 
                 break
             table = [list(range(math.ceil(n / block)))]
             parts = []
-            for a in range(0, n, rows or n):
-                b = min(n, a + (rows or n))
+            chunk = rows or n
+            for a in range(0, n, chunk):
+                b = min(n, a + chunk)
                 md = AttentionMetadata.build([b], [b - a], table, block)
                 parts.append(model(torch.tensor(ids[a:b]), torch.arange(a, b), caches, md, backend))
             hidden = torch.cat(parts)
@@ -181,10 +182,8 @@ def _quality(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         ppl_rows = perplexity(lm.model, ids, args.window, rows=chunk)  # the decode-batch route
         tokens = greedy(lm, args.max_tokens)
         if fmt == "fp32":
-            ref_tokens, ref_ppl = tokens, ppl
+            ref_tokens, ref_ppl, ref_rows = tokens, ppl, ppl_rows
         prefix, same = agreement(ref_tokens, tokens)
-        if fmt == "fp32":
-            ref_rows = ppl_rows
         rel = max(ppl / ref_ppl, ppl_rows / ref_rows) - 1.0
         bound = BOUNDS.get(fmt)
         rows.append({

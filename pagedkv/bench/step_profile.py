@@ -170,16 +170,12 @@ def profile_steps(step: Callable[[], Any], num_steps: int, warmup: int = 2,
     with profiled():
         for _ in range(warmup):
             step()
-        return plain, _profiled(step, num_steps, profile, ProfilerActivity.CPU)
-
-
-def _profiled(step: Callable[[], Any], num_steps: int, profile: Any, cpu: Any) -> dict[str, float]:
-    with profile(activities=[cpu]) as prof:
-        t = time.perf_counter()
-        for _ in range(num_steps):
-            step()
-        wall = time.perf_counter() - t
-    return breakdown(prof.events(), wall, num_steps)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t = time.perf_counter()
+            for _ in range(num_steps):
+                step()
+            wall = time.perf_counter() - t
+    return plain, breakdown(prof.events(), wall, num_steps)
 
 
 def step_limit(bytes_moved: float, flops: float, bandwidth: float, peak: float) -> dict[str, float]:

@@ -100,17 +100,15 @@ def dynamic_int8_mm(x: torch.Tensor, w8_t: torch.Tensor, w_scale: torch.Tensor) 
 
 
 def route_boundaries(model: nn.Module) -> list[int]:
-    """Sorted row counts at which some prepared quantised linear of ``model`` changes kernel
-    (the first row of each new range: ``int8_rows`` where dynamic int8 starts, ``KERNEL_ROWS +
-    1`` where the wide route starts). A compiled step branches on them, so each range needs a
-    graph of its own (``pagedkv.model.compiled`` warms one per range)."""
+    """Sorted row counts (2 .. ``KERNEL_ROWS + 1``) at which some prepared quantised linear of
+    ``model`` changes kernel (``QuantLinear.kernel``; in int8/int4 on the fast route:
+    ``int8_rows`` and ``KERNEL_ROWS + 1``). A compiled step branches on them, so each range
+    needs a graph of its own (``pagedkv.model.compiled`` warms one per range)."""
     out: set[int] = set()
     for m in model.modules():
-        if isinstance(m, QuantLinear) and m.route == "fast":
-            if m.fmt != "bf16":  # bf16's fast route is one kernel at every row count
-                out.add(KERNEL_ROWS + 1)
-            if 0 < m.int8_rows <= KERNEL_ROWS:
-                out.add(m.int8_rows)
+        if isinstance(m, QuantLinear):
+            kernels = [m.kernel(r) for r in range(1, KERNEL_ROWS + 2)]
+            out.update(r for r in range(2, KERNEL_ROWS + 2) if kernels[r - 1] != kernels[r - 2])
     return sorted(out)
 
 
@@ -278,16 +276,26 @@ class QuantLinear(nn.Module):
         bf16 and the result comes back in bf16 before any cast): a caller may hand bf16 in."""
         return self.route == "fast" and (rows <= KERNEL_ROWS or self.fmt == "bf16") and not self.dynamic_int8(rows)
 
+    def kernel(self, rows: int) -> str:
+        """Which kernel a ``rows``-row input runs: ``"int8"`` (``dynamic_int8_mm``), ``"bf16"``
+        (the format's bf16 kernel), ``"wide"`` (dequantise, one wide matmul) or ``"fallback"``."""
+        if self.dynamic_int8(rows):
+            return "int8"
+        if self.takes_bf16(rows):
+            return "bf16"
+        return "wide" if self.route == "fast" else "fallback"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dynamic_int8(x.shape[0]):
+        kernel = self.kernel(x.shape[0])
+        if kernel == "int8":
             y = dynamic_int8_mm(x, self._w8_t, self._w8_scale)
             if x.dtype != torch.float32:
                 y = y.to(x.dtype)
-        elif self.takes_bf16(x.shape[0]):
+        elif kernel == "bf16":
             y = self._fast(x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16))
             if x.dtype != torch.bfloat16:
                 y = y.to(x.dtype)
-        elif self.route == "fast":  # a prefill chunk: dequantise once, one wide matmul
+        elif kernel == "wide":  # a prefill chunk: dequantise once, one wide matmul
             wide = torch.bfloat16 if self._wide_bf16 else x.dtype
             y = F.linear(x.to(wide), self.dequantize().to(wide)).to(x.dtype)
         else:

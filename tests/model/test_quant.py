@@ -134,6 +134,7 @@ def test_dynamic_int8_route_takes_decode_batches_from_int8_rows(monkeypatch, mak
     assert m.int8_rows == 8
     assert [m.dynamic_int8(r) for r in (1, 7, 8, 64, 65)] == [False, False, True, True, False]
     assert m.takes_bf16(7) and not m.takes_bf16(8)  # the route quantises float32 activations itself
+    assert [m.kernel(r) for r in (1, 7, 8, 64, 65)] == ["bf16", "bf16", "int8", "int8", "wide"]
     x = torch.randn(16, 96, generator=g)
     ref = x @ m.dequantize().T + bias
     got = m(x)
@@ -143,6 +144,7 @@ def test_dynamic_int8_route_takes_decode_batches_from_int8_rows(monkeypatch, mak
     if m.fmt == "int8":  # the stored codes themselves, no copy
         assert m._w8_t.data_ptr() == m.qweight.data_ptr()
     assert m.prepare("fallback").int8_rows == 0 and not m.dynamic_int8(16)
+    assert {m.kernel(r) for r in (1, 8, 65)} == {"fallback"}
 
 
 def test_compiled_decode_warms_a_graph_for_every_kernel_range(monkeypatch):
