@@ -115,7 +115,9 @@ class LLMEngine:
                 block_size=cfg.block_size, dtype=dtype, device=cfg.device,
                 kv_cache_dtype=self.kv_cache_dtype, kv_quant_group_size=self.kv_quant_group_size,
             )
-        loaded.model.compiled = compile_decode(loaded.model) if cfg.compile_decode else None
+        # every step compiled, prefill chunks and mixed steps included (up to the step's token budget)
+        loaded.model.compiled = (compile_decode(loaded.model, max_rows=max(64, cfg.max_num_batched_tokens))
+                                 if cfg.compile_decode else None)
         self.kv_tiers, self.kv_stores, self.kv_events = self._open_kv_tiers(mc, dtype)
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=num_blocks, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
@@ -402,7 +404,8 @@ class LLMEngine:
                 keep = [(i, r) for i, r in zip(rows, reqs) if r.status == RequestStatus.RUNNING]
                 sampled: dict[str, tuple[int, Optional[dict[int, float]]]] = {}
                 if keep:
-                    so = self.sampler(logits[[i for i, _ in keep]], [r for _, r in keep])
+                    idx = [i for i, _ in keep]  # every row in order (plain decode): no gathered copy
+                    so = self.sampler(logits if idx == list(range(len(logits))) else logits[idx], [r for _, r in keep])
                     for (_, r), t, lp in zip(keep, so.token_ids, so.logprobs):
                         sampled[r.request_id] = (t, lp)
             with profile_scope("pagedkv.update"):

@@ -11,11 +11,13 @@ as the eager path does. The graph never sees the KV cache or the metadata, so on
 every batch composition, block table and context length.
 
 Graphs: one for a single row (batch-1 decode), one with the row count dynamic (2 ..
-``max_rows``), split where a quantised linear changes kernel (int4/int8: 2-7 and 8-64 rows,
-dynamic int8 from 8); larger steps (prefill chunks) run eagerly. :meth:`CompiledDecode.warm_up`
-compiles them all at start-up (about 80 s each the first time on a 2-core machine, seconds once
-inductor's cache under ``~/.cache/pagedkv/inductor`` holds them). If compilation fails (no C++
-compiler, an unsupported op) the model falls back to eager and says why (``failed``).
+``max_rows``; the engine passes its step token budget, ``max_num_batched_tokens``, so prefill
+chunks and mixed prefill + decode steps run compiled too), split where a quantised linear
+changes kernel (int4/int8: 2-7 rows weight-only, 8 rows and more dynamic int8). Steps above
+``max_rows`` run eagerly. :meth:`CompiledDecode.warm_up` compiles them all at start-up (about
+80 s each the first time on a 2-core machine, seconds once inductor's cache under
+``~/.cache/pagedkv/inductor`` holds them). If compilation fails (no C++ compiler, an
+unsupported op) the model falls back to eager and says why (``failed``).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ _STEP = threading.local()  # .attend: (layer, q, k, v) -> out, set for the durat
 # the latter's wrapper (alias checks, autograd plumbing) cost ~9 us per call against ~2.4 us,
 # times 30 layers per step. The op's schema says it mutates nothing: the KV cache it writes is
 # not a graph input (the graph never sees it).
-_LIB = torch.library.Library("pagedkv", "DEF")
+_LIB = torch.library.Library("pagedkv", "FRAGMENT")
 _LIB.define("layer_attention(Tensor q, Tensor k, Tensor v, int layer) -> Tensor")
 
 

@@ -178,12 +178,10 @@ class DecoderLayer(nn.Module):
             x = self._norm(residual, self.post_attention_layernorm)
         gate_up = self.gate_up_proj(x)
         gate = gate_up[:, : self.intermediate_size]
-        if self.gelu:
-            gate = F.gelu(gate, approximate="tanh")
-        else:
-            F.silu(gate, inplace=True)
-        gate.mul_(gate_up[:, self.intermediate_size :])
-        mlp_out = self.down_proj(gate)
+        # out of place: inductor turns an in-place activation on a slice of gate_up into a
+        # kernel that recomputes it per use (2.3x slower at 32 rows with the int8 quantiser)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        mlp_out = self.down_proj(act * gate_up[:, self.intermediate_size :])
         if self.all_reduce is not None:
             self.all_reduce(mlp_out)
         if self.post_feedforward_layernorm is not None:

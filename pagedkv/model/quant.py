@@ -16,14 +16,18 @@ model dtype -> ``[T, out]`` in the same dtype.
   keeps its stored codes; ``torch._weight_int4pack_mm_for_cpu`` on bf16 activations. A tied
   LM head whose source is 8-bit (the bundled Q8_0 embeddings) is int8 in this format.
 
-Routes: ``fast`` (the kernels above for up to ``KERNEL_ROWS`` rows; wider inputs, i.e.
-prefill chunks, dequantise and run one bf16 matmul where oneDNN has native bf16, else fp32;
-in int8/int4, decode batches of ``int8_rows()`` to ``KERNEL_ROWS`` rows run *dynamic int8*:
-each row of ``x`` as two int8 rows (rounded row and remainder, ``dynamic_int8_mm``), one
-``torch._int_mm`` against per-channel int8 weights, int32 sums rescaled. The weight-only
-kernels above fall behind from ~8 rows; ``_int_mm`` (oneDNN's u8s8 GEMM) is 2-3x faster at 32
-rows (measured in docs/performance.md, "Dynamic int8"). int4 keeps an int8 copy of its
-weights for it, rounded per output channel from the int4 values: ~1 byte per weight more) or
+Routes: ``fast`` (the kernels above for up to ``KERNEL_ROWS`` rows; in int8/int4, every input
+of ``int8_rows()`` rows or more - decode batches from 8 rows and prefill chunks - runs *dynamic
+int8* instead: each row of ``x`` as two int8 rows (rounded row and remainder,
+``dynamic_int8_mm``), one int8 x int8 matmul against per-channel int8 weights with exact int32
+sums, rescaled. The matmul is oneDNN's u8s8 linear on weights prepacked once
+(``onednn.qlinear_prepack``; AVX2, AVX-512 VNNI or AMX-INT8 kernels), else ``torch._int_mm``.
+The weight-only kernels fall behind from ~8 rows, and a prefill chunk no longer dequantises
+every weight per call (that had been ~2/3 of a 512-token prefill step); measured in
+docs/performance.md, "Dynamic int8". int4 keeps an int8 copy of its weights for it, rounded
+per output channel from the int4 values: ~1 byte per weight more. Without the int8 route
+(``PAGEDKV_INT8_ROWS=0``, bf16), inputs wider than ``KERNEL_ROWS`` dequantise and run one
+bf16 matmul where oneDNN has native bf16, else fp32) or
 ``fallback`` (dequantise the stored weights to the
 activation dtype and ``F.linear``: correct on any CPU, slow). The int8/int4 kernels are
 fast only on bf16 activations (on fp32 ones they run a scalar loop, 2-5x slower than fp32
@@ -45,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.errors import ConfigError
+from pagedkv.model.int8_mm import dynamic_int8_mm, onednn_int8, register_int8
 from pagedkv.utils import canonical_dtype
 
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
@@ -52,12 +57,12 @@ WEIGHT_CHOICES = ("auto",) + WEIGHT_FORMATS
 GROUP_SIZE = 32
 ROUTES = ("fast", "fallback")
 ROUTE_ENV = "PAGEDKV_WEIGHT_ROUTE"
-#: the int8/int4 kernels multiply at most this many rows (decode batches); a wider input (a
-#: prefill chunk) dequantises the weights and runs one bf16 (AMX) or fp32 matmul instead,
-#: measured faster above about 64 rows (``pagedkv bench quality --part routes``)
+#: the int8/int4 weight-only kernels multiply at most this many rows; with the dynamic int8
+#: route off, a wider input (a prefill chunk) dequantises the weights and runs one bf16 (AMX)
+#: or fp32 matmul instead, measured faster above about 64 rows (``bench quality --part routes``)
 KERNEL_ROWS = 64
-#: decode batches of at least this many rows (and at most ``KERNEL_ROWS``) run dynamic int8
-#: (``torch._int_mm``) in the int8/int4 formats on the fast route: the row count where it
+#: inputs of at least this many rows (decode batches and prefill chunks) run dynamic int8
+#: (``dynamic_int8_mm``) in the int8/int4 formats on the fast route: the row count where it
 #: overtakes the weight-only kernels here (2 AVX2 cores, whole engine steps: equal at 4 rows,
 #: 14% faster at 8, 28% at 16, 39% at 32; the LM head gains from 8 rows, the layers from
 #: ~16). ``$PAGEDKV_INT8_ROWS`` overrides it; 0 turns the route off.
@@ -78,25 +83,6 @@ def int8_rows() -> int:
         raise ConfigError(f"{INT8_ROWS_ENV}: at most {KERNEL_ROWS} (the decode-batch kernels' rows; "
                           f"0 turns the route off), got {rows}")
     return rows
-
-
-def dynamic_int8_mm(x: torch.Tensor, w8_t: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """``x`` float ``[T, in]`` times int8 weights ``w8_t`` (``[in, out]``, a transposed view of
-    ``[out, in]``) with per-output-channel scales ``w_scale`` float32 ``[out]`` -> float32
-    ``[T, out]``. Each row of ``x`` becomes two int8 rows: ``q1 = round(x / s)`` with ``s =
-    max|row| / 127`` and the remainder ``q2 = round((x - s * q1) / (s / 254))``, so the
-    activations keep ~15 bits (one int8 row per token cost +9% perplexity on the bundled
-    model: activation outliers); one ``torch._int_mm`` of the ``[2T, in]`` rows (exact int32
-    sums), then ``(s * acc1 + s / 254 * acc2) * w_scale``."""
-    x = x.float()
-    t = x.shape[0]
-    s = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-30) / 127.0
-    q1 = torch.round(x / s)
-    q2 = torch.round((x - q1 * s) * (254.0 / s))
-    acc = torch._int_mm(torch.cat([q1, q2]).to(torch.int8), w8_t)
-    out = acc[:t].float()  # in place from here: 4 passes over [T, out] instead of 6 (eager)
-    out.add_(acc[t:], alpha=1.0 / 254.0)
-    return out.mul_(w_scale).mul_(s)  # the small per-channel scale first: no overflow to inf
 
 
 def route_boundaries(model: nn.Module) -> list[int]:
@@ -262,14 +248,38 @@ class QuantLinear(nn.Module):
         w8 = self._int8_weights() if rows else None
         self.int8_rows = rows if w8 is not None else 0
         # (None when off: a re-prepare on another route frees int4's int8 copy)
-        self._w8_t, self._w8_scale = (w8[0].t(), w8[1]) if w8 is not None else (None, None)
+        self._w8_t = self._w8_scale = self._w8_packed = self._w8_zero = None
+        if w8 is None:
+            return
+        self._w8_scale = w8[1].float().contiguous()
+        if onednn_int8():  # prepacked once; int4's plain int8 copy is then dropped
+            self._w8_packed = torch.ops.onednn.qlinear_prepack(w8[0], None)
+            self._w8_zero = torch.zeros(self.out_features, dtype=torch.int64)
+        else:
+            self._w8_t = w8[0].t()
+        if getattr(self, "int8_key", None) is None:
+            self.int8_key = register_int8(self)
+
+    def int8_matmul(self, qx: torch.Tensor) -> torch.Tensor:
+        """``qx`` uint8 ``[R, in]`` offset codes (int8 value + 128) -> float32 ``[R, out]`` =
+        ``(qx - 128) @ w8.T * w_scale`` with exact int32 sums: oneDNN's u8 x s8 linear on the
+        prepacked weights, else ``torch._int_mm``. Raises ``RuntimeError`` when the int8 route
+        is off (``int8_rows == 0``)."""
+        if self.int8_rows == 0:
+            raise RuntimeError("int8_matmul: the dynamic int8 route is off for this layer")
+        if self._w8_packed is not None:
+            return torch.ops.onednn.qlinear_pointwise(qx, 1.0, 128, self._w8_packed, self._w8_scale, self._w8_zero,
+                                                      None, 1.0, 0, torch.float32, "none", [], "")
+        q = (qx.to(torch.int16) - 128).to(torch.int8)
+        return torch._int_mm(q, self._w8_t).float().mul_(self._w8_scale)
 
     def _fast(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def dynamic_int8(self, rows: int) -> bool:
-        """Whether a ``rows``-row input runs dynamic int8 (``dynamic_int8_mm``)."""
-        return 0 < self.int8_rows <= rows <= KERNEL_ROWS
+        """Whether a ``rows``-row input runs dynamic int8 (``dynamic_int8_mm``): from
+        ``int8_rows`` rows up, prefill chunks included."""
+        return 0 < self.int8_rows <= rows
 
     def takes_bf16(self, rows: int) -> bool:
         """Whether a ``rows``-row input runs the bf16 kernel (its activations are rounded to
@@ -288,7 +298,7 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernel = self.kernel(x.shape[0])
         if kernel == "int8":
-            y = dynamic_int8_mm(x, self._w8_t, self._w8_scale)
+            y = dynamic_int8_mm(x, self)
             if x.dtype != torch.float32:
                 y = y.to(x.dtype)
         elif kernel == "bf16":

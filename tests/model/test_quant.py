@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pagedkv.errors import ConfigError
+from pagedkv.model import quant
 from pagedkv.model.quant import (
     BF16Linear, CpuFeatures, Int4Linear, Int8Linear, auto_route, check_weights, dynamic_int8_mm, int8_rows,
     resolve_weights, route_boundaries,
@@ -109,19 +110,48 @@ def test_int8_rows_from_the_environment(monkeypatch):
             int8_rows()
 
 
-def test_dynamic_int8_keeps_15_bits_of_the_activations():
+@pytest.mark.parametrize("onednn", [True, False])
+def test_dynamic_int8_keeps_15_bits_of_the_activations(monkeypatch, onednn):
+    # onednn: prepacked weights through onednn::qlinear_pointwise; else torch._int_mm
+    monkeypatch.delenv("PAGEDKV_INT8_ROWS", raising=False)
+    monkeypatch.setattr(quant, "onednn_int8", lambda: onednn)
     g = torch.Generator().manual_seed(3)
     q = torch.randint(-127, 128, (40, 96), generator=g).to(torch.int8)
     scale = torch.rand(40, generator=g) * 0.01 + 1e-3
+    m = Int8Linear(q, scale).prepare("fast")
+    assert (m._w8_packed is not None) == onednn and (m._w8_t is None) == onednn
     x = torch.randn(12, 96, generator=g)
     x[3, 7] = 60.0  # an outlier channel: one int8 row per token would lose the rest of row 3
     ref = x.double() @ (q.double() * scale.double()[:, None]).T
-    got = dynamic_int8_mm(x, q.t(), scale)
+    got = dynamic_int8_mm(x, m)
     assert got.dtype == torch.float32 and got.shape == (12, 40)
     # activation error <= max|row| / 127 / 254 / 2 per element, times sum |w| over the row
     bound = (x.abs().amax(1, keepdim=True).double() / 127 / 254 / 2) @ (q.double().abs() * scale.double()[:, None]).sum(1, keepdim=True).T
     assert ((got.double() - ref).abs() <= bound + 1e-5).all()
-    assert torch.equal(dynamic_int8_mm(torch.zeros(2, 96), q.t(), scale), torch.zeros(2, 40))
+    assert torch.equal(dynamic_int8_mm(torch.zeros(2, 96), m), torch.zeros(2, 40))
+    # the int8 matmul itself: exact int32 sums of the offset codes, times the weight scales
+    qx = torch.randint(0, 256, (5, 96), generator=g).to(torch.uint8)
+    acc = (qx.long() - 128) @ q.long().T
+    assert torch.allclose(m.int8_matmul(qx).double(), acc.double() * scale.double(), rtol=1e-6, atol=0)
+
+
+def test_int8_matmul_routes_agree_and_refuse_when_off(monkeypatch):
+    monkeypatch.delenv("PAGEDKV_INT8_ROWS", raising=False)
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(48, 64, generator=g)
+    qx = torch.randint(0, 256, (7, 64), generator=g).to(torch.uint8)
+    packed = Int4Linear.from_float(w).prepare("fast")
+    monkeypatch.setattr(quant, "onednn_int8", lambda: False)
+    plain = Int4Linear.from_float(w).prepare("fast")
+    assert packed._w8_packed is not None and plain._w8_packed is None
+    assert torch.allclose(packed.int8_matmul(qx), plain.int8_matmul(qx), rtol=1e-6, atol=1e-6)
+    # the compiled steps' op finds each layer by its key
+    assert torch.equal(torch.ops.pagedkv.int8_linear(qx, plain.int8_key, 48), plain.int8_matmul(qx))
+    with pytest.raises(RuntimeError, match="no prepared int8 weights"):
+        torch.ops.pagedkv.int8_linear(qx, -1, 48)
+    plain.prepare("fallback")
+    with pytest.raises(RuntimeError, match="route is off"):
+        plain.int8_matmul(qx)
 
 
 @pytest.mark.parametrize("make", [Int8Linear.from_float, Int4Linear.from_float])
@@ -132,31 +162,32 @@ def test_dynamic_int8_route_takes_decode_batches_from_int8_rows(monkeypatch, mak
     bias = torch.randn(48, generator=g)
     m = make(w, bias).prepare("fast")
     assert m.int8_rows == 8
-    assert [m.dynamic_int8(r) for r in (1, 7, 8, 64, 65)] == [False, False, True, True, False]
+    # prefill chunks too: from int8_rows up (no dequantised copy of the weights per call)
+    assert [m.dynamic_int8(r) for r in (1, 7, 8, 64, 65, 600)] == [False, False, True, True, True, True]
     assert m.takes_bf16(7) and not m.takes_bf16(8)  # the route quantises float32 activations itself
-    assert [m.kernel(r) for r in (1, 7, 8, 64, 65)] == ["bf16", "bf16", "int8", "int8", "wide"]
-    x = torch.randn(16, 96, generator=g)
-    ref = x @ m.dequantize().T + bias
-    got = m(x)
-    assert got.dtype == torch.float32
-    # int8 weights (int4: the int4 values rounded per output channel) and ~15-bit activations
-    assert (got - ref).abs().max().item() < 0.01 * ref.abs().max().item()
-    if m.fmt == "int8":  # the stored codes themselves, no copy
-        assert m._w8_t.data_ptr() == m.qweight.data_ptr()
+    assert [m.kernel(r) for r in (1, 7, 8, 64, 65, 600)] == ["bf16", "bf16", "int8", "int8", "int8", "int8"]
+    for rows in (16, 100):
+        x = torch.randn(rows, 96, generator=g)
+        ref = x @ m.dequantize().T + bias
+        got = m(x)
+        assert got.dtype == torch.float32
+        # int8 weights (int4: the int4 values rounded per output channel) and ~15-bit activations
+        assert (got - ref).abs().max().item() < 0.01 * ref.abs().max().item()
     assert m.prepare("fallback").int8_rows == 0 and not m.dynamic_int8(16)
     assert {m.kernel(r) for r in (1, 8, 65)} == {"fallback"}
 
 
 def test_compiled_decode_warms_a_graph_for_every_kernel_range(monkeypatch):
     # a compiled step branches where a linear changes kernel: int4/int8 on the fast route have
-    # 1..7 rows (weight-only), 8..64 (dynamic int8), 65.. (wide); warm-up must compile each
-    # range the compiled steps take, or the first batch of 8 compiles mid-serving
+    # 1..7 rows (weight-only) and 8.. (dynamic int8, prefill chunks included); with dynamic
+    # int8 off, 1..64 (weight-only) and 65.. (dequantise, one wide matmul). Warm-up must compile
+    # each range the compiled steps take, or the first batch of 8 compiles mid-serving
     from pagedkv.model.compiled import CompiledDecode
 
     monkeypatch.delenv("PAGEDKV_INT8_ROWS", raising=False)
     w = torch.randn(32, 64)
     fast = torch.nn.Sequential(Int4Linear.from_float(w).prepare("fast"), Int8Linear.from_float(w).prepare("fast"))
-    assert route_boundaries(fast) == [8, 65]
+    assert route_boundaries(fast) == [8]
     # nothing changes kernel on the fallback route, nor in bf16 (one kernel at every row count)
     assert route_boundaries(torch.nn.Sequential(Int8Linear.from_float(w).prepare("fallback"))) == []
     assert route_boundaries(torch.nn.Sequential(BF16Linear(w).prepare("fast"))) == []
@@ -164,10 +195,12 @@ def test_compiled_decode_warms_a_graph_for_every_kernel_range(monkeypatch):
     cd = CompiledDecode.__new__(CompiledDecode)
     cd.model, cd.max_rows = fast, 64
     assert cd.warm_up_sizes() == [1, 2, 8]
-    cd.max_rows = 128
-    assert cd.warm_up_sizes() == [1, 2, 8, 65]
+    cd.max_rows = 512
+    assert cd.warm_up_sizes() == [1, 2, 8]
     monkeypatch.setenv("PAGEDKV_INT8_ROWS", "0")
     cd.model = torch.nn.Sequential(Int4Linear.from_float(w).prepare("fast"))
+    assert route_boundaries(cd.model) == [65]
+    assert cd.warm_up_sizes() == [1, 2, 65]
     cd.max_rows = 64
     assert cd.warm_up_sizes() == [1, 2]
 
