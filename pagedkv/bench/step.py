@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pagedkv decode steps through torch.compile (compiled before timing; docs/performance.md)")
     p.add_argument("--weights", default="fp32",
                    help="linear-layer format: fp32 | bf16 | int8 | int4 | auto (default fp32; see docs/weights.md)")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="KV cache format (default auto = the model dtype, float32; bfloat16, int8, fp8_e4m3, "
+                        "fp8_e5m2; results of another than auto go to step_..._kv_<format>.*)")
 
 
 def _engine(loaded: Any, args: Any, max_batch: int) -> Any:
@@ -54,7 +57,8 @@ def _engine(loaded: Any, args: Any, max_batch: int) -> Any:
     return LLMEngine(loaded, dtype="float32", block_size=args.block_size,
                      num_blocks=tokens // args.block_size + 64, max_num_seqs=max(max_batch, 1),
                      max_num_batched_tokens=max(args.prefill_len, 512),
-                     compile_decode=getattr(args, "compile_decode", False))
+                     compile_decode=getattr(args, "compile_decode", False),
+                     kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
 
 
 def _instrumented(model: Any) -> Callable[[], Any]:
@@ -156,7 +160,8 @@ def collect(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
     return {
         "config": {"batches": batches, "prefill_len": args.prefill_len, "steps": args.steps,
                    "block_size": args.block_size, "prompt_len": PROMPT_LEN, "weights": weights_of(loaded),
-                   "compile_decode": bool(getattr(args, "compile_decode", False))},
+                   "compile_decode": bool(getattr(args, "compile_decode", False)),
+                   "kv_cache_dtype": eng.kv_cache_dtype},
         "machine_limits": {"copy_bandwidth_gb_s": bw / 1e9, "matmul_peak_gflop_s": peak / 1e9},
         "weight_bytes": weight_bytes(dec, head),
         "cases": cases,
@@ -176,7 +181,8 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
     wb = data["weight_bytes"]
     return (
         f"# Per-step profile\n\n`pagedkv bench step --weights {data['config']['weights']}"
-        f"{' --compile-decode' if data['config'].get('compile_decode') else ''}` (torch threads pinned to "
+        f"{' --compile-decode' if data['config'].get('compile_decode') else ''}"
+        f"{_kv_flag(data['config'])}` (KV cache {data['config'].get('kv_cache_dtype', 'float32')}; torch threads pinned to "
         f"{data['machine']['torch_threads']}). Measured here: copy bandwidth "
         f"{lim['copy_bandwidth_gb_s']:.1f} GB/s (read + write), fp32 matmul peak "
         f"{lim['matmul_peak_gflop_s']:.0f} GFLOP/s. Linear + LM head weight bytes per step: "
@@ -187,6 +193,11 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
         f"{data['load_average_1m']}.\n\n" + markdown_table(rows) + "\n"
         + "".join(f"\n![{k}]({v})\n" for k, v in plots.items())
     )
+
+
+def _kv_flag(config: dict[str, Any]) -> str:
+    kv = config.get("kv_cache_dtype")
+    return f" --kv-cache-dtype {kv}" if kv and kv != "float32" else ""
 
 
 def _draw(data: dict[str, Any], path: Any) -> None:
@@ -214,6 +225,8 @@ def run(args: argparse.Namespace, loaded: Any = None) -> int:
     name = "step" if data["config"]["weights"] == "fp32" else f"step_{data['config']['weights']}"
     if data["config"].get("compile_decode"):
         name += "_compiled"
+    if getattr(args, "kv_cache_dtype", "auto") != "auto":
+        name += f"_kv_{data['config']['kv_cache_dtype']}"
     publish(name, data, render_markdown, args.out_dir, plots=single_plot(name, "step time breakdown", _draw),
             as_json=args.json)
     return 0
