@@ -21,7 +21,9 @@ of ``int8_rows()`` rows or more - decode batches from 8 rows and prefill chunks 
 int8* instead: each row of ``x`` as two int8 rows (rounded row and remainder,
 ``dynamic_int8_mm``), one int8 x int8 matmul against per-channel int8 weights with exact int32
 sums, rescaled. The matmul is oneDNN's u8s8 linear on weights prepacked once
-(``onednn.qlinear_prepack``; AVX2, AVX-512 VNNI or AMX-INT8 kernels), else ``torch._int_mm``.
+(``onednn.qlinear_prepack``; AVX-VNNI, AVX-512 VNNI or AMX-INT8 kernels), else ``torch._int_mm``.
+The route needs VNNI or AMX-INT8 (``CpuFeatures.int8_exact``): without them both add pairs of
+u8 x s8 products in int16 with saturation, which the codes overflow (wrong text, not slow).
 The weight-only kernels fall behind from ~8 rows, and a prefill chunk no longer dequantises
 every weight per call (that had been ~2/3 of a 512-token prefill step); measured in
 docs/performance.md, "Dynamic int8". int4 keeps an int8 copy of its weights for it, rounded
@@ -80,7 +82,7 @@ def int8_rows() -> int:
         raise ConfigError(f"{INT8_ROWS_ENV}: expected a non-negative integer (rows), got {raw!r}")
     rows = int(raw)
     if rows > KERNEL_ROWS:
-        raise ConfigError(f"{INT8_ROWS_ENV}: at most {KERNEL_ROWS} (the decode-batch kernels' rows; "
+        raise ConfigError(f"{INT8_ROWS_ENV}: at most {KERNEL_ROWS} (the weight-only kernels' widest input; "
                           f"0 turns the route off), got {rows}")
     return rows
 
@@ -120,9 +122,19 @@ class CpuFeatures:
         """oneDNN multiplies bf16 natively (AVX512-BF16 or AMX) instead of emulating it."""
         return (self.avx512_bf16 or self.amx) and self.capability == "AVX512"
 
+    @property
+    def int8_exact(self) -> bool:
+        """oneDNN's u8 x s8 kernels (and ``torch._int_mm``) sum exactly in int32: VNNI or
+        AMX-INT8, not capped by ``$ONEDNN_MAX_CPU_ISA``. Without VNNI they add pairs of products
+        in int16 with saturation (``vpmaddubsw``), which dynamic int8's codes overflow (greedy
+        text turned to garbage), so that route needs this."""
+        cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
+        return (self.vnni or self.amx) and cap not in ("SSE41", "AVX", "AVX2", "AVX512_CORE")
+
     def as_dict(self) -> dict[str, Any]:
         return {"capability": self.capability, "avx512_bf16": self.avx512_bf16, "amx": self.amx,
-                "vnni": self.vnni, "int_kernels_fast": self.int_kernels_fast, "bf16_fast": self.bf16_fast}
+                "vnni": self.vnni, "int_kernels_fast": self.int_kernels_fast, "bf16_fast": self.bf16_fast,
+                "int8_exact": self.int8_exact}
 
 
 @functools.lru_cache(maxsize=1)
@@ -138,7 +150,7 @@ def cpu_features() -> CpuFeatures:
         capability=str(torch.backends.cpu.get_cpu_capability()),
         avx512_bf16=flag("_is_avx512_bf16_supported"),
         amx=flag("_is_amx_tile_supported"),
-        vnni=flag("_is_vnni_supported"),
+        vnni=flag("_is_vnni_supported") or bool(getattr(cpu, "get_capabilities", dict)().get("avx_vnni")),
     )
 
 
@@ -244,7 +256,7 @@ class QuantLinear(nn.Module):
         return None
 
     def _prepare_int8(self) -> None:
-        rows = int8_rows() if self.route == "fast" else 0
+        rows = int8_rows() if self.route == "fast" and cpu_features().int8_exact else 0
         w8 = self._int8_weights() if rows else None
         self.int8_rows = rows if w8 is not None else 0
         # (None when off: a re-prepare on another route frees int4's int8 copy)
@@ -259,6 +271,12 @@ class QuantLinear(nn.Module):
             self._w8_t = w8[0].t()
         if getattr(self, "int8_key", None) is None:
             self.int8_key = register_int8(self)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "QuantLinear":
+        """A copy from the portable state, prepared on this route: its own prepacked weights
+        (oneDNN's cannot be copied) under its own ``int8_key``."""
+        state = {k: v.detach().clone() for k, v in self.state_dict().items()}
+        return module_from_state(state, "").prepare(self.route)
 
     def int8_matmul(self, qx: torch.Tensor) -> torch.Tensor:
         """``qx`` uint8 ``[R, in]`` offset codes (int8 value + 128) -> float32 ``[R, out]`` =

@@ -338,3 +338,62 @@ def test_perplexity_in_decode_sized_chunks_equals_the_whole_window_on_fp32(loade
     chunked = perplexity(loaded_model.model, ids, window=40, rows=7)  # chunks across block edges
     assert 1.0 < whole < 1000.0
     assert abs(chunked / whole - 1.0) < 1e-4, (whole, chunked)
+
+
+def test_dynamic_int8_only_where_int8_sums_are_exact(monkeypatch):
+    # without VNNI, oneDNN's u8 x s8 kernels (and torch._int_mm) add pairs of products in int16
+    # with saturation: dynamic int8's codes overflow it (under ONEDNN_MAX_CPU_ISA=AVX2 the
+    # bundled int4 model's greedy text turned to "jack, jack, jack"), so the route needs VNNI
+    for var in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.delenv("PAGEDKV_INT8_ROWS", raising=False)
+    assert not CpuFeatures("AVX2", False, False, False).int8_exact
+    assert CpuFeatures("AVX2", False, False, True).int8_exact and CpuFeatures("AVX512", True, True, False).int8_exact
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx2")
+    assert not CpuFeatures("AVX512", True, True, True).int8_exact
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2_VNNI")
+    assert CpuFeatures("AVX512", True, True, True).int8_exact
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.setattr(quant, "cpu_features", lambda: CpuFeatures("AVX2", False, False, False))
+    g = torch.Generator().manual_seed(6)
+    m = Int4Linear.from_float(torch.randn(48, 64, generator=g)).prepare("fast")
+    assert m.int8_rows == 0 and m._w8_packed is None and m._w8_t is None
+    assert [m.kernel(r) for r in (8, 64, 65)] == ["bf16", "bf16", "wide"]
+    x = torch.randn(100, 64, generator=g)
+    torch.testing.assert_close(m(x), x @ m.dequantize().T, rtol=1e-4, atol=1e-4)
+
+
+def test_int8_route_off_under_an_isa_cap_gives_exact_sums_end_to_end():
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from pagedkv.model.quant import Int8Linear\n"
+        "g = torch.Generator().manual_seed(7)\n"
+        "m = Int8Linear.from_float(torch.randn(96, 128, generator=g)).prepare('fast')\n"
+        "x = torch.rand(100, 128, generator=g) * 4\n"  # all positive: the saturating case
+        "ref = x.double() @ m.dequantize().double().T\n"
+        "err = ((m(x).double() - ref).abs().max() / ref.abs().max()).item()\n"
+        "print(m.int8_rows, m.kernel(100), err < 1e-2)\n"
+    )
+    env = dict(__import__("os").environ, ONEDNN_MAX_CPU_ISA="AVX2")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["0", "wide", "True"]
+
+
+def test_a_copied_quantised_linear_has_its_own_int8_weights():
+    import copy
+    import gc
+
+    g = torch.Generator().manual_seed(8)
+    a = Int4Linear.from_float(torch.randn(48, 64, generator=g), torch.randn(48, generator=g)).prepare("fast")
+    b = copy.deepcopy(a)
+    assert isinstance(b, Int4Linear) and b.route == a.route and b.int8_key != a.int8_key
+    assert torch.equal(b.qcodes, a.qcodes) and b.qcodes.data_ptr() != a.qcodes.data_ptr()
+    x = torch.randn(16, 64, generator=g)
+    want = a(x)
+    del a
+    gc.collect()
+    assert torch.equal(b(x), want)  # its own prepacked weights, the original gone
