@@ -15,7 +15,8 @@ The client keeps ``c`` requests in flight (each stream sends its next request wh
 one finished) until ``max(--min-requests, c * --requests-per-stream)`` requests are done or
 ``--max-seconds`` have passed (then the requests in flight are cut and counted as
 incomplete). Requests: prompts of ``--prompt-tokens`` tokens, ``--output-tokens`` output
-tokens, ``ignore_eos``, greedy, ``/v1/completions`` streamed, identical for both servers.
+tokens, ``ignore_eos``, ``/v1/completions`` streamed, identical for both servers (greedy with
+the built-in client; guidellm sends no temperature, so each server samples with its defaults).
 
 * ``--client guidellm`` (the default when it is installed; what issue 12's numbers came
   from): ``guidellm run`` with a concurrent profile and synthetic text prompts of exactly

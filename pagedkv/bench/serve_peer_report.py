@@ -92,6 +92,15 @@ def _runs_table(data: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def _sampling(client: str) -> str:
+    """How the tokens are picked: guidellm sends no temperature, so each server samples with
+    its own defaults; pagedkv's client asks for greedy."""
+    if client == "guidellm":
+        return ("sampled with each server's defaults (guidellm sends no temperature: pagedkv samples at "
+                "temperature 1, llama-server with its default sampler chain)")
+    return "greedy"
+
+
 def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
     """The Markdown report of ``run_serving_peer``'s results (``plots``: label -> PNG name)."""
     c = data["config"]
@@ -104,7 +113,7 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
         "# Serving side by side: `pagedkv serve` vs llama.cpp's `llama-server`",
         "",
         f"Same requests, one server at a time, {c['threads']} threads each: prompts of {c['prompt_tokens']} tokens, "
-        f"{c['output_tokens']} output tokens (`ignore_eos`), greedy, streamed `/v1/completions` on 127.0.0.1. "
+        f"{c['output_tokens']} output tokens (`ignore_eos`), {_sampling(c['client'])}, streamed `/v1/completions` on 127.0.0.1. "
         f"Client: {client}; it keeps `concurrency` requests in flight for "
         f"{', '.join(f'{n} requests at {k}' for k, n in c['requests_per_run'].items())}, each run cut at "
         f"{c['max_seconds']:g} s. Every run starts its server afresh (llama-server's prompt cache would otherwise "
