@@ -134,6 +134,9 @@ def _prefill_case(eng: Any, length: int, steps: int, profiled: Any) -> dict[str,
 def collect(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
     threads = pin_threads(args.threads)
     batches = [int(b) for b in str(args.batches).split(",") if b.strip()]
+    from pagedkv.utils import kv_cache_dtype
+
+    kv_cache_dtype(getattr(args, "kv_cache_dtype", "auto"))  # a bad name: ConfigError before measuring
     log("[step] measuring copy bandwidth and matmul peak")
     bw, peak = copy_bandwidth(), matmul_peak()
     loaded = load_fp32_model(loaded, args.model, args.weights)

@@ -17,7 +17,8 @@ import torch
 
 def onednn_int8() -> bool:
     """Whether torch's oneDNN int8 linear (``onednn.qlinear_prepack`` / ``qlinear_pointwise``)
-    is built in: prepacked weights, AVX2 / AVX-512 VNNI / AMX-INT8 kernels, no per-call reorder."""
+    is built in: prepacked weights, no per-call reorder. Its sums are exact only with VNNI or
+    AMX-INT8 (``quant.CpuFeatures.int8_exact``, which gates the route)."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
 
 

@@ -55,6 +55,8 @@ def test_compiled_extern_matmuls_count_as_linear():
     assert is_linear_op("aoti_torch_cpu__int_mm_out") and is_linear_op("aten::_int_mm")
     assert is_linear_op("aoti_torch_cpu_mm_out") and is_linear_op("aoti_torch_cpu__weight_int4pack_mm_for_cpu")
     assert not is_linear_op("aoti_torch_cpu_index_put_out") and not is_linear_op("graph_0_cpp_fused_mul_0")
+    # dynamic int8: oneDNN's prepacked linear and the op compiled steps reach it through
+    assert is_linear_op("onednn::qlinear_pointwise") and is_linear_op("pagedkv::int8_linear")
     fwd = _Ev("pagedkv.forward", 10000, 0)
     graph = _Ev("## Call CompiledFxGraph abc", 10000, 1000, fwd)
     events = [fwd, graph, _Ev("aoti_torch_cpu__int_mm_out", 6000, 6000, graph),
@@ -96,3 +98,14 @@ def test_bench_step_tiny(loaded_model, tmp_path):
         assert c["tokens"] == {"decode b=1": 1, "decode b=2": 2, "prefill 40": 40}[c["case"]]
     assert (tmp_path / "step.md").read_text().startswith("# Per-step profile")
     assert (tmp_path / "step.png").stat().st_size > 1000
+
+
+def test_bench_step_refuses_a_bad_kv_cache_dtype_before_measuring(monkeypatch, tmp_path):
+    from pagedkv.errors import ConfigError
+
+    monkeypatch.setattr(bench_step, "copy_bandwidth", lambda: pytest.fail("measured before checking"))
+    args = argparse.Namespace(batches="1", prefill_len=40, steps=2, block_size=16, model=None, weights="fp32",
+                              threads=2, json=False, out_dir=str(tmp_path), kv_cache_dtype="nope")
+    with pytest.raises(ConfigError, match="kv_cache_dtype: unknown 'nope'"):
+        bench_step.collect(args)
+    assert list(tmp_path.iterdir()) == []
