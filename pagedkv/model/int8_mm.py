@@ -8,6 +8,7 @@ that compiled steps call it too (measured in docs/performance.md, "Prepacked int
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import weakref
 from typing import Any
@@ -38,6 +39,15 @@ def register_int8(module: Any) -> int:
     key = next(_INT8_KEYS)
     _INT8_MODULES[key] = module
     return key
+
+
+@atexit.register
+def _release_prepacked() -> None:
+    """Drop the prepacked oneDNN weights while the interpreter is whole: freed during final
+    teardown instead, after oneDNN's own state may be gone, they can crash the exit (one
+    full-suite run segfaulted after its last test)."""
+    for module in list(_INT8_MODULES.values()):
+        module.release_int8()
 
 
 def _int8_linear(qx: torch.Tensor, key: int, out_features: int) -> torch.Tensor:

@@ -258,9 +258,8 @@ class QuantLinear(nn.Module):
     def _prepare_int8(self) -> None:
         rows = int8_rows() if self.route == "fast" and cpu_features().int8_exact else 0
         w8 = self._int8_weights() if rows else None
+        self.release_int8()  # (a re-prepare on another route frees int4's int8 copy)
         self.int8_rows = rows if w8 is not None else 0
-        # (None when off: a re-prepare on another route frees int4's int8 copy)
-        self._w8_t = self._w8_scale = self._w8_packed = self._w8_zero = None
         if w8 is None:
             return
         self._w8_scale = w8[1].float().contiguous()
@@ -277,6 +276,12 @@ class QuantLinear(nn.Module):
         (oneDNN's cannot be copied) under its own ``int8_key``."""
         state = {k: v.detach().clone() for k, v in self.state_dict().items()}
         return module_from_state(state, "").prepare(self.route)
+
+    def release_int8(self) -> None:
+        """Free the dynamic int8 weights and turn the route off (the layer keeps running on
+        its other kernels)."""
+        self.int8_rows = 0
+        self._w8_t = self._w8_scale = self._w8_packed = self._w8_zero = None
 
     def int8_matmul(self, qx: torch.Tensor) -> torch.Tensor:
         """``qx`` uint8 ``[R, in]`` offset codes (int8 value + 128) -> float32 ``[R, out]`` =

@@ -397,3 +397,19 @@ def test_a_copied_quantised_linear_has_its_own_int8_weights():
     del a
     gc.collect()
     assert torch.equal(b(x), want)  # its own prepacked weights, the original gone
+
+
+def test_released_int8_weights_leave_the_layer_on_its_other_kernels(monkeypatch):
+    # what the exit hook does to every registered layer before the interpreter tears down
+    monkeypatch.delenv("PAGEDKV_INT8_ROWS", raising=False)
+    g = torch.Generator().manual_seed(9)
+    m = Int8Linear.from_float(torch.randn(48, 64, generator=g)).prepare("fast")
+    x = torch.randn(100, 64, generator=g)
+    assert m.kernel(100) == "int8" and m._w8_packed is not None
+    m.release_int8()
+    assert m.int8_rows == 0 and m._w8_packed is None and m._w8_scale is None
+    assert m.kernel(100) == "wide" and m.kernel(8) == "bf16"
+    ref = x @ m.dequantize().T  # the wide route: bf16 on a CPU with native bf16, else fp32
+    assert (m(x) - ref).abs().max().item() < 0.01 * ref.abs().max().item()
+    with pytest.raises(RuntimeError, match="route is off"):
+        m.int8_matmul(torch.zeros(2, 64, dtype=torch.uint8))
