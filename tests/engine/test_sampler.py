@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedkv.engine.request import Request, SamplingParams
-from pagedkv.engine.sampler import Sampler, SamplingError, _filter_probs, apply_logit_bias, apply_penalties
+from pagedkv.engine.sampler import (Sampler, SamplingError, _filter_probs, _inverse_cdf_pick, _uniforms, apply_logit_bias,
+                                    apply_penalties)
 from pagedkv.errors import InvalidRequestError
 
 P = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
@@ -139,3 +140,57 @@ def test_greedy_takes_the_first_maximum_in_all_greedy_and_mixed_batches():
     one_hot = SamplingParams(temperature=1.0, top_k=1)
     out = Sampler()(logits, [req(greedy), req(one_hot), req(greedy)])
     assert out.token_ids[0] == 1 and out.token_ids[1] in (0, 1) and out.token_ids[2] == 0
+
+
+# ---- inverse-CDF sampling (issue 12: one uniform per token instead of vocab exponentials) ----
+def test_inverse_cdf_picks_at_the_cumulative_boundaries():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.25, 0.25, 0.0]])  # cumsum 0, .5, .5, .75, 1, 1
+    pick = lambda u: _inverse_cdf_pick(probs, torch.tensor([u], dtype=torch.float64))[0]
+    assert [pick(u) for u in (0.0, 0.25, 0.4999, 0.5, 0.74, 0.75, 0.99)] == [1, 1, 1, 3, 3, 4, 4]
+    # the largest double below 1 (u * total rounds up to total in fp32): still the last kept token
+    assert pick(1.0 - 2.0 ** -53) == 4
+    # unnormalised rows (filters leave them so): u scales by the row total
+    assert _inverse_cdf_pick(torch.tensor([[2.0, 0.0, 6.0]]), torch.tensor([0.2499], dtype=torch.float64)) == [0]
+    assert _inverse_cdf_pick(torch.tensor([[2.0, 0.0, 6.0]]), torch.tensor([0.25], dtype=torch.float64)) == [2]
+
+
+def test_inverse_cdf_follows_the_distribution_and_never_picks_a_masked_token():
+    """20,000 seeded draws over 6 tokens (two masked): Pearson's chi-square over the four kept
+    tokens below 16.27 (3 degrees of freedom, p = 0.001), no masked token ever."""
+    p = torch.tensor([0.0, 0.4, 0.3, 0.0, 0.2, 0.1])
+    n = 20_000
+    g = torch.Generator().manual_seed(7)
+    picks = _inverse_cdf_pick(p.expand(n, 6).contiguous(), _uniforms([g] * n))
+    counts = torch.bincount(torch.tensor(picks), minlength=6).double()
+    assert counts[0] == 0 and counts[3] == 0 and counts.sum() == n
+    kept = p > 0
+    expected = p[kept].double() * n
+    chi2 = float((((counts[kept] - expected) ** 2) / expected).sum())
+    assert chi2 < 16.27, (counts.tolist(), chi2)
+
+
+def test_a_full_vocabulary_row_keeps_its_tail_mass():
+    """49,152 tokens, three heads (0.5, 0.3, 0.1) and a flat tail of 0.1: each share within
+    4 standard deviations over 20,000 draws; the tail is spread, not lost to rounding."""
+    V, n = 49_152, 20_000
+    p = torch.full((V,), 0.1 / (V - 3))
+    p[[100, 20_000, V - 1]] = torch.tensor([0.5, 0.3, 0.1])
+    g = torch.Generator().manual_seed(3)
+    picks = torch.tensor(_inverse_cdf_pick(p.expand(n, V).contiguous(), _uniforms([g] * n)))
+    for tok, share in ((100, 0.5), (20_000, 0.3), (V - 1, 0.1)):
+        got = float((picks == tok).double().mean())
+        assert abs(got - share) < 4 * math.sqrt(share * (1 - share) / n), (tok, got)
+    tail = ~((picks == 100) | (picks == 20_000) | (picks == V - 1))
+    assert abs(float(tail.double().mean()) - 0.1) < 4 * math.sqrt(0.09 / n)
+    assert int(torch.unique(picks[tail]).numel()) > 1500  # ~2,000 tail draws over 49,149 tokens
+
+
+def test_a_sampled_token_consumes_one_random_number_of_its_requests_generator():
+    logits = torch.randn(1, 4096, generator=torch.Generator().manual_seed(1))
+    r = req(SamplingParams(temperature=0.8, top_p=0.9, seed=123))
+    s = Sampler()
+    for _ in range(3):
+        s(logits, [r])
+    ref = torch.Generator().manual_seed(123)
+    torch.rand(3, dtype=torch.float64, generator=ref)
+    assert torch.equal(r.generator.get_state(), ref.get_state())
