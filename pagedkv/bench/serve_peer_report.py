@@ -101,6 +101,20 @@ def _sampling(client: str) -> str:
     return "greedy"
 
 
+def _threads(c: dict[str, Any]) -> str:
+    """Threads per server as run: ``--threads`` for both, unless a ``--serve-arg`` overrode
+    pagedkv's (the last ``--threads`` of its command wins, as argparse reads it)."""
+    cmd, own = list(c["pagedkv_serve"]), c["threads"]
+    for i, a in enumerate(cmd):
+        if a == "--threads" and i + 1 < len(cmd):
+            own = cmd[i + 1]
+        elif a.startswith("--threads="):
+            own = a.split("=", 1)[1]
+    if str(own) == str(c["threads"]):
+        return f"{c['threads']} threads each"
+    return f"{c['threads']} threads for llama-server, {own} torch thread{'' if str(own) == '1' else 's'} for pagedkv"
+
+
 def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
     """The Markdown report of ``run_serving_peer``'s results (``plots``: label -> PNG name)."""
     c = data["config"]
@@ -112,7 +126,7 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
     lines = [
         "# Serving side by side: `pagedkv serve` vs llama.cpp's `llama-server`",
         "",
-        f"Same requests, one server at a time, {c['threads']} threads each: prompts of {c['prompt_tokens']} tokens, "
+        f"Same requests, one server at a time, {_threads(c)}: prompts of {c['prompt_tokens']} tokens, "
         f"{c['output_tokens']} output tokens (`ignore_eos`), {_sampling(c['client'])}, streamed `/v1/completions` on 127.0.0.1. "
         f"Client: {client}; it keeps `concurrency` requests in flight for "
         f"{', '.join(f'{n} requests at {k}' for k, n in c['requests_per_run'].items())}, each run cut at "

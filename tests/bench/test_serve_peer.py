@@ -215,3 +215,13 @@ def test_report_side_by_side_and_goals():
     assert "- concurrency 32: not measured (a run failed)" in md
     assert "| pagedkv | 32 | error: RuntimeError: boom |" in md
     assert "| llama-server | 32 | 8 | 5/3/0 | 512 |" in md
+
+
+def test_report_header_says_each_servers_threads_as_run():
+    from pagedkv.bench.serve_peer_report import _threads
+
+    base = {"threads": 2, "pagedkv_serve": ["pagedkv", "serve", "--threads", "2"]}
+    assert _threads(base) == "2 threads each"
+    for override in (["--threads=1"], ["--threads", "1"], ["--threads=3", "--threads=1"]):
+        c = dict(base, pagedkv_serve=base["pagedkv_serve"] + override)
+        assert _threads(c) == "2 threads for llama-server, 1 torch thread for pagedkv"
