@@ -80,6 +80,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ctx-per-slot", type=int, default=512, help="llama-server context per slot, tokens (default 512)")
     g.add_argument("--serve-arg", action="append", default=[],
                    help="extra argument for `pagedkv serve` (repeatable, e.g. --serve-arg=--max-num-seqs=32)")
+    g.add_argument("--start-timeout", type=float, default=900.0,
+                   help="seconds a server may take to answer /health (default 900: a first `--compile-decode` "
+                        "start compiles its graphs, ~7 minutes at 1 thread with a cold cache)")
     g.add_argument("--peer-arg", action="append", default=[],
                    help="extra argument for llama-server (repeatable, e.g. --peer-arg=--poll=0)")
 
@@ -227,10 +230,10 @@ def start_server(name: str, args: argparse.Namespace, threads: int, binary: Opti
     """Start ``name`` (pagedkv or llama-server) on a free port of 127.0.0.1, warm it with one
     short request (not measured), yield its URL; stopped on exit."""
     if name == PAGEDKV:
-        cm = http.serve_subprocess(["--threads", str(threads), *args.serve_arg])
+        cm = http.serve_subprocess(["--threads", str(threads), *args.serve_arg], start_timeout_s=args.start_timeout)
     else:
         cm = http.serve_llama_server(str(binary), gguf, threads, args.parallel, _ctx_per_slot(args),
-                                     extra=args.peer_arg)
+                                     extra=args.peer_arg, start_timeout_s=args.start_timeout)
     with cm as url:
         warm = [BenchRequest(synth_prompts([16], 1000, seed=args.seed + 99)[0], 4)]
         http.run_closed_loop(url, warm, 1, 120.0, progress=False)

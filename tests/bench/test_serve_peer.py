@@ -225,3 +225,26 @@ def test_report_header_says_each_servers_threads_as_run():
     for override in (["--threads=1"], ["--threads", "1"], ["--threads=3", "--threads=1"]):
         c = dict(base, pagedkv_serve=base["pagedkv_serve"] + override)
         assert _threads(c) == "2 threads for llama-server, 1 torch thread for pagedkv"
+
+
+def test_servers_get_the_start_timeout(monkeypatch):
+    """A first --compile-decode start compiles for minutes at 1 thread: both servers wait
+    --start-timeout seconds for /health (default 900; it was a fixed 300, which a cold start
+    missed)."""
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake(*a, start_timeout_s, **kw):
+        seen.append(start_timeout_s)
+        raise Stop
+
+    monkeypatch.setattr(http, "serve_subprocess", fake)
+    monkeypatch.setattr(http, "serve_llama_server", fake)
+    for argv, want in (((), 900.0), (("--start-timeout", "42"), 42.0)):
+        for name in (serve_peer.PAGEDKV, serve_peer.LLAMA_SERVER):
+            with pytest.raises(Stop):
+                with serve_peer.start_server(name, _args(*argv), 2, "/bin/true", "m.gguf"):
+                    pass
+    assert seen == [900.0, 900.0, 42.0, 42.0]
