@@ -94,8 +94,10 @@ def _filter_probs(probs: torch.Tensor, params: Sequence[SamplingParams]) -> torc
     rank = torch.arange(V).expand(R, V)
     drop = rank >= top_k[:, None]
     # top-p: keep the smallest prefix whose mass reaches top_p (the top token always stays)
+    # (only rows that ask: an fp32 row can sum a little above 1, and top_p = 1.0 would then cut
+    # its tail, so a row's tokens would depend on a neighbour's filter)
     mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
-    drop |= mass_before >= top_p[:, None]
+    drop |= (mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
     drop |= sorted_p < (min_p * sorted_p[:, 0])[:, None]
     drop[:, 0] = False
     sorted_p = sorted_p.masked_fill(drop, 0.0)
@@ -161,29 +163,44 @@ def _uniforms(generators: Sequence[torch.Generator]) -> torch.Tensor:
     return torch.cat([torch.rand(1, dtype=torch.float64, generator=g) for g in generators])
 
 
+_PICK_BLOCK = 256  # tokens per block of the two-level search in _inverse_cdf_pick
+
+
 def _inverse_cdf_pick(probs: torch.Tensor, u: torch.Tensor) -> list[int]:
     """One token per row of ``probs`` fp32 ``[R, vocab]`` (non-negative, rows need not sum to
     1, each with some positive entry) for ``u`` fp64 ``[R]`` in ``[0, 1)``: the first index
     whose cumulative sum exceeds ``u * total``, so token ``i`` comes out with probability
-    ``probs[i] / total``. Replaces the exponential race (``argmax(p / E)``), which drew
-    ``vocab`` exponentials per row, serially: ~2.5 ms a row at 49,152 on this CPU, 15% of the
-    served engine thread (docs/performance.md).
+    ``probs[i] / total`` (to fp64 rounding: a token of probability 1e-12 keeps its share).
+    Replaces the exponential race (``argmax(p / E)``), which drew ``vocab`` exponentials per
+    row, serially: ~2.5 ms a row at 49,152 on this CPU, 15% of the served engine thread
+    (docs/performance.md).
 
-    torch's CPU ``cumsum`` accumulates fp32 rows in fp64 and rounds each prefix, so the sums
-    never decrease and a zero-probability token adds nothing: ``searchsorted(..., right=True)``
-    lands only on tokens with ``probs > 0``. ``u * total`` is kept below ``total`` (it can
-    round up to it); a pick with zero probability (unreachable by the argument above) takes
-    the row's most likely token instead of a masked one."""
-    R = probs.shape[0]
-    cum = torch.cumsum(probs, dim=-1)
-    total = cum[:, -1]
-    below = torch.nextafter(total, torch.zeros_like(total))
-    target = torch.minimum((u * total.double()).float(), below)
-    idx = torch.searchsorted(cum, target[:, None], right=True).clamp_(max=probs.shape[1] - 1)
-    masked = probs.gather(1, idx) <= 0
-    if bool(masked.any()):
-        idx = torch.where(masked, probs.argmax(dim=-1, keepdim=True), idx)
-    return idx.view(R).tolist()
+    Two levels, all sums in fp64 (an fp32 cumulative sum would round every token's share to
+    ~6e-8, making tokens below that unreachable and doubling others): block sums of
+    ``_PICK_BLOCK`` tokens and their cumulative sum find the block, then the cumulative sum of
+    that one block finds the token, so the fp64 work is ``vocab / 256 + 256`` a row. Searches
+    take the first prefix strictly above the target, so a zero-probability token (a masked one,
+    or padding) is never returned; ``u * total`` is kept below ``total``; if the block's own sum
+    rounds below the target (the two levels add in different orders) the block's last positive
+    token is taken."""
+    R, V = probs.shape
+    B = _PICK_BLOCK
+    nb = -(-V // B)
+    p = probs if nb * B == V else torch.nn.functional.pad(probs, (0, nb * B - V))
+    blocks = p.view(R, nb, B)
+    bcum = torch.cumsum(blocks.sum(-1, dtype=torch.float64), dim=-1)  # [R, nb]
+    total = bcum[:, -1]
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))[:, None]  # [R, 1]
+    blk = torch.searchsorted(bcum, target, right=True).clamp_(max=nb - 1)
+    before = torch.where(blk > 0, bcum.gather(1, (blk - 1).clamp(min=0)), torch.zeros_like(target))
+    inner = blocks.gather(1, blk[:, :, None].expand(R, 1, B)).view(R, B)
+    icum = torch.cumsum(inner, dim=-1, dtype=torch.float64) + before
+    j = torch.searchsorted(icum, target, right=True)  # [R, 1], B if the block sum rounded low
+    past = j >= B
+    if bool(past.any()):
+        last = B - 1 - torch.flip(inner > 0, dims=[-1]).to(torch.int8).argmax(dim=-1, keepdim=True)
+        j = torch.where(past, last, j)
+    return (blk * B + j).view(R).tolist()
 
 
 def _logprob_dict(lps: torch.Tensor, token: int, req: Request) -> dict[int, float]:

@@ -63,6 +63,7 @@ def test_seeded_rows_independent_of_batch_and_position():
     alone = [s(logits, [req(SamplingParams(temperature=1.0, seed=42))]).token_ids[0] for _ in range(1)]
     r = req(SamplingParams(temperature=1.0, seed=42))
     others = [req(SamplingParams(temperature=0.7, seed=i)) for i in range(5)]
+    others[1] = req(SamplingParams(temperature=1.0, top_k=5, top_p=0.9, seed=9))  # a filtered neighbour
     batch = s(logits.repeat(6, 1), others[:3] + [r] + others[3:])
     assert batch.token_ids[3] == alone[0]
     # the draw follows the distribution: with top_k=1 only the argmax can come out
@@ -183,6 +184,35 @@ def test_a_full_vocabulary_row_keeps_its_tail_mass():
     tail = ~((picks == 100) | (picks == 20_000) | (picks == V - 1))
     assert abs(float(tail.double().mean()) - 0.1) < 4 * math.sqrt(0.09 / n)
     assert int(torch.unique(picks[tail]).numel()) > 1500  # ~2,000 tail draws over 49,149 tokens
+
+
+def test_every_positive_token_is_reachable_at_its_fp64_share():
+    """Rows of 600 tokens (three blocks of the two-level search, the last padded) with shares
+    down to 1e-12 next to 0.5, zeros between, some across block boundaries: a target in the
+    middle of each token's fp64 interval picks exactly that token (an fp32 cumulative sum
+    rounded 1e-8 away entirely and doubled 3e-8)."""
+    V = 600
+    p = torch.zeros(V)
+    p[[0, 1, 2, 255, 256, 257, 300, 511, 512, 599]] = torch.tensor(
+        [0.5, 1e-8, 3e-8, 1e-12, 2e-12, 0.25, 1e-9, 0.125, 3e-10, 0.125 - 4e-8])
+    cum = torch.cumsum(p.double(), 0)
+    total = float(cum[-1])
+    for k in p.nonzero().flatten().tolist():
+        lo = float(cum[k - 1]) if k else 0.0
+        u = torch.tensor([(lo + float(cum[k])) / 2 / total], dtype=torch.float64)
+        assert _inverse_cdf_pick(p[None], u) == [k]
+    assert _inverse_cdf_pick(p[None], torch.tensor([1.0 - 2.0 ** -53], dtype=torch.float64)) == [599]
+
+
+def test_top_p_one_cuts_nothing_so_a_neighbours_filter_cannot_move_a_row():
+    """fp32 rows can sum a little above 1: top_p = 1.0 once dropped the tokens whose mass before
+    them reached 1, so an unfiltered row lost its tail whenever another row of the batch had a
+    filter (and its seeded tokens then depended on the batch)."""
+    row = torch.tensor([[0.5, 0.50000006, 1e-7, 2e-7]])
+    assert torch.equal(_filter_probs(row, [SamplingParams()]), row)
+    probs = torch.softmax(torch.randn(1, 200_000, generator=torch.Generator().manual_seed(0)) * 3, dim=-1)
+    both = _filter_probs(torch.cat([probs, probs]), [SamplingParams(), SamplingParams(top_k=40)])
+    assert torch.equal(both[0], probs[0]) and int((both[1] > 0).sum()) == 40
 
 
 def test_a_sampled_token_consumes_one_random_number_of_its_requests_generator():
