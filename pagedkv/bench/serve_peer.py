@@ -195,10 +195,11 @@ def guidellm_command(url: str, concurrency: int, n: int, args: argparse.Namespac
     """``python -m guidellm run`` for one run: concurrent profile, ``n`` requests at most,
     ``args.max_seconds`` at most, synthetic text of exactly the prompt/output lengths.
 
-    The data loader prefetches ``n`` prompts, not guidellm's default of 4,096: its worker
-    process otherwise spends the whole run (minutes of one core) making prompts that are never
-    sent, which on a 2-core machine takes a core from the server being measured (measured: 98%
-    of a core during a concurrency-1 run, 2.5% with this)."""
+    The data loader keeps ``n`` prompts ready ahead of use (``prefetch_factor``), not guidellm's
+    default of 4,096: its worker process otherwise spends the whole run (minutes of one core)
+    making prompts that are never sent, which on a 2-core machine takes a core from the server
+    being measured (measured: 98% of a core during a concurrency-1 run, 2.5% with this). It
+    still makes about ``2 n`` in all (``n`` at the start, one more per prompt taken)."""
     return [sys.executable, "-m", "guidellm", "run",
             "--backend", f"kind=openai_http,target={url},request_format=/v1/completions",
             "--profile", f"kind=concurrent,streams={concurrency}",

@@ -102,7 +102,7 @@ def serve_threads(args: argparse.Namespace) -> int:
     backend has the same knob, ``VLLM_CPU_NUM_OF_RESERVED_CPU``). Measured on 2 cores with
     guidellm as the client (docs/performance.md, "Serving: threads"): 2 torch threads served
     18-38% more tokens/s than 1 in one period, and were erratic in another (inter-token
-    latency at concurrency 1 from 23 to 78 ms, against 26-36 ms for 1 thread), so the
+    latency at concurrency 1 from 23 to 79 ms, against 27-36 ms for 1 thread), so the
     default keeps the steadier one. Raises ``ConfigError`` for a negative
     ``--reserved-cpus``."""
     import os

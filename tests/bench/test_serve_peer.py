@@ -104,8 +104,15 @@ def test_llama_server_command_and_requests():
     assert "kind=concurrent,streams=16" in gl and "kind=max_requests,count=32" in gl
     assert "kind=max_duration,seconds=120" in gl and "kind=synthetic_text,prompt_tokens=256,output_tokens=64" in gl
     assert "kind=openai_http,target=http://127.0.0.1:9,request_format=/v1/completions" in gl
-    # the client's data worker makes only the prompts it sends (its default 4,096 took a core)
-    assert gl[gl.index("--data-loader") + 1] == "kind=pytorch,prefetch_factor=32"
+    # the client's data worker keeps only the run's requests ready ahead (its default 4,096 took
+    # a core), and guidellm's own parser takes the value as that
+    loader = gl[gl.index("--data-loader") + 1]
+    assert loader == "kind=pytorch,prefetch_factor=32"
+    from guidellm.schemas.data.loaders.torch import TorchDataLoaderArgs
+    from guidellm.utils.cli import parse_arguments
+
+    parsed = TorchDataLoaderArgs.model_validate(parse_arguments(None, None, loader))
+    assert (parsed.kind, parsed.prefetch_factor, parsed.num_workers) == ("pytorch", 32, 1)
     cmd = serve_peer.command_line(_args("--concurrency", "1,4", "--peer-arg=--poll", "--peer-arg=0"), 2, "builtin")
     assert cmd == ("pagedkv bench serve --peer llama-server --threads 2 --concurrency 1,4 --prompt-tokens 256 "
                    "--output-tokens 64 --requests-per-stream 2 --min-requests 8 --max-seconds 120 --client builtin "
