@@ -5,11 +5,14 @@
   and its torch dtype (:func:`canonical_dtype`, :func:`torch_dtype`, :func:`dtype_name`);
   the KV-cache formats (:func:`kv_cache_dtype`: ``auto``, float32, bfloat16, int8, fp8_e4m3, ...).
 * :func:`free_port` — a free TCP port on 127.0.0.1 (servers in tests, benchmarks, workers).
+* :func:`release_openmp_pool` — give back the calling thread's OpenMP threads (servers step the
+  engine in another thread than the one that built it).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import socket
 from typing import Any
@@ -138,3 +141,42 @@ def passive_wait_warning(num_threads: int) -> str | None:
                 "(batch-1 decode about 1.9x slower); unset it to serve or benchmark" % num_threads)
     return None
 
+
+
+def _loaded_libgomp() -> str | None:
+    """Path of the GNU OpenMP runtime mapped into this process (torch's ``libgomp.so.1``; the
+    C kernels and inductor's graphs share it), or None (not Linux, or another runtime)."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rstrip("\n").split(maxsplit=5)[-1]
+                if os.path.basename(path).startswith("libgomp") and ".so" in path:
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+def release_openmp_pool() -> bool:
+    """Give back the OpenMP threads the calling thread holds (libgomp's
+    ``omp_pause_resource_all(omp_pause_soft)``, OpenMP 5.0 §3.2.44); the next parallel op in
+    this thread starts new ones. Returns True if a GNU OpenMP runtime released them, False
+    where there is none (or it refused: called inside a parallel region).
+
+    Why (docs/performance.md, "One OpenMP pool"): libgomp keeps a pool of helper threads for
+    every thread that ever ran a parallel region, for that thread's lifetime, and once it
+    manages more threads than there are cores its waiting threads spin only 100 turns
+    (``gomp_throttled_spin_count_var``) instead of ~300,000 before they sleep. A server builds
+    its engine (load, warm-up, compiled graphs) in the main thread and steps it in the engine
+    loop's thread: two pools of 2 on 2 cores, so every one of a step's hundreds of parallel
+    ops woke sleeping threads; served batch-1 steps took 80 ms against 20 ms for the same
+    engine stepped where it was built."""
+    path = _loaded_libgomp()
+    if path is None:
+        return False
+    try:
+        fn = ctypes.CDLL(path).omp_pause_resource_all
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+    return fn(1) == 0  # 1 = omp_pause_soft

@@ -87,9 +87,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests may finish on shutdown before they are aborted (default 10)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    p.add_argument("--reserved-cpus", type=int, default=1, metavar="N",
+    p.add_argument("--reserved-cpus", type=int, default=0, metavar="N",
                    help="without --threads: torch threads = usable cores - N (at least 1), the rest left to "
-                        "the HTTP side (default 1)")
+                        "the HTTP side and other processes (default 0)")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
     return p
@@ -97,14 +97,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 def serve_threads(args: argparse.Namespace) -> int:
     """The server's torch threads: ``--threads``, else the cores this process may run on less
-    ``--reserved-cpus`` (default 1, at least 1 thread). Reserved cores are left to the HTTP
+    ``--reserved-cpus`` (default 0, at least 1 thread). Reserved cores are left to the HTTP
     side (asyncio, tokenization, streaming) and whatever else shares the machine (vLLM's CPU
     backend has the same knob, ``VLLM_CPU_NUM_OF_RESERVED_CPU``). Measured on 2 cores with
-    guidellm as the client (docs/performance.md, "Serving: threads"): 2 torch threads served
-    18-38% more tokens/s than 1 in one period, and were erratic in another (inter-token
-    latency at concurrency 1 from 23 to 79 ms, against 27-36 ms for 1 thread), so the
-    default keeps the steadier one. Raises ``ConfigError`` for a negative
-    ``--reserved-cpus``."""
+    guidellm as the client, once the engine loop held the process's only OpenMP pool
+    (docs/performance.md, "One OpenMP pool" and "Serving: threads"): 2 torch threads gave
+    1.3-1.5x the tokens/s of 1 at concurrency 1 and 4 (inter-token latency p50 30-33 against
+    44-55 ms at 1). Raises ``ConfigError`` for a negative ``--reserved-cpus``."""
     import os
 
     from pagedkv.errors import ConfigError

@@ -25,6 +25,7 @@ from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
 
 from pagedkv.engine.request import RequestOutput, SamplingParams
 from pagedkv.engine.sampler import SamplingError
+from pagedkv.utils import release_openmp_pool
 
 logger = logging.getLogger("pagedkv.server")
 
@@ -92,6 +93,12 @@ class Submission:
 class EngineLoop:
     """Runs one :class:`pagedkv.engine.engine.LLMEngine` in a background thread.
 
+    The thread that creates the loop (the one that built the engine) gives back its OpenMP
+    threads (:func:`pagedkv.utils.release_openmp_pool`): the engine's parallel ops run in the
+    loop's thread from then on, and a second pool would make libgomp put waiting threads to
+    sleep after every op (batch-1 steps 4x slower here; docs/performance.md, "One OpenMP
+    pool"). A later torch op in the creating thread starts a new pool; servers do none.
+
     ``on_output(out)`` is called in the step thread for every output (metrics); it must be
     quick and must not raise. ``idle_wait_s``: how long the idle thread sleeps between checks
     when nothing wakes it (seconds)."""
@@ -119,6 +126,7 @@ class EngineLoop:
         self.num_steps = 0
         self.num_step_errors = 0
         self.last_step_time: Optional[float] = None
+        release_openmp_pool()
 
     # ---- lifecycle ----------------------------------------------------------------------
     @property

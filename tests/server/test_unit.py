@@ -233,7 +233,7 @@ def test_serve_leaves_cores_to_the_http_side_unless_threads_are_given(monkeypatc
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
     p = add_serve_parser(argparse.ArgumentParser().add_subparsers())
-    assert serve_threads(p.parse_args([])) == 3  # 4 usable cores, 1 reserved by default
+    assert serve_threads(p.parse_args([])) == 4  # 4 usable cores, none reserved by default
     assert serve_threads(p.parse_args(["--reserved-cpus", "1"])) == 3
     assert serve_threads(p.parse_args(["--reserved-cpus", "0"])) == 4
     assert serve_threads(p.parse_args(["--reserved-cpus", "9"])) == 1  # never below one thread

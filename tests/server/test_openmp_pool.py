@@ -1,0 +1,90 @@
+"""One OpenMP pool per serving process: the thread that builds an engine gives its libgomp
+helper threads back when the engine loop (which steps the engine in its own thread) is made.
+
+Two pools on two cores make libgomp spin waiting threads only 100 turns before they sleep,
+so every parallel op of a step wakes threads: served batch-1 steps took 80 ms against 20 ms
+(docs/performance.md, "One OpenMP pool"). The tests count the helper threads themselves
+(their Linux thread ids), in fresh threads so no earlier test's pool is involved."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+import pytest
+import torch
+
+from pagedkv.server.engine_loop import EngineLoop
+from pagedkv.utils import _loaded_libgomp, release_openmp_pool
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/task and libgomp: Linux")
+
+
+def _tids() -> set[int]:
+    return {int(t) for t in os.listdir("/proc/self/task")}
+
+
+def _parallel_op() -> None:
+    # 1M elements: far above ATen's grain size (32,768), so the op runs as an OpenMP region
+    torch.ones(1 << 20).exp_()
+
+
+def _in_fresh_thread(fn):
+    """Run ``fn`` in a new thread (no OpenMP pool yet) with 2 torch threads; its result."""
+    box: dict = {}
+    prev = torch.get_num_threads()
+    torch.set_num_threads(2)
+
+    def run() -> None:
+        try:
+            box["out"] = fn()
+        except BaseException as e:  # re-raised in the test
+            box["err"] = e
+
+    try:
+        t = threading.Thread(target=run)
+        t.start()
+        t.join(60)
+    finally:
+        torch.set_num_threads(prev)
+    if "err" in box:
+        raise box["err"]
+    return box["out"]
+
+
+def test_torch_runs_on_the_gnu_openmp_runtime():
+    assert _loaded_libgomp() is not None and "libgomp" in os.path.basename(_loaded_libgomp())
+
+
+def test_release_gives_back_the_helper_and_the_next_op_starts_a_new_one():
+    def body():
+        before = _tids()
+        _parallel_op()
+        helpers = _tids() - before
+        released = release_openmp_pool()
+        after_release = _tids()
+        _parallel_op()
+        again = _tids() - after_release
+        release_openmp_pool()
+        return helpers, released, after_release, again
+
+    helpers, released, after_release, again = _in_fresh_thread(body)
+    assert len(helpers) == 1  # 2 threads: the caller and one helper
+    assert released is True
+    assert not helpers & after_release  # the helper thread exited
+    assert len(again) == 1 and not again & helpers  # a new pool, a new helper
+
+
+def test_engine_loop_takes_the_pool_of_the_thread_that_made_it():
+    def body():
+        before = _tids()
+        _parallel_op()  # "building the engine" in this thread
+        helpers = _tids() - before
+        loop = EngineLoop(engine=object())  # not started: only the constructor runs
+        return helpers, _tids(), loop.running
+
+    helpers, after, running = _in_fresh_thread(body)
+    assert len(helpers) == 1
+    assert not helpers & after
+    assert running is False
