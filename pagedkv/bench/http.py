@@ -90,8 +90,12 @@ def serve_process(cmd: Sequence[str], url: str, name: str, start_timeout_s: floa
     once ``/health`` answers 200. Its output goes to a temporary file (a pipe nobody reads
     would fill and block a chatty server). Raises ``RuntimeError`` (naming ``name``, with the
     output's tail) if it exits or is not ready within ``start_timeout_s`` seconds; it is
-    stopped (SIGTERM, then SIGKILL) on exit."""
-    env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
+    stopped (SIGTERM, then SIGKILL) on exit. The server inherits this process's environment
+    as it is: with ``OMP_WAIT_POLICY`` unset (as benchmarks should run, docs/performance.md)
+    it stays unset. Until 2026-12-01 this set ``PASSIVE`` for the child when the variable was
+    unset, so every HTTP serving benchmark before then ran both servers with OpenMP threads
+    that sleep after each parallel op (docs/performance.md, "Serving benchmarks ran PASSIVE")."""
+    env = dict(os.environ)
     with tempfile.TemporaryFile("w+") as log_file:
         proc = subprocess.Popen(list(cmd), stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=str(REPO_ROOT),
                                 text=True)

@@ -102,17 +102,23 @@ def serve_threads(args: argparse.Namespace) -> int:
     backend has the same knob, ``VLLM_CPU_NUM_OF_RESERVED_CPU``). Measured on 2 cores with
     guidellm as the client, once the engine loop held the process's only OpenMP pool
     (docs/performance.md, "One OpenMP pool" and "Serving: threads"): 2 torch threads gave
-    1.3-1.5x the tokens/s of 1 at concurrency 1 and 4 (inter-token latency p50 30-33 against
-    44-55 ms at 1). Raises ``ConfigError`` for a negative ``--reserved-cpus``."""
+    1.24-1.61x the tokens/s of 1 at concurrency 1 and 4, round by round (inter-token latency
+    p50 30-33 against 44-55 ms at 1). Logs a warning when ``--threads`` exceeds the usable cores (libgomp then
+    spins its waiting threads only 100 turns). Raises ``ConfigError`` for a negative
+    ``--reserved-cpus``."""
     import os
 
     from pagedkv.errors import ConfigError
 
     if args.reserved_cpus < 0:
         raise ConfigError(f"--reserved-cpus must be >= 0, got {args.reserved_cpus}")
-    if args.threads is not None:
-        return args.threads
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if args.threads is not None:
+        if args.threads > cores:
+            logging.getLogger("pagedkv.server").warning(
+                "--threads %d is more than the %d usable cores: OpenMP's waiting threads then sleep after "
+                "every parallel op (docs/performance.md, \"One OpenMP pool\")", args.threads, cores)
+        return args.threads
     return max(1, cores - args.reserved_cpus)
 
 

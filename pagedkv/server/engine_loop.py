@@ -96,8 +96,9 @@ class EngineLoop:
     The thread that creates the loop (the one that built the engine) gives back its OpenMP
     threads (:func:`pagedkv.utils.release_openmp_pool`): the engine's parallel ops run in the
     loop's thread from then on, and a second pool would make libgomp put waiting threads to
-    sleep after every op (batch-1 steps 4x slower here; docs/performance.md, "One OpenMP
-    pool"). A later torch op in the creating thread starts a new pool; servers do none.
+    sleep after every op (served batch-1 inter-token latency p50 69-94 against 23-26 ms here;
+    docs/performance.md, "One OpenMP pool"). A later parallel torch op in the creating thread,
+    or in any other thread but the loop's, starts a new pool; the server runs none.
 
     ``on_output(out)`` is called in the step thread for every output (metrics); it must be
     quick and must not raise. ``idle_wait_s``: how long the idle thread sleeps between checks

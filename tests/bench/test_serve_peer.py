@@ -257,3 +257,29 @@ def test_servers_get_the_start_timeout(monkeypatch):
                 with serve_peer.start_server(name, _args(*argv), 2, "/bin/true", "m.gguf"):
                     pass
     assert seen == [900.0, 900.0, 42.0, 42.0]
+
+
+@pytest.mark.parametrize("policy", [None, "PASSIVE", "ACTIVE"])
+def test_servers_inherit_the_omp_wait_policy_as_it_is(monkeypatch, policy):
+    """A benchmark's servers run with this process's OMP_WAIT_POLICY: unset stays unset (the
+    harness once forced PASSIVE on both servers, sleeping OpenMP threads after every op)."""
+    if policy is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", policy)
+    seen: dict = {}
+
+    class Captured(Exception):
+        pass
+
+    def fake_popen(cmd, **kw):
+        seen.update(cmd=list(cmd), env=kw["env"])
+        raise Captured
+
+    monkeypatch.setattr(http.subprocess, "Popen", fake_popen)
+    with pytest.raises(Captured):
+        with http.serve_process(["llama-server", "-t", "2"], "http://127.0.0.1:1", "llama-server"):
+            pass
+    assert seen["cmd"] == ["llama-server", "-t", "2"]
+    assert seen["env"].get("OMP_WAIT_POLICY") == policy
+    assert seen["env"] == dict(os.environ)

@@ -240,3 +240,21 @@ def test_serve_leaves_cores_to_the_http_side_unless_threads_are_given(monkeypatc
     assert serve_threads(p.parse_args(["--threads", "2", "--reserved-cpus", "3"])) == 2  # explicit wins
     with pytest.raises(ConfigError, match="--reserved-cpus"):
         serve_threads(p.parse_args(["--reserved-cpus", "-1"]))
+
+
+def test_serve_warns_when_threads_exceed_the_cores(monkeypatch, caplog):
+    import argparse
+    import logging
+    import os
+
+    from pagedkv.server.cli import add_serve_parser, serve_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    p = add_serve_parser(argparse.ArgumentParser().add_subparsers())
+    with caplog.at_level(logging.WARNING, logger="pagedkv.server"):
+        assert serve_threads(p.parse_args(["--threads", "2"])) == 2
+        assert not caplog.records
+        assert serve_threads(p.parse_args(["--threads", "3"])) == 3
+    assert [r.getMessage() for r in caplog.records] == [
+        '--threads 3 is more than the 2 usable cores: OpenMP\'s waiting threads then sleep after every '
+        'parallel op (docs/performance.md, "One OpenMP pool")']
