@@ -142,7 +142,6 @@ def passive_wait_warning(num_threads: int) -> str | None:
     return None
 
 
-
 def _loaded_libgomps() -> list[str]:
     """Paths of the GNU OpenMP runtimes mapped into this process (torch's ``libgomp.so.1``; the
     C kernels and inductor's graphs share it; a wheel may also bring its own), or [] (not Linux,

@@ -94,7 +94,7 @@ def serve_process(cmd: Sequence[str], url: str, name: str, start_timeout_s: floa
     as it is: with ``OMP_WAIT_POLICY`` unset (as benchmarks should run, docs/performance.md)
     it stays unset. Until 2026-12-01 this set ``PASSIVE`` for the child when the variable was
     unset, so every HTTP serving benchmark before then ran both servers with OpenMP threads
-    that sleep after each parallel op (docs/performance.md, "Serving benchmarks ran PASSIVE")."""
+    that sleep after each parallel op (docs/performance.md, "One OpenMP pool per process")."""
     env = dict(os.environ)
     with tempfile.TemporaryFile("w+") as log_file:
         proc = subprocess.Popen(list(cmd), stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=str(REPO_ROOT),

@@ -103,9 +103,9 @@ def serve_threads(args: argparse.Namespace) -> int:
     guidellm as the client, once the engine loop held the process's only OpenMP pool
     (docs/performance.md, "One OpenMP pool" and "Serving: threads"): 2 torch threads gave
     1.24-1.61x the tokens/s of 1 at concurrency 1 and 4, round by round (inter-token latency
-    p50 30-33 against 44-55 ms at 1). Logs a warning when ``--threads`` exceeds the usable cores (libgomp then
-    spins its waiting threads only 100 turns). Raises ``ConfigError`` for a negative
-    ``--reserved-cpus``."""
+    p50 30-33 against 44-55 ms at 1). Logs a warning when ``--threads`` exceeds the usable
+    cores (libgomp then spins its waiting threads only 100 turns). Raises ``ConfigError`` for
+    a negative ``--reserved-cpus``."""
     import os
 
     from pagedkv.errors import ConfigError
