@@ -11,7 +11,11 @@ Faults: a replica that cannot be reached or drops the connection before the firs
 answer (a non-streamed request's whole answer) is taken out of routing and the request is
 sent to another replica (nothing reached the client yet); a stream that already sent bytes
 ends with an OpenAI error event (code ``replica_failed``), as a failed stream of one server
-does. The control's ``refresh`` puts a replica back when it answers again (Ray restarts it).
+does. Any exception of the client stack counts as such a failure, not only
+``httpx.TransportError``: a peer that resets a just-accepted connection can surface as a raw
+``AttributeError`` from httpcore/anyio (the socket is gone before httpcore reads its extra
+info), and a dying replica must never turn into a 500 of the ingress. The control's
+``refresh`` puts a replica back when it answers again (Ray restarts it).
 
 Own routes: ``GET /health`` (200 with at least one healthy replica, else 503; the replicas'
 state in the body), ``GET /metrics`` (:mod:`pagedkv.serving.metrics`), ``GET /ui`` (every
@@ -46,6 +50,14 @@ _PASS_HEADERS = ("authorization", "x-api-key", "content-type", "accept", "x-requ
 _KEEP_HEADERS = ("content-type", "x-request-id", "www-authenticate", "cache-control")
 
 
+async def _close(resp: httpx.Response) -> None:
+    """Close a replica's response; a connection that is already broken may fail to close."""
+    try:
+        await resp.aclose()
+    except Exception as e:
+        logger.debug("closing a replica's response failed (%s: %s)", type(e).__name__, e)
+
+
 class ReplicaControl(Protocol):
     """What the ingress needs from the layer that runs the replicas (Ray:
     :class:`pagedkv.serving.launch.RayReplicas`)."""
@@ -71,11 +83,13 @@ class Ingress:
     """The state behind the ingress app. ``model``: ``{"model_id", "revision", "kv_format",
     "block_size"}`` of the replicas' engine (the prefix hashes must match theirs). ``tokenizer``: the
     replicas' HF tokenizer (prompt text and chat template -> token ids). ``poll_s``: seconds
-    between two ``control.refresh`` calls."""
+    between two ``control.refresh`` calls. ``transport``: the HTTP client's transport to the
+    replicas (None: httpx's default; tests pass a mock)."""
 
     def __init__(self, router: Router, control: ReplicaControl, tokenizer: Any, model: dict[str, Any], *,
                  api_keys: Optional[dict[str, str]] = None, max_body_bytes: int = 1 << 20,
-                 open_routes: Sequence[str] = (), poll_s: float = 0.5) -> None:
+                 open_routes: Sequence[str] = (), poll_s: float = 0.5,
+                 transport: Optional[httpx.AsyncBaseTransport] = None) -> None:
         self.router = router
         self.control = control
         self.tokenizer = tokenizer
@@ -87,6 +101,7 @@ class Ingress:
         self.retries = 0
         self.refresh_paused = False
         self.refresh_idle = False
+        self.transport = transport
         self.client: Optional[httpx.AsyncClient] = None
 
     # ---- requests ------------------------------------------------------------------------
@@ -175,11 +190,11 @@ class Ingress:
                     return StreamingResponse(self.relay(replica, resp, chunks, first, pinned is None),
                                              status_code=resp.status_code, headers=out_headers)
                 body = await resp.aread()
-            except (httpx.TransportError, StopAsyncIteration) as e:
-                if resp is not None:
-                    await resp.aclose()
-                logger.warning("replica %d failed a request before answering (%s); retrying elsewhere",
-                               replica.rank, type(e).__name__)
+            except Exception as e:  # nothing reached the client: any failure of the replica or the
+                if resp is not None:  # client stack (module docstring) sends the request elsewhere
+                    await _close(resp)
+                logger.warning("replica %d failed a request before answering (%s: %s); retrying elsewhere",
+                               replica.rank, type(e).__name__, e)
                 if pinned is None:
                     self.router.release(replica, failed=True)
                     self.router.mark_down(replica)
@@ -200,15 +215,15 @@ class Ingress:
             yield first
             async for chunk in chunks:
                 yield chunk
-        except httpx.TransportError as e:
+        except Exception as e:  # as in forward: any failure of the replica or the client stack
             failed = True
-            logger.warning("replica %d failed mid-stream (%s)", replica.rank, type(e).__name__)
+            logger.warning("replica %d failed mid-stream (%s: %s)", replica.rank, type(e).__name__, e)
             if routed:
                 self.router.mark_down(replica)
             yield _sse_error(f"replica {replica.rank} failed while streaming this response "
                              f"({type(e).__name__}); the response is incomplete")
         finally:  # also on a client disconnect: closing the upstream aborts the request there
-            await resp.aclose()
+            await _close(resp)
             if routed:
                 self.router.release(replica, failed=failed)
 
@@ -249,7 +264,7 @@ def build_ingress(ing: Ingress) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        ing.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
+        ing.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), transport=ing.transport,
                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         await ing.control.refresh(ing.router)
         task = asyncio.ensure_future(ing.poll())

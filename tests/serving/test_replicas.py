@@ -169,19 +169,21 @@ def test_killed_replica_loses_no_unstarted_request(service):
     victim = int(holders.pop())
     pids = svc.pids()
     ing.refresh_paused = True  # the death must be found by the requests below, not by a poll
-    deadline = time.monotonic() + 30
-    while not ing.refresh_idle:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    os.kill(pids[victim], 9)  # the replica's process ends; the router still routes to it
-    with ThreadPoolExecutor(6) as pool:  # routed by prefix to the dead replica, then retried
-        outs = list(pool.map(_complete, [srv.url] * 6, prompts))
-    assert [o.status_code for o in outs] == [200] * 6
-    assert [o.json()["choices"][0]["text"] for o in outs] == expected
-    assert {o.headers["x-pagedkv-replica"] for o in outs} == {str(1 - victim)}
-    assert ing.retries >= 1 and ing.router.replicas[victim].failures >= 1
-    assert not ing.router.replicas[victim].healthy
-    ing.refresh_paused = False
+    try:  # resumed also on a failure: a paused poll would fail the next test too
+        deadline = time.monotonic() + 30
+        while not ing.refresh_idle:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        os.kill(pids[victim], 9)  # the replica's process ends; the router still routes to it
+        with ThreadPoolExecutor(6) as pool:  # routed by prefix to the dead replica, then retried
+            outs = list(pool.map(_complete, [srv.url] * 6, prompts))
+        assert [o.status_code for o in outs] == [200] * 6, [o.text for o in outs]
+        assert [o.json()["choices"][0]["text"] for o in outs] == expected
+        assert {o.headers["x-pagedkv-replica"] for o in outs} == {str(1 - victim)}
+        assert ing.retries >= 1 and ing.router.replicas[victim].failures >= 1
+        assert not ing.router.replicas[victim].healthy
+    finally:
+        ing.refresh_paused = False
     _wait_rejoined(srv, victim, restarts=1)
     assert svc.pids()[1 - victim] == pids[1 - victim] and svc.pids()[victim] != pids[victim]
 
