@@ -10,9 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pagedkv.engine import sample_ops
 from pagedkv.engine.request import Request, SamplingParams
-from pagedkv.engine.sampler import (Sampler, SamplingError, _filter_probs, _inverse_cdf_pick, _uniforms, apply_logit_bias,
-                                    apply_penalties)
+from pagedkv.engine.sampler import (_PICK_BLOCK, Sampler, SamplingError, _filter_probs, _inverse_cdf_pick, _uniforms,
+                                    apply_logit_bias, apply_penalties)
 from pagedkv.errors import InvalidRequestError
 
 P = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
@@ -144,24 +145,35 @@ def test_greedy_takes_the_first_maximum_in_all_greedy_and_mixed_batches():
 
 
 # ---- inverse-CDF sampling (issue 12: one uniform per token instead of vocab exponentials) ----
-def test_inverse_cdf_picks_at_the_cumulative_boundaries():
+def _c_pick(probs: torch.Tensor, u: torch.Tensor) -> list[int]:
+    ops = sample_ops.get()
+    assert ops is not None, sample_ops.build_error()  # a C compiler is part of the set-up
+    return ops.inverse_cdf_pick(probs, u, _PICK_BLOCK)
+
+
+PICKS = [pytest.param(_inverse_cdf_pick, id="torch"), pytest.param(_c_pick, id="c")]
+
+
+@pytest.mark.parametrize("pick_rows", PICKS)
+def test_inverse_cdf_picks_at_the_cumulative_boundaries(pick_rows):
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.25, 0.25, 0.0]])  # cumsum 0, .5, .5, .75, 1, 1
-    pick = lambda u: _inverse_cdf_pick(probs, torch.tensor([u], dtype=torch.float64))[0]
+    pick = lambda u: pick_rows(probs, torch.tensor([u], dtype=torch.float64))[0]
     assert [pick(u) for u in (0.0, 0.25, 0.4999, 0.5, 0.74, 0.75, 0.99)] == [1, 1, 1, 3, 3, 4, 4]
     # the largest double below 1 (u * total rounds up to total in fp32): still the last kept token
     assert pick(1.0 - 2.0 ** -53) == 4
     # unnormalised rows (filters leave them so): u scales by the row total
-    assert _inverse_cdf_pick(torch.tensor([[2.0, 0.0, 6.0]]), torch.tensor([0.2499], dtype=torch.float64)) == [0]
-    assert _inverse_cdf_pick(torch.tensor([[2.0, 0.0, 6.0]]), torch.tensor([0.25], dtype=torch.float64)) == [2]
+    assert pick_rows(torch.tensor([[2.0, 0.0, 6.0]]), torch.tensor([0.2499], dtype=torch.float64)) == [0]
+    assert pick_rows(torch.tensor([[2.0, 0.0, 6.0]]), torch.tensor([0.25], dtype=torch.float64)) == [2]
 
 
-def test_inverse_cdf_follows_the_distribution_and_never_picks_a_masked_token():
+@pytest.mark.parametrize("pick_rows", PICKS)
+def test_inverse_cdf_follows_the_distribution_and_never_picks_a_masked_token(pick_rows):
     """20,000 seeded draws over 6 tokens (two masked): Pearson's chi-square over the four kept
     tokens below 16.27 (3 degrees of freedom, p = 0.001), no masked token ever."""
     p = torch.tensor([0.0, 0.4, 0.3, 0.0, 0.2, 0.1])
     n = 20_000
     g = torch.Generator().manual_seed(7)
-    picks = _inverse_cdf_pick(p.expand(n, 6).contiguous(), _uniforms([g] * n))
+    picks = pick_rows(p.expand(n, 6).contiguous(), _uniforms([g] * n))
     counts = torch.bincount(torch.tensor(picks), minlength=6).double()
     assert counts[0] == 0 and counts[3] == 0 and counts.sum() == n
     kept = p > 0
@@ -170,14 +182,15 @@ def test_inverse_cdf_follows_the_distribution_and_never_picks_a_masked_token():
     assert chi2 < 16.27, (counts.tolist(), chi2)
 
 
-def test_a_full_vocabulary_row_keeps_its_tail_mass():
+@pytest.mark.parametrize("pick_rows", PICKS)
+def test_a_full_vocabulary_row_keeps_its_tail_mass(pick_rows):
     """49,152 tokens, three heads (0.5, 0.3, 0.1) and a flat tail of 0.1: each share within
     4 standard deviations over 20,000 draws; the tail is spread, not lost to rounding."""
     V, n = 49_152, 20_000
     p = torch.full((V,), 0.1 / (V - 3))
     p[[100, 20_000, V - 1]] = torch.tensor([0.5, 0.3, 0.1])
     g = torch.Generator().manual_seed(3)
-    picks = torch.tensor(_inverse_cdf_pick(p.expand(n, V).contiguous(), _uniforms([g] * n)))
+    picks = torch.tensor(pick_rows(p.expand(n, V).contiguous(), _uniforms([g] * n)))
     for tok, share in ((100, 0.5), (20_000, 0.3), (V - 1, 0.1)):
         got = float((picks == tok).double().mean())
         assert abs(got - share) < 4 * math.sqrt(share * (1 - share) / n), (tok, got)
@@ -186,7 +199,8 @@ def test_a_full_vocabulary_row_keeps_its_tail_mass():
     assert int(torch.unique(picks[tail]).numel()) > 1500  # ~2,000 tail draws over 49,149 tokens
 
 
-def test_every_positive_token_is_reachable_at_its_fp64_share():
+@pytest.mark.parametrize("pick_rows", PICKS)
+def test_every_positive_token_is_reachable_at_its_fp64_share(pick_rows):
     """Rows of 600 tokens (three blocks of the two-level search, the last padded) with shares
     down to 1e-12 next to 0.5, zeros between, some across block boundaries: a target in the
     middle of each token's fp64 interval picks exactly that token (an fp32 cumulative sum
@@ -200,8 +214,57 @@ def test_every_positive_token_is_reachable_at_its_fp64_share():
     for k in p.nonzero().flatten().tolist():
         lo = float(cum[k - 1]) if k else 0.0
         u = torch.tensor([(lo + float(cum[k])) / 2 / total], dtype=torch.float64)
-        assert _inverse_cdf_pick(p[None], u) == [k]
-    assert _inverse_cdf_pick(p[None], torch.tensor([1.0 - 2.0 ** -53], dtype=torch.float64)) == [599]
+        assert pick_rows(p[None], u) == [k]
+    assert pick_rows(p[None], torch.tensor([1.0 - 2.0 ** -53], dtype=torch.float64)) == [599]
+
+
+def test_the_c_picks_return_the_torch_tokens():
+    """300 batches of 1-5 rows (vocab 1 to 49,152, the last block partial, -inf logits, masked
+    probabilities, ties): the C first maximum is torch's max(dim).indices and the C inverse-CDF
+    pick is _inverse_cdf_pick, token for token."""
+    ops = sample_ops.get()
+    assert ops is not None, sample_ops.build_error()
+    g = torch.Generator().manual_seed(5)
+    for trial in range(300):
+        R, V = 1 + trial % 5, (49_152, 600, 257, 7, 1)[trial % 5]
+        x = torch.randn(R, V, generator=g) * (trial % 7 + 0.1)
+        if trial % 3 == 0:
+            x[:, ::5] = float("-inf")
+            x[:, V // 2] = 9.0
+            x[:, -1] = 9.0  # a tie: the first one wins
+        p = torch.softmax(x, -1)
+        if trial % 4 == 0:
+            p[:, 1::2] = 0.0
+            p[:, 0] += 1e-3
+        u = _uniforms([g] * R)
+        assert ops.argmax_rows(x) == x.max(dim=-1).indices.tolist(), trial
+        assert ops.inverse_cdf_pick(p, u, _PICK_BLOCK) == _inverse_cdf_pick(p, u), trial
+    with pytest.raises(ValueError, match="float32"):
+        ops.argmax_rows(torch.zeros(2, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="unit column stride"):
+        ops.argmax_rows(torch.zeros(4, 2).t())
+    with pytest.raises(ValueError, match="float64"):
+        ops.inverse_cdf_pick(torch.ones(2, 4), torch.zeros(2), _PICK_BLOCK)
+
+
+def test_the_sampler_gives_the_same_tokens_with_and_without_the_c_picks(monkeypatch):
+    """A mixed batch (greedy, temperature, top-k, top-p, seeded and not) through the Sampler,
+    with the C picks and with torch's (``sample_ops.get`` -> None): the same tokens."""
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(6, 49_152, generator=g) * 4
+    params = [SamplingParams(), SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0.7, seed=2),
+              SamplingParams(temperature=1.0, top_k=50, seed=3), SamplingParams(temperature=1.3, top_p=0.9, seed=4),
+              SamplingParams(temperature=1.0)]
+
+    def run() -> list[list[int]]:
+        reqs = [req(p) for p in params]
+        sampler = Sampler(torch.Generator().manual_seed(0))
+        return [sampler(logits, reqs).token_ids for _ in range(20)]
+
+    with_c = run()
+    monkeypatch.setattr(sample_ops, "get", lambda: None)
+    assert run() == with_c
+    assert len({tuple(step) for step in with_c}) > 1  # the sampled rows did move
 
 
 def test_top_p_one_cuts_nothing_so_a_neighbours_filter_cannot_move_a_row():
