@@ -417,7 +417,7 @@ class Scheduler:
     def num_shared_blocks(self) -> int:
         """Blocks referenced more than once right now (by several block tables, e.g. a
         prefix hit, a fork or a beam; a step-fence hold also counts as a reference)."""
-        return sum(1 for b in self.kv.pool.blocks if b.ref_cnt > 1)
+        return self.kv.pool.num_shared
 
     def reset_prefix_cache(self) -> int:
         """Forget every published block hash (K/V and tables stay; a KV event

@@ -5,7 +5,7 @@ broken rule, or returns the number of blocks checked.
 1. ``ref_cnt`` of every block == number of live block tables holding it + step-fence holds.
 2. No block with ``ref_cnt > 0`` is in the free queue; every block with ``ref_cnt == 0`` is.
 3. No id appears twice in the free queue (or twice in one table).
-4. free + in use == ``num_blocks``.
+4. free + in use == ``num_blocks``; the pool's ``num_shared`` == blocks with ``ref_cnt > 1``.
 5. Every prefix-cache entry ``hash -> block`` points at a block carrying that hash, and a
    block carrying a hash is the entry for it.
 6. Every table has a slot for each of its ``num_tokens`` positions.
@@ -72,6 +72,9 @@ def check_invariants(manager: Any) -> int:
             problems.append(f"free queue holds a foreign block object for id {b.block_id}")
 
     num_used = 0
+    num_shared = sum(1 for b in pool.blocks if b.ref_cnt > 1)
+    if pool.num_shared != num_shared:
+        problems.append(f"pool counts {pool.num_shared} shared blocks, {num_shared} have ref_cnt > 1")
     for b in pool.blocks:
         if b is null:
             continue

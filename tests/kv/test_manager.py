@@ -329,3 +329,21 @@ def test_decode_fast_paths_match_the_general_path():
     assert m.snapshot() == before
     assert m.num_tokens("a") == 6
     check_invariants(m)
+
+
+def test_the_pool_counts_shared_blocks_as_references_change():
+    """``BlockPool.num_shared`` (blocks with ref_cnt > 1, read every step for the stats) follows
+    touch / release: 1 -> 2 counts, 2 -> 1 uncounts, 2 -> 3 and 0 -> 1 change nothing."""
+    pool = BlockPool(6)
+    a = pool.allocate(3)
+    assert pool.num_shared == 0
+    pool.touch(a[:2])  # a fork: two blocks held twice
+    assert pool.num_shared == 2
+    pool.touch(a[:1])  # a third holder of block a[0]: still one shared block
+    assert [b.ref_cnt for b in a] == [3, 2, 1] and pool.num_shared == 2
+    pool.release(a[:2])
+    assert [b.ref_cnt for b in a] == [2, 1, 1] and pool.num_shared == 1
+    pool.release(a)
+    assert [b.ref_cnt for b in a] == [1, 0, 0] and pool.num_shared == 0 and pool.num_free == 5
+    pool.release(a[:1])
+    assert pool.num_shared == 0 and pool.num_free == 6
