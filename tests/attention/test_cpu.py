@@ -200,6 +200,32 @@ def test_write_and_forward_prepares_once_per_step_and_sees_a_new_slot_mapping(mo
     assert torch.equal(a.key.view(-1, 3, 64)[table0[0] * 16 + 5], k[0])
 
 
+def test_write_and_forward_reuses_the_last_layers_arguments_only_while_they_hold():
+    """The per-step memo of the fused call's arguments (one layer to the next) must give way to
+    refilled lengths, another cache geometry and a non-contiguous query (a new slot_mapping:
+    the test above)."""
+    be, a, b, md, q, k, v = _fused_step("nhd", torch.float32, torch.float32, [40, 70], [1, 1])
+    ref = get_backend("reference")
+    first = be.write_and_forward(q, k, v, a, md, 0.125)
+    memo = md.__dict__["_pagedkv_cpu_fused_last"]
+    assert be.write_and_forward(q, k, v, a, md, 0.125).equal(first) and md.__dict__["_pagedkv_cpu_fused_last"] is memo
+    md.seq_lens[:] = torch.tensor([30, 50], dtype=torch.int32)  # refilled in place: a new plan
+    md.seq_lens_list = [30, 50]
+    md.max_seq_len = 50  # (same slot_mapping tensor: only the lengths tell the memo apart)
+    got = be.write_and_forward(q, k, v, a, md, 0.125)
+    be.write_kv(b, k, v, md.slot_mapping)
+    assert (got - ref.forward(q, b, md, 0.125)).abs().max() < 1e-5
+    assert md.__dict__["_pagedkv_cpu_fused_last"] is not memo
+    c16 = be.allocate_kv_cache(a.num_blocks, 16, 3, 64, torch.bfloat16)  # another geometry
+    c16.key.copy_(b.key.to(torch.bfloat16))
+    c16.value.copy_(b.value.to(torch.bfloat16))
+    got16 = be.write_and_forward(q, k, v, c16, md, 0.125)
+    assert c16.key.equal(b.key.to(torch.bfloat16))  # written as bf16 at the new slots
+    assert (got16 - ref.forward(q, c16, md, 0.125)).abs().max() < 1e-5
+    wide = torch.randn(2, 9, 128)[:, :, :64]  # a strided query: a checked path, same result
+    assert be.write_and_forward(wide, k, v, a, md, 0.125).equal(be.write_and_forward(wide.contiguous(), k, v, a, md, 0.125))
+
+
 def test_write_and_forward_falls_back_for_chunks_and_quantised_caches(monkeypatch):
     seen = _calls(monkeypatch)
     be, a, b, md, q, k, v = _fused_step("nhd", torch.float32, torch.float32, [40, 70], [1, 20])  # a 20-row chunk
