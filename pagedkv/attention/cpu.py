@@ -151,7 +151,9 @@ class CPUBackend(LayoutMemory):
     def _fused_args(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: L.PagedKVCache,
                     md: AttentionMetadata):
         """``(kernel, byref(LayerArgs))`` for :meth:`write_and_forward`'s one-call path, or
-        ``None``. The arguments are built once per (step metadata, query/cache geometry)."""
+        ``None``. The arguments are built once per (step metadata, query/cache geometry); the
+        last ones are kept on the metadata and reused while the next layer's shapes, dtypes,
+        cache geometry, ``slot_mapping`` tensor and step plan are the same."""
         if not self.use_kernel or query.device.type != "cpu":
             return None
         slots = md.slot_mapping

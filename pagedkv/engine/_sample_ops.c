@@ -1,9 +1,11 @@
 /* The sampler's two picks in C (pagedkv.engine.sample_ops), one row per thread (OpenMP from
  * PAR_ROWS rows on; below that one thread is faster than waking the pool): at
  * batch 1 a torch reduction over the 49,152-token vocabulary costs 0.1-0.5 ms in op and
- * thread-pool overhead, ten times the work itself. Same results as the torch code they replace
+ * thread-pool overhead, ten times the work itself. The results of the torch code they replace
  * (pagedkv.engine.sampler): the first maximum of a row, and the inverse-CDF pick with the same
- * two-level fp64 search. No Python or torch headers: built with the system C compiler through
+ * two-level fp64 search. The pick's fp64 block sums add in another order than torch's sum, so
+ * where a target falls within an fp64 rounding (~1e-16 of the row's mass) of a token boundary
+ * the two may pick neighbouring tokens: about one draw in 2^52, never a zero-probability token. No Python or torch headers: built with the system C compiler through
  * pagedkv.attention.cpu_kernel.compile_c.
  */
 #include <math.h>
@@ -40,7 +42,7 @@ void pagedkv_argmax_rows(int64_t R, int64_t V, const float *x, int64_t xs, int64
             if (m > best) { best = m; blk = lo; }
         }
         int64_t i = blk;
-        while (!(row[i] == best)) i++;
+        while (i < V - 1 && !(row[i] == best)) i++; /* bounded: a NaN row (unchecked) ends at V - 1 */
         out[r] = i;
     }
 }

@@ -5,8 +5,9 @@ the inverse-CDF pick of :func:`pagedkv.engine.sampler._inverse_cdf_pick`, one ro
 At batch 1 the torch versions of these two cost more in op and thread-pool overhead than in
 work: ``max(dim)`` over a 49,152-token row took 0.12 ms and the pick's dozen small ops 0.47 ms
 with 2 threads (0.16 ms with 1), where the C loops take tens of microseconds
-(docs/performance.md, "Sampling in C"). They return the same tokens as the torch code, which
-stays the reference and the fallback: ``get()`` returns ``None`` when there is no C compiler,
+(docs/performance.md, "Sampling in C"). They return the torch code's tokens (the pick's fp64
+sums add in another order, so a target within an fp64 rounding of a token boundary, about one
+draw in 2^52, may land on the neighbour); the torch code stays the reference and the fallback: ``get()`` returns ``None`` when there is no C compiler,
 the build fails, or ``PAGEDKV_FUSED=0`` (the switch of the other fused CPU ops too);
 ``build_error()`` says why.
 """
@@ -22,7 +23,7 @@ from pagedkv.attention.cpu_kernel import BuiltOnce, compile_c
 
 _SRC = Path(__file__).with_name("_sample_ops.c")
 _ARGMAX_BLOCK = 1024  # tokens per block maximum of the greedy pick
-# plain IEEE arithmetic: the sums must round as the torch reference's fp64 sums do
+# plain IEEE arithmetic (no reassociation beyond the explicit lanes of the C code)
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 
 
@@ -46,8 +47,9 @@ class SampleOps:
                              f"got {t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}")
 
     def argmax_rows(self, x: torch.Tensor) -> list[int]:
-        """The first index of the largest value of each row of ``x`` float32 ``[R, V]`` (no
-        NaN), as ``x.max(dim=-1).indices.tolist()``."""
+        """The first index of the largest value of each row of ``x`` float32 ``[R, V]``, as
+        ``x.max(dim=-1).indices.tolist()`` (rows must hold no NaN: the sampler checks first; a
+        NaN row gives some index in range)."""
         self._rows(x, "x")
         out = torch.empty(x.shape[0], dtype=torch.int64)
         self._argmax(x.shape[0], x.shape[1], x.data_ptr(), x.stride(0), _ARGMAX_BLOCK, out.data_ptr())
@@ -56,10 +58,16 @@ class SampleOps:
     def inverse_cdf_pick(self, probs: torch.Tensor, u: torch.Tensor, block: int) -> list[int]:
         """:func:`pagedkv.engine.sampler._inverse_cdf_pick` of ``probs`` float32 ``[R, V]``
         (non-negative, each row with a positive entry) for ``u`` float64 ``[R]`` in ``[0, 1)``,
-        ``block`` tokens per block of the two-level search."""
+        ``block`` (>= 1) tokens per block of the two-level search. Raises ``ValueError`` for
+        inputs the C code does not take, ``MemoryError`` when its scratch (``R x V / block``
+        doubles) cannot be allocated."""
         self._rows(probs, "probs")
-        if u.dtype != torch.float64 or u.shape != (probs.shape[0],) or not u.is_contiguous():
-            raise ValueError(f"u: need a contiguous float64 [{probs.shape[0]}] tensor, got {u.dtype} {tuple(u.shape)}")
+        if (u.dtype != torch.float64 or u.device.type != "cpu" or u.shape != (probs.shape[0],)
+                or not u.is_contiguous()):
+            raise ValueError(f"u: need a contiguous CPU float64 [{probs.shape[0]}] tensor, got {u.dtype} "
+                             f"{tuple(u.shape)} on {u.device}")
+        if block < 1:
+            raise ValueError(f"block must be >= 1 token, got {block}")
         out = torch.empty(probs.shape[0], dtype=torch.int64)
         if self._pick(probs.shape[0], probs.shape[1], probs.data_ptr(), probs.stride(0), u.data_ptr(), block,
                       out.data_ptr()) != 0:

@@ -4,8 +4,9 @@ Greedy rows take the first maximum of their row. Random rows draw from each requ
 ``torch.Generator`` (seeded by ``SamplingParams.seed``), one row at a time, so a seeded
 request samples the same tokens alone or in any batch. Sampling inverts each row's
 cumulative distribution (:func:`_inverse_cdf_pick`): one uniform number per token from the
-request's generator, whatever the vocabulary size and the filters. Both picks run in C
-(:mod:`pagedkv.engine.sample_ops`, same tokens) when it builds, else in torch.
+request's generator, whatever the vocabulary size and the filters. On the CPU both picks run in C
+(:mod:`pagedkv.engine.sample_ops`, the same tokens but for fp64 rounding ties) when it builds,
+else in torch.
 
 Logits are adjusted per request before any pick: penalties (:func:`apply_penalties`), then
 ``logit_bias`` (:func:`apply_logit_bias`). Logprobs are those of the adjusted logits
@@ -129,7 +130,8 @@ class Sampler:
                 if requests[i].sampling_params.uses_logit_bias:
                     apply_logit_bias(logits[i], requests[i])
         _check_finite(logits, requests)
-        ops = sample_ops.get() if logits.stride(-1) == 1 else None  # the C picks, or None: torch's
+        on_cpu = logits.device.type == "cpu" and logits.stride(-1) == 1
+        ops = sample_ops.get() if on_cpu else None  # the C picks, or None: torch's
         greedy_rows = [i for i, r in enumerate(requests) if r.sampling_params.greedy]
         if greedy_rows:
             # the first maximum (C, or torch's max(dim).indices: half argmax's time here, 0.4 vs 1.0

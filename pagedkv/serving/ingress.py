@@ -48,6 +48,8 @@ logger = logging.getLogger("pagedkv.serving")
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
 _PASS_HEADERS = ("authorization", "x-api-key", "content-type", "accept", "x-request-id")
 _KEEP_HEADERS = ("content-type", "x-request-id", "www-authenticate", "cache-control")
+# failures a replica causes as such; any other exception is logged with its traceback too
+_EXPECTED = (httpx.HTTPError, OSError, StopAsyncIteration)
 
 
 async def _close(resp: httpx.Response) -> None:
@@ -194,7 +196,7 @@ class Ingress:
                 if resp is not None:  # client stack (module docstring) sends the request elsewhere
                     await _close(resp)
                 logger.warning("replica %d failed a request before answering (%s: %s); retrying elsewhere",
-                               replica.rank, type(e).__name__, e)
+                               replica.rank, type(e).__name__, e, exc_info=not isinstance(e, _EXPECTED))
                 if pinned is None:
                     self.router.release(replica, failed=True)
                     self.router.mark_down(replica)
@@ -217,7 +219,8 @@ class Ingress:
                 yield chunk
         except Exception as e:  # as in forward: any failure of the replica or the client stack
             failed = True
-            logger.warning("replica %d failed mid-stream (%s: %s)", replica.rank, type(e).__name__, e)
+            logger.warning("replica %d failed mid-stream (%s: %s)", replica.rank, type(e).__name__, e,
+                           exc_info=not isinstance(e, _EXPECTED))
             if routed:
                 self.router.mark_down(replica)
             yield _sse_error(f"replica {replica.rank} failed while streaming this response "

@@ -206,9 +206,14 @@ def test_write_and_forward_reuses_the_last_layers_arguments_only_while_they_hold
     the test above)."""
     be, a, b, md, q, k, v = _fused_step("nhd", torch.float32, torch.float32, [40, 70], [1, 1])
     ref = get_backend("reference")
+    twin = be.allocate_kv_cache(a.num_blocks, 16, 3, 64, torch.float32)  # the next layer's cache
+    twin.key.copy_(b.key)
+    twin.value.copy_(b.value)
     first = be.write_and_forward(q, k, v, a, md, 0.125)
     memo = md.__dict__["_pagedkv_cpu_fused_last"]
-    assert be.write_and_forward(q, k, v, a, md, 0.125).equal(first) and md.__dict__["_pagedkv_cpu_fused_last"] is memo
+    second = be.write_and_forward(q, k, v, twin, md, 0.125)  # served by the memo, into its own cache
+    assert second.equal(first) and md.__dict__["_pagedkv_cpu_fused_last"] is memo
+    assert twin.key.equal(a.key) and twin.value.equal(a.value) and not twin.key.equal(b.key)
     md.seq_lens[:] = torch.tensor([30, 50], dtype=torch.int32)  # refilled in place: a new plan
     md.seq_lens_list = [30, 50]
     md.max_seq_len = 50  # (same slot_mapping tensor: only the lengths tell the memo apart)

@@ -219,9 +219,11 @@ def test_every_positive_token_is_reachable_at_its_fp64_share(pick_rows):
 
 
 def test_the_c_picks_return_the_torch_tokens():
-    """300 batches of 1-5 rows (vocab 1 to 49,152, the last block partial, -inf logits, masked
-    probabilities, ties): the C first maximum is torch's max(dim).indices and the C inverse-CDF
-    pick is _inverse_cdf_pick, token for token."""
+    """300 seeded batches of 1-5 rows (vocab 1 to 49,152, the last block partial, -inf logits,
+    masked probabilities, ties) and 8-row batches of 49,152 (the OpenMP path): the C first
+    maximum is torch's max(dim).indices and the C inverse-CDF pick is _inverse_cdf_pick, token
+    for token (they may differ only where a target is within an fp64 rounding of a boundary,
+    about one draw in 2^52: none here)."""
     ops = sample_ops.get()
     assert ops is not None, sample_ops.build_error()
     g = torch.Generator().manual_seed(5)
@@ -239,20 +241,32 @@ def test_the_c_picks_return_the_torch_tokens():
         u = _uniforms([g] * R)
         assert ops.argmax_rows(x) == x.max(dim=-1).indices.tolist(), trial
         assert ops.inverse_cdf_pick(p, u, _PICK_BLOCK) == _inverse_cdf_pick(p, u), trial
+    for trial in range(5):  # 8 rows: one per thread
+        x = torch.randn(8, 49_152, generator=g) * 3
+        x[3, 7] = x[3, 40_000] = 50.0  # a tie across blocks: the first one
+        p = torch.softmax(x, -1)
+        u = _uniforms([g] * 8)
+        assert ops.argmax_rows(x) == x.max(dim=-1).indices.tolist() and ops.argmax_rows(x)[3] == 7
+        assert ops.inverse_cdf_pick(p, u, _PICK_BLOCK) == _inverse_cdf_pick(p, u), trial
     with pytest.raises(ValueError, match="float32"):
         ops.argmax_rows(torch.zeros(2, 4, dtype=torch.float64))
     with pytest.raises(ValueError, match="unit column stride"):
         ops.argmax_rows(torch.zeros(4, 2).t())
     with pytest.raises(ValueError, match="float64"):
         ops.inverse_cdf_pick(torch.ones(2, 4), torch.zeros(2), _PICK_BLOCK)
+    with pytest.raises(ValueError, match="block"):
+        ops.inverse_cdf_pick(torch.ones(2, 4), torch.zeros(2, dtype=torch.float64), 0)
 
 
 def test_the_sampler_gives_the_same_tokens_with_and_without_the_c_picks(monkeypatch):
-    """A mixed batch (greedy, temperature, top-k, top-p, seeded and not) through the Sampler,
-    with the C picks and with torch's (``sample_ops.get`` -> None): the same tokens."""
+    """A mixed batch (greedy rows gathered between sampled ones, temperature, top-k, top-p,
+    seeded and not) through the Sampler, with the C picks and with torch's (``sample_ops.get``
+    -> None): the same tokens."""
+    assert sample_ops.get() is not None, sample_ops.build_error()  # else both runs are torch's
     g = torch.Generator().manual_seed(11)
-    logits = torch.randn(6, 49_152, generator=g) * 4
-    params = [SamplingParams(), SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0.7, seed=2),
+    logits = torch.randn(7, 49_152, generator=g) * 4
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1),
+              SamplingParams(temperature=0.7, seed=2), SamplingParams(temperature=0.0),
               SamplingParams(temperature=1.0, top_k=50, seed=3), SamplingParams(temperature=1.3, top_p=0.9, seed=4),
               SamplingParams(temperature=1.0)]
 
@@ -262,6 +276,8 @@ def test_the_sampler_gives_the_same_tokens_with_and_without_the_c_picks(monkeypa
         return [sampler(logits, reqs).token_ids for _ in range(20)]
 
     with_c = run()
+    assert [step[0] for step in with_c] == [int(logits[0].argmax())] * 20
+    assert [step[3] for step in with_c] == [int(logits[3].argmax())] * 20
     monkeypatch.setattr(sample_ops, "get", lambda: None)
     assert run() == with_c
     assert len({tuple(step) for step in with_c}) > 1  # the sampled rows did move
