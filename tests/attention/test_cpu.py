@@ -257,3 +257,53 @@ def test_write_kv_slot_past_the_cache_raises_and_writes_nothing(backend):
     be.write_kv(cache, k, k, torch.tensor([1, -1, 63]))  # the last slot is fine
     gk, gv = be.gather_kv(cache, torch.tensor([1, 63]))
     assert gk.eq(1).all() and gv.eq(1).all() and int(cache.key.ne(0).sum()) == 2 * 3 * 64
+
+
+def test_step_attention_equals_write_and_forward_per_layer(monkeypatch):
+    """A compiled step's per-step attention (``step_attention``): layer for layer the same
+    outputs and cache writes as ``write_and_forward``; after the first layer of a geometry,
+    layers go straight to the kernel; another geometry, a strided query and a quantised cache
+    take the checked path; bad options and a slot past the cache raise ``BackendError``."""
+    from pagedkv.errors import BackendError
+
+    be, a, b, md, q, k, v = _fused_step("nhd", torch.float32, torch.bfloat16, [40, 70, 33], [1, 1, 1])
+
+    def clone(c):
+        t = be.allocate_kv_cache(c.num_blocks, c.block_size, c.num_kv_heads, c.head_dim, c.key.dtype)
+        t.key.copy_(c.key)
+        t.value.copy_(c.value)
+        return t
+
+    f32 = be.allocate_kv_cache(a.num_blocks, 16, 3, 64, torch.float32)  # another geometry
+    f32.key.copy_(a.key.float())
+    f32.value.copy_(a.value.float())
+    layers = [a, clone(a), f32, clone(a)]
+    twins = [clone(c) if c.key.dtype == torch.bfloat16 else clone(f32) for c in layers]
+    opts = [(0.125, None, None), (0.125, 30, None), (0.125, None, 20.0), (0.1, 30, 20.0)]
+    wide = torch.randn(3, 9, 128)[:, :, :64]  # a strided query (layer 3)
+    inputs = [(q, k, v), (q * 2, k, v), (q, k * 3, v), (wide, k, v)]
+    checked = []
+    orig = CPUBackend.write_and_forward
+    monkeypatch.setattr(CPUBackend, "write_and_forward", lambda self, *x, **kw: checked.append(1) or orig(self, *x, **kw))
+    attend = be.step_attention(layers, md, opts)
+    got = [attend(i, *inputs[i]) for i in range(4)]
+    assert len(checked) == 3  # layers 0 (first bf16), 2 (first float32) and 3 (strided query)
+    checked.clear()
+    for i in range(4):
+        s, w, c = opts[i]
+        want = be.write_and_forward(*inputs[i], twins[i], md, s, sliding_window=w, logits_soft_cap=c)
+        assert torch.equal(got[i], want), i
+        assert torch.equal(layers[i].key, twins[i].key) and torch.equal(layers[i].value, twins[i].value)
+    assert not torch.equal(got[0], got[1])  # layer 1 used its own options and inputs
+    qc = be.allocate_kv_cache(a.num_blocks, 16, 3, 64, "int8", quant_group_size=32)
+    out = be.step_attention([qc, qc], md, opts[:2])
+    assert torch.isfinite(out(1, q, k, v)).all() and qc.key.any()
+    with pytest.raises(BackendError, match="sliding_window"):
+        be.step_attention(layers, md, [(0.125, 0, None)])
+    bad = be.step_attention(layers, md, opts)
+    bad(0, q, k, v)  # prepares the bf16 geometry's kernel arguments
+    md.slot_mapping[2] = a.num_blocks * 16  # one past the cache, seen by the prepared call
+    before = layers[1].key.clone()
+    with pytest.raises(BackendError, match="slot_mapping has a slot"):
+        bad(1, q, k, v)  # the direct path
+    assert torch.equal(layers[1].key, before)

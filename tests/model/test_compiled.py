@@ -100,6 +100,7 @@ def test_compiler_failure_falls_back_to_eager(tiny, monkeypatch):
 def _init_with(fn):
     def init(self, model, max_rows=64):
         self.model, self.max_rows, self.failed, self.steps, self.cache_dir = model, max_rows, None, 0, "-"
+        self._options = None
         self._fn = fn
     return init
 
