@@ -141,6 +141,9 @@ class AttentionBackend(Protocol):
     Optional, not part of the protocol: ``write_and_forward(query, key, value, kv_cache,
     metadata, scale, sliding_window=None, logits_soft_cap=None)``, ``write_kv`` then ``forward``
     in one call (same results and errors); ``DecoderLayer.attention`` uses it when present.
+    ``step_attention(kv_caches, metadata, options)`` -> ``attend(i, q, k, v)`` or ``None``:
+    every layer's ``write_and_forward`` for one step whose layers share ``metadata``
+    (``pagedkv.model.compiled`` uses it when present; ``None``: call layer by layer).
     """
 
     name: str

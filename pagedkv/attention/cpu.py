@@ -26,7 +26,7 @@ from __future__ import annotations
 import ctypes
 import math
 import threading
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 import torch
 
@@ -155,7 +155,9 @@ class CPUBackend(LayoutMemory):
         layer of each cache geometry the full checks and kernel arguments of
         :meth:`write_and_forward`; a later layer whose ``q``/``k``/``v`` have that layer's
         shapes and dtypes (contiguous) goes straight to the C kernel (~8 us of Python a layer
-        instead of ~30). Anything else takes :meth:`write_and_forward`."""
+        instead of ~30). Anything else takes :meth:`write_and_forward`. ``attend`` is for this
+        one step: ``metadata`` must not change while it is used (the engine builds it per step).
+        Raises ``BackendError`` for a bad window or cap."""
         checked = [(float(s), *check_window(w, c)) for s, w, c in options]
         prepared: dict = {}  # cache geometry -> (kernel, args ref, q/k/v signature) or None, this step
 
@@ -191,7 +193,7 @@ class CPUBackend(LayoutMemory):
         # the previous layer's answer when this layer looks the same (every layer of a decode
         # step does): the checks below cost ~9 us a layer hot, ~30 in a step's cold caches
         sig = (query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype,
-               cache.key.shape, cache.key.dtype, cache.layout.name, cache.quant)
+               cache.key.shape, cache.key.stride(), cache.key.dtype, cache.layout.name, cache.quant)
         last = md.__dict__.get("_pagedkv_cpu_fused_last")
         if (last is not None and last[0] == sig and last[1] is slots
                 and query.is_contiguous() and key.is_contiguous() and value.is_contiguous()
@@ -207,7 +209,7 @@ class CPUBackend(LayoutMemory):
         check_inputs(query, cache, md)
         plan = self._plan(md, kernel)
         gk = (query.dtype, query.shape[1], cache.layout.name, cache.num_blocks, cache.block_size,
-              cache.num_kv_heads, cache.head_dim, cache.key.dtype, cache.quant)
+              cache.num_kv_heads, cache.head_dim, cache.key.dtype, cache.key.stride(), cache.quant)
         if plan.fused_slots is not slots:  # a new slot_mapping tensor: nothing prepared is valid
             plan.fused_slots, plan.fused = slots, {}
         hit = plan.fused.get(gk)
@@ -361,7 +363,7 @@ class _Plan:
             self.kernel_inputs = KernelInputs(md, self.kernel_seqs, [self.q_lens[i] for i in self.kernel_seqs])
 
 
-def _raise_kernel_error(rc: int, cache: L.PagedKVCache) -> None:
+def _raise_kernel_error(rc: int, cache: L.PagedKVCache) -> NoReturn:
     if rc == -4:
         raise BackendError(f"slot_mapping has a slot >= the cache's {cache.num_blocks * cache.block_size} "
                            "slots (nothing written)")

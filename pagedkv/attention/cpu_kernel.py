@@ -196,6 +196,7 @@ class CPUKernel:
             a.seq_ids, a.q_lens, a.n_seqs = ki.ids_ptr, ki.qls_ptr, ki.n
         a.slots, a.n_tokens, a.n_real = slots.data_ptr(), slots.numel(), plan.num_real
         a.nthreads, a.min_split_len, a.prefetch = torch.get_num_threads(), self.min_split_len, self.prefetch
+        a._keep = (ki, slots)  # the tensors its pointers point into live as long as it does
         return a
 
     def write_attend(self, args_ref, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

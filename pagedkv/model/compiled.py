@@ -8,8 +8,9 @@ element-wise ops between them, and calls back into Python once per layer for pag
 ``pagedkv::layer_attention`` writes the layer's K/V through ``slot_mapping`` and attends over
 its block table with the engine's backend (``backend.write_kv`` + ``backend.forward``), exactly
 as the eager path does. A backend with ``step_attention`` (the CPU one) gives each step one
-callback that does the per-step checks once and sends later layers straight to its kernel. The graph never sees the KV cache or the metadata, so one graph serves
-every batch composition, block table and context length.
+callback that does the per-step checks once and sends later layers straight to its kernel.
+The graph never sees the KV cache or the metadata, so one graph serves every batch
+composition, block table and context length.
 
 Graphs: one for a single row (batch-1 decode), one with the row count dynamic (2 ..
 ``max_rows``; the engine passes its step token budget, ``max_num_batched_tokens``, so prefill
@@ -125,10 +126,12 @@ class CompiledDecode:
         step_attention = getattr(backend, "step_attention", None)  # optional: per-step fast path
         if step_attention is not None and not per_layer and not torch._C._autograd._profiler_enabled():
             if self._options is None:  # constants of the model (not modified after compile_decode)
-                self._options = [(layer.scale, layer.attn_options.get("sliding_window"),
-                                  layer.attn_options.get("logits_soft_cap")) for layer in layers]
-            fast = step_attention(kv_caches, attn_metadata, self._options)
-            if fast is not None:
+                known = {"sliding_window", "logits_soft_cap"}
+                self._options = [] if any(set(layer.attn_options) - known for layer in layers) else [
+                    (layer.scale, layer.attn_options.get("sliding_window"), layer.attn_options.get("logits_soft_cap"))
+                    for layer in layers]  # [] (an option step_attention does not take): per-layer calls
+            fast = step_attention(kv_caches, attn_metadata, self._options) if self._options else None
+            if fast is not None:  # None: the backend has no fast path for this step
                 return self._run(fast, input_ids, positions)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

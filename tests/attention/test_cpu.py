@@ -262,48 +262,61 @@ def test_write_kv_slot_past_the_cache_raises_and_writes_nothing(backend):
 def test_step_attention_equals_write_and_forward_per_layer(monkeypatch):
     """A compiled step's per-step attention (``step_attention``): layer for layer the same
     outputs and cache writes as ``write_and_forward``; after the first layer of a geometry,
-    layers go straight to the kernel; another geometry, a strided query and a quantised cache
-    take the checked path; bad options and a slot past the cache raise ``BackendError``."""
+    layers go straight to the kernel with their own scale / window / cap; another geometry, a
+    kernel-less dtype in between, a strided query and a quantised cache take the checked path;
+    bad options and a slot past the cache raise ``BackendError``."""
     from pagedkv.errors import BackendError
 
     be, a, b, md, q, k, v = _fused_step("nhd", torch.float32, torch.bfloat16, [40, 70, 33], [1, 1, 1])
 
-    def clone(c):
-        t = be.allocate_kv_cache(c.num_blocks, c.block_size, c.num_kv_heads, c.head_dim, c.key.dtype)
-        t.key.copy_(c.key)
-        t.value.copy_(c.value)
+    def like(c, dtype):
+        t = be.allocate_kv_cache(c.num_blocks, c.block_size, c.num_kv_heads, c.head_dim, dtype)
+        t.key.copy_(c.key.to(dtype))
+        t.value.copy_(c.value.to(dtype))
         return t
 
-    f32 = be.allocate_kv_cache(a.num_blocks, 16, 3, 64, torch.float32)  # another geometry
-    f32.key.copy_(a.key.float())
-    f32.value.copy_(a.value.float())
-    layers = [a, clone(a), f32, clone(a)]
-    twins = [clone(c) if c.key.dtype == torch.bfloat16 else clone(f32) for c in layers]
-    opts = [(0.125, None, None), (0.125, 30, None), (0.125, None, 20.0), (0.1, 30, 20.0)]
-    wide = torch.randn(3, 9, 128)[:, :, :64]  # a strided query (layer 3)
-    inputs = [(q, k, v), (q * 2, k, v), (q, k * 3, v), (wide, k, v)]
+    # bf16, bf16, fp16 (no kernel: its own plan on the metadata), float32, bf16, strided query
+    layers = [a, like(a, torch.bfloat16), like(a, torch.float16), like(a, torch.float32), like(a, torch.bfloat16),
+              like(a, torch.bfloat16)]
+    twins = [like(c, c.key.dtype) for c in layers]
+    opts = [(0.125, None, None), (0.1, 30, 20.0), (0.125, None, None), (0.125, None, 20.0), (0.2, 12, 5.0),
+            (0.1, 30, 20.0)]
+    wide = torch.randn(3, 9, 128)[:, :, :64]
+    inputs = [(q, k, v), (q * 2, k, v), (q, k, v), (q, k * 3, v), (q, k, v * 2), (wide, k, v)]
     checked = []
     orig = CPUBackend.write_and_forward
-    monkeypatch.setattr(CPUBackend, "write_and_forward", lambda self, *x, **kw: checked.append(1) or orig(self, *x, **kw))
+    monkeypatch.setattr(CPUBackend, "write_and_forward",
+                        lambda self, *x, **kw: checked.append(1) or orig(self, *x, **kw))
     attend = be.step_attention(layers, md, opts)
-    got = [attend(i, *inputs[i]) for i in range(4)]
-    assert len(checked) == 3  # layers 0 (first bf16), 2 (first float32) and 3 (strided query)
+    got = [attend(i, *inputs[i]) for i in range(len(layers))]
+    assert len(checked) == 4  # layers 0 (first bf16), 2 (fp16), 3 (first float32), 5 (strided)
     checked.clear()
-    for i in range(4):
+    for i in range(len(layers)):
         s, w, c = opts[i]
         want = be.write_and_forward(*inputs[i], twins[i], md, s, sliding_window=w, logits_soft_cap=c)
         assert torch.equal(got[i], want), i
         assert torch.equal(layers[i].key, twins[i].key) and torch.equal(layers[i].value, twins[i].value)
-    assert not torch.equal(got[0], got[1])  # layer 1 used its own options and inputs
+    # layers 1 and 4 ran direct with their own options: layer 0's would give other numbers
+    for i in (1, 4):
+        other = be.write_and_forward(*inputs[i], like(a, torch.bfloat16), md, 0.125)
+        assert not torch.equal(got[i], other)
+    checked.clear()
     qc = be.allocate_kv_cache(a.num_blocks, 16, 3, 64, "int8", quant_group_size=32)
+    qt = be.allocate_kv_cache(a.num_blocks, 16, 3, 64, "int8", quant_group_size=32)
     out = be.step_attention([qc, qc], md, opts[:2])
-    assert torch.isfinite(out(1, q, k, v)).all() and qc.key.any()
+    r0, r1 = out(0, q, k, v), out(1, q, k, v)
+    assert len(checked) == 2  # both layers of a quantised cache through the checked call
+    assert torch.equal(r0, orig(be, q, k, v, qt, md, 0.125)) and torch.equal(qc.key, qt.key)
+    assert torch.isfinite(r1).all()
     with pytest.raises(BackendError, match="sliding_window"):
         be.step_attention(layers, md, [(0.125, 0, None)])
+    with pytest.raises(BackendError, match="logits_soft_cap"):
+        be.step_attention(layers, md, [(0.125, None, -1.0)])
     bad = be.step_attention(layers, md, opts)
     bad(0, q, k, v)  # prepares the bf16 geometry's kernel arguments
     md.slot_mapping[2] = a.num_blocks * 16  # one past the cache, seen by the prepared call
     before = layers[1].key.clone()
+    checked.clear()
     with pytest.raises(BackendError, match="slot_mapping has a slot"):
-        bad(1, q, k, v)  # the direct path
-    assert torch.equal(layers[1].key, before)
+        bad(1, q, k, v)
+    assert checked == [] and torch.equal(layers[1].key, before)  # the direct path raised, wrote nothing
