@@ -26,7 +26,7 @@ from __future__ import annotations
 import ctypes
 import math
 import threading
-from typing import NoReturn, Sequence
+from typing import Sequence
 
 import torch
 
@@ -137,13 +137,8 @@ class CPUBackend(LayoutMemory):
         if args is None:
             self.write_kv(kv_cache, key, value, metadata.slot_mapping)
             return self.forward(query, kv_cache, metadata, scale, sliding_window, logits_soft_cap)
-        kernel, ref = args
         window, cap = check_window(sliding_window, logits_soft_cap)
-        out = torch.empty_like(query)
-        rc = kernel.write_attend(ref, query, key, value, kv_cache, out, scale, window, cap)
-        if rc != 0:
-            _raise_kernel_error(rc, kv_cache)
-        return out
+        return _write_attend(args, query, key, value, kv_cache, scale, window, cap)
 
     def step_attention(self, kv_caches: Sequence[L.PagedKVCache], metadata: AttentionMetadata,
                        options: Sequence[tuple[float, int | None, float | None]]):
@@ -153,9 +148,9 @@ class CPUBackend(LayoutMemory):
         ``(scale, sliding_window, logits_soft_cap)``), with the work that cannot change within
         the step done once: the options checked here (``BackendError``), and for the first
         layer of each cache geometry the full checks and kernel arguments of
-        :meth:`write_and_forward`; a later layer whose ``q``/``k``/``v`` have that layer's
-        shapes and dtypes (contiguous) goes straight to the C kernel (~8 us of Python a layer
-        instead of ~30). Anything else takes :meth:`write_and_forward`. ``attend`` is for this
+        :meth:`write_and_forward`; every layer of that geometry whose ``q``/``k``/``v`` have the
+        first one's shapes and dtypes (contiguous) goes straight to the C kernel (~8 us of
+        Python a layer instead of ~30). Anything else takes :meth:`write_and_forward`. ``attend`` is for this
         one step: ``metadata`` must not change while it is used (the engine builds it per step).
         Raises ``BackendError`` for a bad window or cap."""
         checked = [(float(s), *check_window(w, c)) for s, w, c in options]
@@ -165,18 +160,13 @@ class CPUBackend(LayoutMemory):
             cache = kv_caches[i]
             scale, window, cap = checked[i]
             geom = _geometry(cache)
-            hit = prepared.get(geom)
-            if hit is not None and (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype) == hit[2] \
-                    and q.is_contiguous() and k.is_contiguous() and v.is_contiguous():
-                out = torch.empty_like(q)
-                rc = hit[0].write_attend(hit[1], q, k, v, cache, out, scale, window, cap)
-                if rc != 0:
-                    _raise_kernel_error(rc, cache)
-                return out
-            if geom not in prepared:
+            sig = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype)
+            if geom not in prepared:  # the first layer of this geometry: the checked preparation
                 args = self._fused_args(q, k, v, cache, metadata)
-                prepared[geom] = None if args is None else (*args, (q.shape, k.shape, v.shape, q.dtype, k.dtype,
-                                                                    v.dtype))
+                prepared[geom] = None if args is None else (args, sig)
+            hit = prepared[geom]
+            if hit is not None and sig == hit[1] and q.is_contiguous() and k.is_contiguous() and v.is_contiguous():
+                return _write_attend(hit[0], q, k, v, cache, scale, window, cap)
             return self.write_and_forward(q, k, v, cache, metadata, scale, window or None, cap or None)
 
         return attend
@@ -192,8 +182,7 @@ class CPUBackend(LayoutMemory):
         slots = md.slot_mapping
         # the previous layer's answer when this layer looks the same (every layer of a decode
         # step does): the checks below cost ~9 us a layer hot, ~30 in a step's cold caches
-        sig = (query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype,
-               cache.key.shape, cache.key.stride(), cache.key.dtype, cache.layout.name, cache.quant)
+        sig = (query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype, _geometry(cache))
         last = md.__dict__.get("_pagedkv_cpu_fused_last")
         if (last is not None and last[0] == sig and last[1] is slots
                 and query.is_contiguous() and key.is_contiguous() and value.is_contiguous()
@@ -208,8 +197,7 @@ class CPUBackend(LayoutMemory):
             return None
         check_inputs(query, cache, md)
         plan = self._plan(md, kernel)
-        gk = (query.dtype, query.shape[1], cache.layout.name, cache.num_blocks, cache.block_size,
-              cache.num_kv_heads, cache.head_dim, cache.key.dtype, cache.key.stride(), cache.quant)
+        gk = (query.dtype, query.shape[1], _geometry(cache))
         if plan.fused_slots is not slots:  # a new slot_mapping tensor: nothing prepared is valid
             plan.fused_slots, plan.fused = slots, {}
         hit = plan.fused.get(gk)
@@ -363,11 +351,20 @@ class _Plan:
             self.kernel_inputs = KernelInputs(md, self.kernel_seqs, [self.q_lens[i] for i in self.kernel_seqs])
 
 
-def _raise_kernel_error(rc: int, cache: L.PagedKVCache) -> NoReturn:
+def _write_attend(args, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: L.PagedKVCache,
+                  scale: float, window: int, cap: float) -> torch.Tensor:
+    """One layer through the fused kernel with ``args`` = ``(kernel, ref)`` from
+    ``CPUBackend._fused_args`` (inputs already checked); ``BackendError`` for a slot past the
+    cache (nothing written)."""
+    kernel, ref = args
+    out = torch.empty_like(query)
+    rc = kernel.write_attend(ref, query, key, value, cache, out, scale, window, cap)
     if rc == -4:
         raise BackendError(f"slot_mapping has a slot >= the cache's {cache.num_blocks * cache.block_size} "
                            "slots (nothing written)")
-    raise RuntimeError(f"pagedkv CPU kernel failed with code {rc}")
+    if rc != 0:
+        raise RuntimeError(f"pagedkv CPU kernel failed with code {rc}")
+    return out
 
 
 def _geometry(cache: L.PagedKVCache) -> tuple:

@@ -37,6 +37,7 @@ from pagedkv.attention.base import AttentionBackend, AttentionMetadata
 
 logger = logging.getLogger(__name__)
 _INSTANCES = itertools.count()
+_STEP_OPTIONS = {"sliding_window", "logits_soft_cap"}  # the layer options step_attention takes
 _STEP = threading.local()  # .attend: (layer, q, k, v) -> out, set for the duration of a step
 
 
@@ -126,8 +127,7 @@ class CompiledDecode:
         step_attention = getattr(backend, "step_attention", None)  # optional: per-step fast path
         if step_attention is not None and not per_layer and not torch._C._autograd._profiler_enabled():
             if self._options is None:  # constants of the model (not modified after compile_decode)
-                known = {"sliding_window", "logits_soft_cap"}
-                self._options = [] if any(set(layer.attn_options) - known for layer in layers) else [
+                self._options = [] if any(set(layer.attn_options) - _STEP_OPTIONS for layer in layers) else [
                     (layer.scale, layer.attn_options.get("sliding_window"), layer.attn_options.get("logits_soft_cap"))
                     for layer in layers]  # [] (an option step_attention does not take): per-layer calls
             fast = step_attention(kv_caches, attn_metadata, self._options) if self._options else None
