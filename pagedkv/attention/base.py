@@ -143,7 +143,9 @@ class AttentionBackend(Protocol):
     in one call (same results and errors); ``DecoderLayer.attention`` uses it when present.
     ``step_attention(kv_caches, metadata, options)`` -> ``attend(i, q, k, v)`` or ``None``:
     every layer's ``write_and_forward`` for one step whose layers share ``metadata``
-    (``pagedkv.model.compiled`` uses it when present; ``None``: call layer by layer).
+    (``pagedkv.model.compiled`` uses it when present; ``None``: call layer by layer). A backend
+    whose ``step_table`` is true also takes ``table=`` (a ``step_op.StepTable``) and registers
+    its prepared kernel arguments there (the CPU backend).
     """
 
     name: str

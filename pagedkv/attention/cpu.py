@@ -70,6 +70,8 @@ class CPUBackend(LayoutMemory):
     """Fast CPU paged attention (see module doc). ``layout``: ``nhd`` | ``hnd`` | ``ascend``.
     ``use_kernel=False`` forces the pure-torch path (used by tests and the benchmark)."""
 
+    step_table = True  # step_attention takes a step_op.StepTable (pagedkv.model.compiled)
+
     def __init__(self, layout: str = "nhd", name: str | None = None, use_kernel: bool = True) -> None:
         self.layout = L.get_layout(layout)
         self.name = name or ("cpu" if layout == "nhd" else f"cpu-{layout}")
@@ -141,7 +143,7 @@ class CPUBackend(LayoutMemory):
         return _write_attend(args, query, key, value, kv_cache, scale, window, cap)
 
     def step_attention(self, kv_caches: Sequence[L.PagedKVCache], metadata: AttentionMetadata,
-                       options: Sequence[tuple[float, int | None, float | None]]):
+                       options: Sequence[tuple[float, int | None, float | None]], table=None):
         """Every layer's attention for one step whose layers share ``metadata`` (a compiled
         decode step, ``pagedkv.model.compiled``): returns ``attend(i, q, k, v) -> out``, the same
         as ``write_and_forward(q, k, v, kv_caches[i], metadata, *options[i])`` (``options[i]``:
@@ -152,9 +154,13 @@ class CPUBackend(LayoutMemory):
         first one's shapes and dtypes (contiguous) goes straight to the C kernel (~8 us of
         Python a layer instead of ~30). Anything else takes :meth:`write_and_forward`. ``attend`` is for this
         one step: ``metadata`` must not change while it is used (the engine builds it per step).
+        ``table``: a ``step_op.StepTable`` to begin for this step (the caller ends it when the
+        step is over): each geometry's prepared arguments also go there, so that
+        ``pagedkv::step_layer_attention`` runs that geometry's later layers without Python.
         Raises ``BackendError`` for a bad window or cap."""
         checked = [(float(s), *check_window(w, c)) for s, w, c in options]
         prepared: dict = {}  # cache geometry -> (kernel, args ref, q/k/v signature) or None, this step
+        groups = self._begin_step(table, kv_caches, checked) if table is not None else None
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             cache = kv_caches[i]
@@ -164,12 +170,30 @@ class CPUBackend(LayoutMemory):
             if geom not in prepared:  # the first layer of this geometry: the checked preparation
                 args = self._fused_args(q, k, v, cache, metadata)
                 prepared[geom] = None if args is None else (args, sig)
+                if args is not None and groups is not None and q.dtype in (torch.float32, torch.bfloat16):
+                    table.prepare(groups[geom], args[1], int(q.dtype == torch.bfloat16), q.shape[1], k.shape[1],
+                                  q.shape[2], q.shape[0])
             hit = prepared[geom]
             if hit is not None and sig == hit[1] and q.is_contiguous() and k.is_contiguous() and v.is_contiguous():
                 return _write_attend(hit[0], q, k, v, cache, scale, window, cap)
             return self.write_and_forward(q, k, v, cache, metadata, scale, window or None, cap or None)
 
         return attend
+
+    def _begin_step(self, table, kv_caches: Sequence[L.PagedKVCache], checked: list) -> dict:
+        """Begin ``table``'s step with every layer's cache buffers and checked options (the
+        array is kept while the caches' tensors and the options stay); returns the geometry ->
+        group index map."""
+        from pagedkv.attention import step_op
+
+        memo = self.__dict__.get("_step_entries")
+        tensors = [t for c in kv_caches for t in (c.key, c.value)]
+        if (memo is None or memo[0] != checked or len(memo[1]) != len(tensors)
+                or any(a is not b for a, b in zip(memo[1], tensors))):
+            memo = (checked, tensors, *step_op.layer_entries(kv_caches, checked, _geometry))
+            self._step_entries = memo
+        table.begin(memo[2], len(memo[3]))
+        return memo[3]
 
     def _fused_args(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: L.PagedKVCache,
                     md: AttentionMetadata):

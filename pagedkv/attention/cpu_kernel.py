@@ -60,16 +60,19 @@ def _cache_dir() -> Path:
     return Path(base)
 
 
-def compile_c(src_path: Path, stem: str, flags: Sequence[str]) -> ctypes.CDLL:
-    """Compile the C file ``src_path`` (no Python or torch headers) into a shared object and
+def compile_c(src_path: Path, stem: str, flags: Sequence[str], cc: str | None = None,
+              libs: Sequence[str] = ("-lm",)) -> ctypes.CDLL:
+    """Compile the C file ``src_path`` (or a C++ one with ``cc`` a C++ compiler) into a shared object and
     load it with ``flags`` (e.g. ``-O3 -march=native -fopenmp -fPIC -shared``). The object is cached under ``$PAGEDKV_CACHE_DIR`` (default ``~/.cache/pagedkv``)
-    as ``{stem}_{key}.so``, keyed by the source, compiler, flags and the CPU's feature flags.
+    as ``{stem}_{key}.so``, keyed by the source, compiler, flags, ``libs`` (link arguments,
+    after the source) and the CPU's feature flags. ``cc``: another compiler (a C++ one for a
+    ``.cpp`` source), else the system C compiler.
     Raises ``RuntimeError`` when there is no compiler or the build fails."""
-    cc = _compiler()
+    cc = cc or _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set $CC)")
     src = src_path.read_bytes()
-    key = hashlib.sha256(src + " ".join([cc, *flags, platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(src + " ".join([cc, *flags, *libs, platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
     out_dir = _cache_dir()
     so = out_dir / f"{stem}_{key}.so"
     if not so.exists():
@@ -77,8 +80,8 @@ def compile_c(src_path: Path, stem: str, flags: Sequence[str]) -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
         os.close(fd)
         try:
-            res = subprocess.run([cc, *flags, str(src_path), "-o", tmp, "-lm"], capture_output=True, text=True,
-                                 timeout=120)
+            res = subprocess.run([cc, *flags, str(src_path), "-o", tmp, *libs], capture_output=True, text=True,
+                                 timeout=300)
             if res.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {res.stderr.strip()[-2000:]}")
             os.replace(tmp, so)  # atomic: concurrent builders race harmlessly

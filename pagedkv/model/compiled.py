@@ -4,11 +4,14 @@ generation, with its C++ wrapper), attention kept as one custom op per layer.
 On a CPU a batch-1 decode step of a small model is mostly Python: about a hundred torch calls
 per layer, each cheap alone (docs/performance.md). Compiled, a step is one call into generated
 C++ that runs the matmuls (the same int4/int8/bf16/fp32 kernels as eager), fuses the
-element-wise ops between them, and calls back into Python once per layer for paged attention:
-``pagedkv::layer_attention`` writes the layer's K/V through ``slot_mapping`` and attends over
-its block table with the engine's backend (``backend.write_kv`` + ``backend.forward``), exactly
-as the eager path does. A backend with ``step_attention`` (the CPU one) gives each step one
-callback that does the per-step checks once and sends later layers straight to its kernel.
+element-wise ops between them, and calls one attention op per layer: ``pagedkv::layer_attention``
+(Python) writes the layer's K/V through ``slot_mapping`` and attends over its block table with
+the engine's backend (``backend.write_kv`` + ``backend.forward``), exactly as the eager path
+does. A backend with ``step_attention`` (the CPU one) gives each step one callback that does
+the per-step checks once and sends later layers straight to its kernel; where the C++ op
+``pagedkv::step_layer_attention`` builds (``pagedkv.attention.step_op``) the graph calls that
+instead, and the layers whose kernel arguments the step has prepared reach the C kernel
+without Python (the rest go on to the Python op).
 The graph never sees the KV cache or the metadata, so one graph serves every batch
 composition, block table and context length.
 
@@ -67,8 +70,8 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Te
     return torch.empty_like(q)
 
 
-def _attend_for(i: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-    return lambda q, k, v: torch.ops.pagedkv.layer_attention(q, k, v, i)
+def _attend_for(op) -> Callable[[int], Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]]:
+    return lambda i: lambda q, k, v: op(q, k, v, i)
 
 
 def inductor_cache_dir() -> str:
@@ -91,6 +94,12 @@ class CompiledDecode:
         self.steps = 0  # steps run compiled
         self._options: list[tuple[float, int | None, float | None]] | None = None  # per layer, for step_attention
         self.cache_dir = inductor_cache_dir()
+        # the graph's attention op: the C++ one (pagedkv.attention.step_op) where it builds,
+        # which runs prepared layers without Python and hands the rest to the Python op
+        from pagedkv.attention import step_op
+
+        self._table = step_op.get()
+        self._op = self._table.op if self._table is not None else torch.ops.pagedkv.layer_attention
         # freezing: the weights are constants of the graph (inference only), which drops them
         # from the per-call inputs and guards (measured 13.5 vs 14.5 ms per batch-1 int4 step)
         # no guards on the model's modules: dynamo otherwise checks ~1,000 module attributes and
@@ -109,7 +118,7 @@ class CompiledDecode:
         self._fn = torch.compile(traced, dynamic=None, options=opts)
 
     def _traced(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model.forward_with(input_ids, positions, _attend_for)
+        return self.model.forward_with(input_ids, positions, _attend_for(self._op))
 
     def accepts(self, rows: int) -> bool:
         """Whether a step of ``rows`` tokens runs compiled (not after a failure, not for tensor
@@ -130,9 +139,15 @@ class CompiledDecode:
                 self._options = [] if any(set(layer.attn_options) - _STEP_OPTIONS for layer in layers) else [
                     (layer.scale, layer.attn_options.get("sliding_window"), layer.attn_options.get("logits_soft_cap"))
                     for layer in layers]  # [] (an option step_attention does not take): per-layer calls
-            fast = step_attention(kv_caches, attn_metadata, self._options) if self._options else None
-            if fast is not None:  # None: the backend has no fast path for this step
-                return self._run(fast, input_ids, positions)
+            table = self._table if getattr(backend, "step_table", False) else None
+            try:
+                fast = (step_attention(kv_caches, attn_metadata, self._options, **({"table": table} if table else {}))
+                        if self._options else None)
+                if fast is not None:  # None: the backend has no fast path for this step
+                    return self._run(fast, input_ids, positions)
+            finally:
+                if table is not None:
+                    table.end()  # what the step prepared points into its tensors
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return layers[i].attention(q, k, v, kv_caches[i], attn_metadata[i] if per_layer else attn_metadata, backend)

@@ -40,9 +40,17 @@ def _greedy(loaded, **kw):
 def test_compiled_decode_gives_the_eager_tokens(tiny):
     _, eager = _greedy(tiny)
     assert tiny.model.compiled is None
+    from pagedkv.attention import step_op
+
+    table = step_op.get()
+    assert table is not None, step_op.build_error()
+    table.direct_calls()  # restart the count
     eng, comp = _greedy(tiny, compile_decode=True)
     cd = tiny.model.compiled
     assert isinstance(cd, C.CompiledDecode) and cd.failed is None, cd.failed
+    # the graphs call the C++ attention op: in each of the 29 decode steps every layer after
+    # the first ran without Python (the prefill's 65-row chunk takes the Python op)
+    assert cd._op is table.op and table.direct_calls() == 29 * (len(tiny.model.layers) - 1)
     # every step ran compiled, the 65-row prefill of the three prompts included (the graphs
     # take up to the engine's token budget): 1 prefill + 29 decode steps, after 2 warm-up steps
     assert cd.max_rows == 512 and cd.warm_up_sizes() == [1, 2]
@@ -97,10 +105,18 @@ def test_compiler_failure_falls_back_to_eager(tiny, monkeypatch):
     assert got == eager
 
 
+def test_without_the_cpp_op_the_graph_calls_the_python_op(tiny, monkeypatch):
+    from pagedkv.attention import step_op
+
+    monkeypatch.setattr(step_op, "get", lambda: None)  # no C++ compiler, say
+    cd = C.CompiledDecode(tiny.model)  # (compiles nothing before its first call)
+    assert cd._table is None and cd._op is torch.ops.pagedkv.layer_attention
+
+
 def _init_with(fn):
     def init(self, model, max_rows=64):
         self.model, self.max_rows, self.failed, self.steps, self.cache_dir = model, max_rows, None, 0, "-"
-        self._options = None
+        self._options, self._table = None, None
         self._fn = fn
     return init
 
