@@ -135,6 +135,24 @@ def test_model_errors_are_not_swallowed(tiny, monkeypatch):
 def test_layer_attention_outside_a_step_and_bad_options():
     with pytest.raises(RuntimeError, match="only inside a compiled decode step"):
         torch.ops.pagedkv.layer_attention(torch.zeros(1, 2, 4), torch.zeros(1, 1, 4), torch.zeros(1, 1, 4), 0)
+    # the graphs run without inductor's size asserts: what the op returns is a contiguous
+    # tensor of q's shape and dtype, or an error
+    q, kv = torch.randn(3, 2, 4), torch.zeros(3, 1, 4)
+    strided = torch.randn(2, 3, 4).transpose(0, 1)
+    C._STEP.attend = lambda i, q, k, v: strided
+    try:
+        out = torch.ops.pagedkv.layer_attention(q, kv, kv, 0)
+        assert out.is_contiguous() and out.equal(strided)
+        C._STEP.attend = lambda i, q, k, v: q[:2]
+        from pagedkv.errors import BackendError
+
+        with pytest.raises(BackendError, match=r"layer 3: attention returned torch.float32 \(2, 2, 4\)"):
+            torch.ops.pagedkv.layer_attention(q, kv, kv, 3)
+        C._STEP.attend = lambda i, q, k, v: q.double()
+        with pytest.raises(BackendError, match="expected torch.float32"):
+            torch.ops.pagedkv.layer_attention(q, kv, kv, 0)
+    finally:
+        C._STEP.attend = None
     with pytest.raises(ConfigError, match="compile_decode must be True or False"):
         LLMEngine(None, compile_decode="yes")
     with pytest.raises(ConfigError, match="tensor_parallel_size 1 only"):
