@@ -170,9 +170,8 @@ class CPUBackend(LayoutMemory):
             if geom not in prepared:  # the first layer of this geometry: the checked preparation
                 args = self._fused_args(q, k, v, cache, metadata)
                 prepared[geom] = None if args is None else (args, sig)
-                if args is not None and groups is not None and q.dtype in (torch.float32, torch.bfloat16):
-                    table.prepare(groups[geom], args[1], int(q.dtype == torch.bfloat16), q.shape[1], k.shape[1],
-                                  q.shape[2], q.shape[0])
+                if args is not None and groups is not None:
+                    table.prepare(groups[geom], args[2])
             hit = prepared[geom]
             if hit is not None and sig == hit[1] and q.is_contiguous() and k.is_contiguous() and v.is_contiguous():
                 return _write_attend(hit[0], q, k, v, cache, scale, window, cap)
@@ -197,7 +196,7 @@ class CPUBackend(LayoutMemory):
 
     def _fused_args(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: L.PagedKVCache,
                     md: AttentionMetadata):
-        """``(kernel, byref(LayerArgs))`` for :meth:`write_and_forward`'s one-call path, or
+        """``(kernel, byref(LayerArgs), LayerArgs)`` for :meth:`write_and_forward`'s one-call path, or
         ``None``. The arguments are built once per (step metadata, query/cache geometry); the
         last ones are kept on the metadata and reused while the next layer's shapes, dtypes,
         cache geometry, ``slot_mapping`` tensor and step plan are the same."""
@@ -230,8 +229,8 @@ class CPUBackend(LayoutMemory):
             hit = plan.fused[gk] = (kernel, ctypes.byref(la), la) if la is not None else ()
         if not hit:
             return None
-        md.__dict__["_pagedkv_cpu_fused_last"] = (sig, slots, hit[:2], plan)
-        return hit[:2]
+        md.__dict__["_pagedkv_cpu_fused_last"] = (sig, slots, hit, plan)
+        return hit
 
     def _gather_seq(self, cache: L.PagedKVCache, table_row: torch.Tensor, seq_len: int, lo: int = 0
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -377,10 +376,10 @@ class _Plan:
 
 def _write_attend(args, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: L.PagedKVCache,
                   scale: float, window: int, cap: float) -> torch.Tensor:
-    """One layer through the fused kernel with ``args`` = ``(kernel, ref)`` from
+    """One layer through the fused kernel with ``args`` = ``(kernel, ref, LayerArgs)`` from
     ``CPUBackend._fused_args`` (inputs already checked); ``BackendError`` for a slot past the
     cache (nothing written)."""
-    kernel, ref = args
+    kernel, ref = args[0], args[1]
     out = torch.empty_like(query)
     rc = kernel.write_attend(ref, query, key, value, cache, out, scale, window, cap)
     if rc == -4:

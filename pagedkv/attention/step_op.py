@@ -60,12 +60,12 @@ class StepTable:
         ``n_groups`` cache geometries, none prepared."""
         self._begin(len(layers), ctypes.addressof(layers), n_groups)
 
-    def prepare(self, group: int, args_ref, qdt: int, hq: int, hkv: int, d: int, n_tokens: int) -> None:
-        """Geometry ``group``'s layers run in C++ from now until :meth:`end`: ``args_ref``
-        (``ctypes.byref`` of a ``cpu_kernel.LayerArgs``, kept alive by the caller until then)
-        for q ``[n_tokens, hq, d]`` and k/v ``[n_tokens, hkv, d]`` of dtype ``qdt`` (0 float32,
-        1 bfloat16). Raises ``IndexError`` for a group :meth:`begin` did not announce."""
-        if self._prepare(group, args_ref, qdt, hq, hkv, d, n_tokens) != 0:
+    def prepare(self, group: int, args) -> None:
+        """Geometry ``group``'s layers run in C++ from now until :meth:`end` with ``args`` (a
+        ``cpu_kernel.LayerArgs``, kept alive by the caller until then), for q ``[n_tokens, hq,
+        d]`` and k/v ``[n_tokens, hkv, d]`` in its query dtype (its fields). Raises
+        ``IndexError`` for a group :meth:`begin` did not announce."""
+        if self._prepare(group, ctypes.byref(args), args.qdt, args.hq, args.hkv, args.d, args.n_tokens) != 0:
             raise IndexError(f"step table: no geometry group {group} in this step")
 
     def end(self) -> None:

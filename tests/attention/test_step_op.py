@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedkv.attention import step_op
+from pagedkv.attention import cpu_kernel, step_op
 from pagedkv.attention.cpu import CPUBackend
 from pagedkv.errors import BackendError
 from pagedkv.model import compiled as C  # defines the Python op the C++ one hands over to
@@ -86,7 +86,7 @@ def test_a_kernel_error_goes_to_the_checked_path_and_writes_nothing(table):
         table.op(q, k, v, 1)
     assert torch.equal(layers[1].key, before) and table.direct_calls() == 0
     with pytest.raises(IndexError, match="no geometry group 5"):
-        table.prepare(5, None, 0, 9, 3, 64, 3)
+        table.prepare(5, cpu_kernel.LayerArgs())
 
 
 def test_steps_without_a_table_and_layers_out_of_range_take_the_python_op(table):
