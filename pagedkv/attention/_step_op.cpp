@@ -59,13 +59,17 @@ at::Tensor step_layer_attention(const at::Tensor &q, const at::Tensor &k, const 
   if (L.group < 0 || L.group >= (int32_t)t_groups.size()) return python_path(q, k, v, layer);
   const Group &G = t_groups[L.group];
   const auto dtype = G.qdt == 0 ? at::kFloat : at::kBFloat16;
-  if (G.args == nullptr || !q.device().is_cpu() || q.scalar_type() != dtype || k.scalar_type() != dtype ||
-      v.scalar_type() != dtype || !matches(q, G, G.hq) || !matches(k, G, G.hkv) || !matches(v, G, G.hkv))
+  if (G.args == nullptr || !q.device().is_cpu() || !k.device().is_cpu() || !v.device().is_cpu() ||
+      q.scalar_type() != dtype || k.scalar_type() != dtype || v.scalar_type() != dtype || !matches(q, G, G.hq) ||
+      !matches(k, G, G.hkv) || !matches(v, G, G.hkv))
     return python_path(q, k, v, layer);
   at::Tensor out = at::empty_like(q);
   const int rc = g_kernel(G.args, q.const_data_ptr(), k.const_data_ptr(), v.const_data_ptr(), L.k, L.v,
                           out.mutable_data_ptr(), L.scale, L.window, L.cap);
-  if (rc != 0) return python_path(q, k, v, layer);  // nothing was written: the checked path raises
+  // a bad slot (-4) or argument is refused before anything is written; the checked path then
+  // raises the library's error (after a failure inside the attention itself it rewrites the
+  // same K/V rows and raises too)
+  if (rc != 0) return python_path(q, k, v, layer);
   ++t_direct;
   return out;
 }

@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import math
 import threading
+import weakref
 from typing import Sequence
 
 import torch
@@ -159,7 +160,7 @@ class CPUBackend(LayoutMemory):
         ``pagedkv::step_layer_attention`` runs that geometry's later layers without Python.
         Raises ``BackendError`` for a bad window or cap."""
         checked = [(float(s), *check_window(w, c)) for s, w, c in options]
-        prepared: dict = {}  # cache geometry -> (kernel, args ref, q/k/v signature) or None, this step
+        prepared: dict = {}  # cache geometry -> ((kernel, args ref, LayerArgs), q/k/v signature) or None, this step
         groups = self._begin_step(table, kv_caches, checked) if table is not None else None
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -181,15 +182,16 @@ class CPUBackend(LayoutMemory):
 
     def _begin_step(self, table, kv_caches: Sequence[L.PagedKVCache], checked: list) -> dict:
         """Begin ``table``'s step with every layer's cache buffers and checked options (the
-        array is kept while the caches' tensors and the options stay); returns the geometry ->
-        group index map."""
+        array is kept while the same cache objects, with the same key/value tensors, and the
+        same options come back; held weakly, so it keeps no cache alive); returns the
+        geometry -> group index map."""
         from pagedkv.attention import step_op
 
         memo = self.__dict__.get("_step_entries")
-        tensors = [t for c in kv_caches for t in (c.key, c.value)]
-        if (memo is None or memo[0] != checked or len(memo[1]) != len(tensors)
-                or any(a is not b for a, b in zip(memo[1], tensors))):
-            memo = (checked, tensors, *step_op.layer_entries(kv_caches, checked, _geometry))
+        objs = [o for c in kv_caches for o in (c, c.key, c.value)]
+        if (memo is None or memo[0] != checked or len(memo[1]) != len(objs)
+                or any(r() is not o for r, o in zip(memo[1], objs))):
+            memo = (checked, [weakref.ref(o) for o in objs], *step_op.layer_entries(kv_caches, checked, _geometry))
             self._step_entries = memo
         table.begin(memo[2], len(memo[3]))
         return memo[3]

@@ -48,8 +48,9 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _compiler() -> str | None:
-    for cand in (os.environ.get("CC"), "cc", "gcc", "clang"):
+def _compiler(env: str = "CC", names: Sequence[str] = ("cc", "gcc", "clang")) -> str | None:
+    """``$env`` if set and found, else the first of ``names`` on the PATH (None: none)."""
+    for cand in (os.environ.get(env), *names):
         if cand and shutil.which(cand):
             return cand
     return None

@@ -23,9 +23,8 @@ compiler or torch's headers are missing, the build fails, the C kernel is unavai
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
-import shutil
+import threading
 from typing import Sequence
 
 import torch
@@ -54,6 +53,7 @@ class StepTable:
         self._direct = lib.pagedkv_step_direct_calls
         self._direct.restype = ctypes.c_int64
         self.op = torch.ops.pagedkv.step_layer_attention
+        self._held = threading.local()  # .args: this thread's prepared LayerArgs, until end()
 
     def begin(self, layers: ctypes.Array, n_groups: int) -> None:
         """Start this thread's step: ``layers`` (a ``LayerEntry`` array, one per layer, copied),
@@ -67,28 +67,24 @@ class StepTable:
         ``IndexError`` for a group :meth:`begin` did not announce."""
         if self._prepare(group, ctypes.byref(args), args.qdt, args.hq, args.hkv, args.d, args.n_tokens) != 0:
             raise IndexError(f"step table: no geometry group {group} in this step")
+        held = getattr(self._held, "args", None)
+        self._held.args = (held or []) + [args]  # the C++ table points into it until end()
 
     def end(self) -> None:
         """End this thread's step: nothing prepared stays."""
         self._end()
+        self._held.args = None
 
     def direct_calls(self) -> int:
         """Layers this thread ran in C++ since the last call (the count restarts)."""
         return int(self._direct())
 
 
-def _cxx() -> str | None:
-    for cand in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if cand and shutil.which(cand):
-            return cand
-    return None
-
-
 def _build() -> StepTable:
     kernel = cpu_kernel.get()
     if kernel is None:
         raise RuntimeError(f"the C kernel is unavailable ({cpu_kernel.build_error()})")
-    cxx = _cxx()
+    cxx = cpu_kernel._compiler("CXX", ("c++", "g++", "clang++"))
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set $CXX)")
     root = Path(torch.__file__).parent

@@ -60,12 +60,19 @@ def layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     attend = getattr(_STEP, "attend", None)
     if attend is None:
         raise RuntimeError("pagedkv::layer_attention runs only inside a compiled decode step")
-    out = attend(layer, q, k, v)
+    try:
+        out = attend(layer, q, k, v)
+    except BaseException as exc:
+        # inductor's C++ wrapper turns an error raised in here into a RuntimeError of its own
+        # (type and message lost): kept here, re-raised as itself by CompiledDecode._run
+        _STEP.error = exc
+        raise
     # the graph is compiled without inductor's size asserts (CompiledDecode): it reads the
     # result as a contiguous q-shaped tensor, so that is what it gets, or an error
-    if out.shape != q.shape or out.dtype != q.dtype:
-        raise BackendError(f"layer {layer}: attention returned {out.dtype} {tuple(out.shape)}, "
-                           f"expected {q.dtype} {tuple(q.shape)}")
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        _STEP.error = BackendError(f"layer {layer}: attention returned {out.dtype} {tuple(out.shape)} on "
+                                   f"{out.device}, expected {q.dtype} {tuple(q.shape)} on {q.device}")
+        raise _STEP.error
     return out if out.is_contiguous() else out.contiguous()
 
 
@@ -107,6 +114,9 @@ class CompiledDecode:
 
         self._table = step_op.get()
         self._op = self._table.op if self._table is not None else torch.ops.pagedkv.layer_attention
+        if self._table is None and not os.environ.get("PAGEDKV_STEP_OP", "1") == "0":
+            logger.warning("compiled steps call attention through Python (~0.7 ms a batch-1 step more): %s",
+                           step_op.build_error())
         # freezing: the weights are constants of the graph (inference only), which drops them
         # from the per-call inputs and guards (measured 13.5 vs 14.5 ms per batch-1 int4 step)
         # no guards on the model's modules: dynamo otherwise checks ~1,000 module attributes and
@@ -117,9 +127,12 @@ class CompiledDecode:
         # no size asserts: the generated code otherwise checks the sizes and strides of every
         # input (~300 weights) and of every extern kernel's output on each call (in-process A/B,
         # batch-1 int4 graph with attention stubbed: 11.08 -> 10.35 ms). The weights are fixed
-        # (above), dynamo guards the inputs' shapes, and the attention ops return contiguous
-        # q-shaped tensors (checked in layer_attention; the C++ op allocates them itself).
-        opts = {"cpp_wrapper": True, "freezing": True, "size_asserts": False,
+        # (above), dynamo guards the inputs' shapes, the attention ops return contiguous
+        # q-shaped tensors (checked in layer_attention; the C++ op allocates them itself), and
+        # the other extern kernels (int4/int8 matmuls, pagedkv::int8_linear) return contiguous
+        # outputs of the shapes their meta functions give (tests compare compiled and eager).
+        # (PAGEDKV_SIZE_ASSERTS=1 keeps them, to check a new torch's kernels against the graph)
+        opts = {"cpp_wrapper": True, "freezing": True, "size_asserts": os.environ.get("PAGEDKV_SIZE_ASSERTS") == "1",
                 "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
         # ... and so each CompiledDecode traces a code object of its own: dynamo caches graphs
         # per code object, and without the module guards two models of one shape (say a
@@ -153,8 +166,12 @@ class CompiledDecode:
                     for layer in layers]  # [] (an option step_attention does not take): per-layer calls
             table = self._table if getattr(backend, "step_table", False) else None
             try:
-                fast = (step_attention(kv_caches, attn_metadata, self._options, **({"table": table} if table else {}))
-                        if self._options else None)
+                if not self._options:
+                    fast = None
+                elif table is not None:
+                    fast = step_attention(kv_caches, attn_metadata, self._options, table=table)
+                else:
+                    fast = step_attention(kv_caches, attn_metadata, self._options)
                 if fast is not None:  # None: the backend has no fast path for this step
                     return self._run(fast, input_ids, positions)
             finally:
@@ -168,19 +185,22 @@ class CompiledDecode:
 
     def _run(self, attend: Callable[..., torch.Tensor], input_ids: torch.Tensor,
              positions: torch.Tensor) -> torch.Tensor | None:
-        _STEP.attend = attend
+        _STEP.attend, _STEP.error = attend, None
         try:
             out = self._fn(input_ids, positions)
             self.steps += 1
             return out
         except Exception as exc:  # noqa: BLE001 - a compiler failure means "run eager"
+            raised = getattr(_STEP, "error", None)
+            if raised is not None:  # attention's own error, which the graph's wrapper replaced
+                raise raised from None
             if self._is_compile_error(exc):
                 self.failed = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
                 logger.warning("compiled decode disabled, running eager: %s", self.failed)
                 return None
             raise
         finally:
-            _STEP.attend = None
+            _STEP.attend = _STEP.error = None
 
     @staticmethod
     def _is_compile_error(exc: Exception) -> bool:

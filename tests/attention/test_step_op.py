@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from pagedkv.attention import cpu_kernel, step_op
-from pagedkv.attention.cpu import CPUBackend
 from pagedkv.errors import BackendError
 from pagedkv.model import compiled as C  # defines the Python op the C++ one hands over to
 
@@ -39,13 +38,14 @@ def _layers(be, a):
                   like(a, torch.bfloat16)]
 
 
-def test_prepared_layers_run_in_cpp_with_write_and_forwards_results(table, monkeypatch):
-    be, a, _, md, q, k, v = _fused_step("nhd", torch.float32, torch.bfloat16, [40, 70, 33], [1, 1, 1])
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+def test_prepared_layers_run_in_cpp_with_write_and_forwards_results(table, q_dtype):
+    be, a, _, md, q, k, v = _fused_step("nhd", q_dtype, torch.bfloat16, [40, 70, 33], [1, 1, 1])
     like, layers = _layers(be, a)
     twins = [like(c, c.key.dtype) for c in layers]
     opts = [(0.125, None, None), (0.1, 30, 20.0), (0.125, None, None), (0.125, None, 20.0), (0.2, 12, 5.0),
             (0.1, 30, 20.0)]
-    wide = torch.randn(3, 9, 128)[:, :, :64]
+    wide = torch.randn(3, 9, 128).to(q_dtype)[:, :, :64]
     inputs = [(q, k, v), (q * 2, k, v), (q, k, v), (q, k * 3, v), (q, k, v * 2), (wide, k, v)]
     python = []
     attend = be.step_attention(layers, md, opts, table=table)
@@ -64,7 +64,8 @@ def test_prepared_layers_run_in_cpp_with_write_and_forwards_results(table, monke
     python.clear()
     with pytest.raises(BackendError, match="query has 2 tokens but metadata has 3"):
         table.op(q[:2], k[:2], v[:2], 1)  # fewer rows: Python's checks
-    table.op(q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16), 4)  # another dtype
+    other = torch.float32 if q_dtype == torch.bfloat16 else torch.bfloat16
+    table.op(q.to(other), k.to(other), v.to(other), 4)  # another dtype
     assert python == [1, 4] and table.direct_calls() == 0
     # after the step nothing is prepared: outside a step the op is the Python op's error
     table.end()
@@ -102,4 +103,49 @@ def test_steps_without_a_table_and_layers_out_of_range_take_the_python_op(table)
     with pytest.raises(IndexError):  # layer 7 of a one-layer step: the Python op's own lookup
         table.op(q, k, v, 7)
     assert seen == [0, 0, 7] and table.direct_calls() == 0
-    assert isinstance(be, CPUBackend) and CPUBackend.step_table
+
+
+def test_new_caches_or_options_and_other_threads_never_see_old_pointers(table):
+    """The layer array is reused only for the same cache objects and options: new caches on
+    the same backend are the ones written, new options the ones used; another thread's calls
+    find its own (empty) table."""
+    import threading
+
+    be, a, _, md, q, k, v = _fused_step("nhd", torch.float32, torch.bfloat16, [40, 70], [1, 1])
+    fresh = [be.allocate_kv_cache(a.num_blocks, a.block_size, 3, 64, torch.bfloat16) for _ in range(2)]
+    for c in fresh:
+        c.key.copy_(a.key)
+        c.value.copy_(a.value)
+    outs, after_first = [], None
+    for caches, scale in (([a, a], 0.125), (fresh, 0.125), (fresh, 0.3)):
+        attend = be.step_attention(caches, md, [(scale, None, None)] * 2, table=table)
+        C._STEP.attend = attend
+        table.op(q, k, v, 0)
+        outs.append(table.op(q, k * 2, v, 1))  # C++
+        table.end()
+        after_first = after_first if after_first is not None else a.key.clone()
+    assert table.direct_calls() == 3
+    # the later steps wrote the fresh caches (layer 1's k * 2 into fresh[1]), not the first's
+    assert torch.equal(a.key, after_first) and torch.equal(fresh[1].key, a.key)
+    assert not torch.equal(fresh[0].key, fresh[1].key)
+    assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[1], outs[2])  # scale 0.3 used
+    twin = be.allocate_kv_cache(a.num_blocks, a.block_size, 3, 64, torch.bfloat16)
+    twin.key.copy_(a.key)
+    twin.value.copy_(a.value)
+    assert torch.equal(outs[2], be.write_and_forward(q, k * 2, v, twin, md, 0.3))
+    attend = be.step_attention([a, a], md, [(0.125, None, None)] * 2, table=table)
+    C._STEP.attend = attend
+    table.op(q, k, v, 0)  # prepared in this thread
+    seen = []
+
+    def other():
+        try:
+            table.op(q, k, v, 1)
+        except RuntimeError as exc:  # that thread is in no step: the Python op's error
+            seen.append(str(exc))
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert len(seen) == 1 and "only inside a compiled decode step" in seen[0]
+    assert table.direct_calls() == 0

@@ -146,7 +146,7 @@ def test_layer_attention_outside_a_step_and_bad_options():
         C._STEP.attend = lambda i, q, k, v: q[:2]
         from pagedkv.errors import BackendError
 
-        with pytest.raises(BackendError, match=r"layer 3: attention returned torch.float32 \(2, 2, 4\)"):
+        with pytest.raises(BackendError, match=r"layer 3: attention returned torch.float32 \(2, 2, 4\) on cpu"):
             torch.ops.pagedkv.layer_attention(q, kv, kv, 3)
         C._STEP.attend = lambda i, q, k, v: q.double()
         with pytest.raises(BackendError, match="expected torch.float32"):
@@ -199,3 +199,62 @@ def test_two_models_of_one_shape_each_run_their_own_weights(tiny, loaded_model):
     assert eager_offset != eager_other
     _, got_offset = _greedy(offset, compile_decode=True)
     assert got_offset == eager_offset
+
+
+def test_a_backend_error_inside_a_compiled_step_keeps_its_type(tiny):
+    """An error raised by attention inside the graph (here a slot past the cache) reaches the
+    caller as itself, not as the C++ wrapper's RuntimeError; the step counter does not move."""
+    from pagedkv.attention import get_backend
+    from pagedkv.attention.base import AttentionMetadata
+    from pagedkv.errors import BackendError
+
+    LLMEngine(tiny, dtype="float32", block_size=16, num_blocks=64, compile_decode=True)
+    cd = tiny.model.compiled
+    assert isinstance(cd, C.CompiledDecode) and cd.failed is None
+    backend = get_backend("cpu")
+    caches = tiny.model.allocate_kv_caches(backend, num_blocks=2, block_size=16)
+    md = AttentionMetadata.build([9], [1], [[1]], 16)
+    md.slot_mapping[0] = 2 * 16  # one past the cache
+    before = cd.steps
+    with torch.inference_mode(), pytest.raises(BackendError, match="slot_mapping has a slot >= the cache's 32 slots"):
+        tiny.model(torch.tensor([11]), torch.tensor([8]), caches, md, backend)
+    assert cd.steps == before and cd.failed is None
+    assert not any(c.key.any() or c.value.any() for c in caches)  # nothing written
+
+
+def test_compiled_int4_steps_give_the_eager_hidden_states(loaded_model):
+    """The graphs run without inductor's size asserts: the quantised kernels' outputs (int4
+    weight-only at 1-7 rows, dynamic int8 from ``route_boundaries`` on: 8 here) must be laid out as the
+    graph assumes. A tiny model in int4, one step of 1, 3 and 8 decode rows compiled and eager:
+    the same hidden states to bf16 rounding and the same cache contents."""
+    from pagedkv.attention import get_backend
+    from pagedkv.attention.base import AttentionMetadata
+    from pagedkv.model.quant import route_boundaries
+    from pagedkv.model.quantize import install_linears, quantize_state
+
+    lm = tiny_random_model(loaded_model, seed=11)
+    install_linears(lm.model, quantize_state(dict(lm.model.state_dict()), lm.config, "int4"))
+    assert type(lm.model.layers[0].down_proj).__name__ == "Int4Linear"
+    cd = C.compile_decode(lm.model, max_rows=16, progress=False)
+    assert cd.failed is None, cd.failed
+    sizes = [1, 3] + [n for n in route_boundaries(lm.model) if n <= 16]
+    backend = get_backend("cpu")
+    for n in sizes:
+        md = AttentionMetadata.build([5 + i for i in range(n)], [1] * n, [[i] for i in range(n)], 16)
+        ids, pos = torch.arange(n) * 7 + 3, torch.tensor([4 + i for i in range(n)])
+        outs = []
+        for use in (cd, None):
+            lm.model.compiled = use
+            caches = lm.model.allocate_kv_caches(backend, num_blocks=16, block_size=16)
+            gen = torch.Generator().manual_seed(n)
+            for c in caches:
+                c.key.copy_(torch.randn(c.key.shape, generator=gen))
+                c.value.copy_(torch.randn(c.value.shape, generator=gen))
+            with torch.inference_mode():
+                outs.append((lm.model(ids, pos, caches, md, backend), caches))
+        (got, gc), (want, wc) = outs
+        assert got.shape == want.shape == (n, lm.config.hidden_size)
+        assert (got - want).abs().max() <= 2e-2 * want.abs().max(), n
+        for a, b in zip(gc, wc):
+            torch.testing.assert_close(a.key, b.key, rtol=2e-2, atol=2e-2)
+    assert cd.steps == len(cd.warm_up_sizes()) + len(sizes)
