@@ -1,0 +1,186 @@
+"""Quantised matmuls with integer dot products (``_qmm.c`` through ctypes): int4 (Q4_1
+blocks) or per-channel int8 weights times activations quantised on the fly to 8-bit blocks
+of 32 (the way llama.cpp multiplies its Q4/Q8 weights).
+
+On a CPU without VNNI or AMX, oneDNN's and ATen's int8 kernels either emulate bf16 (the
+weight-only int4/int8 kernels take bf16 activations) or add u8 x s8 products in saturating
+int16 pairs; these kernels choose code ranges for which that pairwise step is exact (4-bit
+codes; int8 with the sign moved onto the activation), so they run at AVX2 speed with exact
+integer block sums, and with VNNI (``vpdpbusd``) where the build targets it. Activations
+keep one float scale per 32 values (an outlier costs its own block only) and, for int4's
+minimum, the exact float sum of each block.
+
+Used by ``pagedkv.model.quant`` for decode-sized inputs (``QuantLinear.kernel`` ``"q8"``),
+and to dequantise int4/int8 weights in one pass for wide inputs. ``get()`` returns ``None``
+when there is no C compiler, the build fails, or ``PAGEDKV_QMM=0``; ``build_error()`` says
+why. Measured in docs/performance.md ("Integer matmuls").
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from pagedkv.attention.cpu_kernel import BuiltOnce, compile_c
+
+_SRC = Path(__file__).with_name("_qmm.c")
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math", "-fopenmp",
+          "-fPIC", "-shared", "-std=c11"]
+QK = 32  # values per activation / weight block
+#: ``max_rows`` where the integer kernels take every input (no other kernel of the format is built)
+ALL_ROWS = 1 << 62
+
+
+def max_rows(amx: bool, int8_rows: int) -> int:
+    """The first input row count the integer kernels no longer run on a CPU: every count
+    (``ALL_ROWS``) unless it has AMX, whose oneDNN int8/bf16 tile kernels multiply decode
+    batches from ``int8_rows`` rows (dynamic int8; ``KERNEL_ROWS + 1`` = 65, the wide bf16
+    matmul, when that is off) and prefill chunks faster than vector code can; ``0`` when
+    ``$PAGEDKV_QMM`` is ``0``."""
+    import os
+
+    if os.environ.get("PAGEDKV_QMM", "1") == "0":
+        return 0
+    if not amx:
+        return ALL_ROWS
+    return int8_rows if int8_rows > 0 else 65
+
+
+class PackedInt4(NamedTuple):
+    """int4 weights ``w = d c + m`` (codes 0..15, blocks of 32 along K) in the kernel's
+    layout: 8 output columns interleaved (``_qmm.c`` describes it). ``codes`` uint8
+    ``[N * K / 2]``, ``d`` and ``m`` float32 ``[N * K / 32]``; ``n`` out, ``k`` in features."""
+
+    codes: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+    n: int
+    k: int
+
+
+class PackedInt8(NamedTuple):
+    """int8 weights ``w = scale[o] c`` (codes -127..127) in the kernel's layout: ``codes``
+    int8 ``[N * K]``, ``scale`` float32 ``[N]``."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    n: int
+    k: int
+
+
+def _check_nk(n: int, k: int) -> None:
+    if n % 8 or k % QK or n < 8 or k < QK:
+        raise ValueError(f"weights [{n}, {k}]: need out features a multiple of 8 and in features a multiple of {QK}")
+
+
+def pack_int4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> PackedInt4:
+    """Unpacked codes ``[N, K]`` (values 0..15, any integer dtype) with ``d``, ``m``
+    ``[N, K / 32]`` -> :class:`PackedInt4`. Raises ``ValueError`` unless N % 8 == 0 and
+    K % 32 == 0 (the caller keeps its other kernels then)."""
+    n, k = codes.shape
+    _check_nk(n, k)
+    c = codes.to(torch.uint8).reshape(n // 8, 8, k // QK, 4, 2, 4)  # g, i, b, t, lo/hi, e
+    packed = (c[:, :, :, :, 0] | (c[:, :, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)  # g, b, t, i, e
+    def cols(t: torch.Tensor) -> torch.Tensor:
+        return t.float().reshape(n // 8, 8, k // QK).permute(0, 2, 1).contiguous().reshape(-1)
+    return PackedInt4(packed.contiguous().reshape(-1), cols(d), cols(m), n, k)
+
+
+def pack_int8(codes: torch.Tensor, scale: torch.Tensor) -> PackedInt8:
+    """int8 codes ``[N, K]`` (-127..127) with per-row ``scale`` ``[N]`` -> :class:`PackedInt8`.
+    Raises ``ValueError`` for shapes the kernel does not take or a code of -128."""
+    n, k = codes.shape
+    _check_nk(n, k)
+    if codes.dtype != torch.int8 or bool((codes == -128).any()):
+        raise ValueError("int8 codes must be int8 in -127..127")
+    c = codes.reshape(n // 8, 8, k // QK, 8, 4).permute(0, 2, 3, 1, 4)  # g, b, t, i, e
+    return PackedInt8(c.contiguous().reshape(-1), scale.float().contiguous(), n, k)
+
+
+def _check_x(x: torch.Tensor, k: int) -> None:
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
+        raise ValueError(f"x: need a CPU float32 [rows, {k}] tensor with unit column stride, got {x.dtype} "
+                         f"{tuple(x.shape)} strides {x.stride()} on {x.device}")
+
+
+def _check_bias(bias: torch.Tensor | None, n: int) -> int | None:
+    if bias is None:
+        return None
+    if bias.dtype != torch.float32 or not bias.is_contiguous() or tuple(bias.shape) != (n,):
+        raise ValueError(f"bias: need contiguous float32 [{n}], got {bias.dtype} {tuple(bias.shape)}")
+    return bias.data_ptr()
+
+
+class QmmOps:
+    """Callable wrappers of the compiled kernels on packed weights (:func:`pack_int4`,
+    :func:`pack_int8`). ``x`` is checked for what the C code assumes (a violation raises
+    ``ValueError``); the packed weights are trusted as packed."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self._q4 = lib.pagedkv_q4_linear
+        self._q4.argtypes = [i64, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64]
+        self._q4.restype = ctypes.c_int
+        self._q8 = lib.pagedkv_q8_linear
+        self._q8.argtypes = [i64, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, i64]
+        self._q8.restype = ctypes.c_int
+        self._q4_deq = lib.pagedkv_q4_dequant
+        self._q4_deq.argtypes = [i64, i64, ptr, ptr, ptr, ptr]
+        self._q4_deq.restype = None
+        self._q8_deq = lib.pagedkv_q8_dequant
+        self._q8_deq.argtypes = [i64, i64, ptr, ptr, ptr]
+        self._q8_deq.restype = None
+        isa = lib.pagedkv_qmm_isa
+        isa.restype = ctypes.c_char_p
+        #: the integer dot product of this build: ``avx512-vnni``, ``avx-vnni``, ``avx2`` or ``scalar``
+        self.isa: str = isa().decode()
+
+    def linear(self, x: torch.Tensor, w: PackedInt4 | PackedInt8, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` float32 ``[R, K]`` (unit column stride) times the packed weights, plus
+        ``bias`` float32 ``[N]`` -> float32 ``[R, N]``: ``x``'s rows quantised to int8 blocks
+        of 32, exact integer block sums. Raises ``ValueError`` for bad inputs, ``MemoryError``
+        when the quantised activations cannot be allocated."""
+        _check_x(x, w.k)
+        y = torch.empty(x.shape[0], w.n)
+        if isinstance(w, PackedInt4):
+            rc = self._q4(x.shape[0], w.k, w.n, x.data_ptr(), x.stride(0), w.codes.data_ptr(), w.d.data_ptr(),
+                          w.m.data_ptr(), _check_bias(bias, w.n), y.data_ptr(), w.n)
+        else:
+            rc = self._q8(x.shape[0], w.k, w.n, x.data_ptr(), x.stride(0), w.codes.data_ptr(), w.scale.data_ptr(),
+                          _check_bias(bias, w.n), y.data_ptr(), w.n)
+        if rc:
+            raise MemoryError("qmm: no memory for the quantised activations")
+        return y
+
+    def dequantize(self, w: PackedInt4 | PackedInt8) -> torch.Tensor:
+        """The packed weights as float32 ``[N, K]`` (one pass, OpenMP)."""
+        out = torch.empty(w.n, w.k)
+        if isinstance(w, PackedInt4):
+            self._q4_deq(w.k, w.n, w.codes.data_ptr(), w.d.data_ptr(), w.m.data_ptr(), out.data_ptr())
+        else:
+            self._q8_deq(w.k, w.n, w.codes.data_ptr(), w.scale.data_ptr(), out.data_ptr())
+        return out
+
+
+def build(march: str | None = None) -> QmmOps:
+    """Compile (or load from the cache) and wrap the kernels; ``march``: a ``-march=`` target
+    other than the default (tests build ``x86-64-v3``, the AVX2 code, and ``x86-64``, the
+    plain C code, on any x86 host). Raises ``RuntimeError`` when the build fails."""
+    flags = list(_FLAGS) if march is None else [f"-march={march}" if f.startswith("-march=") else f for f in _FLAGS]
+    return QmmOps(compile_c(_SRC, "pagedkv_qmm", flags))
+
+
+_OPS = BuiltOnce("PAGEDKV_QMM", build)
+
+
+def get() -> QmmOps | None:
+    """The kernels (built on first call), or ``None`` when unavailable."""
+    return _OPS.get()
+
+
+def build_error() -> str | None:
+    """Why ``get()`` returned ``None`` (``None`` if it did not, or was not called yet)."""
+    return _OPS.error()
