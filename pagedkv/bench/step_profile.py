@@ -35,7 +35,7 @@ LINEAR_OPS = {
     "aten::mm", "aten::addmm", "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu",
     "aten::_int_mm", "aten::_weight_int4pack_mm", "quantized::linear_dynamic", "aten::mkldnn_linear",
     "mkldnn::_linear_pointwise", "aten::_mkl_linear", "aten::bmm",
-    "onednn::qlinear_pointwise", "pagedkv::int8_linear",  # dynamic int8 (pagedkv.model.quant)
+    "onednn::qlinear_pointwise", "pagedkv::int8_linear", "pagedkv::qmm_linear",  # dynamic int8 (pagedkv.model.quant)
 }
 #: how inductor's C++ wrapper names an extern call of ``aten::<op>`` in the profiler
 AOTI_PREFIX, AOTI_SUFFIX = "aoti_torch_cpu_", "_out"

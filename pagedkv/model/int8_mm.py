@@ -65,6 +65,26 @@ def _(qx: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
     return qx.new_empty((qx.shape[0], out_features), dtype=torch.float32)
 
 
+# ``pagedkv::qmm_linear``: the integer kernels of ``pagedkv.model.qmm`` on a layer's packed
+# weights (``QuantLinear.qmm_forward``), opaque to compiled steps in the same way
+_LIB.define("qmm_linear(Tensor x, int key, int out_features) -> Tensor")
+
+
+def _qmm_linear(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
+    module = _INT8_MODULES.get(key)
+    if module is None:
+        raise RuntimeError(f"pagedkv::qmm_linear: no prepared layer under key {key}")
+    return module.qmm_forward(x)
+
+
+_LIB.impl("qmm_linear", _qmm_linear, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("pagedkv::qmm_linear")
+def _(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], out_features), dtype=torch.float32)
+
+
 def dynamic_int8_mm(x: torch.Tensor, module: Any) -> torch.Tensor:
     """``x`` float ``[T, in]`` times ``module``'s int8 weights (per-output-channel scales) ->
     float32 ``[T, out]``. Each row of ``x`` becomes two int8 rows: ``q1 = round(x / s)`` with

@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.errors import ConfigError
+from pagedkv.model import qmm
 from pagedkv.model.int8_mm import dynamic_int8_mm, onednn_int8, register_int8
 from pagedkv.utils import canonical_dtype
 
@@ -249,14 +250,42 @@ class QuantLinear(nn.Module):
             raise ConfigError(f"weight route: unsupported {self.route!r} (one of {', '.join(ROUTES)})")
         self._wide_bf16 = cpu_features().bf16_fast
         self.int8_rows = 0
+        self._prepare_qmm()
         return self
+
+    def _pack_qmm(self) -> qmm.PackedInt4 | qmm.PackedInt8:
+        """The weights in the integer kernels' layout (``pagedkv.model.qmm``); ``ValueError``
+        for shapes they do not take."""
+        raise ValueError("no integer kernel for this format")
+
+    def _prepare_qmm(self) -> None:
+        """On the fast route, pack the weights for ``qmm`` (kernel ``"q8"``) when it is built
+        and takes the shape; ``qmm_rows`` is the first row count it no longer runs (the rest
+        keep the format's other kernels)."""
+        self._qmm, self.qmm_rows = None, 0
+        rows = qmm.max_rows(cpu_features().amx, int8_rows()) if self.route == "fast" else 0
+        if rows and qmm.get() is not None:
+            try:
+                self._qmm, self.qmm_rows = self._pack_qmm(), rows
+            except ValueError:
+                pass
+        if self._qmm is not None and getattr(self, "int8_key", None) is None:
+            self.int8_key = register_int8(self)
+
+    def qmm_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` float32 ``[T, in]`` through the integer kernel -> float32 ``[T, out]``, bias
+        added. Raises ``RuntimeError`` when the layer has no packed weights."""
+        ops = qmm.get()
+        if self._qmm is None or ops is None:
+            raise RuntimeError("qmm_forward: no integer-kernel weights for this layer")
+        return ops.linear(x, self._qmm, self.bias)
 
     def _int8_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(int8 [out, in], float32 scale [out])`` for dynamic int8, or ``None`` (no route)."""
         return None
 
     def _prepare_int8(self) -> None:
-        rows = int8_rows() if self.route == "fast" and cpu_features().int8_exact else 0
+        rows = int8_rows() if self.route == "fast" and cpu_features().int8_exact and self.qmm_rows <= KERNEL_ROWS else 0
         w8 = self._int8_weights() if rows else None
         self.release_int8()  # (a re-prepare on another route frees int4's int8 copy)
         self.int8_rows = rows if w8 is not None else 0
@@ -301,17 +330,24 @@ class QuantLinear(nn.Module):
 
     def dynamic_int8(self, rows: int) -> bool:
         """Whether a ``rows``-row input runs dynamic int8 (``dynamic_int8_mm``): from
-        ``int8_rows`` rows up, prefill chunks included."""
-        return 0 < self.int8_rows <= rows
+        ``int8_rows`` rows up, prefill chunks included (unless the integer kernel takes them)."""
+        return 0 < self.int8_rows <= rows and not rows < self.qmm_rows
 
     def takes_bf16(self, rows: int) -> bool:
         """Whether a ``rows``-row input runs the bf16 kernel (its activations are rounded to
         bf16 and the result comes back in bf16 before any cast): a caller may hand bf16 in."""
-        return self.route == "fast" and (rows <= KERNEL_ROWS or self.fmt == "bf16") and not self.dynamic_int8(rows)
+        return (self.route == "fast" and (rows <= KERNEL_ROWS or self.fmt == "bf16") and not self.dynamic_int8(rows)
+                and not rows < self.qmm_rows and self._has_bf16_kernel())
+
+    def _has_bf16_kernel(self) -> bool:
+        return True
 
     def kernel(self, rows: int) -> str:
-        """Which kernel a ``rows``-row input runs: ``"int8"`` (``dynamic_int8_mm``), ``"bf16"``
-        (the format's bf16 kernel), ``"wide"`` (dequantise, one wide matmul) or ``"fallback"``."""
+        """Which kernel a ``rows``-row input runs: ``"q8"`` (``pagedkv.model.qmm``'s integer
+        kernels), ``"int8"`` (``dynamic_int8_mm``), ``"bf16"`` (the format's bf16 kernel),
+        ``"wide"`` (dequantise, one wide matmul) or ``"fallback"``."""
+        if rows < self.qmm_rows:
+            return "q8"
         if self.dynamic_int8(rows):
             return "int8"
         if self.takes_bf16(rows):
@@ -320,6 +356,13 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernel = self.kernel(x.shape[0])
+        if kernel == "q8":
+            xf = x if x.dtype == torch.float32 and x.stride(-1) == 1 else x.float().contiguous()
+            if torch.compiler.is_compiling() or torch.autograd._profiler_enabled():  # an op graphs/profiles see
+                y = torch.ops.pagedkv.qmm_linear(xf, self.int8_key, self.out_features)
+            else:
+                y = self.qmm_forward(xf)
+            return y if x.dtype == torch.float32 else y.to(x.dtype)
         if kernel == "int8":
             y = dynamic_int8_mm(x, self)
             if x.dtype != torch.float32:
@@ -390,6 +433,9 @@ class Int8Linear(QuantLinear):
     def _int8_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.qweight, self.scale  # the stored codes themselves: no copy
 
+    def _pack_qmm(self) -> qmm.PackedInt8:
+        return qmm.pack_int8(self.qweight, self.scale)
+
     def _fast(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int8pack_mm(x, self.qweight, self._scale_bf16)
 
@@ -445,14 +491,21 @@ class Int4Linear(QuantLinear):
 
     def prepare(self, route: str | None = None) -> "Int4Linear":
         super().prepare(route)
-        if self.route == "fast" and self.out_features % 16:  # the kernel packs 16 rows at a time
+        self._packed = None
+        if self.route == "fast" and self.out_features % 16 and self._qmm is None:  # ATen packs 16 rows at a time
             self.route = "fallback"
-        if self.route == "fast":
+        if self.route == "fast" and self.qmm_rows <= KERNEL_ROWS and self.out_features % 16 == 0:
             self._packed = torch._convert_weight_to_int4pack_for_cpu(self.codes().to(torch.int32), 1)
             zero = self.min + 8.0 * self.scale
             self._scale_zero = torch.stack([self.scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
         self._prepare_int8()
         return self
+
+    def _pack_qmm(self) -> qmm.PackedInt4:
+        return qmm.pack_int4(self.codes(), self.scale, self.min)
+
+    def _has_bf16_kernel(self) -> bool:
+        return self._packed is not None
 
     def _int8_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The int4 values rounded to int8 per output channel (scale = max|w| / 127)."""

@@ -247,6 +247,11 @@ def _prefix_agreement(ref: list[list[int]], got: list[list[int]]) -> float:
 
 
 FALLBACK_TOL, FAST_TOL = 0.05, 0.08  # of the largest |logit|; measured 0.016 and 0.027
+#: the q8 route (activations as int8 blocks of 32, as llama.cpp multiplies Q4_1 x Q8_1): the
+#: largest and the mean |logit| difference from the fallback, measured 0.225 (at the first
+#: position, whose activations carry the attention-sink outliers) and 0.026 of the largest
+#: |logit|; the argmax agreed at 18 of 21 positions
+Q8_TOL, Q8_MEAN_TOL = 0.3, 0.04
 #: lowest mean fraction of greedy tokens before the first difference from fp32 (4 prompts x 24
 #: tokens); measured on the bundled model (AVX-512 + AMX machine, 2 threads): bf16 0.67, int8
 #: 0.89, int4 0.60 (int4 on the fallback route 0.67). The bounds leave room for other kernels'
@@ -313,10 +318,14 @@ def test_forced_fallback_route_runs_correctly(bundled_gguf, loaded_model):
     routes = {m.route for m in slow.model.modules() if isinstance(m, (Int4Linear, Int8Linear))}
     assert routes == {"fallback"}
     ref, got = _logits(loaded_model, TEXT), _logits(slow, TEXT)
-    fast = _logits(load_model(bundled_gguf, weights="int4"), TEXT)
+    fast_model = load_model(bundled_gguf, weights="int4")
+    fast = _logits(fast_model, TEXT)
     scale = ref.abs().max().item()
     assert (got - ref).abs().max().item() < FALLBACK_TOL * scale
-    assert (fast - got).abs().max().item() < FAST_TOL * scale
+    q8 = {m.kernel(fast.shape[0]) for m in fast_model.model.modules() if isinstance(m, Int4Linear)} == {"q8"}
+    assert (fast - got).abs().max().item() < (Q8_TOL if q8 else FAST_TOL) * scale
+    assert (fast - got).abs().mean().item() < Q8_MEAN_TOL * scale
+    assert (fast.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.8
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
     assert all(len(t) == 24 for t in _greedy(slow))
 
