@@ -24,6 +24,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
+from pagedkv import native
 from pagedkv.attention import get_backend
 from pagedkv.distributed import TPExecutor, check_tp_size
 from pagedkv.engine.config import EngineConfig
@@ -103,6 +104,8 @@ class LLMEngine:
         self.num_blocks = num_blocks
 
         self.backend = get_backend(cfg.attention_backend)
+        if torch.device(cfg.device).type == "cpu":
+            native.build_all()  # compile (first start) or load the C kernels now, not in the first request
         if tp == 1:
             self.runner = ModelRunner(
                 loaded.model, self.backend, mc.num_layers, num_blocks, cfg.block_size,

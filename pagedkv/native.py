@@ -1,0 +1,64 @@
+"""The engine's native CPU kernels, built together ahead of the first request.
+
+Each kernel is C compiled on first use with the system compiler and cached under
+``$PAGEDKV_CACHE_DIR`` (default ``~/.cache/pagedkv``), keyed by source, flags and CPU; a
+missing compiler leaves the torch code paths. Building them lazily put 10-17 s of compiling
+into a fresh install's first request, so ``make run`` / ``make test`` set-up runs
+``python -m pagedkv.native`` once and the engine calls :func:`build_all` at start (a cache
+hit only loads the libraries).
+
+* ``attention``: paged attention and K/V writes (``pagedkv.attention.cpu_kernel``)
+* ``fused``: RMSNorm, RoPE and activation passes of the decoder layer (``pagedkv.model.fused``)
+* ``sampler``: greedy and inverse-CDF picks (``pagedkv.engine.sample_ops``)
+* ``qmm``: integer matmuls of the int4/int8 weights (``pagedkv.model.qmm``)
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Any
+
+logger = logging.getLogger("pagedkv")
+
+
+def _kernels() -> dict[str, Any]:
+    from pagedkv.attention import cpu_kernel
+    from pagedkv.engine import sample_ops
+    from pagedkv.model import fused, qmm
+
+    return {"attention": cpu_kernel, "fused": fused, "sampler": sample_ops, "qmm": qmm}
+
+
+def build_all() -> dict[str, str | None]:
+    """Build (or load from the cache) every native kernel; returns ``{name: None}`` for each
+    one that loaded and ``{name: reason}`` for each that did not (the engine then runs its
+    torch path for that part). Logs once when building took over a second. Never raises."""
+    t0 = time.perf_counter()
+    status: dict[str, str | None] = {}
+    for name, mod in _kernels().items():
+        status[name] = None if mod.get() is not None else (mod.build_error() or "unavailable")
+    took = time.perf_counter() - t0
+    if took > 1.0:
+        logger.info("native kernels built in %.1fs (cached for later starts): %s", took,
+                    ", ".join(f"{k} {'ok' if v is None else 'off: ' + v}" for k, v in status.items()))
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pagedkv.native``: build every kernel now (set-up step), print one line
+    each; exit status 0 even when some cannot build (the torch paths still work)."""
+    from pagedkv.model import qmm
+
+    t0 = time.perf_counter()
+    status = build_all()
+    for name, err in status.items():
+        extra = f" ({qmm.get().isa})" if name == "qmm" and err is None else ""
+        print(f"[pagedkv] native kernel {name}: {'ok' + extra if err is None else 'off: ' + err}")
+    print(f"[pagedkv] native kernels ready in {time.perf_counter() - t0:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
