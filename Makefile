@@ -2,6 +2,7 @@
 #   make run   - create .venv, install everything, run the main job on the bundled model
 #   make test  - same set-up, then the whole test suite
 #   make test-fast - the suite without the model-loading tests
+#   make test-avx2 - the quantisation/route tests as an AVX2-only host (PAGEDKV_CPU_ISA=avx2)
 #   make peers - the optional benchmark peers (llama.cpp, guidellm, llama-server); no test needs them
 PY      ?= python3.11
 VENV    := .venv
@@ -10,12 +11,12 @@ STAMP   := $(VENV)/.installed
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: run test test-fast install peers clean
+.PHONY: run test test-fast test-avx2 install peers clean
 
 # The suite shares two cores with whatever else runs: sleeping OpenMP threads keep it from
 # starving other processes. Serving and benchmarks want the default (spinning) policy: with
 # PASSIVE a batch-1 decode step is about 1.9x slower (docs/performance.md), so only these set it.
-test test-fast: export OMP_WAIT_POLICY ?= PASSIVE
+test test-fast test-avx2: export OMP_WAIT_POLICY ?= PASSIVE
 
 $(STAMP): pyproject.toml constraints-clients.txt
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -38,6 +39,11 @@ run: $(STAMP)
 test: $(STAMP)
 	@bash scripts/install_browser.sh $(VPY) >/dev/null 2>&1 || echo "note: chromium not installed; the /ui browser test needs it (scripts/install_browser.sh as root)"
 	$(VPY) -m pytest -q -p no:cacheprovider --durations=25 tests
+
+# The quantisation/route tests again as an AVX2-only host (no AVX-512, VNNI or AMX; torch and
+# oneDNN capped to match) on whatever CPU runs them: CI runs this after `make test`.
+test-avx2: $(STAMP)
+	PAGEDKV_CPU_ISA=avx2 $(VPY) -m pytest -q -p no:cacheprovider tests/model/test_quant.py tests/model/test_qmm.py tests/test_cpu_isa.py
 
 # The suite without the tests that load the bundled model (marked slow): a quick check.
 test-fast: $(STAMP)

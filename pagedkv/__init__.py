@@ -3,12 +3,17 @@
     from pagedkv import LLM, SamplingParams
 """
 
+from pagedkv import cpu_isa as _cpu_isa
 from pagedkv.errors import (  # noqa: F401
     ConfigError,
     InvalidRequestError,
     NoFreeBlocksError,
     PagedKVError,
 )
+
+# $PAGEDKV_CPU_ISA caps torch's and oneDNN's kernels too: their variables must be set before
+# torch is imported, so first (nothing above imports torch)
+_cpu_isa.apply_env()
 
 __version__ = "0.1.0"
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import pagedkv  # noqa: E402,F401 - first: applies $PAGEDKV_CPU_ISA's caps before torch is imported
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

@@ -3,7 +3,8 @@
 The C file has no Python or torch headers, so it compiles in about a second with the system C
 compiler (``$CC``, else ``cc``/``gcc``/``clang``). The shared object is cached under
 ``$PAGEDKV_CACHE_DIR`` (default ``~/.cache/pagedkv``), keyed by the source, the flags and the
-CPU's feature flags (it is built with ``-march=native``). OpenMP comes from the same
+CPU's feature flags (it is built with ``pagedkv.cpu_isa.march_flags()``: ``-march=native``, or
+``-march=x86-64-v3`` under ``PAGEDKV_CPU_ISA=avx2``). OpenMP comes from the same
 ``libgomp.so.1`` torch already loaded, so the kernel shares torch's thread pool runtime.
 
 ``get()`` returns ``None`` (and the CPU backend uses its torch path) when there is no compiler,
@@ -26,9 +27,10 @@ from typing import Sequence
 import torch
 
 from pagedkv.attention.layouts import PagedKVCache
+from pagedkv.cpu_isa import march_flags
 
 _SRC = Path(__file__).with_name("_cpu_kernel.c")
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
+_FLAGS = ["-O3", *march_flags(), "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
           "-fassociative-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # query/output; plain caches likewise
 # quantised caches: pagedkv.attention.quant.QuantFormat.kernel_id (2 int8, 3 fp8_e4m3, 4 fp8_e5m2)

@@ -86,10 +86,23 @@ def machine_info(num_threads: int | None = None) -> dict[str, Any]:
         "python": platform.python_version(),
         "torch_threads": num_threads if num_threads is not None else torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY") or "default",
+        "cpu_isa": _cpu_isa(),
         "packages": versions,
         "commit": git_commit(),
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+
+
+def _cpu_isa() -> dict[str, Any]:
+    """The CPU profile the kernels ran under (``pagedkv.cpu_isa``: class, cap, flags, ATen's
+    capability, oneDNN's ISA, the C kernels' -march)."""
+    from pagedkv import cpu_isa
+    from pagedkv.errors import ConfigError
+
+    try:
+        return cpu_isa.profile().as_dict()
+    except ConfigError as e:
+        return {"error": str(e)}
 
 
 def load_average() -> Optional[float]:

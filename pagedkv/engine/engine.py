@@ -24,7 +24,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from pagedkv import native
+from pagedkv import cpu_isa, native
 from pagedkv.attention import get_backend
 from pagedkv.distributed import TPExecutor, check_tp_size
 from pagedkv.engine.config import EngineConfig
@@ -57,6 +57,7 @@ class LLMEngine:
     def __init__(self, model: Any = None, **kwargs: Any) -> None:
         cfg = self.config = EngineConfig.from_kwargs(kwargs)
         self.dtype = dtype = torch_dtype(cfg.dtype)
+        logger.info("CPU: %s", cpu_isa.profile().summary())  # ConfigError for a bad $PAGEDKV_CPU_ISA
         weights, why = resolve_weights(cfg.weights, dtype, cfg.device, cfg.tensor_parallel_size)
         if isinstance(model, LoadedModel):
             loaded = model

@@ -20,11 +20,12 @@ from pathlib import Path
 import torch
 
 from pagedkv.attention.cpu_kernel import BuiltOnce, compile_c
+from pagedkv.cpu_isa import march_flags
 
 _SRC = Path(__file__).with_name("_sample_ops.c")
 _ARGMAX_BLOCK = 1024  # tokens per block maximum of the greedy pick
 # plain IEEE arithmetic (no reassociation beyond the explicit lanes of the C code)
-_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+_FLAGS = ["-O3", *march_flags(), "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 
 
 class SampleOps:

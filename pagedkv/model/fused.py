@@ -22,11 +22,12 @@ from pathlib import Path
 import torch
 
 from pagedkv.attention.cpu_kernel import BuiltOnce, compile_c
+from pagedkv.cpu_isa import march_flags
 
 _SRC = Path(__file__).with_name("_fused_ops.c")
 # unlike the attention kernel's flags, no -ffp-contract=fast / -fassociative-math: the float32
 # results should round as torch's element-wise ops do (the tests compare them to 2e-6)
-_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-fPIC", "-shared",
+_FLAGS = ["-O3", *march_flags(), "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-fPIC", "-shared",
           "-std=c11"]
 _DT = {torch.float32: 0, torch.bfloat16: 1}
 

@@ -25,9 +25,10 @@ from typing import NamedTuple
 import torch
 
 from pagedkv.attention.cpu_kernel import BuiltOnce, compile_c
+from pagedkv.cpu_isa import march_flags
 
 _SRC = Path(__file__).with_name("_qmm.c")
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math", "-fopenmp",
+_FLAGS = ["-O3", *march_flags(), "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math", "-fopenmp",
           "-fPIC", "-shared", "-std=c11"]
 QK = 32  # values per activation / weight block
 #: ``max_rows`` where the integer kernels take every input (no other kernel of the format is built)

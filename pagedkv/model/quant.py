@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedkv import cpu_isa
 from pagedkv.errors import ConfigError
 from pagedkv.model import qmm
 from pagedkv.model.int8_mm import dynamic_int8_mm, onednn_int8, register_int8
@@ -105,7 +106,8 @@ def route_boundaries(model: nn.Module) -> list[int]:
 class CpuFeatures:
     """What the running CPU (as torch sees it) offers the weight kernels. ``capability``:
     ``torch.backends.cpu.get_cpu_capability()`` (``AVX512``, ``AVX2``, ``DEFAULT``, ...; the
-    ``ATEN_CPU_CAPABILITY`` environment variable lowers it); the rest from torch's cpuinfo."""
+    ``ATEN_CPU_CAPABILITY`` environment variable lowers it); the rest from the CPU profile
+    (``pagedkv.cpu_isa``, capped by ``$PAGEDKV_CPU_ISA``)."""
 
     capability: str
     avx512_bf16: bool
@@ -132,6 +134,16 @@ class CpuFeatures:
         cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
         return (self.vnni or self.amx) and cap not in ("SSE41", "AVX", "AVX2", "AVX512_CORE")
 
+    @property
+    def int8_refusal(self) -> str | None:
+        """Why dynamic int8 is off on this CPU (``None``: it is on), for messages and tests."""
+        if self.int8_exact:
+            return None
+        if self.vnni or self.amx:
+            return "oneDNN is capped below VNNI ($ONEDNN_MAX_CPU_ISA), so its u8 x s8 sums saturate in int16"
+        return (f"no VNNI or AMX-INT8 here (capability {self.capability}): u8 x s8 products would be "
+                "summed in int16 with saturation, which dynamic int8's codes overflow")
+
     def as_dict(self) -> dict[str, Any]:
         return {"capability": self.capability, "avx512_bf16": self.avx512_bf16, "amx": self.amx,
                 "vnni": self.vnni, "int_kernels_fast": self.int_kernels_fast, "bf16_fast": self.bf16_fast,
@@ -140,19 +152,11 @@ class CpuFeatures:
 
 @functools.lru_cache(maxsize=1)
 def cpu_features() -> CpuFeatures:
-    """The running CPU's ``CpuFeatures`` (cached for the process)."""
-    cpu = torch.cpu
-
-    def flag(name: str) -> bool:
-        fn = getattr(cpu, name, None)
-        return bool(fn()) if fn is not None else False
-
-    return CpuFeatures(
-        capability=str(torch.backends.cpu.get_cpu_capability()),
-        avx512_bf16=flag("_is_avx512_bf16_supported"),
-        amx=flag("_is_amx_tile_supported"),
-        vnni=flag("_is_vnni_supported") or bool(getattr(cpu, "get_capabilities", dict)().get("avx_vnni")),
-    )
+    """The running CPU's ``CpuFeatures`` (cached for the process), from ``cpu_isa.profile()``:
+    under ``PAGEDKV_CPU_ISA=avx2`` no VNNI, AMX or AVX512-BF16. Raises ``ConfigError`` for a
+    bad ``$PAGEDKV_CPU_ISA``."""
+    p = cpu_isa.profile()
+    return CpuFeatures(capability=p.aten_capability, avx512_bf16=p.avx512_bf16, amx=p.amx, vnni=p.vnni)
 
 
 def auto_route(fmt: str, features: CpuFeatures | None = None) -> str:
@@ -199,7 +203,9 @@ def resolve_weights(
             return model, f"auto: the {model} model's own weights (quantised formats: fp32 models on one CPU)"
         f = features or cpu_features()
         if auto_route("int4", f) == "fast":
-            return "int4", f"auto: int4 kernel vectorised on this CPU (capability {f.capability})"
+            int8 = ("dynamic int8 on" if f.int8_exact else "no dynamic int8: oneDNN capped below VNNI"
+                    if f.vnni or f.amx else "no dynamic int8: no VNNI/AMX-INT8")
+            return "int4", f"auto: int4 kernel vectorised on this CPU (capability {f.capability}; {int8})"
         if auto_route("bf16", f) == "fast":
             return "bf16", f"auto: native bf16 matmul on this CPU (AVX512-BF16/AMX, capability {f.capability})"
         return "fp32", f"auto: no fast bf16/int8/int4 kernel on this CPU (capability {f.capability})"

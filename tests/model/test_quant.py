@@ -20,7 +20,58 @@ AVX512_AMX = CpuFeatures("AVX512", avx512_bf16=True, amx=True, vnni=True)
 AVX512_PLAIN = CpuFeatures("AVX512", avx512_bf16=False, amx=False, vnni=False)
 AVX2 = CpuFeatures("AVX2", avx512_bf16=False, amx=False, vnni=False)
 NO_SIMD = CpuFeatures("DEFAULT", avx512_bf16=False, amx=False, vnni=False)
+
+
+class VnniHost(CpuFeatures):
+    """A VNNI host's features whatever this process's oneDNN cap (``PAGEDKV_CPU_ISA=avx2`` sets
+    one): for route logic only, where no int8 matmul runs (prepacking weights is no matmul)."""
+
+    @property
+    def int8_exact(self) -> bool:
+        return True
+
+
+VNNI = VnniHost("AVX512", avx512_bf16=False, amx=False, vnni=True)
+
+
+def int8_here() -> bool:
+    """Whether this process's CPU profile runs dynamic int8 (VNNI or AMX-INT8, oneDNN not capped
+    below it): every test that runs the int8 kernels asserts them here, else that they refuse."""
+    return quant.cpu_features().int8_exact
+
+
+def assert_int8_refused(m) -> None:
+    """What an AVX2 profile gets: a layer without int8 weights whose int8 matmul refuses, and
+    the CPU's features saying why."""
+    why = quant.cpu_features().int8_refusal
+    assert why is not None and "VNNI" in why, why
+    assert m.int8_rows == 0 and m._w8_packed is None and m._w8_t is None
+    assert getattr(m, "int8_key", None) is None and not m.dynamic_int8(64)
+    with pytest.raises(RuntimeError, match="route is off"):
+        m.int8_matmul(torch.zeros(2, m.in_features, dtype=torch.uint8))
+
+
+class ExactInt8:
+    """A stand-in layer for ``pagedkv::int8_linear`` whose int8 matmul sums exactly in int64
+    (any CPU): ``dynamic_int8_mm``'s rounding of the activations, tested without VNNI."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor) -> None:
+        self.q, self.scale, self.out_features = q, scale, q.shape[0]
+        self.int8_key = quant.register_int8(self)
+
+    def int8_matmul(self, qx: torch.Tensor) -> torch.Tensor:
+        return ((qx.long() - 128) @ self.q.long().T).double().mul_(self.scale.double()).float()
+
+    def release_int8(self) -> None:
+        pass
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small robot", "Water boils at"]
+
+
+@pytest.fixture
+def other_kernels(monkeypatch):
+    """The formats' kernels besides ``qmm`` (tests/model/test_qmm.py): what AMX hosts run for
+    decode batches and prefill, and every host without a C compiler or with PAGEDKV_QMM=0."""
+    monkeypatch.setenv("PAGEDKV_QMM", "0")
 
 
 # ---- names, choice of auto, routes (no model) ------------------------------------------------
@@ -73,6 +124,7 @@ def test_routes_by_capability_and_forced_fallback(monkeypatch):
 
 # ---- the modules: both routes compute the same product ---------------------------------------
 
+@pytest.mark.usefixtures("other_kernels")
 @pytest.mark.parametrize("rows", [5, 80])  # the kernel (decode) and the wide (prefill) path
 @pytest.mark.parametrize("make", [BF16Linear, Int8Linear.from_float, Int4Linear.from_float])
 def test_fast_and_fallback_routes_agree(make, rows):
@@ -110,31 +162,40 @@ def test_int8_rows_from_the_environment(monkeypatch):
             int8_rows()
 
 
+@pytest.mark.usefixtures("other_kernels")
 @pytest.mark.parametrize("onednn", [True, False])
 def test_dynamic_int8_keeps_15_bits_of_the_activations(monkeypatch, onednn):
-    # onednn: prepacked weights through onednn::qlinear_pointwise; else torch._int_mm
+    # onednn: prepacked weights through onednn::qlinear_pointwise; else torch._int_mm. The
+    # rounding of the activations is checked on every CPU (an exact int8 matmul in int64); the
+    # kernels where the profile has VNNI/AMX-INT8, and on an AVX2 profile that they refuse
     monkeypatch.delenv("PAGEDKV_INT8_ROWS", raising=False)
     monkeypatch.setattr(quant, "onednn_int8", lambda: onednn)
     g = torch.Generator().manual_seed(3)
     q = torch.randint(-127, 128, (40, 96), generator=g).to(torch.int8)
     scale = torch.rand(40, generator=g) * 0.01 + 1e-3
     m = Int8Linear(q, scale).prepare("fast")
-    assert (m._w8_packed is not None) == onednn and (m._w8_t is None) == onednn
     x = torch.randn(12, 96, generator=g)
     x[3, 7] = 60.0  # an outlier channel: one int8 row per token would lose the rest of row 3
     ref = x.double() @ (q.double() * scale.double()[:, None]).T
-    got = dynamic_int8_mm(x, m)
-    assert got.dtype == torch.float32 and got.shape == (12, 40)
     # activation error <= max|row| / 127 / 254 / 2 per element, times sum |w| over the row
     bound = (x.abs().amax(1, keepdim=True).double() / 127 / 254 / 2) @ (q.double().abs() * scale.double()[:, None]).sum(1, keepdim=True).T
-    assert ((got.double() - ref).abs() <= bound + 1e-5).all()
-    assert torch.equal(dynamic_int8_mm(torch.zeros(2, 96), m), torch.zeros(2, 40))
+    exact = ExactInt8(q, scale)
+    for layer in (exact, m) if int8_here() else (exact,):
+        got = dynamic_int8_mm(x, layer)
+        assert got.dtype == torch.float32 and got.shape == (12, 40)
+        assert ((got.double() - ref).abs() <= bound + 1e-5).all()
+        assert torch.equal(dynamic_int8_mm(torch.zeros(2, 96), layer), torch.zeros(2, 40))
+    if not int8_here():
+        assert_int8_refused(m)
+        return
+    assert (m._w8_packed is not None) == onednn and (m._w8_t is None) == onednn
     # the int8 matmul itself: exact int32 sums of the offset codes, times the weight scales
     qx = torch.randint(0, 256, (5, 96), generator=g).to(torch.uint8)
     acc = (qx.long() - 128) @ q.long().T
     assert torch.allclose(m.int8_matmul(qx).double(), acc.double() * scale.double(), rtol=1e-6, atol=0)
 
 
+@pytest.mark.usefixtures("other_kernels")
 def test_int8_matmul_routes_agree_and_refuse_when_off(monkeypatch):
     monkeypatch.delenv("PAGEDKV_INT8_ROWS", raising=False)
     g = torch.Generator().manual_seed(5)
@@ -143,29 +204,52 @@ def test_int8_matmul_routes_agree_and_refuse_when_off(monkeypatch):
     packed = Int4Linear.from_float(w).prepare("fast")
     monkeypatch.setattr(quant, "onednn_int8", lambda: False)
     plain = Int4Linear.from_float(w).prepare("fast")
+    with pytest.raises(RuntimeError, match="no prepared int8 weights"):
+        torch.ops.pagedkv.int8_linear(qx, -1, 48)
+    if not int8_here():  # AVX2: neither layer has int8 weights; both refuse
+        assert_int8_refused(packed)
+        assert_int8_refused(plain)
+        return
     assert packed._w8_packed is not None and plain._w8_packed is None
     assert torch.allclose(packed.int8_matmul(qx), plain.int8_matmul(qx), rtol=1e-6, atol=1e-6)
     # the compiled steps' op finds each layer by its key
     assert torch.equal(torch.ops.pagedkv.int8_linear(qx, plain.int8_key, 48), plain.int8_matmul(qx))
-    with pytest.raises(RuntimeError, match="no prepared int8 weights"):
-        torch.ops.pagedkv.int8_linear(qx, -1, 48)
     plain.prepare("fallback")
     with pytest.raises(RuntimeError, match="route is off"):
         plain.int8_matmul(qx)
 
 
+#: the kernel of 1, 7, 8, 64, 65 and 600 rows on the fast route in int8/int4, with dynamic int8
+#: (VNNI/AMX-INT8) and without it (AVX2: weight-only bf16 kernel up to 64 rows, then wide)
+KERNELS_INT8 = ["bf16", "bf16", "int8", "int8", "int8", "int8"]
+KERNELS_AVX2 = ["bf16", "bf16", "bf16", "bf16", "wide", "wide"]
+
+
+@pytest.mark.usefixtures("other_kernels")
 @pytest.mark.parametrize("make", [Int8Linear.from_float, Int4Linear.from_float])
 def test_dynamic_int8_route_takes_decode_batches_from_int8_rows(monkeypatch, make):
     monkeypatch.delenv("PAGEDKV_INT8_ROWS", raising=False)
     g = torch.Generator().manual_seed(4)
     w = torch.randn(48, 96, generator=g) * 0.1
     bias = torch.randn(48, generator=g)
-    m = make(w, bias).prepare("fast")
-    assert m.int8_rows == 8
-    # prefill chunks too: from int8_rows up (no dequantised copy of the weights per call)
-    assert [m.dynamic_int8(r) for r in (1, 7, 8, 64, 65, 600)] == [False, False, True, True, True, True]
-    assert m.takes_bf16(7) and not m.takes_bf16(8)  # the route quantises float32 activations itself
-    assert [m.kernel(r) for r in (1, 7, 8, 64, 65, 600)] == ["bf16", "bf16", "int8", "int8", "int8", "int8"]
+    sizes = (1, 7, 8, 64, 65, 600)
+    with monkeypatch.context() as mp:  # the routes of a VNNI host and of an AVX2 one, on any CPU
+        mp.setattr(quant, "onednn_int8", lambda: False)
+        mp.setattr(quant, "cpu_features", lambda: VNNI)
+        m = make(w, bias).prepare("fast")
+        assert m.int8_rows == 8
+        # prefill chunks too: from int8_rows up (no dequantised copy of the weights per call)
+        assert [m.dynamic_int8(r) for r in sizes] == [False, False, True, True, True, True]
+        assert m.takes_bf16(7) and not m.takes_bf16(8)  # the route quantises float32 activations itself
+        assert [m.kernel(r) for r in sizes] == KERNELS_INT8
+        mp.setattr(quant, "cpu_features", lambda: AVX2)
+        m = make(w, bias).prepare("fast")
+        assert m.int8_rows == 0 and not any(m.dynamic_int8(r) for r in sizes)
+        assert m.takes_bf16(64) and not m.takes_bf16(65) and [m.kernel(r) for r in sizes] == KERNELS_AVX2
+    m = make(w, bias).prepare("fast")  # this process's profile: its kernels run
+    assert [m.kernel(r) for r in sizes] == (KERNELS_INT8 if int8_here() else KERNELS_AVX2)
+    if not int8_here():
+        assert_int8_refused(m)
     for rows in (16, 100):
         x = torch.randn(rows, 96, generator=g)
         ref = x @ m.dequantize().T + bias
@@ -177,6 +261,7 @@ def test_dynamic_int8_route_takes_decode_batches_from_int8_rows(monkeypatch, mak
     assert {m.kernel(r) for r in (1, 8, 65)} == {"fallback"}
 
 
+@pytest.mark.usefixtures("other_kernels")
 def test_compiled_decode_warms_a_graph_for_every_kernel_range(monkeypatch):
     # a compiled step branches where a linear changes kernel: int4/int8 on the fast route have
     # 1..7 rows (weight-only) and 8.. (dynamic int8, prefill chunks included); with dynamic
@@ -185,6 +270,8 @@ def test_compiled_decode_warms_a_graph_for_every_kernel_range(monkeypatch):
     from pagedkv.model.compiled import CompiledDecode
 
     monkeypatch.delenv("PAGEDKV_INT8_ROWS", raising=False)
+    monkeypatch.setattr(quant, "onednn_int8", lambda: False)
+    monkeypatch.setattr(quant, "cpu_features", lambda: VNNI)  # route logic only: any CPU
     w = torch.randn(32, 64)
     fast = torch.nn.Sequential(Int4Linear.from_float(w).prepare("fast"), Int8Linear.from_float(w).prepare("fast"))
     assert route_boundaries(fast) == [8]
@@ -197,12 +284,18 @@ def test_compiled_decode_warms_a_graph_for_every_kernel_range(monkeypatch):
     assert cd.warm_up_sizes() == [1, 2, 8]
     cd.max_rows = 512
     assert cd.warm_up_sizes() == [1, 2, 8]
-    monkeypatch.setenv("PAGEDKV_INT8_ROWS", "0")
-    cd.model = torch.nn.Sequential(Int4Linear.from_float(w).prepare("fast"))
-    assert route_boundaries(cd.model) == [65]
-    assert cd.warm_up_sizes() == [1, 2, 65]
-    cd.max_rows = 64
-    assert cd.warm_up_sizes() == [1, 2]
+    # an AVX2 CPU (no dynamic int8) has the same ranges as the route turned off
+    for features, rows in ((AVX2, None), (VNNI, "0")):
+        monkeypatch.setattr(quant, "cpu_features", lambda f=features: f)
+        if rows is not None:
+            monkeypatch.setenv("PAGEDKV_INT8_ROWS", rows)
+        cd.model = torch.nn.Sequential(Int4Linear.from_float(w).prepare("fast"),
+                                       Int8Linear.from_float(w).prepare("fast"))
+        assert route_boundaries(cd.model) == [65]
+        cd.max_rows = 512
+        assert cd.warm_up_sizes() == [1, 2, 65]
+        cd.max_rows = 64
+        assert cd.warm_up_sizes() == [1, 2]
 
 
 def test_int4_codes_round_trip_q4_1_values_exactly():
@@ -349,6 +442,7 @@ def test_perplexity_in_decode_sized_chunks_equals_the_whole_window_on_fp32(loade
     assert abs(chunked / whole - 1.0) < 1e-4, (whole, chunked)
 
 
+@pytest.mark.usefixtures("other_kernels")
 def test_dynamic_int8_only_where_int8_sums_are_exact(monkeypatch):
     # without VNNI, oneDNN's u8 x s8 kernels (and torch._int_mm) add pairs of products in int16
     # with saturation: dynamic int8's codes overflow it (under ONEDNN_MAX_CPU_ISA=AVX2 the
@@ -372,6 +466,7 @@ def test_dynamic_int8_only_where_int8_sums_are_exact(monkeypatch):
     torch.testing.assert_close(m(x), x @ m.dequantize().T, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.usefixtures("other_kernels")
 def test_int8_route_off_under_an_isa_cap_gives_exact_sums_end_to_end():
     import subprocess
     import sys
@@ -386,12 +481,13 @@ def test_int8_route_off_under_an_isa_cap_gives_exact_sums_end_to_end():
         "err = ((m(x).double() - ref).abs().max() / ref.abs().max()).item()\n"
         "print(m.int8_rows, m.kernel(100), err < 1e-2)\n"
     )
-    env = dict(__import__("os").environ, ONEDNN_MAX_CPU_ISA="AVX2")
+    env = dict(__import__("os").environ, ONEDNN_MAX_CPU_ISA="AVX2", PAGEDKV_QMM="0")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["0", "wide", "True"]
 
 
+@pytest.mark.usefixtures("other_kernels")
 def test_a_copied_quantised_linear_has_its_own_int8_weights():
     import copy
     import gc
@@ -399,7 +495,12 @@ def test_a_copied_quantised_linear_has_its_own_int8_weights():
     g = torch.Generator().manual_seed(8)
     a = Int4Linear.from_float(torch.randn(48, 64, generator=g), torch.randn(48, generator=g)).prepare("fast")
     b = copy.deepcopy(a)
-    assert isinstance(b, Int4Linear) and b.route == a.route and b.int8_key != a.int8_key
+    assert isinstance(b, Int4Linear) and b.route == a.route
+    if int8_here():
+        assert b.int8_key != a.int8_key
+    else:  # AVX2: neither has int8 weights; the copy runs the same kernels
+        assert_int8_refused(a)
+        assert_int8_refused(b)
     assert torch.equal(b.qcodes, a.qcodes) and b.qcodes.data_ptr() != a.qcodes.data_ptr()
     x = torch.randn(16, 64, generator=g)
     want = a(x)
@@ -408,13 +509,22 @@ def test_a_copied_quantised_linear_has_its_own_int8_weights():
     assert torch.equal(b(x), want)  # its own prepacked weights, the original gone
 
 
-def test_released_int8_weights_leave_the_layer_on_its_other_kernels(monkeypatch):
-    # what the exit hook does to every registered layer before the interpreter tears down
+@pytest.mark.usefixtures("other_kernels")
+@pytest.mark.parametrize("features", ["vnni", "profile"])
+def test_released_int8_weights_leave_the_layer_on_its_other_kernels(monkeypatch, features):
+    # what the exit hook does to every registered layer before the interpreter tears down.
+    # "vnni": a VNNI host's layer on any CPU (prepacked, released before any int8 matmul runs);
+    # "profile": this process's CPU (an AVX2 profile never had int8 weights: nothing to release)
     monkeypatch.delenv("PAGEDKV_INT8_ROWS", raising=False)
+    if features == "vnni":
+        monkeypatch.setattr(quant, "cpu_features", lambda: VNNI)
     g = torch.Generator().manual_seed(9)
     m = Int8Linear.from_float(torch.randn(48, 64, generator=g)).prepare("fast")
     x = torch.randn(100, 64, generator=g)
-    assert m.kernel(100) == "int8" and m._w8_packed is not None
+    if features == "vnni" or int8_here():
+        assert m.kernel(100) == "int8" and (m._w8_packed is not None) == quant.onednn_int8()
+    else:
+        assert_int8_refused(m)
     m.release_int8()
     assert m.int8_rows == 0 and m._w8_packed is None and m._w8_scale is None
     assert m.kernel(100) == "wide" and m.kernel(8) == "bf16"
