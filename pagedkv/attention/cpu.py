@@ -143,6 +143,18 @@ class CPUBackend(LayoutMemory):
         window, cap = check_window(sliding_window, logits_soft_cap)
         return _write_attend(args, query, key, value, kv_cache, scale, window, cap)
 
+    def native_step_args(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         kv_caches: Sequence[L.PagedKVCache], metadata: AttentionMetadata):
+        """The C kernel's prepared arguments ``(kernel, byref(LayerArgs), LayerArgs)`` for a step
+        whose every layer attends ``query``-shaped rows over caches of ``kv_caches[0]``'s
+        geometry with ``metadata`` (``pagedkv.model.native_step`` calls ``pagedkv_write_attend``
+        itself with them); ``None`` when a cache differs in geometry or the step needs the
+        torch path. The checks are :meth:`write_and_forward`'s (``BackendError``)."""
+        geom = _geometry(kv_caches[0])
+        if any(_geometry(c) != geom for c in kv_caches[1:]):
+            return None
+        return self._fused_args(query, key, value, kv_caches[0], metadata)
+
     def step_attention(self, kv_caches: Sequence[L.PagedKVCache], metadata: AttentionMetadata,
                        options: Sequence[tuple[float, int | None, float | None]], table=None):
         """Every layer's attention for one step whose layers share ``metadata`` (a compiled

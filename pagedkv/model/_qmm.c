@@ -5,12 +5,11 @@
  * int8 codes q = round(x / d), d = max|x| / 127, with d and the exact float sum of the block
  * kept beside them (the Q8 block of GGUF's q8_1, with an exact sum).
  *
- * Weights:
- *  - int4 (Q4_1 blocks): w = d_w * c + m, codes c in 0..15. Repacked per output row into
- *    16 bytes a block (byte j: element j in the low nibble, element j + 16 in the high one),
- *    d_w and m float32 [N, K/32]. Per block: sum_k w x ~= d_w d_x sum(c q) + m sum(x).
- *  - int8 (per output channel): w = s_w[o] * c, c in -127..127, plain [N, K] int8.
- *    Per block: d_x sum(c q); the row times s_w.
+ * Weights (the layouts below, "interleaved"):
+ *  - int4 (Q4_1 blocks): w = d_w * c + m, codes c in 0..15, d_w and m fp16 per block of 32.
+ *    Per block: sum_k w x ~= d_w d_x sum(c q) + m sum(x).
+ *  - int8 (per output channel): w = s_w[o] * c, c in -127..127. Per block: d_x sum(c q); the
+ *    column times s_w.
  * The integer block sums are exact: u8 x s8 products added in pairs in int16 (AVX2's
  * vpmaddubsw) stay below 2^15 for these ranges (15 * 127 * 2 for int4; for int8 the sign is
  * moved onto q and |c| <= 127, 127 * 127 * 2), then added in int32 (vpmaddwd); VNNI's
@@ -28,6 +27,31 @@
 #endif
 
 #define QK 32
+
+/* IEEE half -> float (the int4 scales are stored as fp16, like GGUF's Q4_1) */
+static inline float half_to_float(uint16_t h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000 | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
 #define ROW_TILE 4
 /* products below this many multiply-adds run on one thread (a thread start costs ~5-10 us) */
 #define PAR_MACS 200000
@@ -102,7 +126,7 @@ static int quantize_rows(const float *x, int64_t xs, int64_t rows, int64_t k, qr
 /* ---- weights, 8 output columns interleaved ------------------------------------------------
  * int4: per group g of 8 columns and block b, 4 steps t of 32 bytes; byte 4i + j of step t
  * holds column 8g + i's element 32b + 8t + j (low nibble) and 32b + 8t + 4 + j (high
- * nibble). d and m float32 [N/8][K/32][8].
+ * nibble). d and m fp16 [N/8][K/32][8] (GGUF Q4_1 stores them so).
  * int8: per group g and block b, 8 steps t of 32 bytes; byte 4i + j of step t is column
  * 8g + i's element 32b + 4t + j. Scales float32 [N].
  * So one u8 x s8 multiply-add of a weight vector with 4 activation bytes repeated 8 times
@@ -131,7 +155,7 @@ static inline __m256i bcast4(const int8_t *p) { /* 4 bytes repeated 8 times */
 #endif
 
 /* y[r0 + j, 8g .. 8g + 7] for j < NR (a constant at each call: accumulators in registers) */
-INLINE void q4_group(const int NR, int64_t nb, const uint8_t *wc, const float *wd, const float *wm,
+INLINE void q4_group(const int NR, int64_t nb, const uint8_t *wc, const uint16_t *wd, const uint16_t *wm,
                      const qrows_t *a, int64_t r0, float *y, int64_t ys, const float *bias) {
     const int8_t *xq = a->q + r0 * nb * QK;
     const float *xd = a->d + r0 * nb, *xs = a->s + r0 * nb;
@@ -156,7 +180,8 @@ INLINE void q4_group(const int NR, int64_t nb, const uint8_t *wc, const float *w
 #endif
             }
         }
-        __m256 d = _mm256_loadu_ps(wd + b * 8), m = _mm256_loadu_ps(wm + b * 8);
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wd + b * 8)));
+        __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wm + b * 8)));
         for (int j = 0; j < NR; j++) {
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
             __m256 p = _mm256_cvtepi32_ps(isum[j]);
@@ -182,7 +207,8 @@ INLINE void q4_group(const int NR, int64_t nb, const uint8_t *wc, const float *w
                         isum[i] += (c & 15) * x[e] + (c >> 4) * x[4 + e];
                     }
             for (int i = 0; i < 8; i++)
-                acc[i] += wd[b * 8 + i] * xd[j * nb + b] * (float)isum[i] + wm[b * 8 + i] * xs[j * nb + b];
+                acc[i] += half_to_float(wd[b * 8 + i]) * xd[j * nb + b] * (float)isum[i] +
+                          half_to_float(wm[b * 8 + i]) * xs[j * nb + b];
         }
         for (int i = 0; i < 8; i++) y[(r0 + j) * ys + i] = acc[i] + (bias ? bias[i] : 0.0f);
     }
@@ -234,48 +260,53 @@ INLINE void q8_group(const int NR, int64_t nb, const int8_t *wc, const float *sc
 
 /* ---- entry points --------------------------------------------------------------------------- */
 
-/* y [rows, n] (row stride ys) = x [rows, k] (row stride xs, float32) times int4 weights in the
- * interleaved layout above (codes: n * k / 2 bytes; d, m: n * k / 32 floats) + bias [n] (or
- * NULL). k a multiple of 32, n of 8. Returns 0, or -1 when out of memory. */
-int pagedkv_q4_linear(int64_t rows, int64_t k, int64_t n, const float *x, int64_t xs, const uint8_t *codes,
-                      const float *d, const float *m, const float *bias, float *y, int64_t ys) {
-    qrows_t a;
-    if (quantize_rows(x, xs, rows, k, &a)) return -1;
-    int64_t nb = k / QK;
-    #pragma omp parallel for if (rows * n * k >= PAR_MACS) schedule(static)
-    for (int64_t g = 0; g < n / 8; g++)
-        for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE)
-            BY_TILE(rows - r0, q4_group, nb, codes + g * nb * 128, d + g * nb * 8, m + g * nb * 8, &a, r0,
-                    y + 8 * g, ys, bias ? bias + 8 * g : NULL);
-    free(a.mem);
-    return 0;
-}
+/* One layer's packed weights (built once by qmm.py): fmt 4 = int4 (codes n * k / 2 bytes, d
+ * and m fp16 [n/8][k/32][8]), fmt 8 = int8 (codes n * k bytes, scale float32 [n]); bias
+ * float32 [n] or NULL. k a multiple of 32, n of 8. */
+typedef struct {
+    int64_t n, k;
+    int32_t fmt;
+    const void *codes;
+    const uint16_t *d, *m;
+    const float *scale, *bias;
+} qweights_t;
 
-/* y [rows, n] = x [rows, k] times int8 weights (interleaved layout, values -127..127) with
- * per-column scales [n], + bias [n] (or NULL). */
-int pagedkv_q8_linear(int64_t rows, int64_t k, int64_t n, const float *x, int64_t xs, const int8_t *codes,
-                      const float *scale, const float *bias, float *y, int64_t ys) {
+/* y [rows, n] (row stride n) = x [rows, k] (row stride xs, float32) times w, + bias.
+ * Returns 0, -1 when out of memory, -2 for an unknown format. */
+int pagedkv_qmm(const qweights_t *w, int64_t rows, const float *x, int64_t xs, float *y) {
+    if (w->fmt != 4 && w->fmt != 8) return -2;
     qrows_t a;
-    if (quantize_rows(x, xs, rows, k, &a)) return -1;
-    int64_t nb = k / QK;
-    #pragma omp parallel for if (rows * n * k >= PAR_MACS) schedule(static)
-    for (int64_t g = 0; g < n / 8; g++)
-        for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE)
-            BY_TILE(rows - r0, q8_group, nb, codes + g * nb * 256, scale + 8 * g, &a, r0, y + 8 * g, ys,
-                    bias ? bias + 8 * g : NULL);
+    if (quantize_rows(x, xs, rows, w->k, &a)) return -1;
+    int64_t nb = w->k / QK, n = w->n;
+    #pragma omp parallel for if (rows * n * w->k >= PAR_MACS) schedule(static)
+    for (int64_t g = 0; g < n / 8; g++) {
+        const float *bias = w->bias ? w->bias + 8 * g : NULL;
+        for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
+            if (w->fmt == 4)
+                BY_TILE(rows - r0, q4_group, nb, (const uint8_t *)w->codes + g * nb * 128, w->d + g * nb * 8,
+                        w->m + g * nb * 8, &a, r0, y + 8 * g, n, bias);
+            else
+                BY_TILE(rows - r0, q8_group, nb, (const int8_t *)w->codes + g * nb * 256, w->scale + 8 * g, &a, r0,
+                        y + 8 * g, n, bias);
+        }
+    }
     free(a.mem);
     return 0;
 }
 
 /* The interleaved int4 weights as float32 out [n, k] (w = d c + m), for wide inputs that a
  * float matmul multiplies faster. */
-void pagedkv_q4_dequant(int64_t k, int64_t n, const uint8_t *codes, const float *d, const float *m, float *out) {
+void pagedkv_q4_dequant(int64_t k, int64_t n, const uint8_t *codes, const uint16_t *d, const uint16_t *m, float *out) {
     int64_t nb = k / QK;
     #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < n / 8; g++)
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *c = codes + (g * nb + b) * 128;
-            const float *dd = d + (g * nb + b) * 8, *mm = m + (g * nb + b) * 8;
+            float dd[8], mm[8];
+            for (int i = 0; i < 8; i++) {
+                dd[i] = half_to_float(d[(g * nb + b) * 8 + i]);
+                mm[i] = half_to_float(m[(g * nb + b) * 8 + i]);
+            }
             for (int t = 0; t < 4; t++)
                 for (int i = 0; i < 8; i++)
                     for (int e = 0; e < 4; e++) {

@@ -289,6 +289,8 @@ class LlamaForCausalLM(nn.Module):
         self.embed_scale = float(torch.tensor(config.embed_scale, dtype=dtype))
         self._fused_state: str | None = None  # "on" / "off (why)" once the first forward ran
         self.compiled: Any = None  # a pagedkv.model.compiled.CompiledDecode once enabled
+        self._native: Any = None  # a pagedkv.model.native_step.NativeDecoder, set with the fused ops
+        self.native_state: str | None = None  # "on" / "off (why)" once the first forward ran
 
     def _attach_fused(self) -> None:
         """Give the fusable layers the fused CPU ops (float32 model on the CPU and the ops
@@ -299,6 +301,9 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             layer.fused = ops if layer.fusable else None
         self._fused_state = "on" if ops is not None else f"off ({fused.build_error() or 'not a float32 CPU model'})"
+        from pagedkv.model.native_step import NativeDecoder
+
+        self._native, self.native_state = NativeDecoder.create(self) if ops is not None else (None, "off (no fused ops)")
 
     # ---- info for the engine -------------------------------------------------------------
     @property
@@ -369,6 +374,9 @@ class LlamaForCausalLM(nn.Module):
         if self._fused_state is None:
             self._attach_fused()
         rope, residual = self._rope_rows(positions), self._embed(input_ids)
+        if not per_layer and self._native is not None and self._native.run(residual, *rope[0], kv_caches,
+                                                                              attn_metadata, backend):
+            return self._final_norm(residual)
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             cos, sin = rope[1 if layer.local_rope else 0]
             layer(residual, cos, sin, cache, attn_metadata[i] if per_layer else attn_metadata, backend)

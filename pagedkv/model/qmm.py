@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
@@ -50,26 +49,35 @@ def max_rows(amx: bool, int8_rows: int) -> int:
     return int8_rows if int8_rows > 0 else 65
 
 
-class PackedInt4(NamedTuple):
-    """int4 weights ``w = d c + m`` (codes 0..15, blocks of 32 along K) in the kernel's
-    layout: 8 output columns interleaved (``_qmm.c`` describes it). ``codes`` uint8
-    ``[N * K / 2]``, ``d`` and ``m`` float32 ``[N * K / 32]``; ``n`` out, ``k`` in features."""
+class QWeights(ctypes.Structure):
+    """``qweights_t`` of ``_qmm.c``: one layer's packed weights, handed to the kernel by
+    pointer (built once per layer: a call converts only the activation arguments)."""
 
-    codes: torch.Tensor
-    d: torch.Tensor
-    m: torch.Tensor
-    n: int
-    k: int
+    _fields_ = [("n", ctypes.c_int64), ("k", ctypes.c_int64), ("fmt", ctypes.c_int32), ("codes", ctypes.c_void_p),
+                ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
 
 
-class PackedInt8(NamedTuple):
-    """int8 weights ``w = scale[o] c`` (codes -127..127) in the kernel's layout: ``codes``
-    int8 ``[N * K]``, ``scale`` float32 ``[N]``."""
+class Packed:
+    """A layer's weights in the kernels' layout (8 output columns interleaved; ``_qmm.c``
+    describes it): ``fmt`` 4 (int4: ``codes`` uint8 ``[N * K / 2]``, ``d`` and ``m`` float16
+    ``[N * K / 32]``, ``w = d c + m``) or 8 (int8: ``codes`` int8 ``[N * K]``, ``scale``
+    float32 ``[N]``, ``w = scale[o] c``); ``bias`` float32 ``[N]`` or ``None``. Holds the
+    tensors its ``QWeights`` points into. Build with :func:`pack_int4` / :func:`pack_int8`."""
 
-    codes: torch.Tensor
-    scale: torch.Tensor
-    n: int
-    k: int
+    def __init__(self, fmt: int, n: int, k: int, codes: torch.Tensor, d: torch.Tensor | None = None,
+                 m: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None) -> None:
+        if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (n,)):
+            raise ValueError(f"bias: need float32 [{n}], got {bias.dtype} {tuple(bias.shape)}")
+        self.fmt, self.n, self.k = fmt, n, k
+        self.codes, self.d, self.m, self.scale = codes, d, m, scale
+        self.bias = None if bias is None else bias.contiguous()
+
+        def ptr(t: torch.Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+
+        self.struct = QWeights(n, k, fmt, codes.data_ptr(), ptr(d), ptr(m), ptr(scale), ptr(self.bias))
+        self.ref = ctypes.byref(self.struct)
 
 
 def _check_nk(n: int, k: int) -> None:
@@ -77,57 +85,41 @@ def _check_nk(n: int, k: int) -> None:
         raise ValueError(f"weights [{n}, {k}]: need out features a multiple of 8 and in features a multiple of {QK}")
 
 
-def pack_int4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> PackedInt4:
+def pack_int4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None = None) -> Packed:
     """Unpacked codes ``[N, K]`` (values 0..15, any integer dtype) with ``d``, ``m``
-    ``[N, K / 32]`` -> :class:`PackedInt4`. Raises ``ValueError`` unless N % 8 == 0 and
-    K % 32 == 0 (the caller keeps its other kernels then)."""
+    ``[N, K / 32]`` (stored as float16, exact for GGUF's Q4_1 and ``Int4Linear.from_float``)
+    and an optional ``bias`` ``[N]`` -> :class:`Packed`. Raises ``ValueError`` unless
+    N % 8 == 0 and K % 32 == 0 (the caller keeps its other kernels then)."""
     n, k = codes.shape
     _check_nk(n, k)
     c = codes.to(torch.uint8).reshape(n // 8, 8, k // QK, 4, 2, 4)  # g, i, b, t, lo/hi, e
     packed = (c[:, :, :, :, 0] | (c[:, :, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)  # g, b, t, i, e
+
     def cols(t: torch.Tensor) -> torch.Tensor:
-        return t.float().reshape(n // 8, 8, k // QK).permute(0, 2, 1).contiguous().reshape(-1)
-    return PackedInt4(packed.contiguous().reshape(-1), cols(d), cols(m), n, k)
+        return t.to(torch.float16).reshape(n // 8, 8, k // QK).permute(0, 2, 1).contiguous().reshape(-1)
+
+    return Packed(4, n, k, packed.contiguous().reshape(-1), d=cols(d), m=cols(m), bias=bias)
 
 
-def pack_int8(codes: torch.Tensor, scale: torch.Tensor) -> PackedInt8:
-    """int8 codes ``[N, K]`` (-127..127) with per-row ``scale`` ``[N]`` -> :class:`PackedInt8`.
+def pack_int8(codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> Packed:
+    """int8 codes ``[N, K]`` (-127..127) with per-row ``scale`` ``[N]`` -> :class:`Packed`.
     Raises ``ValueError`` for shapes the kernel does not take or a code of -128."""
     n, k = codes.shape
     _check_nk(n, k)
     if codes.dtype != torch.int8 or bool((codes == -128).any()):
         raise ValueError("int8 codes must be int8 in -127..127")
     c = codes.reshape(n // 8, 8, k // QK, 8, 4).permute(0, 2, 3, 1, 4)  # g, b, t, i, e
-    return PackedInt8(c.contiguous().reshape(-1), scale.float().contiguous(), n, k)
-
-
-def _check_x(x: torch.Tensor, k: int) -> None:
-    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
-        raise ValueError(f"x: need a CPU float32 [rows, {k}] tensor with unit column stride, got {x.dtype} "
-                         f"{tuple(x.shape)} strides {x.stride()} on {x.device}")
-
-
-def _check_bias(bias: torch.Tensor | None, n: int) -> int | None:
-    if bias is None:
-        return None
-    if bias.dtype != torch.float32 or not bias.is_contiguous() or tuple(bias.shape) != (n,):
-        raise ValueError(f"bias: need contiguous float32 [{n}], got {bias.dtype} {tuple(bias.shape)}")
-    return bias.data_ptr()
+    return Packed(8, n, k, c.contiguous().reshape(-1), scale=scale.float().contiguous(), bias=bias)
 
 
 class QmmOps:
-    """Callable wrappers of the compiled kernels on packed weights (:func:`pack_int4`,
-    :func:`pack_int8`). ``x`` is checked for what the C code assumes (a violation raises
-    ``ValueError``); the packed weights are trusted as packed."""
+    """Callable wrappers of the compiled kernels on :class:`Packed` weights."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self._q4 = lib.pagedkv_q4_linear
-        self._q4.argtypes = [i64, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64]
-        self._q4.restype = ctypes.c_int
-        self._q8 = lib.pagedkv_q8_linear
-        self._q8.argtypes = [i64, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, i64]
-        self._q8.restype = ctypes.c_int
+        self._qmm = lib.pagedkv_qmm
+        self._qmm.argtypes = [ptr, i64, ptr, i64, ptr]
+        self._qmm.restype = ctypes.c_int
         self._q4_deq = lib.pagedkv_q4_dequant
         self._q4_deq.argtypes = [i64, i64, ptr, ptr, ptr, ptr]
         self._q4_deq.restype = None
@@ -139,27 +131,23 @@ class QmmOps:
         #: the integer dot product of this build: ``avx512-vnni``, ``avx-vnni``, ``avx2`` or ``scalar``
         self.isa: str = isa().decode()
 
-    def linear(self, x: torch.Tensor, w: PackedInt4 | PackedInt8, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``x`` float32 ``[R, K]`` (unit column stride) times the packed weights, plus
-        ``bias`` float32 ``[N]`` -> float32 ``[R, N]``: ``x``'s rows quantised to int8 blocks
-        of 32, exact integer block sums. Raises ``ValueError`` for bad inputs, ``MemoryError``
-        when the quantised activations cannot be allocated."""
-        _check_x(x, w.k)
+    def linear(self, x: torch.Tensor, w: Packed) -> torch.Tensor:
+        """``x`` float32 ``[R, K]`` (CPU, unit column stride) times the packed weights, plus
+        their bias -> float32 ``[R, N]``: ``x``'s rows quantised to int8 blocks of 32, exact
+        integer block sums. Raises ``ValueError`` for another ``x``, ``MemoryError`` when the
+        quantised activations cannot be allocated."""
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != w.k or x.stride(1) != 1 or x.is_cuda:
+            raise ValueError(f"x: need a CPU float32 [rows, {w.k}] tensor with unit column stride, got {x.dtype} "
+                             f"{tuple(x.shape)} strides {x.stride()} on {x.device}")
         y = torch.empty(x.shape[0], w.n)
-        if isinstance(w, PackedInt4):
-            rc = self._q4(x.shape[0], w.k, w.n, x.data_ptr(), x.stride(0), w.codes.data_ptr(), w.d.data_ptr(),
-                          w.m.data_ptr(), _check_bias(bias, w.n), y.data_ptr(), w.n)
-        else:
-            rc = self._q8(x.shape[0], w.k, w.n, x.data_ptr(), x.stride(0), w.codes.data_ptr(), w.scale.data_ptr(),
-                          _check_bias(bias, w.n), y.data_ptr(), w.n)
-        if rc:
+        if self._qmm(w.ref, x.shape[0], x.data_ptr(), x.stride(0), y.data_ptr()):
             raise MemoryError("qmm: no memory for the quantised activations")
         return y
 
-    def dequantize(self, w: PackedInt4 | PackedInt8) -> torch.Tensor:
+    def dequantize(self, w: Packed) -> torch.Tensor:
         """The packed weights as float32 ``[N, K]`` (one pass, OpenMP)."""
         out = torch.empty(w.n, w.k)
-        if isinstance(w, PackedInt4):
+        if w.fmt == 4:
             self._q4_deq(w.k, w.n, w.codes.data_ptr(), w.d.data_ptr(), w.m.data_ptr(), out.data_ptr())
         else:
             self._q8_deq(w.k, w.n, w.codes.data_ptr(), w.scale.data_ptr(), out.data_ptr())

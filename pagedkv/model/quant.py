@@ -98,6 +98,9 @@ def route_boundaries(model: nn.Module) -> list[int]:
     return sorted(out)
 
 
+_QMM: qmm.QmmOps | None = None  # the integer kernels, once a layer has packed weights for them
+
+
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """``t`` contiguous and 64-byte aligned (a copy if needed): the AVX-512 int8 kernel loads
     aligned vectors, and tensors memory-mapped from a safetensors file need not be."""
@@ -137,7 +140,7 @@ class QuantLinear(nn.Module):
         self._prepare_qmm()
         return self
 
-    def _pack_qmm(self) -> qmm.PackedInt4 | qmm.PackedInt8:
+    def _pack_qmm(self) -> qmm.Packed:
         """The weights in the integer kernels' layout (``pagedkv.model.qmm``); ``ValueError``
         for shapes they do not take."""
         raise ValueError("no integer kernel for this format")
@@ -146,9 +149,11 @@ class QuantLinear(nn.Module):
         """On the fast route, pack the weights for ``qmm`` (kernel ``"q8"``) when it is built
         and takes the shape; ``qmm_rows`` is the first row count it no longer runs (the rest
         keep the format's other kernels)."""
+        global _QMM
         self._qmm, self.qmm_rows = None, 0
         rows = qmm.max_rows(cpu_features().amx, int8_rows()) if self.route == "fast" else 0
-        if rows and qmm.get() is not None:
+        _QMM = qmm.get() if rows else _QMM
+        if rows and _QMM is not None:
             try:
                 self._qmm, self.qmm_rows = self._pack_qmm(), rows
             except ValueError:
@@ -162,7 +167,7 @@ class QuantLinear(nn.Module):
         ops = qmm.get()
         if self._qmm is None or ops is None:
             raise RuntimeError("qmm_forward: no integer-kernel weights for this layer")
-        return ops.linear(x, self._qmm, self.bias)
+        return ops.linear(x, self._qmm)
 
     def _int8_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(int8 [out, in], float32 scale [out])`` for dynamic int8, or ``None`` (no route)."""
@@ -239,14 +244,14 @@ class QuantLinear(nn.Module):
         return "wide" if self.route == "fast" else "fallback"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernel = self.kernel(x.shape[0])
-        if kernel == "q8":
+        if x.shape[0] < self.qmm_rows:  # kernel "q8", the hot path: no other decision
             xf = x if x.dtype == torch.float32 and x.stride(-1) == 1 else x.float().contiguous()
             if torch.compiler.is_compiling() or torch.autograd._profiler_enabled():  # an op graphs/profiles see
                 y = torch.ops.pagedkv.qmm_linear(xf, self.int8_key, self.out_features)
             else:
-                y = self.qmm_forward(xf)
+                y = _QMM.linear(xf, self._qmm)
             return y if x.dtype == torch.float32 else y.to(x.dtype)
+        kernel = self.kernel(x.shape[0])
         if kernel == "int8":
             y = dynamic_int8_mm(x, self)
             if x.dtype != torch.float32:
@@ -317,8 +322,8 @@ class Int8Linear(QuantLinear):
     def _int8_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.qweight, self.scale  # the stored codes themselves: no copy
 
-    def _pack_qmm(self) -> qmm.PackedInt8:
-        return qmm.pack_int8(self.qweight, self.scale)
+    def _pack_qmm(self) -> qmm.Packed:
+        return qmm.pack_int8(self.qweight, self.scale, self.bias)
 
     def _fast(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int8pack_mm(x, self.qweight, self._scale_bf16)
@@ -352,14 +357,15 @@ class Int4Linear(QuantLinear):
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Int4Linear":
         """Min/max quantisation per group of 32 (GGUF Q4_1's rule): ``min`` = the group's
-        minimum, ``scale`` = range / 15, codes rounded."""
+        minimum, ``scale`` = range / 15, both rounded to float16 as Q4_1 stores them (the
+        integer kernels read them so), codes rounded against the rounded values."""
         w = weight.detach().float()
         out, k = w.shape
         if k % GROUP_SIZE:
             raise ConfigError(f"int4: input size {k} is not a multiple of {GROUP_SIZE}")
         g = w.reshape(out, k // GROUP_SIZE, GROUP_SIZE)
-        lo, hi = g.amin(-1), g.amax(-1)
-        scale = (hi - lo) / 15.0
+        lo = g.amin(-1).half().float()
+        scale = ((g.amax(-1) - lo) / 15.0).half().float()
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         q = torch.round((g - lo[..., None]) / safe[..., None]).clamp_(0, 15).reshape(out, k)
         return cls.from_codes(q, scale, lo, bias)
@@ -385,8 +391,8 @@ class Int4Linear(QuantLinear):
         self._prepare_int8()
         return self
 
-    def _pack_qmm(self) -> qmm.PackedInt4:
-        return qmm.pack_int4(self.codes(), self.scale, self.min)
+    def _pack_qmm(self) -> qmm.Packed:
+        return qmm.pack_int4(self.codes(), self.scale, self.min, self.bias)
 
     def _has_bf16_kernel(self) -> bool:
         return self._packed is not None

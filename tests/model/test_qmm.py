@@ -48,17 +48,18 @@ SHAPES = [(8, 32), (48, 96), (576, 576), (64, 1536)]
 def test_int4_sums_equal_the_emulated_arithmetic(ops, n, k):
     g = torch.Generator().manual_seed(n + k)
     m = Int4Linear.from_float(torch.randn(n, k, generator=g) * 0.1)
-    w = qmm.pack_int4(m.codes(), m.scale, m.min)
+    bias = torch.randn(n, generator=g)
+    w = qmm.pack_int4(m.codes(), m.scale, m.min, bias)
+    assert torch.equal(m.scale.half().float(), m.scale)  # from_float rounds the scales as Q4_1 stores them
     codes = m.codes().double().reshape(n, k // 32, 32)
     for rows in (1, 2, 3, 4, 5, 9):  # row tiles of 4: whole, partial, several
         base = torch.randn(rows, k + 7, generator=g)
         x = base[:, :k]  # a row stride that is not k
         x[0, 3] = 40.0  # an outlier: costs its own block's precision only
-        bias = torch.randn(n, generator=g)
         xq, xs = _emulated(x)
         ref = torch.einsum("rbj,nbj,nb->rn", xq.reshape(rows, k // 32, 32), codes, m.scale.double())
         ref += xs @ m.min.double().T + bias.double()
-        got = ops.linear(x, w, bias)
+        got = ops.linear(x, w)
         assert got.dtype == torch.float32 and got.shape == (rows, n)
         assert (got.double() - ref).abs().max().item() <= 2e-6 * ref.abs().max().item()
 
@@ -104,7 +105,7 @@ def test_bad_inputs_are_value_errors():
         with pytest.raises(ValueError, match=what):
             ops.linear(bad, w)
     with pytest.raises(ValueError, match="bias"):
-        ops.linear(torch.randn(2, 64), w, torch.randn(8))
+        qmm.pack_int4(m.codes(), m.scale, m.min, torch.randn(8))
     with pytest.raises(ValueError, match="multiple of 8"):
         qmm.pack_int4(torch.zeros(12, 64, dtype=torch.uint8), torch.ones(12, 2), torch.zeros(12, 2))
     with pytest.raises(ValueError, match="multiple of 32"):

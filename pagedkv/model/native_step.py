@@ -1,0 +1,166 @@
+"""All decoder layers of an eager CPU step in one native call (``_decoder.c``).
+
+``DecoderLayer._forward_fused`` runs each layer as about nine kernel calls (norms, the
+quantised matmuls, RoPE, attention, activation), each reached from Python through ctypes: at
+batch 1 that interpreter work, ~10 us a call, was about a third of the step on an AVX2 host.
+``NativeDecoder`` hands ``_decoder.c`` the same kernels' addresses (``pagedkv.model.qmm``,
+``pagedkv.model.fused`` and the CPU attention kernel) and each layer's weights and caches once;
+a step is then one call. Same kernels, same order, same results as the fused Python path.
+
+It runs only where that path would run those kernels: a float32 Llama-family model on the
+CPU whose layers are all fusable (no q/k or sandwich norms, one RoPE) with every linear on the
+integer kernels (``QuantLinear.qmm_rows`` above the step's rows), one attention metadata for
+all layers, a backend with ``native_step_args`` (``pagedkv.attention.cpu.CPUBackend``) that
+gives kernel arguments for the step, and no profiler running (profiles keep the per-layer
+regions). Otherwise ``run`` returns ``False`` and the model takes its Python path.
+``PAGEDKV_NATIVE_STEP=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from pagedkv.attention.base import BackendError, check_window
+from pagedkv.attention.cpu_kernel import BuiltOnce, compile_c
+from pagedkv.cpu_isa import march_flags
+
+_SRC = Path(__file__).with_name("_decoder.c")
+_FLAGS = ["-O3", *march_flags(), "-fno-math-errno", "-fPIC", "-shared", "-std=c11"]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", ctypes.c_void_p), ("o", ctypes.c_void_p), ("gate_up", ctypes.c_void_p),
+                ("down", ctypes.c_void_p), ("w_in", ctypes.c_void_p), ("w_post", ctypes.c_void_p),
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("scale", ctypes.c_float),
+                ("softcap", ctypes.c_float), ("window", ctypes.c_int32)]
+
+
+class _Decoder(ctypes.Structure):
+    _fields_ = [("qmm", ctypes.c_void_p), ("norm", ctypes.c_void_p), ("rope", ctypes.c_void_p),
+                ("act", ctypes.c_void_p), ("attend", ctypes.c_void_p), ("hidden", ctypes.c_int64),
+                ("inter", ctypes.c_int64), ("hq", ctypes.c_int32), ("hkv", ctypes.c_int32), ("d", ctypes.c_int32),
+                ("gelu", ctypes.c_int32), ("num_layers", ctypes.c_int32), ("eps", ctypes.c_float),
+                ("offset", ctypes.c_float), ("layers", ctypes.POINTER(_Layer))]
+
+
+def _build() -> Any:
+    lib = compile_c(_SRC, "pagedkv_decoder", _FLAGS)
+    fn = lib.pagedkv_decoder_forward
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32)]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_LIB = BuiltOnce("PAGEDKV_NATIVE_STEP", _build)
+
+
+def get():
+    """The compiled entry point, or ``None`` (no compiler, a failed build, ``PAGEDKV_NATIVE_STEP=0``)."""
+    return _LIB.get()
+
+
+def build_error() -> str | None:
+    return _LIB.error()
+
+
+def _addr(fn: Any) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+class NativeDecoder:
+    """The step loop of ``model``'s layers in C. Build with :meth:`create` (``None`` when the
+    model cannot use it); :meth:`run` does one step or declines."""
+
+    def __init__(self, model: Any, fn: Any, qmm_ops: Any, fused_ops: Any, attend: Any) -> None:
+        layers = model.layers
+        first = layers[0]
+        self.model, self._fn = model, fn
+        self.rows = min(m.qmm_rows for layer in layers for m in _linears(layer))
+        self.hq, self.hkv, self.d = first.num_heads, first.num_kv_heads, first.head_dim
+        self._options = [(float(layer.scale), *check_window(layer.attn_options.get("sliding_window"),
+                                                            layer.attn_options.get("logits_soft_cap")))
+                         for layer in layers]
+        self._layers = (_Layer * len(layers))()
+        for s, layer, (scale, window, cap) in zip(self._layers, layers, self._options):
+            s.qkv, s.o, s.gate_up, s.down = (ctypes.addressof(m._qmm.struct) for m in _linears(layer))
+            s.w_in, s.w_post = layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr()
+            s.scale, s.softcap, s.window = scale, cap, window
+        self._struct = _Decoder(
+            _addr(qmm_ops._qmm), _addr(fused_ops._norm), _addr(fused_ops._rope), _addr(fused_ops._act), attend,
+            first.input_layernorm.weight.shape[0], first.intermediate_size, self.hq, self.hkv, self.d, int(first.gelu), len(layers),
+            first.eps, first.norm_offset, self._layers)
+        self._ref = ctypes.byref(self._struct)
+        self._caches: list[int] = []
+        self._failed = ctypes.c_int32(0)
+
+    @classmethod
+    def create(cls, model: Any) -> "tuple[NativeDecoder | None, str]":
+        """``(decoder, "on")``, or ``(None, why not)``."""
+        from pagedkv.attention import cpu_kernel
+        from pagedkv.model import qmm
+        from pagedkv.model.quant import QuantLinear
+
+        if os.environ.get("PAGEDKV_NATIVE_STEP", "1") == "0":
+            return None, "off (PAGEDKV_NATIVE_STEP=0)"
+        layers = list(model.layers)
+        if not layers or model.device.type != "cpu" or model.dtype != torch.float32:
+            return None, "off (not a float32 CPU model)"
+        for layer in layers:
+            if layer.fused is None or layer.q_norm is not None or layer.pre_feedforward_layernorm is not None \
+                    or layer.post_feedforward_layernorm is not None or layer.local_rope or layer.all_reduce is not None:
+                return None, "off (a layer outside the fused path)"
+            if set(layer.attn_options) - {"sliding_window", "logits_soft_cap"}:
+                return None, "off (attention options beyond window/soft-cap)"
+            lin = _linears(layer)
+            if not all(isinstance(m, QuantLinear) and getattr(m, "_qmm", None) is not None and m.qmm_rows > 0
+                       for m in lin):
+                return None, "off (a linear layer without integer-kernel weights)"
+        fn, ops, kernel = get(), qmm.get(), cpu_kernel.get()
+        if fn is None or ops is None or kernel is None:
+            return None, f"off ({build_error() or qmm.build_error() or cpu_kernel.build_error() or 'no kernel'})"
+        return cls(model, fn, ops, layers[0].fused, _addr(kernel._write_attend)), "on"
+
+    def run(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: Sequence[Any],
+            md: Any, backend: Any) -> bool:
+        """Every layer over ``residual`` ``[T, hidden]`` (float32, updated in place) with the
+        tokens' RoPE rows ``cos``/``sin`` (``[T, 1, d/2]``), writing this step's K/V at
+        ``md.slot_mapping``. Returns ``False`` without touching anything when this step needs
+        the Python path. Raises ``BackendError`` for a slot past the cache (nothing of the
+        failing layer written, as the Python path), ``MemoryError`` when scratch fails."""
+        t = residual.shape[0]
+        args_of = getattr(backend, "native_step_args", None)
+        if (t >= self.rows or args_of is None or torch.autograd._profiler_enabled() or not residual.is_contiguous()
+                or residual.dtype != torch.float32):
+            return False
+        q = torch.empty(t, self.hq, self.d)
+        kv = torch.empty(t, self.hkv, self.d)
+        args = args_of(q, kv, kv, kv_caches, md)
+        if args is None:
+            return False
+        ptrs = [p for c in kv_caches for p in (c.key.data_ptr(), c.value.data_ptr())]
+        if ptrs != self._caches:
+            for s, i in zip(self._layers, range(0, len(ptrs), 2)):
+                s.k_cache, s.v_cache = ptrs[i], ptrs[i + 1]
+            self._caches = ptrs
+        cos, sin = cos.contiguous(), sin.contiguous()
+        rc = self._fn(self._ref, ctypes.addressof(args[2]), t, residual.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                      ctypes.byref(self._failed))
+        if rc == -4:
+            cache = kv_caches[self._failed.value]
+            raise BackendError(f"slot_mapping has a slot >= the cache's {cache.num_blocks * cache.block_size} "
+                               "slots (nothing written)")
+        if rc == -1:
+            raise MemoryError("native decoder step: no memory for its scratch")
+        if rc != 0:
+            raise RuntimeError(f"native decoder step failed with code {rc} at layer {self._failed.value}")
+        return True
+
+
+def _linears(layer: Any) -> list[Any]:
+    return [layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj]
