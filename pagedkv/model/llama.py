@@ -305,6 +305,15 @@ class LlamaForCausalLM(nn.Module):
 
         self._native, self.native_state = NativeDecoder.create(self) if ops is not None else (None, "off (no fused ops)")
 
+    def _native_decoder(self) -> Any:
+        """The native step loop (``pagedkv.model.native_step``), rebuilt when a quantised layer
+        was prepared again since; ``None`` when the model cannot use it."""
+        if self._native is not None and self._native.stale():
+            from pagedkv.model.native_step import NativeDecoder
+
+            self._native, self.native_state = NativeDecoder.create(self)
+        return self._native
+
     # ---- info for the engine -------------------------------------------------------------
     @property
     def dtype(self) -> torch.dtype:
@@ -374,8 +383,8 @@ class LlamaForCausalLM(nn.Module):
         if self._fused_state is None:
             self._attach_fused()
         rope, residual = self._rope_rows(positions), self._embed(input_ids)
-        if not per_layer and self._native is not None and self._native.run(residual, *rope[0], kv_caches,
-                                                                              attn_metadata, backend):
+        native = self._native_decoder()
+        if not per_layer and native is not None and native.run(residual, *rope[0], kv_caches, attn_metadata, backend):
             return self._final_norm(residual)
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             cos, sin = rope[1 if layer.local_rope else 0]

@@ -78,9 +78,13 @@ class NativeDecoder:
     model cannot use it); :meth:`run` does one step or declines."""
 
     def __init__(self, model: Any, fn: Any, qmm_ops: Any, fused_ops: Any, attend: Any) -> None:
+        from pagedkv.model import quant
+
         layers = model.layers
         first = layers[0]
         self.model, self._fn = model, fn
+        self._prepared = quant.PREPARED  # the weights' buffers this was built on (a re-prepare: stale)
+        self._packed = [m._qmm for layer in layers for m in _linears(layer)]  # kept alive while pointed to
         self.rows = min(m.qmm_rows for layer in layers for m in _linears(layer))
         self.hq, self.hkv, self.d = first.num_heads, first.num_kv_heads, first.head_dim
         self._options = [(float(layer.scale), *check_window(layer.attn_options.get("sliding_window"),
@@ -125,6 +129,13 @@ class NativeDecoder:
         if fn is None or ops is None or kernel is None:
             return None, f"off ({build_error() or qmm.build_error() or cpu_kernel.build_error() or 'no kernel'})"
         return cls(model, fn, ops, layers[0].fused, _addr(kernel._write_attend)), "on"
+
+    def stale(self) -> bool:
+        """Whether some quantised layer was prepared again since this was built (its packed
+        weights, which this points into, were replaced): build a new one."""
+        from pagedkv.model import quant
+
+        return quant.PREPARED != self._prepared
 
     def run(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: Sequence[Any],
             md: Any, backend: Any) -> bool:

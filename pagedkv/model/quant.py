@@ -99,6 +99,8 @@ def route_boundaries(model: nn.Module) -> list[int]:
 
 
 _QMM: qmm.QmmOps | None = None  # the integer kernels, once a layer has packed weights for them
+#: counts ``QuantLinear.prepare`` calls in this process: a change means some layer's buffers were rebuilt
+PREPARED = 0
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -137,6 +139,8 @@ class QuantLinear(nn.Module):
             raise ConfigError(f"weight route: unsupported {self.route!r} (one of {', '.join(ROUTES)})")
         self._wide_bf16 = cpu_features().bf16_fast
         self.int8_rows = 0
+        global PREPARED
+        PREPARED += 1  # what holds pointers into prepared buffers (native_step) rebuilds
         self._prepare_qmm()
         return self
 
