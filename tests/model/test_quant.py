@@ -302,8 +302,8 @@ def test_int4_codes_round_trip_q4_1_values_exactly():
     g = torch.Generator().manual_seed(1)
     codes = torch.randint(0, 16, (32, 64), generator=g)
     codes[:, 0::32], codes[:, 1::32] = 0, 15  # Q4_1's quantiser puts 0 at the min and 15 at the max
-    scale = torch.rand(32, 2, generator=g).half().float() * 0.01 + 1e-3
-    mins = -torch.rand(32, 2, generator=g).half().float() * 0.05
+    scale = (torch.rand(32, 2, generator=g) * 0.01 + 1e-3).half().float()  # Q4_1 stores fp16 scales and mins
+    mins = (-torch.rand(32, 2, generator=g) * 0.05).half().float()
     m = Int4Linear.from_codes(codes, scale, mins)
     values = m.dequantize()
     assert torch.equal(m.codes().long(), codes)
