@@ -82,7 +82,7 @@ class NativeDecoder:
 
         layers = model.layers
         first = layers[0]
-        self.model, self._fn = model, fn
+        self.model, self._fn, self._fused = model, fn, fused_ops
         self._prepared = quant.PREPARED  # the weights' buffers this was built on (a re-prepare: stale)
         self._packed = [m._qmm for layer in layers for m in _linears(layer)]  # kept alive while pointed to
         self.rows = min(m.qmm_rows for layer in layers for m in _linears(layer))
@@ -171,6 +171,12 @@ class NativeDecoder:
         if rc != 0:
             raise RuntimeError(f"native decoder step failed with code {rc} at layer {self._failed.value}")
         return True
+
+
+    def final_norm(self, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The model's final RMSNorm of ``residual`` ``[T, hidden]`` through the same C op as
+        the layers' norms (torch's ``rms_norm`` took ~0.2 ms at one row after the native call)."""
+        return self._fused.add_rms_norm(residual, None, weight, self._struct.eps, self._struct.offset)
 
 
 def _linears(layer: Any) -> list[Any]:
