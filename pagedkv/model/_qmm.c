@@ -124,9 +124,10 @@ static int quantize_rows(const float *x, int64_t xs, int64_t rows, int64_t k, qr
 }
 
 /* ---- weights, 8 output columns interleaved ------------------------------------------------
- * int4: per group g of 8 columns and block b, 4 steps t of 32 bytes; byte 4i + j of step t
- * holds column 8g + i's element 32b + 8t + j (low nibble) and 32b + 8t + 4 + j (high
- * nibble). d and m fp16 [N/8][K/32][8] (GGUF Q4_1 stores them so).
+ * int4: per group g of 8 columns and block b, Q4_BLOCK = 160 bytes: 4 steps t of 32 bytes,
+ * byte 4i + j of step t holding column 8g + i's element 32b + 8t + j (low nibble) and
+ * 32b + 8t + 4 + j (high nibble); then the 8 columns' d, then their m, fp16 (GGUF Q4_1
+ * stores them so). One stream a thread reads front to back.
  * int8: per group g and block b, 8 steps t of 32 bytes; byte 4i + j of step t is column
  * 8g + i's element 32b + 4t + j. Scales float32 [N].
  * So one u8 x s8 multiply-add of a weight vector with 4 activation bytes repeated 8 times
@@ -135,6 +136,16 @@ static int quantize_rows(const float *x, int64_t xs, int64_t rows, int64_t k, qr
  * = 30480 < 2^15). */
 
 #define INLINE static inline __attribute__((always_inline))
+#define Q4_BLOCK 160
+/* bytes ahead of the block in use that the int4 loop prefetches (4 blocks) */
+#define Q4_PREFETCH (4 * Q4_BLOCK)
+
+/* the fp16 d (which 0) or m (which 1) of column i of an int4 group-block */
+static inline uint16_t q4_scale(const uint8_t *blk, int which, int i) {
+    uint16_t v;
+    memcpy(&v, blk + 128 + 16 * which + 2 * i, 2);
+    return v;
+}
 
 #ifdef __AVX2__
 static inline __m256i madd_u8s8(__m256i acc, __m256i a, __m256i b) { /* acc + 4-byte dot sums, int32 */
@@ -155,8 +166,8 @@ static inline __m256i bcast4(const int8_t *p) { /* 4 bytes repeated 8 times */
 #endif
 
 /* y[r0 + j, 8g .. 8g + 7] for j < NR (a constant at each call: accumulators in registers) */
-INLINE void q4_group(const int NR, int64_t nb, const uint8_t *wc, const uint16_t *wd, const uint16_t *wm,
-                     const qrows_t *a, int64_t r0, float *y, int64_t ys, const float *bias) {
+INLINE void q4_group(const int NR, int64_t nb, const uint8_t *wc, const qrows_t *a, int64_t r0, float *y, int64_t ys,
+                     const float *bias) {
     const int8_t *xq = a->q + r0 * nb * QK;
     const float *xd = a->d + r0 * nb, *xs = a->s + r0 * nb;
 #ifdef __AVX2__
@@ -166,7 +177,10 @@ INLINE void q4_group(const int NR, int64_t nb, const uint8_t *wc, const uint16_t
     for (int64_t b = 0; b < nb; b++) {
         __m256i isum[ROW_TILE];
         for (int j = 0; j < NR; j++) isum[j] = _mm256_setzero_si256();
-        const uint8_t *w = wc + b * 128;
+        const uint8_t *w = wc + b * Q4_BLOCK;
+        _mm_prefetch((const char *)(w + Q4_PREFETCH), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + Q4_PREFETCH + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + Q4_PREFETCH + 128), _MM_HINT_T0);
         for (int t = 0; t < 4; t++) {
             __m256i v = _mm256_loadu_si256((const __m256i *)(w + 32 * t));
             __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
@@ -180,8 +194,8 @@ INLINE void q4_group(const int NR, int64_t nb, const uint8_t *wc, const uint16_t
 #endif
             }
         }
-        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wd + b * 8)));
-        __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wm + b * 8)));
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 128)));
+        __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 144)));
         for (int j = 0; j < NR; j++) {
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
             __m256 p = _mm256_cvtepi32_ps(isum[j]);
@@ -202,13 +216,13 @@ INLINE void q4_group(const int NR, int64_t nb, const uint8_t *wc, const uint16_t
             for (int t = 0; t < 4; t++)
                 for (int i = 0; i < 8; i++)
                     for (int e = 0; e < 4; e++) {
-                        uint8_t c = wc[b * 128 + 32 * t + 4 * i + e];
+                        uint8_t c = wc[b * Q4_BLOCK + 32 * t + 4 * i + e];
                         const int8_t *x = xq + j * nb * QK + b * QK + 8 * t;
                         isum[i] += (c & 15) * x[e] + (c >> 4) * x[4 + e];
                     }
             for (int i = 0; i < 8; i++)
-                acc[i] += half_to_float(wd[b * 8 + i]) * xd[j * nb + b] * (float)isum[i] +
-                          half_to_float(wm[b * 8 + i]) * xs[j * nb + b];
+                acc[i] += half_to_float(q4_scale(wc + b * Q4_BLOCK, 0, i)) * xd[j * nb + b] * (float)isum[i] +
+                          half_to_float(q4_scale(wc + b * Q4_BLOCK, 1, i)) * xs[j * nb + b];
         }
         for (int i = 0; i < 8; i++) y[(r0 + j) * ys + i] = acc[i] + (bias ? bias[i] : 0.0f);
     }
@@ -283,8 +297,8 @@ int pagedkv_qmm(const qweights_t *w, int64_t rows, const float *x, int64_t xs, f
         const float *bias = w->bias ? w->bias + 8 * g : NULL;
         for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
             if (w->fmt == 4)
-                BY_TILE(rows - r0, q4_group, nb, (const uint8_t *)w->codes + g * nb * 128, w->d + g * nb * 8,
-                        w->m + g * nb * 8, &a, r0, y + 8 * g, n, bias);
+                BY_TILE(rows - r0, q4_group, nb, (const uint8_t *)w->codes + g * nb * Q4_BLOCK, &a, r0, y + 8 * g,
+                        n, bias);
             else
                 BY_TILE(rows - r0, q8_group, nb, (const int8_t *)w->codes + g * nb * 256, w->scale + 8 * g, &a, r0,
                         y + 8 * g, n, bias);
@@ -296,16 +310,16 @@ int pagedkv_qmm(const qweights_t *w, int64_t rows, const float *x, int64_t xs, f
 
 /* The interleaved int4 weights as float32 out [n, k] (w = d c + m), for wide inputs that a
  * float matmul multiplies faster. */
-void pagedkv_q4_dequant(int64_t k, int64_t n, const uint8_t *codes, const uint16_t *d, const uint16_t *m, float *out) {
+void pagedkv_q4_dequant(int64_t k, int64_t n, const uint8_t *codes, float *out) {
     int64_t nb = k / QK;
     #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < n / 8; g++)
         for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *c = codes + (g * nb + b) * 128;
+            const uint8_t *c = codes + (g * nb + b) * Q4_BLOCK;
             float dd[8], mm[8];
             for (int i = 0; i < 8; i++) {
-                dd[i] = half_to_float(d[(g * nb + b) * 8 + i]);
-                mm[i] = half_to_float(m[(g * nb + b) * 8 + i]);
+                dd[i] = half_to_float(q4_scale(c, 0, i));
+                mm[i] = half_to_float(q4_scale(c, 1, i));
             }
             for (int t = 0; t < 4; t++)
                 for (int i = 0; i < 8; i++)

@@ -59,8 +59,8 @@ class QWeights(ctypes.Structure):
 
 class Packed:
     """A layer's weights in the kernels' layout (8 output columns interleaved; ``_qmm.c``
-    describes it): ``fmt`` 4 (int4: ``codes`` uint8 ``[N * K / 2]``, ``d`` and ``m`` float16
-    ``[N * K / 32]``, ``w = d c + m``) or 8 (int8: ``codes`` int8 ``[N * K]``, ``scale``
+    describes it): ``fmt`` 4 (int4: ``codes`` uint8 ``[N / 8 * K / 32 * 160]``: per 8 columns x
+    32 inputs their 4-bit codes, then their float16 ``d`` and ``m``, ``w = d c + m``) or 8 (int8: ``codes`` int8 ``[N * K]``, ``scale``
     float32 ``[N]``, ``w = scale[o] c``); ``bias`` float32 ``[N]`` or ``None``. Holds the
     tensors its ``QWeights`` points into. Build with :func:`pack_int4` / :func:`pack_int8`."""
 
@@ -95,10 +95,11 @@ def pack_int4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch
     c = codes.to(torch.uint8).reshape(n // 8, 8, k // QK, 4, 2, 4)  # g, i, b, t, lo/hi, e
     packed = (c[:, :, :, :, 0] | (c[:, :, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)  # g, b, t, i, e
 
-    def cols(t: torch.Tensor) -> torch.Tensor:
-        return t.to(torch.float16).reshape(n // 8, 8, k // QK).permute(0, 2, 1).contiguous().reshape(-1)
+    def cols(t: torch.Tensor) -> torch.Tensor:  # [N, K/32] -> fp16 bytes [g, b, 16]
+        return t.to(torch.float16).reshape(n // 8, 8, k // QK).permute(0, 2, 1).contiguous().view(torch.uint8)
 
-    return Packed(4, n, k, packed.contiguous().reshape(-1), d=cols(d), m=cols(m), bias=bias)
+    blocks = torch.cat([packed.reshape(n // 8, k // QK, 128), cols(d), cols(m)], dim=2)  # [g, b, 160]
+    return Packed(4, n, k, blocks.contiguous().reshape(-1), bias=bias)
 
 
 def pack_int8(codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> Packed:
@@ -121,7 +122,7 @@ class QmmOps:
         self._qmm.argtypes = [ptr, i64, ptr, i64, ptr]
         self._qmm.restype = ctypes.c_int
         self._q4_deq = lib.pagedkv_q4_dequant
-        self._q4_deq.argtypes = [i64, i64, ptr, ptr, ptr, ptr]
+        self._q4_deq.argtypes = [i64, i64, ptr, ptr]
         self._q4_deq.restype = None
         self._q8_deq = lib.pagedkv_q8_dequant
         self._q8_deq.argtypes = [i64, i64, ptr, ptr, ptr]
@@ -148,7 +149,7 @@ class QmmOps:
         """The packed weights as float32 ``[N, K]`` (one pass, OpenMP)."""
         out = torch.empty(w.n, w.k)
         if w.fmt == 4:
-            self._q4_deq(w.k, w.n, w.codes.data_ptr(), w.d.data_ptr(), w.m.data_ptr(), out.data_ptr())
+            self._q4_deq(w.k, w.n, w.codes.data_ptr(), out.data_ptr())
         else:
             self._q8_deq(w.k, w.n, w.codes.data_ptr(), w.scale.data_ptr(), out.data_ptr())
         return out
