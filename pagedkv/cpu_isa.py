@@ -2,8 +2,8 @@
 ``$PAGEDKV_CPU_ISA``.
 
 A profile has a class (``isa``): ``amx`` (AVX-512 with AMX-INT8/BF16 tiles), ``avx512``
-(AVX-512 F/BW/VL, with VNNI/BF16 where present), ``avx2`` (AVX2 + FMA + F16C, no AVX-512, no
-VNNI, no AMX) or ``default`` (none of these); the individual flags; and what the kernels run:
+(AVX-512 F/BW/VL, with VNNI/BF16 where present), ``avx2`` (AVX2 + FMA + F16C, no AVX-512 or
+AMX; AVX-VNNI where the CPU has it, cleared by the avx2 cap) or ``default`` (none of these); the individual flags; and what the kernels run:
 ATen's capability (``torch.backends.cpu.get_cpu_capability()``) and oneDNN's highest ISA.
 
 ``PAGEDKV_CPU_ISA=avx2|avx512|amx|native`` caps the profile (``native``/unset: no cap), so an

@@ -11,6 +11,7 @@ hit only loads the libraries).
 * ``fused``: RMSNorm, RoPE and activation passes of the decoder layer (``pagedkv.model.fused``)
 * ``sampler``: greedy and inverse-CDF picks (``pagedkv.engine.sample_ops``)
 * ``qmm``: integer matmuls of the int4/int8 weights (``pagedkv.model.qmm``)
+* ``decoder``: the native step loop over the decoder layers (``pagedkv.model.native_step``)
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ logger = logging.getLogger("pagedkv")
 def _kernels() -> dict[str, Any]:
     from pagedkv.attention import cpu_kernel
     from pagedkv.engine import sample_ops
-    from pagedkv.model import fused, qmm
+    from pagedkv.model import fused, native_step, qmm
 
-    return {"attention": cpu_kernel, "fused": fused, "sampler": sample_ops, "qmm": qmm}
+    return {"attention": cpu_kernel, "fused": fused, "sampler": sample_ops, "qmm": qmm, "decoder": native_step}
 
 
 def build_all() -> dict[str, str | None]:

@@ -12,7 +12,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-typedef int (*qmm_fn)(const void *w, int64_t rows, const float *x, int64_t xs, float *y);
+typedef int (*qmm_fn)(const void *w, int64_t rows, const float *x, int64_t xs, float *y, int nthreads);
 typedef void (*norm_fn)(int64_t T, int64_t H, float *residual, int64_t rs, const void *delta, int64_t ds,
                         int dt_delta, const float *w, float eps, float offset, void *out, int dt_out);
 typedef void (*rope_fn)(int64_t T, int nq, int nkv, int d, const void *qkv, int64_t qs, int dt_in,
@@ -37,15 +37,17 @@ typedef struct {
     act_fn act;
     attend_fn attend;
     int64_t hidden, inter;
-    int32_t hq, hkv, d, gelu, num_layers;
+    int32_t hq, hkv, d, gelu, num_layers, nthreads;
     float eps, offset;
     const layer_t *layers;
 } decoder_t;
 
 /* residual [T, hidden] float32 contiguous, updated in place by every layer; cos/sin float32
  * [T, d/2]; attn_args: the step's layer_args_t (every layer shares the cache geometry).
- * Returns 0, or a kernel's error code (-1 out of memory; -4 a slot past the cache, nothing
- * of that layer written) with *failed the layer index. */
+ * Returns 0; -1 when out of memory (scratch or a matmul's activations), another matmul code;
+ * or the attention kernel's code minus 100 (-104: a slot past the cache, nothing of that
+ * layer written); *failed is the layer index. */
+#define ATTN_ERR 100
 int pagedkv_decoder_forward(const decoder_t *M, const void *attn_args, int64_t T, float *residual,
                             const float *cos_t, const float *sin_t, int32_t *failed) {
     const int64_t H = M->hidden, I = M->inter, Q = (int64_t)M->hq * M->d, KV = (int64_t)M->hkv * M->d;
@@ -62,14 +64,17 @@ int pagedkv_decoder_forward(const decoder_t *M, const void *attn_args, int64_t T
         const layer_t *L = M->layers + i;
         *failed = i;
         M->norm(T, H, residual, H, NULL, 0, 0, L->w_in, M->eps, M->offset, x, 0);
-        if ((rc = M->qmm(L->qkv, T, x, H, qkv))) break;
+        if ((rc = M->qmm(L->qkv, T, x, H, qkv, M->nthreads))) break;
         M->rope(T, M->hq, M->hkv, M->d, qkv, Q + 2 * KV, 0, cos_t, sin_t, q, k, v);
-        if ((rc = M->attend(attn_args, q, k, v, L->k_cache, L->v_cache, o, L->scale, L->window, L->softcap))) break;
-        if ((rc = M->qmm(L->o, T, o, Q, attn))) break;
+        if ((rc = M->attend(attn_args, q, k, v, L->k_cache, L->v_cache, o, L->scale, L->window, L->softcap))) {
+            rc -= ATTN_ERR;
+            break;
+        }
+        if ((rc = M->qmm(L->o, T, o, Q, attn, M->nthreads))) break;
         M->norm(T, H, residual, H, attn, H, 0, L->w_post, M->eps, M->offset, x, 0);
-        if ((rc = M->qmm(L->gate_up, T, x, H, gu))) break;
+        if ((rc = M->qmm(L->gate_up, T, x, H, gu, M->nthreads))) break;
         M->act(T, I, gu, 2 * I, 0, M->gelu, h, 0);
-        if ((rc = M->qmm(L->down, T, h, I, dn))) break;
+        if ((rc = M->qmm(L->down, T, h, I, dn, M->nthreads))) break;
         for (int64_t j = 0; j < T * H; j++) residual[j] += dn[j];
     }
     free(mem);

@@ -3,7 +3,8 @@
  *
  * Activations: each row of x (float32) is cut into blocks of 32 values; a block becomes 32
  * int8 codes q = round(x / d), d = max|x| / 127, with d and the exact float sum of the block
- * kept beside them (the Q8 block of GGUF's q8_1, with an exact sum).
+ * kept beside them (the Q8 block of GGUF's q8_1, with the float32 sum of the values instead
+ * of the codes').
  *
  * Weights (the layouts below, "interleaved"):
  *  - int4 (Q4_1 blocks): w = d_w * c + m, codes c in 0..15, d_w and m fp16 per block of 32.
@@ -78,7 +79,8 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, float *d, float *
         __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
         s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
         s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
-        float dd = mx / 127.0f, id = mx > 0.0f ? 127.0f / mx : 0.0f;
+        /* a block of zeros, subnormals or NaN: codes 0 (127 / mx would overflow or be NaN) */
+        float dd = mx / 127.0f, id = mx > 1e-30f ? 127.0f / mx : 0.0f;
         __m256 vid = _mm256_set1_ps(id);
         __m256i i[4];
         for (int j = 0; j < 4; j++)
@@ -97,8 +99,12 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, float *d, float *
             mx = a > mx ? a : mx;
             sum += xb[j];
         }
-        float dd = mx / 127.0f, id = mx > 0.0f ? 127.0f / mx : 0.0f;
-        for (int j = 0; j < QK; j++) q[b * QK + j] = (int8_t)nearbyintf(xb[j] * id);
+        /* a block of zeros, subnormals or NaN: codes 0 (127 / mx would overflow or be NaN) */
+        float dd = mx / 127.0f, id = mx > 1e-30f ? 127.0f / mx : 0.0f;
+        for (int j = 0; j < QK; j++) {
+            float r = nearbyintf(xb[j] * id);
+            q[b * QK + j] = (int8_t)(r >= -127.0f && r <= 127.0f ? r : 0.0f);
+        }
         d[b] = dd;
         s[b] = sum;
 #endif
@@ -111,14 +117,14 @@ typedef struct {
     void *mem;
 } qrows_t;
 
-static int quantize_rows(const float *x, int64_t xs, int64_t rows, int64_t k, qrows_t *out) {
+static int quantize_rows(const float *x, int64_t xs, int64_t rows, int64_t k, qrows_t *out, int nt) {
     int64_t nb = k / QK;
     out->mem = malloc((size_t)(rows * k + 2 * rows * nb * (int64_t)sizeof(float) + 64));
     if (!out->mem) return -1;
     out->d = (float *)out->mem;
     out->s = out->d + rows * nb;
     out->q = (int8_t *)(out->s + rows * nb);
-    #pragma omp parallel for if (rows * k >= 65536) schedule(static)
+    #pragma omp parallel for if (rows * k >= 65536) num_threads(nt) schedule(static)
     for (int64_t r = 0; r < rows; r++) quantize_row(x + r * xs, k, out->q + r * k, out->d + r * nb, out->s + r * nb);
     return 0;
 }
@@ -274,25 +280,26 @@ INLINE void q8_group(const int NR, int64_t nb, const int8_t *wc, const float *sc
 
 /* ---- entry points --------------------------------------------------------------------------- */
 
-/* One layer's packed weights (built once by qmm.py): fmt 4 = int4 (codes n * k / 2 bytes, d
- * and m fp16 [n/8][k/32][8]), fmt 8 = int8 (codes n * k bytes, scale float32 [n]); bias
- * float32 [n] or NULL. k a multiple of 32, n of 8. */
+/* One layer's packed weights (built once by qmm.py): fmt 4 = int4 (n / 8 * k / 32 blocks of
+ * Q4_BLOCK bytes, codes then fp16 d and m), fmt 8 = int8 (codes n * k bytes in the int8
+ * layout, scale float32 [n]); bias float32 [n] or NULL. k a multiple of 32, n of 8. */
 typedef struct {
     int64_t n, k;
     int32_t fmt;
     const void *codes;
-    const uint16_t *d, *m;
     const float *scale, *bias;
 } qweights_t;
 
-/* y [rows, n] (row stride n) = x [rows, k] (row stride xs, float32) times w, + bias.
- * Returns 0, -1 when out of memory, -2 for an unknown format. */
-int pagedkv_qmm(const qweights_t *w, int64_t rows, const float *x, int64_t xs, float *y) {
+/* y [rows, n] (row stride n) = x [rows, k] (row stride xs, float32) times w, + bias, on
+ * nthreads OpenMP threads (torch's count, passed in: a thread that never set it would get
+ * OMP_NUM_THREADS or every core). Returns 0, -1 when out of memory, -2 for an unknown format. */
+int pagedkv_qmm(const qweights_t *w, int64_t rows, const float *x, int64_t xs, float *y, int nthreads) {
     if (w->fmt != 4 && w->fmt != 8) return -2;
+    const int nt = nthreads > 0 ? nthreads : 1;
     qrows_t a;
-    if (quantize_rows(x, xs, rows, w->k, &a)) return -1;
+    if (quantize_rows(x, xs, rows, w->k, &a, nt)) return -1;
     int64_t nb = w->k / QK, n = w->n;
-    #pragma omp parallel for if (rows * n * w->k >= PAR_MACS) schedule(static)
+    #pragma omp parallel for if (rows * n * w->k >= PAR_MACS) num_threads(nt) schedule(static)
     for (int64_t g = 0; g < n / 8; g++) {
         const float *bias = w->bias ? w->bias + 8 * g : NULL;
         for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
@@ -308,8 +315,8 @@ int pagedkv_qmm(const qweights_t *w, int64_t rows, const float *x, int64_t xs, f
     return 0;
 }
 
-/* The interleaved int4 weights as float32 out [n, k] (w = d c + m), for wide inputs that a
- * float matmul multiplies faster. */
+/* The interleaved int4 weights as float32 out [n, k] (w = d c + m): what tests compare the
+ * packing with. */
 void pagedkv_q4_dequant(int64_t k, int64_t n, const uint8_t *codes, float *out) {
     int64_t nb = k / QK;
     #pragma omp parallel for schedule(static)

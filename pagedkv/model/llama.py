@@ -385,7 +385,7 @@ class LlamaForCausalLM(nn.Module):
         rope, residual = self._rope_rows(positions), self._embed(input_ids)
         native = self._native_decoder()
         if not per_layer and native is not None and native.run(residual, *rope[0], kv_caches, attn_metadata, backend):
-            return native.final_norm(residual, self.norm.weight)
+            return self._final_norm(residual)
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             cos, sin = rope[1 if layer.local_rope else 0]
             layer(residual, cos, sin, cache, attn_metadata[i] if per_layer else attn_metadata, backend)

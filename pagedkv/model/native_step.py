@@ -5,7 +5,8 @@ quantised matmuls, RoPE, attention, activation), each reached from Python throug
 batch 1 that interpreter work, ~10 us a call, was about a third of the step on an AVX2 host.
 ``NativeDecoder`` hands ``_decoder.c`` the same kernels' addresses (``pagedkv.model.qmm``,
 ``pagedkv.model.fused`` and the CPU attention kernel) and each layer's weights and caches once;
-a step is then one call. Same kernels, same order, same results as the fused Python path.
+a step is then one call. Same kernels in the same order as the fused Python path, so the
+same results bit for bit (tests/model/test_native_step.py).
 
 It runs only where that path would run those kernels: a float32 Llama-family model on the
 CPU whose layers are all fusable (no q/k or sandwich norms, one RoPE) with every linear on the
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -44,7 +46,7 @@ class _Decoder(ctypes.Structure):
     _fields_ = [("qmm", ctypes.c_void_p), ("norm", ctypes.c_void_p), ("rope", ctypes.c_void_p),
                 ("act", ctypes.c_void_p), ("attend", ctypes.c_void_p), ("hidden", ctypes.c_int64),
                 ("inter", ctypes.c_int64), ("hq", ctypes.c_int32), ("hkv", ctypes.c_int32), ("d", ctypes.c_int32),
-                ("gelu", ctypes.c_int32), ("num_layers", ctypes.c_int32), ("eps", ctypes.c_float),
+                ("gelu", ctypes.c_int32), ("num_layers", ctypes.c_int32), ("nthreads", ctypes.c_int32), ("eps", ctypes.c_float),
                 ("offset", ctypes.c_float), ("layers", ctypes.POINTER(_Layer))]
 
 
@@ -82,9 +84,11 @@ class NativeDecoder:
 
         layers = model.layers
         first = layers[0]
-        self.model, self._fn, self._fused = model, fn, fused_ops
+        self.model, self._fn = model, fn
         self._prepared = quant.PREPARED  # the weights' buffers this was built on (a re-prepare: stale)
-        self._packed = [m._qmm for layer in layers for m in _linears(layer)]  # kept alive while pointed to
+        # what the C structs point into, kept alive; stale() also notices a module or tensor replaced
+        self._watched = _watched(layers)
+        self._lock = threading.Lock()  # one step at a time: the structs hold this step's cache pointers
         self.rows = min(m.qmm_rows for layer in layers for m in _linears(layer))
         self.hq, self.hkv, self.d = first.num_heads, first.num_kv_heads, first.head_dim
         self._options = [(float(layer.scale), *check_window(layer.attn_options.get("sliding_window"),
@@ -98,7 +102,7 @@ class NativeDecoder:
         self._struct = _Decoder(
             _addr(qmm_ops._qmm), _addr(fused_ops._norm), _addr(fused_ops._rope), _addr(fused_ops._act), attend,
             first.input_layernorm.weight.shape[0], first.intermediate_size, self.hq, self.hkv, self.d, int(first.gelu), len(layers),
-            first.eps, first.norm_offset, self._layers)
+            torch.get_num_threads(), first.eps, first.norm_offset, self._layers)
         self._ref = ctypes.byref(self._struct)
         self._caches: list[int] = []
         self._failed = ctypes.c_int32(0)
@@ -125,6 +129,8 @@ class NativeDecoder:
             if not all(isinstance(m, QuantLinear) and getattr(m, "_qmm", None) is not None and m.qmm_rows > 0
                        for m in lin):
                 return None, "off (a linear layer without integer-kernel weights)"
+            if not _shapes_fit(layer):
+                return None, "off (weights of other shapes than the layer's config)"
         fn, ops, kernel = get(), qmm.get(), cpu_kernel.get()
         if fn is None or ops is None or kernel is None:
             return None, f"off ({build_error() or qmm.build_error() or cpu_kernel.build_error() or 'no kernel'})"
@@ -135,7 +141,8 @@ class NativeDecoder:
         weights, which this points into, were replaced): build a new one."""
         from pagedkv.model import quant
 
-        return quant.PREPARED != self._prepared
+        return quant.PREPARED != self._prepared or any(a is not b for a, b in zip(_watched(self.model.layers),
+                                                                                   self._watched))
 
     def run(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: Sequence[Any],
             md: Any, backend: Any) -> bool:
@@ -155,29 +162,50 @@ class NativeDecoder:
         if args is None:
             return False
         ptrs = [p for c in kv_caches for p in (c.key.data_ptr(), c.value.data_ptr())]
-        if ptrs != self._caches:
-            for s, i in zip(self._layers, range(0, len(ptrs), 2)):
-                s.k_cache, s.v_cache = ptrs[i], ptrs[i + 1]
-            self._caches = ptrs
         cos, sin = cos.contiguous(), sin.contiguous()
-        rc = self._fn(self._ref, ctypes.addressof(args[2]), t, residual.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                      ctypes.byref(self._failed))
-        if rc == -4:
-            cache = kv_caches[self._failed.value]
+        with self._lock:
+            if ptrs != self._caches:
+                for s, i in zip(self._layers, range(0, len(ptrs), 2)):
+                    s.k_cache, s.v_cache = ptrs[i], ptrs[i + 1]
+                self._caches = ptrs
+            self._struct.nthreads = torch.get_num_threads()
+            rc = self._fn(self._ref, ctypes.addressof(args[2]), t, residual.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                          ctypes.byref(self._failed))
+            failed = self._failed.value
+        if rc == -104:
+            cache = kv_caches[failed]
             raise BackendError(f"slot_mapping has a slot >= the cache's {cache.num_blocks * cache.block_size} "
                                "slots (nothing written)")
         if rc == -1:
-            raise MemoryError("native decoder step: no memory for its scratch")
+            raise MemoryError("native decoder step: no memory for its scratch or a matmul's activations")
         if rc != 0:
-            raise RuntimeError(f"native decoder step failed with code {rc} at layer {self._failed.value}")
+            kind = f"attention kernel code {rc + 100}" if rc <= -100 else f"matmul code {rc}"
+            raise RuntimeError(f"native decoder step failed at layer {failed}: {kind}")
         return True
 
-
-    def final_norm(self, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """The model's final RMSNorm of ``residual`` ``[T, hidden]`` through the same C op as
-        the layers' norms (torch's ``rms_norm`` took ~0.2 ms at one row after the native call)."""
-        return self._fused.add_rms_norm(residual, None, weight, self._struct.eps, self._struct.offset)
 
 
 def _linears(layer: Any) -> list[Any]:
     return [layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj]
+
+
+def _watched(layers: Sequence[Any]) -> list[Any]:
+    """Every object the decoder's structs point into: each layer's linear modules, their packed
+    weights, and the two norm weights."""
+    out: list[Any] = []
+    for layer in layers:
+        for m in _linears(layer):
+            out += [m, getattr(m, "_qmm", None)]
+        out += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+    return out
+
+
+def _shapes_fit(layer: Any) -> bool:
+    """The packed weights and norm weights have the shapes the C loop sizes its buffers by."""
+    h, i = layer.input_layernorm.weight.shape[0], layer.intermediate_size
+    q, kv = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
+    want = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]
+    if [(m._qmm.n, m._qmm.k) for m in _linears(layer)] != want:
+        return False
+    return all(w.dtype == torch.float32 and w.is_contiguous() and w.shape == (h,)
+               for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight))

@@ -10,8 +10,8 @@ integer block sums, and with VNNI (``vpdpbusd``) where the build targets it. Act
 keep one float scale per 32 values (an outlier costs its own block only) and, for int4's
 minimum, the exact float sum of each block.
 
-Used by ``pagedkv.model.quant`` for decode-sized inputs (``QuantLinear.kernel`` ``"q8"``),
-and to dequantise int4/int8 weights in one pass for wide inputs. ``get()`` returns ``None``
+Used by ``pagedkv.model.quant`` (``QuantLinear.kernel`` ``"q8"``) for every row count on CPUs
+without AMX (``max_rows``), and by ``pagedkv.model.native_step``. ``get()`` returns ``None``
 when there is no C compiler, the build fails, or ``PAGEDKV_QMM=0``; ``build_error()`` says
 why. Measured in docs/performance.md ("Integer matmuls").
 """
@@ -54,7 +54,7 @@ class QWeights(ctypes.Structure):
     pointer (built once per layer: a call converts only the activation arguments)."""
 
     _fields_ = [("n", ctypes.c_int64), ("k", ctypes.c_int64), ("fmt", ctypes.c_int32), ("codes", ctypes.c_void_p),
-                ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+                ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
 
 
 class Packed:
@@ -64,19 +64,18 @@ class Packed:
     float32 ``[N]``, ``w = scale[o] c``); ``bias`` float32 ``[N]`` or ``None``. Holds the
     tensors its ``QWeights`` points into. Build with :func:`pack_int4` / :func:`pack_int8`."""
 
-    def __init__(self, fmt: int, n: int, k: int, codes: torch.Tensor, d: torch.Tensor | None = None,
-                 m: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+    def __init__(self, fmt: int, n: int, k: int, codes: torch.Tensor, scale: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None) -> None:
         if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (n,)):
             raise ValueError(f"bias: need float32 [{n}], got {bias.dtype} {tuple(bias.shape)}")
         self.fmt, self.n, self.k = fmt, n, k
-        self.codes, self.d, self.m, self.scale = codes, d, m, scale
+        self.codes, self.scale = codes, scale
         self.bias = None if bias is None else bias.contiguous()
 
         def ptr(t: torch.Tensor | None) -> int | None:
             return None if t is None else t.data_ptr()
 
-        self.struct = QWeights(n, k, fmt, codes.data_ptr(), ptr(d), ptr(m), ptr(scale), ptr(self.bias))
+        self.struct = QWeights(n, k, fmt, codes.data_ptr(), ptr(scale), ptr(self.bias))
         self.ref = ctypes.byref(self.struct)
 
 
@@ -119,7 +118,7 @@ class QmmOps:
     def __init__(self, lib: ctypes.CDLL) -> None:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._qmm = lib.pagedkv_qmm
-        self._qmm.argtypes = [ptr, i64, ptr, i64, ptr]
+        self._qmm.argtypes = [ptr, i64, ptr, i64, ptr, ctypes.c_int]
         self._qmm.restype = ctypes.c_int
         self._q4_deq = lib.pagedkv_q4_dequant
         self._q4_deq.argtypes = [i64, i64, ptr, ptr]
@@ -141,7 +140,7 @@ class QmmOps:
             raise ValueError(f"x: need a CPU float32 [rows, {w.k}] tensor with unit column stride, got {x.dtype} "
                              f"{tuple(x.shape)} strides {x.stride()} on {x.device}")
         y = torch.empty(x.shape[0], w.n)
-        if self._qmm(w.ref, x.shape[0], x.data_ptr(), x.stride(0), y.data_ptr()):
+        if self._qmm(w.ref, x.shape[0], x.data_ptr(), x.stride(0), y.data_ptr(), torch.get_num_threads()):
             raise MemoryError("qmm: no memory for the quantised activations")
         return y
 

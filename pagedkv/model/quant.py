@@ -16,27 +16,19 @@ model dtype -> ``[T, out]`` in the same dtype.
   keeps its stored codes; ``torch._weight_int4pack_mm_for_cpu`` on bf16 activations. A tied
   LM head whose source is 8-bit (the bundled Q8_0 embeddings) is int8 in this format.
 
-Routes: ``fast`` (the kernels above for up to ``KERNEL_ROWS`` rows; in int8/int4, every input
-of ``int8_rows()`` rows or more - decode batches from 8 rows and prefill chunks - runs *dynamic
-int8* instead: each row of ``x`` as two int8 rows (rounded row and remainder,
-``dynamic_int8_mm``), one int8 x int8 matmul against per-channel int8 weights with exact int32
-sums, rescaled. The matmul is oneDNN's u8s8 linear on weights prepacked once
-(``onednn.qlinear_prepack``; AVX-VNNI, AVX-512 VNNI or AMX-INT8 kernels), else ``torch._int_mm``.
-The route needs VNNI or AMX-INT8 (``CpuFeatures.int8_exact``): without them both add pairs of
-u8 x s8 products in int16 with saturation, which the codes overflow (wrong text, not slow).
-The weight-only kernels fall behind from ~8 rows, and a prefill chunk no longer dequantises
-every weight per call (that had been ~2/3 of a 512-token prefill step); measured in
-docs/performance.md, "Dynamic int8". int4 keeps an int8 copy of its weights for it, rounded
-per output channel from the int4 values: ~1 byte per weight more. Without the int8 route
-(``PAGEDKV_INT8_ROWS=0``, bf16), inputs wider than ``KERNEL_ROWS`` dequantise and run one
-bf16 matmul where oneDNN has native bf16, else fp32) or
-``fallback`` (dequantise the stored weights to the
-activation dtype and ``F.linear``: correct on any CPU, slow). The int8/int4 kernels are
-fast only on bf16 activations (on fp32 ones they run a scalar loop, 2-5x slower than fp32
-``F.linear``), vectorised in ATen's AVX2 and AVX-512 builds, so ``auto_route`` picks them
-where ``torch.backends.cpu.get_cpu_capability()`` is one of those; bf16's fast route needs
-native bf16 (AVX512-BF16 or AMX) in oneDNN. ``pagedkv bench quality --part routes`` measures
-every route. ``PAGEDKV_WEIGHT_ROUTE=fallback`` forces the fallback everywhere.
+Routes: ``fast`` runs ``pagedkv.model.qmm`` (kernel ``"q8"``) for int8/int4 at every row
+count on CPUs without AMX: activations quantised on the fly to int8 blocks of 32, integer
+dot products with exact block sums on AVX2 (``vpmaddubsw``) or VNNI, weights packed once at
+load (docs/weights.md). On AMX hosts ``qmm`` takes inputs below ``int8_rows()`` rows and
+the kernels above the rest: from ``int8_rows()`` rows *dynamic int8* (each row of ``x`` as
+two int8 rows, ``dynamic_int8_mm``, through oneDNN's u8s8 linear on prepacked weights, which
+needs VNNI or AMX-INT8 to sum exactly: ``CpuFeatures.int8_exact``), otherwise the weight-only
+kernels up to ``KERNEL_ROWS`` and ``wide`` above (dequantise, one bf16 (AMX) or fp32 matmul).
+Those kernels also run where ``qmm`` cannot build (no C compiler) or ``PAGEDKV_QMM=0``; they
+are fast only on bf16 activations, vectorised in ATen's AVX2 and AVX-512 builds.
+``fallback`` dequantises the stored weights to the activation dtype and calls ``F.linear``:
+correct on any CPU, slow. ``PAGEDKV_WEIGHT_ROUTE=fallback`` forces it everywhere;
+``pagedkv bench quality --part routes`` measures the routes.
 """
 
 from __future__ import annotations
@@ -123,6 +115,8 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", None)
         self.route = "fallback"
         self.int8_rows = 0  # dynamic int8 from this many rows (0: off); set by prepare
+        self._qmm, self.qmm_rows = None, 0  # the integer kernels' packed weights; set by prepare
+        self._w8_t = self._w8_scale = self._w8_packed = self._w8_zero = None
 
     def _set_bias(self, bias: torch.Tensor | None) -> None:
         if bias is not None:
@@ -346,6 +340,7 @@ class Int4Linear(QuantLinear):
         super().__init__(qcodes.shape[1] * 2, qcodes.shape[0])
         if self.in_features % GROUP_SIZE:
             raise ConfigError(f"int4: input size {self.in_features} is not a multiple of {GROUP_SIZE}")
+        self._packed = None  # ATen's int4 layout, built by prepare where a row count uses it
         self.register_buffer("qcodes", qcodes.to(torch.uint8).contiguous())
         self.register_buffer("scale", scale.float().contiguous())
         self.register_buffer("min", mins.float().contiguous())

@@ -35,7 +35,7 @@ import torch
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.tokenizer import load_tokenizer
 
-CACHE_FORMAT_VERSION = 1
+CACHE_FORMAT_VERSION = 2  # 2: int4 scale/min rounded to float16 (Q4_1) by from_float
 _WEIGHTS_FILE = "model.safetensors"
 _CONFIG_FILE = "config.json"
 _TOKENIZER_DIR = "tokenizer"

@@ -46,6 +46,11 @@ def test_native_step_is_on_for_the_bundled_int4_model_and_rebuilt_after_a_re_pre
     layer.prepare(layer.route)  # new packed buffers: the old decoder would point at freed ones
     assert first.stale()
     assert _native(int4_model) is not first and not int4_model.model._native.stale()
+    second = int4_model.model._native
+    norm = int4_model.model.layers[5].post_attention_layernorm
+    norm.weight = torch.nn.Parameter(norm.weight.detach().clone())  # a tensor it pointed into, replaced
+    assert second.stale()
+    assert _native(int4_model) is not second
 
 
 def test_prefill_and_decode_equal_the_python_path_bit_for_bit(int4_model):

@@ -172,3 +172,24 @@ def test_compiled_steps_reach_the_kernel_through_an_opaque_op():
     assert torch.equal(torch.ops.pagedkv.qmm_linear(x, m.int8_key, 32), m.qmm_forward(x))
     with pytest.raises(RuntimeError, match="no prepared layer"):
         torch.ops.pagedkv.qmm_linear(x, -1, 32)
+
+
+def test_an_unprepared_layer_runs_the_fallback():
+    g = torch.Generator().manual_seed(12)
+    for make in (Int4Linear.from_float, Int8Linear.from_float):
+        m = make(torch.randn(16, 64, generator=g))
+        x = torch.randn(3, 64, generator=g)
+        assert m.kernel(3) == "fallback" and m.qmm_rows == 0
+        torch.testing.assert_close(m(x), x @ m.dequantize().T)
+
+
+def test_blocks_of_zeros_subnormals_and_huge_values(ops):
+    m = Int8Linear.from_float(torch.randn(8, 96))
+    w = qmm.pack_int8(m.qweight, m.scale)
+    x = torch.zeros(1, 96)
+    x[0, 32:64] = 1e-40  # subnormal block: its codes are 0
+    x[0, 64:96] = torch.linspace(-1e30, 1e30, 32)  # large but whose products stay finite in float32
+    y = ops.linear(x, w)
+    assert torch.isfinite(y).all()
+    ref = x[:, 64:].double() @ m.dequantize()[:, 64:].double().T
+    assert ((y.double() - ref).abs() <= 1e-2 * ref.abs().max()).all()
