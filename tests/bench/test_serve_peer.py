@@ -70,16 +70,18 @@ def _run(server, c, tok_s, itl, ttft):
 
 def test_ratios_and_goals():
     P, L = serve_peer.PAGEDKV, serve_peer.LLAMA_SERVER
+    # issue 31's goals: >= 1.2x tok/s and ITL p50 <= 0.9x at 1; >= 2x tok/s at 4, 16, 32
+    assert serve_peer.GOALS == {1: (1.2, 0.9), 4: (2.0, None), 16: (2.0, None), 32: (2.0, None)}
     runs = [_run(P, 1, 20.0, 0.05, 1.0), _run(L, 1, 10.0, 0.10, 0.5),      # 2x tok/s, ITL 0.5x: both met
-            _run(L, 4, 30.0, 0.04, 2.0), _run(P, 4, 15.0, 0.08, 1.0),      # 0.5x, 2x: neither
-            _run(P, 16, 60.0, 0.3, 3.0), _run(L, 16, 30.0, 0.3, 9.0),      # 2x < 3x: not met; no ITL goal
+            _run(L, 4, 30.0, 0.04, 2.0), _run(P, 4, 15.0, 0.08, 1.0),      # 0.5x: not met; no ITL goal
+            _run(P, 16, 60.0, 0.3, 3.0), _run(L, 16, 31.0, 0.3, 9.0),      # 1.94x < 2x: not met
             _run(P, 32, 1.0, 1.0, 1.0), {"server": L, "concurrency": 32, "error": "boom"}]
     q = {r["concurrency"]: r for r in serve_peer.ratios(runs, [1, 4, 16, 32, 64])}
     assert q[1]["output_tok_s_ratio"] == 2.0 and q[1]["itl_p50_ratio"] == 0.5 and q[1]["ttft_p50_ratio"] == 2.0
     assert q[1]["output_tok_s_goal_met"] is True and q[1]["itl_goal_met"] is True
     assert q[4]["output_tok_s_ratio"] == 0.5 and q[4]["itl_p50_ratio"] == 2.0
-    assert q[4]["output_tok_s_goal_met"] is False and q[4]["itl_goal_met"] is False
-    assert q[16]["output_tok_s_ratio"] == 2.0 and q[16]["output_tok_s_goal_met"] is False
+    assert q[4]["output_tok_s_goal_met"] is False and q[4]["itl_goal_met"] is None
+    assert q[16]["output_tok_s_ratio"] == 60.0 / 31.0 and q[16]["output_tok_s_goal_met"] is False
     assert q[16]["goal_itl_p50_ratio"] is None and q[16]["itl_goal_met"] is None
     assert q[32] == {"concurrency": 32, "missing": True}
     assert q[64] == {"concurrency": 64, "missing": True}
