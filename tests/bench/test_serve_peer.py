@@ -222,7 +222,7 @@ def test_report_side_by_side_and_goals():
     md = render_markdown(data, {})
     assert "| 1 | 20.0 / 10.0 (2.00x) | 50 / 100 (0.50x) | 1.00 / 0.50 (2.00x) | 8 of 8 / 8 of 8 | no |" in md
     assert "| 32 | n/a / 30.0 (n/a) | n/a / 600 (n/a) | n/a / 9.00 (n/a) | n/a of n/a / 5 of 8 | llama-server |" in md
-    assert "- concurrency 1: output tok/s ≥ 1× llama-server's: 2.00x — met; ITL p50 ≤ llama-server's: 0.50x — met" in md
+    assert "- concurrency 1: output tok/s ≥ 1.2× llama-server's: 2.00x — met; ITL p50 ≤ 0.9× llama-server's: 0.50x — met" in md
     assert "- concurrency 32: not measured (a run failed)" in md
     assert "| pagedkv | 32 | error: RuntimeError: boom |" in md
     assert "| llama-server | 32 | 8 | 5/3/0 | 512 |" in md
