@@ -165,7 +165,7 @@ def test_the_avx2_cap_reaches_torch_onednn_and_the_routes():
         return
     assert got["aten"] == "AVX2" and got["env"] == {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
     assert got["vnni"] is False and got["int8_exact"] is False and got["isa"] == "avx2"
-    assert "capability AVX2" in got["auto"] and "no dynamic int8" in got["auto"]
+    assert "capability AVX2" in got["auto"] and "qmm) at every batch size" in got["auto"]
     assert got["march"] == ["-march=x86-64-v3"]
     # the user's own torch cap stays; oneDNN's is still set
     got = _probe(**{ENV: "avx2", "ATEN_CPU_CAPABILITY": "default"})

@@ -124,9 +124,9 @@ def resolve_weights(
             return model, f"auto: the {model} model's own weights (quantised formats: fp32 models on one CPU)"
         f = features or cpu_features()
         if auto_route("int4", f) == "fast":
-            int8 = ("dynamic int8 on" if f.int8_exact else "no dynamic int8: oneDNN capped below VNNI"
-                    if f.vnni or f.amx else "no dynamic int8: no VNNI/AMX-INT8")
-            return "int4", f"auto: int4 kernel vectorised on this CPU (capability {f.capability}; {int8})"
+            plan = ("integer kernels (qmm) below 8 rows, AMX dynamic int8 from 8" if f.amx and f.int8_exact
+                    else "integer kernels (qmm) at every batch size")
+            return "int4", f"auto: int4 on this CPU (capability {f.capability}; {plan})"
         if auto_route("bf16", f) == "fast":
             return "bf16", f"auto: native bf16 matmul on this CPU (AVX512-BF16/AMX, capability {f.capability})"
         return "fp32", f"auto: no fast bf16/int8/int4 kernel on this CPU (capability {f.capability})"
