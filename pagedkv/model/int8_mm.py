@@ -50,39 +50,31 @@ def _release_prepacked() -> None:
         module.release_int8()
 
 
-def _int8_linear(qx: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
-    module = _INT8_MODULES.get(key)
-    if module is None:
-        raise RuntimeError(f"pagedkv::int8_linear: no prepared int8 weights under key {key}")
-    return module.int8_matmul(qx)
+def _layer_op(name: str, what: str, call: str) -> None:
+    """Register ``pagedkv::{name}(Tensor x, int key, int out_features) -> Tensor`` (defined
+    above): the layer registered under ``key`` runs its method ``call`` on ``x``; the fake
+    (for tracing) is a float32 ``[rows, out_features]``. An unknown key is a ``RuntimeError``
+    naming ``what`` was looked for."""
+
+    def impl(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
+        module = _INT8_MODULES.get(key)
+        if module is None:
+            raise RuntimeError(f"pagedkv::{name}: no prepared {what} under key {key}")
+        return getattr(module, call)(x)
+
+    def fake(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], out_features), dtype=torch.float32)
+
+    _LIB.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"pagedkv::{name}")(fake)
 
 
-_LIB.impl("int8_linear", _int8_linear, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("pagedkv::int8_linear")
-def _(qx: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
-    return qx.new_empty((qx.shape[0], out_features), dtype=torch.float32)
-
+_layer_op("int8_linear", "int8 weights", "int8_matmul")
 
 # ``pagedkv::qmm_linear``: the integer kernels of ``pagedkv.model.qmm`` on a layer's packed
 # weights (``QuantLinear.qmm_forward``), opaque to compiled steps in the same way
 _LIB.define("qmm_linear(Tensor x, int key, int out_features) -> Tensor")
-
-
-def _qmm_linear(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
-    module = _INT8_MODULES.get(key)
-    if module is None:
-        raise RuntimeError(f"pagedkv::qmm_linear: no prepared layer under key {key}")
-    return module.qmm_forward(x)
-
-
-_LIB.impl("qmm_linear", _qmm_linear, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("pagedkv::qmm_linear")
-def _(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
-    return x.new_empty((x.shape[0], out_features), dtype=torch.float32)
+_layer_op("qmm_linear", "layer", "qmm_forward")
 
 
 def dynamic_int8_mm(x: torch.Tensor, module: Any) -> torch.Tensor:
