@@ -115,6 +115,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_port_pair(tries: int = 50) -> int:
+    """A TCP port ``p`` on 127.0.0.1 with ``p`` and ``p + 1`` both free a moment ago (a KV-event
+    endpoint and its default replay endpoint, ``port + 1``); ``OSError`` after ``tries``."""
+    for _ in range(tries):
+        p = free_port()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as a, socket.socket(socket.AF_INET, socket.SOCK_STREAM) as b:
+            try:
+                a.bind(("127.0.0.1", p))
+                b.bind(("127.0.0.1", p + 1))
+            except OSError:
+                continue
+            return p
+    raise OSError("no two adjacent free TCP ports on 127.0.0.1")
+
+
 _NULL_SCOPE = contextlib.nullcontext()
 
 

@@ -18,7 +18,7 @@ from pagedkv import LLM, SamplingParams
 from pagedkv.errors import ConfigError
 from pagedkv.kv import CacheKeys, hash_blocks
 from pagedkv.kv.tiers import KVStoreMismatchError, decode_batch
-from pagedkv.utils import free_port
+from pagedkv.utils import free_port_pair
 
 BS = 4
 A = [(11 * i + 5) % 4000 + 200 for i in range(25)]  # 6 full blocks looked up
@@ -149,7 +149,7 @@ def test_serve_refuses_a_bad_tier_at_start(tmp_path, bundled_gguf, capsys):
 
 
 def test_subscriber_sees_stored_then_removed_without_gaps(loaded_model, cold):
-    port = free_port()
+    port = free_port_pair()  # the replay endpoint takes port + 1
     llm = make(loaded_model, enable_prefix_caching=False, kv_events=f"tcp://127.0.0.1:{port}")
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)

@@ -165,11 +165,11 @@ def test_kv_events_of_an_engine_feed_the_replica_index(loaded_model):
     from pagedkv.engine.request import SamplingParams
     from pagedkv.serving.events import EventFeed
     from pagedkv.testing.tiny import tiny_random_model
-    from pagedkv.utils import free_port
+    from pagedkv.utils import free_port_pair
 
     tiny = tiny_random_model(loaded_model)
-    engine = LLMEngine(tiny, num_blocks=32, block_size=BS, max_model_len=64,
-                       kv_events=f"tcp://127.0.0.1:{free_port()}")
+    engine = LLMEngine(tiny, num_blocks=32, block_size=BS, max_model_len=64,  # replay at port + 1
+                       kv_events=f"tcp://127.0.0.1:{free_port_pair()}")
     views = _views(1)
     router = Router(views, "prefix-aware")
     feed = EventFeed(router, views[0], engine.config.kv_events)
