@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -25,6 +26,21 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/p
 def _tids() -> set[int]:
     """Thread ids of this process that are not Python threads (OpenMP helpers among them)."""
     return {int(t) for t in os.listdir("/proc/self/task")} - {t.native_id for t in threading.enumerate()}
+
+
+def _gone(tids: set[int], timeout: float = 10.0) -> set[int]:
+    """Thread ids of this process once ``tids`` have left it (or ``timeout`` seconds passed).
+
+    libgomp's helper threads leave asynchronously: ``omp_pause_resource_all`` returns once they
+    passed the pool's last barrier, and each then detaches and exits on its own (a busy 2-core
+    CI host once listed the helper a moment after the release), so the tests wait for the exit
+    instead of reading /proc/self/task at one instant."""
+    deadline = time.monotonic() + timeout
+    now = _tids()
+    while tids & now and time.monotonic() < deadline:
+        time.sleep(0.01)
+        now = _tids()
+    return now
 
 
 def _parallel_op() -> None:
@@ -67,7 +83,7 @@ def test_release_gives_back_the_helper_and_the_next_op_starts_a_new_one():
         _parallel_op()
         helpers = _tids() - before
         released = release_openmp_pool()
-        after_release = _tids()
+        after_release = _gone(helpers)
         _parallel_op()
         again = _tids() - after_release
         release_openmp_pool()
@@ -86,7 +102,7 @@ def test_engine_loop_takes_the_pool_of_the_thread_that_made_it():
         _parallel_op()  # "building the engine" in this thread
         helpers = _tids() - before
         loop = EngineLoop(engine=object())  # not started: only the constructor runs
-        return helpers, _tids(), loop.running
+        return helpers, _gone(helpers), loop.running
 
     helpers, after, running = _in_fresh_thread(body)
     assert len(helpers) == 1
@@ -105,7 +121,7 @@ def test_build_app_takes_the_pool_of_the_thread_that_built_the_engine(loaded_mod
         _parallel_op()  # a real model's load and warm-up run ops this large
         helpers = _tids() - before
         app = build_app(engine)
-        return helpers, _tids(), app.state.pagedkv.loop.running
+        return helpers, _gone(helpers), app.state.pagedkv.loop.running
 
     helpers, after, running = _in_fresh_thread(body)
     assert len(helpers) == 1
