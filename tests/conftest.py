@@ -5,6 +5,9 @@
   cache root, so after the first run it loads in about a second)
 * ``hf_model``: transformers' ``LlamaForCausalLM`` from the same GGUF, float32, eval mode (~20 s)
 * ``hf_tokenizer``: transformers' tokenizer read from the same GGUF
+* ``gemma3_gguf`` / ``gemma3_loaded`` / ``gemma3_hf``: the second bundled real model,
+  Gemma-3-270M Q4_K_M (path; our fp32 ``LoadedModel``; transformers' model from the same GGUF,
+  fp32, about a minute to dequantise)
 * ``browser``: headless Chromium driven by selenium (installed by scripts/install_browser.sh
   when missing; a failure under CI=1)
 """
@@ -39,7 +42,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: needs the bundled model (loads weights)")
 
 
-_MODEL_FIXTURES = {"bundled_gguf", "loaded_model", "hf_model", "hf_tokenizer"}
+_MODEL_FIXTURES = {"bundled_gguf", "loaded_model", "hf_model", "hf_tokenizer", "gemma3_gguf"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
@@ -104,6 +107,33 @@ def hf_tokenizer(bundled_gguf):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(bundled_gguf.parent), gguf_file=bundled_gguf.name)
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf():
+    from pagedkv._bundled import gemma3_model_path
+    from pagedkv.errors import ConfigError
+
+    try:
+        return gemma3_model_path()
+    except ConfigError as e:  # a missing model is a set-up failure, never a skip
+        pytest.fail(f"{e} (make test installs it)")
+
+
+@pytest.fixture(scope="session")
+def gemma3_loaded(gemma3_gguf):
+    from pagedkv.model.loader import load_model
+
+    return load_model(gemma3_gguf, dtype=torch.float32, weights="fp32")
+
+
+@pytest.fixture(scope="session")
+def gemma3_hf(gemma3_gguf):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(gemma3_gguf.parent), gguf_file=gemma3_gguf.name,
+                                                 dtype=torch.float32)
+    return model.eval()
 
 
 def _agreement(got, want) -> tuple[int, int, int]:

@@ -28,6 +28,7 @@ from typing import Any
 
 from pagedkv.bench.common import REPO_ROOT, RunFacts, add_run_options, load_fp32_model, log
 from pagedkv.bench.report import closing_lines, markdown_table, publish
+from pagedkv.model.tokenizer import encode_prompt
 
 TEXT = REPO_ROOT / "tests" / "data" / "quality_text.txt"
 BOUNDS = {"int8": 0.01, "fp8_e4m3": 0.02}  # relative perplexity increase allowed
@@ -133,7 +134,7 @@ def run_quality(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
     names = [kv_cache_dtype(n) for n in str(args.kv_cache_dtypes).split(",") if n.strip()]
     names = ["float32"] + [n for n in names if n != "float32"]
     text = Path(args.text).read_text()
-    ids = list(loaded.tokenizer(text, add_special_tokens=False)["input_ids"])
+    ids = encode_prompt(loaded.tokenizer, text)
     prompts, max_tokens = PROMPTS, args.max_tokens
     offsets = [int(x) for x in str(args.offsets).split(",") if x.strip()]
     if args.tiny:

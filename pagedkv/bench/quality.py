@@ -54,6 +54,8 @@ STEP_ROWS = {"decode 1": 1, "decode 8": 8, "decode 32": 32, "decode 64": 64, "pr
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--part", choices=["quality", "routes"], default="quality")
+    p.add_argument("--model", default=None,
+                   help="GGUF file, HF dir or bundled name (default: the bundled SmolLM2; gemma-3-270m: its K-quants)")
     p.add_argument("--formats", default=",".join(FORMATS), help="comma-separated formats (default all)")
     p.add_argument("--text", default=str(TEXT), help="perplexity text (default tests/data/quality_text.txt)")
     p.add_argument("--window", type=int, default=1024, help="perplexity window in tokens (default 1024)")
@@ -115,13 +117,16 @@ def perplexity(model: Any, token_ids: list[int], window: int, backend_name: str 
 
 
 def greedy(loaded: Any, max_tokens: int) -> list[list[int]]:
-    """Greedy completions (EOS ignored) of ``PROMPTS`` through the chat template."""
+    """Greedy completions (EOS ignored) of ``PROMPTS`` through the chat template (a base model
+    without one: the prompts as plain completions)."""
     from pagedkv.engine.llm import LLM
     from pagedkv.engine.request import SamplingParams
 
     llm = LLM(loaded, num_blocks=256, max_num_seqs=16)
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    prompts = [llm.engine.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
+    eng = llm.engine
+    prompts = [eng.apply_chat_template([{"role": "user", "content": p}]) if eng.has_chat_template else eng.tokenize(p)
+               for p in PROMPTS]
     return [list(o.token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
 
 
@@ -170,7 +175,7 @@ def _quality(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     chunk = min(DECODE_ROWS, args.window)
     for fmt in ["fp32"] + [f for f in _formats(args.formats) if f != "fp32"]:
         t0 = time.perf_counter()
-        lm = load_model(None, weights=fmt)
+        lm = load_model(args.model, weights=fmt)
         load_s = time.perf_counter() - t0
         ids = lm.tokenizer(text)["input_ids"]
         if len(ids) < 2:
@@ -196,10 +201,11 @@ def _quality(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             "load s": round(load_s, 2), "text tokens": len(ids),
         })
     data = {"rows": rows, "prompts": PROMPTS, "max_tokens": args.max_tokens, "window": args.window,
-            "text": str(Path(args.text).name)}
-    md = (f"# Weight formats: quality vs fp32\n\nCommand: `pagedkv bench quality` (perplexity on "
+            "text": str(Path(args.text).name), "model": lm.config.model_id}
+    opt = f" --model {args.model}" if args.model else ""
+    md = (f"# Weight formats: quality vs fp32 ({lm.config.model_id})\n\nCommand: `pagedkv bench quality{opt}` (perplexity on "
           f"`tests/data/{data['text']}`, {rows[0]['text tokens']} tokens in windows of {args.window}; "
-          f"greedy agreement on {len(PROMPTS)} chat prompts x {args.max_tokens} tokens, EOS ignored).\n\n")
+          f"greedy agreement on {len(PROMPTS)} prompts (through the chat template where the model has one) x {args.max_tokens} tokens, EOS ignored).\n\n")
     return data, md
 
 
@@ -230,7 +236,7 @@ def _routes(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     cells = []  # (format, route, layers, head)
     for fmt in _formats(args.formats):
         for route in (("fast",) if fmt == "fp32" else ("fast", "fallback")):
-            lm = load_model(None, weights=fmt, route=route)
+            lm = load_model(args.model, weights=fmt, route=route)
             cells.append((fmt, route, *_linears(lm.model)))
     cfg = lm.config
     results: dict[tuple[str, str], dict[str, float]] = {(f, r): {} for f, r, *_ in cells}
@@ -292,6 +298,8 @@ def run(args: argparse.Namespace) -> int:
     data, md = _quality(args) if args.part == "quality" else _routes(args)
     data["machine"] = machine_info(threads)
     name = args.name or ("weights_quality" if args.part == "quality" else "weights_routes")
+    if args.model and not args.name:  # one result set per model
+        name += "_" + Path(str(args.model)).stem.replace(".", "_")
     paths = write_results(name, data, md + markdown_table(data["rows"]), args.out_dir)
     if args.json:
         print(json.dumps(data, indent=2, default=str))

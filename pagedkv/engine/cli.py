@@ -15,7 +15,8 @@ from pagedkv.errors import ConfigError, InvalidRequestError
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine options shared by generate, chat, serve and the benchmarks."""
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="GGUF file or HF safetensors dir (default: bundled SmolLM2-135M-Instruct)")
+    g.add_argument("--model", default=None, help="GGUF file, HF safetensors dir or a bundled model's name: smollm2-135m-instruct (default), "
+                        "gemma-3-270m (a base model: plain completions)")
     g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
     g.add_argument("--weights", default="auto",
                    help="linear weights: auto (fastest within the quality bounds on this CPU) | fp32 | bf16 | int8 | int4")
@@ -47,6 +48,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compile-decode", action="store_true",
                    help="run decode steps (<= 64 tokens) through torch.compile: ~80 s per graph at the first start "
                         "on a 2-core CPU, cached under ~/.cache/pagedkv/inductor (docs/performance.md)")
+    g.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template file in place of the model's own (a base model has none)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -66,7 +69,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         kv_offload=getattr(args, "kv_offload", None), kv_events=getattr(args, "kv_events", None),
         kv_events_replay=getattr(args, "kv_events_replay", None),
-        compile_decode=getattr(args, "compile_decode", False),
+        compile_decode=getattr(args, "compile_decode", False), chat_template=getattr(args, "chat_template", None),
     )
 
 
@@ -138,11 +141,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
         except OSError as e:
             raise InvalidRequestError(f"--output: cannot write {args.output}: {e.strerror}") from None
     llm = _make_llm(args)
+    raw = args.raw
+    if not raw and not llm.engine.has_chat_template:  # a base model: plain completions
+        print(f"[pagedkv] {llm.engine.model_id} has no chat template (a base model): prompts run as plain "
+              "completions (--chat-template FILE gives it one)", file=sys.stderr)
+        raw = True
     token_prompts = []
     for p in prompts:
         if isinstance(p, list):  # chat messages from a JSONL record
             token_prompts.append(llm.engine.apply_chat_template(p))
-        elif args.raw:
+        elif raw:
             token_prompts.append(p)
         else:
             token_prompts.append(llm.engine.apply_chat_template([{"role": "user", "content": p}]))
@@ -184,6 +192,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     sp = _sampling(args)
     llm = _make_llm(args)
+    if not llm.engine.has_chat_template:
+        raise InvalidRequestError(f"pagedkv chat: {llm.engine.model_id} has no chat template (a base model); "
+                                  "use `pagedkv generate` for plain completions or pass --chat-template FILE")
     history: list[dict[str, str]] = []
     if args.system:
         history.append({"role": "system", "content": args.system})

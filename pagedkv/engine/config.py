@@ -63,6 +63,9 @@ class EngineConfig:
     # decode steps (up to 64 tokens) through torch.compile (pagedkv.model.compiled): compiled at
     # start-up, ~80 s per graph the first time on a 2-core CPU, cached afterwards
     compile_decode: bool = False
+    # chat template (Jinja text or a file holding it) in place of the model's own; a model
+    # without one (a base model) refuses chat requests unless this is set
+    chat_template: Optional[str] = None
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> "EngineConfig":
@@ -119,6 +122,8 @@ class EngineConfig:
             raise ConfigError(f"compile_decode must be True or False, got {self.compile_decode!r}")
         if self.compile_decode and (dev.type != "cpu" or self.tensor_parallel_size != 1):
             raise ConfigError("compile_decode: CPU and tensor_parallel_size 1 only")
+        if self.chat_template is not None and (not isinstance(self.chat_template, str) or not self.chat_template.strip()):
+            raise ConfigError(f"chat_template: expected Jinja text or a file path, got {self.chat_template!r}")
         self._validate_kv_tiers()
 
     def _validate_kv_tiers(self) -> None:

@@ -40,6 +40,7 @@ from pagedkv.kv.tiers import StoreIdentity, ZmqEventPublisher, open_tiers, parse
 from pagedkv.model.compiled import compile_decode
 from pagedkv.model.loader import LoadedModel, load_model
 from pagedkv.model.quant import resolve_weights
+from pagedkv.model.tokenizer import apply_chat, encode_prompt, read_chat_template
 from pagedkv.attention.quant import FORMATS, check_group_size
 from pagedkv.utils import canonical_dtype, cdiv, kv_cache_dtype, passive_wait_warning, profile_scope, torch_dtype
 from pagedkv.worker.runner import ModelRunner
@@ -75,6 +76,7 @@ class LLMEngine:
         self.loaded = loaded
         self.model_config = mc = loaded.config
         self.tokenizer = loaded.tokenizer
+        self.chat_template = None if cfg.chat_template is None else read_chat_template(cfg.chat_template)
         self.model_id = str(mc.model_id)
         self.revision = cfg.model_revision or str(getattr(mc, "revision", "") or "")
         self.max_model_len = cfg.resolve_max_model_len(mc.max_position_embeddings)
@@ -228,17 +230,20 @@ class LLMEngine:
         }
 
     def tokenize(self, prompt: str) -> list[int]:
-        return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        """Token ids of a plain-text prompt, with the model's own BOS/EOS rule
+        (``pagedkv.model.tokenizer.encode_prompt``)."""
+        return encode_prompt(self.tokenizer, prompt)
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether chat requests can be served: the engine's ``chat_template`` option or the
+        model's own template (a base model such as Gemma-3-270M has none)."""
+        return bool(self.chat_template or getattr(self.tokenizer, "chat_template", None))
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and "role" in m and "content" in m for m in messages
-        ):
-            raise InvalidRequestError("messages must be a list of {'role', 'content'} dicts")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
-        if hasattr(ids, "keys") and "input_ids" in ids:  # transformers may return a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
+        """Token ids of a conversation (``pagedkv.model.tokenizer.apply_chat``); raises
+        ``InvalidRequestError`` for bad messages or a model without a chat template."""
+        return apply_chat(self.tokenizer, messages, add_generation_prompt, self.chat_template, self.model_id)
 
     def add_request(
         self,

@@ -152,6 +152,30 @@ def hf_rope(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None, fl
 #: GGUF ``general.architecture`` values we load (Mistral GGUFs are written as ``llama``).
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 
+#: How llama.cpp's converters change a family's tensors on the way into a GGUF, in one place
+#: (``pagedkv.model.weights.gguf_state_dict`` undoes each; ``tests/model/test_gguf_conventions.py``
+#: has a test per row). Every family: no ``output.weight`` = tied embeddings; ``attn_q.bias``
+#: present = q/k/v biases; the tokenizer's ``add_bos_token`` / ``add_eos_token``, special tokens
+#: and chat template are the file's ``tokenizer.*`` metadata (``pagedkv.model.tokenizer``).
+#:
+#: * ``rope_rows_permuted``: Q and K rows (and biases) reordered within each head for
+#:   llama.cpp's adjacent-pair RoPE; we restore the rotate-half order (``llama``, which Mistral
+#:   files use too).
+#: * ``norms_plus_one``: every RMSNorm weight stored as ``1 + w`` (Gemma's ``x * (1 + w)``
+#:   folded in); we subtract the 1 again, as transformers' GGUF reader does.
+#: * ``ffn_norm_is_pre_feedforward``: ``ffn_norm`` is the pre-feed-forward norm of the
+#:   sandwich, and ``post_attention_norm`` the attention output's norm (Gemma).
+#: * ``fused_gate_up``: ``ffn_up`` holds gate and up rows fused, ``attn_qkv`` q/k/v (Phi-3).
+GGUF_CONVENTIONS: dict[str, dict[str, bool]] = {
+    arch: {
+        "rope_rows_permuted": arch in ("llama", "mistral"),
+        "norms_plus_one": arch in _GEMMA,
+        "ffn_norm_is_pre_feedforward": arch in _GEMMA,
+        "fused_gate_up": arch == "phi3",
+    }
+    for arch in (*GGUF_ARCHITECTURES, "mistral")
+}
+
 
 def gguf_family_fields(arch: str, metadata: Mapping[str, Any], tensor_names: set[str], num_layers: int,
                        hidden: int, head_dim: int) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from pagedkv._bundled import BUNDLED_MODEL_ID, bundled_model_path
+from pagedkv._bundled import BUNDLED_NAMES, resolve_bundled
 from pagedkv.errors import ConfigError
 from pagedkv.gguf_header import is_gguf_file, read_gguf_header
 from pagedkv.model.config import ModelConfig
@@ -66,14 +66,18 @@ class LoadedModel:
 
 
 def resolve_model_path(model: str | Path | None = None) -> Path:
-    """Where ``model`` lives: ``None`` / ``"bundled"`` / the bundled model id -> the bundled
-    GGUF; a ``.gguf`` file; a directory with ``config.json`` (HF safetensors); or a directory
-    holding exactly one ``.gguf`` file. Raises ``ConfigError`` naming the path otherwise."""
-    if model is None or str(model) in ("bundled", BUNDLED_MODEL_ID):
-        return bundled_model_path()
+    """Where ``model`` lives: ``None`` (the default SmolLM2) or a bundled model's name
+    (``pagedkv._bundled``: ``smollm2-135m-instruct``, ``gemma-3-270m``) -> its GGUF; a
+    ``.gguf`` file; a directory with ``config.json`` (HF safetensors); or a directory holding
+    exactly one ``.gguf`` file. Raises ``ConfigError`` naming the path otherwise."""
+    if model is None or not Path(model).expanduser().exists():  # a local path wins over a name
+        bundled = resolve_bundled(None if model is None else str(model))
+        if bundled is not None:
+            return bundled
     path = Path(model).expanduser()
     if not path.exists():
-        raise ConfigError(f"model: path {str(path)!r} does not exist (only local models are supported)")
+        raise ConfigError(f"model: path {str(path)!r} does not exist and is not a bundled model name "
+                          f"({', '.join(sorted(BUNDLED_NAMES))})")
     if path.is_file():
         if not is_gguf_file(path):
             raise ConfigError(f"model: {str(path)!r} is not a GGUF file (bad magic)")

@@ -30,6 +30,7 @@ from pagedkv._bundled import BUNDLED_MODEL_ID, bundled_model_path
 from pagedkv.errors import ConfigError
 from pagedkv.gguf_header import GGUFHeader, GGUFTensorInfo
 from pagedkv.model.config import ModelConfig
+from pagedkv.model.families import GGUF_CONVENTIONS
 
 StateDict = dict[str, torch.Tensor]
 # Tensors that are fused per layer, keyed by (layer index, part name) until fused.
@@ -138,14 +139,14 @@ def gguf_state_dict(
     """Dequantise every tensor (fp32) and map it to our names, fusing q/k/v and gate/up.
     ``tensors``: other ``(gguf name, tensor [rows, ...])`` to map instead (any per-row form,
     e.g. the stored 4-bit codes of ``pagedkv.model.quantize``)."""
-    permuted = config.architecture in ("llama", "mistral")  # llama.cpp permutes llama-arch Q/K
-    gemma = config.architecture in ("gemma2", "gemma3")  # llama.cpp stores Gemma's norms as 1 + w
+    conv = GGUF_CONVENTIONS[config.architecture]
+    permuted, plus_one = conv["rope_rows_permuted"], conv["norms_plus_one"]
     state: StateDict = {}
     parts: _Parts = {}
     for name, w in tensors if tensors is not None else dequantize_gguf(path, header.tensors):
         if name == "rope_freqs.weight":
             continue  # folded into config.rope_scaling
-        if gemma and name.endswith("norm.weight"):
+        if plus_one and name.endswith("norm.weight"):
             w = w - 1.0
         if name in _GGUF_TOP_NAMES:
             state[_GGUF_TOP_NAMES[name]] = w
@@ -167,9 +168,9 @@ def _gguf_layer_name(arch: str, rest: str) -> str | None:
     """Our name of GGUF layer tensor ``rest`` (``attn_q_norm.weight``), or ``None`` when it is
     a part to fuse. Gemma's ``ffn_norm`` is the pre-feed-forward norm; Phi-3's ``ffn_up``
     holds gate and up rows fused."""
-    if arch in ("gemma2", "gemma3") and rest == "ffn_norm.weight":
+    if GGUF_CONVENTIONS[arch]["ffn_norm_is_pre_feedforward"] and rest == "ffn_norm.weight":
         return "pre_feedforward_layernorm.weight"
-    if arch == "phi3" and rest == "ffn_up.weight":
+    if GGUF_CONVENTIONS[arch]["fused_gate_up"] and rest == "ffn_up.weight":
         return "gate_up_proj.weight"
     return _GGUF_LAYER_NAMES.get(rest)
 

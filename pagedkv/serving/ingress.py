@@ -36,6 +36,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
+from pagedkv.model.tokenizer import encode_prompt
 from pagedkv.server.api_keys import ApiKeys
 from pagedkv.server.protocol import chat_messages
 from pagedkv.server.schemas import ChatCompletionRequest
@@ -132,7 +133,7 @@ class Ingress:
         if isinstance(p, list) and p and not isinstance(p[0], int):
             p = p[0]
         if isinstance(p, str):
-            return list(self.tokenizer(p, add_special_tokens=False)["input_ids"])
+            return encode_prompt(self.tokenizer, p)
         return [int(t) for t in p]
 
     def hashes(self, path: str, raw: bytes, tenant: Optional[str]) -> list[bytes]:
