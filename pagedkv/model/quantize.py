@@ -6,6 +6,11 @@ a quantised state dict into a ``LlamaForCausalLM``.
   (``pagedkv.model.weights.gguf_state_dict``), so int4 keeps a Q4 source's codes bit for bit.
 * ``quantize_state``: fp32 state (+ those codes) -> the portable state of a format: what the
   weight cache stores and ``install_linears`` reads back.
+
+Only Q4_0/Q4_1 codes are kept (int4, and only if all q/k/v and gate/up parts have them, see
+``gguf_q4_codes``); every other GGML type (F32/F16/BF16, Q5/Q8, the K-quants
+Q2_K..Q6_K) is requantised from its dequantised fp32 values by the format's ``from_float``
+(``Int4Linear.from_float``: Q4_1's min/max rule; ``Int8Linear.from_float``).
 """
 
 from __future__ import annotations
@@ -79,8 +84,11 @@ def quantize_state(state: StateDict, config: ModelConfig, fmt: str, q4_codes: St
     names: every linear layer replaced by its module's buffers (``Int8Linear.qweight``/
     ``scale``, ``Int4Linear.qcodes``/``scale``/``min``, ``BF16Linear.weight``), the head
     included (``lm_head.*``, also when tied to ``embed_tokens``); everything else as is.
-    ``q4_codes`` (``gguf_q4_codes``): int4 takes these codes where present; a head without
-    stored 4-bit codes is int8 in int4 (its source has 8 bits or more)."""
+    ``q4_codes`` (``gguf_q4_codes``): int4 takes these codes where present and otherwise
+    requantises the fp32 weight with ``Int4Linear.from_float`` (a K-quant source included); a
+    head without stored 4-bit codes is int8 in int4 (``Int8Linear.from_float``, whatever its
+    source type, a 4-bit K-quant head included). Raises ``ConfigError`` for a missing linear
+    weight or an unknown ``fmt``."""
     q4_codes = q4_codes or {}
     out = dict(state)
     for prefix in linear_prefixes(config):

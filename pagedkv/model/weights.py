@@ -111,9 +111,41 @@ def _unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
 
 
+def check_gguf_tensor_types(header: GGUFHeader) -> None:
+    """Raise ``ConfigError`` naming the first tensor of ``header`` whose GGML type the ``gguf``
+    package cannot dequantise to fp32: an unknown type id, or a known one without a dequantiser
+    (e.g. Q8_1, Q8_K, the integer types). Reads no tensor data: each distinct type is probed
+    once on one all-zero block."""
+    import gguf
+
+    problems: dict[int, str | None] = {}
+    for info in header.tensors:
+        if info.ggml_type not in problems:
+            problems[info.ggml_type] = _gguf_type_problem(gguf, info.ggml_type)
+        if problems[info.ggml_type] is not None:
+            raise ConfigError(f"weights: {info.name} {problems[info.ggml_type]}")
+
+
+def _gguf_type_problem(gguf: Any, type_id: int) -> str | None:
+    """Why ``gguf`` cannot dequantise GGML type ``type_id`` (the end of an error message), or ``None``."""
+    try:
+        qtype = gguf.GGMLQuantizationType(type_id)
+        _block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    except (ValueError, KeyError):
+        return f"has unknown GGML type {type_id}"
+    try:
+        gguf.dequantize(np.zeros((1, type_size), dtype=np.uint8), qtype)
+    except NotImplementedError:
+        return f"uses GGML type {qtype.name} ({type_id}), which the gguf package cannot dequantise"
+    return None
+
+
 def gguf_config(path: Path, header: GGUFHeader, revision: str) -> ModelConfig:
     """``ModelConfig`` of a GGUF file from its header (plus its ``rope_freqs.weight`` values if
-    it has one). ``model_id`` is the bundled model's id or the file's stem."""
+    it has one). ``model_id`` is the bundled model's id or the file's stem. Raises
+    ``ConfigError`` for a tensor whose GGML type cannot be dequantised
+    (``check_gguf_tensor_types``), before reading any tensor, or for unusable metadata."""
+    check_gguf_tensor_types(header)
     names = [t.name for t in header.tensors]
     factors = None
     if "rope_freqs.weight" in names:
