@@ -13,7 +13,7 @@ scaled to fit, synthetic token-id prompts, outputs forced to the drawn length) g
   length and EOS disabled),
 * **pagedkv one at a time**: the same requests through ``LLM.generate`` one after another
   (batch 1), run just before
-* **llama.cpp** (``llama-cpp-python``, the same GGUF file at its native Q4_1 precision;
+* **llama.cpp** (``llama-cpp-python``, the same GGUF file at its native precision, Q4_1 here;
   requests one after another, same threads) only if it is importable. These two give the
   batch-1 decode comparison: per-request decode rate (tokens after the first / time from the
   first token to the last) and TPOT, side by side in one run.
@@ -24,6 +24,11 @@ decoding, and the same pinned torch thread count as pagedkv. Every request is su
 t0, so TTFT is ``first token time - t0`` (seconds) and includes queueing behind earlier
 batches. Output tokens/s counts only the requested output tokens (padding and the tokens a
 static batch generates past a request's own length are not counted).
+
+Every system runs the bundled SmolLM2-135M-Instruct unless ``--model`` names another GGUF (a
+bundled model's name such as ``gemma-3-270m``, or a path); its results go to
+``peers_<name>.*`` and record the model. A model whose tokenizer starts every prompt with BOS
+(Gemma-3) gets it as the first token of each synthetic prompt; no system uses a chat template.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from __future__ import annotations
 import argparse
 import time
 import traceback
+from dataclasses import replace
 from typing import Any, Sequence
 
 from pagedkv.bench.common import (
@@ -51,6 +57,7 @@ from pagedkv.bench.peers_systems import (
     PAGEDKV_REPEAT,
     failed,
     load_hf_model,
+    resolve_peer_model,
     run_hf_generate,
     run_hf_generate_batch,
     run_llama_cpp,
@@ -69,6 +76,9 @@ DEFAULT_BATCH_SIZES = (8, 32)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_trace_arguments(p, num_requests=64)
+    p.add_argument("--model", default=None,
+                   help="the GGUF every system runs on: a bundled model's name (smollm2-135m-instruct, the "
+                        "default; gemma-3-270m) or a .gguf path; results of another model go to peers_<name>.*")
     p.add_argument(
         "--batch-size", default=",".join(map(str, DEFAULT_BATCH_SIZES)),
         help="static batch size(s) for transformers generate, comma-separated (default 8,32)",
@@ -177,9 +187,11 @@ def batch1_comparison(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def run_peers(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None,
               progress: bool = True) -> dict[str, Any]:
     """Run the comparison; ``loaded`` (a pagedkv LoadedModel, fp32) and ``hf_model`` (the
-    transformers model) may be passed in to avoid reloading. Returns the results dict."""
+    transformers model) may be passed in to avoid reloading; both must be of ``args.model``.
+    Returns the results dict. Raises ``ConfigError`` for a ``--model`` that is not a GGUF file."""
     if args.tiny:
         _apply_tiny(args)
+    model = resolve_peer_model(getattr(args, "model", None))
     facts = RunFacts.start(args.threads)
     threads = facts.threads
     batch_sizes = [int(b) for b in str(args.batch_size).split(",") if b.strip()]
@@ -188,9 +200,10 @@ def run_peers(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None
 
     t = time.time()
     if systems & {PAGEDKV, B1}:
-        loaded = load_fp32_model(loaded, weights=args.weights)
+        loaded = load_fp32_model(loaded, path=None if model.default else str(model.path), weights=args.weights)
     timings["pagedkv_load_s"] = time.time() - t
-    reqs, scaling = requests_from_args(args, _vocab_size(loaded, hf_model))
+    reqs, scaling = requests_from_args(args, _vocab_size(loaded, hf_model, model))
+    reqs = [replace(r, prompt_token_ids=model.with_bos(r.prompt_token_ids)) for r in reqs]
 
     rows: list[dict[str, Any]] = []
     outputs: dict[str, list[list[int]]] = {}
@@ -223,7 +236,7 @@ def run_peers(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None
     if hf_wanted and hf_model is None:
         t = time.time()
         try:
-            hf_model = load_hf_model()
+            hf_model = load_hf_model(model.path)
         except Exception as exc:  # noqa: BLE001
             for bs in batch_sizes:
                 rows.append(failed(HF_GENERATE.format(bs=bs), "failed", f"loading: {type(exc).__name__}: {exc}"))
@@ -239,7 +252,7 @@ def run_peers(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None
     if B1 in systems:  # just before llama.cpp: the batch-1 pair runs back to back
         attempt(PAGEDKV_B1, run_pagedkv_one_at_a_time, loaded, reqs, engine_kwargs, progress)
     if "llama.cpp" in systems:
-        attempt(LLAMA_CPP, run_llama_cpp, reqs, threads, progress)
+        attempt(LLAMA_CPP, run_llama_cpp, reqs, threads, progress, model)
     if PAGEDKV in systems and not args.no_repeat and len(systems) > 1:
         attempt(PAGEDKV_REPEAT, run_pagedkv, loaded, reqs, engine_kwargs, progress)
         if rows[-1]["status"] == "ok":
@@ -258,6 +271,7 @@ def run_peers(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None
         "benchmark": NAME,
         "description": (__doc__ or "").strip().splitlines()[0],
         "config": {
+            **model.as_config(),
             "num_requests": len(reqs),
             "length_scaling": scaling.as_dict(),
             "length_scaling_text": scaling.describe(),
@@ -270,8 +284,8 @@ def run_peers(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None
             "transformers_batch_sizes": batch_sizes,
             "pagedkv_engine": engine_kwargs,
             "tiny": bool(args.tiny),
-            "notes": args.note,
-            "command": (f"pagedkv bench peers --threads {threads} --num-requests {len(reqs)} --seed {args.seed} "
+            "notes": model.note_bos(args.note, "the first token of every synthetic prompt is that BOS"),
+            "command": (f"pagedkv bench peers{_model_option(args)} --threads {threads} --num-requests {len(reqs)} --seed {args.seed} "
                         f"--max-prompt {args.max_prompt} --max-output {args.max_output} --batch-size "
                         f"{args.batch_size} --systems {args.systems}" +
                         (f" --weights {args.weights}" if args.weights != "fp32" else "") + (" --no-repeat" if args.no_repeat else "")
@@ -295,12 +309,17 @@ def run_peers(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None
     return json_clean(data)
 
 
-def _vocab_size(loaded: Any, hf_model: Any) -> int:
+def _vocab_size(loaded: Any, hf_model: Any, model: Any) -> int:
     if loaded is not None:
         return int(loaded.config.vocab_size)
     if hf_model is not None:
         return int(hf_model.config.vocab_size)
-    return 49152  # SmolLM2
+    return int(model.vocab_size)
+
+
+def _model_option(args: argparse.Namespace) -> str:
+    """`` --model X`` for the command line when ``--model`` was given, else ``""``."""
+    return f" --model {args.model}" if getattr(args, "model", None) else ""
 
 
 def run(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None) -> int:
@@ -310,6 +329,8 @@ def run(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None) -> i
         name += "_compiled"
     if args.kv_cache_dtype != "auto":
         name += f"_kv_{args.kv_cache_dtype}"
+    if not data["config"]["model_is_default"]:  # another model's results never overwrite the default's
+        name += f"_{data['config']['model_name']}"
     publish(name, data, render_markdown, args.out_dir, as_json=args.json,
             plots=None if args.no_plot else single_plot(name, "output tokens/s and TTFT per system", plot))
     return 0

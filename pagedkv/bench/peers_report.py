@@ -14,7 +14,7 @@ _NOTES = (
     "counts padded prompt positions and every generated position). generate_batch is "
     "transformers' ContinuousBatchingManager with per-request max_new_tokens, the same tokens per step as "
     "pagedkv and a KV cache sized to hold all requests. llama.cpp runs one request at "
-    "a time on the Q4_1 weights as stored (not fp32); 'pagedkv (one at a time)' runs the same requests the same "
+    "a time on the {weights} weights as stored (not fp32); 'pagedkv (one at a time)' runs the same requests the same "
     "way on the weights named in the title (fp32 unless --weights). The machine is shared with other jobs, so compare the "
     "ratios (measured side by side in one run) rather than absolute numbers. Output tokens per CPU-second "
     "(this process's CPU time, all threads, over the timed span) is less sensitive to other jobs than wall "
@@ -26,6 +26,7 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
     """The Markdown report of ``run_peers``'s results (``plots``: label -> PNG file name)."""
     cfg = data["config"]
     w = data["workload"]
+    weights = cfg.get("model_weights_as_stored") or "Q4_1"
     table = []
     for r in data["systems"]:
         if r["status"] != "ok":
@@ -46,6 +47,8 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
     lines = [
         "# Peers: pagedkv vs transformers and llama.cpp",
         "",
+        *([f"Model: {cfg['model_id']} (`{cfg['model_file']}`, {weights} as stored), every system.", ""]
+          if cfg.get("model_file") else []),
         f"{cfg['num_requests']} requests drawn from the Azure LLM conversation trace (2023), lengths scaled: "
         f"{cfg['length_scaling_text']}. Workload: {w['prompt_tokens']} prompt tokens, {w['output_tokens']} output "
         f"tokens (prompt p50 {w['prompt_len']['p50']:.0f}, output p50 {w['output_len']['p50']:.0f}). "
@@ -63,7 +66,7 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
                          "TTFT p50 ratio": r["ttft_p50_ratio"], "TTFT p90 ratio": r["ttft_p90_ratio"]}
                         for r in data["ratios"]]),
     ]
-    lines += _batch1_lines(data.get("batch1"))
+    lines += _batch1_lines(data.get("batch1"), weights)
     g = data["goal"]
     if g["ratio"] is not None:
         lines.append(f"**Goal (issue 3)**: pagedkv ≥ {g['target_ratio']:g}× {g['versus']} ({g['peer']}): "
@@ -79,19 +82,19 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
         for k, v in data["greedy_agreement_with_pagedkv"].items():
             lines.append(f"- {k}: {v['identical_requests']}/{v['requests']}, mean common prefix "
                          f"{100 * (v['mean_common_prefix_fraction'] or 0):.0f}% of the output")
-    lines += ["", _NOTES]
+    lines += ["", _NOTES.format(weights=weights)]
     if cfg.get("command"):
         lines += ["", f"Command: `{cfg['command']}`"]
     lines += closing_lines(data, plots, cfg.get("notes"))
     return "\n".join(lines) + "\n"
 
 
-def _batch1_lines(b: Any) -> list[str]:
+def _batch1_lines(b: Any, weights: str = "Q4_1") -> list[str]:
     """The batch-1 section: pagedkv one at a time against llama.cpp."""
     if not b or (b["pagedkv"] is None and b["llama.cpp"] is None):
         return []
     rows = []
-    for name, f in (("pagedkv (one at a time)", b["pagedkv"]), ("llama.cpp (Q4_1 as stored)", b["llama.cpp"])):
+    for name, f in (("pagedkv (one at a time)", b["pagedkv"]), (f"llama.cpp ({weights} as stored)", b["llama.cpp"])):
         if f is None:
             rows.append({"system": name, "decode tok/s": "did not run (see above)"})
             continue
@@ -135,6 +138,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
     a3.set_xscale("log")
     a3.set_xlabel("TPOT p50, ms (log scale; lower is better)")
     cfg = data["config"]
-    fig.suptitle(f"{cfg['num_requests']} trace requests, {cfg['threads']} threads, pagedkv weights "
+    model = "" if cfg.get("model_is_default", True) else f"{cfg['model_id']}: "
+    fig.suptitle(f"{model}{cfg['num_requests']} trace requests, {cfg['threads']} threads, pagedkv weights "
                  f"{cfg.get('pagedkv_weights') or 'fp32'}, greedy")
     save_figure(fig, path)

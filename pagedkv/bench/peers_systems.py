@@ -6,7 +6,10 @@ seconds since t0, the moment every request is submitted (see :mod:`pagedkv.bench
 
 from __future__ import annotations
 
+import os
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from pagedkv.bench.common import greedy
@@ -20,6 +23,102 @@ PAGEDKV_B1 = "pagedkv (one at a time)"
 HF_GENERATE = "transformers generate (bs={bs})"
 HF_CB = "transformers generate_batch"
 LLAMA_CPP = "llama.cpp"
+
+
+@dataclass(frozen=True)
+class PeerModel:
+    """The GGUF file every system of a peer benchmark runs on (``--model``; see
+    :func:`resolve_peer_model`). ``name``: the bundled model's name or the file's stem, the
+    result-name suffix of a model other than the default; ``file_type``: the weights as stored
+    (``Q4_1``, ``Q4_K_M``: llama.cpp's precision); ``adds_bos``: the tokenizer starts every
+    prompt with ``bos_token_id`` (Gemma-3), so the synthetic prompts do too; ``sliding_window``:
+    the window (tokens) of its sliding-window layers, None without any."""
+
+    path: Path
+    model_id: str
+    name: str
+    default: bool
+    file_type: str
+    vocab_size: int
+    bos_token_id: Optional[int]
+    adds_bos: bool
+    has_chat_template: bool
+    sliding_window: Optional[int] = None
+
+    @property
+    def suffix(self) -> str:
+        """``""`` for the default bundled model, else ``_<name>`` (so its results never
+        overwrite the default model's)."""
+        return "" if self.default else f"_{self.name}"
+
+    def with_bos(self, prompt: Sequence[int]) -> list[int]:
+        """``prompt`` (token ids) with its first token replaced by the model's BOS when its
+        tokenizer starts every prompt with one (the length, so the workload, is unchanged);
+        as is otherwise (SmolLM2 adds nothing)."""
+        ids = list(prompt)
+        if self.adds_bos and self.bos_token_id is not None and ids:
+            ids[0] = self.bos_token_id
+        return ids
+
+    def note_bos(self, note: Optional[str], how: str) -> Optional[str]:
+        """The results' notes: ``note`` (``--note``; None for none), then, for a model whose
+        tokenizer starts every prompt with BOS, that it does and ``how`` the prompts got it. No
+        peer benchmark uses a chat template (prompts are token ids or plain text)."""
+        if not (self.adds_bos and self.bos_token_id is not None):
+            return note
+        bos = f"{self.model_id} starts every prompt with BOS (id {self.bos_token_id}): {how}"
+        return f"{note}; {bos}" if note else bos
+
+    def as_config(self) -> dict[str, Any]:
+        """What the results record of the model (``model`` is the GGUF's path)."""
+        return {"model": str(self.path), "model_id": self.model_id, "model_file": self.path.name,
+                "model_name": self.name, "model_is_default": self.default, "model_weights_as_stored": self.file_type,
+                "model_has_chat_template": self.has_chat_template,
+                "prompts_start_with_bos": self.bos_token_id if self.adds_bos else None}
+
+
+def resolve_peer_model(model: Optional[str] = None) -> PeerModel:
+    """The GGUF of ``--model``: None (the default bundled SmolLM2), a bundled model's name
+    (``gemma-3-270m``) or a GGUF file's path, resolved by
+    :func:`pagedkv.model.loader.resolve_model_path`. Reads only the file's metadata. Raises
+    ``ConfigError`` for a missing model, an HF directory (llama.cpp needs a GGUF file) or an
+    unreadable GGUF."""
+    from pagedkv._bundled import BUNDLED_NAMES, GEMMA3_GGUF_NAME, GEMMA3_NAME
+    from pagedkv.errors import ConfigError
+    from pagedkv.gguf_header import read_gguf_metadata
+    from pagedkv.model.loader import load_config, resolve_model_path
+
+    path = resolve_model_path(model)
+    if not path.is_file():
+        raise ConfigError(f"--model: {str(path)!r} is a directory; the peers run on one GGUF file (name it)")
+    default = model is None
+    if not default:
+        try:
+            default = os.path.samefile(path, resolve_model_path(None))
+        except (ConfigError, OSError):  # the default model is not installed: this is another
+            default = False
+    meta = read_gguf_metadata(path)
+    cfg = load_config(path)
+    if default:
+        name = "smollm2-135m-instruct"
+    elif path.name == GEMMA3_GGUF_NAME or BUNDLED_NAMES.get(str(model)) == GEMMA3_NAME:
+        name = GEMMA3_NAME
+    else:
+        name = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in path.stem)
+    return PeerModel(path=path, model_id=cfg.model_id or path.stem, name=name, default=default,
+                     file_type=_file_type(meta.get("general.file_type")), vocab_size=int(cfg.vocab_size),
+                     bos_token_id=cfg.bos_token_id, adds_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+                     has_chat_template=bool(meta.get("tokenizer.chat_template")), sliding_window=cfg.sliding_window)
+
+
+def _file_type(code: Any) -> str:
+    """A GGUF ``general.file_type`` code by llama.cpp's name (3 -> ``Q4_1``, 15 -> ``Q4_K_M``)."""
+    try:
+        from gguf import LlamaFileType
+
+        return LlamaFileType(int(code)).name.removeprefix("MOSTLY_")
+    except Exception:  # noqa: BLE001 - no gguf package, an unknown or absent code
+        return "unknown" if code is None else f"file type {code}"
 
 
 def result_row(name: str, reqs: Sequence[BenchRequest], elapsed: float, cpu_s: float, first: Sequence[Optional[float]],
@@ -126,14 +225,16 @@ def run_pagedkv_one_at_a_time(loaded: Any, reqs: Sequence[BenchRequest], engine_
 
 
 # ---- transformers -----------------------------------------------------------------------------
-def load_hf_model() -> Any:
-    """The bundled GGUF through transformers, de-quantised to fp32 (eval mode)."""
+def load_hf_model(path: Optional[Path] = None) -> Any:
+    """The GGUF file at ``path`` (default: the bundled SmolLM2) through transformers,
+    de-quantised to fp32 (eval mode). Raises whatever transformers raises (an architecture or
+    quantisation its GGUF reader lacks)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from pagedkv._bundled import bundled_model_path
 
-    path = bundled_model_path()
+    path = Path(path) if path is not None else bundled_model_path()
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     model.eval()
     return model
@@ -316,16 +417,18 @@ def _wait_results(mgr: Any, want: set[str], into: dict[str, Any], timeout: float
 
 
 # ---- llama.cpp --------------------------------------------------------------------------------
-def run_llama_cpp(reqs: Sequence[BenchRequest], threads: int, progress: bool = True) -> tuple[dict[str, Any], list[list[int]]]:
-    """llama-cpp-python on the bundled GGUF (Q4_1 as stored), one request at a time, greedy,
-    EOS ignored (tokens are evaluated one by one without a stop check)."""
+def run_llama_cpp(reqs: Sequence[BenchRequest], threads: int, progress: bool = True,
+                  model: Optional[PeerModel] = None) -> tuple[dict[str, Any], list[list[int]]]:
+    """llama-cpp-python on ``model``'s GGUF (default: the bundled one; weights as stored, Q4_1
+    there), one request at a time, greedy, EOS ignored (tokens are evaluated one by one without
+    a stop check, the prompts' token ids as given). ``threads``: decode and batch threads.
+    Raises ``ImportError`` when llama-cpp-python is absent, whatever it raises otherwise."""
     import llama_cpp  # noqa: F401 - ImportError = not installed
     from tqdm.auto import tqdm
 
-    from pagedkv._bundled import bundled_model_path
-
+    model = model or resolve_peer_model(None)
     n_ctx = max(r.prompt_len + r.output_len for r in reqs) + 8
-    llm = llama_cpp.Llama(model_path=str(bundled_model_path()), n_ctx=n_ctx, n_threads=threads,
+    llm = llama_cpp.Llama(model_path=str(model.path), n_ctx=n_ctx, n_threads=threads,
                           n_threads_batch=threads, n_batch=512, verbose=False)
 
     def one(r: BenchRequest) -> tuple[list[int], list[float]]:
@@ -355,7 +458,7 @@ def run_llama_cpp(reqs: Sequence[BenchRequest], threads: int, progress: bool = T
     elapsed = time.time() - t0
     cpu = time.process_time() - c0
     return result_row(LLAMA_CPP, reqs, elapsed, cpu, first, finish, n_out, own_ttft_s=summarize(own),
-                      weights="Q4_1 (as stored in the GGUF)", threads=threads,
+                      weights=f"{model.file_type} (as stored in the GGUF)", threads=threads,
                       llama_cpp_python=_version("llama-cpp-python")), outputs
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 from typing import Any, Optional, Sequence
 
 from pagedkv.bench import http, serve_peer
@@ -46,6 +47,7 @@ from pagedkv.bench.common import (
     log,
     warm_up,
 )
+from pagedkv.bench.peers_systems import resolve_peer_model
 from pagedkv.bench.report import publish, single_plot
 from pagedkv.bench.serve_report import plot, render_markdown
 from pagedkv.bench.workload import (
@@ -242,6 +244,8 @@ def serve_flags(cell: dict[str, Any], args: argparse.Namespace) -> list[str]:
              "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
              "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--threads", str(args.threads),
              "--seed", str(args.seed)]
+    if getattr(args, "model", None):
+        flags += ["--model", str(args.model)]
     if getattr(args, "weights", "fp32") != "fp32":
         flags += ["--weights", args.weights]
     if getattr(args, "compile_decode", False):
@@ -295,14 +299,22 @@ def _row(name: str, rate: float, s: dict[str, Any], target: tuple[float, float],
 
 def run_serving(args: argparse.Namespace, loaded: Any = None, progress: bool = True) -> dict[str, Any]:
     """Run the cells, the sweep and (``args.http``) the HTTP cell; ``loaded`` (a pagedkv
-    LoadedModel, fp32) may be passed in to avoid reloading. Returns the results dict."""
+    LoadedModel, fp32, of ``args.model``) may be passed in to avoid reloading. Returns the results
+    dict. Raises ``ConfigError`` for a ``--model`` that is missing or not a GGUF file."""
     if args.tiny:
         _apply_tiny(args)
+    model = resolve_peer_model(getattr(args, "model", None))
+    if model.sliding_window is not None:
+        from pagedkv.errors import ConfigError
+
+        raise ConfigError(f"--model {args.model}: {model.model_id} has sliding-window layers, and the sweep's "
+                          "paging-off cells need a model without (compare it with --peer llama-server)")
     facts = RunFacts.start(args.threads)
     threads = facts.threads
     t_all = time.time()
-    loaded = load_fp32_model(loaded, weights=args.weights)
+    loaded = load_fp32_model(loaded, path=None if model.default else str(model.path), weights=args.weights)
     base, scaling = requests_from_args(args, int(loaded.config.vocab_size), args.shared_prefix_len)
+    base = [replace(r, prompt_token_ids=model.with_bos(r.prompt_token_ids)) for r in base]  # Gemma-3: BOS first
     unit = poisson_arrivals(args.num_requests, 1.0, seed=args.seed + 2)
     target = (args.target_ttft_p90, args.target_tpot_p90)
     relaxed = (target[0] * args.relaxed_factor, target[1] * args.relaxed_factor) if args.relaxed_factor > 0 else None
@@ -371,6 +383,7 @@ def run_serving(args: argparse.Namespace, loaded: Any = None, progress: bool = T
         "benchmark": NAME,
         "description": (__doc__ or "").strip().splitlines()[0],
         "config": {
+            **model.as_config(),
             "num_requests": args.num_requests,
             "rate_cells": args.rate,
             "rates_sweep": rates,
@@ -397,7 +410,7 @@ def run_serving(args: argparse.Namespace, loaded: Any = None, progress: bool = T
             "relaxed_target": {"ttft_p90_s": relaxed[0], "tpot_p90_s": relaxed[1]} if relaxed else None,
             "max_run_seconds": args.max_run_seconds,
             "tiny": bool(args.tiny),
-            "notes": args.note,
+            "notes": model.note_bos(args.note, "the first token of every synthetic prompt is that BOS"),
         },
         "workload": {
             "prompt_len": summarize(r.prompt_len for r in base),
@@ -433,6 +446,7 @@ def run(args: argparse.Namespace, loaded: Any = None) -> int:
     data = run_serving(args, loaded=loaded, progress=not args.json)
     name = NAME if data["config"]["weights"] == "fp32" else f"{NAME}_{data['config']['weights']}"
     name += "_compiled" if args.compile_decode else ""
+    name += "" if data["config"]["model_is_default"] else f"_{data['config']['model_name']}"  # never the default's
     publish(name, data, render_markdown, args.out_dir, as_json=args.json,
             plots=None if args.no_plot else single_plot(name, "rate sweep", plot))
     return 0

@@ -29,6 +29,11 @@ Per run (seconds unless said): output tokens/s = output tokens streamed by all r
 incomplete ones included / the run's duration; inter-token latency (ITL) of a request =
 (last token - first token) / (output tokens - 1); TTFT = first token - request sent; ITL and
 TTFT percentiles over completed requests.
+
+``--model`` (a bundled model's name such as ``gemma-3-270m``, or a GGUF path) runs both servers
+on another GGUF (``pagedkv serve --model``, ``llama-server -m``; guidellm's prompts under its
+tokenizer); results go to ``serving_peer_<name>.*`` and record the model. Token-id prompts
+start with the model's BOS where its tokenizer adds one (Gemma-3); no chat template is used.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 from pagedkv.bench import http
 from pagedkv.bench.common import RunFacts, json_clean, log
+from pagedkv.bench.peers_systems import PeerModel, resolve_peer_model
 from pagedkv.bench.workload import BenchRequest, summarize, synth_prompts, tpot
 
 NAME = "serving_peer"
@@ -55,6 +61,9 @@ LLAMA_SERVER = "llama-server"
 #: the serving goals (issue 31, on every CPU class), pagedkv / llama-server: output tok/s
 #: ratio >= (key 1), and ITL p50 ratio <= (key 2, None = no ITL goal), per concurrency.
 GOALS = {1: (1.2, 0.9), 4: (2.0, None), 16: (2.0, None), 32: (2.0, None)}
+#: how the prompts get the BOS of a model whose tokenizer starts every prompt with one
+_BOS_HOW = ("token-id prompts (the warm-up, --client builtin) start with it, text prompts (guidellm) get it "
+            "from each server's tokenizer")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -63,6 +72,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--peer", choices=[LLAMA_SERVER], default=None,
                    help="compare `pagedkv serve` with llama.cpp's llama-server instead of the paging sweep "
                         "(results: serving_peer.*)")
+    g.add_argument("--model", default=None,
+                   help="the GGUF both servers (and, without --peer, the sweep) run: a bundled model's name "
+                        "(smollm2-135m-instruct, the default; gemma-3-270m) or a .gguf path; results of another "
+                        "model get a _<name> suffix")
     g.add_argument("--concurrency", default="1,4,16,32", help="requests in flight, comma-separated (default 1,4,16,32)")
     g.add_argument("--prompt-tokens", type=int, default=256, help="prompt length, tokens (default 256)")
     g.add_argument("--output-tokens", type=int, default=64, help="output length, tokens, ignore_eos (default 64)")
@@ -224,25 +237,37 @@ def run_guidellm(url: str, concurrency: int, n: int, args: argparse.Namespace, t
     return parse_guidellm(json.loads(out.read_text()))
 
 
-def builtin_requests(n: int, args: argparse.Namespace, vocab_size: int) -> list[BenchRequest]:
+def builtin_requests(n: int, args: argparse.Namespace, vocab_size: int,
+                     model: Optional[PeerModel] = None) -> list[BenchRequest]:
     """``n`` token-id prompts of ``args.prompt_tokens`` tokens (seeded: the same for every
-    server), each asking for ``args.output_tokens`` tokens."""
+    server), each asking for ``args.output_tokens`` tokens; with ``model``, the first token is
+    its BOS where its tokenizer starts every prompt with one (:meth:`PeerModel.with_bos`)."""
     prompts = synth_prompts([args.prompt_tokens] * n, vocab_size, seed=args.seed)
-    return [BenchRequest(p, args.output_tokens) for p in prompts]
+    return [BenchRequest(model.with_bos(p) if model else p, args.output_tokens) for p in prompts]
+
+
+def pagedkv_serve_args(args: argparse.Namespace, threads: int, model: Optional[PeerModel] = None) -> list[str]:
+    """The arguments of ``pagedkv serve`` (after ``serve``): ``--model PATH`` for a model
+    other than the default, ``--threads``, then every ``--serve-arg``."""
+    own = ["--model", str(model.path)] if model is not None and not model.default else []
+    return [*own, "--threads", str(threads), *args.serve_arg]
 
 
 @contextmanager
 def start_server(name: str, args: argparse.Namespace, threads: int, binary: Optional[str],
-                 gguf: str) -> Iterator[str]:
-    """Start ``name`` (pagedkv or llama-server) on a free port of 127.0.0.1, warm it with one
-    short request (not measured), yield its URL; stopped on exit."""
+                 gguf: str, model: Optional[PeerModel] = None) -> Iterator[str]:
+    """Start ``name`` (pagedkv or llama-server) on a free port of 127.0.0.1 over the GGUF
+    ``gguf`` (``model``: the same, for pagedkv's ``--model`` and the warm-up prompt's BOS),
+    warm it with one short request (not measured), yield its URL; stopped on exit. Raises
+    ``RuntimeError`` if the server exits or is not ready within ``--start-timeout`` s."""
     if name == PAGEDKV:
-        cm = http.serve_subprocess(["--threads", str(threads), *args.serve_arg], start_timeout_s=args.start_timeout)
+        cm = http.serve_subprocess(pagedkv_serve_args(args, threads, model), start_timeout_s=args.start_timeout)
     else:
         cm = http.serve_llama_server(str(binary), gguf, threads, args.parallel, _ctx_per_slot(args),
                                      extra=args.peer_arg, start_timeout_s=args.start_timeout)
     with cm as url:
-        warm = [BenchRequest(synth_prompts([16], 1000, seed=args.seed + 99)[0], 4)]
+        warm_prompt = synth_prompts([16], 1000, seed=args.seed + 99)[0]
+        warm = [BenchRequest(model.with_bos(warm_prompt) if model else warm_prompt, 4)]
         http.run_closed_loop(url, warm, 1, 120.0, progress=False)
         yield url
 
@@ -288,9 +313,9 @@ def _client(args: argparse.Namespace) -> str:
 
 
 def run_serving_peer(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]:
-    """Every (concurrency, server) run; returns the results dict. Raises ``ConfigError`` if
-    llama-server is not found (``make peers`` builds it) or the bundled model is missing."""
-    from pagedkv._bundled import bundled_model_path
+    """Every (concurrency, server) run on ``args.model`` (default: the bundled SmolLM2);
+    returns the results dict. Raises ``ConfigError`` if llama-server is not found (``make
+    peers`` builds it) or the model is missing or not a GGUF file."""
     from pagedkv.errors import ConfigError
 
     if args.tiny:
@@ -299,7 +324,8 @@ def run_serving_peer(args: argparse.Namespace, progress: bool = True) -> dict[st
     if binary is None:
         raise ConfigError("llama-server not found: run `make peers` (builds it into "
                           f"{peers_dir() / 'bin'}) or pass --llama-server PATH")
-    gguf = str(bundled_model_path())
+    model = resolve_peer_model(args.model)
+    gguf = str(model.path)
     facts = RunFacts.start(args.threads)
     concurrencies = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
     client = _client(args)
@@ -312,7 +338,7 @@ def run_serving_peer(args: argparse.Namespace, progress: bool = True) -> dict[st
             order = (PAGEDKV, LLAMA_SERVER) if i % 2 == 0 else (LLAMA_SERVER, PAGEDKV)
             n = num_requests(c, args)
             for name in order:
-                runs.append(_one_run(name, c, n, args, facts.threads, binary, gguf, client, tok_dir, vocab, work,
+                runs.append(_one_run(name, c, n, args, facts.threads, binary, model, client, tok_dir, vocab, work,
                                      progress))
     data = {
         "benchmark": NAME,
@@ -322,11 +348,11 @@ def run_serving_peer(args: argparse.Namespace, progress: bool = True) -> dict[st
             "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
             "requests_per_run": {str(c): num_requests(c, args) for c in concurrencies},
             "max_seconds": args.max_seconds, "threads": facts.threads, "seed": args.seed,
-            "pagedkv_serve": ["pagedkv", "serve", "--threads", str(facts.threads), *args.serve_arg],
+            "pagedkv_serve": ["pagedkv", "serve", *pagedkv_serve_args(args, facts.threads, model)],
             "llama_server": http.llama_server_command("llama-server", gguf, 0, facts.threads, args.parallel,
                                                       _ctx_per_slot(args), args.peer_arg)[1:],
             "llama_server_binary": binary_facts(binary),
-            "model": gguf, "tiny": bool(args.tiny), "notes": args.note,
+            **model.as_config(), "tiny": bool(args.tiny), "notes": model.note_bos(args.note, _BOS_HOW),
             "command": command_line(args, facts.threads, client),
         },
         "runs": runs,
@@ -339,7 +365,8 @@ def run_serving_peer(args: argparse.Namespace, progress: bool = True) -> dict[st
 
 def command_line(args: argparse.Namespace, threads: int, client: str) -> str:
     """The ``pagedkv bench serve --peer`` command that repeats this run, every option spelled out."""
-    parts = ["pagedkv", "bench", "serve", "--peer", LLAMA_SERVER, "--threads", str(threads),
+    parts = ["pagedkv", "bench", "serve", "--peer", LLAMA_SERVER,
+             *(["--model", str(args.model)] if getattr(args, "model", None) else []), "--threads", str(threads),
              "--concurrency", str(args.concurrency), "--prompt-tokens", str(args.prompt_tokens),
              "--output-tokens", str(args.output_tokens), "--requests-per-stream", str(args.requests_per_stream),
              "--min-requests", str(args.min_requests), "--max-seconds", f"{args.max_seconds:g}", "--client", client,
@@ -359,7 +386,7 @@ def _tokenizer(gguf: str, work: Path) -> tuple[str, int]:
     return str(out), len(tok)
 
 
-def _one_run(name: str, c: int, n: int, args: argparse.Namespace, threads: int, binary: str, gguf: str,
+def _one_run(name: str, c: int, n: int, args: argparse.Namespace, threads: int, binary: str, model: PeerModel,
              client: str, tok_dir: str, vocab: int, work: Path, progress: bool) -> dict[str, Any]:
     """One server at one concurrency. A failed try is repeated once on a freshly started server
     (guidellm 0.8.1 now and then ends a run with "No measurement start or end times
@@ -373,11 +400,12 @@ def _one_run(name: str, c: int, n: int, args: argparse.Namespace, threads: int, 
     for attempt in (1, 2):
         row["tries"] = attempt
         try:
-            with start_server(name, args, threads, binary, gguf) as url:
+            with start_server(name, args, threads, binary, str(model.path), model) as url:
                 if client == "guidellm":
                     row.update(run_guidellm(url, c, n, args, tok_dir, work))
                 else:
-                    recs, stats = http.run_closed_loop(url, builtin_requests(n, args, vocab), c, args.max_seconds,
+                    recs, stats = http.run_closed_loop(url, builtin_requests(n, args, vocab, model), c,
+                                                       args.max_seconds,
                                                        desc=f"{name} c={c}", progress=progress)
                     row.update(summarize_closed_loop(recs, stats))
             row.pop("error", None)
@@ -400,6 +428,8 @@ def run(args: argparse.Namespace) -> int:
     from pagedkv.bench.serve_peer_report import plot, render_markdown
 
     data = run_serving_peer(args, progress=not args.json)
-    publish(NAME, data, render_markdown, args.out_dir, as_json=args.json,
-            plots=None if args.no_plot else single_plot(NAME, "pagedkv serve vs llama-server", plot))
+    c = data["config"]
+    name = NAME if c["model_is_default"] else f"{NAME}_{c['model_name']}"  # never overwrite the default's
+    publish(name, data, render_markdown, args.out_dir, as_json=args.json,
+            plots=None if args.no_plot else single_plot(name, "pagedkv serve vs llama-server", plot))
     return 0

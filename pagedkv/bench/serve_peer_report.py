@@ -115,6 +115,13 @@ def _threads(c: dict[str, Any]) -> str:
     return f"{c['threads']} threads for llama-server, {own} torch thread{'' if str(own) == '1' else 's'} for pagedkv"
 
 
+def _model(c: dict[str, Any]) -> str:
+    """The GGUF both servers ran, as the report names it (older results record only its path)."""
+    if not c.get("model_file") or c.get("model_is_default"):
+        return "the bundled GGUF, Q4_1 as stored"
+    return f"{c['model_id']}, `{c['model_file']}`, {c.get('model_weights_as_stored')} as stored"
+
+
 def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
     """The Markdown report of ``run_serving_peer``'s results (``plots``: label -> PNG name)."""
     c = data["config"]
@@ -126,6 +133,7 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
     lines = [
         "# Serving side by side: `pagedkv serve` vs llama.cpp's `llama-server`",
         "",
+        *([f"Model: {c['model_id']} (`{c['model_file']}`), both servers.", ""] if c.get("model_file") else []),
         f"Same requests, one server at a time, {_threads(c)}: prompts of {c['prompt_tokens']} tokens, "
         f"{c['output_tokens']} output tokens (`ignore_eos`), {_sampling(c['client'])}, streamed `/v1/completions` on 127.0.0.1. "
         f"Client: {client}; it keeps `concurrency` requests in flight for "
@@ -134,8 +142,8 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
         "skip the prefill of prompts sent again) and warms it with one short request.",
         "",
         f"- pagedkv: `{' '.join(c['pagedkv_serve'])}` (its defaults otherwise)",
-        f"- llama-server: `llama-server {' '.join(str(x) for x in c['llama_server'])}` (the bundled GGUF, Q4_1 as "
-        f"stored; continuous batching over the slots){' — ' + binfo['version'] if binfo.get('version') else ''}",
+        f"- llama-server: `llama-server {' '.join(str(x) for x in c['llama_server'])}` ({_model(c)}; "
+        f"continuous batching over the slots){' — ' + binfo['version'] if binfo.get('version') else ''}",
         "",
         "## pagedkv / llama-server",
         "",
@@ -181,6 +189,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     c = data["config"]
-    fig.suptitle(f"pagedkv serve vs llama-server: prompts {c['prompt_tokens']} / outputs {c['output_tokens']} tokens, "
+    model = "" if c.get("model_is_default", True) else f" ({c['model_id']})"
+    fig.suptitle(f"pagedkv serve vs llama-server{model}: prompts {c['prompt_tokens']} / outputs {c['output_tokens']} tokens, "
                  f"{c['threads']} threads, client {c['client']}")
     save_figure(fig, path)

@@ -48,6 +48,7 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
     lines = [
         "# Serving: paging and prefix caching under Poisson arrivals",
         "",
+        *([f"Model: {c['model_id']} (`{c['model_file']}`).", ""] if c.get("model_file") else []),
         f"{c['num_requests']} requests per run, lengths drawn from the Azure LLM conversation trace (2023) and "
         f"scaled: {c['length_scaling_text']} (prompt p50 {w['prompt_len']['p50']:.0f}, output p50 "
         f"{w['output_len']['p50']:.0f} tokens). Synthetic token-id prompts whose first {c['shared_prefix_len']} "

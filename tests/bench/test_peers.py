@@ -119,3 +119,68 @@ def test_bench_peers_weights_refused():
 
     with pytest.raises(ConfigError, match="int3"):
         load_fp32_model(None, weights="int3")
+
+
+def test_peer_model_bos_and_suffix():
+    """A model whose tokenizer starts every prompt with BOS (Gemma-3) gets it as the first token
+    of each synthetic prompt (same length); the default model's prompts are left as they are
+    and its results keep their names."""
+    from pathlib import Path
+
+    gemma = peers_systems.PeerModel(path=Path("/m/gemma-3-270m-q4_k_m.gguf"), model_id="gemma-3-270m-q4_k_m",
+                                    name="gemma-3-270m", default=False, file_type="Q4_K_M", vocab_size=262144,
+                                    bos_token_id=2, adds_bos=True, has_chat_template=False, sliding_window=512)
+    assert gemma.with_bos([7, 8, 9]) == [2, 8, 9] and gemma.with_bos([]) == []
+    assert gemma.suffix == "_gemma-3-270m"
+    cfg = gemma.as_config()
+    assert (cfg["model_id"], cfg["model_file"], cfg["prompts_start_with_bos"]) == (
+        "gemma-3-270m-q4_k_m", "gemma-3-270m-q4_k_m.gguf", 2)
+    smol = peers_systems.PeerModel(path=Path("/m/s.gguf"), model_id="s", name="smollm2-135m-instruct", default=True,
+                                   file_type="Q4_1", vocab_size=49152, bos_token_id=1, adds_bos=False,
+                                   has_chat_template=True)
+    assert smol.with_bos([7, 8, 9]) == [7, 8, 9] and smol.suffix == ""
+    assert smol.as_config()["prompts_start_with_bos"] is None
+
+
+@pytest.mark.slow
+def test_resolve_peer_model_default_by_path(bundled_gguf, tmp_path):
+    """The bundled file named by its path is the default model; a copy of it under another
+    name is not (its results get their own name); a directory is refused."""
+    from pagedkv.errors import ConfigError
+
+    m = peers_systems.resolve_peer_model(str(bundled_gguf))
+    assert m.default and m.suffix == "" and m.file_type == "Q4_1" and not m.adds_bos and m.has_chat_template
+    assert m.model_id == "SmolLM2-135M-Instruct-Q4_1" and m.vocab_size == 49152
+    assert peers_systems.resolve_peer_model(None).path == bundled_gguf
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="directory"):
+        peers_systems.resolve_peer_model(str(tmp_path / "d"))
+
+
+@pytest.mark.slow
+def test_bench_peers_tiny_on_gemma3(gemma3_gguf, tmp_path):
+    """--model gemma-3-270m: pagedkv and llama.cpp run that GGUF (a base model, BOS-first
+    prompts); the results record it and go to peers_gemma-3-270m.*, never peers.*."""
+    from pagedkv.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "peers", "--tiny", "--model", "gemma-3-270m", "--systems",
+                                      "pagedkv-b1,llama.cpp", "--out-dir", str(tmp_path), "--no-plot"])
+    assert peers.run(args) == 0
+    data = json.loads((tmp_path / "peers_gemma-3-270m.json").read_text())
+    c = data["config"]
+    assert c["model"] == str(gemma3_gguf) and c["model_file"] == "gemma-3-270m-q4_k_m.gguf"
+    assert c["model_id"] == "gemma-3-270m-q4_k_m" and c["model_is_default"] is False
+    assert c["model_weights_as_stored"] == "Q4_K_M" and c["model_has_chat_template"] is False
+    assert c["prompts_start_with_bos"] == 2 and "BOS (id 2)" in c["notes"]
+    assert c["command"].startswith("pagedkv bench peers --model gemma-3-270m ")
+    by = {r["name"]: r for r in data["systems"]}
+    assert by[peers.PAGEDKV_B1]["status"] == "ok" and by[peers.PAGEDKV_B1]["completed"] == 4
+    if by[peers.LLAMA_CPP]["status"] == "ok":  # llama.cpp is optional: absent, it says so
+        assert by[peers.LLAMA_CPP]["weights"] == "Q4_K_M (as stored in the GGUF)"
+        assert by[peers.LLAMA_CPP]["completed"] == 4
+        agree = data["greedy_agreement_with_pagedkv"][peers.LLAMA_CPP]
+        assert agree["requests"] == 4 and agree["mean_common_prefix_fraction"] > 0.5  # the same model
+    md = (tmp_path / "peers_gemma-3-270m.md").read_text()
+    assert "Model: gemma-3-270m-q4_k_m (`gemma-3-270m-q4_k_m.gguf`, Q4_K_M as stored)" in md
+    assert not (tmp_path / "peers.json").exists()

@@ -121,3 +121,17 @@ def test_sweep_weights_and_compiled_steps_reach_both_engines():
     assert "--disable-paging" in flags
     plain = serve.serve_flags(serve.CELLS[0], build_parser().parse_args(["bench", "serve"]))
     assert "--weights" not in plain and "--compile-decode" not in plain and "--disable-paging" not in plain
+
+
+def test_sweep_model_reaches_the_server_flags_and_a_sliding_window_model_is_refused(gemma3_gguf, tmp_path, capsys):
+    """--model reaches `pagedkv serve`'s flags; a model with sliding-window layers (Gemma-3)
+    is refused before anything runs: the sweep's paging-off cells cannot hold it."""
+    from pagedkv.cli import build_parser, main
+
+    args = build_parser().parse_args(["bench", "serve", "--model", "gemma-3-270m"])
+    flags = serve.serve_flags(serve.CELLS[0], args)
+    assert flags[flags.index("--model") + 1] == "gemma-3-270m"
+    assert "--model" not in serve.serve_flags(serve.CELLS[0], build_parser().parse_args(["bench", "serve"]))
+    assert main(["bench", "serve", "--tiny", "--model", "gemma-3-270m", "--out-dir", str(tmp_path)]) == 2
+    assert "has sliding-window layers" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())

@@ -168,8 +168,8 @@ if a == ["--version"]:
 port, threads = a[a.index("--port") + 1], a[a.index("-t") + 1]
 assert a[a.index("-np") + 1] == "32" and "-cb" in a and a[a.index("--host") + 1] == "127.0.0.1"
 os.execv(sys.executable, [sys.executable, "-m", "pagedkv.cli", "serve", "--host", "127.0.0.1", "--port", port,
-                          "--threads", threads, "--log-level", "warning", "--num-blocks", "64",
-                          "--max-model-len", "128"])
+                          "--model", a[a.index("-m") + 1], "--threads", threads, "--log-level", "warning",
+                          "--num-blocks", "64", "--max-model-len", "128"])
 '''
 
 
@@ -200,6 +200,39 @@ def test_bench_serve_peer_tiny_against_a_stand_in(bundled_gguf, tmp_path):
     md = (out / "serving_peer.md").read_text()
     assert md.startswith("# Serving side by side") and "| 2 |" in md
     assert os.path.getsize(out / "serving_peer.json") > 500
+
+
+@pytest.mark.slow
+def test_bench_serve_peer_tiny_on_another_gguf(bundled_gguf, tmp_path):
+    """--model PATH: both servers run that GGUF (pagedkv serve gets --model, llama-server -m;
+    the stand-in serves what -m names), the results record it and go to serving_peer_<stem>.*,
+    never serving_peer.*."""
+    import shutil
+
+    from pagedkv.cli import main
+
+    gguf = tmp_path / "smol-copy.gguf"
+    shutil.copyfile(bundled_gguf, gguf)  # not the default file: its own result name
+    stand_in = tmp_path / "llama-server"
+    stand_in.write_text(_STAND_IN.format(python=sys.executable))
+    stand_in.chmod(0o755)
+    out = tmp_path / "out"
+    rc = main(["bench", "serve", "--peer", "llama-server", "--tiny", "--model", str(gguf), "--concurrency", "1",
+               "--client", "builtin", "--llama-server", str(stand_in), "--threads", "1", "--out-dir", str(out),
+               "--no-plot", "--serve-arg=--num-blocks=64", "--serve-arg=--max-model-len=128"])
+    assert rc == 0
+    data = json.loads((out / "serving_peer_smol-copy.json").read_text())
+    c = data["config"]
+    assert c["model"] == str(gguf) and c["model_file"] == "smol-copy.gguf" and c["model_id"] == "smol-copy"
+    assert c["model_is_default"] is False and c["model_weights_as_stored"] == "Q4_1"
+    assert c["pagedkv_serve"][:4] == ["pagedkv", "serve", "--model", str(gguf)]
+    assert c["llama_server"][:2] == ["-m", str(gguf)]
+    assert c["command"].startswith(f"pagedkv bench serve --peer llama-server --model {gguf} ")
+    for r in data["runs"]:
+        assert "error" not in r, r.get("error")
+        assert r["completed"] == r["requests"] == 2 and r["output_tokens"] == 8
+    assert "Model: smol-copy (`smol-copy.gguf`), both servers." in (out / "serving_peer_smol-copy.md").read_text()
+    assert not (out / "serving_peer.json").exists()
 
 
 def test_report_side_by_side_and_goals():
