@@ -38,7 +38,7 @@ from pagedkv.errors import ConfigError, InvalidRequestError
 from pagedkv.kv import CacheKeys, KVCacheSpec, parse_size
 from pagedkv.kv.tiers import StoreIdentity, ZmqEventPublisher, open_tiers, parse_tier_specs, replay_endpoint_for
 from pagedkv.model.compiled import compile_decode
-from pagedkv.model.loader import LoadedModel, load_model
+from pagedkv.model.loader import LoadedModel, auto_int4_source, load_model
 from pagedkv.model.quant import resolve_weights
 from pagedkv.model.tokenizer import apply_chat, encode_prompt, read_chat_template
 from pagedkv.attention.quant import FORMATS, check_group_size
@@ -60,6 +60,8 @@ class LLMEngine:
         self.dtype = dtype = torch_dtype(cfg.dtype)
         logger.info("CPU: %s", cpu_isa.profile().summary())  # ConfigError for a bad $PAGEDKV_CPU_ISA
         weights, why = resolve_weights(cfg.weights, dtype, cfg.device, cfg.tensor_parallel_size)
+        if cfg.weights == "auto" and weights == "int4" and not isinstance(model, LoadedModel):
+            weights, why = auto_int4_source(model, why)
         if isinstance(model, LoadedModel):
             loaded = model
             model_dtype = next(loaded.model.parameters()).dtype

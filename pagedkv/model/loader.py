@@ -24,7 +24,7 @@ from pagedkv.gguf_header import is_gguf_file, read_gguf_header
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.llama import LlamaForCausalLM
 from pagedkv.model.quant import resolve_weights
-from pagedkv.model.quantize import gguf_q4_codes, install_linears, quantize_state
+from pagedkv.model.quantize import gguf_q4_codes, has_q4_linears, install_linears, quantize_state
 from pagedkv.model.tokenizer import load_tokenizer
 from pagedkv.model.weight_cache import (
     cache_root, entry_dir, file_sha256, manifest_ok, read_cache_entry, read_cached_weights, read_format_weights,
@@ -36,7 +36,7 @@ from pagedkv.utils import canonical_dtype, torch_dtype
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "LoadedModel", "build_model", "cache_root", "file_sha256", "load_config", "load_model",
+    "LoadedModel", "auto_int4_source", "build_model", "cache_root", "file_sha256", "load_config", "load_model",
     "load_weights", "resolve_model_path",
 ]
 
@@ -91,6 +91,19 @@ def resolve_model_path(model: str | Path | None = None) -> Path:
         f"model: directory {str(path)!r} has no config.json"
         + (f" and {len(ggufs)} .gguf files (name one)" if ggufs else " (and no .gguf file)")
     )
+
+
+def auto_int4_source(model: str | Path | None, why: str) -> tuple[str, str]:
+    """``weights="auto"`` resolved to int4 for ``model``: ``("int4", why)`` for an HF directory
+    (float weights) or a GGUF whose layer matrices are all Q4_0/Q4_1 (their codes are kept),
+    else ``("int8", reason)``: requantising a GGUF's other types to int4 leaves its perplexity
+    bound (``quantize.has_q4_linears``).
+    Reads the header only; raises ``ConfigError`` as ``resolve_model_path`` does."""
+    path = resolve_model_path(model)
+    if not path.is_file() or has_q4_linears(read_gguf_header(path)):
+        return "int4", why
+    return "int8", why + "; int8, not int4: the layer matrices are not Q4_0/Q4_1 codes, and int4 requantised " \
+                         "from other types leaves its perplexity bound"
 
 
 def load_config(model: str | Path | None = None) -> ModelConfig:

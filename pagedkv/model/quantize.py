@@ -57,6 +57,17 @@ def _q4_rows(qtype_name: str, raw: np.ndarray, shape: tuple[int, ...]) -> torch.
     return torch.from_numpy(np.concatenate([codes, d, m], axis=-1))
 
 
+def has_q4_linears(header: GGUFHeader) -> bool:
+    """Whether every layer's attention and MLP matrices are stored as Q4_0/Q4_1, the codes
+    ``weights="int4"`` keeps as they are. ``weights="auto"`` picks int4 only then: requantising
+    other types (K-quants, Q5_0, Q8_0) to int4 was measured outside int4's perplexity bound on
+    Gemma-3-270M Q4_K_M (+126% vs fp32; int8 +1.5%, docs/benchmarks/weights_quality_gemma-3-270m.md)."""
+    import gguf
+
+    parts = [t for t in header.tensors if t.name.startswith("blk.") and len(t.shape) == 2]
+    return bool(parts) and all(gguf.GGMLQuantizationType(t.ggml_type).name in _Q4_TYPES for t in parts)
+
+
 def gguf_q4_codes(path: Path, header: GGUFHeader, config: ModelConfig) -> StateDict:
     """``{"layers.{i}.qkv_proj.weight": float32 [rows, K + 2K/32], ...}`` (see ``_q4_rows``)
     for the linear weights stored as Q4_0/Q4_1, under our fused names (``lm_head.weight`` or,
