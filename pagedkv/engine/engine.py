@@ -60,8 +60,6 @@ class LLMEngine:
         self.dtype = dtype = torch_dtype(cfg.dtype)
         logger.info("CPU: %s", cpu_isa.profile().summary())  # ConfigError for a bad $PAGEDKV_CPU_ISA
         weights, why = resolve_weights(cfg.weights, dtype, cfg.device, cfg.tensor_parallel_size)
-        if cfg.weights == "auto" and weights == "int4" and not isinstance(model, LoadedModel):
-            weights, why = auto_int4_source(model, why)
         if isinstance(model, LoadedModel):
             loaded = model
             model_dtype = next(loaded.model.parameters()).dtype
@@ -70,6 +68,8 @@ class LLMEngine:
             if cfg.weights != "auto" and loaded.weights != weights:
                 raise ConfigError(f"the loaded model has {loaded.weights} weights; the engine asks for {weights}")
         else:
+            if cfg.weights == "auto" and weights == "int4":  # int4 only from Q4_0/Q4_1 codes
+                weights, why = auto_int4_source(model, why)
             loaded = load_model(model, dtype=dtype, device=cfg.device, weights=weights)
             loaded.weights_reason = why
         logger.info("weights: %s (%s)", loaded.weights, loaded.weights_reason)

@@ -132,7 +132,8 @@ def load_model(
     as ``"bf16"``). ``device``: where the parameters live. ``weights``: the linear layers'
     format, ``None`` (default: unquantised in ``dtype``, exact) | ``fp32`` | ``bf16`` | ``int8``
     | ``int4`` | ``auto`` (see
-    ``pagedkv.model.quant``; int4 keeps a Q4_0/Q4_1 GGUF's stored codes); each format of a
+    ``pagedkv.model.quant``; int4 keeps a Q4_0/Q4_1 GGUF's stored codes; ``auto`` takes int4
+    only from such a file, see ``auto_int4_source``); each format of a
     GGUF is cached in its own entry. ``route``: ``fast`` | ``fallback`` kernel of the quantised
     layers (default: what this CPU runs fast). ``cache_dir``: root of the GGUF weight cache
     (default ``cache_root()``); ``use_cache=False`` neither reads nor writes it.
@@ -146,6 +147,8 @@ def load_model(
         fmt, why = canonical_dtype(dtype), "the model dtype"
     else:
         fmt, why = resolve_weights(weights, dtype, device=device)
+        if weights == "auto" and fmt == "int4":
+            fmt, why = auto_int4_source(model, why)
     quantised = fmt != canonical_dtype(dtype)
     path = resolve_model_path(model)
     if path.is_dir():
