@@ -12,10 +12,16 @@ from pagedkv.bench import quality
 
 
 def _args(tmp_path, **kw):
+    """The command's own parser supplies every option's default, so a new option cannot drift."""
+    parser = argparse.ArgumentParser()
+    quality.add_arguments(parser)
+    args = parser.parse_args([])
     base = dict(part="quality", formats="fp32,int8", text=str(quality.TEXT), window=48, max_tokens=2, reps=1,
                 name=None, threads=2, json=False, out_dir=str(tmp_path))
     base.update(kw)
-    return argparse.Namespace(**base)
+    for key, value in base.items():
+        setattr(args, key, value)
+    return args
 
 
 @pytest.mark.slow
