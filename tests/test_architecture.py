@@ -163,3 +163,41 @@ def test_every_name_imported_from_pagedkv_exists():
             stale += [f"{path.name}: {node.module}.{a.name}" for a in node.names
                       if not hasattr(mod, a.name) and f"{node.module}.{a.name}" not in mods]
     assert stale == []
+
+
+def test_the_runner_owns_the_compiled_step():
+    """The device side reads one way: the runner holds the compiled step and calls it or the
+    model's forward; the model never knows it is compiled (no ``compiled`` attribute read or
+    written in pagedkv.model outside compiled.py itself), and only the worker compiles."""
+    offenders = []
+    for mod, path in _modules().items():
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if mod.startswith("pagedkv.model") and mod != "pagedkv.model.compiled" \
+                    and isinstance(node, ast.Attribute) and node.attr == "compiled":
+                offenders.append(f"{mod}: .compiled")
+            if isinstance(node, ast.Call) and isinstance(node.func, (ast.Name, ast.Attribute)):
+                name = node.func.id if isinstance(node.func, ast.Name) else node.func.attr
+                if name == "compile_decode" and not mod.startswith(("pagedkv.worker", "pagedkv.model.compiled")):
+                    offenders.append(f"{mod}: compile_decode()")
+    assert offenders == []
+
+
+def test_one_declared_step_context():
+    """Attention metadata reaches the kernel as an argument, except inside a compiled graph,
+    where it goes through the one declared context (``pagedkv.model.compiled.STEP_CONTEXT``)
+    and its C++ half (the backend's ``StepTable``). Any other per-thread state in the step
+    path is scratch memory, listed here with its reason."""
+    allowed = {
+        "pagedkv.model.compiled": "STEP_CONTEXT: the compiled step's attend/error",
+        "pagedkv.attention.step_op": "StepTable: the C++ half of the step context (prepared LayerArgs)",
+        "pagedkv.attention.cpu": "per-thread scratch buffers of the CPU kernel (no state between steps)",
+    }
+    found = {}
+    for mod, path in _modules().items():
+        if not mod.startswith(("pagedkv.model", "pagedkv.attention", "pagedkv.worker", "pagedkv.engine")):
+            continue
+        src = path.read_text()
+        if "threading.local" in src:
+            found[mod] = allowed.get(mod, "undeclared")
+    assert found == allowed

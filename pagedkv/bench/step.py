@@ -61,25 +61,26 @@ def _engine(loaded: Any, args: Any, max_batch: int) -> Any:
                      kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
 
 
-def _instrumented(model: Any) -> Callable[[], Any]:
-    """For a compiled model: a context-manager factory that swaps in a second compiled copy of
-    its decode graphs, generated with kernel records (the profiler then sees the matmuls
-    inside them; the plain steps keep the uninstrumented graphs, which the records slow)."""
+def _instrumented(runner: Any) -> Callable[[], Any]:
+    """For a runner with compiled steps: a context-manager factory that swaps in a second
+    compiled copy of its decode graphs, generated with kernel records (the profiler then sees
+    the matmuls inside them; the plain steps keep the uninstrumented graphs, which the records
+    slow)."""
     from pagedkv.model.compiled import CompiledDecode
 
-    plain = model.compiled
+    plain = runner.compiled
     with recording_compiled_kernels():
         log("[step] compiling a profiler-instrumented copy of the decode graphs")
-        instrumented = CompiledDecode(model, plain.max_rows)
+        instrumented = CompiledDecode(runner.model, plain.max_rows)
         instrumented.warm_up()
 
     @contextlib.contextmanager
     def swapped() -> Any:
-        model.compiled = instrumented
+        runner.compiled = instrumented
         try:
             yield
         finally:
-            model.compiled = plain
+            runner.compiled = plain
 
     return swapped
 
@@ -143,7 +144,7 @@ def collect(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
     model = loaded.model
     dec, head = linear_params(model)
     eng = _engine(loaded, args, max(batches, default=1))
-    profiled = _instrumented(model) if model.compiled is not None else contextlib.nullcontext
+    profiled = _instrumented(eng.runner) if eng.runner.compiled is not None else contextlib.nullcontext
     kvb = eng.kv_spec.bytes_per_token
     cases = []
     for b in batches:

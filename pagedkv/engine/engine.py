@@ -37,7 +37,6 @@ from pagedkv.engine.stats import EngineStats, collect_stats
 from pagedkv.errors import ConfigError, InvalidRequestError
 from pagedkv.kv import CacheKeys, KVCacheSpec, parse_size
 from pagedkv.kv.tiers import StoreIdentity, ZmqEventPublisher, open_tiers, parse_tier_specs, replay_endpoint_for
-from pagedkv.model.compiled import compile_decode
 from pagedkv.model.loader import LoadedModel, auto_int4_source, load_model
 from pagedkv.model.quant import resolve_weights
 from pagedkv.model.tokenizer import apply_chat, encode_prompt, read_chat_template
@@ -124,8 +123,8 @@ class LLMEngine:
                 kv_cache_dtype=self.kv_cache_dtype, kv_quant_group_size=self.kv_quant_group_size,
             )
         # every step compiled, prefill chunks and mixed steps included (up to the step's token budget)
-        loaded.model.compiled = (compile_decode(loaded.model, max_rows=max(64, cfg.max_num_batched_tokens))
-                                 if cfg.compile_decode else None)
+        if cfg.compile_decode:  # CPU, tp 1 (EngineConfig): the runner owns the compiled steps
+            self.runner.compile_steps(max_rows=max(64, cfg.max_num_batched_tokens))
         self.kv_tiers, self.kv_stores, self.kv_events = self._open_kv_tiers(mc, dtype)
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=num_blocks, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,

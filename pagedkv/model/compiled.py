@@ -42,7 +42,26 @@ from pagedkv.errors import BackendError
 logger = logging.getLogger(__name__)
 _INSTANCES = itertools.count()
 _STEP_OPTIONS = {"sliding_window", "logits_soft_cap"}  # the layer options step_attention takes
-_STEP = threading.local()  # .attend: (layer, q, k, v) -> out, set for the duration of a step
+
+
+class StepContext(threading.local):
+    """The one context through which a compiled step's attention reaches its KV caches and
+    metadata. Everywhere else (eager forward, the native one-call step) caches and
+    ``AttentionMetadata`` travel as arguments; a compiled graph cannot take them (one graph
+    serves every block table and context length), so :meth:`CompiledDecode._run` sets
+    ``attend`` for the duration of one step on the calling thread and clears it after, error
+    or not. ``attend(layer, q, k, v) -> out`` closes over that step's caches, metadata and
+    backend. Its C++ half is the attention backend's ``StepTable`` (``pagedkv.attention.
+    step_op``): the same step's prepared kernel arguments, begun by the backend's
+    ``step_attention`` and ended by ``CompiledDecode.__call__`` in a ``finally``.
+    ``error`` keeps an exception raised inside the graph (inductor's wrapper replaces it)."""
+
+    attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    error: BaseException | None = None
+
+
+#: the per-thread step context (see :class:`StepContext`); the only one in the step path
+STEP_CONTEXT = StepContext()
 
 
 # Defined with the low-level ``torch.library.Library`` API rather than ``torch.library.custom_op``:
@@ -57,7 +76,7 @@ def layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     """Layer ``layer``'s paged attention inside a compiled step: ``q`` ``[T, Hq, d]``, ``k``/``v``
     ``[T, Hkv, d]`` -> ``[T, Hq, d]`` (writes k/v into the layer's cache). Raises
     ``RuntimeError`` outside :meth:`CompiledDecode.__call__`."""
-    attend = getattr(_STEP, "attend", None)
+    attend = STEP_CONTEXT.attend
     if attend is None:
         raise RuntimeError("pagedkv::layer_attention runs only inside a compiled decode step")
     try:
@@ -65,14 +84,14 @@ def layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     except BaseException as exc:
         # inductor's C++ wrapper turns an error raised in here into a RuntimeError of its own
         # (type and message lost): kept here, re-raised as itself by CompiledDecode._run
-        _STEP.error = exc
+        STEP_CONTEXT.error = exc
         raise
     # the graph is compiled without inductor's size asserts (CompiledDecode): it reads the
     # result as a contiguous q-shaped tensor, so that is what it gets, or an error
     if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
-        _STEP.error = BackendError(f"layer {layer}: attention returned {out.dtype} {tuple(out.shape)} on "
+        STEP_CONTEXT.error = BackendError(f"layer {layer}: attention returned {out.dtype} {tuple(out.shape)} on "
                                    f"{out.device}, expected {q.dtype} {tuple(q.shape)} on {q.device}")
-        raise _STEP.error
+        raise STEP_CONTEXT.error
     return out if out.is_contiguous() else out.contiguous()
 
 
@@ -99,7 +118,9 @@ def inductor_cache_dir() -> str:
 
 class CompiledDecode:
     """The compiled forward of ``model`` (a ``LlamaForCausalLM``) for steps of 1 ..
-    ``max_rows`` tokens. ``LlamaForCausalLM.forward`` calls it when :meth:`accepts` says so."""
+    ``max_rows`` tokens: it traces the model's torch-op body (``forward_with``) once and is
+    called in place of ``model.forward`` by its owner, the model runner
+    (``pagedkv.worker.runner.ModelRunner.compile_steps``), for the steps :meth:`accepts`."""
 
     def __init__(self, model: torch.nn.Module, max_rows: int = 64) -> None:
         self.model = model
@@ -185,13 +206,13 @@ class CompiledDecode:
 
     def _run(self, attend: Callable[..., torch.Tensor], input_ids: torch.Tensor,
              positions: torch.Tensor) -> torch.Tensor | None:
-        _STEP.attend, _STEP.error = attend, None
+        STEP_CONTEXT.attend, STEP_CONTEXT.error = attend, None
         try:
             out = self._fn(input_ids, positions)
             self.steps += 1
             return out
         except Exception as exc:  # noqa: BLE001 - a compiler failure means "run eager"
-            raised = getattr(_STEP, "error", None)
+            raised = STEP_CONTEXT.error
             if raised is not None:  # attention's own error, which the graph's wrapper replaced
                 raise raised from None
             if self._is_compile_error(exc):
@@ -200,7 +221,7 @@ class CompiledDecode:
                 return None
             raise
         finally:
-            _STEP.attend = _STEP.error = None
+            STEP_CONTEXT.attend = STEP_CONTEXT.error = None
 
     @staticmethod
     def _is_compile_error(exc: Exception) -> bool:
@@ -244,7 +265,7 @@ class CompiledDecode:
 
 def compile_decode(model: torch.nn.Module, max_rows: int = 64, progress: bool = True) -> CompiledDecode:
     """A warmed :class:`CompiledDecode` of ``model`` (what ``LLMEngine(compile_decode=True)``
-    attaches as ``model.compiled``). Compile failures are logged and leave it eager.
+    gives its runner). Compile failures are logged and leave it eager.
 
     One per model and ``max_rows``: a later engine over the same model gets the same object
     back. (dynamo keeps one cache per code object, at most ``torch._dynamo.config.

@@ -288,7 +288,6 @@ class LlamaForCausalLM(nn.Module):
         # sqrt(hidden) for Gemma, rounded to the model dtype as transformers does
         self.embed_scale = float(torch.tensor(config.embed_scale, dtype=dtype))
         self._fused_state: str | None = None  # "on" / "off (why)" once the first forward ran
-        self.compiled: Any = None  # a pagedkv.model.compiled.CompiledDecode once enabled
         self._native: Any = None  # a pagedkv.model.native_step.NativeDecoder, set with the fused ops
         self.native_state: str | None = None  # "on" / "off (why)" once the first forward ran
 
@@ -376,10 +375,6 @@ class LlamaForCausalLM(nn.Module):
         per_layer = not isinstance(attn_metadata, AttentionMetadata)
         if per_layer and len(attn_metadata) != len(self.layers):
             raise ValueError(f"got {len(attn_metadata)} attention metadata for {len(self.layers)} layers")
-        if self.compiled is not None and self.compiled.accepts(input_ids.shape[0]):
-            out = self.compiled(input_ids, positions, kv_caches, attn_metadata, backend)
-            if out is not None:  # None: the compiler failed (logged); run eager
-                return out
         if self._fused_state is None:
             self._attach_fused()
         rope, residual = self._rope_rows(positions), self._embed(input_ids)

@@ -82,6 +82,18 @@ class ModelRunner:
         ]
         self.kv_caches = [self.shared_caches[j] for j in self.groups.slot_of_layer]
         self._codec: BlockPayloadCodec | None = None
+        #: the compiled step (``pagedkv.model.compiled.CompiledDecode``) when enabled: the runner
+        #: owns it and calls it in place of the model's forward for the steps it accepts
+        self.compiled: Any = None
+
+    def compile_steps(self, max_rows: int, progress: bool = True) -> Any:
+        """Compile the model's steps of 1 .. ``max_rows`` tokens (``torch.compile``, warmed now)
+        and run them compiled from then on. Returns the ``CompiledDecode``; a compile failure is
+        logged and leaves the steps eager (``failed`` says why)."""
+        from pagedkv.model.compiled import compile_decode
+
+        self.compiled = compile_decode(self.model, max_rows=max_rows, progress=progress)
+        return self.compiled
 
     def prepare(
         self,
@@ -159,7 +171,13 @@ class ModelRunner:
         """Run the model; returns fp32 logits ``[num_sampling + prompt rows, vocab]`` (the
         rows of ``inp.logits_indices``)."""
         with profile_scope("pagedkv.forward"):
-            hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.metadata, self.backend)
+            hidden = None
+            cd = self.compiled
+            if cd is not None and cd.accepts(inp.input_ids.shape[0]):
+                # None: the compiler failed (logged once, eager from then on)
+                hidden = cd(inp.input_ids, inp.positions, self.kv_caches, inp.metadata, self.backend)
+            if hidden is None:
+                hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.metadata, self.backend)
         if inp.logits_indices.numel() == 0:
             return torch.empty((0, 0))
         with profile_scope("pagedkv.logits"):

@@ -23,7 +23,7 @@ def table():
     t.direct_calls()  # restart the count
     yield t
     t.end()
-    C._STEP.attend = None
+    C.STEP_CONTEXT.attend = None
 
 
 def _layers(be, a):
@@ -49,7 +49,7 @@ def test_prepared_layers_run_in_cpp_with_write_and_forwards_results(table, q_dty
     inputs = [(q, k, v), (q * 2, k, v), (q, k, v), (q, k * 3, v), (q, k, v * 2), (wide, k, v)]
     python = []
     attend = be.step_attention(layers, md, opts, table=table)
-    C._STEP.attend = lambda i, *x: python.append(i) or attend(i, *x)
+    C.STEP_CONTEXT.attend = lambda i, *x: python.append(i) or attend(i, *x)
     got = [table.op(*inputs[i], i) for i in range(len(layers))]
     # layer 0 prepares the bf16 geometry, 3 the float32 one; 2 has no kernel, 5 a strided query
     assert python == [0, 2, 3, 5] and table.direct_calls() == 2
@@ -69,7 +69,7 @@ def test_prepared_layers_run_in_cpp_with_write_and_forwards_results(table, q_dty
     assert python == [1, 4] and table.direct_calls() == 0
     # after the step nothing is prepared: outside a step the op is the Python op's error
     table.end()
-    C._STEP.attend = None
+    C.STEP_CONTEXT.attend = None
     with pytest.raises(RuntimeError, match="only inside a compiled decode step"):
         table.op(q, k, v, 1)
     assert table.direct_calls() == 0
@@ -79,7 +79,7 @@ def test_a_kernel_error_goes_to_the_checked_path_and_writes_nothing(table):
     be, a, _, md, q, k, v = _fused_step("nhd", torch.float32, torch.bfloat16, [40, 70, 33], [1, 1, 1])
     _, layers = _layers(be, a)
     attend = be.step_attention(layers[:2], md, [(0.125, None, None)] * 2, table=table)
-    C._STEP.attend = attend
+    C.STEP_CONTEXT.attend = attend
     table.op(q, k, v, 0)  # prepares the geometry
     md.slot_mapping[2] = a.num_blocks * 16  # one past the cache
     before = layers[1].key.clone()
@@ -94,11 +94,11 @@ def test_steps_without_a_table_and_layers_out_of_range_take_the_python_op(table)
     be, a, _, md, q, k, v = _fused_step("nhd", torch.float32, torch.bfloat16, [40, 70], [1, 1])
     attend = be.step_attention([a], md, [(0.125, None, None)])  # no table: nothing prepared in C++
     seen = []
-    C._STEP.attend = lambda i, *x: seen.append(i) or attend(i, *x)
+    C.STEP_CONTEXT.attend = lambda i, *x: seen.append(i) or attend(i, *x)
     out = table.op(q, k, v, 0)
     assert seen == [0] and out.shape == (2, 9, 64) and table.direct_calls() == 0
     attend = be.step_attention([a], md, [(0.125, None, None)], table=table)
-    C._STEP.attend = lambda i, *x: seen.append(i) or attend(i, *x)
+    C.STEP_CONTEXT.attend = lambda i, *x: seen.append(i) or attend(i, *x)
     table.op(q, k, v, 0)
     with pytest.raises(IndexError):  # layer 7 of a one-layer step: the Python op's own lookup
         table.op(q, k, v, 7)
@@ -119,7 +119,7 @@ def test_new_caches_or_options_and_other_threads_never_see_old_pointers(table):
     outs, after_first = [], None
     for caches, scale in (([a, a], 0.125), (fresh, 0.125), (fresh, 0.3)):
         attend = be.step_attention(caches, md, [(scale, None, None)] * 2, table=table)
-        C._STEP.attend = attend
+        C.STEP_CONTEXT.attend = attend
         table.op(q, k, v, 0)
         outs.append(table.op(q, k * 2, v, 1))  # C++
         table.end()
@@ -134,7 +134,7 @@ def test_new_caches_or_options_and_other_threads_never_see_old_pointers(table):
     twin.value.copy_(a.value)
     assert torch.equal(outs[2], be.write_and_forward(q, k * 2, v, twin, md, 0.3))
     attend = be.step_attention([a, a], md, [(0.125, None, None)] * 2, table=table)
-    C._STEP.attend = attend
+    C.STEP_CONTEXT.attend = attend
     table.op(q, k, v, 0)  # prepared in this thread
     seen = []
 

@@ -38,15 +38,15 @@ def _greedy(loaded, **kw):
 
 
 def test_compiled_decode_gives_the_eager_tokens(tiny):
-    _, eager = _greedy(tiny)
-    assert tiny.model.compiled is None
+    eager_eng, eager = _greedy(tiny)
+    assert eager_eng.runner.compiled is None and not hasattr(tiny.model, "compiled")  # the runner owns it
     from pagedkv.attention import step_op
 
     table = step_op.get()
     assert table is not None, step_op.build_error()
     table.direct_calls()  # restart the count
     eng, comp = _greedy(tiny, compile_decode=True)
-    cd = tiny.model.compiled
+    cd = eng.runner.compiled
     assert isinstance(cd, C.CompiledDecode) and cd.failed is None, cd.failed
     # the graphs call the C++ attention op: in each of the 29 decode steps every layer after
     # the first ran without Python (the prefill's 65-row chunk takes the Python op)
@@ -65,23 +65,20 @@ def test_compiled_decode_gives_the_eager_tokens(tiny):
     md = AttentionMetadata.build([9, 20], [1, 2], [[3], [5, 1]], 16)
     ids, pos = torch.tensor([11, 12, 13]), torch.tensor([8, 18, 19])
     outs, before = [], cd.steps
-    for use in (cd, None):
-        tiny.model.compiled = use
+    for forward in (cd, tiny.model):  # the compiled step, then the model's own forward
         caches = tiny.model.allocate_kv_caches(backend, num_blocks=8, block_size=16)
         gen = torch.Generator().manual_seed(0)
         for c in caches:  # the context before this step
             c.key.copy_(torch.randn(c.key.shape, generator=gen))
             c.value.copy_(torch.randn(c.value.shape, generator=gen))
         with torch.inference_mode():
-            outs.append((tiny.model(ids, pos, caches, md, backend), caches))
+            outs.append((forward(ids, pos, caches, md, backend), caches))
     assert cd.steps == before + 1  # the first run was compiled, the second eager
     torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-5)
     for a, b in zip(outs[0][1], outs[1][1]):
         torch.testing.assert_close(a.key, b.key, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(a.value, b.value, rtol=1e-5, atol=1e-5)
-    tiny.model.compiled = cd
-    LLMEngine(tiny, dtype="float32", num_blocks=8)  # an engine without the option detaches it
-    assert tiny.model.compiled is None
+    assert LLMEngine(tiny, dtype="float32", num_blocks=8).runner.compiled is None  # without the option: eager
 
 
 def test_compiler_failure_falls_back_to_eager(tiny, monkeypatch):
@@ -98,8 +95,8 @@ def test_compiler_failure_falls_back_to_eager(tiny, monkeypatch):
     monkeypatch.setattr(tiny.model, "_pagedkv_compiled_decode", None, raising=False)  # build anew (restored after)
     monkeypatch.setattr(C.CompiledDecode, "warm_up", lambda self, progress=True: 0.0)
     monkeypatch.setattr(C.CompiledDecode, "__init__", _init_with(broken))
-    _, got = _greedy(tiny, compile_decode=True)
-    cd = tiny.model.compiled
+    eng, got = _greedy(tiny, compile_decode=True)
+    cd = eng.runner.compiled
     assert cd.failed == "InductorError: C++ compile failed: no compiler" and cd.steps == 0
     assert not cd.accepts(1)
     assert got == eager
@@ -139,20 +136,20 @@ def test_layer_attention_outside_a_step_and_bad_options():
     # tensor of q's shape and dtype, or an error
     q, kv = torch.randn(3, 2, 4), torch.zeros(3, 1, 4)
     strided = torch.randn(2, 3, 4).transpose(0, 1)
-    C._STEP.attend = lambda i, q, k, v: strided
+    C.STEP_CONTEXT.attend = lambda i, q, k, v: strided
     try:
         out = torch.ops.pagedkv.layer_attention(q, kv, kv, 0)
         assert out.is_contiguous() and out.equal(strided)
-        C._STEP.attend = lambda i, q, k, v: q[:2]
+        C.STEP_CONTEXT.attend = lambda i, q, k, v: q[:2]
         from pagedkv.errors import BackendError
 
         with pytest.raises(BackendError, match=r"layer 3: attention returned torch.float32 \(2, 2, 4\) on cpu"):
             torch.ops.pagedkv.layer_attention(q, kv, kv, 3)
-        C._STEP.attend = lambda i, q, k, v: q.double()
+        C.STEP_CONTEXT.attend = lambda i, q, k, v: q.double()
         with pytest.raises(BackendError, match="expected torch.float32"):
             torch.ops.pagedkv.layer_attention(q, kv, kv, 0)
     finally:
-        C._STEP.attend = None
+        C.STEP_CONTEXT.attend = None
     with pytest.raises(ConfigError, match="compile_decode must be True or False"):
         LLMEngine(None, compile_decode="yes")
     with pytest.raises(ConfigError, match="tensor_parallel_size 1 only"):
@@ -171,12 +168,12 @@ def test_engines_over_one_model_share_its_compiled_steps(tiny):
     """A second engine (a benchmark sweep builds one per cell) reuses the model's compiled
     steps: no new graph, and dynamo's per-code cache does not fill up (it then runs eager)."""
     eng1, out1 = _greedy(tiny, compile_decode=True)
-    first = tiny.model.compiled
+    first = eng1.runner.compiled
     graphs = counters["stats"]["unique_graphs"]
-    LLMEngine(tiny, dtype="float32", block_size=16, num_blocks=64)  # an eager engine between
-    assert tiny.model.compiled is None
+    eager = LLMEngine(tiny, dtype="float32", block_size=16, num_blocks=64)  # an eager engine between
+    assert eager.runner.compiled is None
     eng2, out2 = _greedy(tiny, compile_decode=True)
-    assert tiny.model.compiled is first and first.failed is None
+    assert eng2.runner.compiled is first and first.failed is None
     assert counters["stats"]["unique_graphs"] == graphs and out2 == out1
 
 
@@ -187,10 +184,10 @@ def test_two_models_of_one_shape_each_run_their_own_weights(tiny, loaded_model):
     _, eager_other = _greedy(other)
     _, eager_tiny = _greedy(tiny)
     assert eager_other != eager_tiny  # different weights, different tokens
-    _, got_tiny = _greedy(tiny, compile_decode=True)
-    _, got_other = _greedy(other, compile_decode=True)
+    eng_tiny, got_tiny = _greedy(tiny, compile_decode=True)
+    eng_other, got_other = _greedy(other, compile_decode=True)
     assert got_tiny == eager_tiny and got_other == eager_other
-    assert other.model.compiled is not tiny.model.compiled and other.model.compiled.steps > 0
+    assert eng_other.runner.compiled is not eng_tiny.runner.compiled and eng_other.runner.compiled.steps > 0
     # a constant inside the graph (Gemma's norm offset) differs between models of one shape
     offset = tiny_random_model(loaded_model, seed=11)
     for layer in offset.model.layers:
@@ -208,8 +205,7 @@ def test_a_backend_error_inside_a_compiled_step_keeps_its_type(tiny):
     from pagedkv.attention.base import AttentionMetadata
     from pagedkv.errors import BackendError
 
-    LLMEngine(tiny, dtype="float32", block_size=16, num_blocks=64, compile_decode=True)
-    cd = tiny.model.compiled
+    cd = LLMEngine(tiny, dtype="float32", block_size=16, num_blocks=64, compile_decode=True).runner.compiled
     assert isinstance(cd, C.CompiledDecode) and cd.failed is None
     backend = get_backend("cpu")
     caches = tiny.model.allocate_kv_caches(backend, num_blocks=2, block_size=16)
@@ -217,7 +213,7 @@ def test_a_backend_error_inside_a_compiled_step_keeps_its_type(tiny):
     md.slot_mapping[0] = 2 * 16  # one past the cache
     before = cd.steps
     with torch.inference_mode(), pytest.raises(BackendError, match="slot_mapping has a slot >= the cache's 32 slots"):
-        tiny.model(torch.tensor([11]), torch.tensor([8]), caches, md, backend)
+        cd(torch.tensor([11]), torch.tensor([8]), caches, md, backend)
     assert cd.steps == before and cd.failed is None
     assert not any(c.key.any() or c.value.any() for c in caches)  # nothing written
 
@@ -243,15 +239,14 @@ def test_compiled_int4_steps_give_the_eager_hidden_states(loaded_model):
         md = AttentionMetadata.build([5 + i for i in range(n)], [1] * n, [[i] for i in range(n)], 16)
         ids, pos = torch.arange(n) * 7 + 3, torch.tensor([4 + i for i in range(n)])
         outs = []
-        for use in (cd, None):
-            lm.model.compiled = use
+        for forward in (cd, lm.model):
             caches = lm.model.allocate_kv_caches(backend, num_blocks=16, block_size=16)
             gen = torch.Generator().manual_seed(n)
             for c in caches:
                 c.key.copy_(torch.randn(c.key.shape, generator=gen))
                 c.value.copy_(torch.randn(c.value.shape, generator=gen))
             with torch.inference_mode():
-                outs.append((lm.model(ids, pos, caches, md, backend), caches))
+                outs.append((forward(ids, pos, caches, md, backend), caches))
         (got, gc), (want, wc) = outs
         assert got.shape == want.shape == (n, lm.config.hidden_size)
         assert (got - want).abs().max() <= 2e-2 * want.abs().max(), n
