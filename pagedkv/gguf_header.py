@@ -6,7 +6,7 @@ imports nothing of pagedkv but ``errors`` and ``utils``.
 
 Why not ``gguf.GGUFReader``: it builds numpy views of every part of every field, so on the
 bundled SmolLM2 GGUF (a 49,152-token vocabulary and its merges) reading the header takes
-about 2.7 s; this reader takes about 10 ms (median of 7 runs each, see issue 11).
+about 2.7 s; this reader takes about 10 ms (median of 7 runs each).
 Little-endian GGUF v2 and v3 only.
 """
 

@@ -1,4 +1,4 @@
-"""The package's shape (issue 11, docs/architecture.md): imports point down the layers, no
+"""The package's shape (docs/architecture.md): imports point down the layers, no
 import cycle between modules, no module over 500 lines, and the engine never calls the KV
 manager (the scheduler alone does). Every import counts, also one inside a function."""
 
@@ -201,3 +201,14 @@ def test_one_declared_step_context():
         if "threading.local" in src:
             found[mod] = allowed.get(mod, "undeclared")
     assert found == allowed
+
+
+def test_no_issue_numbers_in_code_comments():
+    """Code says why in its own words: an issue number means nothing to a reader of the code
+    (issues live in the tracker, history in git)."""
+    import re
+
+    pat = re.compile(r"\b[Ii]ssues? #?\d+")
+    hits = [f"{p.relative_to(PKG.parent)}:{i}" for p in [*PKG.rglob("*.py"), *(PKG.parent / "tests").rglob("*.py")]
+            for i, line in enumerate(p.read_text().splitlines(), 1) if pat.search(line)]
+    assert hits == []

@@ -1,4 +1,4 @@
-"""The CPU profile (issue 31, item 1): one capability model, read once, capped by
+"""The CPU profile: one capability model, read once, capped by
 ``$PAGEDKV_CPU_ISA`` together with torch's and oneDNN's own caps, and the C kernels' -march."""
 
 from __future__ import annotations

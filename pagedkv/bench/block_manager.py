@@ -3,7 +3,7 @@
 Everything is CPU bookkeeping (no model, no tensors). Timed with ``time.thread_time``
 (CPU time of this thread: on a shared machine, time the OS gives other processes is not
 counted); the decode step is also reported in wall-clock time. Each figure is the median of
-``--repeats`` runs. Goals (issue 2): at most 1 ms of manager
+``--repeats`` runs. Goals: at most 1 ms of manager
 time per decode step with 256 running requests, hashing at least 1M tokens/s.
 """
 

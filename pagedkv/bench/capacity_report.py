@@ -7,7 +7,7 @@ from typing import Any
 
 from pagedkv.bench.report import markdown_table, plot_links, pyplot, save_figure
 
-# The goal (issue 6), stated in the report and checked in the headline.
+# The goal, stated in the report and checked in the headline.
 GOAL_UTILIZATION = 0.97
 GOAL_CONCURRENCY_RATIO = 3.0
 
@@ -60,7 +60,7 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
     lines.append(markdown_table(head_rows))
     L = cfg["max_model_len"]
     lines += [
-        "Goal (issue 6): paged slot utilisation >= 97% and >= 3x the peak concurrent requests of"
+        "Goal: paged slot utilisation >= 97% and >= 3x the peak concurrent requests of"
         " contiguous max reservation at the same budget. The PagedAttention paper (Kwon et al.,"
         " SOSP 2023) reports under 4% waste with paging and 20.4-38.2% of KV memory used by"
         " earlier systems. Peak = the most requests running at once during the replay; mean ="

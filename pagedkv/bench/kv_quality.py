@@ -15,7 +15,7 @@ activations, on the CPU backend:
 * **greedy agreement** with the float32 cache: ``PROMPTS`` (16, chat template) x
   ``--max-tokens`` (64) tokens, EOS ignored: identical completions, the mean fraction of
   tokens before the first difference, and the fraction of positions that agree;
-* **bounds** (issue 14): int8 perplexity within 1% of float32's, fp8_e4m3 within 2%.
+* **bounds**: int8 perplexity within 1% of float32's, fp8_e4m3 within 2%.
 """
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
         f"* Greedy agreement with the float32 cache: {c['prompts']} chat prompts x {c['max_tokens']} tokens "
         "(EOS ignored): identical completions, mean fraction of tokens before the first difference, "
         "fraction of equal positions.",
-        "* Bounds (issue 14): int8 within 1% of float32's perplexity, fp8_e4m3 within 2%.",
+        "* Bounds: int8 within 1% of float32's perplexity, fp8_e4m3 within 2%.",
         "",
         markdown_table(data["results"], ["kv_cache_dtype", "perplexity", "perplexity_vs_float32", "bound",
                                          "within_bound", "mean_nll_diff", "nll_diff_stderr", "identical",

@@ -1,4 +1,4 @@
-"""KV tiers (issue 16): multi-turn conversations through a primary pool of about 1/8 of their
+"""KV tiers: multi-turn conversations through a primary pool of about 1/8 of their
 working set, with and without tiers behind it, and TTFT after a restart.
 
 * Conversations: ``--conversations`` chats of ``--turns`` turns, run one request at a time,

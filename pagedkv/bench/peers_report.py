@@ -69,14 +69,14 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
     lines += _batch1_lines(data.get("batch1"), weights)
     g = data["goal"]
     if g["ratio"] is not None:
-        lines.append(f"**Goal (issue 3)**: pagedkv ≥ {g['target_ratio']:g}× {g['versus']} ({g['peer']}): "
+        lines.append(f"**Goal**: pagedkv ≥ {g['target_ratio']:g}× {g['versus']} ({g['peer']}): "
                      f"measured {g['ratio']:.2f}× in output tokens/s (wall clock) — {'met' if g['met'] else 'NOT met'}; "
                      f"{g['cpu_ratio']:.2f}× in output tokens per CPU-second — "
                      f"{'met' if g.get('met_in_cpu_time') else 'NOT met'}. On a shared machine the wall-clock ratio "
                      "also carries the change in load between the runs (see the load average below); the CPU-time "
                      "ratio carries less of it.")
     else:
-        lines.append("**Goal (issue 3)**: not measured in this run.")
+        lines.append("**Goal**: not measured in this run.")
     if data["greedy_agreement_with_pagedkv"]:
         lines += ["", "Greedy output agreement with pagedkv (identical requests / requests):"]
         for k, v in data["greedy_agreement_with_pagedkv"].items():
@@ -107,11 +107,11 @@ def _batch1_lines(b: Any, weights: str = "Q4_1") -> list[str]:
              "summed over the requests (1 / token-weighted mean TPOT); own TTFT = submission to first token "
              "(prefill).", ""]
     if b["decode_ratio"] is not None:
-        lines.append(f"**Goal (issue 31)**: batch-1 decode ≥ {b['target_ratio']:g}× llama.cpp's tokens/s: measured "
+        lines.append(f"**Goal**: batch-1 decode ≥ {b['target_ratio']:g}× llama.cpp's tokens/s: measured "
                      f"{b['decode_ratio']:.2f}× (TPOT p50 ratio {b['tpot_p50_ratio']:.2f}) — "
                      f"{'met' if b['met'] else 'NOT met'}.")
     else:
-        lines.append("**Goal (issue 31)**: batch-1 decode ≥ 1.3× llama.cpp: not measured in this run (a system is missing).")
+        lines.append("**Goal**: batch-1 decode ≥ 1.3× llama.cpp: not measured in this run (a system is missing).")
     return lines + [""]
 
 

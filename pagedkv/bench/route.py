@@ -1,4 +1,4 @@
-"""Data-parallel routing (issue 17): replicas on Ray Serve, round-robin vs prefix-aware routing.
+"""Data-parallel routing: replicas on Ray Serve, round-robin vs prefix-aware routing.
 
 * Conversations: ``--users`` users, each with its own ``--system-tokens``-token system prompt,
   ask ``--turns`` questions of ``--question-tokens`` tokens each (prompt = the user's system

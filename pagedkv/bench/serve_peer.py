@@ -58,7 +58,7 @@ from pagedkv.bench.workload import BenchRequest, summarize, synth_prompts, tpot
 NAME = "serving_peer"
 PAGEDKV = "pagedkv"
 LLAMA_SERVER = "llama-server"
-#: the serving goals (issue 31, on every CPU class), pagedkv / llama-server: output tok/s
+#: the serving goals, pagedkv / llama-server: output tok/s
 #: ratio >= (key 1), and ITL p50 ratio <= (key 2, None = no ITL goal), per concurrency.
 GOALS = {1: (1.2, 0.9), 4: (2.0, None), 16: (2.0, None), 32: (2.0, None)}
 #: how the prompts get the BOS of a model whose tokenizer starts every prompt with one

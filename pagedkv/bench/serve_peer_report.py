@@ -150,7 +150,7 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
         markdown_table(_side_by_side(data)),
         "Ratios are pagedkv / llama-server: output tok/s higher is better for pagedkv, ITL and TTFT lower.",
         "",
-        "**Goals (issue 31)**:",
+        "**Goals**:",
         "",
         *(_goal_lines(data) or ["- none set at these concurrencies (they are set at 1, 4, 16 and 32)"]),
         "",

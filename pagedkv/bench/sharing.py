@@ -1,4 +1,4 @@
-"""The sharing goals of ``pagedkv bench ablation --part sharing`` (issue 4), results in
+"""The sharing goals of ``pagedkv bench ablation --part sharing``, results in
 ``docs/benchmarks/sharing.*``:
 
 * prefix TTFT: requests whose prompts are one long system prompt + a distinct question, all

@@ -7,7 +7,7 @@ attention, other tensor ops, logits + sampling and host-side work. The machine's
 copy bandwidth (read + write) and fp32 matmul peak give each step's limit: the larger of
 bytes moved / bandwidth and FLOPs / peak (bytes: every linear weight and the LM head once,
 plus the K/V read and written; FLOPs: 2 per weight per token, the LM head on sampled rows,
-and attention's QK^T and PV). Issue 12's goals: batch-32 decode within 1.5x its limit,
+and attention's QK^T and PV). The goals: batch-32 decode within 1.5x its limit,
 batch-1 host + small-op time at most 3 ms, prefill at least 70% of the matmul peak.
 """
 

@@ -1,4 +1,4 @@
-"""``export_blocks`` / ``import_blocks`` (issue 16): whole blocks leave a cache and come back
+"""``export_blocks`` / ``import_blocks``: whole blocks leave a cache and come back
 bit for bit, on every backend and layout, through ``block_tensors`` (what the KV tiers use)."""
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ def test_batch1_comparison():
     assert b["decode_ratio"] == 0.25 and b["tpot_p50_ratio"] == 4.0 and b["met"] is False
     assert b["pagedkv"] == {"decode_tokens_per_s": 20.0, "tpot_p50_s": 0.05, "tpot_mean_s": 0.05,
                             "own_ttft_p50_s": 0.4, "output_tokens_per_s": 10.0}
-    assert peers.B1_GOAL_RATIO == 1.3  # issue 31: batch-1 decode >= 1.3x llama.cpp's
+    assert peers.B1_GOAL_RATIO == 1.3  # batch-1 decode >= 1.3x llama.cpp's
     assert peers.batch1_comparison([_b1_row(peers.PAGEDKV_B1, 104.0, 0.0096, 0.1),
                                     _b1_row(peers.LLAMA_CPP, 80.0, 0.0125, 0.3)])["met"] is True  # 1.3x
     assert peers.batch1_comparison([_b1_row(peers.PAGEDKV_B1, 100.0, 0.01, 0.1),

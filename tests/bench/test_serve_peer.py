@@ -70,7 +70,7 @@ def _run(server, c, tok_s, itl, ttft):
 
 def test_ratios_and_goals():
     P, L = serve_peer.PAGEDKV, serve_peer.LLAMA_SERVER
-    # issue 31's goals: >= 1.2x tok/s and ITL p50 <= 0.9x at 1; >= 2x tok/s at 4, 16, 32
+    # the goals: >= 1.2x tok/s and ITL p50 <= 0.9x at 1; >= 2x tok/s at 4, 16, 32
     assert serve_peer.GOALS == {1: (1.2, 0.9), 4: (2.0, None), 16: (2.0, None), 32: (2.0, None)}
     runs = [_run(P, 1, 20.0, 0.05, 1.0), _run(L, 1, 10.0, 0.10, 0.5),      # 2x tok/s, ITL 0.5x: both met
             _run(L, 4, 30.0, 0.04, 2.0), _run(P, 4, 15.0, 0.08, 1.0),      # 0.5x: not met; no ITL goal

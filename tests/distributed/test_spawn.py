@@ -1,7 +1,7 @@
 """Tensor-parallel workers start as their own processes (``python -m
 pagedkv.distributed.worker``), so a driver started from ``python -c``, from standard input, or
-as a script without a ``__main__`` guard works (issue 13, case 4: multiprocessing's spawn
-re-imported the driver's main module and the workers died at start-up)."""
+as a script without a ``__main__`` guard works (multiprocessing's spawn re-imports the driver's
+main module; the workers must not die at start-up)."""
 
 from __future__ import annotations
 

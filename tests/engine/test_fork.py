@@ -1,4 +1,4 @@
-"""Sharing by fork and copy-on-write (issue 4): parallel sampling (n > 1) and beam search.
+"""Sharing by fork and copy-on-write: parallel sampling (n > 1) and beam search.
 
 * n=2 on a 6-token prompt (block_size 4): the children share the prompt's two blocks; the
   half-full block is copied once, before either branch's first write lands; each branch

@@ -1,4 +1,4 @@
-"""KV tiers and KV events in the engine (issue 16), on the bundled model with block_size 4
+"""KV tiers and KV events in the engine, on the bundled model with block_size 4
 and a 12-block pool: greedy outputs identical with and without tiers (and to a cold run
 without prefix caching), a hit from each tier by exact counts, K/V loaded from a tier
 bit-equal to the computed ones, a restart that finds the disk blocks, a corrupt entry

@@ -1,4 +1,4 @@
-"""Prefix caching in the engine (issue 4, seed §02/§04), block_size 4.
+"""Prefix caching in the engine (seed §02/§04), block_size 4.
 
 "Cold" = the same request on an engine with prefix caching off. Every test checks the
 output equals cold, nothing leaks, and (every step) that each prefix-cache entry maps a

@@ -72,7 +72,7 @@ def test_seeded_rows_independent_of_batch_and_position():
     assert t == int(logits.argmax())
 
 
-# ---- logit_bias, parameter bounds and the non-finite guard (issue 18) ------------------
+# ---- logit_bias, parameter bounds and the non-finite guard ------------------
 def test_logit_bias_exact_and_changes_the_pick():
     logits = torch.log(P)
     r = req(SamplingParams(temperature=0, logit_bias={4: 3.0, 0: -1.5}))
@@ -144,7 +144,7 @@ def test_greedy_takes_the_first_maximum_in_all_greedy_and_mixed_batches():
     assert out.token_ids[0] == 1 and out.token_ids[1] in (0, 1) and out.token_ids[2] == 0
 
 
-# ---- inverse-CDF sampling (issue 12: one uniform per token instead of vocab exponentials) ----
+# ---- inverse-CDF sampling (one uniform per token instead of vocab exponentials) ----
 def _c_pick(probs: torch.Tensor, u: torch.Tensor) -> list[int]:
     ops = sample_ops.get()
     assert ops is not None, sample_ops.build_error()  # a C compiler is part of the set-up

@@ -1,4 +1,4 @@
-"""KVCacheManager scenarios at block_size 4 (issue 2, "Must show"), each its own test."""
+"""KVCacheManager scenarios at block_size 4, each its own test."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The KV tiers behind the block pool (issue 16) at the memory-system level, no model: a
+"""The KV tiers behind the block pool at the memory-system level, no model: a
 fake runner whose "K/V" of a block is a function of its chained hash (what real K/V
 depend on: the block's tokens and everything before them), so a block served with wrong
 K/V is caught by value. Exact hit counts per tier, LRU push-down, pins, the disk store's

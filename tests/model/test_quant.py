@@ -1,4 +1,4 @@
-"""Weight formats (issue 12, item 3): fp32 | bf16 | int8 | int4 linear layers, their kernel
+"""Weight formats: fp32 | bf16 | int8 | int4 linear layers, their kernel
 routes, the choice of ``weights="auto"``, the per-format weight cache, and agreement with fp32
 on the bundled model (thresholds from ``pagedkv bench quality``, docs/benchmarks/weights_quality.md)."""
 

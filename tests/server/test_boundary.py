@@ -1,4 +1,4 @@
-"""The server's input boundary (issue 18): the seven inputs that used to reach a 500, a NaN
+"""The server's input boundary: the seven inputs that used to reach a 500, a NaN
 or a silent ignore, each with its status and OpenAI error object; logit_bias and best_of
 honoured; every route but /health behind the API key; slow clients cut; a 500 logged with
 a request id."""

@@ -1,4 +1,4 @@
-"""``pagedkv serve --kv-offload disk:...`` across restarts and crashes (issue 16).
+"""``pagedkv serve --kv-offload disk:...`` across restarts and crashes.
 
 1. A graceful stop (SIGINT) persists the cached blocks; the next ``serve`` serves the same
    prompt's prefix from disk (usage and /metrics show it).

@@ -1,4 +1,4 @@
-"""Logprobs as clients use them (issue 13): every candidate survives (case 1), streamed
+"""Logprobs as clients use them: every candidate survives (case 1), streamed
 fields equal the non-streamed ones once joined (case 2, and a seeded property test over
 echo, stop strings, n > 1, logprobs and multi-byte text), echo + logprobs return the
 prompt's logprobs, also with max_tokens=0 (case 3), against transformers (fp32)."""
