@@ -1,6 +1,7 @@
 # pagedkv: two commands do all set-up on a fresh machine.
 #   make run   - create .venv, install everything, run the main job on the bundled model
-#   make test  - same set-up, then the whole test suite
+#   make test  - same set-up, then the whole test suite: the fast tier (no model loaded) first,
+#                then the tests that load the bundled models (marked slow)
 #   make test-fast - the suite without the model-loading tests
 #   make test-avx2 - the quantisation/route tests as an AVX2-only host (PAGEDKV_CPU_ISA=avx2)
 #   make peers - the optional benchmark peers (llama.cpp, guidellm, llama-server); no test needs them
@@ -40,7 +41,8 @@ run: $(STAMP)
 # The /ui test drives Debian's chromium (apt, needs root); CI=1 makes its absence a failure.
 test: $(STAMP)
 	@bash scripts/install_browser.sh $(VPY) >/dev/null 2>&1 || echo "note: chromium not installed; the /ui browser test needs it (scripts/install_browser.sh as root)"
-	$(VPY) -m pytest -q -p no:cacheprovider --durations=25 tests
+	$(VPY) -m pytest -q -p no:cacheprovider --durations=10 -m "not slow" tests
+	$(VPY) -m pytest -q -p no:cacheprovider --durations=25 -m slow tests
 
 # The quantisation/route tests again as an AVX2-only host (no AVX-512, VNNI or AMX; torch and
 # oneDNN capped to match) on whatever CPU runs them: CI runs this after `make test`.
