@@ -16,7 +16,7 @@ recomputes the shared prefix, which the others then fork.
 The scheduler alone changes its queues, the KV manager and a request's status. What the
 sequence groups, the beam search and the stop strings decide reaches it as
 :mod:`pagedkv.engine.decisions` records: ``update(out, sampled, forks)`` then
-``apply(decisions)``. It needs no model: hand-made :class:`Request`\ s drive it (tests).
+``apply(decisions)``. It needs no model: hand-made ``Request`` objects drive it (tests).
 """
 
 from __future__ import annotations
