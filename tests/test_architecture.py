@@ -212,3 +212,44 @@ def test_no_issue_numbers_in_code_comments():
     hits = [f"{p.relative_to(PKG.parent)}:{i}" for p in [*PKG.rglob("*.py"), *(PKG.parent / "tests").rglob("*.py")]
             for i, line in enumerate(p.read_text().splitlines(), 1) if pat.search(line)]
     assert hits == []
+
+
+def _scheduler_references(path: Path) -> list[str]:
+    """Where ``path`` names the scheduler: a name, attribute or parameter ``scheduler`` /
+    ``Scheduler``, or an import of ``pagedkv.engine.scheduler``."""
+    refs = []
+    for n in ast.walk(ast.parse(path.read_text())):
+        name = (n.id if isinstance(n, ast.Name) else n.attr if isinstance(n, ast.Attribute)
+                else n.arg if isinstance(n, ast.arg) else None)
+        if name is not None and name.lower() == "scheduler":
+            refs.append(f"{path.name}:{n.lineno} {name}")
+        if isinstance(n, ast.ImportFrom) and n.module == "pagedkv.engine.scheduler":
+            refs.append(f"{path.name}:{n.lineno} import")
+    return refs
+
+
+def test_only_the_engine_holds_the_scheduler():
+    """The step runs one way (schedule -> execute -> sample -> update -> outputs): sequence
+    groups, beam search, the output processor and the rest of the engine package return
+    decisions and never hold the scheduler; the engine alone hands them to it."""
+    refs = []
+    for path in sorted((PKG / "engine").glob("*.py")):
+        if path.name not in ("scheduler.py", "engine.py"):
+            refs += _scheduler_references(path)
+    assert refs == []
+
+
+def test_scheduler_reference_check_is_not_vacuous(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text("class G:\n    def __init__(self, scheduler):\n        self.scheduler = scheduler\n")
+    assert _scheduler_references(planted) == ["planted.py:2 scheduler", "planted.py:3 scheduler",
+                                              "planted.py:3 scheduler"]
+
+
+def test_scheduler_imports_no_decider():
+    """The scheduler knows the decisions, not who takes them: it imports neither the sequence
+    groups, the beam search, the output processor nor the sampler (and so needs no model)."""
+    deps = _graph()["pagedkv.engine.scheduler"]
+    deciders = {f"pagedkv.engine.{m}" for m in ("sequence_group", "beam", "output", "sampler", "engine")}
+    assert deps & deciders == set()
+    assert not any(d.startswith(("pagedkv.model", "pagedkv.worker", "pagedkv.attention")) for d in deps)

@@ -4,9 +4,11 @@ One ``step()``, read top to bottom: ``scheduler.schedule()`` (admission, preempt
 allocation and copy-on-write; the scheduler alone calls the KV manager) → the runner
 (``worker.runner``: flat batch through the one slot-mapping builder, CoW copies, model
 forward writing K/V through ``slot_mapping`` and reading through ``block_tables``) →
-sequence groups (n > 1 forks, beam search) → sampler → ``scheduler.update`` (append tokens,
-stop checks, publish full blocks, free behind the step fence) → output processor (text, stop
-strings, ``RequestOutput``).
+sampler (sequence groups decide n > 1 forks and which rows beam search takes) →
+``scheduler.update`` (the forks, append tokens, stop checks, publish full blocks, free
+behind the step fence) → beam steps and stop strings decide → ``scheduler.apply`` (their
+forks and finishes) → output processor (``RequestOutput``). Groups, beams and the output
+processor never hold the scheduler; they return ``pagedkv.engine.decisions`` records.
 
 Thread-safety: ``add_request`` and ``abort_request`` may be called from other threads (the
 server). The engine lock is *released* during the forward pass, so an abort can land while
@@ -28,12 +30,13 @@ from pagedkv import cpu_isa, native
 from pagedkv.attention import get_backend
 from pagedkv.distributed import TPExecutor, check_tp_size
 from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.decisions import Decisions
 from pagedkv.engine.output import OutputProcessor
-from pagedkv.engine.request import Request, RequestOutput, RequestStatus, SamplingParams, now
+from pagedkv.engine.request import Request, RequestOutput, SamplingParams, now
 from pagedkv.engine.sampler import Sampler, prompt_logprob_dicts
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
-from pagedkv.engine.sequence_group import SequenceGroup, blocks_needed
-from pagedkv.engine.stats import EngineStats, collect_stats
+from pagedkv.engine.sequence_group import SequenceGroup, SequenceGroups, blocks_needed
+from pagedkv.engine.stats import EngineStats
 from pagedkv.errors import ConfigError, InvalidRequestError
 from pagedkv.kv import CacheKeys, KVCacheSpec, parse_size
 from pagedkv.kv.tiers import StoreIdentity, ZmqEventPublisher, open_tiers, parse_tier_specs, replay_endpoint_for
@@ -133,8 +136,8 @@ class LLMEngine:
             enable_prefix_caching=cfg.prefix_caching, enable_paging=cfg.enable_paging,
             shuffle_seed=cfg.shuffle_blocks, kv_tiers=self.kv_tiers, layer_windows=self.layer_windows,
         ))
-        self.groups = self.scheduler.groups
-        self.output = OutputProcessor(self.tokenizer, self.scheduler)
+        self.groups = SequenceGroups()
+        self.output = OutputProcessor(self.tokenizer)
         self.sampler = Sampler(torch.Generator().manual_seed(cfg.seed))
         self.eos_token_ids = tuple(mc.eos_token_ids or ())
         self._lock = threading.RLock()
@@ -346,7 +349,7 @@ class LLMEngine:
                 eos_token_ids=self.eos_token_ids, max_total_tokens=total, parent_id=request_id,
             )
             self.groups.add(group, seq)
-            self.scheduler.stats.num_prompt_tokens += len(token_ids)
+            self.scheduler.add_request(seq, gang=params.use_beam_search)
         return request_id
 
     def abort_request(self, request_id: Union[str, Sequence[str]]) -> None:
@@ -360,7 +363,7 @@ class LLMEngine:
             raise InvalidRequestError("abort_request takes a request id or a list of them")
         with self._lock:
             for rid in ids:
-                self.groups.abort(rid)
+                self.scheduler.abort(self.groups.abort(rid))
 
     def has_unfinished_requests(self) -> bool:
         with self._lock:
@@ -409,9 +412,9 @@ class LLMEngine:
                 self._record_prompt_logprobs(out, prompt_rows, logits[inp.num_sample_rows:])
                 logits = logits[:inp.num_sample_rows]
             with profile_scope("pagedkv.sample"):
-                rows, reqs = self.groups.expand_forks(out, sampling)
+                rows, reqs, forks = self.groups.expand_forks(out, sampling)  # running rows only
                 rows, reqs, beam_groups = self.groups.offer_beam_rows(logits, rows, reqs)
-                keep = [(i, r) for i, r in zip(rows, reqs) if r.status == RequestStatus.RUNNING]
+                keep = list(zip(rows, reqs))
                 sampled: dict[str, tuple[int, Optional[dict[int, float]]]] = {}
                 if keep:
                     idx = [i for i, _ in keep]  # every row in order (plain decode): no gathered copy
@@ -419,18 +422,18 @@ class LLMEngine:
                     for (_, r), t, lp in zip(keep, so.token_ids, so.logprobs):
                         sampled[r.request_id] = (t, lp)
             with profile_scope("pagedkv.update"):
-                self.scheduler.update(out, sampled)
-            stats = self.scheduler.stats
-            stats.num_generated_tokens += len(sampled)
-            for gid in beam_groups:
-                stats.num_generated_tokens += self.groups.beam_step(gid, self.tokenizer)
-            self.scheduler.track_shared_blocks()
-            touched = set(beam_groups)
-            for _, r in keep:
-                touched.add(r.parent_id)
-                group = self.groups.of(r.request_id)
-                if r.sampling_params.stop or (group is not None and group.stream):
-                    self.output.detokenize(r)
+                self.scheduler.update(out, sampled, forks)
+                decisions = Decisions()
+                for gid in beam_groups:
+                    decisions += self.groups.beam_step(gid, self.tokenizer)
+                touched = set(beam_groups)
+                for _, r in keep:
+                    touched.add(r.parent_id)
+                    group = self.groups.of(r.request_id)
+                    if r.sampling_params.stop or (group is not None and group.stream):
+                        if (stop := self.output.detokenize(r)) is not None:
+                            decisions.finishes.append(stop)
+                self.scheduler.apply(decisions)
             if self.config.debug_invariants:
                 self.scheduler.check_invariants()
             with profile_scope("pagedkv.output"):
@@ -470,13 +473,13 @@ class LLMEngine:
         KVCacheManager.snapshot(), "requests": [...running, then waiting], "stats":
         EngineStats}``; see ``Scheduler.snapshot`` for the request fields."""
         with self._lock:
-            return {**self.scheduler.snapshot(), "stats": collect_stats(self.scheduler)}
+            return {**self.scheduler.snapshot(), "stats": self.scheduler.engine_stats()}
 
     def get_stats(self) -> EngineStats:
         """Engine statistics (:class:`EngineStats`): requests, KV blocks, prefix cache,
         preemptions, CoW copies."""
         with self._lock:
-            return collect_stats(self.scheduler)
+            return self.scheduler.engine_stats()
 
     def reset_prefix_cache(self) -> int:
         """Forget the prefix cache (benchmarks: every policy starts cold). Safe at any time;

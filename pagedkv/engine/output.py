@@ -2,52 +2,60 @@
 
 Text is brought up to date once per new token only for streamed requests and requests with
 stop strings (a stop string must end the request as soon as it appears); otherwise once at
-the end. A stop string finishes its sequence (through the scheduler, so its blocks are
-freed behind the step fence) and is cut from the text; its tokens stay in ``token_ids``.
+the end. A stop string is cut from the text (its tokens stay in ``token_ids``) and ends its
+sequence: :meth:`OutputProcessor.detokenize` returns a ``Finish`` decision that the engine
+hands to the scheduler (which frees the blocks behind the step fence).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from typing import Optional
+
 from pagedkv.engine.beam import BeamHypothesis
+from pagedkv.engine.decisions import Finish
 from pagedkv.engine.request import CompletionOutput, Request, RequestOutput, RequestStatus
 from pagedkv.engine.sequence_group import SequenceGroup
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any, scheduler: Any) -> None:
-        self.tokenizer = tokenizer
-        self.scheduler = scheduler
+    """Text and ``RequestOutput``s from the sequences' tokens (``tokenizer``: the model's)."""
 
-    def detokenize(self, req: Request) -> None:
-        """Bring ``req.output_text`` up to date; finish ``req`` if a stop string appeared."""
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def detokenize(self, req: Request) -> Optional[Finish]:
+        """Bring ``req.output_text`` up to date. If a stop string appeared: cut the text
+        there, set ``req.stop_reason`` to it and return ``Finish(req, FINISHED_STOPPED)`` for
+        the scheduler; else ``None``."""
         if req._text_tokens == req.num_output_tokens or (
             req.stop_reason is not None and isinstance(req.stop_reason, str)
         ):
-            return
+            return None
         text = self.tokenizer.decode(
             req.output_token_ids, skip_special_tokens=req.sampling_params.skip_special_tokens
         )
         req._text_tokens = req.num_output_tokens
         stops = req.sampling_params.stop
+        finish = None
         if stops:
             hits = [(text.find(s), s) for s in stops if s in text]
             if hits:
                 pos, s = min(hits)
                 text = text[:pos]
-                if not req.is_finished:
-                    self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
-                elif req.status == RequestStatus.FINISHED_LENGTH:
-                    req.status = RequestStatus.FINISHED_STOPPED
+                finish = Finish(req, RequestStatus.FINISHED_STOPPED)
                 req.stop_reason = s
         req.output_text = text
+        return finish
 
     def make_output(self, group: SequenceGroup) -> RequestOutput:
         """The group's cumulative ``RequestOutput`` (text, token ids, finish reasons,
         metrics); for a finished beam search, its hypotheses best first."""
         for s in group.seqs:
-            if s.is_finished or group.stream:
+            # a sequence with stop strings is detokenised in the step that sampled its tokens
+            # (its Finish applied there), so this only decodes the text of the others
+            if (s.is_finished or group.stream) and not s.sampling_params.stop:
                 self.detokenize(s)
         metrics = group.metrics()
         common = dict(

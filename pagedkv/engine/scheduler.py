@@ -9,9 +9,14 @@ get a block, the scheduler preempts the lowest-priority running request (FCFS: t
 admitted): its blocks are freed, its progress reset, and it is requeued first; on resume it
 recomputes prompt + outputs (hitting its own cached blocks if prefix caching is on).
 
-Beam groups are gangs, scheduled all or nothing (see ``sequence_group.Gangs``): preempting a
+Beam groups are gangs, scheduled all or nothing (see ``gangs.Gangs``): preempting a
 member preempts the whole gang, and a waiting gang is admitted at once behind one leader that
 recomputes the shared prefix, which the others then fork.
+
+The scheduler alone changes its queues, the KV manager and a request's status. What the
+sequence groups, the beam search and the stop strings decide reaches it as
+:mod:`pagedkv.engine.decisions` records: ``update(out, sampled, forks)`` then
+``apply(decisions)``. It needs no model: hand-made ``Request`` objects drive it (tests).
 """
 
 from __future__ import annotations
@@ -20,8 +25,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
+from pagedkv.engine.decisions import Decisions, Fork
+from pagedkv.engine.gangs import Gangs
 from pagedkv.engine.request import Request, RequestStatus, now
-from pagedkv.engine.sequence_group import Gangs, SequenceGroups
+from pagedkv.engine.stats import EngineStats, collect_stats
+from pagedkv.engine.step_plan import SchedulerOutput
 from pagedkv.errors import NoFreeBlocksError, PagedKVError
 from pagedkv.kv import KVCacheManager, check_invariants
 from pagedkv.kv.tiers import cached_tokens_by_tier
@@ -55,51 +63,6 @@ class SchedulerConfig:
 
 
 @dataclass
-class SchedulerOutput:
-    """One step's plan: which requests compute how many new tokens."""
-
-    scheduled: list[tuple[Request, int]]  # (request, num_new_tokens), running first
-    copies: list[tuple[int, int]]  # copy-on-write block copies (src, dst) to apply first
-    preempted: list[Request]
-    step_id: int
-    num_batched_tokens: int = 0
-    # per scheduled, its block table (with several layer groups: one table per group)
-    block_ids: list = field(default_factory=list)
-    kv_transfer: Any = None  # pagedkv.kv.tiers.KVTransfer: tier stores/loads to run first
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-    def model_inputs(self) -> tuple[list[list[int]], list[int], list[list[int]], list[bool]]:
-        """The runner's arguments ``(token_ids, num_computed, block_ids, sample)``: each
-        scheduled sequence's new tokens, its computed-token count, its block table, and
-        whether this step completes its known tokens (its logits are sampled)."""
-        toks, starts, sample = [], [], []
-        for r, n in self.scheduled:
-            start = r.num_computed_tokens
-            toks.append(r.all_token_ids[start : start + n])
-            starts.append(start)
-            sample.append(start + n == r.num_tokens)
-        return toks, starts, self.block_ids, sample
-
-    def prompt_rows(self) -> list[int]:
-        """Per scheduled sequence, how many of its first new tokens' logits give prompt
-        logprobs (``SamplingParams.prompt_logprobs``): the prompt positions before the last
-        (position j's logits score prompt token j + 1); 0 for the others."""
-        rows = []
-        for r, n in self.scheduled:
-            start = r.num_computed_tokens
-            want = r.sampling_params.prompt_logprobs is not None
-            rows.append(max(0, min(start + n, r.num_prompt_tokens - 1) - start) if want else 0)
-        return rows
-
-    def sampling_requests(self) -> list[Request]:
-        """The sequences whose logits rows the step returns, in row order."""
-        return [r for r, n in self.scheduled if r.num_computed_tokens + n == r.num_tokens]
-
-
-@dataclass
 class SchedulerStats:
     """Counters since start (tokens, steps, sequences, blocks)."""
 
@@ -128,7 +91,6 @@ class Scheduler:
             layer_windows=config.layer_windows,
         )
         self.enable_prefix_caching = config.enable_prefix_caching
-        self.groups = SequenceGroups(self)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -142,9 +104,14 @@ class Scheduler:
         )
 
     # ---- queue management -------------------------------------------------------------
-    def add_request(self, req: Request) -> None:
+    def add_request(self, req: Request, gang: bool = False) -> None:
+        """Queue a new request (its prompt tokens counted in ``stats``); ``gang``: it is the
+        first sequence of a beam group, whose sequences are scheduled all or nothing."""
         self.requests[req.request_id] = req
         self.waiting.append(req)
+        if gang:
+            self.gangs.ids.add(req.parent_id or req.request_id)
+        self.stats.num_prompt_tokens += req.num_prompt_tokens
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -175,6 +142,9 @@ class Scheduler:
         req.finish_time = now()
         self.kv.free(req.request_id)
         self.requests.pop(req.request_id, None)
+        gid = req.parent_id
+        if gid in self.gangs.ids and not any(r.parent_id == gid for r in self.requests.values()):
+            self.gangs.ids.discard(gid)  # the gang's last sequence
 
     # ---- scheduling ------------------------------------------------------------------
     def _queue_key(self, req: Request):
@@ -375,11 +345,18 @@ class Scheduler:
         self,
         out: SchedulerOutput,
         sampled: dict[str, tuple[int, Optional[dict[int, float]]]],
+        forks: Iterable[Fork] = (),
     ) -> list[Request]:
-        """Advance ``num_computed_tokens``, append sampled tokens, apply stop conditions
-        (EOS, stop token ids, max_tokens, max_model_len), publish full blocks to the prefix
-        cache, then close the step fence. Returns the requests that finished this step
-        (stop strings are checked by the engine after detokenising)."""
+        """Apply ``forks`` first (``n > 1`` siblings of a prefill that ends this step: they
+        join ``out.scheduled`` with 0 new tokens), then advance ``num_computed_tokens``,
+        append the ``sampled`` tokens (``{sequence id: (token id, logprobs or None)}``),
+        apply stop conditions (EOS, stop token ids, max_tokens, max_model_len), publish full
+        blocks to the prefix cache, then close the step fence. Returns the requests that
+        finished this step (stop strings and beam steps come after, via :meth:`apply`)."""
+        for f in forks:
+            self.fork(f.parent, f.child, f.num_computed_tokens)
+            out.scheduled.append((f.child, 0))
+        self.stats.num_generated_tokens += len(sampled)
         finished: list[Request] = []
         t = now()
         for req, n in out.scheduled:
@@ -406,6 +383,21 @@ class Scheduler:
         self.kv.end_step(out.step_id)
         return finished
 
+    def apply(self, decisions: Decisions) -> None:
+        """Apply the decisions taken after :meth:`update` (beam steps, stop strings): forks,
+        then finishes (see ``decisions.Finish`` for one that already finished); count the
+        tokens generated outside the sampler; update ``stats.peak_shared_blocks``."""
+        for f in decisions.forks:
+            self.fork(f.parent, f.child, f.num_computed_tokens)
+        for d in decisions.finishes:
+            req = d.request
+            if not req.status.finished:
+                self.finish_request(req, d.status)
+            elif req.status == RequestStatus.FINISHED_LENGTH and d.status == RequestStatus.FINISHED_STOPPED:
+                req.status = d.status  # a stop string in the final text
+        self.stats.num_generated_tokens += decisions.generated_tokens
+        self.track_shared_blocks()
+
     def check_invariants(self) -> None:
         """Run the KV invariant checker (``InvariantViolation`` on inconsistent bookkeeping)."""
         check_invariants(self.kv)
@@ -413,6 +405,10 @@ class Scheduler:
     def track_shared_blocks(self) -> None:
         """Update ``stats.peak_shared_blocks`` (call at the end of a step, after forks)."""
         self.stats.peak_shared_blocks = max(self.stats.peak_shared_blocks, self.num_shared_blocks())
+
+    def engine_stats(self) -> EngineStats:
+        """The counters and the KV pool's state now, as :class:`EngineStats`."""
+        return collect_stats(self.kv, self.stats, len(self.running), len(self.waiting))
 
     def num_shared_blocks(self) -> int:
         """Blocks referenced more than once right now (by several block tables, e.g. a

@@ -1,7 +1,7 @@
 """Sequence groups: one user request's sequences (parallel sampling ``n > 1``, beam search).
 
 A :class:`SequenceGroup` holds the sequences of one request; :class:`SequenceGroups` is the
-scheduler's registry of them and does everything that adds or drops a sequence of a group:
+engine's registry of them and decides everything that adds or drops a sequence of a group:
 
 * parallel sampling: the prompt is prefilled once by sequence 0; when its prefill completes,
   the ``n - 1`` siblings fork its block table (``ref_cnt += 1`` per block; the partly filled
@@ -9,11 +9,12 @@ scheduler's registry of them and does everything that adds or drops a sequence o
   logits row;
 * beam search (:mod:`pagedkv.engine.beam` chooses): the first child of a beam continues it
   in place, each further child forks the beam's table, a beam with no child is freed;
-* all-or-nothing admission and preemption of a beam group: its parent id is in
-  ``scheduler.gangs`` (:class:`Gangs`), which the scheduler never splits.
+* all-or-nothing admission and preemption of a beam group is the scheduler's
+  (:class:`pagedkv.engine.gangs.Gangs`).
 
-Every fork and free goes through the scheduler (``scheduler.fork``,
-``scheduler.finish_request``), the only caller of the KV manager.
+The groups decide; they never change the scheduler. Every fork and free they want is
+returned as a :mod:`pagedkv.engine.decisions` record that the engine hands to the scheduler
+(``Scheduler.update`` / ``Scheduler.apply``), the only caller of the KV manager.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any, Optional
 import torch
 
 from pagedkv.engine.beam import BeamSearch, beam_stop_ids
+from pagedkv.engine.decisions import Decisions, Finish, Fork
 from pagedkv.engine.request import Request, RequestMetrics, RequestStatus, SamplingParams, now
 from pagedkv.utils import cdiv
 
@@ -79,86 +81,6 @@ class SequenceGroup:
         )
 
 
-class Gangs:
-    """Beam groups, scheduled all or nothing: a beam step needs every live beam's logits, so
-    preempting one member preempts the whole gang, and a waiting gang is admitted at once.
-    It re-enters as one *leader* that recomputes the tokens all members share (at least one
-    short of its end, so it samples nothing); the other members are *parked* until the
-    leader reaches that fork point, then fork its blocks (the shared prefix stored once,
-    prefix caching or not) and each recomputes only its own suffix. ``ids``: the gangs'
-    parent request ids (kept by :class:`SequenceGroups`)."""
-
-    def __init__(self) -> None:
-        self.ids: set[str] = set()
-        self._forks: dict[str, tuple[int, list[Request]]] = {}  # leader id -> (fork at, members)
-        self._parked: set[str] = set()  # waiting members that fork from their running leader
-
-    def unparked(self, waiting: Any) -> Any:
-        """The waiting sequences that may be admitted (parked members wait for their leader)."""
-        return [r for r in waiting if r.request_id not in self._parked] if self._parked else waiting
-
-    def split_members(self, waiting: Any, running: list[Request]) -> list[Request]:
-        """Running members of gangs that last step's preemption split (a member waits,
-        unparked): they must be preempted too, or they would hold blocks waiting for
-        siblings that cannot get any."""
-        if not self.ids or not waiting:
-            return []
-        split = {r.parent_id for r in waiting if r.parent_id in self.ids and r.request_id not in self._parked}
-        return [r for r in running if r.parent_id in split]
-
-    def members_and_fork_point(self, req: Request, waiting: Any) -> tuple[list[Request], int]:
-        """``req``'s waiting gang members and the tokens they all share with it (where they
-        fork), or ``([], req.num_tokens)`` for a request outside a gang."""
-        if req.parent_id not in self.ids:
-            return [], req.num_tokens
-        members = [r for r in waiting if r.parent_id == req.parent_id and r is not req]
-        if not members:
-            return [], req.num_tokens
-        toks = req.all_token_ids
-        end = min(req.num_tokens - 1, *(m.num_tokens - 1 for m in members))
-        for m in members:
-            mt = m.all_token_ids
-            j = 0
-            while j < end and mt[j] == toks[j]:
-                j += 1
-            end = j
-        return members, end
-
-    def park(self, leader: Request, at: int, members: list[Request]) -> None:
-        """``leader`` was admitted: ``members`` wait until it has computed ``at`` tokens."""
-        self._forks[leader.request_id] = (at, members)
-        self._parked.update(m.request_id for m in members)
-
-    def fork_point(self, req: Request, default: int) -> int:
-        """Where a leader stops computing (its members' fork point), else ``default``."""
-        fk = self._forks.get(req.request_id)
-        return fk[0] if fk is not None else default
-
-    def ready_to_fork(self, leader: Request) -> bool:
-        fk = self._forks.get(leader.request_id)
-        return fk is not None and leader.num_computed_tokens >= fk[0]
-
-    def release(self, leader: Request) -> tuple[int, list[Request]]:
-        """The leader reached the fork point: ``(fork point, members)``, no longer parked."""
-        at, members = self._forks.pop(leader.request_id)
-        for m in members:
-            self._parked.discard(m.request_id)
-        return at, members
-
-    def unpark(self, leader: Request) -> None:
-        """``leader`` stops (preempted or finished) before its members forked: they wait
-        again as ordinary members of their gang."""
-        fk = self._forks.pop(leader.request_id, None)
-        if fk is not None:
-            for m in fk[1]:
-                self._parked.discard(m.request_id)
-
-    def forget(self, req: Request) -> None:
-        """``req`` finished: neither a leader nor a parked member any more."""
-        self.unpark(req)
-        self._parked.discard(req.request_id)
-
-
 def _sibling(src: Request, request_id: str, params: SamplingParams, parent_id: str, index: int) -> Request:
     """A new sequence with ``src``'s prompt, identity and limits, running from ``src``'s
     progress (its blocks are forked by the caller)."""
@@ -173,10 +95,9 @@ def _sibling(src: Request, request_id: str, params: SamplingParams, parent_id: s
 
 
 class SequenceGroups:
-    """The scheduler's registry of groups (by request id and by sequence id)."""
+    """The engine's registry of groups (by request id and by sequence id)."""
 
-    def __init__(self, scheduler: Any) -> None:
-        self.scheduler = scheduler
+    def __init__(self) -> None:
         self.by_id: dict[str, SequenceGroup] = {}
         self.by_seq: dict[str, SequenceGroup] = {}
 
@@ -191,8 +112,8 @@ class SequenceGroups:
         return self.by_seq.get(seq_id)
 
     def add(self, group: SequenceGroup, first: Request) -> None:
-        """Register ``group`` with its first sequence and queue that sequence; a beam group
-        becomes a gang (scheduled all or nothing)."""
+        """Register ``group`` with its first sequence (the engine queues that sequence in
+        the scheduler)."""
         group.seqs.append(first)
         p = group.params
         if p.use_beam_search:
@@ -202,17 +123,17 @@ class SequenceGroups:
                 p.length_penalty, p.early_stopping,
             )
             group.beam.start(first)
-            self.scheduler.gangs.ids.add(group.request_id)
         self.by_id[group.request_id] = group
         self.by_seq[first.request_id] = group
-        self.scheduler.add_request(first)
 
-    def abort(self, request_id: str) -> None:
-        """Abort every sequence of a group (unknown or finished ids are ignored)."""
+    def abort(self, request_id: str) -> list[str]:
+        """Stop a group from forking more sequences; returns the ids of its sequences, for
+        the scheduler to abort (``[]`` for an unknown id)."""
         group = self.by_id.get(request_id)
-        if group is not None:
-            group.pending_children = 0
-            self.scheduler.abort([s.request_id for s in group.seqs])
+        if group is None:
+            return []
+        group.pending_children = 0
+        return [s.request_id for s in group.seqs]
 
     def finished_ids(self) -> set[str]:
         return {rid for rid, g in self.by_id.items() if g.finished}
@@ -220,23 +141,27 @@ class SequenceGroups:
     def pop(self, request_id: str) -> None:
         """Forget a finished group."""
         group = self.by_id.pop(request_id)
-        self.scheduler.gangs.ids.discard(request_id)
         for s in group.seqs:
             self.by_seq.pop(s.request_id, None)
 
     # ---- parallel sampling -------------------------------------------------------------
-    def expand_forks(self, out: Any, sampling: list[Request]) -> tuple[list[int], list[Request]]:
+    def expand_forks(self, out: Any, sampling: list[Request]) -> tuple[list[int], list[Request], list[Fork]]:
         """``sampling``: the sequences whose logits rows the step returned (row i = sequence
         i). When one of them is a group's first sequence that just finished its prefill, its
-        n - 1 siblings fork it and join the step (``out.scheduled`` with 0 new tokens).
-        Returns ``(rows, sequences)``: every sibling reuses its parent's row."""
+        n - 1 siblings are made to fork it and join the step (``Scheduler.update`` applies
+        the forks). Returns ``(rows, sequences, forks)`` of the running sequences only (an
+        abort may have landed during the forward pass): every sibling reuses its parent's
+        row."""
         rows: list[int] = []
         reqs: list[Request] = []
+        forks: list[Fork] = []
         for row, req in enumerate(sampling):
+            if req.status != RequestStatus.RUNNING:
+                continue
             rows.append(row)
             reqs.append(req)
             group = self.by_seq.get(req.request_id)
-            if group is None or group.pending_children == 0 or req.status != RequestStatus.RUNNING:
+            if group is None or group.pending_children == 0:
                 continue
             # the parent's count is advanced in update(); the children start level with it
             n_new = next(n for r, n in out.scheduled if r is req)
@@ -245,14 +170,13 @@ class SequenceGroups:
                 params = group.params if seed is None else replace(group.params, seed=seed + idx, n=1)
                 child = _sibling(req, f"{group.request_id}#{idx}", params, group.request_id, idx)
                 child.num_cached_tokens = req.num_cached_tokens
-                self.scheduler.fork(req, child, req.num_computed_tokens + n_new)
-                out.scheduled.append((child, 0))
+                forks.append(Fork(req, child, req.num_computed_tokens + n_new))
                 group.seqs.append(child)
                 self.by_seq[child.request_id] = group
                 rows.append(row)
                 reqs.append(child)
             group.pending_children = 0
-        return rows, reqs
+        return rows, reqs, forks
 
     # ---- beam search -------------------------------------------------------------------
     def offer_beam_rows(self, logits: torch.Tensor, rows: list[int], reqs: list[Request]):
@@ -269,23 +193,26 @@ class SequenceGroups:
                 touched.add(group.request_id)
         return keep_rows, keep_reqs, touched
 
-    def beam_step(self, request_id: str, tokenizer: Any) -> int:
-        """One beam-search step once every live beam has its logits: pick the next beams;
-        the first child of a beam continues it in place, each further child forks the beam's
-        block table (copy-on-write of the partly filled block on its first write), beams with
-        no child are freed (through the step fence). Returns the tokens generated."""
+    def beam_step(self, request_id: str, tokenizer: Any) -> Decisions:
+        """One beam-search step once every live beam has its logits (call after
+        ``Scheduler.update``): pick the next beams; the first child of a beam continues it
+        in place (its token appended here), each further child is to fork the beam's block
+        table (copy-on-write of the partly filled block on its first write), beams with no
+        child are to be freed (through the step fence). Returns those forks and finishes and
+        the tokens generated, for ``Scheduler.apply``."""
         group = self.by_id[request_id]
         bs = group.beam
+        dec = Decisions()
         if bs is None or not bs.ready():
-            return 0
+            return dec
         choices = bs.step()
         t = now()
         for b in bs.beams:
             if b.first_token_time is None:
                 b.first_token_time = t
         if bs.done:
-            self._finish_beams(group, tokenizer)
-            return 0
+            dec.finishes = self._finish_beams(group, tokenizer)
+            return dec
         # forks first: they copy their source's tokens before an in-place append changes them
         continued: set[str] = set()
         new_beams: list[Request] = []
@@ -305,7 +232,7 @@ class SequenceGroups:
             child.append_output_token(c.token)
             child.num_cached_tokens = 0  # it never looked anything up itself
             child.first_token_time = src.first_token_time
-            self.scheduler.fork(src, child, src.num_computed_tokens)
+            dec.forks.append(Fork(src, child, src.num_computed_tokens))
             self.by_seq[child.request_id] = group
             new_beams.append(child)
         for src, tok in in_place:
@@ -313,24 +240,25 @@ class SequenceGroups:
         for old in bs.beams:
             if old.request_id not in continued:
                 group.retire(old)
-                self.scheduler.finish_request(old, RequestStatus.FINISHED_STOPPED)
+                dec.finishes.append(Finish(old, RequestStatus.FINISHED_STOPPED))
                 self.by_seq.pop(old.request_id, None)
         for i, b in enumerate(new_beams):
             b.index = i
         bs.advance(choices, new_beams)
         group.seqs = list(new_beams)
-        return len(new_beams)
+        dec.generated_tokens = len(new_beams)
+        return dec
 
-    def _finish_beams(self, group: SequenceGroup, tokenizer: Any) -> None:
-        """The search is over: free every live beam; the output is the hypotheses."""
+    def _finish_beams(self, group: SequenceGroup, tokenizer: Any) -> list[Finish]:
+        """The search is over: every live beam is to be freed; the output is the
+        hypotheses."""
         bs = group.beam
         skip = group.params.skip_special_tokens
         for h in bs.hypotheses:
             h.text = tokenizer.decode(h.token_ids, skip_special_tokens=skip)
-        for b in list(bs.beams):
-            self.scheduler.finish_request(b, RequestStatus.FINISHED_STOPPED)
+        for b in bs.beams:
             b._text_tokens = b.num_output_tokens  # its text is not used
-        self.scheduler.gangs.ids.discard(group.request_id)
+        return [Finish(b, RequestStatus.FINISHED_STOPPED) for b in bs.beams]
 
 
 def blocks_needed(num_prompt_tokens: int, total_tokens: int, params: SamplingParams,

@@ -48,14 +48,14 @@ class EngineStats:
         return asdict(self)
 
 
-def collect_stats(scheduler: Any) -> EngineStats:
-    """The engine's :class:`EngineStats` from its scheduler (its counters and its KV pool)."""
-    kv, st = scheduler.kv, scheduler.stats
+def collect_stats(kv: Any, st: Any, num_running: int, num_waiting: int) -> EngineStats:
+    """The engine's :class:`EngineStats` from the KV manager ``kv``, the step counters ``st``
+    (``SchedulerStats``) and the sequences running and waiting now."""
     kvs = kv.stats
     tiers = kv.tier_stats()
     return EngineStats(
-        num_running=len(scheduler.running),
-        num_waiting=len(scheduler.waiting),
+        num_running=num_running,
+        num_waiting=num_waiting,
         num_blocks=kv.num_blocks,
         num_used_blocks=kv.num_used_blocks,
         num_free_blocks=kv.num_free_blocks,
@@ -67,7 +67,7 @@ def collect_stats(scheduler: Any) -> EngineStats:
         num_generated_tokens=st.num_generated_tokens,
         num_prompt_tokens=st.num_prompt_tokens,
         num_finished_requests=st.num_finished_requests,
-        num_shared_blocks=scheduler.num_shared_blocks(),
+        num_shared_blocks=kv.pool.num_shared,
         peak_shared_blocks=st.peak_shared_blocks,
         peak_used_blocks=st.peak_used_blocks,
         kv_prefix_queries=kvs.prefix_queries,

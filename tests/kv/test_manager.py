@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedkv.errors import ConfigError, InvalidRequestError, InvariantViolation, NoFreeBlocksError
-from pagedkv.kv import BlockPool, CacheKeys, KVCacheManager, check_invariants, hash_blocks
-from pagedkv.kv.block_pool import FreeBlockQueue
+from pagedkv.kv import CacheKeys, KVCacheManager, check_invariants, hash_blocks
 
 BS = 4
 
@@ -303,18 +302,6 @@ def test_invariant_checker_catches_corruption():
         check_invariants(m)
 
 
-def test_free_queue_is_o1_lru():
-    pool = BlockPool(4)
-    q = pool.free_queue
-    assert isinstance(q, FreeBlockQueue) and q.ids() == [0, 1, 2, 3]
-    q.remove(pool.blocks[2])
-    assert q.popleft().block_id == 0
-    q.append(pool.blocks[2])
-    assert q.ids() == [1, 3, 2]
-    with pytest.raises(AssertionError):
-        q.append(pool.blocks[2])
-
-
 def test_decode_fast_paths_match_the_general_path():
     m = mgr(num_blocks=4, prefix=False)
     m.allocate_slots("a", 4, 0)
@@ -329,21 +316,3 @@ def test_decode_fast_paths_match_the_general_path():
     assert m.snapshot() == before
     assert m.num_tokens("a") == 6
     check_invariants(m)
-
-
-def test_the_pool_counts_shared_blocks_as_references_change():
-    """``BlockPool.num_shared`` (blocks with ref_cnt > 1, read every step for the stats) follows
-    touch / release: 1 -> 2 counts, 2 -> 1 uncounts, 2 -> 3 and 0 -> 1 change nothing."""
-    pool = BlockPool(6)
-    a = pool.allocate(3)
-    assert pool.num_shared == 0
-    pool.touch(a[:2])  # a fork: two blocks held twice
-    assert pool.num_shared == 2
-    pool.touch(a[:1])  # a third holder of block a[0]: still one shared block
-    assert [b.ref_cnt for b in a] == [3, 2, 1] and pool.num_shared == 2
-    pool.release(a[:2])
-    assert [b.ref_cnt for b in a] == [2, 1, 1] and pool.num_shared == 1
-    pool.release(a)
-    assert [b.ref_cnt for b in a] == [1, 0, 0] and pool.num_shared == 0 and pool.num_free == 5
-    pool.release(a[:1])
-    assert pool.num_shared == 0 and pool.num_free == 6

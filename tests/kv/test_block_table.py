@@ -1,0 +1,71 @@
+"""BlockTable and the one slot-mapping builder (``build_slots``) at block_size 4: slots are
+``physical_block * block_size + offset``, with exact arrays."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagedkv.errors import InvalidRequestError
+from pagedkv.kv import BlockPool
+from pagedkv.kv.block_table import BlockTable, build_slots, slot_mapping
+
+BS = 4
+
+
+def table(ids: list[int], num_tokens: int = 0) -> BlockTable:
+    pool = BlockPool(16)
+    return BlockTable(BS, [pool.blocks[i] for i in ids], num_tokens)
+
+
+def test_positions_map_to_physical_slots():
+    t = table([7, 2, 5])
+    assert t.ids == [7, 2, 5] and len(t) == 3 and t.num_slots == 12
+    assert t.physical(0) == (7, 0) and t.physical(5) == (2, 1) and t.physical(11) == (5, 3)
+    assert [t.slot(p) for p in (0, 3, 4, 9)] == [28, 31, 8, 21]
+    assert t.slot_mapping(2, 7).tolist() == [30, 31, 8, 9, 10]
+
+
+def test_append_and_replace_keep_the_id_list():
+    pool = BlockPool(16)
+    t = BlockTable(BS, [pool.blocks[3]])
+    t.append([pool.blocks[4], pool.blocks[9]])
+    old = t.replace(1, pool.blocks[12])  # copy-on-write of logical block 1
+    assert old is pool.blocks[4] and t.ids == [3, 12, 9]
+    ids = t.ids
+    ids.append(99)  # a copy: the table is unchanged
+    assert t.ids == [3, 12, 9]
+
+
+def test_nullify_swaps_the_front_for_the_placeholder_once():
+    pool = BlockPool(8, reserve_null=True)
+    t = BlockTable(BS, [pool.blocks[i] for i in (3, 4, 5, 6)])
+    gone = t.nullify(2, pool.null_block)
+    assert [b.block_id for b in gone] == [3, 4] and t.ids == [0, 0, 5, 6] and t.num_null == 2
+    assert [b.block_id for b in t.live_blocks] == [5, 6]
+    assert t.nullify(2, pool.null_block) == [] and t.nullify(1, pool.null_block) == []
+    assert [b.block_id for b in t.nullify(3, pool.null_block)] == [5] and t.ids == [0, 0, 0, 6]
+
+
+def test_build_slots_flattens_a_mixed_batch():
+    # seq 0 decodes position 5 in [1, 6]; seq 1 prefills positions 0..2 in [3]
+    s = build_slots([[1, 6], [3]], num_computed=[5, 0], query_lens=[1, 3], block_size=BS)
+    assert s.block_tables.tolist() == [[1, 6], [3, 0]] and s.block_tables.dtype == np.int32
+    assert s.positions.tolist() == [5, 0, 1, 2]
+    assert s.slot_mapping.tolist() == [25, 12, 13, 14] and s.slot_mapping.dtype == np.int64
+    assert s.query_start_loc.tolist() == [0, 1, 4] and s.seq_lens.tolist() == [6, 3]
+
+
+def test_build_slots_refuses_a_position_without_a_block():
+    with pytest.raises(InvalidRequestError, match="sequence 1: position 4 needs logical block 1"):
+        build_slots([[0, 1], [2]], [0, 4], [8, 1], BS)
+    with pytest.raises(InvalidRequestError, match=">= 0"):
+        build_slots([[0]], [0], [-1], BS)
+    with pytest.raises(InvalidRequestError, match="bad position range"):
+        slot_mapping([0], BS, 3, 2)
+
+
+def test_empty_batch():
+    s = build_slots([], [], [], BS)
+    assert s.slot_mapping.tolist() == [] and s.query_start_loc.tolist() == [0]
+    assert s.block_tables.shape == (0, 1)
