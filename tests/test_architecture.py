@@ -163,3 +163,39 @@ def test_every_name_imported_from_pagedkv_exists():
             stale += [f"{path.name}: {node.module}.{a.name}" for a in node.names
                       if not hasattr(mod, a.name) and f"{node.module}.{a.name}" not in mods]
     assert stale == []
+
+
+#: config keys that decide which layers slide: read by pagedkv/model_config.py alone.
+WINDOW_KEYS = ("sliding_window", "use_sliding_window", "max_window_layers", "layer_types", "sliding_window_pattern")
+
+
+def _window_key_reads(source: str) -> list[str]:
+    """``x["key"]``, ``x.get("key")`` / any call given the key (``key("attention.sliding_window")``)
+    and ``"key" in x`` for a window key (a GGUF ``*.sliding_window`` too). A layer's
+    ``attn_options`` (the backend kwargs the model builds from ``ModelConfig.layer_window``) is
+    not a config: reads from it do not count."""
+    def is_key(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                and (node.value in WINDOW_KEYS or node.value.endswith(".sliding_window")))
+
+    out = []
+    for n in ast.walk(ast.parse(source)):
+        hits = ([n.slice] if isinstance(n, ast.Subscript) else n.args if isinstance(n, ast.Call)
+                else [n.left] if isinstance(n, ast.Compare) and isinstance(n.ops[0], (ast.In, ast.NotIn)) else [])
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and "attn_options" in ast.unparse(n.func.value):
+            continue
+        out += [f"line {n.lineno}: {ast.unparse(n)}" for h in hits if is_key(h)]
+    return out
+
+
+def test_only_the_model_config_reader_reads_window_keys():
+    reads = {str(p.relative_to(PKG)): r for p in PKG.rglob("*.py")
+             if p != PKG / "model_config.py" and (r := _window_key_reads(p.read_text()))}
+    assert reads == {}
+    assert _window_key_reads(
+        'w = cfg.get("sliding_window")\nn = cfg["max_window_layers"]\nif "layer_types" in cfg: pass\n'
+        'k = key("attention.sliding_window")\nout = {"layer_types": None}\nf(sliding_window=1)\n'
+        'w = layer.attn_options.get("sliding_window")'
+    ) == ['line 1: cfg.get(\'sliding_window\')', "line 2: cfg['max_window_layers']",
+          "line 3: 'layer_types' in cfg", "line 4: key('attention.sliding_window')"]
+    assert _window_key_reads((PKG / "model_config.py").read_text())  # the reader does read them
