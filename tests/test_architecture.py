@@ -13,7 +13,7 @@ PKG = Path(__file__).resolve().parents[1] / "pagedkv"
 
 #: lowest first; a module may import its own package and anything of a lower or equal layer.
 LAYERS = {
-    "errors": 0, "cpu_isa": 1, "utils": 1, "_bundled": 1, "gguf_header": 1, "kv": 2, "attention": 3, "model": 4, "testing": 4,
+    "errors": 0, "cpu_isa": 1, "utils": 1, "_bundled": 1, "gguf_header": 1, "model_config": 1, "kv": 2, "attention": 3, "model": 4, "testing": 4,
     "worker": 5, "distributed": 6, "engine": 7, "native": 7, "server": 8, "serving": 9, "bench": 10, "cli": 11, "__init__": 11,
 }
 
@@ -253,3 +253,39 @@ def test_scheduler_imports_no_decider():
     deciders = {f"pagedkv.engine.{m}" for m in ("sequence_group", "beam", "output", "sampler", "engine")}
     assert deps & deciders == set()
     assert not any(d.startswith(("pagedkv.model", "pagedkv.worker", "pagedkv.attention")) for d in deps)
+
+
+#: config keys that decide which layers slide: read by pagedkv/model_config.py alone.
+WINDOW_KEYS = ("sliding_window", "use_sliding_window", "max_window_layers", "layer_types", "sliding_window_pattern")
+
+
+def _window_key_reads(source: str) -> list[str]:
+    """``x["key"]``, ``x.get("key")`` / any call given the key (``key("attention.sliding_window")``)
+    and ``"key" in x`` for a window key (a GGUF ``*.sliding_window`` too). A layer's
+    ``attn_options`` (the backend kwargs the model builds from ``ModelConfig.layer_window``) is
+    not a config: reads from it do not count."""
+    def is_key(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                and (node.value in WINDOW_KEYS or node.value.endswith(".sliding_window")))
+
+    out = []
+    for n in ast.walk(ast.parse(source)):
+        hits = ([n.slice] if isinstance(n, ast.Subscript) else n.args if isinstance(n, ast.Call)
+                else [n.left] if isinstance(n, ast.Compare) and isinstance(n.ops[0], (ast.In, ast.NotIn)) else [])
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and "attn_options" in ast.unparse(n.func.value):
+            continue
+        out += [f"line {n.lineno}: {ast.unparse(n)}" for h in hits if is_key(h)]
+    return out
+
+
+def test_only_the_model_config_reader_reads_window_keys():
+    reads = {str(p.relative_to(PKG)): r for p in PKG.rglob("*.py")
+             if p != PKG / "model_config.py" and (r := _window_key_reads(p.read_text()))}
+    assert reads == {}
+    assert _window_key_reads(
+        'w = cfg.get("sliding_window")\nn = cfg["max_window_layers"]\nif "layer_types" in cfg: pass\n'
+        'k = key("attention.sliding_window")\nout = {"layer_types": None}\nf(sliding_window=1)\n'
+        'w = layer.attn_options.get("sliding_window")'
+    ) == ['line 1: cfg.get(\'sliding_window\')', "line 2: cfg['max_window_layers']",
+          "line 3: 'layer_types' in cfg", "line 4: key('attention.sliding_window')"]
+    assert _window_key_reads((PKG / "model_config.py").read_text())  # the reader does read them

@@ -61,7 +61,7 @@ from pagedkv.bench.workload import (
     summarize,
     summarize_run,
 )
-from pagedkv.utils import cdiv
+from pagedkv.kv.block_table import blocks_needed
 
 NAME = "serving"
 
@@ -402,7 +402,7 @@ def run_serving(args: argparse.Namespace, loaded: Any = None, progress: bool = T
             "kv_budget_bytes": args.num_blocks * args.block_size * bpt if bpt else None,
             "kv_bytes_per_token": bpt,
             "max_model_len": args.max_model_len,
-            "contiguous_max_concurrency": args.num_blocks // cdiv(args.max_model_len, args.block_size),
+            "contiguous_max_concurrency": args.num_blocks // blocks_needed(args.max_model_len, args.block_size),
             "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "target": {"ttft_p90_s": args.target_ttft_p90, "tpot_p90_s": args.target_tpot_p90,

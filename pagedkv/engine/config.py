@@ -6,8 +6,9 @@ from dataclasses import dataclass, fields
 from typing import Any, Optional, Union
 
 from pagedkv.errors import ConfigError
+from pagedkv.kv.block_table import blocks_needed
 from pagedkv.kv.tiers.spec import parse_tier_specs
-from pagedkv.utils import MODEL_DTYPES, canonical_dtype, cdiv, kv_cache_dtype
+from pagedkv.utils import MODEL_DTYPES, canonical_dtype, kv_cache_dtype
 
 
 def _is_int(v: Any) -> bool:
@@ -165,4 +166,4 @@ class EngineConfig:
         bs = self.block_size
         if self.enable_paging:
             return num_blocks * bs / max_model_len
-        return num_blocks // cdiv(max_model_len, bs)
+        return num_blocks // blocks_needed(max_model_len, bs)

@@ -35,7 +35,7 @@ from pagedkv.engine.output import OutputProcessor
 from pagedkv.engine.request import Request, RequestOutput, SamplingParams, now
 from pagedkv.engine.sampler import Sampler, prompt_logprob_dicts
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
-from pagedkv.engine.sequence_group import SequenceGroup, SequenceGroups, blocks_needed
+from pagedkv.engine.sequence_group import SequenceGroup, SequenceGroups, request_blocks
 from pagedkv.engine.stats import EngineStats
 from pagedkv.errors import ConfigError, InvalidRequestError
 from pagedkv.kv import CacheKeys, KVCacheSpec, parse_size
@@ -44,7 +44,7 @@ from pagedkv.model.loader import LoadedModel, auto_int4_source, load_model
 from pagedkv.model.quant import resolve_weights
 from pagedkv.model.tokenizer import apply_chat, encode_prompt, read_chat_template
 from pagedkv.attention.quant import FORMATS, check_group_size
-from pagedkv.utils import canonical_dtype, cdiv, kv_cache_dtype, passive_wait_warning, profile_scope, torch_dtype
+from pagedkv.utils import canonical_dtype, kv_cache_dtype, passive_wait_warning, profile_scope, torch_dtype
 from pagedkv.worker.runner import ModelRunner
 
 logger = logging.getLogger("pagedkv")
@@ -95,10 +95,9 @@ class LLMEngine:
         # per layer its sliding window (None: full); all-full models keep one layer group
         windows = mc.layer_windows()
         self.layer_windows = windows if windows and any(w is not None for w in windows) else None
-        self.kv_spec = KVCacheSpec(
-            num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-            dtype=quant.spec_dtype if quant else canonical_dtype(self.kv_cache_dtype), tp_size=tp,
-            quant_group_size=self.kv_quant_group_size, layer_windows=self.layer_windows,
+        self.kv_spec = KVCacheSpec.from_model_config(
+            mc, quant.spec_dtype if quant else canonical_dtype(self.kv_cache_dtype), tp_size=tp,
+            quant_group_size=self.kv_quant_group_size,
         )
         cache_dtype = self.kv_cache_dtype if quant else torch_dtype(self.kv_cache_dtype)
         # the prefix-cache identity of this cache's bytes (format and, when quantised, group)
@@ -317,12 +316,8 @@ class LLMEngine:
             )
         total = min(len(token_ids) + params.max_tokens, self.max_model_len)
         cfg = self.config
-        need = blocks_needed(len(token_ids), total, params, cfg.block_size, cfg.enable_paging, self.max_model_len)
-        if self.layer_windows is not None:  # per layer group; a window group holds its window
-            per_seq = params.beam_width + 1 if params.use_beam_search else 1
-            chunk = cfg.max_num_batched_tokens
-            need = sum(need if w is None else min(need, per_seq * (cdiv(w - 1 + chunk, cfg.block_size) + 1))
-                       for w in self.kv_spec.groups.windows)
+        need = request_blocks(len(token_ids), total, params, cfg.block_size, cfg.enable_paging, self.max_model_len,
+                              self.kv_spec.groups.windows, chunk=cfg.max_num_batched_tokens)
         if need > self.num_blocks:
             raise InvalidRequestError(
                 f"request needs {need} KV blocks ({total} tokens) but the pool has only "

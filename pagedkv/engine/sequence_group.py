@@ -20,14 +20,14 @@ returned as a :mod:`pagedkv.engine.decisions` record that the engine hands to th
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
 from pagedkv.engine.beam import BeamSearch, beam_stop_ids
 from pagedkv.engine.decisions import Decisions, Finish, Fork
 from pagedkv.engine.request import Request, RequestMetrics, RequestStatus, SamplingParams, now
-from pagedkv.utils import cdiv
+from pagedkv.kv.block_table import blocks_needed
 
 
 @dataclass
@@ -261,16 +261,24 @@ class SequenceGroups:
         return [Finish(b, RequestStatus.FINISHED_STOPPED) for b in bs.beams]
 
 
-def blocks_needed(num_prompt_tokens: int, total_tokens: int, params: SamplingParams,
-                  block_size: int, enable_paging: bool, max_model_len: int) -> int:
+def request_blocks(num_prompt_tokens: int, total_tokens: int, params: SamplingParams, block_size: int,
+                   enable_paging: bool, max_model_len: int, windows: Sequence[int | None] = (None,),
+                   chunk: int | None = None) -> int:
     """KV blocks a request holds at its largest (``total_tokens`` = prompt + max output,
-    clipped to ``max_model_len``): paged, its own tokens; a beam search, the shared prompt
-    plus, per beam, its own output blocks and one partly filled copy; without paging, the
-    whole ``max_model_len`` reservation per sequence. A request needing more than the pool
+    clipped to ``max_model_len``), summed over the layer groups of ``windows`` (per group its
+    sliding window in tokens, ``None`` = full; default one full group): paged, its own
+    tokens; a beam search, the shared prompt plus, per beam, its own output blocks and one
+    partly filled copy; without paging, the whole ``max_model_len`` reservation per
+    sequence. A window group holds at most what ``pagedkv.kv.block_table.blocks_needed``
+    gives for ``chunk`` tokens per step, per sequence. A request needing more than the pool
     could never run."""
     if not enable_paging:
-        return cdiv(max_model_len, block_size) * (params.beam_width if params.use_beam_search else 1)
-    if params.use_beam_search:
-        per_beam = cdiv(total_tokens - num_prompt_tokens, block_size) + 1
-        return cdiv(num_prompt_tokens, block_size) + params.beam_width * per_beam
-    return cdiv(total_tokens, block_size)
+        need = blocks_needed(max_model_len, block_size) * (params.beam_width if params.use_beam_search else 1)
+    elif params.use_beam_search:
+        per_beam = blocks_needed(total_tokens - num_prompt_tokens, block_size) + 1
+        need = blocks_needed(num_prompt_tokens, block_size) + params.beam_width * per_beam
+    else:
+        need = blocks_needed(total_tokens, block_size)
+    per_seq = params.beam_width + 1 if params.use_beam_search else 1
+    return sum(need if w is None else min(need, per_seq * blocks_needed(total_tokens, block_size, w, chunk))
+               for w in windows)

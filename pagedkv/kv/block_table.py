@@ -15,9 +15,35 @@ from typing import Sequence
 
 import numpy as np
 
-from pagedkv.errors import InvalidRequestError
+from pagedkv.errors import ConfigError, InvalidRequestError
 from pagedkv.kv.block_pool import KVCacheBlock
-from pagedkv.utils import cdiv  # noqa: F401  (re-exported: pagedkv.kv.cdiv)
+from pagedkv.utils import cdiv
+
+
+def blocks_needed(num_tokens: int, block_size: int, window: int | None = None, chunk: int | None = None) -> int:
+    """THE count of KV blocks (of one layer group) a request of ``num_tokens`` tokens holds.
+
+    * ``window=None`` (full attention): ``ceil(num_tokens / block_size)``.
+    * ``window=W`` (sliding, tokens): after its last step, a decode computing position
+      ``num_tokens - 1`` alone, only the blocks of the last ``W`` positions are live:
+      ``ceil(T / bs) - max(0, T - W) // bs``.
+    * ``window=W, chunk=C`` (tokens per step, e.g. the prefill chunk): the most it holds at
+      any step, ``min(ceil(T / bs), ceil((W - 1 + C) / bs) + 1)``.
+
+    ``chunk`` is ignored for a full group. Returns 0 for ``num_tokens == 0``. Raises
+    ``ConfigError`` naming the argument when ``num_tokens`` is negative or ``block_size``,
+    ``window`` or ``chunk`` is not a positive integer."""
+    for name, v in (("block_size", block_size), ("window", window), ("chunk", chunk)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
+            raise ConfigError(f"{name}: must be a positive integer, got {v!r}")
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
+        raise ConfigError(f"num_tokens: must be a non-negative integer, got {num_tokens!r}")
+    full = cdiv(num_tokens, block_size)
+    if window is None:
+        return full
+    if chunk is None:
+        return full - max(0, num_tokens - window) // block_size
+    return min(full, cdiv(window - 1 + chunk, block_size) + 1)
 
 
 @dataclass

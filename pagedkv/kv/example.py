@@ -19,6 +19,7 @@ import numpy as np
 
 from pagedkv.errors import ConfigError
 from pagedkv.gguf_header import is_gguf_file, read_gguf_metadata
+from pagedkv.kv.block_table import blocks_needed
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.kv.spec import SCALED_DTYPES, KVCacheSpec, check_group_size, load_hf_config, parse_size
 from pagedkv.utils import canonical_dtype, cdiv
@@ -67,7 +68,7 @@ def worked_example(
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ConfigError(f"block_size must be a positive integer, got {block_size!r}")
     names = _names(len(lengths))
-    per_req = cdiv(max_len, block_size)
+    per_req = blocks_needed(max_len, block_size)
     num_blocks = len(lengths) * per_req
     valid = int(sum(lengths))
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from pagedkv.errors import ConfigError
+from pagedkv.kv.block_table import blocks_needed
 from pagedkv.utils import cdiv
 
 #: Block id reserved as the placeholder of freed window blocks (hybrid managers only).
@@ -125,9 +126,7 @@ class LayerGroups:
     def blocks_held(self, g: int, num_tokens: int, block_size: int) -> int:
         """Blocks of group ``g`` a request holds after its last step, which computed
         position ``num_tokens - 1`` alone (a decode step)."""
-        if num_tokens <= 0:
-            return 0
-        return cdiv(num_tokens, block_size) - self.first_live_block(g, num_tokens - 1, block_size)
+        return blocks_needed(max(0, num_tokens), block_size, self.windows[g])
 
     def describe(self) -> list[dict]:
         """JSON-able: per group its window and layer indices."""

@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 from pagedkv.errors import ConfigError, InvalidRequestError, NoFreeBlocksError
 from pagedkv.kv.block_pool import BlockPool, KVCacheBlock
-from pagedkv.kv.block_table import BlockTable
+from pagedkv.kv.block_table import BlockTable, blocks_needed
 from pagedkv.kv.fences import StepFences
 from pagedkv.kv.groups import LayerGroups
 from pagedkv.kv.invariants import check_invariants
@@ -34,7 +34,6 @@ from pagedkv.kv.prefix_cache import HashFn, sha256_block_hash
 from pagedkv.kv.prefix_lookup import PrefixLookup
 from pagedkv.kv.snapshot import manager_snapshot
 from pagedkv.kv.tiers.index import TierHit
-from pagedkv.utils import cdiv
 
 
 @dataclass
@@ -121,7 +120,7 @@ class KVCacheManager(PrefixLookup, StepFences):
         self.tiers = tiers
         self.pool.listener = tiers
         self.num_blocks = num_blocks
-        self._reserve_blocks = cdiv(max_model_len, block_size) if max_model_len else 0
+        self._reserve_blocks = blocks_needed(max_model_len, block_size) if max_model_len else 0
         self._gtables: list[dict[str, BlockTable]] = [{} for _ in groups.windows]
         self._tables = self._gtables[0]
         self._gtags = [None] + [f"group={g},window={w}" for g, w in enumerate(groups.windows)][1:]
@@ -258,14 +257,14 @@ class KVCacheManager(PrefixLookup, StepFences):
                     raise InvalidRequestError(
                         f"{req_id}: {num_computed_tokens} computed tokens but only {n_table * bs} slots")
                 n_have = n_table
-            n_need = cdiv(total, bs)
+            n_need = blocks_needed(total, bs)
             if not self.enable_paging and n_need < self._reserve_blocks:
                 n_need = self._reserve_blocks
             n_fresh = n_need - n_have if n_need > n_have else 0
             cow: list[int] = []
             if n_table and num_new_tokens:
                 blocks = table.blocks
-                for i in range(num_computed_tokens // bs, min(n_table, cdiv(total, bs))):
+                for i in range(num_computed_tokens // bs, min(n_table, blocks_needed(total, bs))):
                     b = blocks[i]
                     if b.ref_cnt > 1 or b.block_hash is not None:
                         cow.append(i)
@@ -301,7 +300,7 @@ class KVCacheManager(PrefixLookup, StepFences):
         positions ``0 .. num_tokens_after - 1`` after admission with prefix hits ``hits``
         (as ``get_computed_blocks`` returned them): fresh blocks plus free cached hits."""
         bs = self.block_size
-        n = cdiv(num_tokens_after, bs)
+        n = blocks_needed(num_tokens_after, bs)
         if not self.enable_paging:
             n = max(n, self._reserve_blocks)
         need = 0
@@ -383,7 +382,7 @@ class KVCacheManager(PrefixLookup, StepFences):
                 elif num_computed_tokens == n_table * bs and self.enable_paging:
                     # The writes start in a new logical block: nothing existing is written,
                     # so no copy-on-write; just append the blocks they need.
-                    n_fresh = cdiv(total, bs) - n_table
+                    n_fresh = blocks_needed(total, bs) - n_table
                     if n_fresh > self.pool.num_free:
                         raise NoFreeBlocksError(
                             f"{req_id}: needs {n_fresh} new blocks, {self.pool.num_free} free")

@@ -45,7 +45,9 @@ from typing import Any
 
 from pagedkv.errors import ConfigError
 from pagedkv.gguf_header import read_gguf_metadata
+from pagedkv.kv.block_table import blocks_needed
 from pagedkv.kv.groups import LayerGroups
+from pagedkv.model_config import gguf_layer_windows, hf_layer_windows
 from pagedkv.utils import canonical_dtype, cdiv, dtype_bytes
 
 #: dtypes that carry per-group scales counted per token.
@@ -54,7 +56,7 @@ SCALED_DTYPES = ("int8", "fp8", "int4")
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
 
 # HF ``model_type`` values from_hf_config understands.
-_MHA_TYPES = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "gemma", "gemma2", "gemma3", "gemma3_text")
+_MHA_TYPES = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "phi3", "gemma", "gemma2", "gemma3", "gemma3_text")
 _MLA_TYPES = ("deepseek_v2", "deepseek_v3")
 
 
@@ -194,17 +196,7 @@ class KVCacheSpec:
         """Block ids a request of ``num_tokens`` tokens holds, all groups together: after its
         last (decode) step, or with ``chunk`` (tokens per step, e.g. the prefill chunk) the
         most it can hold at any step (a window group: ``ceil((W - 1 + chunk) / bs) + 1``)."""
-        g = self.groups
-        n = cdiv(num_tokens, block_size)
-        total = 0
-        for i, w in enumerate(g.windows):
-            if w is None:
-                total += n
-            elif chunk is None:
-                total += g.blocks_held(i, num_tokens, block_size)
-            else:
-                total += min(n, cdiv(w - 1 + chunk, block_size) + 1)
-        return total
+        return sum(blocks_needed(num_tokens, block_size, w, chunk) for w in self.groups.windows)
 
     def bytes_per_request(self, num_tokens: int, block_size: int) -> int:
         """KV bytes (one rank) a request of ``num_tokens`` tokens holds after its last step."""
@@ -249,9 +241,9 @@ class KVCacheSpec:
         ``cfg`` is a dict, a path to a ``config.json`` (or its folder), or the name of a
         shipped config (see ``known_configs()``, e.g. ``"llama-3-8b"``). ``dtype=None``
         uses the config's ``torch_dtype``/``dtype`` (bf16 if absent). Architectures:
-        llama, qwen2/qwen3, mistral/mixtral, gemma/gemma2/gemma3, deepseek_v2/v3 (MLA).
-        Sliding-window layers (``hf_layer_windows``) get their own layer group, sized by
-        their window.
+        llama, qwen2/qwen3, mistral/mixtral, phi3, gemma/gemma2/gemma3, deepseek_v2/v3 (MLA).
+        Sliding-window layers (``pagedkv.model_config.hf_layer_windows``, the rules the model
+        reads too) get their own layer group, sized by their window.
 
         Raises ``ConfigError`` on an unknown ``model_type`` or a missing field (named).
         """
@@ -278,9 +270,8 @@ class KVCacheSpec:
             kv_heads = cfg.get("num_key_value_heads") or heads
             head_dim = cfg.get("head_dim") or need("hidden_size") // heads
             layers = need("num_hidden_layers")
-            windows = hf_layer_windows(cfg, layers)
             return cls(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
-                       tp_size=tp_size, layer_windows=windows if any(windows) else None, **kw)
+                       tp_size=tp_size, layer_windows=_windowed(hf_layer_windows(cfg, layers)), **kw)
         raise ConfigError(
             f"model_type: unknown architecture {model_type!r} "
             f"(supported: {', '.join(_MHA_TYPES + _MLA_TYPES)})"
@@ -296,7 +287,8 @@ class KVCacheSpec:
         ``A.attention.head_count``, ``A.attention.head_count_kv`` (default: head_count),
         ``A.attention.key_length`` or ``A.embedding_length / head_count``; for
         ``deepseek2``: ``A.attention.kv_lora_rank`` and ``A.rope.dimension_count``.
-        ``dtype`` is the cache dtype (default fp32: the CPU engine caches in fp32).
+        ``dtype`` is the cache dtype (default fp32: the CPU engine caches in fp32). Sliding
+        layers: ``pagedkv.model_config.gguf_layer_windows`` (``A.attention.sliding_window``).
 
         Raises ``ConfigError`` naming the missing key, or if the file is not GGUF.
         """
@@ -323,37 +315,24 @@ class KVCacheSpec:
         head_dim = meta.get(f"{arch}.attention.key_length")
         if head_dim is None:
             head_dim = need("embedding_length") // heads
-        return cls(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
-                   dtype=dtype, tp_size=tp_size, **kw)
+        return cls(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, tp_size=tp_size,
+                   layer_windows=_windowed(gguf_layer_windows(arch, meta, layers)), **kw)
+
+    @classmethod
+    def from_model_config(cls, mc: Any, dtype: str, tp_size: int = 1, **kw: Any) -> "KVCacheSpec":
+        """Spec of the cache the engine allocates for a loaded model: ``mc`` is a
+        ``pagedkv.model.config.ModelConfig`` (read for ``num_layers``, ``num_kv_heads``,
+        ``head_dim`` and ``layer_windows()``, whose rules are ``pagedkv.model_config``'s, as
+        ``from_hf_config``'s and ``from_gguf``'s are). ``dtype``: the cache dtype; ``kw``: the
+        other fields (``quant_group_size``, ...). Raises ``ConfigError`` on a bad field."""
+        return cls(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, dtype=dtype,
+                   tp_size=tp_size, layer_windows=_windowed(mc.layer_windows()), **kw)
 
 
 # ---------------------------------------------------------------------- helpers
-def hf_layer_windows(cfg: dict[str, Any], num_layers: int) -> list[int | None]:
-    """Per layer the sliding window (tokens) of a Hugging Face config, ``None`` for full
-    attention: ``layer_types`` when given (``"sliding_attention"``); else Gemma-2 windows
-    the even layers, Gemma-3 all but every ``sliding_window_pattern``-th (default 6),
-    Qwen2/3 (``use_sliding_window``) the layers from ``max_window_layers`` on, and
-    Mistral/Mixtral every layer when ``sliding_window`` is set."""
-    w = cfg.get("sliding_window")
-    mt = cfg.get("model_type")
-    if not w or (mt in ("qwen2", "qwen3") and not cfg.get("use_sliding_window")):
-        return [None] * num_layers
-    if cfg.get("layer_types"):
-        types = cfg["layer_types"]
-        if len(types) != num_layers:
-            raise ConfigError(f"config.json: layer_types has {len(types)} entries for {num_layers} layers")
-        return [w if t == "sliding_attention" else None for t in types]
-    if mt == "gemma2":
-        return [w if i % 2 == 0 else None for i in range(num_layers)]
-    if mt in ("gemma3", "gemma3_text"):
-        pattern = cfg.get("sliding_window_pattern") or 6
-        return [w if (i + 1) % pattern else None for i in range(num_layers)]
-    if mt in ("qwen2", "qwen3"):
-        first = cfg.get("max_window_layers") or 0
-        return [w if i >= first else None for i in range(num_layers)]
-    if mt in ("mistral", "mixtral"):
-        return [w] * num_layers
-    return [None] * num_layers
+def _windowed(windows: list[int | None]) -> tuple[int | None, ...] | None:
+    """``layer_windows`` for the spec: ``None`` when every layer is full (one layer group)."""
+    return tuple(windows) if any(w is not None for w in windows) else None
 
 
 def known_configs() -> list[str]:

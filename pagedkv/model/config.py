@@ -20,6 +20,7 @@ from typing import Any, Mapping, Sequence
 
 from pagedkv.errors import ConfigError
 from pagedkv.model import families
+from pagedkv.model_config import LAYER_TYPES, layer_windows
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 
@@ -124,7 +125,7 @@ class ModelConfig:
         self._check_family()
 
     def _check_family(self) -> None:
-        ACTIVATIONS, LAYER_TYPES = families.ACTIVATIONS, families.LAYER_TYPES
+        ACTIVATIONS = families.ACTIVATIONS
         if self.hidden_act not in ACTIVATIONS:
             raise ConfigError(f"hidden_act: unsupported {self.hidden_act!r} (supported: {', '.join(ACTIVATIONS)})")
         if self.sliding_window is not None and (isinstance(self.sliding_window, bool)
@@ -146,15 +147,12 @@ class ModelConfig:
     def layer_window(self, layer: int) -> int | None:
         """The sliding window (tokens) of layer ``layer``, ``None`` for a full-attention layer:
         the query at position ``p`` sees keys ``p - window < k <= p``."""
-        if self.sliding_window is None:
-            return None
-        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
-            return self.sliding_window
-        return None
+        return self.layer_windows()[layer]
 
     def layer_windows(self) -> list[int | None]:
-        """``layer_window(i)`` of every layer (what a hybrid KV manager groups layers by)."""
-        return [self.layer_window(i) for i in range(self.num_layers)]
+        """``layer_window(i)`` of every layer (what a hybrid KV manager groups layers by), by
+        ``pagedkv.model_config.layer_windows``, the rule the KV cache sizing uses too."""
+        return layer_windows(self.sliding_window, self.layer_types, self.num_layers)
 
     # ---- derived sizes -------------------------------------------------------------------
     @property

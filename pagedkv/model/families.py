@@ -19,7 +19,9 @@ gemma3     gemma2's switches plus ``qk_norm``; every 6th layer full (``sliding_w
            or ``layer_types``); ``rope_local_theta`` for the sliding layers' RoPE base
 =========  =====================================================================================
 
-Semantics of the window are transformers': the query at position ``p`` sees ``p - W < k <= p``.
+Which layers slide, and by how much, is read by ``pagedkv.model_config`` (the one reader the KV
+cache sizing uses too); the window's semantics are transformers': the query at position ``p``
+sees ``p - W < k <= p``.
 Raises ``ConfigError`` naming the field for what the decoder does not implement (LongRoPE,
 partial RoPE, bidirectional Gemma-3, unknown activations).
 """
@@ -30,6 +32,7 @@ import math
 from typing import Any, Mapping
 
 from pagedkv.errors import ConfigError
+from pagedkv.model_config import gguf_layout, hf_layout
 
 #: HF ``model_type`` values -> our architecture names.
 HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
@@ -38,7 +41,6 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwe
 HF_ARCH_CLASSES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                    "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
                    "Gemma3ForCausalLM": "gemma3"}
-LAYER_TYPES = ("full_attention", "sliding_attention")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 _GEMMA = ("gemma2", "gemma3")
 
@@ -70,7 +72,8 @@ def hf_family_fields(arch: str, config: Mapping[str, Any], num_layers: int) -> d
     if config.get("use_bidirectional_attention"):
         raise ConfigError("use_bidirectional_attention: bidirectional attention is not supported (causal decoders only)")
     out: dict[str, Any] = {"hidden_act": act, "qk_norm": arch in ("qwen3", "gemma3")}
-    out.update(_windows(arch, config, num_layers))
+    window, types = hf_layout(arch, config, num_layers)
+    out.update(sliding_window=window, layer_types=types)
     if arch in _GEMMA:
         hidden = int(config["hidden_size"])
         out.update(
@@ -89,33 +92,6 @@ def _cap(config: Mapping[str, Any], key: str) -> float | None:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
         raise ConfigError(f"{key}: must be a positive number or null, got {v!r}")
     return float(v)
-
-
-def _windows(arch: str, config: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
-    """``sliding_window`` and ``layer_types`` (``None`` when every layer is full)."""
-    window = config.get("sliding_window")
-    if arch in ("qwen2", "qwen3") and not config.get("use_sliding_window"):
-        window = None
-    if window is None:
-        return {"sliding_window": None, "layer_types": None}
-    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
-        raise ConfigError(f"sliding_window: must be a positive integer or null, got {window!r}")
-    types = config.get("layer_types")
-    if types is None:
-        if arch in _GEMMA:  # every pattern-th layer is global
-            pattern = int(config.get("sliding_window_pattern") or (2 if arch == "gemma2" else 6))
-            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
-        elif arch in ("qwen2", "qwen3"):
-            first = int(config.get("max_window_layers", num_layers))
-            types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
-        else:  # mistral, phi3: every layer
-            types = ["sliding_attention"] * num_layers
-    types = list(types)
-    if len(types) != num_layers or any(t not in LAYER_TYPES for t in types):
-        raise ConfigError(f"layer_types: expected {num_layers} entries of {LAYER_TYPES}, got {types!r}")
-    if "sliding_attention" not in types:
-        return {"sliding_window": None, "layer_types": None}
-    return {"sliding_window": window, "layer_types": types}
 
 
 def hf_rope(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None, float | None]:
@@ -191,12 +167,8 @@ def gguf_family_fields(arch: str, metadata: Mapping[str, Any], tensor_names: set
     if arch == "phi3" and "rope_factors_long.weight" in tensor_names:
         raise ConfigError("rope_factors_long.weight: Phi-3 LongRoPE is not supported")
     out: dict[str, Any] = {"qk_norm": arch in ("qwen3", "gemma3")}
-    window = key("attention.sliding_window")
-    if window is not None and arch in ("phi3", "gemma2", "gemma3"):
-        window = int(window)
-        pattern = {"gemma2": 2, "gemma3": 6}.get(arch)
-        types = None if pattern is None else [
-            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    window, types = gguf_layout(arch, metadata, num_layers)
+    if window is not None:
         out.update(sliding_window=window, layer_types=types)
     if arch in _GEMMA:
         out.update(hidden_act="gelu_pytorch_tanh", norm_offset=1.0, sandwich_norms=True,
