@@ -13,7 +13,8 @@ PKG = Path(__file__).resolve().parents[1] / "pagedkv"
 
 #: lowest first; a module may import its own package and anything of a lower or equal layer.
 LAYERS = {
-    "errors": 0, "cpu_isa": 1, "utils": 1, "_bundled": 1, "gguf_header": 1, "model_config": 1, "kv": 2, "attention": 3, "model": 4, "testing": 4,
+    "errors": 0, "cpu_isa": 1, "csrc": 1, "utils": 1, "_bundled": 1, "gguf_header": 1, "model_config": 1, "kv": 2, "attention": 3, "model": 4,
+    "testing": 4,
     "worker": 5, "distributed": 6, "engine": 7, "native": 7, "server": 8, "serving": 9, "bench": 10, "cli": 11, "__init__": 11,
 }
 

@@ -4,7 +4,7 @@ buffers.
 Two paths, picked per sequence:
 
 * **decode rows** (``q_len <= DECODE_MAX_QLEN``) go to a small C kernel
-  (``_cpu_kernel.c``, built once with the system C compiler and loaded with ``ctypes``) that
+  (``pagedkv/csrc/cpu_kernel.c``, built once with the system C compiler and loaded with ``ctypes``) that
   walks the block table and reads every K/V element of the context exactly once, for all query
   heads of a KV-head group at a time, with an online softmax in float32 (bf16/fp16 caches are
   widened on load). When no compiler is available it falls back to the torch path below.

@@ -1,4 +1,4 @@
-"""Build, load and call the CPU paged-attention kernel (``_cpu_kernel.c``) through ctypes.
+"""Load and call the CPU paged-attention kernel (``pagedkv/csrc/cpu_kernel.c``) through ctypes.
 
 The C file has no Python or torch headers, so it compiles in about a second with the system C
 compiler (``$CC``, else ``cc``/``gcc``/``clang``). The shared object is cached under
@@ -14,22 +14,15 @@ the build fails, or ``PAGEDKV_CPU_KERNEL=0``. ``build_error()`` says why.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
-from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from pagedkv.attention.layouts import PagedKVCache
 from pagedkv.cpu_isa import march_flags
+from pagedkv.csrc import BuiltOnce, compile_c, source
 
-_SRC = Path(__file__).with_name("_cpu_kernel.c")
 _FLAGS = ["-O3", *march_flags(), "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
           "-fassociative-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # query/output; plain caches likewise
@@ -39,63 +32,8 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # query/output; plain caches li
 MIN_SPLIT_LEN = 512
 
 
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _compiler(env: str = "CC", names: Sequence[str] = ("cc", "gcc", "clang")) -> str | None:
-    """``$env`` if set and found, else the first of ``names`` on the PATH (None: none)."""
-    for cand in (os.environ.get(env), *names):
-        if cand and shutil.which(cand):
-            return cand
-    return None
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("PAGEDKV_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagedkv")
-    return Path(base)
-
-
-def compile_c(src_path: Path, stem: str, flags: Sequence[str], cc: str | None = None,
-              libs: Sequence[str] = ("-lm",)) -> ctypes.CDLL:
-    """Compile the C file ``src_path`` (or a C++ one with ``cc`` a C++ compiler) into a shared object and
-    load it with ``flags`` (e.g. ``-O3 -march=native -fopenmp -fPIC -shared``). The object is cached under ``$PAGEDKV_CACHE_DIR`` (default ``~/.cache/pagedkv``)
-    as ``{stem}_{key}.so``, keyed by the source, compiler, flags, ``libs`` (link arguments,
-    after the source) and the CPU's feature flags. ``cc``: another compiler (a C++ one for a
-    ``.cpp`` source), else the system C compiler.
-    Raises ``RuntimeError`` when there is no compiler or the build fails."""
-    cc = cc or _compiler()
-    if cc is None:
-        raise RuntimeError("no C compiler found (set $CC)")
-    src = src_path.read_bytes()
-    key = hashlib.sha256(src + " ".join([cc, *flags, *libs, platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
-    out_dir = _cache_dir()
-    so = out_dir / f"{stem}_{key}.so"
-    if not so.exists():
-        out_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-        os.close(fd)
-        try:
-            res = subprocess.run([cc, *flags, str(src_path), "-o", tmp, *libs], capture_output=True, text=True,
-                                 timeout=300)
-            if res.returncode != 0:
-                raise RuntimeError(f"{cc} failed: {res.stderr.strip()[-2000:]}")
-            os.replace(tmp, so)  # atomic: concurrent builders race harmlessly
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    return ctypes.CDLL(str(so))
-
-
 def _build() -> ctypes.CDLL:
-    lib = compile_c(_SRC, "pagedkv_cpu_kernel", _FLAGS)  # _FLAGS read now: a test swaps -march
+    lib = compile_c(source("cpu_kernel.c"), "pagedkv_cpu_kernel", _FLAGS)  # _FLAGS read now: a test swaps -march
     f = lib.pagedkv_paged_attention
     i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
     f.argtypes = [i32, i32, i32, i32, i32, i32, ctypes.c_float,
@@ -115,7 +53,7 @@ def _build() -> ctypes.CDLL:
 
 
 class LayerArgs(ctypes.Structure):
-    """``layer_args_t`` of ``_cpu_kernel.c``: one step's per-layer-invariant inputs of
+    """``layer_args_t`` of ``cpu_kernel.c``: one step's per-layer-invariant inputs of
     ``pagedkv_write_attend`` (see :meth:`CPUKernel.layer_args`)."""
 
     _fields_ = [(n, ctypes.c_int32) for n in ("qdt", "kdt", "hq", "hkv", "d", "bs")] + [
@@ -232,35 +170,6 @@ class KernelInputs:
         self.bt_ptr, self.bt_s0 = bt.data_ptr(), bt.stride(0)
         self.seq_lens_ptr, self.qsl_ptr = self.seq_lens.data_ptr(), self.qsl.data_ptr()
         self.ids_ptr, self.qls_ptr, self.n = self.ids.data_ptr(), self.qls.data_ptr(), len(seq_ids)
-
-
-class BuiltOnce:
-    """A compiled helper built on first use, shared by the process: ``get()`` returns it, or
-    ``None`` (callers use their torch path) when ``env_var`` is ``"0"`` or ``build()`` raised;
-    ``error()`` says why."""
-
-    def __init__(self, env_var: str, build) -> None:
-        self._env_var, self._build = env_var, build
-        self._lock = threading.Lock()
-        self._state: dict[str, object] = {}
-
-    def get(self):
-        if "value" in self._state:
-            return self._state["value"]
-        if os.environ.get(self._env_var, "1") == "0":
-            self._state.update(value=None, error=f"disabled by {self._env_var}=0")
-            return None
-        with self._lock:
-            if "value" not in self._state:
-                try:
-                    self._state["value"] = self._build()
-                except Exception as exc:  # noqa: BLE001 - any failure means "use the torch path"
-                    self._state.update(value=None, error=f"{type(exc).__name__}: {exc}")
-        return self._state["value"]
-
-    def error(self) -> str | None:
-        """Why ``get()`` returned ``None`` (``None`` if it did not, or was not called yet)."""
-        return self._state.get("error")  # type: ignore[return-value]
 
 
 _KERNEL = BuiltOnce("PAGEDKV_CPU_KERNEL", lambda: CPUKernel(_build()))

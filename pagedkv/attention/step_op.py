@@ -1,5 +1,5 @@
 """``pagedkv::step_layer_attention``: a compiled decode step's per-layer attention in C++
-(``_step_op.cpp``), so that the layers of a step reach the C kernel without Python.
+(``pagedkv/csrc/step_op.cpp``), so that the layers of a step reach the C kernel without Python.
 
 A compiled step (``pagedkv.model.compiled``) calls one attention op per layer from inductor's
 generated C++. Through the Python op (``pagedkv::layer_attention``) each call goes back into
@@ -30,12 +30,11 @@ from typing import Sequence
 import torch
 
 from pagedkv.attention import cpu_kernel
-
-_SRC = Path(__file__).with_name("_step_op.cpp")
+from pagedkv.csrc import BuiltOnce, compile_c, compiler, source
 
 
 class LayerEntry(ctypes.Structure):
-    """``Layer`` of ``_step_op.cpp``: one layer's cache buffers, options and geometry group."""
+    """``Layer`` of ``step_op.cpp``: one layer's cache buffers, options and geometry group."""
 
     _fields_ = [("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("scale", ctypes.c_float),
                 ("window", ctypes.c_int32), ("cap", ctypes.c_float), ("group", ctypes.c_int32)]
@@ -84,7 +83,7 @@ def _build() -> StepTable:
     kernel = cpu_kernel.get()
     if kernel is None:
         raise RuntimeError(f"the C kernel is unavailable ({cpu_kernel.build_error()})")
-    cxx = cpu_kernel._compiler("CXX", ("c++", "g++", "clang++"))
+    cxx = compiler("CXX", ("c++", "g++", "clang++"))
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set $CXX)")
     root = Path(torch.__file__).parent
@@ -97,8 +96,8 @@ def _build() -> StepTable:
              f"-DPAGEDKV_TORCH_VERSION=\"{torch.__version__}\"", f"-I{include}",
              f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}"]
     lib_dir = root / "lib"
-    lib = cpu_kernel.compile_c(_SRC, "pagedkv_step_op", flags, cc=cxx,
-                               libs=[f"-L{lib_dir}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib_dir}"])
+    lib = compile_c(source("step_op.cpp"), "pagedkv_step_op", flags, cc=cxx,
+                    libs=[f"-L{lib_dir}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib_dir}"])
     torch.ops.load_library(lib._name)  # registers pagedkv::step_layer_attention (same handle)
     torch.library.register_fake("pagedkv::step_layer_attention")(_fake)
     lib.pagedkv_step_set_kernel.argtypes = [ctypes.c_void_p]
@@ -110,7 +109,7 @@ def _fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torc
     return torch.empty_like(q)
 
 
-_TABLE = cpu_kernel.BuiltOnce("PAGEDKV_STEP_OP", _build)
+_TABLE = BuiltOnce("PAGEDKV_STEP_OP", _build)
 
 
 def get() -> StepTable | None:

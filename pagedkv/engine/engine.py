@@ -111,7 +111,7 @@ class LLMEngine:
 
         self.backend = get_backend(cfg.attention_backend)
         if torch.device(cfg.device).type == "cpu":
-            native.build_all()  # compile (first start) or load the C kernels now, not in the first request
+            logger.info("native kernels: %s", native.summary(cfg.compile_decode))  # built (first start) or loaded now
         if tp == 1:
             self.runner = ModelRunner(
                 loaded.model, self.backend, mc.num_layers, num_blocks, cfg.block_size,

@@ -1,4 +1,4 @@
-"""The sampler's picks in C (``_sample_ops.c`` through ctypes): the greedy first maximum and
+"""The sampler's picks in C (``pagedkv/csrc/sample_ops.c`` through ctypes): the greedy first maximum and
 the inverse-CDF pick of :func:`pagedkv.engine.sampler._inverse_cdf_pick`, one row per thread
 (OpenMP, the libgomp torch uses, from 4 rows on; one thread below).
 
@@ -15,14 +15,12 @@ the build fails, or ``PAGEDKV_FUSED=0`` (the switch of the other fused CPU ops t
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import torch
 
-from pagedkv.attention.cpu_kernel import BuiltOnce, compile_c
+from pagedkv.csrc import BuiltOnce, compile_c, source
 from pagedkv.cpu_isa import march_flags
 
-_SRC = Path(__file__).with_name("_sample_ops.c")
 _ARGMAX_BLOCK = 1024  # tokens per block maximum of the greedy pick
 # plain IEEE arithmetic (no reassociation beyond the explicit lanes of the C code)
 _FLAGS = ["-O3", *march_flags(), "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
@@ -76,7 +74,7 @@ class SampleOps:
         return out.tolist()
 
 
-_OPS = BuiltOnce("PAGEDKV_FUSED", lambda: SampleOps(compile_c(_SRC, "pagedkv_sample_ops", _FLAGS)))
+_OPS = BuiltOnce("PAGEDKV_FUSED", lambda: SampleOps(compile_c(source("sample_ops.c"), "pagedkv_sample_ops", _FLAGS)))
 
 
 def get() -> SampleOps | None:

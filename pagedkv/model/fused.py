@@ -1,4 +1,4 @@
-"""Fused element-wise ops of the decoder layer on the CPU (``_fused_ops.c`` through ctypes).
+"""Fused element-wise ops of the decoder layer on the CPU (``pagedkv/csrc/fused_ops.c`` through ctypes).
 
 A decode step at batch 1 spends more time between the matmuls than in them when every norm,
 RoPE, activation and dtype conversion is its own torch call (docs/benchmarks/step.md). These
@@ -17,14 +17,12 @@ compiler, the build fails, or ``PAGEDKV_FUSED=0``; ``build_error()`` says why.
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import torch
 
-from pagedkv.attention.cpu_kernel import BuiltOnce, compile_c
+from pagedkv.csrc import BuiltOnce, compile_c, source
 from pagedkv.cpu_isa import march_flags
 
-_SRC = Path(__file__).with_name("_fused_ops.c")
 # unlike the attention kernel's flags, no -ffp-contract=fast / -fassociative-math: the float32
 # results should round as torch's element-wise ops do (the tests compare them to 2e-6)
 _FLAGS = ["-O3", *march_flags(), "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-fPIC", "-shared",
@@ -111,7 +109,7 @@ class FusedOps:
         return out
 
 
-_OPS = BuiltOnce("PAGEDKV_FUSED", lambda: FusedOps(compile_c(_SRC, "pagedkv_fused_ops", _FLAGS)))
+_OPS = BuiltOnce("PAGEDKV_FUSED", lambda: FusedOps(compile_c(source("fused_ops.c"), "pagedkv_fused_ops", _FLAGS)))
 
 
 def get() -> FusedOps | None:

@@ -1,9 +1,9 @@
-"""All decoder layers of an eager CPU step in one native call (``_decoder.c``).
+"""All decoder layers of an eager CPU step in one native call (``pagedkv/csrc/decoder.c``).
 
 ``DecoderLayer._forward_fused`` runs each layer as about nine kernel calls (norms, the
 quantised matmuls, RoPE, attention, activation), each reached from Python through ctypes: at
 batch 1 that interpreter work, ~10 us a call, was about a third of the step on an AVX2 host.
-``NativeDecoder`` hands ``_decoder.c`` the same kernels' addresses (``pagedkv.model.qmm``,
+``NativeDecoder`` hands ``decoder.c`` the same kernels' addresses (``pagedkv.model.qmm``,
 ``pagedkv.model.fused`` and the CPU attention kernel) and each layer's weights and caches once;
 a step is then one call. Same kernels in the same order as the fused Python path, so the
 same results bit for bit (tests/model/test_native_step.py).
@@ -22,16 +22,14 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
 from pagedkv.attention.base import BackendError, check_window
-from pagedkv.attention.cpu_kernel import BuiltOnce, compile_c
+from pagedkv.csrc import BuiltOnce, compile_c, source
 from pagedkv.cpu_isa import march_flags
 
-_SRC = Path(__file__).with_name("_decoder.c")
 _FLAGS = ["-O3", *march_flags(), "-fno-math-errno", "-fPIC", "-shared", "-std=c11"]
 
 
@@ -51,7 +49,7 @@ class _Decoder(ctypes.Structure):
 
 
 def _build() -> Any:
-    lib = compile_c(_SRC, "pagedkv_decoder", _FLAGS)
+    lib = compile_c(source("decoder.c"), "pagedkv_decoder", _FLAGS)
     fn = lib.pagedkv_decoder_forward
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32)]

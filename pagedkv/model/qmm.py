@@ -1,4 +1,4 @@
-"""Quantised matmuls with integer dot products (``_qmm.c`` through ctypes): int4 (Q4_1
+"""Quantised matmuls with integer dot products (``pagedkv/csrc/qmm.c`` through ctypes): int4 (Q4_1
 blocks) or per-channel int8 weights times activations quantised on the fly to 8-bit blocks
 of 32 (the way llama.cpp multiplies its Q4/Q8 weights).
 
@@ -19,14 +19,12 @@ why. Measured in docs/performance.md ("Integer matmuls").
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import torch
 
-from pagedkv.attention.cpu_kernel import BuiltOnce, compile_c
+from pagedkv.csrc import BuiltOnce, compile_c, source
 from pagedkv.cpu_isa import march_flags
 
-_SRC = Path(__file__).with_name("_qmm.c")
 _FLAGS = ["-O3", *march_flags(), "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math", "-fopenmp",
           "-fPIC", "-shared", "-std=c11"]
 QK = 32  # values per activation / weight block
@@ -50,7 +48,7 @@ def max_rows(amx: bool, int8_rows: int) -> int:
 
 
 class QWeights(ctypes.Structure):
-    """``qweights_t`` of ``_qmm.c``: one layer's packed weights, handed to the kernel by
+    """``qweights_t`` of ``qmm.c``: one layer's packed weights, handed to the kernel by
     pointer (built once per layer: a call converts only the activation arguments)."""
 
     _fields_ = [("n", ctypes.c_int64), ("k", ctypes.c_int64), ("fmt", ctypes.c_int32), ("codes", ctypes.c_void_p),
@@ -58,7 +56,7 @@ class QWeights(ctypes.Structure):
 
 
 class Packed:
-    """A layer's weights in the kernels' layout (8 output columns interleaved; ``_qmm.c``
+    """A layer's weights in the kernels' layout (8 output columns interleaved; ``qmm.c``
     describes it): ``fmt`` 4 (int4: ``codes`` uint8 ``[N / 8 * K / 32 * 160]``: per 8 columns x
     32 inputs their 4-bit codes, then their float16 ``d`` and ``m``, ``w = d c + m``) or 8 (int8: ``codes`` int8 ``[N * K]``, ``scale``
     float32 ``[N]``, ``w = scale[o] c``); ``bias`` float32 ``[N]`` or ``None``. Holds the
@@ -159,7 +157,7 @@ def build(march: str | None = None) -> QmmOps:
     other than the default (tests build ``x86-64-v3``, the AVX2 code, and ``x86-64``, the
     plain C code, on any x86 host). Raises ``RuntimeError`` when the build fails."""
     flags = list(_FLAGS) if march is None else [f"-march={march}" if f.startswith("-march=") else f for f in _FLAGS]
-    return QmmOps(compile_c(_SRC, "pagedkv_qmm", flags))
+    return QmmOps(compile_c(source("qmm.c"), "pagedkv_qmm", flags))
 
 
 _OPS = BuiltOnce("PAGEDKV_QMM", build)

@@ -13,6 +13,7 @@ from pagedkv.attention import layouts
 from pagedkv.attention.cpu import CPUBackend
 from pagedkv.attention.quant import FORMATS, dequantize, error_bound, quantize
 from pagedkv.attention.reference import ReferenceBackend
+from pagedkv import csrc
 from pagedkv.testing import check_backend, quantized_cases
 
 
@@ -67,8 +68,8 @@ def test_cpu_kernel_without_native_flags_passes_the_quantised_cases(monkeypatch)
 
     march = "-march=x86-64" if platform.machine() in ("x86_64", "AMD64") else "-march=armv8-a"
     monkeypatch.setattr(cpu_kernel, "_FLAGS", [march if f.startswith("-march=") else f for f in cpu_kernel._FLAGS])
-    monkeypatch.setattr(cpu_kernel, "_KERNEL", cpu_kernel.BuiltOnce("PAGEDKV_CPU_KERNEL",
-                                                                     lambda: cpu_kernel.CPUKernel(cpu_kernel._build())))
+    monkeypatch.setattr(cpu_kernel, "_KERNEL", csrc.BuiltOnce("PAGEDKV_CPU_KERNEL",
+                                                               lambda: cpu_kernel.CPUKernel(cpu_kernel._build())))
     kernel = cpu_kernel.get()
     assert kernel is not None, cpu_kernel.build_error()
     cases = [c for c in quantized_cases() if "group" not in c.tags or c.quant_group_size % 8 == 0]

@@ -5,7 +5,7 @@
 // generated C++. For the layers whose kernel arguments the CPU backend has prepared for this
 // step (a table, per calling thread, filled through the extern "C" functions below and cleared
 // when the step ends) it checks the layer's q/k/v against them and calls the C kernel's
-// pagedkv_write_attend directly (_cpu_kernel.c: write the new K/V rows through slot_mapping,
+// pagedkv_write_attend directly (cpu_kernel.c: write the new K/V rows through slot_mapping,
 // then attend over the block tables). Anything else (no prepared arguments, other shapes or
 // dtypes, a non-contiguous or non-CPU tensor, a kernel error) goes to the Python op
 // pagedkv::layer_attention, which takes the checked path and raises the library's errors.

@@ -6,7 +6,7 @@
  * two-level fp64 search. The pick's fp64 block sums add in another order than torch's sum, so
  * where a target falls within an fp64 rounding (~1e-16 of the row's mass) of a token boundary
  * the two may pick neighbouring tokens: about one draw in 2^52, never a zero-probability token. No Python or torch headers: built with the system C compiler through
- * pagedkv.attention.cpu_kernel.compile_c.
+ * pagedkv.csrc.compile_c.
  */
 #include <math.h>
 #include <stdint.h>

@@ -5,7 +5,7 @@
  * same kernels: RMSNorm, the fused q/k/v matmul, RoPE + split, the paged K/V write and
  * attention, the o matmul, residual add + RMSNorm, the fused gate/up matmul, activation x up,
  * the down matmul and the residual add. The kernels live in the other native libraries
- * (_qmm.c, _fused_ops.c, attention/_cpu_kernel.c); Python hands their addresses in, so this
+ * (qmm.c, fused_ops.c, cpu_kernel.c); Python hands their addresses in, so this
  * file only sequences them. Driven from Python, a batch-1 step spent ~10 us of interpreter
  * and ctypes work around each of its ~270 kernel calls; here the step costs one call.
  */
@@ -23,7 +23,7 @@ typedef int (*attend_fn)(const void *S, const void *q, const void *k_new, const 
                          void *out, float scale, int window, float softcap);
 
 typedef struct {
-    const void *qkv, *o, *gate_up, *down; /* each a qweights_t of _qmm.c */
+    const void *qkv, *o, *gate_up, *down; /* each a qweights_t of qmm.c */
     const float *w_in, *w_post;           /* the two RMSNorm weights [hidden] */
     void *k_cache, *v_cache;              /* this layer's cache buffers */
     float scale, softcap;
