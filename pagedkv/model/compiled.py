@@ -27,7 +27,9 @@ unsupported op) the model falls back to eager and says why (``failed``).
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import logging
 import os
 import threading
@@ -36,6 +38,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from pagedkv import cpu_isa
 from pagedkv.attention.base import AttentionBackend, AttentionMetadata
 from pagedkv.errors import BackendError
 
@@ -109,11 +112,26 @@ def _attend_for(op) -> Callable[[int], Callable[[torch.Tensor, torch.Tensor, tor
 
 def inductor_cache_dir() -> str:
     """Where inductor keeps compiled code: ``$TORCHINDUCTOR_CACHE_DIR`` if set, else
-    ``$PAGEDKV_CACHE_DIR/inductor`` (default ``~/.cache/pagedkv/inductor``), set here."""
+    ``$PAGEDKV_CACHE_DIR/inductor/<cpu profile>`` (default ``~/.cache/pagedkv/...``), set here.
+
+    One folder per CPU profile (:func:`profile_cache_tag`): inductor's graph cache does not
+    key its entries by ATen's CPU capability, and a graph compiled under one profile and
+    loaded under another computed garbage (native AVX-512 graphs under
+    ``PAGEDKV_CPU_ISA=avx2``: zero/NaN hidden states) or corrupted the heap (the reverse), the
+    same as a cache directory shared by hosts of two CPU classes would."""
     if not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
         base = os.environ.get("PAGEDKV_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagedkv")
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, "inductor")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, "inductor", profile_cache_tag())
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
+def profile_cache_tag(prof: Any = None) -> str:
+    """``<class>-<hash>`` of a CPU profile (``pagedkv.cpu_isa.profile()`` by default): the
+    class in effect, then 12 hex digits of everything the compiled code depends on (flags,
+    cap, ATen's and oneDNN's ISA, the C kernels' -march)."""
+    prof = cpu_isa.profile() if prof is None else prof
+    digest = hashlib.sha256(json.dumps(prof.as_dict(), sort_keys=True).encode()).hexdigest()[:12]
+    return f"{prof.isa}-{digest}"
 
 
 class CompiledDecode:
@@ -155,6 +173,13 @@ class CompiledDecode:
         # (PAGEDKV_SIZE_ASSERTS=1 keeps them, to check a new torch's kernels against the graph)
         opts = {"cpp_wrapper": True, "freezing": True, "size_asserts": os.environ.get("PAGEDKV_SIZE_ASSERTS") == "1",
                 "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        # under a cap below this CPU's class (PAGEDKV_CPU_ISA=avx2 on an AVX-512 host, how the
+        # suite runs as an AVX2 host) graphs loaded back from inductor's on-disk graph cache
+        # computed zero/NaN hidden states while the same graphs compiled afresh were right:
+        # capped processes compile every time (a cap is a test set-up, not a way to serve)
+        prof = cpu_isa.profile()
+        if prof.isa != prof.native_isa:
+            opts["fx_graph_cache"] = False
         # ... and so each CompiledDecode traces a code object of its own: dynamo caches graphs
         # per code object, and without the module guards two models of one shape (say a
         # Llama- and a Gemma-style one, whose constants differ) would share the first's graphs

@@ -156,14 +156,6 @@ def test_layer_attention_outside_a_step_and_bad_options():
         LLMEngine(None, compile_decode=True, tensor_parallel_size=2)
 
 
-def test_inductor_cache_goes_under_the_pagedkv_cache_dir(monkeypatch, tmp_path):
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path))
-    assert C.inductor_cache_dir() == str(tmp_path / "inductor")
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/else")
-    assert C.inductor_cache_dir() == "/somewhere/else"
-
-
 def test_engines_over_one_model_share_its_compiled_steps(tiny):
     """A second engine (a benchmark sweep builds one per cell) reuses the model's compiled
     steps: no new graph, and dynamo's per-code cache does not fill up (it then runs eager)."""
@@ -253,3 +245,97 @@ def test_compiled_int4_steps_give_the_eager_hidden_states(loaded_model):
         for a, b in zip(gc, wc):
             torch.testing.assert_close(a.key, b.key, rtol=2e-2, atol=2e-2)
     assert cd.steps == len(cd.warm_up_sizes()) + len(sizes)
+
+
+def test_inductor_cache_is_one_folder_per_cpu_profile(tmp_path, monkeypatch):
+    """Inductor's graph cache does not key by ATen's CPU capability: the compiled steps keep
+    one folder per profile, so a graph compiled under one class is never loaded under another."""
+    from pagedkv import cpu_isa
+
+    flags = {"avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512vl"}
+    native = cpu_isa.build_profile(flags, "native", "AVX512")
+    avx2 = cpu_isa.build_profile(flags, "avx2", "AVX2")
+    tags = C.profile_cache_tag(native), C.profile_cache_tag(avx2)
+    assert tags[0].startswith("avx512-") and tags[1].startswith("avx2-") and len(set(tags)) == 2
+    assert C.profile_cache_tag(avx2) == tags[1]  # stable for one profile
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path))
+    assert C.inductor_cache_dir() == str(tmp_path / "inductor" / C.profile_cache_tag())
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/else")  # the user's own choice wins
+    assert C.inductor_cache_dir() == "/somewhere/else"
+
+
+def test_a_capped_profile_compiles_afresh(tiny, monkeypatch):
+    """Under a cap below the CPU's class the graphs never come from inductor's disk cache (a
+    cached graph gave zero/NaN hidden states there); at the CPU's own class they do."""
+    from pagedkv import cpu_isa
+
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw["options"]) or fn)
+    flags = {"avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512vl"}
+    for cap, aten in (("avx2", "AVX2"), ("native", "AVX512")):
+        monkeypatch.setattr(cpu_isa, "profile", lambda: cpu_isa.build_profile(flags, cap, aten))
+        C.CompiledDecode(tiny.model, max_rows=4)
+    assert seen[0]["fx_graph_cache"] is False and "fx_graph_cache" not in seen[1]
+
+
+def test_a_capped_profile_compiles_afresh(tiny, monkeypatch):
+    """Under a cap below the CPU's class the graphs never come from inductor's disk cache (a
+    cached graph gave zero/NaN hidden states there); at the CPU's own class they do."""
+    from pagedkv import cpu_isa
+
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw["options"]) or fn)
+    flags = {"avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512vl"}
+    for cap, aten in (("avx2", "AVX2"), ("native", "AVX512")):
+        monkeypatch.setattr(cpu_isa, "profile", lambda: cpu_isa.build_profile(flags, cap, aten))
+        C.CompiledDecode(tiny.model, max_rows=4)
+    assert seen[0]["fx_graph_cache"] is False and "fx_graph_cache" not in seen[1]
+
+
+_HAND_STEP = """
+import torch
+from pagedkv._bundled import bundled_model_path
+from pagedkv.attention import get_backend
+from pagedkv.attention.base import AttentionMetadata
+from pagedkv.engine.engine import LLMEngine
+from pagedkv.model.loader import load_model
+from pagedkv.testing.tiny import tiny_random_model
+
+tiny = tiny_random_model(load_model(bundled_model_path(), dtype=torch.float32), seed=5)
+eng = LLMEngine(tiny, dtype="float32", block_size=16, num_blocks=64, max_num_seqs=4, compile_decode=True)
+cd, backend = eng.runner.compiled, get_backend("cpu")
+md = AttentionMetadata.build([9, 20], [1, 2], [[3], [5, 1]], 16)
+outs = []
+for forward in (cd, tiny.model):
+    caches = tiny.model.allocate_kv_caches(backend, num_blocks=8, block_size=16)
+    gen = torch.Generator().manual_seed(0)
+    for c in caches:
+        c.key.copy_(torch.randn(c.key.shape, generator=gen))
+        c.value.copy_(torch.randn(c.value.shape, generator=gen))
+    with torch.inference_mode():
+        outs.append(forward(torch.tensor([11, 12, 13]), torch.tensor([8, 18, 19]), caches, md, backend))
+print("MAXDIFF", float((outs[0] - outs[1]).abs().max()), cd.cache_dir)
+"""
+
+
+def test_compiled_steps_right_under_each_profile_in_one_cache(tmp_path):
+    """The case that failed: graphs compiled natively, then the same cache under
+    ``PAGEDKV_CPU_ISA=avx2`` (zero/NaN hidden states; the reverse order corrupted the heap).
+    Each run's compiled step equals the eager forward."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "PAGEDKV_CPU_ISA")}
+    env["PAGEDKV_CACHE_DIR"] = str(tmp_path)
+    dirs = []
+    for isa in ("native", "avx2"):
+        run = subprocess.run([sys.executable, "-c", _HAND_STEP], env={**env, "PAGEDKV_CPU_ISA": isa},
+                             capture_output=True, text=True, timeout=600)
+        line = [ln for ln in run.stdout.splitlines() if ln.startswith("MAXDIFF")]
+        assert run.returncode == 0 and line, run.stderr[-2000:]
+        _, diff, cache = line[0].split()
+        assert float(diff) < 1e-4, (isa, diff)
+        dirs.append(cache)
+    assert os.path.dirname(dirs[0]) == os.path.dirname(dirs[1]) == str(tmp_path / "inductor")
