@@ -330,7 +330,6 @@ TESTED_ELSEWHERE = {
     "kv/groups.py": "tests/kv/test_hybrid.py",  # layer groups are the hybrid manager's
     "kv/invariants.py": "tests/kv/test_manager.py",  # check_invariants after every manager case
     "kv/prefix_lookup.py": "tests/kv/test_hybrid.py",  # the manager's prefix hits across layer groups
-    "kv/snapshot.py": "tests/kv/test_manager.py",  # KVCacheManager.snapshot
     "kv/tiers/disk.py": "tests/kv/test_tiers.py",  # the tiers' stores, one file for the package
     "kv/tiers/events.py": "tests/kv/test_tiers.py",
     "kv/tiers/index.py": "tests/kv/test_tiers.py",
@@ -338,7 +337,6 @@ TESTED_ELSEWHERE = {
     "kv/tiers/stores.py": "tests/kv/test_tiers.py",
     "engine/beam.py": "tests/engine/test_beam_pressure.py",  # beam search under KV pressure
     "engine/config.py": "tests/engine/test_api.py",  # EngineConfig errors through LLMEngine(...)
-    "engine/decisions.py": "tests/engine/test_scheduler.py",  # Scheduler.apply of Decisions
     "engine/engine.py": "tests/engine/test_api.py",  # LLMEngine's public API
     "engine/gangs.py": "tests/engine/test_beam_pressure.py",  # beam gangs admitted together
     "engine/llm.py": "tests/engine/test_api.py",  # LLM.generate
