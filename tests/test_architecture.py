@@ -232,10 +232,11 @@ def _scheduler_references(path: Path) -> list[str]:
 def test_only_the_engine_holds_the_scheduler():
     """The step runs one way (schedule -> execute -> sample -> update -> outputs): sequence
     groups, beam search, the output processor and the rest of the engine package return
-    decisions and never hold the scheduler; the engine alone hands them to it."""
+    decisions and never hold the scheduler; the engine alone hands them to it. Nothing else
+    in the package (server, benchmarks) reads it: they use the engine's snapshot/stats."""
     refs = []
-    for path in sorted((PKG / "engine").glob("*.py")):
-        if path.name not in ("scheduler.py", "engine.py"):
+    for path in sorted(PKG.rglob("*.py")):  # the benchmarks and the server too
+        if path not in (PKG / "engine" / "scheduler.py", PKG / "engine" / "engine.py"):
             refs += _scheduler_references(path)
     assert refs == []
 
@@ -382,3 +383,27 @@ def test_core_module_check_is_not_vacuous(tmp_path):
         (tmp_path / rel).write_text("")
     # engine/config.py is exempted, but its covering file does not exist in tmp_path
     assert _untested_core_modules(tmp_path) == ["kv/bare.py", "engine/config.py", "worker/x.py"]
+
+
+def _writes_through(path: Path, name: str) -> list[str]:
+    """Assignments (``=``, ``+=``, ``del``) whose target reaches into ``name``'s state, e.g.
+    ``self.scheduler.stats.x += 1`` or ``self.scheduler.running[0] = r``."""
+    out = []
+    for n in ast.walk(ast.parse(path.read_text())):
+        targets = (n.targets if isinstance(n, (ast.Assign, ast.Delete)) else [n.target]
+                   if isinstance(n, (ast.AugAssign, ast.AnnAssign)) else [])
+        for t in targets:
+            inner = t.value if isinstance(t, (ast.Attribute, ast.Subscript)) else None
+            if inner is not None and f".{name}" in f".{ast.unparse(inner)}" and ast.unparse(inner) != "self":
+                if name in ast.unparse(inner).split("."):
+                    out.append(f"line {n.lineno}: {ast.unparse(t)}")
+    return out
+
+
+def test_the_engine_changes_scheduler_state_only_through_its_methods(tmp_path):
+    """Only the scheduler changes its queues, counters and KV manager: the engine calls its
+    methods (update, apply, count_finished_request, ...) and never assigns into it."""
+    assert _writes_through(PKG / "engine" / "engine.py", "scheduler") == []
+    planted = tmp_path / "planted.py"
+    planted.write_text("self.scheduler.stats.n += 1\nself.scheduler = 1\nx.scheduler.running[0] = 2\n")
+    assert _writes_through(planted, "scheduler") == ["line 1: self.scheduler.stats.n", "line 3: x.scheduler.running[0]"]

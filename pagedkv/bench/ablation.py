@@ -133,7 +133,7 @@ class _Sampler:
             kv = engine.kv
             self.slots.append(kv.num_used_blocks * bs)
             self.effective.append(sum(t.num_tokens for t in kv.tables.values()))
-            self.running.append(len(engine.scheduler.running))
+            self.running.append(engine.get_stats().num_running)
             return real(inp)
 
         engine.runner.execute = execute

@@ -15,7 +15,7 @@ from typing import Callable
 import numpy as np
 
 from pagedkv.errors import ConfigError
-from pagedkv.utils import cdiv
+from pagedkv.kv.block_table import blocks_needed
 
 
 @dataclass
@@ -93,8 +93,7 @@ class _Groups:
         self.windows, self.b = tuple(windows), b
 
     def blocks(self, lens):
-        n = cdiv(lens, self.b)
-        return sum(n if w is None else n - np.maximum(0, lens - w) // self.b for w in self.windows)
+        return sum(blocks_needed(lens, self.b, w) for w in self.windows)
 
     def sum_blocks(self, n):
         s = _sum_ceil(n, self.b)

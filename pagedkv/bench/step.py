@@ -103,10 +103,13 @@ def _decode_case(eng: Any, batch: int, steps: int, profiled: Any) -> dict[str, A
     ids = [f"d{batch}-{i}" for i in range(batch)]
     for i, rid in enumerate(ids):
         eng.add_request(rid, [100 + (i + j) % 1000 for j in range(PROMPT_LEN)], params)
-    while any(r.num_output_tokens == 0 for r in eng.scheduler.running) or eng.scheduler.waiting:
+    def requests() -> list[dict[str, Any]]:  # the engine's view: running first, then waiting
+        return eng.snapshot()["requests"]
+
+    while any(r["status"] != "running" or r["output_tokens"] == 0 for r in requests()):
         eng.step()
     eng.step()
-    ctx = sum(r.num_tokens for r in eng.scheduler.running) / batch + steps
+    ctx = sum(r["num_tokens"] for r in requests() if r["status"] == "running") / batch + steps
     plain, parts = profile_steps(eng.step, steps, profiled=profiled)
     eng.abort_request(ids)
     while eng.has_unfinished_requests():

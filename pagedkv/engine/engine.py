@@ -440,7 +440,7 @@ class LLMEngine:
             outs.append(self.output.make_output(group))
             if group.finished:
                 self.groups.pop(group.request_id)
-                self.scheduler.stats.num_finished_requests += 1
+                self.scheduler.count_finished_request()
         return outs
 
     # ---- statistics ------------------------------------------------------------------

@@ -406,6 +406,10 @@ class Scheduler:
         """Update ``stats.peak_shared_blocks`` (call at the end of a step, after forks)."""
         self.stats.peak_shared_blocks = max(self.stats.peak_shared_blocks, self.num_shared_blocks())
 
+    def count_finished_request(self) -> None:
+        """Count one user request (all its sequences) whose final output went out."""
+        self.stats.num_finished_requests += 1
+
     def engine_stats(self) -> EngineStats:
         """The counters and the KV pool's state now, as :class:`EngineStats`."""
         return collect_stats(self.kv, self.stats, len(self.running), len(self.waiting))

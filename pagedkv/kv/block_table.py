@@ -11,7 +11,7 @@ slot           = physical_block * block_size + offset
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -20,7 +20,7 @@ from pagedkv.kv.block_pool import KVCacheBlock
 from pagedkv.utils import cdiv
 
 
-def blocks_needed(num_tokens: int, block_size: int, window: int | None = None, chunk: int | None = None) -> int:
+def blocks_needed(num_tokens: Any, block_size: int, window: int | None = None, chunk: int | None = None) -> Any:
     """THE count of KV blocks (of one layer group) a request of ``num_tokens`` tokens holds.
 
     * ``window=None`` (full attention): ``ceil(num_tokens / block_size)``.
@@ -30,17 +30,26 @@ def blocks_needed(num_tokens: int, block_size: int, window: int | None = None, c
     * ``window=W, chunk=C`` (tokens per step, e.g. the prefill chunk): the most it holds at
       any step, ``min(ceil(T / bs), ceil((W - 1 + C) / bs) + 1)``.
 
-    ``chunk`` is ignored for a full group. Returns 0 for ``num_tokens == 0``. Raises
-    ``ConfigError`` naming the argument when ``num_tokens`` is negative or ``block_size``,
-    ``window`` or ``chunk`` is not a positive integer."""
+    ``chunk`` is ignored for a full group. Returns 0 for ``num_tokens == 0``.
+    ``num_tokens`` may be an int64 array (capacity simulations over many requests): the
+    result is the array of the same counts, element by element. Raises ``ConfigError``
+    naming the argument when ``num_tokens`` is negative (or not an integer / integer array)
+    or ``block_size``, ``window`` or ``chunk`` is not a positive integer."""
     for name, v in (("block_size", block_size), ("window", window), ("chunk", chunk)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
             raise ConfigError(f"{name}: must be a positive integer, got {v!r}")
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
+    if isinstance(num_tokens, np.ndarray):
+        if num_tokens.dtype.kind not in "iu" or (num_tokens.size and num_tokens.min() < 0):
+            raise ConfigError(f"num_tokens: must be non-negative integers, got a {num_tokens.dtype} array")
+    elif isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
         raise ConfigError(f"num_tokens: must be a non-negative integer, got {num_tokens!r}")
     full = cdiv(num_tokens, block_size)
     if window is None:
         return full
+    if isinstance(num_tokens, np.ndarray):
+        if chunk is None:
+            return full - np.maximum(0, num_tokens - window) // block_size
+        return np.minimum(full, cdiv(window - 1 + chunk, block_size) + 1)
     if chunk is None:
         return full - max(0, num_tokens - window) // block_size
     return min(full, cdiv(window - 1 + chunk, block_size) + 1)

@@ -22,7 +22,7 @@ from pagedkv.gguf_header import is_gguf_file, read_gguf_metadata
 from pagedkv.kv.block_table import blocks_needed
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.kv.spec import SCALED_DTYPES, KVCacheSpec, check_group_size, load_hf_config, parse_size
-from pagedkv.utils import canonical_dtype, cdiv
+from pagedkv.utils import canonical_dtype
 from pagedkv.utils import kv_cache_dtype as kv_cache_dtype_name
 
 #: Shuffle seed of the example's free queue: with lengths 17,33,8, max_len 64 and
@@ -333,17 +333,11 @@ def grouped_blocks(spec: KVCacheSpec, lengths: np.ndarray, block_size: int) -> t
     """Per request of ``lengths`` tokens (int64 array): block ids held after its last step
     over all layer groups, and the token slots those blocks must hold (a window group: the
     last ``min(length, W)`` tokens), summed over groups (without windows: the length)."""
-    g = spec.groups
-    n = cdiv(lengths, block_size)
     blocks = np.zeros_like(lengths)
     valid = np.zeros_like(lengths)
-    for w in g.windows:
-        if w is None:
-            blocks += n
-            valid += lengths
-        else:
-            blocks += n - np.maximum(0, lengths - w) // block_size
-            valid += np.minimum(lengths, w)
+    for w in spec.groups.windows:
+        blocks += blocks_needed(lengths, block_size, w)
+        valid += lengths if w is None else np.minimum(lengths, w)
     return blocks, valid
 
 

@@ -195,6 +195,20 @@ def test_blocks_needed_equals_the_live_positions_blocks():
     assert spec.blocks_per_request(30, 4) == 8 + 3 and spec.blocks_per_request(30, 4, chunk=4) == 8 + 4
 
 
+def test_blocks_needed_of_an_array_is_the_scalar_count_per_element():
+    """Capacity simulations (kv/example.py, bench/capacity_sim.py) count many requests at once
+    through the same function; each element equals the scalar count."""
+    t = np.arange(0, 70, dtype=np.int64)
+    for bs, w, c in ((4, None, None), (4, 8, None), (3, 13, None), (4, 8, 4), (16, 4096, 512)):
+        got = blocks_needed(t, bs, w, chunk=c)
+        assert got.tolist() == [blocks_needed(int(x), bs, w, chunk=c) for x in t], (bs, w, c)
+    assert blocks_needed(np.array([0, 9, 13, 100]), 4, 8).tolist() == [0, 3, 3, 2]
+    with pytest.raises(ConfigError, match="num_tokens"):
+        blocks_needed(np.array([3, -1]), 4)
+    with pytest.raises(ConfigError, match="num_tokens"):
+        blocks_needed(np.array([3.0]), 4)
+
+
 @pytest.mark.parametrize("args, match", [
     ((10, 0), "block_size"), ((-1, 4), "num_tokens"), ((10, 4, 0), "window"), ((10, 4, 8, 0), "chunk"),
     ((True, 4), "num_tokens"), ((10.0, 4), "num_tokens"),
