@@ -1,4 +1,5 @@
-"""``TPExecutor``: the engine's step runner when ``tensor_parallel_size`` > 1.
+"""``TPExecutor``: the engine's step runner when ``tensor_parallel_size`` > 1, and
+``make_executor``, which the engine calls once for its executor (a ``Worker`` or this).
 
 The engine keeps one scheduler and one ``KVCacheManager`` (on the driver, rank 0) and talks to
 "something that runs a step" through three calls: ``prepare(token_ids, num_computed, block_ids, sample)``,
@@ -63,6 +64,7 @@ from pagedkv.distributed.worker import (
 from pagedkv.errors import ConfigError, DistributedError
 from pagedkv.utils import free_port
 from pagedkv.worker.runner import ModelInput
+from pagedkv.worker.worker import Executor, Worker
 
 log = logging.getLogger("pagedkv.distributed")
 
@@ -445,6 +447,30 @@ class TPExecutor:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def make_executor(worker: Worker, *, tp_size: int, num_blocks: int, block_size: int, kv_cache_dtype: str,
+                  kv_quant_group_size: Optional[int] = None, layer_windows: Optional[Sequence[Optional[int]]] = None,
+                  compile_max_rows: Optional[int] = None) -> Executor:
+    """The engine's executor over ``worker`` (its model loaded by ``Worker.load``): with
+    ``tp_size`` 1 the worker itself, its caches built (``num_blocks`` x ``block_size``,
+    ``kv_cache_dtype`` a format name, ``kv_quant_group_size``, ``layer_windows``) and, with
+    ``compile_max_rows``, its steps of 1 .. that many tokens compiled; else a ``TPExecutor``
+    that shards the worker's model over ``tp_size`` ranks (every rank, this one too, allocates
+    ``num_blocks`` blocks for its own KV heads). Raises ``ConfigError`` (a bad size, compiling
+    with tensor parallelism) or ``DistributedError`` (see ``TPExecutor``)."""
+    if tp_size == 1:
+        worker.init_cache(num_blocks, block_size, kv_cache_dtype, quant_group_size=kv_quant_group_size,
+                          layer_windows=layer_windows)
+        if compile_max_rows is not None:
+            worker.compile_steps(compile_max_rows)
+        return worker
+    if compile_max_rows is not None:
+        raise ConfigError("compiled steps: tensor_parallel_size 1 only")
+    dtype = next(worker.model.parameters()).dtype
+    return TPExecutor(worker.loaded, worker.backend, worker.backend_name, tp_size=tp_size, num_blocks=num_blocks,
+                      block_size=block_size, dtype=dtype, device=worker.device, kv_cache_dtype=kv_cache_dtype,
+                      kv_quant_group_size=kv_quant_group_size)
 
 
 def _close_at_exit(ref: "weakref.ReferenceType[TPExecutor]") -> None:

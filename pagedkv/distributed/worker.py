@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from pagedkv.errors import DistributedError
-from pagedkv.worker.runner import ModelRunner
+from pagedkv.worker.worker import Worker
 from pagedkv.distributed.parallel import TPShard, build_shard_model, shard_plan
 from pagedkv.distributed.protocol import (
     CMD_INFO,
@@ -132,10 +132,12 @@ class Rank:
         self.model = build_shard_model(config, state, self.shard, None, dtype, device)
         self.backend = backend
         self.num_blocks, self.block_size = init["num_blocks"], init["block_size"]
-        self.runner = ModelRunner(
-            self.model, backend, config.num_layers, self.num_blocks, self.block_size,
-            self.shard.num_kv_heads, config.head_dim, init.get("kv_cache_dtype") or dtype, device,
-            init.get("kv_quant_group_size"), layer_windows=config.layer_windows(),
+        # the caches are built as in one process (the same Worker code), for this rank's KV heads
+        self.worker = Worker(self.model, config, backend, device)
+        self.runner = self.worker.init_cache(
+            self.num_blocks, self.block_size, init.get("kv_cache_dtype") or dtype,
+            quant_group_size=init.get("kv_quant_group_size"), layer_windows=config.layer_windows(),
+            num_kv_heads=self.shard.num_kv_heads,
         )
 
     def connect(self, groups: Groups) -> None:

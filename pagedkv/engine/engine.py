@@ -1,9 +1,11 @@
 """LLMEngine: add_request / step / abort_request over the paged KV memory system.
 
 One ``step()``, read top to bottom: ``scheduler.schedule()`` (admission, preemption, block
-allocation and copy-on-write; the scheduler alone calls the KV manager) → the runner
-(``worker.runner``: flat batch through the one slot-mapping builder, CoW copies, model
-forward writing K/V through ``slot_mapping`` and reading through ``block_tables``) →
+allocation and copy-on-write; the scheduler alone calls the KV manager) → the executor
+(``pagedkv.worker.worker.Executor``, one per engine from ``make_executor``: this process's
+``Worker`` or tensor-parallel ranks; flat batch through the one slot-mapping builder, CoW
+copies, model forward writing K/V through ``slot_mapping`` and reading through
+``block_tables``) →
 sampler (sequence groups decide n > 1 forks and which rows beam search takes) →
 ``scheduler.update`` (the forks, append tokens, stop checks, publish full blocks, free
 behind the step fence) → beam steps and stop strings decide → ``scheduler.apply`` (their
@@ -27,8 +29,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from pagedkv import cpu_isa, native
-from pagedkv.attention import get_backend
-from pagedkv.distributed import TPExecutor, check_tp_size
+from pagedkv.distributed import check_tp_size, make_executor
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.decisions import Decisions
 from pagedkv.engine.output import OutputProcessor
@@ -40,12 +41,10 @@ from pagedkv.engine.stats import EngineStats
 from pagedkv.errors import ConfigError, InvalidRequestError
 from pagedkv.kv import CacheKeys, KVCacheSpec, parse_size
 from pagedkv.kv.tiers import StoreIdentity, ZmqEventPublisher, open_tiers, parse_tier_specs, replay_endpoint_for
-from pagedkv.model.loader import LoadedModel, auto_int4_source, load_model
-from pagedkv.model.quant import resolve_weights
 from pagedkv.model.tokenizer import apply_chat, encode_prompt, read_chat_template
 from pagedkv.attention.quant import FORMATS, check_group_size
 from pagedkv.utils import canonical_dtype, kv_cache_dtype, passive_wait_warning, profile_scope, torch_dtype
-from pagedkv.worker.runner import ModelRunner
+from pagedkv.worker.worker import Worker
 
 logger = logging.getLogger("pagedkv")
 
@@ -61,19 +60,10 @@ class LLMEngine:
         cfg = self.config = EngineConfig.from_kwargs(kwargs)
         self.dtype = dtype = torch_dtype(cfg.dtype)
         logger.info("CPU: %s", cpu_isa.profile().summary())  # ConfigError for a bad $PAGEDKV_CPU_ISA
-        weights, why = resolve_weights(cfg.weights, dtype, cfg.device, cfg.tensor_parallel_size)
-        if isinstance(model, LoadedModel):
-            loaded = model
-            model_dtype = next(loaded.model.parameters()).dtype
-            if model_dtype != dtype:
-                raise ConfigError(f"the loaded model is {model_dtype}; the engine dtype is {dtype}")
-            if cfg.weights != "auto" and loaded.weights != weights:
-                raise ConfigError(f"the loaded model has {loaded.weights} weights; the engine asks for {weights}")
-        else:
-            if cfg.weights == "auto" and weights == "int4":  # int4 only from Q4_0/Q4_1 codes
-                weights, why = auto_int4_source(model, why)
-            loaded = load_model(model, dtype=dtype, device=cfg.device, weights=weights)
-            loaded.weights_reason = why
+        # the device side (weights, backend, caches, compiled steps) is the worker's
+        worker = Worker.load(model, dtype=dtype, device=cfg.device, weights=cfg.weights,
+                             attention_backend=cfg.attention_backend, tensor_parallel_size=cfg.tensor_parallel_size)
+        loaded = worker.loaded
         logger.info("weights: %s (%s)", loaded.weights, loaded.weights_reason)
         if (warning := passive_wait_warning(torch.get_num_threads())) is not None:
             logger.warning(warning)
@@ -99,7 +89,6 @@ class LLMEngine:
             mc, quant.spec_dtype if quant else canonical_dtype(self.kv_cache_dtype), tp_size=tp,
             quant_group_size=self.kv_quant_group_size,
         )
-        cache_dtype = self.kv_cache_dtype if quant else torch_dtype(self.kv_cache_dtype)
         # the prefix-cache identity of this cache's bytes (format and, when quantised, group)
         self.kv_format_id = f"{self.kv_cache_dtype}/g{self.kv_quant_group_size}" if quant else self.kv_cache_dtype
         if cfg.num_blocks is not None:
@@ -109,24 +98,18 @@ class LLMEngine:
             num_blocks = self.kv_spec.num_blocks(budget, cfg.block_size)
         self.num_blocks = num_blocks
 
-        self.backend = get_backend(cfg.attention_backend)
+        self.backend = worker.backend
         if torch.device(cfg.device).type == "cpu":
             logger.info("native kernels: %s", native.summary(cfg.compile_decode))  # built (first start) or loaded now
-        if tp == 1:
-            self.runner = ModelRunner(
-                loaded.model, self.backend, mc.num_layers, num_blocks, cfg.block_size,
-                mc.num_kv_heads, mc.head_dim, cache_dtype, cfg.device, self.kv_quant_group_size,
-                layer_windows=self.layer_windows,
-            )
-        else:  # same prepare/copy_blocks/execute, run on tp ranks (this process is rank 0)
-            self.runner = TPExecutor(
-                loaded, self.backend, cfg.attention_backend, tp_size=tp, num_blocks=num_blocks,
-                block_size=cfg.block_size, dtype=dtype, device=cfg.device,
-                kv_cache_dtype=self.kv_cache_dtype, kv_quant_group_size=self.kv_quant_group_size,
-            )
-        # every step compiled, prefill chunks and mixed steps included (up to the step's token budget)
-        if cfg.compile_decode:  # CPU, tp 1 (EngineConfig): the runner owns the compiled steps
-            self.runner.compile_steps(max_rows=max(64, cfg.max_num_batched_tokens))
+        # one executor: this process's worker, or tp ranks (this process is rank 0); every step
+        # compiled, prefill chunks and mixed steps included (up to the step's token budget)
+        self.executor = make_executor(
+            worker, tp_size=tp, num_blocks=num_blocks, block_size=cfg.block_size,
+            kv_cache_dtype=self.kv_cache_dtype, kv_quant_group_size=self.kv_quant_group_size,
+            layer_windows=self.layer_windows,
+            compile_max_rows=max(64, cfg.max_num_batched_tokens) if cfg.compile_decode else None,
+        )
+        self.runner = self.executor.runner  # (rank 0's) ModelRunner: its KV caches, model, compiled step
         self.kv_tiers, self.kv_stores, self.kv_events = self._open_kv_tiers(mc, dtype)
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=num_blocks, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
@@ -164,7 +147,7 @@ class LLMEngine:
             if cfg.kv_events:
                 publisher = ZmqEventPublisher(cfg.kv_events, cfg.kv_events_replay or replay_endpoint_for(cfg.kv_events))
             if specs:  # tensor parallelism is refused with tiers: one runner holds every head
-                codec = self.runner.kv_payload_codec()
+                codec = self.executor.kv_payload_codec()
                 identity = StoreIdentity(
                     model_id=self.model_id, revision=self.revision, weights=str(self.loaded.weights),
                     kv_dtype=self.kv_format_id,  # the cache format: int8/g64 blocks are not float32 ones
@@ -173,7 +156,7 @@ class LLMEngine:
                 )
             tiers, stores = open_tiers(specs, identity, cfg.block_size, publisher)
         except BaseException:
-            for obj in (publisher, self.runner):  # TP workers too: nothing outlives a failed start
+            for obj in (publisher, self.executor):  # TP workers too: nothing outlives a failed start
                 close = getattr(obj, "close", None)
                 if close is not None:
                     close()
@@ -195,13 +178,11 @@ class LLMEngine:
         stores, self.kv_stores = self.kv_stores, None
         if stores is not None:
             with self._lock:
-                self.runner.transfer_kv(self.scheduler.persist_kv(), stores)
+                self.executor.transfer_kv(self.scheduler.persist_kv(), stores)
             stores.close()
         if self.kv_events is not None:
             self.kv_events.close()
-        close = getattr(self.runner, "close", None)
-        if close is not None:
-            close()
+        self.executor.close()
 
     def __enter__(self) -> "LLMEngine":
         return self
@@ -397,11 +378,11 @@ class LLMEngine:
             with profile_scope("pagedkv.prepare"):
                 sampling = out.sampling_requests()
                 prompt_rows = out.prompt_rows()
-                inp = self.runner.prepare(*out.model_inputs(), prompt_rows)
+                inp = self.executor.prepare(*out.model_inputs(), prompt_rows)
                 if out.kv_transfer is not None:  # tier stores/loads: reads evicted blocks first
-                    self.runner.transfer_kv(out.kv_transfer, self.kv_stores)
-                self.runner.copy_blocks(out.copies)
-        logits = self.runner.execute(inp)  # lock released: aborts may land now (fenced)
+                    self.executor.transfer_kv(out.kv_transfer, self.kv_stores)
+                self.executor.copy_blocks(out.copies)
+        logits = self.executor.execute(inp)  # lock released: aborts may land now (fenced)
         with self._lock:
             if any(prompt_rows):
                 self._record_prompt_logprobs(out, prompt_rows, logits[inp.num_sample_rows:])

@@ -85,7 +85,7 @@ def _tokens(outs):
 
 def test_every_rank_holds_its_kv_heads_with_the_same_blocks(engines):
     tp1, tp3 = engines
-    ex = tp3.engine.runner
+    ex = tp3.engine.executor
     infos = ex.query_workers()  # asked now, over the step group
     spec = KVCacheSpec(num_layers=30, num_kv_heads=3, head_dim=64, dtype="fp32", tp_size=3)
     assert spec.bytes_per_token == 30 * 2 * 1 * 64 * 4  # one KV head per rank
@@ -164,7 +164,7 @@ def test_close_leaves_no_process(engines):
     _, tp3 = engines
     import torch.distributed as dist
 
-    pids = tp3.engine.runner.worker_pids
+    pids = tp3.engine.executor.worker_pids
     tp3.engine.close()
     assert not set(pids) & _children()
     for pid in pids:

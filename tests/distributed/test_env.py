@@ -40,7 +40,7 @@ def test_env_started_workers_match_size_one(loaded_model, monkeypatch, tmp_path)
         monkeypatch.setenv("RANK", "0")
         monkeypatch.setenv("LOCAL_RANK", "0")
         tp3 = LLM(loaded_model, tensor_parallel_size=3, block_size=8, num_blocks=32)
-        assert tp3.engine.runner.worker_pids == [p.pid for p in procs]
+        assert tp3.engine.executor.worker_pids == [p.pid for p in procs]
         prompts = [[1, 504, 3458, 282, 9529], [1, 504, 3458, 282, 9529, 314, 260, 3213, 282]]
         params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
         got = [o.token_ids for o in tp3.generate(prompts, params, use_tqdm=False)]

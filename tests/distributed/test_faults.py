@@ -64,7 +64,7 @@ def test_killed_worker_ends_generation_with_an_error(loaded_model, monkeypatch):
     60 s collective timeout."""
     llm = _engine(loaded_model, monkeypatch, timeout_s=60)
     eng = llm.engine
-    pids = eng.runner.worker_pids
+    pids = eng.executor.worker_pids
     try:
         for i in range(2):
             eng.add_request(f"r{i}", [1, 504, 3458, 282, 9529, 314 + i], SamplingParams(max_tokens=200, ignore_eos=True))
@@ -96,7 +96,7 @@ def test_hung_worker_times_out(loaded_model, monkeypatch):
     PAGEDKV_TP_TIMEOUT (4 s here) and the engine raises; the stopped process is killed too."""
     llm = _engine(loaded_model, monkeypatch, timeout_s=4)
     eng = llm.engine
-    pids = eng.runner.worker_pids
+    pids = eng.executor.worker_pids
     try:
         eng.add_request("r", [1, 504, 3458, 282], SamplingParams(max_tokens=50, ignore_eos=True))
         eng.step()

@@ -29,7 +29,7 @@ def test_tp2_hybrid_greedy_equals_transformers(gemma2, monkeypatch):  # noqa: F8
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == refs
         assert eng.kv.num_groups == 3 and eng.kv.stats.window_freed_blocks > 0
-        infos = eng.runner.query_workers()
+        infos = eng.executor.query_workers()
         assert [i["num_layers"] for i in infos] == [3, 3]
         assert [i["num_blocks"] for i in infos] == [48, 48]
         # 1 shared cache (three 1-layer groups) x 48 blocks x 4 tokens x K+V x 1 head x 16 dims x 4 bytes

@@ -24,7 +24,7 @@ def test_tensor_parallel_ranks_hold_int8_blocks(loaded_model, monkeypatch, agree
               max_num_batched_tokens=64, debug_invariants=True)
     tp3 = LLM(loaded_model, tensor_parallel_size=3, **kw)
     try:
-        infos = tp3.engine.runner.query_workers()
+        infos = tp3.engine.executor.query_workers()
         assert [i["kv_bytes_per_token"] for i in infos] == [30 * 2 * 1 * 66] * 3 == [tp3.engine.kv_spec.bytes_per_token] * 3
         ids = tp3.engine.tokenize(TEXT)
         tp1 = LLM(loaded_model, **kw)
