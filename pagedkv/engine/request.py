@@ -46,6 +46,8 @@ class SamplingParams:
     length_penalty: exponent of the generated length in the beam score (> 0 favours longer).
     early_stopping: beam search stop rule: False (heuristic), True (as soon as beam_width
     hypotheses are finished) or "never" (only when no running beam can do better).
+    structured: a ``pagedkv.engine.structured.StructuredSpec`` (JSON object, JSON schema,
+    regex, choice or grammar) the output must match; None = off; not with beam search.
 
     Raises ``InvalidRequestError`` from :meth:`validate` on out-of-range values.
     """

@@ -16,7 +16,9 @@ measures its mask cost on the bundled model).
   one token bitmask ``[rows, ceil(vocab / 32)]`` int32 and add -inf to those rows' forbidden logits
   in one batched operation; rows without one are untouched (and keep the C sampling path).
 
-Once a grammar is complete, only EOS is allowed, so the request finishes with ``"stop"``.
+A grammar that can end allows EOS; once nothing may follow (``GrammarState.done``) the
+scheduler's stop check finishes the request with ``"stop"`` without waiting for an EOS token.
+``max_tokens`` and stop strings still cut the output where they fall (``"length"`` / ``"stop"``).
 """
 
 from __future__ import annotations
@@ -94,17 +96,19 @@ class StructuredSpec:
 
 
 class CompiledGrammar:
-    """A validated grammar (llguidance's serialised form) bound to the engine's tokenizer."""
+    """A validated grammar (llguidance's serialised form) bound to the engine's tokenizer.
+    ``template``: a matcher at the start of the grammar; every sequence's matcher is a copy
+    of it (cheaper than parsing the grammar again)."""
 
-    def __init__(self, grammar: str, tokenizer: Any, limits: Any) -> None:
+    def __init__(self, grammar: str, template: Any) -> None:
         self.grammar = grammar
-        self.tokenizer = tokenizer
-        self.limits = limits
+        self.template = template
+        self._lock = threading.Lock()
 
     def new_state(self) -> "GrammarState":
-        import llguidance
-
-        return GrammarState(llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=0, limits=self.limits))
+        """A fresh matcher for one sequence (thread-safe)."""
+        with self._lock:
+            return GrammarState(self.template.deep_copy())
 
 
 class GrammarState:
@@ -128,6 +132,17 @@ class GrammarState:
             self.failed = True
             logger.error("structured output: token %d refused by the grammar (%s); the sequence "
                          "is no longer constrained", token_id, self.matcher.get_error()[:200])
+
+    @property
+    def done(self) -> bool:
+        """Whether the grammar is complete and nothing may follow (the request stops)."""
+        return not self.failed and self.matcher.is_stopped()
+
+    def copy(self) -> "GrammarState":
+        """An independent matcher at the same point (a forked sequence)."""
+        st = GrammarState(self.matcher.deep_copy())
+        st.consumed, st.failed = self.consumed, self.failed
+        return st
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into ``bitmask[row]`` (int32, bit ``t % 32`` of word
@@ -182,12 +197,13 @@ class GrammarCompiler:
                 return hit
             self.misses += 1
             tok = self._tokenizer()
-        compiled = CompiledGrammar(_grammar_of(spec), tok, self._limits)
+        grammar = _grammar_of(spec)
         import llguidance
 
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(compiled.grammar, tok, limits=self._limits)
-        if is_error:
-            raise InvalidRequestError(f"structured output ({spec.kind}): {_first_line(messages)}")
+        template = llguidance.LLMatcher(tok, grammar, log_level=0, limits=self._limits)
+        if template.is_error():
+            raise InvalidRequestError(f"structured output ({spec.kind}): {_first_line([template.get_error()])}")
+        compiled = CompiledGrammar(grammar, template)
         with self._lock:
             self._cache[key] = compiled
             while len(self._cache) > CACHE_SIZE:
@@ -217,8 +233,9 @@ def _grammar_of(spec: StructuredSpec) -> str:
 
 
 def _first_line(messages: Sequence[str]) -> str:
-    text = " ".join(str(m) for m in messages).strip() or "invalid"
-    return text.splitlines()[0][:500]
+    """The messages on one line (whitespace runs collapsed), at most 500 characters."""
+    text = " ".join(" ".join(str(m) for m in messages).split()) or "invalid"
+    return text[:500]
 
 
 def state_of(req: Any) -> GrammarState:
