@@ -79,8 +79,12 @@ class StructuredSpec:
                 bad("choice needs a non-empty list of strings")
             if len(v) > MAX_CHOICES:
                 bad(f"choice: at most {MAX_CHOICES} strings, got {len(v)}")
-        if len(self.text()) > MAX_SPEC_CHARS:
-            bad(f"{self.kind}: at most {MAX_SPEC_CHARS} characters, got {len(self.text())}")
+        try:
+            size = len(self.text())
+        except (TypeError, ValueError) as e:  # a schema json.dumps cannot write
+            bad(f"{self.kind} is not JSON: {e}")
+        if size > MAX_SPEC_CHARS:
+            bad(f"{self.kind}: at most {MAX_SPEC_CHARS} characters, got {size}")
 
     def text(self) -> str:
         """The spec as the grammar engine reads it (a schema as JSON text)."""
@@ -228,7 +232,7 @@ def _grammar_of(spec: StructuredSpec) -> str:
         if spec.kind == "grammar":
             return llguidance.grammar_from("grammar", spec.value)
         return llguidance.grammar_from(spec.kind, spec.text())
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, RuntimeError) as e:  # the engine's answer to bad input
         raise InvalidRequestError(f"structured output ({spec.kind}): {_first_line([str(e)])}") from None
 
 
