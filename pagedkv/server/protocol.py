@@ -19,6 +19,7 @@ from pagedkv.engine.request import CompletionOutput, RequestOutput, SamplingPara
 from pagedkv.engine.structured import StructuredSpec
 from pagedkv.server.choices import ChoiceBuilder, zero_tokens
 from pagedkv.server.errors import APIError
+from pagedkv.server.tools import ToolCalls, chat_message_text
 
 MAX_SEQS_PER_CALL = 64  # sequences (prompts x n) one /v1/completions call may start
 
@@ -82,8 +83,9 @@ def sampling_params(body: Any, max_tokens: int, logprobs: Optional[int],
 
 
 def chat_messages(body: Any) -> list[dict[str, str]]:
-    """The conversation for the chat template (``developer`` is sent as ``system``)."""
-    return [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
+    """The conversation for the chat template (``developer`` is sent as ``system``; earlier
+    tool calls as text, see :func:`pagedkv.server.tools.chat_message_text`)."""
+    return [{"role": m.role if m.role != "developer" else "system", "content": chat_message_text(m)}
             for m in body.messages]
 
 
@@ -118,6 +120,7 @@ class ResponseContext:
     prompts: list[list[int]]
     body: Any
     echo: Optional[list[str]] = None
+    tools: Optional[ToolCalls] = None  # chat with tools (tool_choice not "none")
 
     def __post_init__(self) -> None:
         self.n: int = self.body.n
@@ -167,8 +170,10 @@ def _response_choice(ctx: ResponseContext, tokenizer: Any, prompt_idx: int, out:
     text, lp, finish = builder(ctx, tokenizer, prompt_idx).advance(out, c) or ("", None, c.finish_reason)
     idx = ctx.choice_index(prompt_idx, c.index)
     if ctx.kind == "chat":
-        return {"index": idx, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                "finish_reason": finish}
+        msg: dict[str, Any] = {"role": "assistant", "content": text}
+        if ctx.tools is not None:
+            msg, finish = ctx.tools.message(text, finish)
+        return {"index": idx, "message": msg, "logprobs": lp, "finish_reason": finish}
     return {"index": idx, "text": text, "logprobs": lp, "finish_reason": finish}
 
 

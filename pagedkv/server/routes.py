@@ -39,6 +39,7 @@ from pagedkv.server.protocol import (
 )
 from pagedkv.server.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pagedkv.server.streaming import SSEResponse, stream_events
+from pagedkv.server.tools import ToolCalls
 
 router = APIRouter()
 
@@ -81,11 +82,17 @@ def _admit(st: ServerState, body: Union[CompletionRequest, ChatCompletionRequest
     return model
 
 
-async def _structured(st: ServerState, body: Union[CompletionRequest, ChatCompletionRequest]) -> Optional[Any]:
-    """The body's structured-output spec, compiled (in a worker thread: a new schema takes
-    up to about a second; then it is cached), or None. Raises 400 naming the parameter and
-    the problem for a bad schema, regex, choice list or grammar."""
+async def _structured(st: ServerState, body: Union[CompletionRequest, ChatCompletionRequest],
+                      tool_spec: Optional[Any] = None) -> Optional[Any]:
+    """The body's structured-output spec (or ``tool_spec``, the schema of ``required`` /
+    named tool calls), compiled (in a worker thread: a new schema takes up to about a
+    second; then it is cached), or None. Raises 400 naming the parameter and the problem
+    for a bad schema, regex, choice list or grammar, or for both kinds of constraint."""
     found = structured_spec(body)
+    if tool_spec is not None:
+        if found is not None:
+            raise _bad(f"{found[1]} cannot be combined with tool_choice required or a named function", found[1])
+        found = (tool_spec, "tools")
     if found is None:
         return None
     spec, param = found
@@ -224,8 +231,10 @@ async def chat_completions(request: Request, st: State, tenant: Tenant, body: Ch
     if body.top_logprobs is not None and not body.logprobs:
         raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
     engine = st.engine
+    tools = ToolCalls.of(body)  # None: no tools, or tool_choice "none"
+    messages = chat_messages(body) if tools is None else tools.messages(chat_messages(body))
     try:
-        ids = await asyncio.to_thread(engine.apply_chat_template, chat_messages(body))
+        ids = await asyncio.to_thread(engine.apply_chat_template, messages)
     except InvalidRequestError as e:
         raise APIError(400, str(e), param="messages", code="invalid_value") from None
     except Exception as e:  # a template that rejects this conversation (roles, order)
@@ -234,10 +243,11 @@ async def chat_completions(request: Request, st: State, tenant: Tenant, body: Ch
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     mt = check_lengths(engine.max_model_len, len(ids), max_tokens, "messages")
     lp = (body.top_logprobs or 0) if body.logprobs else None
-    spec = PromptSpec(ids, sampling_params(body, mt, lp, structured=await _structured(st, body)), body.cache_salt)
+    structured = await _structured(st, body, tools.constraint() if tools is not None else None)
+    spec = PromptSpec(ids, sampling_params(body, mt, lp, structured=structured), body.cache_salt)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     sub = await _submit(st, [f"{rid}-0"], [spec], body.stream, tenant)
-    ctx = ResponseContext(rid, model, int(time.time()), "chat", [ids], body)
+    ctx = ResponseContext(rid, model, int(time.time()), "chat", [ids], body, tools=tools)
     return await _respond(ctx, sub, request, st)
 
 

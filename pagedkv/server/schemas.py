@@ -88,6 +88,7 @@ class StreamOptions(BaseModel):
 
 
 MAX_CHOICES = 1024  # guided_choice strings
+MAX_TOOLS = 128  # tools of one chat call (OpenAI's limit)
 MAX_FORMAT_NAME_CHARS = 64  # response_format.json_schema.name (OpenAI's limit)
 
 
@@ -208,10 +209,15 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
+    """One message. ``tool_calls`` (an assistant's earlier calls) and ``tool_call_id`` (a
+    tool result's call) are rendered as text (:mod:`pagedkv.server.tools`)."""
+
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[TextPart]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)]] = None
+    tool_call_id: Optional[str] = Field(None, max_length=MAX_USER_CHARS)
 
     def text(self) -> str:
         if self.content is None:
@@ -221,12 +227,52 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
 
+FunctionName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+
+
+class FunctionDef(BaseModel):
+    """A tool's function: ``name`` (1-64 of ``A-Za-z0-9_.-``), ``description``,
+    ``parameters`` (a JSON schema of its arguments object; absent = any object)."""
+
+    model_config = ConfigDict(extra="ignore")
+    name: FunctionName
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[StrictBool] = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: FunctionName
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice`` forcing one function: ``{"type": "function", "function": {"name"}}``."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``. ``max_tokens`` (or ``max_completion_tokens``)
     defaults to the room left in the context. ``logprobs``: bool; ``top_logprobs``: 0..20
-    alternatives per token."""
+    alternatives per token. ``tools`` / ``tool_choice`` (``none``, ``auto``, ``required``
+    or a named function) / ``parallel_tool_calls``: :mod:`pagedkv.server.tools`."""
 
-    UNSUPPORTED: ClassVar[dict[str, tuple]] = {**_UNSUPPORTED_COMMON, "echo": (), "suffix": ()}
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
+        **{k: v for k, v in _UNSUPPORTED_COMMON.items() if k not in ("tools", "tool_choice", "parallel_tool_calls")},
+        "echo": (), "suffix": ()}
+
+    tools: Optional[Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: Optional[StrictBool] = None
 
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
     max_tokens: Optional[StrictInt] = Field(None, ge=1)
