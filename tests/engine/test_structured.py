@@ -178,6 +178,7 @@ def test_max_tokens_cuts_a_schema_with_length(llm):
     (StructuredSpec("yaml", "x"), "kind must be one of"),
     (StructuredSpec("json_schema", "not a dict"), "JSON schema object"),
     (StructuredSpec("regex", "a" * 70000), "at most"),
+    (StructuredSpec("json_schema", {"default": object()}), "is not JSON"),
 ])
 def test_bad_specs_are_invalid_request_errors(llm, spec, needle):
     with pytest.raises(InvalidRequestError, match=re.escape(needle)):
