@@ -31,8 +31,12 @@ def __getattr__(name):  # lazy: importing pagedkv.kv must not import torch model
         from pagedkv.engine import request
 
         return getattr(request, name)
+    if name == "StructuredSpec":
+        from pagedkv.engine.structured import StructuredSpec
+
+        return StructuredSpec
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "PagedKVError",
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "StructuredSpec", "RequestOutput", "PagedKVError",
            "ConfigError", "InvalidRequestError", "NoFreeBlocksError"]

@@ -24,6 +24,7 @@ BENCHES: dict[str, str] = {
     "offload": "pagedkv.bench.offload",
     "hybrid_blocks": "pagedkv.bench.hybrid_blocks",
     "route": "pagedkv.bench.route",
+    "structured": "pagedkv.bench.structured",
 }
 
 

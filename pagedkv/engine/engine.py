@@ -37,6 +37,7 @@ from pagedkv.engine.request import Request, RequestOutput, SamplingParams, now
 from pagedkv.engine.sampler import Sampler, prompt_logprob_dicts
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
 from pagedkv.engine.sequence_group import SequenceGroup, SequenceGroups, request_blocks
+from pagedkv.engine.structured import GrammarCompiler
 from pagedkv.engine.stats import EngineStats
 from pagedkv.errors import ConfigError, InvalidRequestError
 from pagedkv.kv import CacheKeys, KVCacheSpec, parse_size
@@ -122,6 +123,7 @@ class LLMEngine:
         self.output = OutputProcessor(self.tokenizer)
         self.sampler = Sampler(torch.Generator().manual_seed(cfg.seed))
         self.eos_token_ids = tuple(mc.eos_token_ids or ())
+        self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)  # structured outputs
         self._lock = threading.RLock()
         self._ids = itertools.count()
         logger.info(
@@ -260,6 +262,8 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling_params must be a SamplingParams")
         params.validate(max_n=self.config.max_n, vocab_size=self.model_config.vocab_size)
+        if params.structured is not None:  # a bad schema/regex/grammar: InvalidRequestError
+            self.grammars.compile(params.structured)
         if arrival_time is not None and (
             isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float))
             or arrival_time != arrival_time

@@ -46,6 +46,8 @@ class SamplingParams:
     length_penalty: exponent of the generated length in the beam score (> 0 favours longer).
     early_stopping: beam search stop rule: False (heuristic), True (as soon as beam_width
     hypotheses are finished) or "never" (only when no running beam can do better).
+    structured: a ``pagedkv.engine.structured.StructuredSpec`` (JSON object, JSON schema,
+    regex, choice or grammar) the output must match; None = off; not with beam search.
 
     Raises ``InvalidRequestError`` from :meth:`validate` on out-of-range values.
     """
@@ -70,6 +72,7 @@ class SamplingParams:
     early_stopping: Any = False
     logit_bias: Optional[dict[int, float]] = None
     prompt_logprobs: Optional[int] = None
+    structured: Any = None
 
     # The accepted ranges: validate() checks them, the server's request schemas reuse them.
     MAX_N: ClassVar[int] = 64  # default cap of n and beam_width (the engine passes its own)
@@ -169,7 +172,15 @@ class SamplingParams:
             bad("skip_special_tokens", f"must be a bool, got {self.skip_special_tokens!r}")
         if not (self.early_stopping is False or self.early_stopping is True or self.early_stopping == "never"):
             bad("early_stopping", f"must be False, True or 'never', got {self.early_stopping!r}")
+        if self.structured is not None:
+            from pagedkv.engine.structured import StructuredSpec
+
+            if not isinstance(self.structured, StructuredSpec):
+                bad("structured", f"must be a StructuredSpec or None, got {type(self.structured).__name__}")
+            self.structured.validate()
         if self.beam_width > 1:
+            if self.structured is not None:
+                bad("structured", "not supported with beam search")
             if self.n != 1:
                 bad("n", "must be 1 with beam search (beam_width hypotheses are returned)")
             if self.uses_penalties:
@@ -258,6 +269,7 @@ class Request:
     finish_time: Optional[float] = None
     scheduled_time: Optional[float] = None
     generator: Optional[torch.Generator] = None
+    grammar: Any = None  # structured output: the matcher (pagedkv.engine.structured.GrammarState)
     output_text: str = ""
     _text_tokens: int = 0  # how many output tokens output_text reflects
     _all_token_ids: list[int] = field(default_factory=list, repr=False)
@@ -288,6 +300,8 @@ class Request:
     def append_output_token(self, token_id: int, logprobs: Optional[dict[int, float]] = None) -> None:
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
 

@@ -9,7 +9,8 @@ request's generator, whatever the vocabulary size and the filters. On the CPU bo
 else in torch.
 
 Logits are adjusted per request before any pick: penalties (:func:`apply_penalties`), then
-``logit_bias`` (:func:`apply_logit_bias`). Logprobs are those of the adjusted logits
+``logit_bias`` (:func:`apply_logit_bias`), then a structured-output grammar's token mask
+(:mod:`pagedkv.engine.structured`, batched over the rows that have one). Logprobs are those of the adjusted logits
 (before temperature). A row whose adjusted logits hold NaN or +inf, or are all -inf, or
 whose sampled token would get a non-finite logprob, raises :class:`SamplingError` naming
 its requests: the validated parameter ranges make this unreachable, and the guard keeps a
@@ -27,6 +28,7 @@ import torch
 
 from pagedkv.engine import sample_ops
 from pagedkv.engine.request import Request, SamplingParams
+from pagedkv.engine.structured import apply_grammar_masks, constrained_rows
 from pagedkv.errors import PagedKVError
 
 
@@ -129,6 +131,9 @@ class Sampler:
                     apply_penalties(logits[i], requests[i])
                 if requests[i].sampling_params.uses_logit_bias:
                     apply_logit_bias(logits[i], requests[i])
+        grammar_rows = constrained_rows(requests)
+        if grammar_rows:  # structured outputs: forbidden tokens -> -inf, one batched fill
+            logits = apply_grammar_masks(logits if adjust else logits.clone(), requests, grammar_rows)
         _check_finite(logits, requests)
         on_cpu = logits.device.type == "cpu" and logits.stride(-1) == 1
         ops = sample_ops.get() if on_cpu else None  # the C picks, or None: torch's

@@ -452,6 +452,9 @@ class Scheduler:
         if p.stop_token_ids and token_id in p.stop_token_ids:
             req.stop_reason = token_id
             return RequestStatus.FINISHED_STOPPED
+        if req.grammar is not None and req.grammar.done:  # structured output complete
+            req.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= p.max_tokens or req.num_tokens >= req.max_total_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None

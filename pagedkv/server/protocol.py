@@ -11,23 +11,60 @@ except ``text_offset`` (characters).
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from pagedkv.engine.request import CompletionOutput, RequestOutput, SamplingParams
+from pagedkv.engine.structured import StructuredSpec
 from pagedkv.server.choices import ChoiceBuilder, zero_tokens
 from pagedkv.server.errors import APIError
+from pagedkv.server.tools import ToolCalls, chat_message_text
 
 MAX_SEQS_PER_CALL = 64  # sequences (prompts x n) one /v1/completions call may start
 
 
 # ---- requests -----------------------------------------------------------------------
+def structured_spec(body: Any) -> Optional[tuple[StructuredSpec, str]]:
+    """The structured-output constraint a body asks for and the parameter that asked
+    (``response_format`` json_object / json_schema, ``guided_json``, ``guided_regex``,
+    ``guided_choice``, ``guided_grammar``), or None. Raises 400 ``invalid_value`` when more
+    than one is set or ``guided_json`` is text that is not a JSON object."""
+    found: list[tuple[StructuredSpec, str]] = []
+    rf = body.response_format
+    if rf is not None and rf.type == "json_object":
+        found.append((StructuredSpec("json_object"), "response_format"))
+    elif rf is not None and rf.type == "json_schema":
+        schema = rf.json_schema.schema_
+        spec = StructuredSpec("json_object") if schema is None else StructuredSpec("json_schema", schema)
+        found.append((spec, "response_format"))
+    if body.guided_json is not None:
+        schema = body.guided_json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise APIError(400, f"guided_json is not JSON: {e}", param="guided_json", code="invalid_value") from None
+            if not isinstance(schema, dict):
+                raise APIError(400, "guided_json must be a JSON schema object", param="guided_json", code="invalid_value")
+        found.append((StructuredSpec("json_schema", schema), "guided_json"))
+    for name, kind in (("guided_regex", "regex"), ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+        if getattr(body, name) is not None:
+            found.append((StructuredSpec(kind, getattr(body, name)), name))
+    if len(found) > 1:
+        raise APIError(400, "give at most one of " + ", ".join(p for _, p in found), param=found[1][1],
+                       code="invalid_value")
+    return found[0] if found else None
+
+
 def sampling_params(body: Any, max_tokens: int, logprobs: Optional[int],
-                    prompt_logprobs: Optional[int] = None) -> SamplingParams:
+                    prompt_logprobs: Optional[int] = None,
+                    structured: Optional[StructuredSpec] = None) -> SamplingParams:
     """The engine's parameters for a request body (unset fields: the OpenAI defaults). With
     ``best_of`` the engine draws ``best_of`` samples and keeps their logprobs, so that
     :func:`completion_response` can return the ``n`` best. ``max_tokens`` 0 (completions
-    with echo) runs the engine for one token, which the response leaves out."""
+    with echo) runs the engine for one token, which the response leaves out. ``structured``:
+    the constraint of :func:`structured_spec` (compiled by the route)."""
     if body.best_of is not None and body.best_of > body.n:
         logprobs = logprobs or 0
     return SamplingParams(
@@ -41,13 +78,14 @@ def sampling_params(body: Any, max_tokens: int, logprobs: Optional[int],
         frequency_penalty=float(body.frequency_penalty or 0.0),
         seed=body.seed, max_tokens=max(max_tokens, 1), stop=body.stop, prompt_logprobs=prompt_logprobs,
         stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logprobs=logprobs,
-        logit_bias=body.token_biases(),
+        logit_bias=body.token_biases(), structured=structured,
     )
 
 
 def chat_messages(body: Any) -> list[dict[str, str]]:
-    """The conversation for the chat template (``developer`` is sent as ``system``)."""
-    return [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
+    """The conversation for the chat template (``developer`` is sent as ``system``; earlier
+    tool calls as text, see :func:`pagedkv.server.tools.chat_message_text`)."""
+    return [{"role": m.role if m.role != "developer" else "system", "content": chat_message_text(m)}
             for m in body.messages]
 
 
@@ -82,6 +120,7 @@ class ResponseContext:
     prompts: list[list[int]]
     body: Any
     echo: Optional[list[str]] = None
+    tools: Optional[ToolCalls] = None  # chat with tools (tool_choice not "none")
 
     def __post_init__(self) -> None:
         self.n: int = self.body.n
@@ -131,8 +170,10 @@ def _response_choice(ctx: ResponseContext, tokenizer: Any, prompt_idx: int, out:
     text, lp, finish = builder(ctx, tokenizer, prompt_idx).advance(out, c) or ("", None, c.finish_reason)
     idx = ctx.choice_index(prompt_idx, c.index)
     if ctx.kind == "chat":
-        return {"index": idx, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                "finish_reason": finish}
+        msg: dict[str, Any] = {"role": "assistant", "content": text}
+        if ctx.tools is not None:
+            msg, finish = ctx.tools.message(text, finish)
+        return {"index": idx, "message": msg, "logprobs": lp, "finish_reason": finish}
     return {"index": idx, "text": text, "logprobs": lp, "finish_reason": finish}
 
 

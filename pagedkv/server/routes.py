@@ -35,9 +35,11 @@ from pagedkv.server.protocol import (
     check_lengths,
     completion_response,
     sampling_params,
+    structured_spec,
 )
 from pagedkv.server.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pagedkv.server.streaming import SSEResponse, stream_events
+from pagedkv.server.tools import ToolCalls
 
 router = APIRouter()
 
@@ -78,6 +80,27 @@ def _admit(st: ServerState, body: Union[CompletionRequest, ChatCompletionRequest
     if not st.loop.accepting:
         raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
     return model
+
+
+async def _structured(st: ServerState, body: Union[CompletionRequest, ChatCompletionRequest],
+                      tool_spec: Optional[Any] = None) -> Optional[Any]:
+    """The body's structured-output spec (or ``tool_spec``, the schema of ``required`` /
+    named tool calls), compiled (in a worker thread: a new schema takes up to about a
+    second; then it is cached), or None. Raises 400 naming the parameter and the problem
+    for a bad schema, regex, choice list or grammar, or for both kinds of constraint."""
+    found = structured_spec(body)
+    if tool_spec is not None:
+        if found is not None:
+            raise _bad(f"{found[1]} cannot be combined with tool_choice required or a named function", found[1])
+        found = (tool_spec, "tools")
+    if found is None:
+        return None
+    spec, param = found
+    try:
+        await asyncio.to_thread(st.engine.grammars.compile, spec)
+    except InvalidRequestError as e:
+        raise APIError(400, str(e), param=param, code="invalid_value") from None
+    return spec
 
 
 async def _submit(st: ServerState, ids: list[str], specs: list[PromptSpec], stream: bool,
@@ -190,9 +213,10 @@ async def completions(request: Request, st: State, tenant: Tenant, body: Complet
         token_lists.append(ids)
     specs = []
     plp = body.logprobs if body.echo else None  # echo + logprobs: the prompt's logprobs too
+    structured = await _structured(st, body)
     for ids in token_lists:
         mt = check_lengths(engine.max_model_len, len(ids), body.max_tokens, "prompt")
-        specs.append(PromptSpec(ids, sampling_params(body, mt, body.logprobs, plp), body.cache_salt))
+        specs.append(PromptSpec(ids, sampling_params(body, mt, body.logprobs, plp, structured), body.cache_salt))
     rid = f"cmpl-{uuid.uuid4().hex}"
     eids = [f"{rid}-{i}" for i in range(len(specs))]
     echo = [p if isinstance(p, str) else engine.tokenizer.decode(p) for p in prompts] if body.echo else None
@@ -207,8 +231,10 @@ async def chat_completions(request: Request, st: State, tenant: Tenant, body: Ch
     if body.top_logprobs is not None and not body.logprobs:
         raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
     engine = st.engine
+    tools = ToolCalls.of(body)  # None: no tools, or tool_choice "none"
+    messages = chat_messages(body) if tools is None else tools.messages(chat_messages(body))
     try:
-        ids = await asyncio.to_thread(engine.apply_chat_template, chat_messages(body))
+        ids = await asyncio.to_thread(engine.apply_chat_template, messages)
     except InvalidRequestError as e:
         raise APIError(400, str(e), param="messages", code="invalid_value") from None
     except Exception as e:  # a template that rejects this conversation (roles, order)
@@ -217,10 +243,11 @@ async def chat_completions(request: Request, st: State, tenant: Tenant, body: Ch
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     mt = check_lengths(engine.max_model_len, len(ids), max_tokens, "messages")
     lp = (body.top_logprobs or 0) if body.logprobs else None
-    spec = PromptSpec(ids, sampling_params(body, mt, lp), body.cache_salt)
+    structured = await _structured(st, body, tools.constraint() if tools is not None else None)
+    spec = PromptSpec(ids, sampling_params(body, mt, lp, structured=structured), body.cache_salt)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     sub = await _submit(st, [f"{rid}-0"], [spec], body.stream, tenant)
-    ctx = ResponseContext(rid, model, int(time.time()), "chat", [ids], body)
+    ctx = ResponseContext(rid, model, int(time.time()), "chat", [ids], body, tools=tools)
     return await _respond(ctx, sub, request, st)
 
 

@@ -1,12 +1,14 @@
 """OpenAI-compatible request and response bodies (pydantic v2), and the error object.
 
 Only the fields pagedkv implements are declared, and each is honoured. An OpenAI parameter
-it does not implement (``UNSUPPORTED``: ``tools``, ``response_format``, ``suffix``, ...) is
+it does not implement (``UNSUPPORTED``: ``suffix``, ``audio``, ...) is
 refused with a 400 naming it when set to anything but its "off" value; other unknown fields
 are ignored (clients send a few optional ones). Extensions beyond OpenAI, named as in vLLM:
 ``cache_salt`` (str: keeps this request's prefix-cache blocks apart from requests with
 another salt), ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
-``stop_token_ids``. ``logit_bias`` (token id as a decimal string -> bias in [-100, 100])
+``stop_token_ids``, and structured outputs: OpenAI's ``response_format`` (``json_object``,
+``json_schema``) or one of ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+``guided_grammar`` (docs/structured_outputs.md). ``logit_bias`` (token id as a decimal string -> bias in [-100, 100])
 and ``best_of`` (generate ``best_of`` samples, return the ``n`` with the highest cumulative
 logprob; not with ``stream``) are OpenAI's.
 
@@ -62,7 +64,7 @@ Bias = Annotated[Number, Field(ge=_BIAS[0], le=_BIAS[1])]
 # "", [] and {} always do): set to anything else, a request is refused with 400.
 _UNSUPPORTED_COMMON: dict[str, tuple] = {
     "tools": (), "tool_choice": ("none", "auto"), "functions": (), "function_call": ("none", "auto"),
-    "parallel_tool_calls": (), "response_format": ({"type": "text"},), "audio": (),
+    "parallel_tool_calls": (), "audio": (),
     "modalities": (["text"],), "prediction": (), "web_search_options": (),
 }
 
@@ -83,6 +85,38 @@ class ErrorResponse(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: StrictBool = False
+
+
+MAX_CHOICES = 1024  # guided_choice strings
+MAX_TOOLS = 128  # tools of one chat call (OpenAI's limit)
+MAX_FORMAT_NAME_CHARS = 64  # response_format.json_schema.name (OpenAI's limit)
+
+
+class JSONSchemaFormat(BaseModel):
+    """``response_format.json_schema``: ``schema`` (a JSON schema object; absent = any JSON
+    object), ``name``, ``description`` and ``strict`` (accepted; the output always matches
+    the schema, strict or not)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = Field("response", max_length=MAX_FORMAT_NAME_CHARS)
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[StrictBool] = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``{"type": "text"}`` (off), ``{"type": "json_object"}``
+    (any JSON object) or ``{"type": "json_schema", "json_schema": {...}}``."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JSONSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema object")
+        return self
 
 
 class _SamplingFields(BaseModel):
@@ -110,6 +144,12 @@ class _SamplingFields(BaseModel):
     repetition_penalty: Optional[Number] = Field(None, ge=_REP_PENALTY[0], le=_REP_PENALTY[1])
     ignore_eos: StrictBool = False
     stop_token_ids: Optional[list[TokenId]] = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    # structured outputs (at most one; pagedkv.server.protocol.structured_spec)
+    response_format: Optional[ResponseFormat] = None
+    guided_json: Optional[Union[dict[str, Any], str]] = None  # a JSON schema (object or its text)
+    guided_regex: Optional[NonEmptyStr] = None
+    guided_choice: Optional[Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)]] = None
+    guided_grammar: Optional[NonEmptyStr] = None  # EBNF/GBNF (``root ::= ...``) or Lark
 
     @field_validator("stop")
     @classmethod
@@ -169,10 +209,15 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
+    """One message. ``tool_calls`` (an assistant's earlier calls) and ``tool_call_id`` (a
+    tool result's call) are rendered as text (:mod:`pagedkv.server.tools`)."""
+
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[TextPart]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)]] = None
+    tool_call_id: Optional[str] = Field(None, max_length=MAX_USER_CHARS)
 
     def text(self) -> str:
         if self.content is None:
@@ -182,12 +227,52 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
 
+FunctionName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+
+
+class FunctionDef(BaseModel):
+    """A tool's function: ``name`` (1-64 of ``A-Za-z0-9_.-``), ``description``,
+    ``parameters`` (a JSON schema of its arguments object; absent = any object)."""
+
+    model_config = ConfigDict(extra="ignore")
+    name: FunctionName
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[StrictBool] = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: FunctionName
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice`` forcing one function: ``{"type": "function", "function": {"name"}}``."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``. ``max_tokens`` (or ``max_completion_tokens``)
     defaults to the room left in the context. ``logprobs``: bool; ``top_logprobs``: 0..20
-    alternatives per token."""
+    alternatives per token. ``tools`` / ``tool_choice`` (``none``, ``auto``, ``required``
+    or a named function) / ``parallel_tool_calls``: :mod:`pagedkv.server.tools`."""
 
-    UNSUPPORTED: ClassVar[dict[str, tuple]] = {**_UNSUPPORTED_COMMON, "echo": (), "suffix": ()}
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
+        **{k: v for k, v in _UNSUPPORTED_COMMON.items() if k not in ("tools", "tool_choice", "parallel_tool_calls")},
+        "echo": (), "suffix": ()}
+
+    tools: Optional[Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: Optional[StrictBool] = None
 
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
     max_tokens: Optional[StrictInt] = Field(None, ge=1)

@@ -65,7 +65,11 @@ async def stream_events(ctx: ResponseContext, sub: Submission, metrics: ServerMe
                     yield sse(aborted_error().body())
                     return
                 fields = b.advance(out, ctx.view(c))
-                if fields is not None:
+                if fields is not None and ctx.tools is not None:  # text kept until the answer ends
+                    tool_choice = ctx.tools.stream_choice(idx, fields[0], fields[2])
+                    if tool_choice is not None:
+                        choices.append(tool_choice)
+                elif fields is not None:
                     choices.append(delta_choice(ctx, idx, *fields))
             if choices:
                 yield sse(stream_chunk(ctx, choices))

@@ -219,8 +219,8 @@ def test_6_best_of_returns_the_best_by_cumulative_logprob(http, idle_after):
 
 def test_6_unimplemented_openai_parameters_are_400(http, idle_after):
     for path, extra, param in (
-        (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
+        (CHAT, {"functions": [{"name": "f"}]}, "functions"),
+        (CHAT, {"prediction": {"type": "content", "content": "x"}}, "prediction"),
         (CHAT, {"echo": True}, "echo"),
         (CMPL, {"suffix": "end"}, "suffix"),
     ):

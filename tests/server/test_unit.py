@@ -219,8 +219,9 @@ def test_unsupported_parameters():
     table = ChatCompletionRequest.UNSUPPORTED
     check_unsupported({"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "x": 1}, table)
     with pytest.raises(APIError) as e:
-        check_unsupported({"response_format": {"type": "json_object"}}, table)
-    assert (e.value.status, e.value.param, e.value.code) == (400, "response_format", "unsupported_parameter")
+        check_unsupported({"prediction": {"type": "content", "content": "x"}}, table)
+    assert (e.value.status, e.value.param, e.value.code) == (400, "prediction", "unsupported_parameter")
+    assert "response_format" not in table  # structured outputs are implemented
 
 
 def test_serve_leaves_cores_to_the_http_side_unless_threads_are_given(monkeypatch):

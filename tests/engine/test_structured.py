@@ -1,0 +1,230 @@
+"""Structured outputs on the bundled model: JSON schemas, regex, choice and grammars constrain
+the sampled tokens (100% valid at temperature 0 and 1), through n > 1, preemption and prefix
+hits; bad specs are InvalidRequestError; unconstrained rows of the same batch are untouched."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from pagedkv import LLM, InvalidRequestError, SamplingParams, StructuredSpec
+from pagedkv.engine.structured import unpack_bitmask
+
+# held-out schemas: nested objects, arrays, enums, bounded numbers, required fields
+SCHEMAS = {
+    "person": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "role": {"enum": ["admin", "user", "guest"]},
+        },
+        "required": ["name", "age", "role"],
+        "additionalProperties": False,
+    },
+    "order": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer", "minimum": 1, "maximum": 9999},
+            "items": {
+                "type": "array", "minItems": 1, "maxItems": 3,
+                "items": {
+                    "type": "object",
+                    "properties": {"sku": {"type": "string", "maxLength": 8},
+                                   "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
+                    "required": ["sku", "qty"], "additionalProperties": False,
+                },
+            },
+            "paid": {"type": "boolean"},
+        },
+        "required": ["id", "items", "paid"],
+        "additionalProperties": False,
+    },
+    "reading": {
+        "type": "object",
+        "properties": {
+            "sensor": {"type": "object", "properties": {"kind": {"enum": ["temp", "humidity"]},
+                                                        "unit": {"type": "string", "maxLength": 4}},
+                       "required": ["kind", "unit"], "additionalProperties": False},
+            # multipleOf bounds the fraction: an unbounded one lets temperature-1 sampling
+            # draw digits until max_tokens (valid JSON never comes)
+            "value": {"type": "number", "minimum": -50, "maximum": 50, "multipleOf": 0.01},
+            "tags": {"type": "array", "items": {"enum": ["ok", "stale", "noisy"]}, "maxItems": 2},
+        },
+        "required": ["sensor", "value", "tags"],
+        "additionalProperties": False,
+    },
+}
+PROMPT = "Reply with a JSON object describing {}:"
+
+
+@pytest.fixture(scope="module")
+def llm(loaded_model):
+    return LLM(loaded_model, block_size=8, num_blocks=512, max_model_len=512, debug_invariants=True)
+
+
+def _json(kind, value=None):
+    return StructuredSpec(kind, value)
+
+
+def _valid(out, schema):
+    """Parse and validate every sample of ``out``; returns the parsed objects."""
+    objs = []
+    for c in out.outputs:
+        assert c.finish_reason == "stop", (c.finish_reason, c.text)
+        obj = json.loads(c.text)
+        jsonschema.validate(obj, schema)
+        objs.append(obj)
+    return objs
+
+
+@pytest.mark.parametrize("temperature,seeds", [(0.0, [None]), (1.0, [1, 2, 3])])
+def test_json_schemas_always_valid(llm, temperature, seeds):
+    prompts, params, schemas = [], [], []
+    for name, schema in SCHEMAS.items():
+        for seed in seeds:
+            prompts.append(PROMPT.format(name))
+            params.append(SamplingParams(temperature=temperature, seed=seed, max_tokens=160,
+                                         structured=_json("json_schema", schema)))
+            schemas.append(schema)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for out, schema in zip(outs, schemas):
+        _valid(out, schema)
+        assert out.token_ids[-1] != llm.engine.eos_token_ids[0]  # the complete grammar stopped it
+
+
+def test_json_object_mode(llm):
+    out = llm.generate(["Give a JSON object with a name:"], SamplingParams(
+        temperature=0, max_tokens=120, structured=_json("json_object")), use_tqdm=False)[0]
+    assert isinstance(json.loads(out.text), dict) and out.finish_reason == "stop"
+
+
+def test_regex_choice_and_grammar_exact(llm):
+    specs = [
+        (_json("regex", r"[0-9]{3}-[a-z]{2}"), lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{2}", t)),
+        (_json("choice", ["red", "green", "blue"]), lambda t: t in ("red", "green", "blue")),
+        (_json("grammar", 'root ::= "(" num " + " num ")"\nnum ::= [1-9] [0-9]?'),
+         lambda t: re.fullmatch(r"\([1-9][0-9]? \+ [1-9][0-9]?\)", t)),
+        (_json("grammar", 'start: "yes" | "no"'), lambda t: t in ("yes", "no")),
+    ]
+    for temperature in (0.0, 1.0):
+        params = [SamplingParams(temperature=temperature, seed=7, max_tokens=30, structured=s) for s, _ in specs]
+        outs = llm.generate(["Answer:"] * len(specs), params, use_tqdm=False)
+        for out, (_, ok) in zip(outs, specs):
+            assert ok(out.text), out.text
+            assert out.finish_reason == "stop"
+
+
+def test_n_samples_each_keep_the_constraint(llm):
+    schema = SCHEMAS["person"]
+    out = llm.generate([PROMPT.format("a person")], SamplingParams(
+        n=4, temperature=1.0, seed=11, max_tokens=160, structured=_json("json_schema", schema)), use_tqdm=False)[0]
+    objs = _valid(out, schema)
+    assert len(objs) == 4
+    assert len({json.dumps(o, sort_keys=True) for o in objs}) > 1  # really sampled, not one copy
+
+
+def test_preemption_keeps_the_constraint(loaded_model):
+    # 24 blocks of 8 tokens for 6 requests of ~15 + up to 160 tokens: preemption (recompute) is forced
+    small = LLM(loaded_model, block_size=8, num_blocks=24, max_model_len=512, debug_invariants=True)
+    schema = SCHEMAS["order"]
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=160, structured=_json("json_schema", schema))
+              for s in range(6)]
+    outs = small.generate([PROMPT.format(f"order number {s}") for s in range(6)], params, use_tqdm=False)
+    assert small.engine.scheduler.stats.num_preemptions > 0
+    for out in outs:
+        _valid(out, schema)
+
+
+def test_prefix_hit_keeps_the_constraint(loaded_model):
+    eng = LLM(loaded_model, block_size=8, num_blocks=256, max_model_len=512, enable_prefix_caching=True)
+    sp = SamplingParams(temperature=0, max_tokens=160, structured=_json("json_schema", SCHEMAS["reading"]))
+    prompt = PROMPT.format("a sensor reading from the weather station on the roof of the old town hall")
+    first = eng.generate([prompt], sp, use_tqdm=False)[0]
+    second = eng.generate([prompt], sp, use_tqdm=False)[0]
+    assert second.num_cached_tokens > 0
+    assert second.token_ids == first.token_ids
+    _valid(second, SCHEMAS["reading"])
+
+
+def test_unconstrained_rows_are_untouched(llm):
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone = llm.generate(["The capital of France is"], plain, use_tqdm=False)[0].token_ids
+    mixed = llm.generate(
+        ["The capital of France is", "Answer:"],
+        [plain, SamplingParams(temperature=0, max_tokens=30, structured=_json("choice", ["alpha", "beta"]))],
+        use_tqdm=False,
+    )
+    assert mixed[0].token_ids == alone
+    assert mixed[1].text in ("alpha", "beta")
+
+
+def test_max_tokens_cuts_a_schema_with_length(llm):
+    out = llm.generate([PROMPT.format("an order")], SamplingParams(
+        temperature=0, max_tokens=4, structured=_json("json_schema", SCHEMAS["order"])), use_tqdm=False)[0]
+    assert len(out.token_ids) == 4 and out.finish_reason == "length"
+    assert out.text.startswith("{")
+
+
+@pytest.mark.parametrize("spec,needle", [
+    (StructuredSpec("json_schema", {"type": "nope"}), "nope"),
+    (StructuredSpec("json_schema", {"properties": {"a": {"$ref": "#/defs/x"}}}), "/defs/x"),
+    (StructuredSpec("regex", "(ab"), "regex"),
+    (StructuredSpec("grammar", "root ::= missing_rule"), "missing_rule"),
+    (StructuredSpec("choice", []), "non-empty list"),
+    (StructuredSpec("yaml", "x"), "kind must be one of"),
+    (StructuredSpec("json_schema", "not a dict"), "JSON schema object"),
+    (StructuredSpec("regex", "a" * 70000), "at most"),
+    (StructuredSpec("json_schema", {"default": object()}), "is not JSON"),
+])
+def test_bad_specs_are_invalid_request_errors(llm, spec, needle):
+    with pytest.raises(InvalidRequestError, match=re.escape(needle)):
+        llm.generate(["x"], SamplingParams(max_tokens=4, structured=spec), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_structured_type_and_beam_refused(llm):
+    with pytest.raises(InvalidRequestError, match="StructuredSpec"):
+        llm.generate(["x"], SamplingParams(structured={"type": "json_object"}), use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="beam search"):
+        llm.generate(["x"], SamplingParams(beam_width=2, structured=_json("json_object")), use_tqdm=False)
+
+
+def test_compiled_once_cached_by_hash(llm):
+    grammars = llm.engine.grammars
+    schema = {"type": "object", "properties": {"k": {"type": "integer", "minimum": 3, "maximum": 5}}, "required": ["k"]}
+    misses, hits = grammars.misses, grammars.hits
+    a, b = StructuredSpec("json_schema", schema), StructuredSpec("json_schema", json.loads(json.dumps(schema)))
+    grammars.compile(a)
+    grammars.compile(b)
+    assert (grammars.misses - misses, grammars.hits - hits) == (1, 1)
+    assert a.compiled is b.compiled
+
+
+def test_fork_copy_is_independent(llm):
+    compiled = llm.engine.grammars.compile(StructuredSpec("choice", ["ab", "cd"]))
+    tok = llm.engine.tokenizer
+    st = compiled.new_state()
+    child = st.copy()
+    for t in tok.encode("ab", add_special_tokens=False):
+        st.accept(t)
+    assert st.done and not child.done and child.consumed == 0
+    for t in tok.encode("cd", add_special_tokens=False):
+        child.accept(t)
+    assert child.done and not child.failed
+
+
+def test_unpack_bitmask_bits_to_tokens():
+    import torch
+
+    bm = torch.zeros((2, 2), dtype=torch.int32)
+    bm[0, 0] = 1 | (1 << 5)  # tokens 0 and 5
+    bm[1, 1] = 1 << 3  # token 35
+    pen = unpack_bitmask(bm, 40)
+    assert pen.shape == (2, 40)
+    assert (pen[0] == 0).nonzero().flatten().tolist() == [0, 5]
+    assert (pen[1] == 0).nonzero().flatten().tolist() == [35]
+    assert torch.isneginf(pen[0, 1])
