@@ -35,6 +35,7 @@ from typing import Optional, Sequence
 import torch
 
 from pagedkv.engine.request import Request, RequestStatus
+from pagedkv.engine.structured import apply_grammar_masks
 
 
 @dataclass
@@ -118,6 +119,8 @@ class BeamSearch:
         caller frees every beam instead). Call only when :meth:`ready`."""
         beams = self.beams
         rows = torch.stack([self.pending.pop(b.request_id) for b in beams]).float()
+        if beams[0].sampling_params.structured is not None:  # each beam's grammar forbids tokens (-inf)
+            rows = apply_grammar_masks(rows, beams, range(len(beams)))
         V = rows.shape[1]
         lp = torch.log_softmax(rows, dim=-1)
         acc = lp + torch.stack([self.logprobs[b.request_id] for b in beams])[:, None]

@@ -47,7 +47,8 @@ class SamplingParams:
     early_stopping: beam search stop rule: False (heuristic), True (as soon as beam_width
     hypotheses are finished) or "never" (only when no running beam can do better).
     structured: a ``pagedkv.engine.structured.StructuredSpec`` (JSON object, JSON schema,
-    regex, choice or grammar) the output must match; None = off; not with beam search.
+    regex, choice or grammar) the output must match; None = off. With beam search every beam's
+    next-token scores are masked by its own grammar state.
 
     Raises ``InvalidRequestError`` from :meth:`validate` on out-of-range values.
     """
@@ -179,8 +180,6 @@ class SamplingParams:
                 bad("structured", f"must be a StructuredSpec or None, got {type(self.structured).__name__}")
             self.structured.validate()
         if self.beam_width > 1:
-            if self.structured is not None:
-                bad("structured", "not supported with beam search")
             if self.n != 1:
                 bad("n", "must be 1 with beam search (beam_width hypotheses are returned)")
             if self.uses_penalties:
