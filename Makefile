@@ -20,6 +20,11 @@ export HF_HUB_OFFLINE ?= 1
 # starving other processes. Serving and benchmarks want the default (spinning) policy: with
 # PASSIVE a batch-1 decode step is about 1.9x slower (docs/performance.md), so only these set it.
 test test-fast test-avx2: export OMP_WAIT_POLICY ?= PASSIVE
+# Two pytest-xdist workers, one torch thread each (tests/conftest.py): most tests keep one core
+# busy at a time, so two workers use the host's two cores. Whole files go to one worker in the
+# model tier (a model loads once per worker and file); `make test PYTEST_WORKERS=0` runs serially.
+PYTEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS))
 
 $(STAMP): pyproject.toml constraints-clients.txt
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -41,17 +46,17 @@ run: $(STAMP)
 # The /ui test drives Debian's chromium (apt, needs root); CI=1 makes its absence a failure.
 test: $(STAMP)
 	@bash scripts/install_browser.sh $(VPY) >/dev/null 2>&1 || echo "note: chromium not installed; the /ui browser test needs it (scripts/install_browser.sh as root)"
-	$(VPY) -m pytest -q -p no:cacheprovider --durations=10 -m "not slow" tests
-	$(VPY) -m pytest -q -p no:cacheprovider --durations=25 -m slow tests
+	$(VPY) -m pytest -q -p no:cacheprovider $(XDIST) $(if $(XDIST),--dist worksteal) --durations=10 -m "not slow" tests
+	$(VPY) -m pytest -q -p no:cacheprovider $(XDIST) $(if $(XDIST),--dist loadfile) --durations=25 -m slow tests
 
 # The quantisation/route tests again as an AVX2-only host (no AVX-512, VNNI or AMX; torch and
 # oneDNN capped to match) on whatever CPU runs them: CI runs this after `make test`.
 test-avx2: $(STAMP)
-	PAGEDKV_CPU_ISA=avx2 $(VPY) -m pytest -q -p no:cacheprovider tests/model/test_quant.py tests/model/test_qmm.py tests/model/test_compiled.py tests/test_cpu_isa.py
+	PAGEDKV_CPU_ISA=avx2 $(VPY) -m pytest -q -p no:cacheprovider $(XDIST) $(if $(XDIST),--dist loadfile) tests/model/test_quant.py tests/model/test_qmm.py tests/model/test_compiled.py tests/test_cpu_isa.py
 
 # The suite without the tests that load the bundled model (marked slow): a quick check.
 test-fast: $(STAMP)
-	$(VPY) -m pytest -q -p no:cacheprovider -m "not slow" tests
+	$(VPY) -m pytest -q -p no:cacheprovider $(XDIST) $(if $(XDIST),--dist worksteal) -m "not slow" tests
 
 # Benchmark peers, none a test dependency: llama-cpp-python built from source (GGML_NATIVE=OFF,
 # AVX2/FMA/F16C) and guidellm into .venv (torch and transformers pinned as installed), and

@@ -27,7 +27,9 @@ import pagedkv  # noqa: E402,F401 - first: applies $PAGEDKV_CPU_ISA's caps befor
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(2)
+# Two cores: run alone, a test process uses both; as one of `make test`'s two pytest-xdist
+# workers (PYTEST_XDIST_WORKER set), one each, so the workers never oversubscribe the cores.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 if not torch.cuda.is_available():
     # Triton runs its CPU interpreter only if this is set before triton is first imported, and
     # torch._dynamo (compiled decode, tests/model/test_compiled.py) imports triton: set it
