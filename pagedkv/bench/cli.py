@@ -25,6 +25,7 @@ BENCHES: dict[str, str] = {
     "hybrid_blocks": "pagedkv.bench.hybrid_blocks",
     "route": "pagedkv.bench.route",
     "structured": "pagedkv.bench.structured",
+    "spec": "pagedkv.bench.spec",
 }
 
 

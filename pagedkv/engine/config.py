@@ -67,6 +67,12 @@ class EngineConfig:
     # chat template (Jinja text or a file holding it) in place of the model's own; a model
     # without one (a base model) refuses chat requests unless this is set
     chat_template: Optional[str] = None
+    # speculative decoding: None (off) | "ngram" (prompt lookup, pagedkv.engine.spec_decode):
+    # up to num_speculative_tokens drafts from the last ngram_max..ngram_min tokens' earlier match
+    speculative: Optional[str] = None
+    num_speculative_tokens: int = 4
+    ngram_min: int = 1
+    ngram_max: int = 3
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> "EngineConfig":
@@ -126,6 +132,9 @@ class EngineConfig:
         if self.chat_template is not None and (not isinstance(self.chat_template, str) or not self.chat_template.strip()):
             raise ConfigError(f"chat_template: expected Jinja text or a file path, got {self.chat_template!r}")
         self._validate_kv_tiers()
+        from pagedkv.engine.spec_decode import make_proposer
+
+        make_proposer(self)  # speculative options
 
     def _validate_kv_tiers(self) -> None:
         if parse_tier_specs(self.kv_offload) and self.tensor_parallel_size != 1:

@@ -36,6 +36,7 @@ from pagedkv.engine.output import OutputProcessor
 from pagedkv.engine.request import Request, RequestOutput, SamplingParams, now
 from pagedkv.engine.sampler import Sampler, prompt_logprob_dicts
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
+from pagedkv.engine.spec_decode import make_proposer, sample_with_drafts, split_extra_rows
 from pagedkv.engine.sequence_group import SequenceGroup, SequenceGroups, request_blocks
 from pagedkv.engine.structured import GrammarCompiler
 from pagedkv.engine.stats import EngineStats
@@ -118,6 +119,7 @@ class LLMEngine:
             policy=cfg.policy, watermark=cfg.watermark, enable_chunked_prefill=cfg.enable_chunked_prefill,
             enable_prefix_caching=cfg.prefix_caching, enable_paging=cfg.enable_paging,
             shuffle_seed=cfg.shuffle_blocks, kv_tiers=self.kv_tiers, layer_windows=self.layer_windows,
+            speculative=make_proposer(cfg),
         ))
         self.groups = SequenceGroups()
         self.output = OutputProcessor(self.tokenizer)
@@ -382,27 +384,35 @@ class LLMEngine:
             with profile_scope("pagedkv.prepare"):
                 sampling = out.sampling_requests()
                 prompt_rows = out.prompt_rows()
-                inp = self.executor.prepare(*out.model_inputs(), prompt_rows)
+                extra_rows = out.extra_rows(prompt_rows)  # prompt logprobs, speculative rows
+                inp = self.executor.prepare(*out.model_inputs(), extra_rows)
                 if out.kv_transfer is not None:  # tier stores/loads: reads evicted blocks first
                     self.executor.transfer_kv(out.kv_transfer, self.kv_stores)
                 self.executor.copy_blocks(out.copies)
         logits = self.executor.execute(inp)  # lock released: aborts may land now (fenced)
         with self._lock:
-            if any(prompt_rows):
-                self._record_prompt_logprobs(out, prompt_rows, logits[inp.num_sample_rows:])
+            draft_logits: dict = {}
+            if any(extra_rows):
+                prompt_logits, draft_logits = split_extra_rows(out.scheduled, prompt_rows, out.drafts,
+                                                               logits[inp.num_sample_rows:])
+                self._record_prompt_logprobs(out, prompt_rows, prompt_logits)
                 logits = logits[:inp.num_sample_rows]
             with profile_scope("pagedkv.sample"):
                 rows, reqs, forks = self.groups.expand_forks(out, sampling)  # running rows only
                 rows, reqs, beam_groups = self.groups.offer_beam_rows(logits, rows, reqs)
                 keep = list(zip(rows, reqs))
                 sampled: dict[str, tuple[int, Optional[dict[int, float]]]] = {}
-                if keep:
+                runs: dict = {}
+                if keep and draft_logits:
+                    sampled, runs = sample_with_drafts(self.sampler, logits[[i for i, _ in keep]], [r for _, r in keep],
+                                                       draft_logits, out.drafts, self.tokenizer)
+                elif keep:
                     idx = [i for i, _ in keep]  # every row in order (plain decode): no gathered copy
                     so = self.sampler(logits if idx == list(range(len(logits))) else logits[idx], [r for _, r in keep])
                     for (_, r), t, lp in zip(keep, so.token_ids, so.logprobs):
                         sampled[r.request_id] = (t, lp)
             with profile_scope("pagedkv.update"):
-                self.scheduler.update(out, sampled, forks)
+                self.scheduler.update(out, sampled, forks, runs)
                 decisions = Decisions()
                 for gid in beam_groups:
                     decisions += self.groups.beam_step(gid, self.tokenizer)

@@ -22,59 +22,18 @@ sequence groups, the beam search and the stop strings decide reaches it as
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
 from pagedkv.engine.decisions import Decisions, Fork
 from pagedkv.engine.gangs import Gangs
 from pagedkv.engine.request import Request, RequestStatus, now
 from pagedkv.engine.stats import EngineStats, collect_stats
-from pagedkv.engine.step_plan import SchedulerOutput
-from pagedkv.errors import NoFreeBlocksError, PagedKVError
+from pagedkv.engine.spec_decode import can_speculate, draft_budget
+from pagedkv.engine.step_plan import SchedulerConfig, SchedulerOutput, SchedulerStallError, SchedulerStats
+from pagedkv.errors import NoFreeBlocksError
 from pagedkv.kv import KVCacheManager, check_invariants
 from pagedkv.kv.tiers import cached_tokens_by_tier
 from pagedkv.utils import cdiv
-
-
-class SchedulerStallError(PagedKVError, RuntimeError):
-    """A step could schedule nothing while requests are unfinished and no block is held
-    behind a step fence: the engine would spin forever (a scheduler bug)."""
-
-
-@dataclass
-class SchedulerConfig:
-    """Limits of one step and the KV pool the scheduler owns. Units: tokens, sequences,
-    blocks, fraction of blocks (validated by ``EngineConfig``)."""
-
-    num_blocks: int
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int = 2048
-    policy: str = "fcfs"  # "fcfs" | "priority"
-    watermark: float = 0.01  # admit new requests only while this fraction of blocks stays free
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = False
-    enable_paging: bool = True
-    shuffle_seed: Optional[int] = None  # randomise the physical block order (tests)
-    kv_tiers: Any = None  # pagedkv.kv.tiers.KVTiers: host/disk tiers and KV events (None: off)
-    # per layer: None (full attention) or its sliding window in tokens; None: all full
-    layer_windows: Optional[list] = None
-
-
-@dataclass
-class SchedulerStats:
-    """Counters since start (tokens, steps, sequences, blocks)."""
-
-    num_preemptions: int = 0
-    num_steps: int = 0
-    num_batched_tokens_total: int = 0
-    peak_running: int = 0
-    num_prompt_tokens: int = 0
-    num_generated_tokens: int = 0
-    num_finished_requests: int = 0
-    peak_used_blocks: int = 0  # max blocks in use right after a step's allocation
-    peak_shared_blocks: int = 0  # max blocks held by more than one table (end of a step)
 
 
 class Scheduler:
@@ -97,6 +56,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         # beam groups scheduled all or nothing (see the module doc)
         self.gangs = Gangs()
+        self.spec = config.speculative  # an NgramProposer or None
         # Head-room kept free for running requests to grow into. Without paging a request
         # reserves its whole max_model_len up front and never grows, so none is needed.
         self._watermark_blocks = (
@@ -209,6 +169,7 @@ class Scheduler:
         scheduled: list[tuple[Request, int]] = []
         copies: list[tuple[int, int]] = []
         preempted: list[Request] = []
+        drafts: dict[str, list[int]] = {}
 
         # 0) a gang split by last step's preemption: preempt its running members too (all or
         #    nothing; they would otherwise hold blocks waiting for siblings that can't get any)
@@ -225,6 +186,20 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            if n == end - req.num_computed_tokens == 1 and self.spec is not None and can_speculate(req):
+                d = self.spec.propose(req.all_token_ids, min(budget - 1, draft_budget(req, cfg.max_model_len)))
+                try:  # lookahead slots for the drafts, all or nothing (else a plain decode)
+                    c = self.kv.allocate_slots(req.request_id, 1 + len(d), req.num_computed_tokens) if d else None
+                except NoFreeBlocksError:
+                    c = None
+                if c is not None:
+                    req.num_cow_copies += len(c)
+                    copies += c
+                    drafts[req.request_id] = d
+                    scheduled.append((req, 1 + len(d)))
+                    budget -= 1 + len(d)
+                    i += 1
+                    continue
             while True:
                 try:
                     c = self.kv.allocate_slots(req.request_id, n, req.num_computed_tokens)
@@ -314,7 +289,7 @@ class Scheduler:
         get_ids = self.kv.get_block_ids if self.kv.num_groups == 1 else self.kv.get_group_block_ids
         block_ids = [get_ids(r.request_id) for r, _ in scheduled]
         transfer = self.kv.take_transfer() if scheduled else None  # else it waits for a step
-        return SchedulerOutput(scheduled, copies, preempted, step_id, used, block_ids, transfer)
+        return SchedulerOutput(scheduled, copies, preempted, step_id, used, block_ids, transfer, drafts)
 
     def persist_kv(self) -> Any:
         """Before a shutdown (no step in flight): the ``KVTransfer`` that copies every cached
@@ -346,12 +321,15 @@ class Scheduler:
         out: SchedulerOutput,
         sampled: dict[str, tuple[int, Optional[dict[int, float]]]],
         forks: Iterable[Fork] = (),
+        runs: Optional[dict[str, list[tuple[int, Optional[dict[int, float]]]]]] = None,
     ) -> list[Request]:
         """Apply ``forks`` first (``n > 1`` siblings of a prefill that ends this step: they
         join ``out.scheduled`` with 0 new tokens), then advance ``num_computed_tokens``,
         append the ``sampled`` tokens (``{sequence id: (token id, logprobs or None)}``),
         apply stop conditions (EOS, stop token ids, max_tokens, max_model_len), publish full
-        blocks to the prefix cache, then close the step fence. Returns the requests that
+        blocks to the prefix cache, then close the step fence. A speculative row keeps its
+        ``runs`` entry (``y_0 .. y_m``: ``m`` accepted drafts and one sampled token; see
+        ``spec_decode``), up to a stop; its table is trimmed to the computed tokens. Returns the requests that
         finished this step (stop strings and beam steps come after, via :meth:`apply`)."""
         for f in forks:
             self.fork(f.parent, f.child, f.num_computed_tokens)
@@ -362,6 +340,9 @@ class Scheduler:
         for req, n in out.scheduled:
             if req.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step was in flight
+            if req.request_id in out.drafts:
+                self._keep_run(req, out.drafts[req.request_id], (runs or {})[req.request_id], t, finished)
+                continue
             req.num_computed_tokens += n
             if self.enable_prefix_caching:
                 self.kv.cache_blocks(
@@ -382,6 +363,28 @@ class Scheduler:
                 finished.append(req)
         self.kv.end_step(out.step_id)
         return finished
+
+    def _keep_run(self, req: Request, drafts: list[int], run: list, t: float, finished: list[Request]) -> None:
+        """Append a speculative row's kept tokens up to a stop; the last token and the
+        accepted drafts are computed; the lookahead past them is released."""
+        status, kept = None, 0
+        for token_id, lp in run:
+            req.append_output_token(token_id, lp)
+            kept += 1
+            if (status := self.check_stop(req, token_id)) is not None:
+                break
+        req.first_token_time = req.first_token_time or t
+        st = self.stats
+        st.num_spec_rows, st.num_draft_tokens = st.num_spec_rows + 1, st.num_draft_tokens + len(drafts)
+        st.num_accepted_tokens += len(run) - 1
+        st.num_generated_tokens += kept
+        req.num_computed_tokens += kept
+        self.kv.trim(req.request_id, req.num_computed_tokens)
+        if self.enable_prefix_caching:  # every block up to num_computed holds confirmed tokens
+            self.kv.cache_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens, req.cache_keys)
+        if status is not None:
+            self.finish_request(req, status)
+            finished.append(req)
 
     def apply(self, decisions: Decisions) -> None:
         """Apply the decisions taken after :meth:`update` (beam steps, stop strings): forks,

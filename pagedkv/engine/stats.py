@@ -42,6 +42,20 @@ class EngineStats:
     # disk_write, recompute}}}; prompt tokens served by the pool itself: kv_pool_hit_tokens
     kv_tiers: dict = field(default_factory=dict)
     kv_pool_hit_tokens: int = 0
+    # speculative decoding (pagedkv.engine.spec_decode): decode rows verified with drafts, the
+    # drafts proposed and accepted; acceptance rate = accepted / drafts, mean accepted length =
+    # tokens a verified row kept (accepted drafts + its sampled token) / rows
+    num_spec_rows: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        return (self.num_accepted_tokens + self.num_spec_rows) / self.num_spec_rows if self.num_spec_rows else 0.0
 
     def as_dict(self) -> dict[str, Any]:
         """Plain dict (JSON-ready), keys = field names."""
@@ -79,4 +93,7 @@ def collect_stats(kv: Any, st: Any, num_running: int, num_waiting: int) -> Engin
         kv_deferred_frees=kvs.deferred_frees,
         kv_tiers=tiers,
         kv_pool_hit_tokens=kvs.prefix_hits - sum(t["hit_tokens"] for t in tiers.get("tiers", {}).values()),
+        num_spec_rows=st.num_spec_rows,
+        num_draft_tokens=st.num_draft_tokens,
+        num_accepted_tokens=st.num_accepted_tokens,
     )

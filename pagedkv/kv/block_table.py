@@ -162,6 +162,12 @@ class BlockTable:
         self.blocks.extend(blocks)
         self._ids.extend(b.block_id for b in blocks)
 
+    def truncate(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Keep the first ``num_blocks`` entries; returns the removed ones, in logical order."""
+        gone = self.blocks[num_blocks:]
+        del self.blocks[num_blocks:], self._ids[num_blocks:]
+        return gone
+
     def replace(self, logical_block: int, block: KVCacheBlock) -> KVCacheBlock:
         """Swap entry ``logical_block`` for ``block`` (copy-on-write); returns the old one."""
         old = self.blocks[logical_block]

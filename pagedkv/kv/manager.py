@@ -473,6 +473,19 @@ class KVCacheManager(PrefixLookup, StepFences):
                 dropped += table.live_blocks[::-1]
         self._drop(req_id, dropped)
 
+    def trim(self, req_id: str, num_tokens: int) -> None:
+        """Shrink ``req_id``'s tables to ``num_tokens`` positions (rejected speculative
+        tokens): the blocks past them are released behind the step fence. Raises
+        ``InvalidRequestError`` for an unknown request or a length beyond its slots."""
+        dropped: list[KVCacheBlock] = []
+        for tables in self._gtables:
+            table = tables.get(req_id)
+            if table is None or not 0 <= num_tokens <= table.num_tokens:
+                raise InvalidRequestError(f"trim: {req_id!r} has no {num_tokens} token slots")
+            dropped += table.truncate(max(blocks_needed(num_tokens, self.block_size), table.num_null))[::-1]
+            table.num_tokens = num_tokens
+        self._drop(req_id, dropped)
+
     # ------------------------------------------------------------------ introspection
     def snapshot(self) -> dict[str, Any]:
         """Every block and table, JSON-able, for a live UI (see ``pagedkv.kv.snapshot``)."""

@@ -68,6 +68,12 @@ class _EngineCollector:
         yield counter("pagedkv_generation_tokens", "Tokens generated (all sequences).", st.num_generated_tokens)
         yield counter("pagedkv_prompt_tokens", "Prompt tokens admitted.", st.num_prompt_tokens)
         yield counter("pagedkv_engine_steps", "Engine steps run.", st.num_steps)
+        yield counter("pagedkv_spec_decode_draft_tokens", "Speculative draft tokens proposed.", st.num_draft_tokens)
+        yield counter("pagedkv_spec_decode_accepted_tokens", "Speculative draft tokens accepted.", st.num_accepted_tokens)
+        yield gauge("pagedkv_spec_decode_acceptance_rate", "Accepted / proposed draft tokens (0-1, since start).",
+                    st.spec_acceptance_rate)
+        yield gauge("pagedkv_spec_decode_mean_accepted_length", "Tokens a verified decode row kept, on average "
+                    "(accepted drafts + 1; 0 before any).", st.spec_mean_accepted_length)
         kv = self.engine.kv_summary()
         info = GaugeMetricFamily("pagedkv_kv_cache_info", "The KV cache format (value 1): kv_cache_dtype and, "
                                  "for int8/fp8, elements per bf16 scale (quant_group_size).",

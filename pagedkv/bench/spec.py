@@ -1,0 +1,167 @@
+"""Speculative decoding (prompt lookup) at batch 1: decode tok/s with and without it.
+
+Two workloads on the bundled chat model: **repetitive** (requests whose answer repeats or
+edits text of the prompt: copy a list, fix a typo in a paragraph, rename a variable in
+code) and **free chat** (open questions, where proposals mostly miss). Each request runs
+alone (batch 1), greedy, ``--max-tokens`` tokens; plain and speculative engines alternate
+request by request in one process (a shared host's load changes between two runs), and
+each side's decode tok/s is its generated tokens after the first / the time after the
+first token. When ``llama-cpp-python`` is installed, llama.cpp on the same GGUF runs the
+same prompts plain and with its prompt-lookup decoding (``LlamaPromptLookupDecoding``).
+Goals: >= 2x on the repetitive workload, >= 0.95x on free chat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from itertools import islice
+from typing import Any
+
+from pagedkv.bench.common import add_options, load_fp32_model, log, machine_info, pin_threads, weights_of
+from pagedkv.bench.report import markdown_table, publish
+
+PARAGRAPH = ("Paged attention splits each request's key-value cache into fixed-size blocks, so memory is "
+             "allocated on demand and shared prefixes are stored once. The scheduler admits requests while "
+             "blocks are free and preempts the latest one when the pool runs out.")
+CODE = ("def total_price(items, tax_rate):\n    subtotal = 0\n    for item in items:\n"
+        "        subtotal += item.price * item.quantity\n    tax = subtotal * tax_rate\n"
+        "    return subtotal + tax\n")
+WORKLOADS = {
+    "repetitive": [
+        "Copy this list exactly, one item per line: red apples, green pears, ripe plums, sweet cherries, "
+        "dark grapes, sour lemons, fresh limes, dried figs, yellow bananas, orange mangos.",
+        f"Fix the spelling mistake and repeat the whole paragraph:\n\n{PARAGRAPH}",
+        f"Rename the function total_price to order_total and repeat the whole code:\n\n{CODE}",
+        f"Repeat this text word for word:\n\n{PARAGRAPH}",
+    ],
+    "free chat": [
+        "What is the capital of France? Answer in one sentence.",
+        "Give me three tips for a good night's sleep.",
+        "Why is the sky blue?",
+        "Write a short poem about the sea.",
+    ],
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_options(p, [
+        ("--max-tokens", 96, "tokens generated per request (default 96)"),
+        ("--num-speculative-tokens", 4, "draft tokens per step (default 4)"),
+        ("--rounds", 2, "times each prompt runs on each side (default 2)"),
+    ])
+    p.add_argument("--weights", default="auto", help="linear-layer format (default auto: what users run)")
+    p.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp even when installed")
+
+
+def _timed(gen: Any) -> tuple[int, float]:
+    """(tokens after the first, seconds after the first) of a token iterator."""
+    n, t1 = 0, None
+    for _ in gen:
+        n += 1
+        if t1 is None:
+            t1 = time.perf_counter()
+    return max(0, n - 1), (time.perf_counter() - t1) if t1 is not None else 0.0
+
+
+def _pagedkv_run(eng: Any, prompt_ids: list[int], max_tokens: int):
+    """One request alone on ``eng``: yields once per generated token (EOS ignored)."""
+    from pagedkv.engine.request import SamplingParams
+
+    eng.add_request("b", prompt_ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    seen = 0
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            n = len(out.outputs[0].token_ids)
+            yield from range(n - seen)
+            seen = n
+
+
+def _llama_cpp(path: str, threads: int, prompts: list[list[int]], max_tokens: int, rounds: int) -> Any:
+    """llama.cpp's decode tok/s on ``prompts`` plain and with prompt-lookup drafts (4 tokens),
+    or None when llama-cpp-python is not installed."""
+    try:
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    except ImportError:
+        return None
+    out = {}
+    for name, draft in (("plain", None), ("lookup", LlamaPromptLookupDecoding(num_pred_tokens=4))):
+        llm = Llama(model_path=path, n_ctx=1024, n_threads=threads, n_threads_batch=threads, verbose=False,
+                    draft_model=draft)
+        toks, secs = 0, 0.0
+        for _ in range(rounds):
+            for ids in prompts:
+                n, s = _timed(islice(llm.generate(ids, temp=0.0, top_k=1, reset=True), max_tokens))
+                toks, secs = toks + n, secs + s
+        out[name] = toks / secs if secs else 0.0
+    return out
+
+
+def collect(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
+    from pagedkv.engine.engine import LLMEngine
+
+    threads = pin_threads(args.threads)
+    loaded = load_fp32_model(loaded, getattr(args, "model", None), weights=args.weights)
+    engines = {name: LLMEngine(loaded, dtype="float32", block_size=16, num_blocks=128, max_num_seqs=1,
+                               speculative=spec, num_speculative_tokens=args.num_speculative_tokens)
+               for name, spec in (("plain", None), ("ngram", "ngram"))}
+    rows = []
+    for workload, texts in WORKLOADS.items():
+        prompts = [engines["plain"].apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+        side = {name: [0, 0.0] for name in engines}
+        for _ in range(args.rounds):
+            for ids in prompts:
+                for name, eng in engines.items():
+                    n, s = _timed(_pagedkv_run(eng, ids, args.max_tokens))
+                    side[name][0] += n
+                    side[name][1] += s
+        log(f"[spec] {workload}: {side}")
+        tps = {name: n / s for name, (n, s) in side.items()}
+        row = {"workload": workload, "plain_tok_s": round(tps["plain"], 2), "ngram_tok_s": round(tps["ngram"], 2),
+               "speedup": round(tps["ngram"] / tps["plain"], 3)}
+        if not args.no_llama_cpp and getattr(loaded, "path", None):
+            lc = _llama_cpp(str(loaded.path), threads, prompts, args.max_tokens, args.rounds)
+            if lc:
+                row.update(llama_cpp_tok_s=round(lc["plain"], 2), llama_cpp_lookup_tok_s=round(lc["lookup"], 2),
+                           llama_cpp_speedup=round(lc["lookup"] / lc["plain"], 3))
+        rows.append(row)
+    st = engines["ngram"].get_stats()
+    return {
+        "config": {"max_tokens": args.max_tokens, "num_speculative_tokens": args.num_speculative_tokens,
+                   "rounds": args.rounds, "threads": threads, "weights": weights_of(loaded),
+                   "prompts": WORKLOADS},
+        "rows": rows,
+        "acceptance_rate": round(st.spec_acceptance_rate, 4),
+        "mean_accepted_length": round(st.spec_mean_accepted_length, 3),
+        "goals": {"repetitive >= 2x": rows[0]["speedup"] >= 2.0, "free chat >= 0.95x": rows[1]["speedup"] >= 0.95},
+        "machine": machine_info(threads),
+    }
+
+
+def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
+    c = data["config"]
+    cols = ["workload", "plain_tok_s", "ngram_tok_s", "speedup"]
+    if any("llama_cpp_tok_s" in r for r in data["rows"]):
+        cols += ["llama_cpp_tok_s", "llama_cpp_lookup_tok_s", "llama_cpp_speedup"]
+    return "\n".join([
+        "# Speculative decoding (prompt lookup), batch 1",
+        "",
+        f"`pagedkv bench spec`: greedy, {c['max_tokens']} tokens per request, up to {c['num_speculative_tokens']} "
+        f"drafts per step, {c['weights']} weights, {c['threads']} thread(s), {c['rounds']} rounds, plain and "
+        "speculative engines alternating request by request. Decode tok/s = tokens after the first / time after "
+        "the first token.",
+        "",
+        markdown_table(data["rows"], cols),
+        f"Acceptance rate (all workloads): {data['acceptance_rate']:.2f}; mean tokens kept per verified row: "
+        f"{data['mean_accepted_length']:.2f}.",
+        "",
+        "Goals: " + "; ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in data["goals"].items()) + ".",
+    ])
+
+
+def run(args: argparse.Namespace, loaded: Any = None) -> int:
+    data = collect(args, loaded)
+    publish("spec", data, render_markdown, args.out_dir, as_json=args.json)
+    return 0

@@ -1,0 +1,174 @@
+"""Speculative decoding by prompt lookup (n-gram): proposals, verification, the step's rows.
+
+A decoding request whose recent tokens occurred earlier in its own context (prompt +
+output) gets up to ``k`` *draft* tokens: the tokens that followed the most recent earlier
+occurrence of its last ``n`` tokens (``n`` from ``ngram_max`` down to ``ngram_min``). The
+scheduler gives that row ``1 + k`` query tokens (its last token and the drafts) and
+allocates their **lookahead slots** all or nothing (no room: a plain one-token decode). One
+forward pass returns the logits of every position of the row; the sampler draws a token
+``y_j`` at each position ``j`` with the request's own parameters and generator, and the row
+keeps ``y_0 .. y_m``, where ``m`` is the number of leading drafts that equal what was drawn
+(``d_{j+1} == y_j``).
+
+Why this is exact: the drafts are a point mass ``q = δ(d)``. Standard speculative sampling
+(Leviathan et al. 2023; Chen et al. 2023) accepts ``d`` with probability ``min(1, p(d)/q(d))
+= p(d)`` and otherwise samples from ``(p - q)+`` normalised, which is ``p`` with ``d``
+removed. Drawing ``y ~ p`` and accepting when ``y == d`` (else emitting ``y``) has exactly
+those probabilities, so the output distribution is plain sampling's; greedy rows draw the
+argmax, so greedy output is token-identical to decoding without speculation. The scheduler
+then keeps the accepted tokens' K/V (``num_computed_tokens`` advances by ``m + 1``), trims
+the block table to them (a block that held only rejected tokens returns to the pool behind
+the step fence) and publishes to the prefix cache only blocks whose tokens are all
+confirmed.
+
+Requests that speculate: no beam search, no structured-output grammar, no repetition /
+presence / frequency penalty (those depend on tokens not yet accepted); every other
+parameter works (``n > 1`` siblings speculate one by one, logprobs are those of the kept
+tokens, stop strings cut the kept run, ``max_tokens`` and ``max_model_len`` cap the drafts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+
+from pagedkv.engine.request import Request
+from pagedkv.errors import ConfigError
+
+#: one sampled token and its logprobs (``None`` unless asked for)
+Sampled = tuple[int, Optional[dict[int, float]]]
+
+
+@dataclass(frozen=True)
+class NgramProposer:
+    """Prompt-lookup proposals: up to ``k`` draft tokens (``1 <= ngram_min <= ngram_max``)."""
+
+    k: int = 4
+    ngram_min: int = 1
+    ngram_max: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("k", "ngram_min", "ngram_max"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{'num_speculative_tokens' if name == 'k' else name} must be a positive integer, got {v!r}")
+        if self.ngram_min > self.ngram_max:
+            raise ConfigError(f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
+
+    def propose(self, token_ids: Sequence[int], max_tokens: Optional[int] = None) -> list[int]:
+        """Draft tokens for a context ``token_ids``: for ``n`` from ``ngram_max`` down to
+        ``ngram_min``, find the most recent earlier occurrence of the last ``n`` tokens and
+        return up to ``min(k, max_tokens)`` tokens that followed it (``[]`` if none)."""
+        k = self.k if max_tokens is None else min(self.k, max_tokens)
+        size = len(token_ids)
+        if k <= 0 or size < 2:
+            return []
+        toks = np.asarray(token_ids, dtype=np.int64)
+        for n in range(min(self.ngram_max, size - 1), self.ngram_min - 1, -1):
+            # windows starting at 0 .. size - n - 1 (not the suffix itself)
+            win = np.lib.stride_tricks.sliding_window_view(toks[:-1], n)
+            hits = np.flatnonzero((win == toks[size - n:]).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return toks[start:start + k].tolist()
+        return []
+
+
+def make_proposer(config: Any) -> Optional[NgramProposer]:
+    """The proposer of an ``EngineConfig`` (``speculative``: None or "ngram"); raises
+    ``ConfigError`` for another method (a draft model is not supported)."""
+    method = config.speculative
+    if method is None:
+        return None
+    if method != "ngram":
+        raise ConfigError(f"speculative: only 'ngram' (prompt lookup) is supported, got {method!r}")
+    return NgramProposer(config.num_speculative_tokens, config.ngram_min, config.ngram_max)
+
+
+def can_speculate(req: Request) -> bool:
+    """Whether ``req``'s tokens may be drafted (see the module doc): no beam search, no
+    grammar, no repetition / presence / frequency penalty."""
+    p = req.sampling_params
+    return (not p.use_beam_search and p.structured is None and req.grammar is None
+            and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty)
+
+
+def draft_budget(req: Request, max_model_len: int) -> int:
+    """The most drafts ``req`` may take this step: one step emits up to ``drafts + 1``
+    tokens, within ``max_tokens`` / ``max_total_tokens``, its positions below ``max_model_len``."""
+    left = req.sampling_params.max_tokens - req.num_output_tokens - 1
+    if req.max_total_tokens:
+        left = min(left, req.max_total_tokens - req.num_tokens - 1)
+    return max(0, min(left, max_model_len - req.num_tokens))
+
+
+def split_extra_rows(scheduled: Sequence[tuple[Request, int]], prompt_rows: Sequence[int],
+                     drafts: dict[str, list[int]], extra: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Split the runner's extra logits rows (``extra`` fp32 ``[rows, vocab]``: per scheduled
+    sequence, its prompt-logprob rows or its draft rows, in order) into the prompt rows (in
+    order) and ``{request id: [k, vocab]}`` of each speculating row's first ``k`` positions."""
+    keep, out, at = [], {}, 0
+    for (r, _), p in zip(scheduled, prompt_rows):
+        d = drafts.get(r.request_id)
+        if d:
+            out[r.request_id] = extra[at:at + len(d)]
+            at += len(d)
+        else:
+            keep.append(slice(at, at + p))
+            at += p
+    prompt = torch.cat([extra[s] for s in keep]) if keep else extra[:0]
+    return prompt, out
+
+
+def sample_with_drafts(sampler: Any, logits: torch.Tensor, reqs: Sequence[Request],
+                       draft_logits: dict[str, torch.Tensor], drafts: dict[str, list[int]], tokenizer: Any = None,
+                       ) -> tuple[dict[str, Sampled], dict[str, list[Sampled]]]:
+    """One sampler call over every row: a plain row's last-position logits (``logits[i]``
+    for ``reqs[i]``, fp32 ``[vocab]``), and for a speculating request its ``k`` draft
+    positions (``draft_logits``) then its last position. Returns ``({request id: token},
+    {request id: kept run y_0 .. y_m})``, each run cut after a stop string completes
+    (``tokenizer`` decodes; ``None``: no cut)."""
+    rows, batch = [], []
+    for i, r in enumerate(reqs):
+        d = draft_logits.get(r.request_id)
+        if d is not None:
+            rows.append(d)
+            batch += [r] * len(d)
+        rows.append(logits[i:i + 1])
+        batch.append(r)
+    so = sampler(torch.cat(rows), batch)
+    sampled: dict[str, Sampled] = {}
+    runs: dict[str, list[Sampled]] = {}
+    at = 0
+    for r in reqs:
+        d = drafts.get(r.request_id) if r.request_id in draft_logits else None
+        n = 1 + (len(d) if d else 0)
+        ys = list(zip(so.token_ids[at:at + n], so.logprobs[at:at + n]))
+        at += n
+        if d:
+            m = 0
+            while m < len(d) and ys[m][0] == d[m]:
+                m += 1
+            run = ys[:m + 1]
+            runs[r.request_id] = run if tokenizer is None else cut_at_stop_string(tokenizer, r, run)
+        else:
+            sampled[r.request_id] = ys[0]
+    return sampled, runs
+
+
+def cut_at_stop_string(tokenizer: Any, req: Request, run: list[Sampled]) -> list[Sampled]:
+    """``run`` up to the token that completes one of ``req``'s stop strings (plain decoding
+    would stop there: the tokens after it are never emitted), else the whole run."""
+    stops = req.sampling_params.stop
+    if not stops or len(run) < 2:
+        return run
+    skip = req.sampling_params.skip_special_tokens
+    base = list(req.output_token_ids)
+    for j in range(1, len(run)):
+        text = tokenizer.decode(base + [t for t, _ in run[:j]], skip_special_tokens=skip)
+        if any(s in text for s in stops):
+            return run[:j]
+    return run

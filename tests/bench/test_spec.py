@@ -1,0 +1,27 @@
+"""`pagedkv bench spec`: speculative vs plain batch-1 decode, tiny settings, on the real model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from pagedkv.bench import spec as bench_spec
+
+
+def test_bench_spec_tiny(loaded_model, tmp_path):
+    p = argparse.ArgumentParser()
+    bench_spec.add_arguments(p)
+    p.add_argument("--threads", type=int)  # the common options `pagedkv bench` adds to every command
+    p.add_argument("--out-dir")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(["--max-tokens", "12", "--rounds", "1", "--threads", "1", "--no-llama-cpp",
+                         "--out-dir", str(tmp_path)])
+    assert bench_spec.run(args, loaded_model) == 0
+    data = json.loads((tmp_path / "spec.json").read_text())
+    assert [r["workload"] for r in data["rows"]] == ["repetitive", "free chat"]
+    for r in data["rows"]:
+        assert r["plain_tok_s"] > 0 and r["ngram_tok_s"] > 0
+        assert abs(r["speedup"] - r["ngram_tok_s"] / r["plain_tok_s"]) < 0.01
+    assert data["goals"]["repetitive >= 2x"] == (data["rows"][0]["speedup"] >= 2.0)
+    assert 0 <= data["acceptance_rate"] <= 1 and data["mean_accepted_length"] >= 1.0
+    assert data["config"]["weights"] == "fp32" and "Speculative decoding" in (tmp_path / "spec.md").read_text()
