@@ -336,11 +336,9 @@ TESTED_ELSEWHERE = {
     "kv/tiers/index.py": "tests/kv/test_tiers.py",
     "kv/tiers/offload.py": "tests/kv/test_tiers.py",
     "kv/tiers/stores.py": "tests/kv/test_tiers.py",
-    "engine/beam.py": "tests/engine/test_beam_pressure.py",  # beam search under KV pressure
     "engine/engine.py": "tests/engine/test_api.py",  # LLMEngine's public API
     "engine/llm.py": "tests/engine/test_api.py",  # LLM.generate
     "engine/sample_ops.py": "tests/engine/test_sampler.py",  # the sampler's fused ops
-    "engine/sequence_group.py": "tests/engine/test_fork.py",  # n > 1 forks
     "worker/kv_transfer.py": "tests/engine/test_kv_offload.py",  # payload export/import round trips
 }
 
