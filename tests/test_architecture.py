@@ -329,7 +329,6 @@ TESTED_ELSEWHERE = {
     "kv/cli.py": "tests/kv/test_seed_example.py",  # `pagedkv kv` prints the seed example's trace
     "kv/example.py": "tests/kv/test_seed_example.py",  # the seed's worked example, step by step
     "kv/groups.py": "tests/kv/test_hybrid.py",  # layer groups are the hybrid manager's
-    "kv/invariants.py": "tests/kv/test_manager.py",  # check_invariants after every manager case
     "kv/prefix_lookup.py": "tests/kv/test_hybrid.py",  # the manager's prefix hits across layer groups
     "kv/tiers/disk.py": "tests/kv/test_tiers.py",  # the tiers' stores, one file for the package
     "kv/tiers/events.py": "tests/kv/test_tiers.py",
