@@ -328,7 +328,6 @@ def test_device_call_check_is_not_vacuous():
 TESTED_ELSEWHERE = {
     "kv/cli.py": "tests/kv/test_seed_example.py",  # `pagedkv kv` prints the seed example's trace
     "kv/example.py": "tests/kv/test_seed_example.py",  # the seed's worked example, step by step
-    "kv/groups.py": "tests/kv/test_hybrid.py",  # layer groups are the hybrid manager's
     "kv/prefix_lookup.py": "tests/kv/test_hybrid.py",  # the manager's prefix hits across layer groups
     "kv/tiers/disk.py": "tests/kv/test_tiers.py",  # the tiers' stores, one file for the package
     "kv/tiers/events.py": "tests/kv/test_tiers.py",
@@ -337,7 +336,6 @@ TESTED_ELSEWHERE = {
     "kv/tiers/stores.py": "tests/kv/test_tiers.py",
     "engine/engine.py": "tests/engine/test_api.py",  # LLMEngine's public API
     "engine/llm.py": "tests/engine/test_api.py",  # LLM.generate
-    "engine/sample_ops.py": "tests/engine/test_sampler.py",  # the sampler's fused ops
     "worker/kv_transfer.py": "tests/engine/test_kv_offload.py",  # payload export/import round trips
 }
 
