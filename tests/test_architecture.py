@@ -328,7 +328,6 @@ def test_device_call_check_is_not_vacuous():
 TESTED_ELSEWHERE = {
     "kv/cli.py": "tests/kv/test_seed_example.py",  # `pagedkv kv` prints the seed example's trace
     "kv/example.py": "tests/kv/test_seed_example.py",  # the seed's worked example, step by step
-    "kv/prefix_lookup.py": "tests/kv/test_hybrid.py",  # the manager's prefix hits across layer groups
     "kv/tiers/disk.py": "tests/kv/test_tiers.py",  # the tiers' stores, one file for the package
     "kv/tiers/events.py": "tests/kv/test_tiers.py",
     "kv/tiers/index.py": "tests/kv/test_tiers.py",
