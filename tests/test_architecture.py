@@ -331,7 +331,6 @@ TESTED_ELSEWHERE = {
     "kv/tiers/disk.py": "tests/kv/test_tiers.py",  # the tiers' stores, one file for the package
     "kv/tiers/events.py": "tests/kv/test_tiers.py",
     "kv/tiers/offload.py": "tests/kv/test_tiers.py",
-    "kv/tiers/stores.py": "tests/kv/test_tiers.py",
     "engine/engine.py": "tests/engine/test_api.py",  # LLMEngine's public API
     "engine/llm.py": "tests/engine/test_api.py",  # LLM.generate
     "worker/kv_transfer.py": "tests/engine/test_kv_offload.py",  # payload export/import round trips
