@@ -333,7 +333,6 @@ TESTED_ELSEWHERE = {
     "kv/tiers/offload.py": "tests/kv/test_tiers.py",
     "engine/engine.py": "tests/engine/test_api.py",  # LLMEngine's public API
     "engine/llm.py": "tests/engine/test_api.py",  # LLM.generate
-    "worker/kv_transfer.py": "tests/engine/test_kv_offload.py",  # payload export/import round trips
 }
 
 
