@@ -328,7 +328,6 @@ def test_device_call_check_is_not_vacuous():
 TESTED_ELSEWHERE = {
     "kv/cli.py": "tests/kv/test_seed_example.py",  # `pagedkv kv` prints the seed example's trace
     "kv/example.py": "tests/kv/test_seed_example.py",  # the seed's worked example, step by step
-    "kv/tiers/offload.py": "tests/kv/test_tiers.py",
     "engine/engine.py": "tests/engine/test_api.py",  # LLMEngine's public API
     "engine/llm.py": "tests/engine/test_api.py",  # LLM.generate
 }
