@@ -119,3 +119,27 @@ def test_cached_tokens_by_tier():
     hits = [_blk(1), _blk(2), SimpleNamespace(tier="host"), SimpleNamespace(tier="disk"), SimpleNamespace(tier="host")]
     assert cached_tokens_by_tier(hits, 16) == {"pool": 32, "host": 32, "disk": 16}
     assert cached_tokens_by_tier([], 16) == {}
+
+
+def test_place_hits_gives_tier_hits_fresh_published_pool_blocks():
+    from pagedkv.kv.block_pool import BlockPool
+
+    pool = BlockPool(4)
+    t = _tiers()
+    pool.listener = t
+    t.on_evict(_blk(9))  # hash 9 lives in the host tier
+    t.take_transfer()
+    (own,) = pool.allocate(1)  # block 0, a pool hit for the prefix's first block
+    pool.publish(own, b"\x00" * 32, None, b"t0", b"")
+    hit = t.lookup(bytes([9]) * 32, None, bytes([9]) * 8, b"")
+    out = t.place_hits(pool, [own, hit])
+    assert [b.block_id for b in out] == [0, 1] and [b.ref_cnt for b in out] == [2, 1]
+    assert out[1].block_hash == bytes([9]) * 32 and pool.cached[bytes([9]) * 32] is out[1]
+    tr = t.take_transfer()
+    (load,) = tr.ops
+    assert (load.level, load.block_id, load.position, load.context_block_ids) == (0, 1, 4, [0, 1])
+    assert load.entry is hit.entry and tr.store_block_ids == []
+    host = t.stats()["tiers"]["host"]
+    assert (host["hit_blocks"], host["hit_tokens"], host["blocks"]) == (1, 4, 1)  # the tier keeps its copy
+    # pool hits only: a reference each, nothing to load
+    assert t.place_hits(pool, [own]) == [own] and own.ref_cnt == 3 and t.take_transfer() is None
