@@ -19,7 +19,8 @@ def _kv(tiers):
 
 ST = SimpleNamespace(num_preemptions=1, num_steps=11, num_batched_tokens_total=300, peak_running=6,
                      num_generated_tokens=90, num_prompt_tokens=210, num_finished_requests=7,
-                     peak_shared_blocks=9, peak_used_blocks=20)
+                     peak_shared_blocks=9, peak_used_blocks=20, num_spec_rows=4, num_draft_tokens=16,
+                     num_accepted_tokens=6)
 
 
 def test_collect_stats_copies_each_counter():
@@ -31,6 +32,8 @@ def test_collect_stats_copies_each_counter():
     assert (s.kv_prefix_queries, s.kv_prefix_hits, s.kv_prefix_hit_rate) == (64, 48, 0.75)
     assert (s.kv_cow_copies, s.kv_evictions, s.kv_allocated_blocks, s.kv_deferred_frees) == (3, 5, 40, 2)
     assert s.kv_tiers == {} and s.kv_pool_hit_tokens == 48  # no tiers: every hit is the pool's
+    assert (s.num_spec_rows, s.num_draft_tokens, s.num_accepted_tokens) == (4, 16, 6)
+    assert (s.spec_acceptance_rate, s.spec_mean_accepted_length) == (6 / 16, (6 + 4) / 4)
 
 
 def test_pool_hits_exclude_the_tiers_hits():
