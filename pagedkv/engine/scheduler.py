@@ -28,7 +28,7 @@ from pagedkv.engine.decisions import Decisions, Fork
 from pagedkv.engine.gangs import Gangs
 from pagedkv.engine.request import Request, RequestStatus, now
 from pagedkv.engine.stats import EngineStats, collect_stats
-from pagedkv.engine.spec_decode import can_speculate, draft_budget
+from pagedkv.engine.spec_decode import can_speculate, draft_budget, lookahead_cap
 from pagedkv.engine.step_plan import SchedulerConfig, SchedulerOutput, SchedulerStallError, SchedulerStats
 from pagedkv.errors import NoFreeBlocksError
 from pagedkv.kv import KVCacheManager, check_invariants
@@ -187,7 +187,11 @@ class Scheduler:
                 i += 1
                 continue
             if n == end - req.num_computed_tokens == 1 and self.spec is not None and can_speculate(req):
-                d = self.spec.propose(req.all_token_ids, min(budget - 1, draft_budget(req, cfg.max_model_len)))
+                # the lookahead may not take the blocks the later running rows' decodes need
+                spare = self.kv.num_free_blocks // self.kv.num_groups - (len(self.running) - i - 1)
+                cap = min(budget - 1, draft_budget(req, cfg.max_model_len),
+                          lookahead_cap(req.num_computed_tokens, spare, cfg.block_size))
+                d = self.spec.propose(req.all_token_ids, cap)
                 try:  # lookahead slots for the drafts, all or nothing (else a plain decode)
                     c = self.kv.allocate_slots(req.request_id, 1 + len(d), req.num_computed_tokens) if d else None
                 except NoFreeBlocksError:

@@ -105,6 +105,15 @@ def draft_budget(req: Request, max_model_len: int) -> int:
     return max(0, min(left, max_model_len - req.num_tokens))
 
 
+def lookahead_cap(num_computed: int, spare_blocks: int, block_size: int) -> int:
+    """The most drafts a decode row may take (its positions ``num_computed`` (the decode token)
+    ``+ 1 ..``) while it takes at most ``spare_blocks`` blocks beyond those its plain decode
+    needs: the slots left in the decode token's block plus ``spare_blocks`` whole blocks
+    (``spare_blocks < 0`` counts as 0). Units: token positions, blocks per layer group."""
+    used = num_computed + 1
+    return (-(-used // block_size) + max(0, spare_blocks)) * block_size - used
+
+
 def split_extra_rows(scheduled: Sequence[tuple[Request, int]], prompt_rows: Sequence[int],
                      drafts: dict[str, list[int]], extra: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Split the runner's extra logits rows (``extra`` fp32 ``[rows, vocab]``: per scheduled
