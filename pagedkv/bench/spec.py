@@ -50,6 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         ("--max-tokens", 96, "tokens generated per request (default 96)"),
         ("--num-speculative-tokens", 4, "draft tokens per step (default 4)"),
         ("--rounds", 2, "times each prompt runs on each side (default 2)"),
+        ("--ngram-min", 1, "shortest n-gram matched (default 1, the engine's)"),
     ])
     p.add_argument("--weights", default="auto", help="linear-layer format (default auto: what users run)")
     p.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp even when installed")
@@ -105,7 +106,8 @@ def collect(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
     threads = pin_threads(args.threads)
     loaded = load_fp32_model(loaded, getattr(args, "model", None), weights=args.weights)
     engines = {name: LLMEngine(loaded, dtype="float32", block_size=16, num_blocks=128, max_num_seqs=1,
-                               speculative=spec, num_speculative_tokens=args.num_speculative_tokens)
+                               speculative=spec, num_speculative_tokens=args.num_speculative_tokens,
+                               ngram_min=args.ngram_min, ngram_max=max(3, args.ngram_min))
                for name, spec in (("plain", None), ("ngram", "ngram"))}
     rows = []
     for workload, texts in WORKLOADS.items():
@@ -130,6 +132,7 @@ def collect(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
     st = engines["ngram"].get_stats()
     return {
         "config": {"max_tokens": args.max_tokens, "num_speculative_tokens": args.num_speculative_tokens,
+                   "ngram_min": args.ngram_min,
                    "rounds": args.rounds, "threads": threads, "weights": weights_of(loaded),
                    "prompts": WORKLOADS},
         "rows": rows,

@@ -269,6 +269,9 @@ class Request:
     scheduled_time: Optional[float] = None
     generator: Optional[torch.Generator] = None
     grammar: Any = None  # structured output: the matcher (pagedkv.engine.structured.GrammarState)
+    # speculative decoding back-off: decode steps to skip proposing, consecutive fruitless verifies
+    spec_wait: int = 0
+    spec_misses: int = 0
     output_text: str = ""
     _text_tokens: int = 0  # how many output tokens output_text reflects
     _all_token_ids: list[int] = field(default_factory=list, repr=False)

@@ -28,7 +28,7 @@ from pagedkv.engine.decisions import Decisions, Fork
 from pagedkv.engine.gangs import Gangs
 from pagedkv.engine.request import Request, RequestStatus, now
 from pagedkv.engine.stats import EngineStats, collect_stats
-from pagedkv.engine.spec_decode import can_speculate, draft_budget, lookahead_cap
+from pagedkv.engine.spec_decode import can_speculate, draft_budget, lookahead_cap, may_propose, record_verify
 from pagedkv.engine.step_plan import SchedulerConfig, SchedulerOutput, SchedulerStallError, SchedulerStats
 from pagedkv.errors import NoFreeBlocksError
 from pagedkv.kv import KVCacheManager, check_invariants
@@ -186,7 +186,8 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            if n == end - req.num_computed_tokens == 1 and self.spec is not None and can_speculate(req):
+            if n == end - req.num_computed_tokens == 1 and self.spec is not None and can_speculate(req) \
+                    and may_propose(req):
                 # the lookahead may not take the blocks the later running rows' decodes need
                 spare = self.kv.num_free_blocks // self.kv.num_groups - (len(self.running) - i - 1)
                 cap = min(budget - 1, draft_budget(req, cfg.max_model_len),
@@ -381,6 +382,7 @@ class Scheduler:
         st = self.stats
         st.num_spec_rows, st.num_draft_tokens = st.num_spec_rows + 1, st.num_draft_tokens + len(drafts)
         st.num_accepted_tokens += len(run) - 1
+        record_verify(req, len(run) - 1)
         st.num_generated_tokens += kept
         req.num_computed_tokens += kept
         self.kv.trim(req.request_id, req.num_computed_tokens)

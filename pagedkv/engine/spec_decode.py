@@ -21,7 +21,9 @@ the block table to them (a block that held only rejected tokens returns to the p
 the step fence) and publishes to the prefix cache only blocks whose tokens are all
 confirmed.
 
-Requests that speculate: no beam search, no structured-output grammar, no repetition /
+A request whose drafts were all rejected backs off: it proposes again after 1, 2, 4 ... 16
+plain decode steps (:func:`record_verify`), so free text that rarely repeats its context
+pays for few rejected drafts. Requests that speculate: no beam search, no structured-output grammar, no repetition /
 presence / frequency penalty (those depend on tokens not yet accepted); every other
 parameter works (``n > 1`` siblings speculate one by one, logprobs are those of the kept
 tokens, stop strings cut the kept run, ``max_tokens`` and ``max_model_len`` cap the drafts).
@@ -94,6 +96,29 @@ def can_speculate(req: Request) -> bool:
     p = req.sampling_params
     return (not p.use_beam_search and p.structured is None and req.grammar is None
             and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty)
+
+
+#: most decode steps a request waits before proposing again after fruitless verifies
+MAX_BACKOFF = 16
+
+
+def may_propose(req: Request) -> bool:
+    """Whether ``req`` proposes this step: not while it backs off (counts one step down)."""
+    if req.spec_wait > 0:
+        req.spec_wait -= 1
+        return False
+    return True
+
+
+def record_verify(req: Request, accepted: int) -> None:
+    """After a verify: drafts accepted reset the back-off; none accepted doubles it (1, 2, 4
+    ... ``MAX_BACKOFF`` plain decode steps before the next proposal), so a request whose text
+    does not repeat its context soon stops paying for rejected drafts."""
+    if accepted:
+        req.spec_misses = 0
+    else:
+        req.spec_misses += 1
+        req.spec_wait = min(MAX_BACKOFF, 1 << (req.spec_misses - 1))
 
 
 def draft_budget(req: Request, max_model_len: int) -> int:
