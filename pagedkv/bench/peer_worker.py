@@ -113,7 +113,7 @@ def openvino_runner(spec: dict[str, Any]) -> tuple[Generate, dict[str, Any]]:
         res = pipe.generate(ids, cfg)
         return list(res.tokens[0])
 
-    return gen, {"version": og.__version__, "weights": spec.get("weights_label", "IR as converted")}
+    return gen, {"version": og.__version__, "weights": "IR as converted"}
 
 
 RUNNERS = {"vllm": vllm_runner, "openvino": openvino_runner}

@@ -48,7 +48,7 @@ from pagedkv.bench.common import (
     log,
 )
 from pagedkv.bench.peers_report import plot, render_markdown
-from pagedkv.bench.peers_venv import VENV_SYSTEMS, render_b1_prefill, run_b1_prefill
+from pagedkv.bench.peers_venv import VENV_SYSTEMS, plot_b1_prefill, render_b1_prefill, run_b1_prefill
 from pagedkv.bench.peers_systems import (
     HF_CB,
     HF_GENERATE,
@@ -202,7 +202,7 @@ def run_peers(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None
     timings: dict[str, float] = {}
 
     t = time.time()
-    if systems & {PAGEDKV, B1}:
+    if systems & {PAGEDKV, B1, *VENV_SYSTEMS}:  # the venv peers are timed beside pagedkv's own run
         loaded = load_fp32_model(loaded, path=None if model.default else str(model.path), weights=args.weights)
     timings["pagedkv_load_s"] = time.time() - t
     reqs, scaling = requests_from_args(args, _vocab_size(loaded, hf_model, model))
@@ -346,5 +346,6 @@ def run(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None) -> i
         return render_markdown(d, pngs) + (render_b1_prefill(d["batch1_prefill"]) if "batch1_prefill" in d else "")
 
     publish(name, data, render, args.out_dir, as_json=args.json,
-            plots=None if args.no_plot else single_plot(name, "output tokens/s and TTFT per system", plot))
+            plots=None if args.no_plot else single_plot(name, "output tokens/s and TTFT per system",
+                                                        plot if data["systems"] else plot_b1_prefill))
     return 0

