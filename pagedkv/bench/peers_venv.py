@@ -111,7 +111,7 @@ def run_venv_peer(name: str, spec: dict[str, Any], timeout: float = 1800.0,
         out = last_json(r.stdout)
     except ValueError as exc:
         return {"name": name, "status": "failed", "reason": str(exc)}
-    return {"name": name, "status": "ok", "reason": None, "weights": WEIGHT_CLASS[name], **out}
+    return {"name": name, "status": "ok", "reason": None, **out, "weights": WEIGHT_CLASS[name]}
 
 
 def measure_pagedkv(loaded: Any, spec: dict[str, Any], engine_kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -126,18 +126,20 @@ def measure_pagedkv(loaded: Any, spec: dict[str, Any], engine_kwargs: dict[str, 
         (o,) = llm.generate([list(prompt)], greedy(k), use_tqdm=False)
         return o.token_ids
 
+    from pagedkv import __version__
+
     return {"name": "pagedkv", "status": "ok", "reason": None, "weights": WEIGHT_CLASS["pagedkv"],
-            "threads": spec["threads"], **peer_worker.measure(gen, spec)}
+            "threads": spec["threads"], "version": __version__, **peer_worker.measure(gen, spec)}
 
 
 def b1_prefill_spec(threads: int, vocab_size: int, tiny: bool = False) -> dict[str, Any]:
     """The batch-1/prefill measurement: prefill 512 tokens, decode 64 tokens after a 32-token
-    prompt, medians of 3 (tiny: 32, 4 after 8, 1 repeat)."""
+    prompt, best of 5 (tiny: 32, 4 after 8, 1 repeat)."""
     if tiny:
         return {"threads": threads, "vocab_size": vocab_size, "prefill_tokens": 32, "decode_prompt": 8,
                 "decode_tokens": 4, "repeats": 1, "dtype": "bfloat16"}
     return {"threads": threads, "vocab_size": vocab_size, "prefill_tokens": 512, "decode_prompt": 32,
-            "decode_tokens": 64, "repeats": 3, "dtype": "bfloat16", "max_model_len": 1024}
+            "decode_tokens": 64, "repeats": 5, "dtype": "bfloat16", "max_model_len": 1024}
 
 
 def b1_prefill_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -156,14 +158,17 @@ def render_b1_prefill(section: dict[str, Any]) -> str:
     """The Markdown table of the batch-1/prefill section."""
     lines = ["", "## Batch-1 decode and prefill (one request at a time, each peer in its own venv)", "",
              section["method"], "",
-             "| system | version | weights | batch-1 decode tok/s | TPOT ms | prefill 512 tok/s | prefill s |",
-             "|---|---|---|---:|---:|---:|---:|"]
+             "| system | version | weights | batch-1 decode tok/s | TPOT ms | prefill 512 tok/s | prefill s | "
+             "decode / prefill tok/s, medians |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
     for r in section["rows"]:
         if r["status"] != "ok":
-            lines.append(f"| {r['name']} | | {r['status']}: {str(r['reason']).splitlines()[-1][:160]} | | | | |")
+            lines.append(f"| {r['name']} | | {r['status']}: {str(r['reason']).splitlines()[-1][:160]} | | | | | |")
             continue
         lines.append(f"| {r['name']} | {r.get('version', '')} | {r['weights']} | {r['decode_tokens_per_s']:.1f} | "
-                     f"{1000 * r['tpot_s']:.2f} | {r['prefill_tokens_per_s']:.0f} | {r['prefill_s']:.3f} |")
+                     f"{1000 * r['tpot_s']:.2f} | {r['prefill_tokens_per_s']:.0f} | {r['prefill_s']:.3f} | "
+                     f"{r.get('median_decode_tokens_per_s', float('nan')):.1f} / "
+                     f"{r.get('median_prefill_tokens_per_s', float('nan')):.0f} |")
     for q in section["ratios"]:
         lines.append(f"\npagedkv / {q['peer']}: batch-1 decode {q['decode_ratio']:.2f}x, "
                      f"prefill {q['prefill_ratio']:.2f}x")

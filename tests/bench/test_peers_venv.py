@@ -86,8 +86,8 @@ def test_ratios_and_table():
     q = peers_venv.b1_prefill_ratios(rows)
     assert q == [{"peer": "vllm", "decode_ratio": 1.5, "prefill_ratio": 0.5}]
     md = peers_venv.render_b1_prefill({"method": "m", "rows": rows, "ratios": q})
-    assert "| vllm | 0.32.0 | bf16 | 40.0 | 25.00 | 3000 | 0.171 |" in md
-    assert "| openvino | | failed: exit 1: no IR |" in md
+    assert "| vllm | 0.32.0 | bf16 | 40.0 | 25.00 | 3000 | 0.171 | nan / nan |" in md
+    assert "| openvino | | failed: exit 1: no IR | | | | | |" in md
     assert "pagedkv / vllm: batch-1 decode 1.50x, prefill 0.50x" in md
 
 
