@@ -214,7 +214,7 @@ def model_steps(name: str, cache: Path, python: str) -> list[Step]:
 
 def model_done(step: Step) -> bool:
     """The directory a model step writes already holds its result (its last argv item)."""
-    out = Path(step.argv[-1]) if "optimum-cli" in step.argv[0] else Path(step.argv[3])
+    out = Path(step.argv[-1]) if "optimum-cli" in step.argv[0] else Path(step.argv[4])
     return (out / ("openvino_model.xml" if "optimum-cli" in step.argv[0] else "model.safetensors")).is_file()
 
 

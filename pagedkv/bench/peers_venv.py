@@ -126,10 +126,14 @@ def measure_pagedkv(loaded: Any, spec: dict[str, Any], engine_kwargs: dict[str, 
         (o,) = llm.generate([list(prompt)], greedy(k), use_tqdm=False)
         return o.token_ids
 
-    from pagedkv import __version__
+    from importlib import metadata
 
+    try:
+        version: Optional[str] = metadata.version("pagedkv")
+    except metadata.PackageNotFoundError:
+        version = None
     return {"name": "pagedkv", "status": "ok", "reason": None, "weights": WEIGHT_CLASS["pagedkv"],
-            "threads": spec["threads"], "version": __version__, **peer_worker.measure(gen, spec)}
+            "threads": spec["threads"], "version": version, **peer_worker.measure(gen, spec)}
 
 
 def b1_prefill_spec(threads: int, vocab_size: int, tiny: bool = False) -> dict[str, Any]:

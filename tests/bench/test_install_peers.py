@@ -154,3 +154,16 @@ def test_venv_current_reads_the_venvs_own_version(ip, tmp_path):
     (fake / "python").write_text("#!/bin/sh\necho 2026.3.0\n")
     assert not ip.venv_current("openvino", tmp_path)
     assert not ip.venv_current("vllm", tmp_path)
+
+
+def test_model_steps_are_skipped_once_written(ip, tmp_path):
+    hf_step, ov_step = ip.model_steps("openvino", tmp_path, "/py")
+    assert hf_step.argv[:5] == ["/py", "-m", "pagedkv.cli", "export-hf", str(tmp_path / "hf/smollm2-135m-instruct-f32")]
+    assert not ip.model_done(hf_step) and not ip.model_done(ov_step)
+    (tmp_path / "hf/smollm2-135m-instruct-f32").mkdir(parents=True)
+    (tmp_path / "hf/smollm2-135m-instruct-f32/model.safetensors").write_bytes(b"x")
+    (tmp_path / "ov/smollm2-135m-instruct-int4").mkdir(parents=True)
+    assert ip.model_done(hf_step) and not ip.model_done(ov_step)
+    (tmp_path / "ov/smollm2-135m-instruct-int4/openvino_model.xml").write_text("<net/>")
+    assert ip.model_done(ov_step)
+    assert len(ip.model_steps("vllm", tmp_path, "/py")) == 1  # vLLM reads the HF directory only
