@@ -1,9 +1,9 @@
 """Speculative decoding (prompt lookup) at batch 1: decode tok/s with and without it.
 
 Two workloads on the bundled chat model: **repetitive** (requests whose answer repeats or
-edits text of the prompt: copy a list, fix a typo in a paragraph, rename a variable in
-code) and **free chat** (open questions, where proposals mostly miss). Each request runs
-alone (batch 1), greedy, ``--max-tokens`` tokens; plain and speculative engines alternate
+edits text of the prompt: copy a list, fix a typo in a paragraph, copy code) and **free chat** (open questions, where proposals mostly miss). Each request runs
+alone (batch 1), greedy, up to EOS or ``--max-tokens`` tokens (both sides generate the same
+tokens); plain and speculative engines alternate
 request by request in one process (a shared host's load changes between two runs), and
 each side's decode tok/s is its generated tokens after the first / the time after the
 first token. When ``llama-cpp-python`` is installed, llama.cpp on the same GGUF runs the
@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from itertools import islice
+from itertools import islice, takewhile
 from typing import Any
 
 from pagedkv.bench.common import add_options, load_fp32_model, log, machine_info, pin_threads, weights_of
@@ -33,7 +33,7 @@ WORKLOADS = {
         "Copy this list exactly, one item per line: red apples, green pears, ripe plums, sweet cherries, "
         "dark grapes, sour lemons, fresh limes, dried figs, yellow bananas, orange mangos.",
         f"Fix the spelling mistake and repeat the whole paragraph:\n\n{PARAGRAPH}",
-        f"Rename the function total_price to order_total and repeat the whole code:\n\n{CODE}",
+        f"Repeat this code exactly:\n\n{CODE}",
         f"Repeat this text word for word:\n\n{PARAGRAPH}",
     ],
     "free chat": [
@@ -47,10 +47,10 @@ WORKLOADS = {
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_options(p, [
-        ("--max-tokens", 96, "tokens generated per request (default 96)"),
+        ("--max-tokens", 128, "most tokens generated per request (default 128)"),
         ("--num-speculative-tokens", 4, "draft tokens per step (default 4)"),
         ("--rounds", 2, "times each prompt runs on each side (default 2)"),
-        ("--ngram-min", 1, "shortest n-gram matched (default 1, the engine's)"),
+        ("--ngram-min", 2, "shortest n-gram matched (default 2, the engine's)"),
     ])
     p.add_argument("--weights", default="auto", help="linear-layer format (default auto: what users run)")
     p.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp even when installed")
@@ -67,10 +67,10 @@ def _timed(gen: Any) -> tuple[int, float]:
 
 
 def _pagedkv_run(eng: Any, prompt_ids: list[int], max_tokens: int):
-    """One request alone on ``eng``: yields once per generated token (EOS ignored)."""
+    """One request alone on ``eng``: yields once per generated token (up to EOS or ``max_tokens``)."""
     from pagedkv.engine.request import SamplingParams
 
-    eng.add_request("b", prompt_ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    eng.add_request("b", prompt_ids, SamplingParams(temperature=0.0, max_tokens=max_tokens))
     seen = 0
     while eng.has_unfinished_requests():
         for out in eng.step():
@@ -94,7 +94,8 @@ def _llama_cpp(path: str, threads: int, prompts: list[list[int]], max_tokens: in
         toks, secs = 0, 0.0
         for _ in range(rounds):
             for ids in prompts:
-                n, s = _timed(islice(llm.generate(ids, temp=0.0, top_k=1, reset=True), max_tokens))
+                gen = llm.generate(ids, temp=0.0, top_k=1, reset=True)
+                n, s = _timed(takewhile(lambda t: t != llm.token_eos(), islice(gen, max_tokens)))
                 toks, secs = toks + n, secs + s
         out[name] = toks / secs if secs else 0.0
     return out
@@ -151,7 +152,7 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
     return "\n".join([
         "# Speculative decoding (prompt lookup), batch 1",
         "",
-        f"`pagedkv bench spec`: greedy, {c['max_tokens']} tokens per request, up to {c['num_speculative_tokens']} "
+        f"`pagedkv bench spec`: greedy, up to EOS or {c['max_tokens']} tokens per request, up to {c['num_speculative_tokens']} "
         f"drafts per step, {c['weights']} weights, {c['threads']} thread(s), {c['rounds']} rounds, plain and "
         "speculative engines alternating request by request. Decode tok/s = tokens after the first / time after "
         "the first token.",

@@ -71,7 +71,7 @@ class EngineConfig:
     # up to num_speculative_tokens drafts from the last ngram_max..ngram_min tokens' earlier match
     speculative: Optional[str] = None
     num_speculative_tokens: int = 4
-    ngram_min: int = 1
+    ngram_min: int = 2
     ngram_max: int = 3
 
     @classmethod

@@ -49,7 +49,7 @@ class NgramProposer:
     """Prompt-lookup proposals: up to ``k`` draft tokens (``1 <= ngram_min <= ngram_max``)."""
 
     k: int = 4
-    ngram_min: int = 1
+    ngram_min: int = 2
     ngram_max: int = 3
 
     def __post_init__(self) -> None:

@@ -59,7 +59,7 @@ def test_bad_proposer_options_are_config_errors(kw, msg):
 
 def test_engine_config_speculative_options():
     assert make_proposer(EngineConfig()) is None
-    assert make_proposer(EngineConfig(speculative="ngram", num_speculative_tokens=6)) == NgramProposer(6, 1, 3)
+    assert make_proposer(EngineConfig(speculative="ngram", num_speculative_tokens=6)) == NgramProposer(6, 2, 3)
     with pytest.raises(ConfigError, match="only 'ngram'"):
         EngineConfig.from_kwargs({"speculative": "draft:tiny"})
     with pytest.raises(ConfigError, match="num_speculative_tokens"):
