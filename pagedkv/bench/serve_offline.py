@@ -113,35 +113,50 @@ def command_line(args: argparse.Namespace, threads: int) -> str:
             f"--requests-per-stream {args.requests_per_stream} --min-requests {args.min_requests}")
 
 
+#: how the offline comparison is measured, as the report states it
+METHOD = ("Both systems without HTTP, on the serving sweep's workload: for every concurrency c, "
+          "max(min requests, c x requests per stream) requests of token-id prompts (EOS ignored, greedy) are handed "
+          "at once to the engine, which runs at most c of them at a time (pagedkv: `LLM` with max_num_seqs = c in "
+          "this process; OpenVINO GenAI: `ContinuousBatchingPipeline` with SchedulerConfig.max_num_seqs = c, no "
+          "prefix caching, its other scheduler defaults, in its own venv), after one untimed 2-token request. "
+          "Output tokens/s = all output tokens / the wall time of the batch. No streaming, so no TTFT or "
+          "inter-token latency: the served ITL goal cannot be checked for this peer.")
+
+
+def _load(x: Any) -> str:
+    return f"{x:.1f}" if isinstance(x, (int, float)) else "n/a"
+
+
 def render_markdown(data: dict[str, Any], plots: Optional[dict[str, str]] = None) -> str:
-    """The Markdown report: method, one row per (system, concurrency), the ratios and goals."""
+    """The Markdown report: method, weights, one row per (system, concurrency), ratios and goals."""
     from pagedkv.bench.report import plot_links
 
     c, s = data["config"], data["config"]["spec"]
-    lines = ["# Offline continuous batching: pagedkv vs OpenVINO GenAI", "",
-             (__doc__ or "").split("\n\n", 1)[1].strip(), "", f"Why not served: {c['why_offline']}.", "",
+    lines = ["# Offline continuous batching: pagedkv vs OpenVINO GenAI", "", METHOD, "",
+             f"Why not served: {c['why_offline']}.", "",
              f"Workload: prompts {s['prompt_tokens']} tokens, outputs {s['output_tokens']} tokens, "
-             f"{s['threads']} threads for both." + (f" Note: {c['note']}" if c.get("note") else ""), "",
-             *plot_links(plots or {}), "",
-             "| system | weights | concurrency | requests | output tokens | seconds | output tok/s |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+             f"{s['threads']} threads for both." + (f" Note: {c['note']}." if c.get("note") else ""), "",
+             "Weights:", ""]
+    lines += [f"- {r['name']}: {r.get('weights') or r['status']}" for r in data["rows"]]
+    lines += ["", *plot_links(plots or {}), "",
+              "| system | concurrency | requests | output tokens | seconds | output tok/s | load 1m start/end |",
+              "|---|---:|---:|---:|---:|---:|---|"]
     for r in data["rows"]:
         if r["status"] != "ok":
             lines.append(f"| {r['name']} | {r['status']}: {str(r['reason']).splitlines()[-1][:200]} | | | | | |")
             continue
+        la = f"{_load(r.get('load_1m_start'))} / {_load(r.get('load_1m_end'))} (whole system run)"
         for b in r["batched"]:
-            lines.append(f"| {r['name']} | {r['weights'].split(' (')[0] if r['name'] == 'pagedkv' else r['weights']} | "
-                         f"{b['concurrency']} | {b['requests']} | {b['output_tokens']} | {b['seconds']:.2f} | "
-                         f"{b['output_tokens_per_s']:.1f} |")
+            lines.append(f"| {r['name']} | {b['concurrency']} | {b['requests']} | {b['output_tokens']} | "
+                         f"{b['seconds']:.2f} | {b['output_tokens_per_s']:.1f} | {la} |")
     lines += ["", f"pagedkv / openvino output tok/s (goal ≥ {GOAL_RATIO:g}×; no ITL/TTFT offline):", ""]
     for q in data["ratios"]:
         lines.append(f"- concurrency {q['concurrency']}: " + ("not measured (a system failed)" if q.get("missing") else
                      f"{q['output_tok_s_ratio']:.2f}× — {'met' if q['output_tok_s_goal_met'] else 'NOT met'}"))
     la = data.get("load_average_1m") or {}
-    m = data.get("machine") or {}
     lines += ["", f"Command: `{c['command']}`", "",
-              f"_1-minute load average at start / end: {la.get('start')} / {la.get('end')}; machine: "
-              f"{m.get('cpu_isa') or m.get('platform') or ''}; pagedkv {m.get('torch', '')}._", ""]
+              f"1-minute load average at start / end: {_load(la.get('start'))} / {_load(la.get('end'))} "
+              "(on 2 CPUs; other jobs share the machine).", ""]
     return "\n".join(lines)
 
 

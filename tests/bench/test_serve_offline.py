@@ -112,8 +112,8 @@ def test_run_offline_with_a_fake_openvino_venv(tmp_path, monkeypatch):
     assert [(q["concurrency"], q["output_tok_s_ratio"], q["output_tok_s_goal_met"]) for q in data["ratios"]] == [
         (1, 1.25, True), (4, 100.0 / 128.0, False)]
     md = serve_offline.render_markdown(data, {})
-    assert "| openvino | int4 asym, group 32" in md and "| 4 | 8 | 512 | 4.00 | 128.0 |" in md
-    assert "| pagedkv | int4 | 1 | 8 | 512 | 12.80 | 40.0 |" in md
+    assert "- openvino: int4 asym, group 32" in md and "| openvino | 4 | 8 | 512 | 4.00 | 128.0 |" in md
+    assert "| pagedkv | 1 | 8 | 512 | 12.80 | 40.0 |" in md and "- pagedkv: int4 (codes)" in md
     assert "- concurrency 1: 1.25× — met" in md and "- concurrency 4: 0.78× — NOT met" in md
     assert "no HTTP server" in md
 
