@@ -166,13 +166,21 @@ def openvino_runner(spec: dict[str, Any]) -> tuple[Generate, dict[str, Any]]:
 def openvino_batched_runner(spec: dict[str, Any]) -> tuple[GenerateMany, dict[str, Any]]:
     """OpenVINO GenAI's ``ContinuousBatchingPipeline`` on the IR ``spec["model"]``, one pipeline
     per concurrency (``SchedulerConfig.max_num_seqs`` = c, ``cache_size`` GiB of KV, no prefix
-    caching, its other scheduler defaults), ``INFERENCE_NUM_THREADS`` = threads, greedy."""
+    caching, its other scheduler defaults), ``INFERENCE_NUM_THREADS`` = threads, greedy.
+
+    The requests go in through ``add_request`` and ``step``, at most ``c`` in the pipeline at a
+    time (a finished one makes room for the next): handed over at once through ``generate``, its
+    scheduler ran every request together even with ``max_num_seqs`` = 1 (measured: 4 requests of 64
+    tokens took 1.15 s at 1 and 1.10 s at 4, one alone 0.82 s). Raises ``RuntimeError`` for a
+    request that ends other than finished."""
     import numpy as np
     import openvino as ov
     import openvino_genai as og
 
     pipes: dict[int, Any] = {}
-    facts: dict[str, Any] = {"version": og.__version__, "weights": "IR as converted", "scheduler": {}}
+    facts: dict[str, Any] = {"version": og.__version__, "weights": "IR as converted", "scheduler": {},
+                             "admission": "closed loop: add_request/step, at most c requests in the pipeline"}
+    next_id = [0]
 
     def gen_many(prompts: Sequence[Sequence[int]], k: int, c: int) -> Sequence[Sequence[int]]:
         if c not in pipes:
@@ -183,10 +191,26 @@ def openvino_batched_runner(spec: dict[str, Any]) -> tuple[GenerateMany, dict[st
             pipes[c] = og.ContinuousBatchingPipeline(spec["model"], sched, "CPU",
                                                      {"INFERENCE_NUM_THREADS": int(spec["threads"])})
             facts["scheduler"][str(c)] = " ".join(sched.to_string().split())[:400]
+        pipe = pipes[c]
         cfg = og.GenerationConfig()
         cfg.max_new_tokens, cfg.min_new_tokens, cfg.do_sample = k, k, False
-        ids = [ov.Tensor(np.array([list(p)], dtype=np.int64)) for p in prompts]
-        return [list(r.m_generation_ids[0]) for r in pipes[c].generate(ids, [cfg] * len(ids))]
+        waiting, running = list(range(len(prompts))), {}
+        out: list[list[int]] = [[] for _ in prompts]
+        while waiting or running:
+            while waiting and len(running) < c:
+                i = waiting.pop(0)
+                next_id[0] += 1
+                running[i] = pipe.add_request(next_id[0], ov.Tensor(np.array([list(prompts[i])], dtype=np.int64)), cfg)
+            pipe.step()
+            for i, h in list(running.items()):
+                status = h.get_status()
+                if status == og.GenerationStatus.RUNNING:
+                    continue
+                if status != og.GenerationStatus.FINISHED:
+                    raise RuntimeError(f"request {i} ended {status}")
+                out[i] = list(h.read_all()[0].generated_ids)
+                del running[i]
+        return out
 
     return gen_many, facts
 

@@ -11,7 +11,9 @@ handed at once to
   ``max_num_seqs = c``, float32 activations, ``--threads`` torch threads, in this process;
 * **openvino**: ``ContinuousBatchingPipeline`` (paged attention, its own scheduler,
   ``max_num_seqs = c``, no prefix caching) over the int4 IR ``make peers`` converts, in its
-  own venv (:func:`pagedkv.bench.peer_worker.measure_batched`, the same code times both).
+  own venv, at most ``c`` requests in it at a time
+  (:func:`pagedkv.bench.peer_worker.openvino_batched_runner`;
+  :func:`pagedkv.bench.peer_worker.measure_batched`, the same code times both).
 
 Output tokens/s = all output tokens / the wall time of the whole batch (seconds). There is no
 TTFT or inter-token latency here (no streaming): the served goals' ITL column stays unmeasured
@@ -118,7 +120,9 @@ METHOD = ("Both systems without HTTP, on the serving sweep's workload: for every
           "max(min requests, c x requests per stream) requests of token-id prompts (EOS ignored, greedy) are handed "
           "at once to the engine, which runs at most c of them at a time (pagedkv: `LLM` with max_num_seqs = c in "
           "this process; OpenVINO GenAI: `ContinuousBatchingPipeline` with SchedulerConfig.max_num_seqs = c, no "
-          "prefix caching, its other scheduler defaults, in its own venv), after one untimed 2-token request. "
+          "prefix caching, its other scheduler defaults, in its own venv, fed through add_request/step with at "
+          "most c requests in it, since given all at once its scheduler ran them together even at max_num_seqs = "
+          "1), after one untimed 2-token request. "
           "Output tokens/s = all output tokens / the wall time of the batch. No streaming, so no TTFT or "
           "inter-token latency: the served ITL goal cannot be checked for this peer.")
 
