@@ -202,7 +202,8 @@ def run_b1_prefill(systems: set[str], loaded: Any, engine_kwargs: dict[str, Any]
 OPENVINO_NO_SERVER = (
     "OpenVINO GenAI (openvino-genai 2026.4.1 on PyPI) has no HTTP server: its serving product is OpenVINO "
     "Model Server, a separate C++ server that is not on PyPI; writing an OpenAI server around its "
-    "ContinuousBatchingPipeline would measure that wrapper, not OpenVINO, so --peer openvino is not served")
+    "ContinuousBatchingPipeline would measure that wrapper, not OpenVINO, so --peer openvino is not served: it "
+    "measures offline continuous batching (ContinuousBatchingPipeline beside pagedkv's LLM, no HTTP on either side)")
 
 
 def vllm_server_command(port: int, threads: int, max_num_seqs: int = 32, max_model_len: int = 1024,

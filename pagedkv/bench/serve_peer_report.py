@@ -56,6 +56,7 @@ def _side_by_side(data: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _goal_lines(data: dict[str, Any]) -> list[str]:
+    peer = data["config"].get("peer", "llama-server")
     lines = []
     for q in data["ratios"]:
         if q.get("missing"):
@@ -63,10 +64,10 @@ def _goal_lines(data: dict[str, Any]) -> list[str]:
             continue
         parts = []
         if q.get("goal_output_tok_s_ratio") is not None:
-            parts.append(f"output tok/s ≥ {q['goal_output_tok_s_ratio']:g}× llama-server's: "
+            parts.append(f"output tok/s ≥ {q['goal_output_tok_s_ratio']:g}× {peer}'s: "
                          f"{_ratio(q['output_tok_s_ratio'])} — {'met' if q['output_tok_s_goal_met'] else 'NOT met'}")
         if q.get("goal_itl_p50_ratio") is not None:
-            parts.append(f"ITL p50 ≤ {q['goal_itl_p50_ratio']:g}× llama-server's: {_ratio(q['itl_p50_ratio'])} — "
+            parts.append(f"ITL p50 ≤ {q['goal_itl_p50_ratio']:g}× {peer}'s: {_ratio(q['itl_p50_ratio'])} — "
                          f"{'met' if q['itl_goal_met'] else 'NOT met'}")
         if parts:
             lines.append(f"- concurrency {q['concurrency']}: " + "; ".join(parts))

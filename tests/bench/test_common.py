@@ -94,8 +94,12 @@ def test_publish_writes_json_markdown_and_prints_json(tmp_path, capsys):
     assert json.loads(paths["json"].read_text())["rows"] == data["rows"]
     md = paths["md"].read_text()
     assert "| x | y |" in md and "| 1.235 | b |" in md and "commit c" in md
+    assert "CPU ISA" not in md  # a machine record without the ISA profile
     publish("t", data, render, tmp_path, echo=False)
     assert capsys.readouterr().out == ""
+    data["machine"]["cpu_isa"] = {"isa": "avx512", "onednn_isa": "AVX512_CORE_BF16", "vnni": True, "amx": False}
+    md = publish("t", data, render, tmp_path, echo=False)["md"].read_text()
+    assert "2 CPUs, CPU ISA avx512 (oneDNN AVX512_CORE_BF16, VNNI yes, AMX no), torch threads 1" in md
 
 
 def test_json_clean_and_prom_value():

