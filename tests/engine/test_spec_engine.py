@@ -89,3 +89,48 @@ def test_stop_strings_logprobs_and_seeded_sampling(loaded_model, prompt_ids):
     (x,), _, _ = run(loaded_model, [prompt_ids], sp, speculative="ngram")
     (y, _), _, _ = run(loaded_model, [prompt_ids, prompt_ids[:30]], [sp, greedy(8)], speculative="ngram")
     assert [c.token_ids for c in x.outputs] == [c.token_ids for c in y.outputs]
+
+
+def test_spec_counters_on_metrics(loaded_model, prompt_ids):
+    """The four pagedkv_spec_decode_* families /metrics exports equal the engine's stats."""
+    from pagedkv.server.metrics import _EngineCollector
+
+    _, st, eng = run(loaded_model, [prompt_ids], greedy(24), speculative="ngram")
+    got = {m.name: m.samples[0].value for m in _EngineCollector(eng, "m").collect()
+           if m.name.startswith("pagedkv_spec_decode")}
+    assert st.num_accepted_tokens > 0
+    assert got == {"pagedkv_spec_decode_draft_tokens": st.num_draft_tokens,
+                   "pagedkv_spec_decode_accepted_tokens": st.num_accepted_tokens,
+                   "pagedkv_spec_decode_acceptance_rate": pytest.approx(st.spec_acceptance_rate),
+                   "pagedkv_spec_decode_mean_accepted_length": pytest.approx(st.spec_mean_accepted_length)}
+
+
+def test_mixed_batch_with_prompt_logprobs_and_penalty_rows(loaded_model, prompt_ids):
+    """A speculating row in the same steps as a chunked prefill returning prompt logprobs and a
+    row with a repetition penalty (which never speculates): every output as without speculation."""
+    def go(**kw):
+        llm = LLM(loaded_model, num_blocks=128, block_size=16, max_num_batched_tokens=24,
+                  debug_invariants=True, **kw)
+        eng = llm.engine
+        eng.add_request("spec", prompt_ids[:40], greedy(30, ignore_eos=True))
+        for _ in range(3):  # its prefill, then decoding
+            eng.step()
+        eng.add_request("plp", prompt_ids[5:50], greedy(8, prompt_logprobs=1, ignore_eos=True))
+        eng.add_request("pen", prompt_ids[:20], greedy(20, repetition_penalty=1.3, ignore_eos=True))
+        outs = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    outs[o.request_id] = o
+        assert eng.kv.num_used_blocks == 0
+        return outs, eng.get_stats()
+
+    off, _ = go()
+    on, st = go(speculative="ngram")
+    assert st.num_accepted_tokens > 0
+    for rid in ("spec", "plp", "pen"):
+        assert on[rid].outputs[0].token_ids == off[rid].outputs[0].token_ids, rid
+    a, b = on["plp"].prompt_logprobs, off["plp"].prompt_logprobs
+    assert a[0] is None and b[0] is None and len(a) == len(b) == len(prompt_ids[5:50])
+    for x, y in zip(a[1:], b[1:]):
+        assert list(x) == list(y) and [x[t] for t in x] == pytest.approx([y[t] for t in y], abs=1e-3)
