@@ -35,6 +35,7 @@ from pagedkv.utils import cdiv
 import torch.nn.functional as F
 
 from pagedkv.attention import layouts as L
+from pagedkv.attention import prefill_kernel
 from pagedkv.attention import quant as Q
 from pagedkv.attention.base import AttentionMetadata, check_window, window_start
 from pagedkv.errors import BackendError
@@ -78,6 +79,12 @@ class CPUBackend(LayoutMemory):
         self.name = name or ("cpu" if layout == "nhd" else f"cpu-{layout}")
         self.use_kernel = use_kernel
         self._local = threading.local()  # scratch per thread: two engines may share a process
+
+    @property
+    def _prefill(self):
+        """The causal prefill kernel (``pagedkv.attention.prefill_kernel``), or ``None``
+        (``use_kernel=False``, or it did not build): chunks then take SDPA."""
+        return prefill_kernel.get() if self.use_kernel else None
 
     @property
     def _ws(self) -> _Workspace:
@@ -284,6 +291,11 @@ class CPUBackend(LayoutMemory):
             v32 = self._ws.get("v32", h * n * d, torch.float32, v.device).view(h, n, d)
             k = k32.copy_(k)
             v = v32.copy_(v)
+        if ql > 1 and not cap and not window and self._prefill is not None and q.dtype == torch.float32:
+            # a chunk: pagedkv's causal prefill kernel (score tiles against K transposed once)
+            o = self._prefill.attend(q, k.transpose(0, 1), v.transpose(0, 1), scale)
+            if o is not None:
+                return o
         if ql > 1 and not cap:
             # a chunk: one fused SDPA call (flash kernel) with the chunk's bottom-right causal
             # mask (query row j sits at position seq_len - ql + j)

@@ -53,7 +53,11 @@ static inline float half_to_float(uint16_t h) {
     return f;
 #endif
 }
+#if defined(__AVX512VL__)
+#define ROW_TILE 8 /* 32 vector registers: 8 rows' accumulators */
+#else
 #define ROW_TILE 4
+#endif
 /* products below this many multiply-adds run on one thread (a thread start costs ~5-10 us) */
 #define PAR_MACS 200000
 
@@ -276,7 +280,9 @@ INLINE void q8_group(const int NR, int64_t nb, const int8_t *wc, const float *sc
 /* calls F(NR, ...) with NR the constant min(nr, ROW_TILE) */
 #define BY_TILE(nr, F, ...) do { switch (nr) { \
     case 1: F(1, __VA_ARGS__); break; case 2: F(2, __VA_ARGS__); break; \
-    case 3: F(3, __VA_ARGS__); break; default: F(4, __VA_ARGS__); } } while (0)
+    case 3: F(3, __VA_ARGS__); break; case 4: F(4, __VA_ARGS__); break; \
+    case 5: F(5 < ROW_TILE ? 5 : ROW_TILE, __VA_ARGS__); break; case 6: F(6 < ROW_TILE ? 6 : ROW_TILE, __VA_ARGS__); break; \
+    case 7: F(7 < ROW_TILE ? 7 : ROW_TILE, __VA_ARGS__); break; default: F(ROW_TILE, __VA_ARGS__); } } while (0)
 
 /* ---- entry points --------------------------------------------------------------------------- */
 

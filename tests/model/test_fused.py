@@ -88,6 +88,20 @@ def test_act_mul_matches_torch(gelu, rows):
     assert (got16.float() - want16.float()).abs().max() <= 2**-7 * want16.float().abs().max()
 
 
+def test_act_mul_at_the_ends_of_the_exp_range():
+    """The vectorised exp is clamped to [-87.3, 88.3]: gates far past either end (and the
+    columns after the last whole group of 8, which take the scalar path) still give torch's
+    values to 2e-6; a NaN gate stays NaN."""
+    g = torch.tensor([-1e4, -100.0, -88.5, -87.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 87.0, 88.5, 100.0, 1e4,
+                      float("nan"), 3.0])  # 15 columns: one group of 8 and 7 scalar ones
+    u = torch.linspace(-2.0, 2.0, len(g))
+    for gelu in (False, True):
+        got = OPS.act_mul(torch.cat([g, u]).unsqueeze(0), len(g), gelu)[0]
+        want = (F.gelu(g, approximate="tanh") if gelu else F.silu(g)) * u
+        torch.testing.assert_close(got[:13], want[:13], rtol=2e-6, atol=2e-6)
+        assert torch.isnan(got[13]) and got[14] == pytest.approx(want[14].item(), rel=2e-6)
+
+
 def test_bad_inputs_raise_value_error_before_touching_memory():
     res = torch.zeros(2, 8)
     with pytest.raises(ValueError, match="delta"):
