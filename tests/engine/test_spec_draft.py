@@ -10,6 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.attention import get_backend
@@ -48,6 +50,13 @@ def _proposer(model, num_blocks=32, k=4, max_len=4096):
     worker = Worker(model.model, model.config, get_backend("cpu"), loaded=model)
     worker.init_cache(num_blocks, 16, torch.float32)
     return DraftProposer(worker, k, num_blocks, 16, max_len)
+
+
+def _kv(p, rid):
+    """The first and last layers' K and V of ``rid``'s held tokens in the draft's cache."""
+    ids, r = p.kv.get_block_ids(rid), p.worker.runner
+    slots = torch.tensor([ids[i // 16] * 16 + i % 16 for i in range(len(p.held[rid]))])
+    return [t for cache in (r.kv_caches[0], r.kv_caches[-1]) for t in r.backend.gather_kv(cache, slots)]
 
 
 def _greedy_continuation(model, ids, n):
@@ -117,6 +126,45 @@ def test_batched_drafts_equal_one_by_one_and_a_full_pool_drafts_nothing(tiny):
     # the draft's context ends: positions past max_len are never drafted
     short = _proposer(tiny, max_len=11)
     assert short.propose(b, 4, "b") == alone["b"][:2]
+
+
+_OPS = st.lists(st.tuples(st.sampled_from("ab"), st.sampled_from(["accept", "decode", "shrink", "release"]),
+                          st.integers(0, 4), st.integers(5, 2999)), min_size=1, max_size=12)
+
+
+@settings(max_examples=20, deadline=None)
+@given(ops=_OPS)
+def test_random_accept_reject_sequences_keep_the_draft_kv_consistent(tiny, ops):
+    """Random verify outcomes (m drafts accepted then another token), plain decode steps
+    without a proposal, shrinking contexts
+    (a sibling's, a recompute's) and releases: after every proposal each request's drafts equal
+    a fresh proposer's from its whole context, it holds its context plus the drafts fed back,
+    the pool's used blocks are exactly those tokens' blocks, and the invariant checker passes."""
+    p = _proposer(tiny, num_blocks=32, k=4)
+    ctx = {"a": [(i * 37 + 3) % 3000 + 5 for i in range(21)], "b": [(i * 7 + 1) % 3000 + 5 for i in range(16)]}
+    last = {r: p.propose(c, 4, r) for r, c in ctx.items()}
+    for rid, op, m, tok in ops:
+        if op == "accept":
+            ctx[rid] = ctx[rid] + last[rid][:m] + [tok]
+        elif op == "decode":  # m + 1 plain decode steps (backing off): no proposal in between
+            ctx[rid] = ctx[rid] + [(tok + 131 * j) % 3000 + 5 for j in range(m + 1)]
+        elif op == "shrink":
+            ctx[rid] = ctx[rid][:max(1, len(ctx[rid]) - 3 * m - 1)]
+        else:
+            p.release(rid)
+            assert rid not in p.held
+        last = p.propose_batch([(r, c, 1 + (m + i) % 4) for i, (r, c) in enumerate(ctx.items())])
+        for r, c in ctx.items():
+            d, fresh = last[r], _proposer(tiny, k=4)
+            assert d == fresh.propose(c, len(d), r) and len(d) >= 1
+            assert p.held[r] == fresh.held[r] == c + d[:-1] and p.kv.num_tokens(r) == len(c) + len(d) - 1
+            # the K/V it kept and caught up are those of a computation from scratch
+            for got, want in zip(_kv(p, r), _kv(fresh, r)):
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        assert p.num_used_blocks == sum(-(-len(h) // 16) for h in p.held.values())
+        check_invariants(p.kv)
+    p.retain(["b"])
+    assert list(p.held) == ["b"] and p.num_used_blocks == -(-len(p.held["b"]) // 16)
 
 
 def test_tokenizer_check_and_speculative_options(loaded_model):
