@@ -35,7 +35,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 from pagedkv.engine.request import Request, RequestStatus
 from pagedkv.engine.spec_decode import can_speculate, draft_budget
-from pagedkv.errors import ConfigError, NoFreeBlocksError
+from pagedkv.errors import ConfigError, InvalidRequestError, NoFreeBlocksError
 from pagedkv.kv import KVCacheManager
 from pagedkv.utils import torch_dtype
 from pagedkv.worker.worker import Worker
@@ -140,9 +140,9 @@ class DraftProposer:
                 request_id: Optional[str] = None) -> list[int]:
         """Up to ``min(k, max_tokens)`` greedy drafts following ``token_ids`` for request
         ``request_id`` (the scheduler's call): the prefetched ones when their context is
-        ``token_ids``, else computed now. Raises ``ValueError`` without a request id."""
+        ``token_ids``, else computed now. Raises ``InvalidRequestError`` without a request id."""
         if request_id is None:
-            raise ValueError("a draft model proposes per request: request_id is required")
+            raise InvalidRequestError("a draft model proposes per request: request_id is required")
         cap = self.k if max_tokens is None else min(self.k, max_tokens)
         if cap <= 0:
             return []

@@ -20,7 +20,7 @@ from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.engine import LLMEngine
 from pagedkv.engine.spec_decode import draft_model_name, make_proposer
 from pagedkv.engine.spec_draft import DraftProposer, check_same_tokenizer
-from pagedkv.errors import ConfigError
+from pagedkv.errors import ConfigError, InvalidRequestError
 from pagedkv.kv import check_invariants
 from pagedkv.testing.tiny import tiny_random_model
 from pagedkv.worker.worker import Worker
@@ -108,6 +108,8 @@ def test_drafts_are_the_draft_models_greedy_tokens_and_its_kv_follows_the_contex
     assert p.held["a"] == ctx[:10] + d3[:1] and p.kv.num_tokens("a") == 11 and p.num_used_blocks == 1
     p.retain([])
     assert p.held == {} and p.num_used_blocks == 0
+    with pytest.raises(InvalidRequestError, match="request_id is required"):
+        p.propose(ctx, 4)
     check_invariants(p.kv)
 
 
