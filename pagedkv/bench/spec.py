@@ -1,4 +1,5 @@
-"""Speculative decoding (prompt lookup) at batch 1: decode tok/s with and without it.
+"""Speculative decoding (prompt lookup; a draft model with ``--speculative draft:MODEL``) at
+batch 1: decode tok/s with and without it.
 
 Two workloads on the bundled chat model: **repetitive** (requests whose answer repeats or
 edits text of the prompt: copy a list, fix a typo in a paragraph, copy code) and **free chat** (open questions, where proposals mostly miss). Each request runs
@@ -21,6 +22,7 @@ from typing import Any
 
 from pagedkv.bench.common import add_options, load_fp32_model, log, machine_info, pin_threads, weights_of
 from pagedkv.bench.report import markdown_table, publish
+from pagedkv.errors import ConfigError
 
 PARAGRAPH = ("Paged attention splits each request's key-value cache into fixed-size blocks, so memory is "
              "allocated on demand and shared prefixes are stored once. The scheduler admits requests while "
@@ -53,6 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         ("--ngram-min", 2, "shortest n-gram matched (default 2, the engine's)"),
     ])
     p.add_argument("--weights", default="auto", help="linear-layer format (default auto: what users run)")
+    p.add_argument("--speculative", default="ngram", metavar="ngram|draft:MODEL",
+                   help="ngram (default): plain and prompt lookup; draft:MODEL (a GGUF/HF path or a bundled name, "
+                        "e.g. draft:smollm2-135m) adds a draft-model side beside them")
+    p.add_argument("--draft-weights", default="auto", help="the draft model's linear-layer format (default auto)")
     p.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp even when installed")
 
 
@@ -103,13 +109,21 @@ def _llama_cpp(path: str, threads: int, prompts: list[list[int]], max_tokens: in
 
 def collect(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
     from pagedkv.engine.engine import LLMEngine
+    from pagedkv.engine.spec_decode import draft_model_name
 
     threads = pin_threads(args.threads)
     loaded = load_fp32_model(loaded, getattr(args, "model", None), weights=args.weights)
+    sides = [("plain", None), ("ngram", "ngram")]
+    draft = getattr(args, "speculative", "ngram")
+    if draft != "ngram":
+        if draft_model_name(draft) is None:
+            raise ConfigError(f"--speculative: 'ngram' or 'draft:<model>', got {draft!r}")
+        sides.append(("draft", draft))
     engines = {name: LLMEngine(loaded, dtype="float32", block_size=16, num_blocks=128, max_num_seqs=1,
                                speculative=spec, num_speculative_tokens=args.num_speculative_tokens,
-                               ngram_min=args.ngram_min, ngram_max=max(3, args.ngram_min))
-               for name, spec in (("plain", None), ("ngram", "ngram"))}
+                               ngram_min=args.ngram_min, ngram_max=max(3, args.ngram_min),
+                               draft_weights=getattr(args, "draft_weights", "auto"))
+               for name, spec in sides}
     rows = []
     for workload, texts in WORKLOADS.items():
         prompts = [engines["plain"].apply_chat_template([{"role": "user", "content": t}]) for t in texts]
@@ -124,6 +138,8 @@ def collect(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
         tps = {name: n / s for name, (n, s) in side.items()}
         row = {"workload": workload, "plain_tok_s": round(tps["plain"], 2), "ngram_tok_s": round(tps["ngram"], 2),
                "speedup": round(tps["ngram"] / tps["plain"], 3)}
+        if "draft" in tps:
+            row.update(draft_tok_s=round(tps["draft"], 2), draft_speedup=round(tps["draft"] / tps["plain"], 3))
         if not args.no_llama_cpp and getattr(loaded, "path", None):
             lc = _llama_cpp(str(loaded.path), threads, prompts, args.max_tokens, args.rounds)
             if lc:
@@ -131,9 +147,16 @@ def collect(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
                            llama_cpp_speedup=round(lc["lookup"] / lc["plain"], 3))
         rows.append(row)
     st = engines["ngram"].get_stats()
+    extra: dict[str, Any] = {}
+    if "draft" in engines:
+        dst = engines["draft"].get_stats()
+        extra = {"draft_acceptance_rate": round(dst.spec_acceptance_rate, 4),
+                 "draft_mean_accepted_length": round(dst.spec_mean_accepted_length, 3)}
     return {
+        **extra,
         "config": {"max_tokens": args.max_tokens, "num_speculative_tokens": args.num_speculative_tokens,
-                   "ngram_min": args.ngram_min,
+                   "ngram_min": args.ngram_min, "speculative": draft,
+                   "draft_weights": getattr(args, "draft_weights", "auto") if "draft" in engines else None,
                    "rounds": args.rounds, "threads": threads, "weights": weights_of(loaded),
                    "prompts": WORKLOADS},
         "rows": rows,
@@ -147,10 +170,12 @@ def collect(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
 def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
     c = data["config"]
     cols = ["workload", "plain_tok_s", "ngram_tok_s", "speedup"]
+    if "draft_acceptance_rate" in data:
+        cols += ["draft_tok_s", "draft_speedup"]
     if any("llama_cpp_tok_s" in r for r in data["rows"]):
         cols += ["llama_cpp_tok_s", "llama_cpp_lookup_tok_s", "llama_cpp_speedup"]
     return "\n".join([
-        "# Speculative decoding (prompt lookup), batch 1",
+        f"# Speculative decoding (prompt lookup{', draft model' if 'draft_acceptance_rate' in data else ''}), batch 1",
         "",
         f"`pagedkv bench spec`: greedy, up to EOS or {c['max_tokens']} tokens per request, up to {c['num_speculative_tokens']} "
         f"drafts per step, {c['weights']} weights, {c['threads']} thread(s), {c['rounds']} rounds, plain and "
@@ -159,7 +184,10 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
         "",
         markdown_table(data["rows"], cols),
         f"Acceptance rate (all workloads): {data['acceptance_rate']:.2f}; mean tokens kept per verified row: "
-        f"{data['mean_accepted_length']:.2f}.",
+        f"{data['mean_accepted_length']:.2f}."
+        + (f" Draft model `{c['speculative'][6:]}` ({c['draft_weights']} weights): acceptance "
+           f"{data['draft_acceptance_rate']:.2f}, {data['draft_mean_accepted_length']:.2f} tokens kept per verified row."
+           if "draft_acceptance_rate" in data else ""),
         "",
         "Goals: " + "; ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in data["goals"].items()) + ".",
     ])

@@ -50,9 +50,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "on a 2-core CPU, cached under ~/.cache/pagedkv/inductor (docs/performance.md)")
     g.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template file in place of the model's own (a base model has none)")
-    g.add_argument("--speculative", default=None, choices=["ngram"],
-                   help="speculative decoding: ngram = prompt lookup, drafts from the request's own context "
-                        "(docs/speculative_decoding.md)")
+    g.add_argument("--speculative", default=None, metavar="ngram|draft:MODEL",
+                   help="speculative decoding: ngram = prompt lookup, drafts from the request's own context; "
+                        "draft:MODEL = greedy drafts from a smaller model with the same tokenizer (a GGUF/HF path "
+                        "or a bundled name, e.g. draft:smollm2-135m) (docs/speculative_decoding.md)")
+    g.add_argument("--draft-weights", default="auto",
+                   help="the draft model's linear-layer format, as --weights (default auto)")
     g.add_argument("--num-speculative-tokens", type=int, default=4, help="draft tokens per decode row (default 4)")
 
 
@@ -75,6 +78,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kv_events_replay=getattr(args, "kv_events_replay", None),
         compile_decode=getattr(args, "compile_decode", False), chat_template=getattr(args, "chat_template", None),
         speculative=getattr(args, "speculative", None), num_speculative_tokens=getattr(args, "num_speculative_tokens", 4),
+        draft_weights=getattr(args, "draft_weights", "auto"),
     )
 
 

@@ -69,10 +69,13 @@ class EngineConfig:
     chat_template: Optional[str] = None
     # speculative decoding: None (off) | "ngram" (prompt lookup, pagedkv.engine.spec_decode):
     # up to num_speculative_tokens drafts from the last ngram_max..ngram_min tokens' earlier match
+    # | "draft:<model>" (a GGUF/HF path or a bundled name, same tokenizer; greedy drafts from it,
+    # pagedkv.engine.spec_draft), its linear layers in draft_weights (same values as weights)
     speculative: Optional[str] = None
     num_speculative_tokens: int = 4
     ngram_min: int = 2
     ngram_max: int = 3
+    draft_weights: str = "auto"
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> "EngineConfig":
@@ -108,6 +111,10 @@ class EngineConfig:
         from pagedkv.model.quant import check_weights
 
         check_weights(self.weights)
+        try:
+            check_weights(self.draft_weights)
+        except ConfigError as e:
+            raise ConfigError(f"draft_{e}") from None
         kv_name = kv_cache_dtype(self.kv_cache_dtype, self.dtype)  # names the valid values
         g = self.kv_quant_group_size
         if g is not None and (not _is_int(g) or g < 1):

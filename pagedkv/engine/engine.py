@@ -36,7 +36,8 @@ from pagedkv.engine.output import OutputProcessor
 from pagedkv.engine.request import Request, RequestOutput, SamplingParams, now
 from pagedkv.engine.sampler import Sampler, prompt_logprob_dicts
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
-from pagedkv.engine.spec_decode import make_proposer, sample_with_drafts, split_extra_rows
+from pagedkv.engine.spec_decode import draft_model_name, make_proposer, sample_with_drafts, split_extra_rows
+from pagedkv.engine.spec_draft import DraftProposer
 from pagedkv.engine.sequence_group import SequenceGroup, SequenceGroups, request_blocks
 from pagedkv.engine.structured import GrammarCompiler
 from pagedkv.engine.stats import EngineStats
@@ -99,6 +100,9 @@ class LLMEngine:
             budget = parse_size(cfg.kv_cache_memory if cfg.kv_cache_memory is not None else "1GiB")
             num_blocks = self.kv_spec.num_blocks(budget, cfg.block_size)
         self.num_blocks = num_blocks
+        # a draft model (its own worker and KV pool of num_blocks blocks) or None
+        draft = draft_model_name(cfg.speculative)
+        self.draft = None if draft is None else DraftProposer.load(draft, cfg, loaded, num_blocks, self.model_id)
 
         self.backend = worker.backend
         if torch.device(cfg.device).type == "cpu":
@@ -119,7 +123,7 @@ class LLMEngine:
             policy=cfg.policy, watermark=cfg.watermark, enable_chunked_prefill=cfg.enable_chunked_prefill,
             enable_prefix_caching=cfg.prefix_caching, enable_paging=cfg.enable_paging,
             shuffle_seed=cfg.shuffle_blocks, kv_tiers=self.kv_tiers, layer_windows=self.layer_windows,
-            speculative=make_proposer(cfg),
+            speculative=self.draft or make_proposer(cfg),
         ))
         self.groups = SequenceGroups()
         self.output = OutputProcessor(self.tokenizer)
@@ -346,6 +350,8 @@ class LLMEngine:
         with self._lock:
             for rid in ids:
                 self.scheduler.abort(self.groups.abort(rid))
+            if self.draft is not None:  # the aborted requests' draft blocks
+                self.draft.retain(r.request_id for r in self.scheduler.running)
 
     def has_unfinished_requests(self) -> bool:
         with self._lock:
@@ -374,6 +380,9 @@ class LLMEngine:
 
     def _step(self, opened: list) -> list[RequestOutput]:
         with self._lock:
+            if self.draft is not None:  # the draft model's proposals, batched over the running rows
+                with profile_scope("pagedkv.draft"):
+                    self.draft.prefetch(self.scheduler.running, self.max_model_len)
             with profile_scope("pagedkv.schedule"):
                 out = self.scheduler.schedule()
             opened.append(out)
@@ -424,6 +433,8 @@ class LLMEngine:
                         if (stop := self.output.detokenize(r)) is not None:
                             decisions.finishes.append(stop)
                 self.scheduler.apply(decisions)
+                if self.draft is not None:  # finished / preempted requests' draft blocks
+                    self.draft.retain(r.request_id for r in self.scheduler.running)
             if self.config.debug_invariants:
                 self.scheduler.check_invariants()
             with profile_scope("pagedkv.output"):

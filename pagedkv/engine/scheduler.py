@@ -56,7 +56,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         # beam groups scheduled all or nothing (see the module doc)
         self.gangs = Gangs()
-        self.spec = config.speculative  # an NgramProposer or None
+        self.spec = config.speculative  # an NgramProposer, a DraftProposer or None
         # Head-room kept free for running requests to grow into. Without paging a request
         # reserves its whole max_model_len up front and never grows, so none is needed.
         self._watermark_blocks = (
@@ -192,7 +192,7 @@ class Scheduler:
                 spare = self.kv.num_free_blocks // self.kv.num_groups - (len(self.running) - i - 1)
                 cap = min(budget - 1, draft_budget(req, cfg.max_model_len),
                           lookahead_cap(req.num_computed_tokens, spare, cfg.block_size))
-                d = self.spec.propose(req.all_token_ids, cap)
+                d = self.spec.propose(req.all_token_ids, cap, req.request_id)
                 try:  # lookahead slots for the drafts, all or nothing (else a plain decode)
                     c = self.kv.allocate_slots(req.request_id, 1 + len(d), req.num_computed_tokens) if d else None
                 except NoFreeBlocksError:

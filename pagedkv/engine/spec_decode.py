@@ -60,10 +60,12 @@ class NgramProposer:
         if self.ngram_min > self.ngram_max:
             raise ConfigError(f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
 
-    def propose(self, token_ids: Sequence[int], max_tokens: Optional[int] = None) -> list[int]:
+    def propose(self, token_ids: Sequence[int], max_tokens: Optional[int] = None,
+                request_id: Optional[str] = None) -> list[int]:
         """Draft tokens for a context ``token_ids``: for ``n`` from ``ngram_max`` down to
         ``ngram_min``, find the most recent earlier occurrence of the last ``n`` tokens and
-        return up to ``min(k, max_tokens)`` tokens that followed it (``[]`` if none)."""
+        return up to ``min(k, max_tokens)`` tokens that followed it (``[]`` if none).
+        ``request_id`` is not used (the draft-model proposer's keeps state per request)."""
         k = self.k if max_tokens is None else min(self.k, max_tokens)
         size = len(token_ids)
         if k <= 0 or size < 2:
@@ -79,14 +81,32 @@ class NgramProposer:
         return []
 
 
+def draft_model_name(method: Any) -> Optional[str]:
+    """The ``<model>`` of ``speculative="draft:<model>"`` (a path or a bundled name), else
+    ``None``; raises ``ConfigError`` for ``"draft:"`` without a model."""
+    if not isinstance(method, str) or not method.startswith("draft:"):
+        return None
+    name = method[len("draft:"):].strip()
+    if not name:
+        raise ConfigError("speculative: 'draft:<model>' needs a model path or a bundled name after 'draft:'")
+    return name
+
+
 def make_proposer(config: Any) -> Optional[NgramProposer]:
-    """The proposer of an ``EngineConfig`` (``speculative``: None or "ngram"); raises
-    ``ConfigError`` for another method (a draft model is not supported)."""
+    """The n-gram proposer of an ``EngineConfig`` (``speculative``: None, "ngram" or
+    "draft:<model>"); ``None`` when off or for a draft model, which the engine builds
+    (``spec_draft.DraftProposer.load``: it needs the target). Raises ``ConfigError`` for
+    another method or a bad ``num_speculative_tokens`` / n-gram option."""
     method = config.speculative
     if method is None:
         return None
+    if draft_model_name(method) is not None:
+        k = config.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ConfigError(f"num_speculative_tokens must be a positive integer, got {k!r}")
+        return None
     if method != "ngram":
-        raise ConfigError(f"speculative: only 'ngram' (prompt lookup) is supported, got {method!r}")
+        raise ConfigError(f"speculative: 'ngram' (prompt lookup) or 'draft:<model>' (a draft model), got {method!r}")
     return NgramProposer(config.num_speculative_tokens, config.ngram_min, config.ngram_max)
 
 

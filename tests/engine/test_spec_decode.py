@@ -60,8 +60,9 @@ def test_bad_proposer_options_are_config_errors(kw, msg):
 def test_engine_config_speculative_options():
     assert make_proposer(EngineConfig()) is None
     assert make_proposer(EngineConfig(speculative="ngram", num_speculative_tokens=6)) == NgramProposer(6, 2, 3)
-    with pytest.raises(ConfigError, match="only 'ngram'"):
-        EngineConfig.from_kwargs({"speculative": "draft:tiny"})
+    with pytest.raises(ConfigError, match="'ngram' \\(prompt lookup\\) or 'draft:<model>'"):
+        EngineConfig.from_kwargs({"speculative": "eagle"})
+    assert make_proposer(EngineConfig.from_kwargs({"speculative": "draft:tiny"})) is None  # the engine loads it
     with pytest.raises(ConfigError, match="num_speculative_tokens"):
         EngineConfig.from_kwargs({"speculative": "ngram", "num_speculative_tokens": -1})
 
