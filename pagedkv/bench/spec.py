@@ -21,7 +21,7 @@ from itertools import islice, takewhile
 from typing import Any
 
 from pagedkv.bench.common import add_options, load_fp32_model, log, machine_info, pin_threads, weights_of
-from pagedkv.bench.report import markdown_table, publish
+from pagedkv.bench.report import markdown_table, plot_links, publish, pyplot, save_figure, single_plot
 from pagedkv.errors import ConfigError
 
 PARAGRAPH = ("Paged attention splits each request's key-value cache into fixed-size blocks, so memory is "
@@ -190,10 +190,33 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
            if "draft_acceptance_rate" in data else ""),
         "",
         "Goals: " + "; ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in data["goals"].items()) + ".",
+        "",
+        *plot_links(plots),
     ])
+
+
+def _draw(data: dict[str, Any], path: Any) -> None:
+    """Grouped bars: decode tok/s of every side (plain, ngram, draft, llama.cpp) per workload."""
+    plt = pyplot()
+    rows = data["rows"]
+    sides = [k for k in ("plain_tok_s", "ngram_tok_s", "draft_tok_s", "llama_cpp_tok_s", "llama_cpp_lookup_tok_s")
+             if k in rows[0]]
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    width = 0.8 / len(sides)
+    for i, key in enumerate(sides):
+        xs = [j + i * width for j in range(len(rows))]
+        ax.bar(xs, [r[key] for r in rows], width, label=key[: -len("_tok_s")].replace("_", " "))
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))], [r["workload"] for r in rows])
+    ax.set_ylabel("batch-1 decode tok/s")
+    ax.set_title(f"speculative decoding, {data['config']['weights']} weights")
+    ax.legend(fontsize=8)
+    save_figure(fig, path)
 
 
 def run(args: argparse.Namespace, loaded: Any = None) -> int:
     data = collect(args, loaded)
-    publish("spec", data, render_markdown, args.out_dir, as_json=args.json)
+    c = data["config"]  # a draft-model run (its own target weights) goes to its own files
+    stem = "spec" if c["speculative"] == "ngram" else f"spec_{c['weights']}_draft_{c['draft_weights']}"
+    publish(stem, data, render_markdown, args.out_dir, as_json=args.json,
+            plots=single_plot(stem, "decode tok/s per side", _draw))
     return 0

@@ -37,11 +37,13 @@ def test_bench_spec_draft_model_rows(loaded_model, tmp_path):
     args = p.parse_args(["--max-tokens", "12", "--rounds", "1", "--threads", "1", "--no-llama-cpp",
                          "--speculative", "draft:smollm2-135m", "--draft-weights", "int4", "--out-dir", str(tmp_path)])
     assert bench_spec.run(args, loaded_model) == 0
-    data = json.loads((tmp_path / "spec.json").read_text())
+    data = json.loads((tmp_path / "spec_fp32_draft_int4.json").read_text())  # its own files
     for r in data["rows"]:
         assert r["draft_tok_s"] > 0 and abs(r["draft_speedup"] - r["draft_tok_s"] / r["plain_tok_s"]) < 0.01
     assert (data["config"]["speculative"], data["config"]["draft_weights"]) == ("draft:smollm2-135m", "int4")
     # int4 drafts of the fp32 model's own weights: most agree with the target's argmax
     assert 0.5 < data["draft_acceptance_rate"] <= 1 and data["draft_mean_accepted_length"] > 1.5
-    md = (tmp_path / "spec.md").read_text()
+    md = (tmp_path / "spec_fp32_draft_int4.md").read_text()
+    assert (tmp_path / "spec_fp32_draft_int4.png").stat().st_size > 1000 and "spec_fp32_draft_int4.png" in md
+    assert not (tmp_path / "spec.json").exists()  # the n-gram-only results are not overwritten
     assert "draft_speedup" in md and "Draft model `smollm2-135m` (int4 weights)" in md
