@@ -8,8 +8,10 @@ Two paths, picked per sequence:
   walks the block table and reads every K/V element of the context exactly once, for all query
   heads of a KV-head group at a time, with an online softmax in float32 (bf16/fp16 caches are
   widened on load). When no compiler is available it falls back to the torch path below.
-* **prefill chunks** (and the fallback) use torch: the sequence's blocks are gathered with
-  ``index_select(out=...)`` into a persistent workspace (no fresh buffer per call), then one
+* **prefill chunks** (and the fallback): the sequence's blocks are gathered with
+  ``index_select(out=...)`` into a persistent workspace (no fresh buffer per call), then
+  pagedkv's causal prefill kernel (``pagedkv/csrc/prefill_attn.c`` via
+  :mod:`pagedkv.attention.prefill_kernel`; float32, no window, no soft-cap) or one
   ``scaled_dot_product_attention`` call with the chunk's bottom-right causal mask (decode rows
   on the fallback: float32 matmul / softmax / matmul).
 
