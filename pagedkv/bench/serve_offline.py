@@ -35,8 +35,12 @@ GOAL_RATIO = 1.2
 
 
 def batched_spec(args: argparse.Namespace, threads: int, vocab_size: int) -> dict[str, Any]:
-    """The worker's SPEC (``mode`` batched) from ``pagedkv bench serve``'s options."""
-    return {"mode": "batched", "threads": threads, "vocab_size": vocab_size,
+    """The worker's SPEC (``mode`` batched) from ``pagedkv bench serve``'s options; pagedkv's
+    KV cache format follows a ``--serve-arg=--kv-cache-dtype=X`` (the served runs' flag) as
+    ``pagedkv_kv_cache_dtype`` (default ``auto``)."""
+    kv = next((a.split("=", 1)[1] for a in (getattr(args, "serve_arg", None) or [])
+               if a.startswith("--kv-cache-dtype=")), "auto")
+    return {"mode": "batched", "pagedkv_kv_cache_dtype": kv, "threads": threads, "vocab_size": vocab_size,
             "concurrency": [int(c) for c in str(args.concurrency).split(",") if c.strip()],
             "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
             "min_requests": args.min_requests, "requests_per_stream": args.requests_per_stream, "kv_cache_gib": 1}
@@ -54,12 +58,14 @@ def measure_pagedkv_batched(loaded: Any, spec: dict[str, Any]) -> dict[str, Any]
     def gen_many(prompts: Any, k: int, c: int) -> Any:
         if c not in engines:
             engines.clear()
-            engines[c] = LLM(loaded, dtype="float32", max_num_seqs=c, max_model_len=max_len)
+            engines[c] = LLM(loaded, dtype="float32", max_num_seqs=c, max_model_len=max_len,
+                             kv_cache_dtype=spec.get("pagedkv_kv_cache_dtype", "auto"))
         outs = engines[c].generate([list(p) for p in prompts], greedy(k), use_tqdm=False)
         return [o.token_ids for o in outs]
 
     return {"name": "pagedkv", "status": "ok", "reason": None, "threads": spec["threads"],
-            "weights": f"{weights_of(loaded)} ({WEIGHT_CLASS['pagedkv']})",
+            "weights": f"{weights_of(loaded)} ({WEIGHT_CLASS['pagedkv']}), "
+                       f"KV cache {spec.get('pagedkv_kv_cache_dtype', 'auto')}",
             "batched": peer_worker.measure_batched(gen_many, spec)}
 
 

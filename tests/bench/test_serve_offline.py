@@ -142,3 +142,29 @@ def test_pagedkv_batched_on_the_bundled_model(loaded_model):
     (alone,) = LLM(loaded_model, dtype="float32").generate([peer_worker.prompt_ids(8, 49152, 3000)], greedy(4),
                                                             use_tqdm=False)
     assert row["batched"][0]["first_output"] == list(alone.token_ids) == row["batched"][1]["first_output"]
+
+
+def test_the_served_kv_flag_reaches_the_offline_engine(loaded_model, monkeypatch):
+    """``--serve-arg=--kv-cache-dtype=bfloat16`` (the served runs' flag) makes the offline
+    pagedkv engines use that KV format, and the row says so."""
+    import argparse
+
+    from pagedkv.engine import llm as llm_mod
+
+    args = argparse.Namespace(concurrency="2", prompt_tokens=8, output_tokens=4, min_requests=2,
+                              requests_per_stream=1, serve_arg=["--threads=2", "--kv-cache-dtype=bfloat16"])
+    spec = serve_offline.batched_spec(args, 2, 49152)
+    assert spec["pagedkv_kv_cache_dtype"] == "bfloat16"
+    assert serve_offline.batched_spec(argparse.Namespace(**{**vars(args), "serve_arg": None}), 2, 49152)[
+        "pagedkv_kv_cache_dtype"] == "auto"
+    seen = []
+    real = llm_mod.LLM
+
+    def spy(*a, **kw):
+        seen.append(kw.get("kv_cache_dtype"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(llm_mod, "LLM", spy)
+    row = serve_offline.measure_pagedkv_batched(loaded_model, spec)
+    assert seen == ["bfloat16"] and row["weights"].endswith("KV cache bfloat16")
+    assert row["batched"][0]["output_tokens"] == 8
