@@ -118,7 +118,8 @@ def command_line(args: argparse.Namespace, threads: int) -> str:
     """The command that repeats this run."""
     return (f"pagedkv bench serve --peer openvino --threads {threads} --concurrency {args.concurrency} "
             f"--prompt-tokens {args.prompt_tokens} --output-tokens {args.output_tokens} "
-            f"--requests-per-stream {args.requests_per_stream} --min-requests {args.min_requests}")
+            f"--requests-per-stream {args.requests_per_stream} --min-requests {args.min_requests}"
+            + "".join(f" --serve-arg={a}" for a in (getattr(args, "serve_arg", None) or [])))
 
 
 #: how the offline comparison is measured, as the report states it
