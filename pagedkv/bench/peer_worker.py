@@ -22,6 +22,11 @@ With ``"mode": "batched"`` the worker measures offline continuous batching inste
 (:func:`measure_batched`; SPEC keys ``concurrency``, ``prompt_tokens``, ``output_tokens``,
 ``min_requests``, ``requests_per_stream``, ``vocab_size``, ``threads``): OpenVINO GenAI's
 ``ContinuousBatchingPipeline`` with at most ``c`` sequences scheduled at once.
+
+With ``"mode": "trace"`` it measures offline throughput on given requests (:func:`measure_trace`;
+SPEC keys ``requests`` = ``[[prompt token ids, output tokens], ...]``, ``max_num_seqs``
+(default 64), ``vocab_size``, ``threads``): all of them handed to the engine at once, vLLM's
+offline ``LLM`` or OpenVINO's ``ContinuousBatchingPipeline``.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ from typing import Any, Callable, Sequence  # noqa: E402
 Generate = Callable[[Sequence[int], int], Sequence[int]]
 #: ``gen_many(prompts, output tokens, concurrency) -> output token ids per prompt``
 GenerateMany = Callable[[Sequence[Sequence[int]], int, int], Sequence[Sequence[int]]]
+#: ``gen_trace(prompts, output tokens per prompt) -> output token ids per prompt`` (all at once)
+GenerateTrace = Callable[[Sequence[Sequence[int]], Sequence[int]], Sequence[Sequence[int]]]
 
 
 def prompt_ids(n: int, vocab_size: int, seed: int) -> list[int]:
@@ -124,6 +131,41 @@ def measure_batched(gen_many: GenerateMany, spec: dict[str, Any]) -> list[dict[s
     return rows
 
 
+def trace_requests(spec: dict[str, Any]) -> tuple[list[list[int]], list[int]]:
+    """The prompts (token ids) and output lengths (tokens) of ``spec["requests"]``. Raises
+    ``ValueError`` for an empty list, an empty prompt or an output length below 1."""
+    reqs = spec.get("requests") or []
+    if not reqs:
+        raise ValueError("a trace SPEC needs at least one request")
+    prompts = [[int(t) for t in p] for p, _ in reqs]
+    lens = [int(k) for _, k in reqs]
+    if min(len(p) for p in prompts) < 1 or min(lens) < 1:
+        raise ValueError("every trace request needs a prompt token and at least 1 output token")
+    return prompts, lens
+
+
+def measure_trace(gen_trace: GenerateTrace, spec: dict[str, Any]) -> dict[str, Any]:
+    """Offline throughput on the requests of ``spec`` (:func:`trace_requests`): after one
+    untimed 2-token warm-up request, every request is handed to ``gen_trace`` at once (greedy,
+    EOS ignored) and the wall time until the last output is taken. Returns requests, prompt /
+    output / total tokens, seconds, output tokens/s and total (prompt + output) tokens/s and the
+    first 8 token ids of the first output. Raises ``RuntimeError`` when the number of outputs
+    or any output's length differs from what was asked."""
+    prompts, lens = trace_requests(spec)
+    gen_trace([prompt_ids(8, int(spec["vocab_size"]), 99)], [2])  # warm-up, not timed
+    t = time.perf_counter()
+    outs = [list(o) for o in gen_trace(prompts, lens)]
+    dt = time.perf_counter() - t
+    bad = [(i, len(o), k) for i, (o, k) in enumerate(zip(outs, lens)) if len(o) != k]
+    if len(outs) != len(prompts) or bad:
+        raise RuntimeError(f"asked for {len(prompts)} outputs, got {len(outs)}; "
+                           f"(request, got, asked) that differ: {bad[:4]}")
+    n_in, n_out = sum(len(p) for p in prompts), sum(lens)
+    return {"requests": len(prompts), "max_num_seqs": int(spec.get("max_num_seqs", 64)), "prompt_tokens": n_in,
+            "output_tokens": n_out, "seconds": dt, "output_tokens_per_s": n_out / dt,
+            "total_tokens_per_s": (n_in + n_out) / dt, "first_output": outs[0][:8]}
+
+
 def vllm_runner(spec: dict[str, Any]) -> tuple[Generate, dict[str, Any]]:
     """vLLM's offline ``LLM`` on the HF directory ``spec["model"]`` (CPU; threads and KV space
     come from ``VLLM_CPU_OMP_THREADS_BIND`` / ``VLLM_CPU_KVCACHE_SPACE``, set by the caller)."""
@@ -191,32 +233,99 @@ def openvino_batched_runner(spec: dict[str, Any]) -> tuple[GenerateMany, dict[st
             pipes[c] = og.ContinuousBatchingPipeline(spec["model"], sched, "CPU",
                                                      {"INFERENCE_NUM_THREADS": int(spec["threads"])})
             facts["scheduler"][str(c)] = " ".join(sched.to_string().split())[:400]
-        pipe = pipes[c]
-        cfg = og.GenerationConfig()
-        cfg.max_new_tokens, cfg.min_new_tokens, cfg.do_sample = k, k, False
-        waiting, running = list(range(len(prompts))), {}
-        out: list[list[int]] = [[] for _ in prompts]
-        while waiting or running:
-            while waiting and len(running) < c:
-                i = waiting.pop(0)
-                next_id[0] += 1
-                running[i] = pipe.add_request(next_id[0], ov.Tensor(np.array([list(prompts[i])], dtype=np.int64)), cfg)
-            pipe.step()
-            for i, h in list(running.items()):
-                status = h.get_status()
-                if status == og.GenerationStatus.RUNNING:
-                    continue
-                if status != og.GenerationStatus.FINISHED:
-                    raise RuntimeError(f"request {i} ended {status}")
-                out[i] = list(h.read_all()[0].generated_ids)
-                del running[i]
-        return out
+        cfg = openvino_greedy(og, k)
+        return drive_closed_loop(pipes[c], [tensor(p) for p in prompts], [cfg] * len(prompts), c,
+                                 og.GenerationStatus, next_id)
+
+    def tensor(prompt: Sequence[int]) -> Any:
+        return ov.Tensor(np.array([list(prompt)], dtype=np.int64))
 
     return gen_many, facts
 
 
+def openvino_greedy(og: Any, k: int) -> Any:
+    """An OpenVINO GenAI ``GenerationConfig``: greedy, exactly ``k`` new tokens."""
+    cfg = og.GenerationConfig()
+    cfg.max_new_tokens, cfg.min_new_tokens, cfg.do_sample = k, k, False
+    return cfg
+
+
+def drive_closed_loop(pipe: Any, inputs: Sequence[Any], configs: Sequence[Any], c: int, status: Any,
+                      next_id: list[int]) -> list[list[int]]:
+    """Runs ``inputs`` (one input tensor per request, ``configs[i]`` its ``GenerationConfig``)
+    through a ``ContinuousBatchingPipeline`` ``pipe`` by ``add_request`` / ``step``, at most
+    ``c`` requests in the pipeline at a time, the next admitted as one finishes (in order).
+    ``status``: OpenVINO's ``GenerationStatus``; ``next_id``: the last request id used (a
+    one-item list, advanced). Returns the generated token ids per request. Raises
+    ``RuntimeError`` for a request that ends other than ``FINISHED``."""
+    waiting, running = list(range(len(inputs))), {}
+    out: list[list[int]] = [[] for _ in inputs]
+    while waiting or running:
+        while waiting and len(running) < c:
+            i = waiting.pop(0)
+            next_id[0] += 1
+            running[i] = pipe.add_request(next_id[0], inputs[i], configs[i])
+        pipe.step()
+        for i, h in list(running.items()):
+            st = h.get_status()
+            if st == status.RUNNING:
+                continue
+            if st != status.FINISHED:
+                raise RuntimeError(f"request {i} ended {st}")
+            out[i] = list(h.read_all()[0].generated_ids)
+            del running[i]
+    return out
+
+
+def vllm_trace_runner(spec: dict[str, Any]) -> tuple[GenerateTrace, dict[str, Any]]:
+    """vLLM's offline ``LLM`` as in :func:`vllm_runner`, at most ``spec["max_num_seqs"]``
+    (default 64) sequences at once; every request goes into one ``generate`` call with its own
+    ``SamplingParams`` (greedy, exactly its output length, EOS ignored)."""
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    seqs = int(spec.get("max_num_seqs", 64))
+    llm = LLM(model=spec["model"], dtype=spec.get("dtype", "bfloat16"), max_model_len=int(spec.get("max_model_len", 1024)),
+              max_num_seqs=seqs, seed=0, disable_log_stats=True)
+
+    def gen_trace(prompts: Sequence[Sequence[int]], lens: Sequence[int]) -> Sequence[Sequence[int]]:
+        params = [SamplingParams(temperature=0.0, max_tokens=k, min_tokens=k, ignore_eos=True) for k in lens]
+        outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    return gen_trace, {"version": vllm.__version__, "weights": spec.get("dtype", "bfloat16"), "max_num_seqs": seqs}
+
+
+def openvino_trace_runner(spec: dict[str, Any]) -> tuple[GenerateTrace, dict[str, Any]]:
+    """OpenVINO GenAI's ``ContinuousBatchingPipeline`` on the IR ``spec["model"]`` with
+    ``SchedulerConfig.max_num_seqs`` = ``spec["max_num_seqs"]`` (default 64), ``cache_size``
+    GiB of KV, no prefix caching, ``INFERENCE_NUM_THREADS`` = threads; the requests go in by
+    :func:`drive_closed_loop` with that many in the pipeline at a time, one greedy
+    ``GenerationConfig`` per request (exactly its output length)."""
+    import numpy as np
+    import openvino as ov
+    import openvino_genai as og
+
+    seqs = int(spec.get("max_num_seqs", 64))
+    sched = og.SchedulerConfig()
+    sched.cache_size, sched.max_num_seqs = int(spec.get("kv_cache_gib", 1)), seqs
+    sched.enable_prefix_caching = False
+    pipe = og.ContinuousBatchingPipeline(spec["model"], sched, "CPU", {"INFERENCE_NUM_THREADS": int(spec["threads"])})
+    next_id = [0]
+
+    def gen_trace(prompts: Sequence[Sequence[int]], lens: Sequence[int]) -> Sequence[Sequence[int]]:
+        inputs = [ov.Tensor(np.array([list(p)], dtype=np.int64)) for p in prompts]
+        return drive_closed_loop(pipe, inputs, [openvino_greedy(og, k) for k in lens], seqs, og.GenerationStatus,
+                                 next_id)
+
+    return gen_trace, {"version": og.__version__, "weights": "IR as converted", "max_num_seqs": seqs,
+                       "scheduler": " ".join(sched.to_string().split())[:400],
+                       "admission": "add_request/step, at most max_num_seqs requests in the pipeline"}
+
+
 RUNNERS = {"vllm": vllm_runner, "openvino": openvino_runner}
 BATCHED_RUNNERS = {"openvino": openvino_batched_runner}
+TRACE_RUNNERS = {"vllm": vllm_trace_runner, "openvino": openvino_trace_runner}
 
 
 def main(argv: Sequence[str]) -> int:
@@ -225,6 +334,9 @@ def main(argv: Sequence[str]) -> int:
     if spec.get("mode") == "batched":
         gen_many, facts = BATCHED_RUNNERS[spec["system"]](spec)
         result: dict[str, Any] = {"batched": measure_batched(gen_many, spec)}
+    elif spec.get("mode") == "trace":
+        gen_trace, facts = TRACE_RUNNERS[spec["system"]](spec)
+        result = {"trace": measure_trace(gen_trace, spec)}
     else:
         gen, facts = RUNNERS[spec["system"]](spec)
         result = measure(gen, spec)

