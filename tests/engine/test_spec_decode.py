@@ -4,13 +4,8 @@ the rejection rule's distribution; the model tests are in test_spec_engine.py.""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
-from hypothesis import settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from pagedkv.engine.request import Request, SamplingParams
 from pagedkv.engine.sampler import Sampler
@@ -218,53 +213,3 @@ def test_prefix_cache_publishes_only_confirmed_blocks():
     hashed = [s.kv.pool.blocks[b].block_hash is not None for b in s.kv.get_block_ids("r")]
     assert hashed == [True, True]  # blocks 0-1 hold positions 0..7, all confirmed
     assert len(table) == 3 and s.kv.pool.blocks[table[2]].block_hash is None
-
-
-class LookaheadMachine(RuleBasedStateMachine):
-    """Random speculative rows (accept j of k), plain decodes, aborts and new requests on a
-    small pool: the invariant checker holds after every step and nothing leaks at the end."""
-
-    def __init__(self):
-        super().__init__()
-        self.s = Scheduler(SchedulerConfig(num_blocks=12, block_size=4, max_num_batched_tokens=32,
-                                           max_model_len=64, speculative=NgramProposer(k=4)))
-        self.n = 0
-
-    @rule(tokens=st.lists(st.integers(0, 3), min_size=1, max_size=12))
-    def add(self, tokens):
-        self.n += 1
-        self.s.add_request(Request(f"q{self.n}", tokens, SamplingParams(max_tokens=30, temperature=0.0),
-                                   arrival_time=float(self.n), max_total_tokens=64))
-
-    @precondition(lambda self: self.s.has_unfinished())
-    @rule(data=st.data())
-    def step(self, data):
-        out = self.s.schedule()
-        sampled, runs = {}, {}
-        for r, n in out.scheduled:
-            if r.request_id in out.drafts:
-                d = out.drafts[r.request_id]
-                j = data.draw(st.integers(0, len(d)))
-                runs[r.request_id] = [(t, None) for t in d[:j]] + [(data.draw(st.integers(0, 3)), None)]
-            elif r.num_computed_tokens + n == r.num_tokens:
-                sampled[r.request_id] = (data.draw(st.integers(0, 3)), None)
-        self.s.update(out, sampled, (), runs)
-
-    @precondition(lambda self: self.s.running)
-    @rule(i=st.integers(0, 7))
-    def abort(self, i):
-        self.s.abort([self.s.running[i % len(self.s.running)].request_id])
-
-    @invariant()
-    def consistent(self):
-        check_invariants(self.s.kv)
-        for r in self.s.running:
-            assert self.s.kv.num_tokens(r.request_id) <= r.num_computed_tokens + 1
-
-    def teardown(self):
-        self.s.abort(list(self.s.requests))
-        assert self.s.kv.num_used_blocks == 0
-
-
-TestLookahead = LookaheadMachine.TestCase
-TestLookahead.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)

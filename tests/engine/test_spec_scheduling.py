@@ -81,10 +81,11 @@ class ExactLookahead(RuleBasedStateMachine):
     number of distinct held blocks."""
 
     BS = 4
+    PREFIX = True
 
     def __init__(self):
         super().__init__()
-        self.s = _sched(num_blocks=14, prefix=True, k=4)
+        self.s = _sched(num_blocks=14, prefix=self.PREFIX, k=4)
         self.n = 0
 
     @rule(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=10))
@@ -136,3 +137,14 @@ class ExactLookahead(RuleBasedStateMachine):
 
 TestExactLookahead = ExactLookahead.TestCase
 TestExactLookahead.settings = settings(max_examples=50, stateful_step_count=40, deadline=None)
+
+
+class ExactLookaheadNoPrefixCache(ExactLookahead):
+    """The same with prefix caching off (nothing published, so only the exact tables and
+    reference counts are checked)."""
+
+    PREFIX = False
+
+
+TestExactLookaheadNoPrefixCache = ExactLookaheadNoPrefixCache.TestCase
+TestExactLookaheadNoPrefixCache.settings = settings(max_examples=50, stateful_step_count=40, deadline=None)
