@@ -96,8 +96,11 @@ class DraftProposer:
         draft with sliding-window layers, tensor parallelism."""
         if config.tensor_parallel_size != 1:
             raise ConfigError("speculative draft model: not supported with tensor_parallel_size > 1")
-        worker = Worker.load(model, dtype=torch_dtype(config.dtype), device=config.device,
-                             weights=config.draft_weights, attention_backend=config.attention_backend)
+        try:
+            worker = Worker.load(model, dtype=torch_dtype(config.dtype), device=config.device,
+                                 weights=config.draft_weights, attention_backend=config.attention_backend)
+        except ConfigError as e:  # the loader says "model: ...": name the draft, not the target
+            raise ConfigError(f"speculative draft model {model!r}: {e}") from e
         mc = worker.config
         check_same_tokenizer(target, worker.loaded, target_name, str(model))
         windows = mc.layer_windows()

@@ -245,5 +245,9 @@ def test_another_tokenizer_or_a_missing_model_is_a_config_error(loaded_model, ge
     with pytest.raises(ConfigError, match=r"draft model '.*gemma.*' has a vocabulary of 262144 tokens, the target "
                                           r"'SmolLM2-135M-Instruct-Q4_1' 49152"):
         LLMEngine(loaded_model, num_blocks=16, speculative=f"draft:{gemma3_gguf}", draft_weights="fp32")
-    with pytest.raises(ConfigError, match="does not exist"):
+    # the message says the draft's path was wrong (not the target's: both are "model" options)
+    with pytest.raises(ConfigError, match=r"^speculative draft model '.*none\.gguf': .*does not exist"):
         LLMEngine(loaded_model, num_blocks=16, speculative=f"draft:{tmp_path / 'none.gguf'}")
+    (tmp_path / "notes.txt").write_text("not a model")
+    with pytest.raises(ConfigError, match=r"^speculative draft model '.*': .*has no config\.json"):
+        LLMEngine(loaded_model, num_blocks=16, speculative=f"draft: {tmp_path} ")
