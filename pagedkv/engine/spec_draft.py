@@ -123,17 +123,19 @@ class DraftProposer:
         self._ready.pop(request_id, None)
         self.kv.free(request_id)
 
-    def prefetch(self, running: Sequence[Request], max_model_len: int) -> None:
+    def prefetch(self, running: Sequence[Request], max_model_len: int, budget: Optional[int] = None) -> None:
         """Before a step: free the blocks of requests no longer running, then draft (batched)
         for every running request that decodes one token next, may speculate and is not backing
-        off, up to ``min(k, draft_budget)`` tokens each."""
+        off, up to ``min(k, draft_budget, budget - 1)`` tokens each (``budget``: the step's
+        token budget, ``max_num_batched_tokens``; a row verifies at most ``budget - 1`` drafts)."""
         self.retain(r.request_id for r in running)
         self._ready = {}
         items = []
+        most = self.k if budget is None else min(self.k, budget - 1)
         for r in running:
             if r.status == RequestStatus.RUNNING and r.num_computed_tokens == r.num_tokens - 1 \
                     and r.spec_wait <= 0 and can_speculate(r):
-                k = min(self.k, draft_budget(r, max_model_len))
+                k = min(most, draft_budget(r, max_model_len))
                 if k > 0:
                     items.append((r.request_id, r.all_token_ids, k))
         drafts = self.propose_batch(items)
