@@ -168,6 +168,8 @@ class DraftProposer:
             toks = list(token_ids)
             most = min(most, self.max_len - len(toks))  # draft positions stay inside its context
             if most <= 0 or not toks:
+                if len(toks) >= self.max_len:  # past the draft's context for good: its blocks go back
+                    self.release(rid)
                 continue
             keep = min(_common_prefix(self.held.get(rid, ()), toks), len(toks) - 1)
             try:

@@ -129,6 +129,8 @@ def test_batched_drafts_equal_one_by_one_and_a_full_pool_drafts_nothing(tiny):
     # the draft's context ends: positions past max_len are never drafted
     short = _proposer(tiny, max_len=11)
     assert short.propose(b, 4, "b") == alone["b"][:2]
+    # its context grew past the draft's: it can never draft for it again, its blocks go back
+    assert short.propose(b + alone["b"][:2], 4, "b") == [] and short.held == {} and short.num_used_blocks == 0
 
 
 def test_prefetch_drafts_no_more_than_a_step_can_verify(tiny):
