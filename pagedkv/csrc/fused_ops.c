@@ -75,10 +75,12 @@ void pagedkv_rope_split(int64_t T, int nq, int nkv, int d, const void *qkv, int6
 
 #ifdef __AVX2__
 #include <immintrin.h>
-/* e^x for 8 floats: x clamped to [-87.3, 88.3] (finite results, no denormals), n = round(x log2 e),
+/* e^x for 8 floats: x clamped to [-87.3, 88.3] (no denormals), n = round(x log2 e),
  * r = x - n ln 2 in two parts, e^r by the degree-7 Taylor-fitted polynomial of Cephes' expf
- * (about 1 ulp), times 2^n built in the exponent bits. */
+ * (about 1 ulp), times 2^n built in the exponent bits; x above 88.3 gives +inf as expf does, so
+ * act_mul's sigmoid of a huge negative z is 0, not 1 / e^88.3 (g * that is not 0 for |g| ~ 1e38). */
 static inline __m256 exp8(__m256 x) {
+    const __m256 over = _mm256_cmp_ps(x, _mm256_set1_ps(88.3f), _CMP_GT_OQ);
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -92,7 +94,7 @@ static inline __m256 exp8(__m256 x) {
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
     p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    return _mm256_blendv_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), _mm256_set1_ps(INFINITY), over);
 }
 static inline __m256 ld8(const void *p, int64_t i, int dt) {
     if (!dt) return _mm256_loadu_ps((const float *)p + i);

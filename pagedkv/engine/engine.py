@@ -382,7 +382,7 @@ class LLMEngine:
         with self._lock:
             if self.draft is not None:  # the draft model's proposals, batched over the running rows
                 with profile_scope("pagedkv.draft"):
-                    self.draft.prefetch(self.scheduler.running, self.max_model_len)
+                    self.draft.prefetch(self.scheduler.running, self.max_model_len, self.config.max_num_batched_tokens)
             with profile_scope("pagedkv.schedule"):
                 out = self.scheduler.schedule()
             opened.append(out)

@@ -96,8 +96,11 @@ class DraftProposer:
         draft with sliding-window layers, tensor parallelism."""
         if config.tensor_parallel_size != 1:
             raise ConfigError("speculative draft model: not supported with tensor_parallel_size > 1")
-        worker = Worker.load(model, dtype=torch_dtype(config.dtype), device=config.device,
-                             weights=config.draft_weights, attention_backend=config.attention_backend)
+        try:
+            worker = Worker.load(model, dtype=torch_dtype(config.dtype), device=config.device,
+                                 weights=config.draft_weights, attention_backend=config.attention_backend)
+        except ConfigError as e:  # the loader says "model: ...": name the draft, not the target
+            raise ConfigError(f"speculative draft model {model!r}: {e}") from e
         mc = worker.config
         check_same_tokenizer(target, worker.loaded, target_name, str(model))
         windows = mc.layer_windows()
@@ -120,17 +123,19 @@ class DraftProposer:
         self._ready.pop(request_id, None)
         self.kv.free(request_id)
 
-    def prefetch(self, running: Sequence[Request], max_model_len: int) -> None:
+    def prefetch(self, running: Sequence[Request], max_model_len: int, budget: Optional[int] = None) -> None:
         """Before a step: free the blocks of requests no longer running, then draft (batched)
         for every running request that decodes one token next, may speculate and is not backing
-        off, up to ``min(k, draft_budget)`` tokens each."""
+        off, up to ``min(k, draft_budget, budget - 1)`` tokens each (``budget``: the step's
+        token budget, ``max_num_batched_tokens``; a row verifies at most ``budget - 1`` drafts)."""
         self.retain(r.request_id for r in running)
         self._ready = {}
         items = []
+        most = self.k if budget is None else min(self.k, budget - 1)
         for r in running:
             if r.status == RequestStatus.RUNNING and r.num_computed_tokens == r.num_tokens - 1 \
                     and r.spec_wait <= 0 and can_speculate(r):
-                k = min(self.k, draft_budget(r, max_model_len))
+                k = min(most, draft_budget(r, max_model_len))
                 if k > 0:
                     items.append((r.request_id, r.all_token_ids, k))
         drafts = self.propose_batch(items)
@@ -163,6 +168,8 @@ class DraftProposer:
             toks = list(token_ids)
             most = min(most, self.max_len - len(toks))  # draft positions stay inside its context
             if most <= 0 or not toks:
+                if len(toks) >= self.max_len:  # past the draft's context for good: its blocks go back
+                    self.release(rid)
                 continue
             keep = min(_common_prefix(self.held.get(rid, ()), toks), len(toks) - 1)
             try:

@@ -18,6 +18,7 @@ from pagedkv.attention import get_backend
 from pagedkv.engine.cli import add_engine_args, engine_kwargs
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.engine import LLMEngine
+from pagedkv.engine.request import Request, RequestStatus
 from pagedkv.engine.spec_decode import draft_model_name, make_proposer
 from pagedkv.engine.spec_draft import DraftProposer, check_same_tokenizer
 from pagedkv.errors import ConfigError, InvalidRequestError
@@ -128,6 +129,24 @@ def test_batched_drafts_equal_one_by_one_and_a_full_pool_drafts_nothing(tiny):
     # the draft's context ends: positions past max_len are never drafted
     short = _proposer(tiny, max_len=11)
     assert short.propose(b, 4, "b") == alone["b"][:2]
+    # its context grew past the draft's: it can never draft for it again, its blocks go back
+    assert short.propose(b + alone["b"][:2], 4, "b") == [] and short.held == {} and short.num_used_blocks == 0
+
+
+def test_prefetch_drafts_no_more_than_a_step_can_verify(tiny):
+    """A row verifies at most ``max_num_batched_tokens - 1`` drafts: with k = 10 and a budget of
+    5 tokens the prefetch drafts 4 (4 forwards, 4 + 3 draft slots), not 10 it would discard."""
+    ctx = [(i * 37 + 3) % 3000 + 5 for i in range(21)]
+    req = Request(request_id="a", prompt_token_ids=ctx, sampling_params=greedy(100), arrival_time=0.0)
+    req.status, req.num_computed_tokens = RequestStatus.RUNNING, len(ctx) - 1
+    p = _proposer(tiny, k=10)
+    p.prefetch([req], 4096, budget=5)
+    want = _greedy_continuation(tiny, ctx, 4)
+    assert p._ready["a"] == (ctx, want) and p.num_forwards == 4
+    assert p.held["a"] == ctx + want[:3] and p.kv.num_tokens("a") == 24
+    assert p.propose(ctx, 4, "a") == want and p.num_forwards == 4  # the scheduler takes them as they are
+    p.prefetch([req], 4096, budget=1)  # no room for a draft in the step: none drafted
+    assert p._ready == {} and p.num_forwards == 4
 
 
 _OPS = st.lists(st.tuples(st.sampled_from("ab"), st.sampled_from(["accept", "decode", "shrink", "release"]),
@@ -245,5 +264,9 @@ def test_another_tokenizer_or_a_missing_model_is_a_config_error(loaded_model, ge
     with pytest.raises(ConfigError, match=r"draft model '.*gemma.*' has a vocabulary of 262144 tokens, the target "
                                           r"'SmolLM2-135M-Instruct-Q4_1' 49152"):
         LLMEngine(loaded_model, num_blocks=16, speculative=f"draft:{gemma3_gguf}", draft_weights="fp32")
-    with pytest.raises(ConfigError, match="does not exist"):
+    # the message says the draft's path was wrong (not the target's: both are "model" options)
+    with pytest.raises(ConfigError, match=r"^speculative draft model '.*none\.gguf': .*does not exist"):
         LLMEngine(loaded_model, num_blocks=16, speculative=f"draft:{tmp_path / 'none.gguf'}")
+    (tmp_path / "notes.txt").write_text("not a model")
+    with pytest.raises(ConfigError, match=r"^speculative draft model '.*': .*has no config\.json"):
+        LLMEngine(loaded_model, num_blocks=16, speculative=f"draft: {tmp_path} ")

@@ -102,6 +102,20 @@ def test_act_mul_at_the_ends_of_the_exp_range():
         assert torch.isnan(got[13]) and got[14] == pytest.approx(want[14].item(), rel=2e-6)
 
 
+def test_act_mul_of_huge_negative_gates_is_zero_in_vector_and_scalar_columns():
+    """act(g) * u for g far below -88 (SiLU) or g^3 overflowing (GELU): 0 as torch computes it
+    (-inf: NaN, as torch), the same in the 8-wide columns and the scalar tail."""
+    g = torch.tensor([-3e38, -1e38, -1e36, -1e32, float("-inf"), -1e13, -200.0, 1.0, -3e38, -1e38, -1e36, -1e32,
+                      float("-inf")])  # one group of 8, then 5 scalar columns
+    u = torch.full_like(g, 2.0)
+    for gelu in (False, True):
+        got = OPS.act_mul(torch.cat([g, u]).unsqueeze(0), len(g), gelu)[0]
+        want = (F.gelu(g, approximate="tanh") if gelu else F.silu(g)) * u
+        assert got[[0, 1, 2, 3, 8, 9, 10, 11]].abs().max().item() == 0.0
+        assert torch.isnan(got[4]) and torch.isnan(got[12]) and torch.isnan(want[4])
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-30, equal_nan=True)
+
+
 def test_bad_inputs_raise_value_error_before_touching_memory():
     res = torch.zeros(2, 8)
     with pytest.raises(ValueError, match="delta"):
