@@ -200,7 +200,8 @@ def venv_steps(name: str, cache: Path, python: str) -> list[Step]:
 
 
 def model_steps(name: str, cache: Path, python: str) -> list[Step]:
-    """The model in the form the peer reads: the HF directory (both), the OpenVINO IR (openvino)."""
+    """The model in the forms the peer reads: the HF directory (both), the OpenVINO IRs (openvino:
+    int4, the same bytes class as Q4_1, and fp16, its default)."""
     hf = cache / "hf" / f"{MODEL_NAME}-f32"
     steps = [Step("the bundled model as a Hugging Face directory",
                   [python, "-m", "pagedkv.cli", "export-hf", str(hf), "--dtype", "float32"])]
@@ -209,6 +210,10 @@ def model_steps(name: str, cache: Path, python: str) -> list[Step]:
                           [str(venv_dir(cache, name) / "bin" / "optimum-cli"), "export", "openvino", "--model", str(hf),
                            "--task", "text-generation-with-past", "--weight-format", "int4", "--group-size", "32",
                            "--ratio", "1.0", str(cache / "ov" / f"{MODEL_NAME}-int4")]))
+        steps.append(Step("the model as OpenVINO IR, fp16 (optimum-intel's default export: OpenVINO's best default)",
+                          [str(venv_dir(cache, name) / "bin" / "optimum-cli"), "export", "openvino", "--model", str(hf),
+                           "--task", "text-generation-with-past", "--weight-format", "fp16",
+                           str(cache / "ov" / f"{MODEL_NAME}-fp16")]))
     return steps
 
 

@@ -323,9 +323,10 @@ def openvino_trace_runner(spec: dict[str, Any]) -> tuple[GenerateTrace, dict[str
                        "admission": "add_request/step, at most max_num_seqs requests in the pipeline"}
 
 
-RUNNERS = {"vllm": vllm_runner, "openvino": openvino_runner}
-BATCHED_RUNNERS = {"openvino": openvino_batched_runner}
-TRACE_RUNNERS = {"vllm": vllm_trace_runner, "openvino": openvino_trace_runner}
+# "openvino-fp16": the same runners on the fp16 IR (the caller passes its directory as "model")
+RUNNERS = {"vllm": vllm_runner, "openvino": openvino_runner, "openvino-fp16": openvino_runner}
+BATCHED_RUNNERS = {"openvino": openvino_batched_runner, "openvino-fp16": openvino_batched_runner}
+TRACE_RUNNERS = {"vllm": vllm_trace_runner, "openvino": openvino_trace_runner, "openvino-fp16": openvino_trace_runner}
 
 
 def main(argv: Sequence[str]) -> int:

@@ -28,7 +28,11 @@ from typing import Any, Optional
 from pagedkv.bench import peer_worker
 
 VLLM, OPENVINO = "vllm", "openvino"
-VENV_SYSTEMS = (VLLM, OPENVINO)
+#: OpenVINO GenAI on the fp16 IR (its venv is openvino's): OpenVINO's own default export
+OPENVINO_FP16 = "openvino-fp16"
+VENV_SYSTEMS = (VLLM, OPENVINO, OPENVINO_FP16)
+#: the venv a system runs in (its name unless listed)
+VENV_OF = {OPENVINO_FP16: OPENVINO}
 MODEL_NAME = "smollm2-135m-instruct"
 #: what each system's weights are, as the results state it
 WEIGHT_CLASS = {
@@ -36,6 +40,8 @@ WEIGHT_CLASS = {
     VLLM: "bf16 (vLLM-CPU's default; it has no Q4_1/int4 CPU path for this HF checkpoint): best default, not same bytes",
     OPENVINO: ("int4 asym, group 32 (optimum-intel/NNCF from the fp32 export; the tied embedding/LM head int8 "
                "per channel): the same bytes class as Q4_1"),
+    OPENVINO_FP16: ("fp16 IR (optimum-intel's default export; the CPU plugin computes at its default inference "
+                    "precision, bf16 on a CPU with AVX512-BF16): OpenVINO's best default, not same bytes"),
 }
 
 
@@ -46,14 +52,17 @@ def peers_root() -> Path:
 
 
 def venv_python(name: str, root: Optional[Path] = None) -> Path:
-    """The python of peer ``name``'s own virtual environment."""
-    return (root or peers_root()) / "venvs" / name / "bin" / "python"
+    """The python of peer ``name``'s own virtual environment (``openvino-fp16``: openvino's)."""
+    return (root or peers_root()) / "venvs" / VENV_OF.get(name, name) / "bin" / "python"
 
 
 def model_dir(name: str, root: Optional[Path] = None) -> Path:
-    """The model directory peer ``name`` reads: the HF export (vllm) or the int4 IR (openvino)."""
+    """The model directory peer ``name`` reads: the HF export (vllm), the int4 IR (openvino) or
+    the fp16 IR (openvino-fp16)."""
     root = root or peers_root()
-    return root / "hf" / f"{MODEL_NAME}-f32" if name == VLLM else root / "ov" / f"{MODEL_NAME}-int4"
+    if name == VLLM:
+        return root / "hf" / f"{MODEL_NAME}-f32"
+    return root / "ov" / f"{MODEL_NAME}-{'fp16' if name == OPENVINO_FP16 else 'int4'}"
 
 
 def peer_env(name: str, threads: int) -> dict[str, str]:

@@ -125,6 +125,7 @@ def test_venv_peers_dry_run(ip, tmp_path, monkeypatch, capsys):
     assert f"export-hf {peers / 'hf' / 'smollm2-135m-instruct-f32'} --dtype float32" in out
     assert ("--weight-format int4 --group-size 32 --ratio 1.0 "
             f"{peers / 'ov' / 'smollm2-135m-instruct-int4'}\n") in out
+    assert f"--weight-format fp16 {peers / 'ov' / 'smollm2-135m-instruct-fp16'}\n" in out  # OpenVINO's default
     assert sys.executable not in out.split("pip install")[1].split("\n")[0]  # nothing into our own venv
     assert not (tmp_path / "cache").exists()
 
@@ -157,7 +158,7 @@ def test_venv_current_reads_the_venvs_own_version(ip, tmp_path):
 
 
 def test_model_steps_are_skipped_once_written(ip, tmp_path):
-    hf_step, ov_step = ip.model_steps("openvino", tmp_path, "/py")
+    hf_step, ov_step, fp16_step = ip.model_steps("openvino", tmp_path, "/py")
     assert hf_step.argv[:5] == ["/py", "-m", "pagedkv.cli", "export-hf", str(tmp_path / "hf/smollm2-135m-instruct-f32")]
     assert not ip.model_done(hf_step) and not ip.model_done(ov_step)
     (tmp_path / "hf/smollm2-135m-instruct-f32").mkdir(parents=True)
@@ -165,5 +166,8 @@ def test_model_steps_are_skipped_once_written(ip, tmp_path):
     (tmp_path / "ov/smollm2-135m-instruct-int4").mkdir(parents=True)
     assert ip.model_done(hf_step) and not ip.model_done(ov_step)
     (tmp_path / "ov/smollm2-135m-instruct-int4/openvino_model.xml").write_text("<net/>")
-    assert ip.model_done(ov_step)
+    assert ip.model_done(ov_step) and not ip.model_done(fp16_step)
+    (tmp_path / "ov/smollm2-135m-instruct-fp16").mkdir(parents=True)
+    (tmp_path / "ov/smollm2-135m-instruct-fp16/openvino_model.xml").write_text("<net/>")
+    assert ip.model_done(fp16_step)
     assert len(ip.model_steps("vllm", tmp_path, "/py")) == 1  # vLLM reads the HF directory only

@@ -70,6 +70,23 @@ def test_run_venv_peer_reads_the_last_json_line(tmp_path):
     assert row["weights"].startswith("bf16")
 
 
+def test_openvino_fp16_runs_in_openvinos_venv_on_the_fp16_ir(tmp_path):
+    """OpenVINO's best default: the openvino venv, the fp16 IR directory, its own weights label;
+    the worker gets that directory as its model and the system name picks OpenVINO's runner."""
+    assert peers_venv.venv_python("openvino-fp16", tmp_path) == tmp_path / "venvs/openvino/bin/python"
+    assert peers_venv.model_dir("openvino-fp16", tmp_path) == tmp_path / "ov/smollm2-135m-instruct-fp16"
+    assert peers_venv.model_dir("openvino", tmp_path) == tmp_path / "ov/smollm2-135m-instruct-int4"
+    assert peer_worker.RUNNERS["openvino-fp16"] is peer_worker.RUNNERS["openvino"]
+    # the fake python prints the SPEC file it was given (args: -I worker.py SPEC): the system
+    # and model the worker would see
+    _fake_venv(tmp_path, "openvino", 'cat "$3"; echo\n')
+    peers_venv.model_dir("openvino-fp16", tmp_path).mkdir(parents=True)
+    row = peers_venv.run_venv_peer("openvino-fp16", {"threads": 2}, root=tmp_path)
+    assert row["status"] == "ok" and row["system"] == "openvino-fp16", row
+    assert row["model"] == str(tmp_path / "ov/smollm2-135m-instruct-fp16")
+    assert row["weights"].startswith("fp16 IR") and "best default" in row["weights"]
+
+
 def test_run_venv_peer_reports_failures(tmp_path):
     assert peers_venv.run_venv_peer("openvino", {"threads": 2}, root=tmp_path)["status"] == "not installed"
     _fake_venv(tmp_path, "openvino", "echo 'RuntimeError: Exception from src/inference: boom' >&2\nexit 3\n")
