@@ -239,57 +239,6 @@ INLINE void q4_group(const int NR, int64_t nb, const uint8_t *wc, const qrows_t 
 #endif
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define Q4_PAIR 1 /* 512-bit int4 path: two groups of 8 columns per instruction */
-static inline __m512i bcast4x16(const int8_t *p) { /* 4 bytes repeated 16 times */
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm512_set1_epi32(v);
-}
-static inline __m512i load_pair(const uint8_t *a, const uint8_t *b) { /* 32 bytes of each, a low */
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
-                              _mm256_loadu_si256((const __m256i *)b), 1);
-}
-static inline __m512 scales_pair(const uint8_t *a, const uint8_t *b) { /* 8 fp16 of each, a low */
-    return _mm512_cvtph_ps(_mm256_set_m128i(_mm_loadu_si128((const __m128i *)b), _mm_loadu_si128((const __m128i *)a)));
-}
-
-/* q4_group for groups g (wa) and g + 1 (wb) at once: the same integer sums and the same
- * float operations per column as two q4_group calls, 16 columns per 512-bit register (one
- * vpdpbusd does the work of two 256-bit ones where the core issues 512-bit VNNI at full width). */
-INLINE void q4_group_pair(const int NR, int64_t nb, const uint8_t *wa, const uint8_t *wb, const qrows_t *a,
-                          int64_t r0, float *y, int64_t ys, const float *bias) {
-    const int8_t *xq = a->q + r0 * nb * QK;
-    const float *xd = a->d + r0 * nb, *xs = a->s + r0 * nb;
-    __m512 acc[ROW_TILE];
-    for (int j = 0; j < NR; j++) acc[j] = _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    for (int64_t b = 0; b < nb; b++) {
-        __m512i isum[ROW_TILE];
-        for (int j = 0; j < NR; j++) isum[j] = _mm512_setzero_si512();
-        const uint8_t *pa = wa + b * Q4_BLOCK, *pb = wb + b * Q4_BLOCK;
-        _mm_prefetch((const char *)(pa + Q4_PREFETCH), _MM_HINT_T0);
-        _mm_prefetch((const char *)(pb + Q4_PREFETCH), _MM_HINT_T0);
-        for (int t = 0; t < 4; t++) {
-            const __m512i v = load_pair(pa + 32 * t, pb + 32 * t);
-            const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-            for (int j = 0; j < NR; j++) {
-                const int8_t *x = xq + j * nb * QK + b * QK + 8 * t;
-                isum[j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(isum[j], lo, bcast4x16(x)), hi, bcast4x16(x + 4));
-            }
-        }
-        const __m512 d = scales_pair(pa + 128, pb + 128), m = scales_pair(pa + 144, pb + 144);
-        for (int j = 0; j < NR; j++) {
-            acc[j] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(xd[j * nb + b])), _mm512_cvtepi32_ps(isum[j]),
-                                     acc[j]);
-            acc[j] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[j * nb + b]), acc[j]);
-        }
-    }
-    const __m512 bv = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-    for (int j = 0; j < NR; j++) _mm512_storeu_ps(y + (r0 + j) * ys, _mm512_add_ps(acc[j], bv));
-}
-#endif
-
 INLINE void q8_group(const int NR, int64_t nb, const int8_t *wc, const float *scale, const qrows_t *a, int64_t r0,
                      float *y, int64_t ys, const float *bias) {
     const int8_t *xq = a->q + r0 * nb * QK;
@@ -356,27 +305,6 @@ int pagedkv_qmm(const qweights_t *w, int64_t rows, const float *x, int64_t xs, f
     qrows_t a;
     if (quantize_rows(x, xs, rows, w->k, &a, nt)) return -1;
     int64_t nb = w->k / QK, n = w->n;
-#ifdef Q4_PAIR
-    if (w->fmt == 4 && n >= 16) { /* pairs of groups (an odd last group below, 8 columns alone) */
-        #pragma omp parallel for if (rows * n * w->k >= PAR_MACS) num_threads(nt) schedule(static)
-        for (int64_t p = 0; p < n / 16; p++) {
-            const int64_t g = 2 * p;
-            const float *bias = w->bias ? w->bias + 8 * g : NULL;
-            const uint8_t *wa = (const uint8_t *)w->codes + g * nb * Q4_BLOCK;
-            for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE)
-                BY_TILE(rows - r0, q4_group_pair, nb, wa, wa + nb * Q4_BLOCK, &a, r0, y + 8 * g, n, bias);
-        }
-        if ((n / 8) % 2) {
-            const int64_t g = n / 8 - 1;
-            const float *bias = w->bias ? w->bias + 8 * g : NULL;
-            for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE)
-                BY_TILE(rows - r0, q4_group, nb, (const uint8_t *)w->codes + g * nb * Q4_BLOCK, &a, r0, y + 8 * g, n,
-                        bias);
-        }
-        free(a.mem);
-        return 0;
-    }
-#endif
     #pragma omp parallel for if (rows * n * w->k >= PAR_MACS) num_threads(nt) schedule(static)
     for (int64_t g = 0; g < n / 8; g++) {
         const float *bias = w->bias ? w->bias + 8 * g : NULL;
