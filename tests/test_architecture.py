@@ -294,7 +294,7 @@ def test_only_the_model_config_reader_reads_window_keys():
 
 
 #: the device side: only the worker (and a tensor-parallel rank's shard builder) calls these
-DEVICE_CALLS = ("load_model", "get_backend", "ModelRunner", "resolve_weights", "auto_int4_source", "compile_steps")
+DEVICE_CALLS = ("load_model", "get_backend", "ModelRunner", "resolve_weights", "auto_weights", "compile_steps")
 
 
 def _device_calls(source: str) -> list[str]:

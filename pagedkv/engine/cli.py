@@ -19,7 +19,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "gemma-3-270m (a base model: plain completions)")
     g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
     g.add_argument("--weights", default="auto",
-                   help="linear weights: auto (fastest within the quality bounds on this CPU) | fp32 | bf16 | int8 | int4")
+                   help="linear weights: auto (a GGUF's stored blocks, a checkpoint's own dtype: never changes the "
+                        "model's numbers) | gguf | fp32 | bf16 | int8 | int4 (int8/int4 requantise)")
     g.add_argument("--kv-cache-dtype", default="auto",
                    help="KV cache format: auto (= --dtype) | float32 | bfloat16 | float16 | int8 | fp8_e4m3 | "
                         "fp8_e5m2 (int8/fp8: one-byte codes + an bf16 scale per group of each head vector)")
@@ -119,6 +120,8 @@ def _make_llm(args: argparse.Namespace):
         f"{kv['max_model_len']}: {kv['max_concurrency_at_max_model_len']:.2f}",
         file=sys.stderr,
     )
+    if llm.engine.loaded.report is not None:
+        print(f"[pagedkv] weights: {llm.engine.loaded.report.summary()}", file=sys.stderr)
     return llm
 
 

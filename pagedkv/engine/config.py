@@ -52,7 +52,8 @@ class EngineConfig:
     model_revision: Optional[str] = None
     # ranks the model is split over (pagedkv.distributed); kv_cache_memory is then per rank
     tensor_parallel_size: int = 1
-    # linear layers' weight format: auto | fp32 | bf16 | int8 | int4 (pagedkv.model.quant)
+    # linear layers' weight format: auto | gguf | fp32 | bf16 | int8 | int4 (pagedkv.model.quant;
+    # auto keeps the model's numbers: a GGUF's stored blocks, a checkpoint's own dtype)
     weights: str = "auto"
     # tiers behind the block pool, fastest first: ["host:4GiB", "disk:PATH:50GiB"]
     # (pagedkv.kv.tiers); turns prefix caching on

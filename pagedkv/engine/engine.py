@@ -64,8 +64,11 @@ class LLMEngine:
         self.dtype = dtype = torch_dtype(cfg.dtype)
         logger.info("CPU: %s", cpu_isa.profile().summary())  # ConfigError for a bad $PAGEDKV_CPU_ISA
         # the device side (weights, backend, caches, compiled steps) is the worker's
+        kv_bytes = 0 if cfg.num_blocks is not None else parse_size(
+            cfg.kv_cache_memory if cfg.kv_cache_memory is not None else "1GiB")
         worker = Worker.load(model, dtype=dtype, device=cfg.device, weights=cfg.weights,
-                             attention_backend=cfg.attention_backend, tensor_parallel_size=cfg.tensor_parallel_size)
+                             attention_backend=cfg.attention_backend, tensor_parallel_size=cfg.tensor_parallel_size,
+                             kv_bytes=kv_bytes)
         loaded = worker.loaded
         logger.info("weights: %s (%s)", loaded.weights, loaded.weights_reason)
         if (warning := passive_wait_warning(torch.get_num_threads())) is not None:

@@ -248,7 +248,10 @@ class LlamaForCausalLM(nn.Module):
 
     Construct with ``LlamaForCausalLM(config, dtype, device)`` (parameters are allocated but
     uninitialised; load them with ``load_state_dict(..., assign=True)`` or use
-    ``pagedkv.model.loader.load_model``). Run under ``torch.inference_mode()``.
+    ``pagedkv.model.loader.load_model``); ``materialize=False`` leaves them on the meta device
+    (no memory) for a loader that replaces the modules. ``embed_tokens`` is any module mapping
+    int64 ids ``[T]`` to a fresh float ``[T, H]`` (``nn.Embedding``, or the GGUF rows of
+    ``pagedkv.model.gguf_native``). Run under ``torch.inference_mode()``.
     """
 
     def __init__(
@@ -256,6 +259,8 @@ class LlamaForCausalLM(nn.Module):
         config: ModelConfig,
         dtype: torch.dtype | str = torch.float32,
         device: torch.device | str = "cpu",
+        *,
+        materialize: bool = True,
     ) -> None:
         super().__init__()
         dtype = torch_dtype(dtype)  # float32, bfloat16 or float16; ConfigError otherwise
@@ -274,7 +279,8 @@ class LlamaForCausalLM(nn.Module):
             None if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False, **kw)
         )
-        self.to_empty(device=device)
+        if materialize:  # else a loader gives every parameter its tensor (pagedkv.model.gguf_native)
+            self.to_empty(device=device)
         cos, sin = rope_cos_sin(config, config.max_position_embeddings)
         # Tables in the model dtype (transformers casts cos/sin to the activation dtype too).
         self.register_buffer("rope_cos", cos.to(device=device, dtype=dtype), persistent=False)
@@ -316,11 +322,11 @@ class LlamaForCausalLM(nn.Module):
     # ---- info for the engine -------------------------------------------------------------
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        return self.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
+        return self.norm.weight.device
 
     def kv_cache_shape(self) -> KVCacheShape:
         """``(num_layers, num_kv_heads, head_dim, dtype)``: one K and one V cache per layer,
@@ -402,7 +408,7 @@ class LlamaForCausalLM(nn.Module):
                 for t, u in ((self.rope_cos, self.rope_sin), (self.rope_cos_local, self.rope_sin_local)) if t is not None]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        residual = F.embedding(input_ids, self.embed_tokens.weight)  # fresh tensor: owned, mutated in place
+        residual = self.embed_tokens(input_ids)  # fresh tensor: owned, mutated in place
         if self.embed_scale != 1.0:
             residual.mul_(self.embed_scale)
         return residual

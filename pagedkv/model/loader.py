@@ -27,8 +27,8 @@ from pagedkv.model.quant import resolve_weights
 from pagedkv.model.quantize import gguf_q4_codes, has_q4_linears, install_linears, quantize_state
 from pagedkv.model.tokenizer import load_tokenizer
 from pagedkv.model.weight_cache import (
-    cache_root, entry_dir, file_sha256, manifest_ok, read_cache_entry, read_cached_weights, read_format_weights,
-    write_cache_entry,
+    cache_root, entry_dir, file_identity, file_sha256, manifest_ok, read_cache_entry, read_cached_weights,
+    read_format_weights, write_cache_entry,
 )
 from pagedkv.model.weights import StateDict, gguf_config, gguf_state_dict, hf_config, hf_state_dict
 from pagedkv.utils import canonical_dtype, torch_dtype
@@ -36,8 +36,8 @@ from pagedkv.utils import canonical_dtype, torch_dtype
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "LoadedModel", "auto_int4_source", "build_model", "cache_root", "file_sha256", "load_config", "load_model",
-    "load_weights", "resolve_model_path",
+    "LoadedModel", "auto_weights", "build_model", "cache_root", "check_memory", "file_identity", "file_sha256",
+    "load_config", "load_model", "load_weights", "resolve_model_path",
 ]
 
 
@@ -51,7 +51,8 @@ class LoadedModel:
     cache entry used or written (``None`` for HF directories or when caching was off or
     failed); ``from_cache``: whether weights came from the cache; ``load_seconds``: wall time;
     ``weights``: the linear layers' weight format (``pagedkv.model.quant``) and
-    ``weights_reason`` why it was chosen.
+    ``weights_reason`` why it was chosen; ``report``: a ``gguf_native.LoadReport`` (tensors,
+    bytes read, bytes held, seconds) for weights ``gguf``, else ``None``.
     """
 
     model: LlamaForCausalLM
@@ -63,6 +64,7 @@ class LoadedModel:
     load_seconds: float = 0.0
     weights: str = "fp32"
     weights_reason: str = "requested"
+    report: Any = None
 
 
 def resolve_model_path(model: str | Path | None = None) -> Path:
@@ -93,17 +95,61 @@ def resolve_model_path(model: str | Path | None = None) -> Path:
     )
 
 
-def auto_int4_source(model: str | Path | None, why: str) -> tuple[str, str]:
-    """``weights="auto"`` resolved to int4 for ``model``: ``("int4", why)`` for an HF directory
-    (float weights) or a GGUF whose layer matrices are all Q4_0/Q4_1 (their codes are kept),
-    else ``("int8", reason)``: requantising a GGUF's other types to int4 leaves its perplexity
-    bound (``quantize.has_q4_linears``).
-    Reads the header only; raises ``ConfigError`` as ``resolve_model_path`` does."""
+def auto_weights(model: str | Path | None, fmt: str, why: str, dtype: Any = "fp32", device: Any = "cpu",
+                 tensor_parallel_size: int = 1) -> tuple[str, str]:
+    """``weights="auto"`` for ``model``'s source, given the CPU's side (``fmt``, ``why`` from
+    ``resolve_weights("auto", ...)``). Auto never changes a model's numbers on its own:
+
+    * a GGUF file: ``gguf``, its stored blocks on the integer kernels, when every weight matrix
+      is of a type they take (``gguf_native.supported``); else ``fp32``, its values dequantised
+      (the reason says which types, and that ``weights="int8"`` requantises them if asked);
+    * an HF directory: its own dtype: ``bf16`` for a bfloat16 checkpoint where the CPU
+      multiplies bf16 natively (exact: the checkpoint's values), else ``fp32``.
+
+    A 16-bit model, another device or tensor parallelism (``fmt`` is then the model dtype) keep
+    ``fmt``. Reads the header or ``config.json`` only; raises ``ConfigError`` as
+    ``resolve_model_path`` does."""
+    if canonical_dtype(dtype) != "fp32" or str(device).split(":")[0] != "cpu" or tensor_parallel_size != 1:
+        return fmt, why
     path = resolve_model_path(model)
-    if not path.is_file() or has_q4_linears(read_gguf_header(path)):
-        return "int4", why
-    return "int8", why + "; int8, not int4: the layer matrices are not Q4_0/Q4_1 codes, and int4 requantised " \
-                         "from other types leaves its perplexity bound"
+    if path.is_file():
+        from pagedkv.model import gguf_native
+
+        header = read_gguf_header(path)
+        problem = gguf_native.supported(header)
+        if problem is None:
+            kinds = ", ".join(f"{k} x{v}" for k, v in sorted(gguf_native.linear_types(header).items()))
+            return "gguf", f"auto: the file's stored blocks ({kinds}) on the integer kernels"
+        return "fp32", f"auto: the file's values in fp32 ({problem}; weights='int8' requantises them if asked)"
+    import json
+
+    try:
+        torch_dtype_name = str(json.loads((path / "config.json").read_text()).get("torch_dtype") or "float32")
+    except (OSError, ValueError):
+        torch_dtype_name = "float32"
+    from pagedkv.model.quant import cpu_features
+
+    if torch_dtype_name == "bfloat16" and cpu_features().bf16_fast:
+        return "bf16", "auto: the bfloat16 checkpoint's own values, multiplied in bf16 natively on this CPU"
+    return "fp32", f"auto: the checkpoint's own values ({torch_dtype_name}) in fp32; int8/int4 only when asked"
+
+
+def check_memory(need_bytes: int, what: str, available: int | None = None) -> None:
+    """Raise ``ConfigError`` before loading when ``need_bytes`` (weights + KV budget, bytes)
+    exceed the memory this host has available (``MemAvailable`` of ``/proc/meminfo``, or
+    ``available``) less 256 MiB of headroom, with the numbers (``what`` says what was counted).
+    Does nothing where ``/proc/meminfo`` cannot be read."""
+    if available is None:
+        try:
+            with open("/proc/meminfo") as f:
+                info = dict(line.split(":", 1) for line in f)
+            available = int(info["MemAvailable"].split()[0]) * 1024
+        except (OSError, KeyError, ValueError):
+            return
+    if need_bytes + (256 << 20) > available:
+        raise ConfigError(f"not enough memory: {what} need {need_bytes / 2**30:.2f} GiB, this host has "
+                          f"{available / 2**30:.2f} GiB available (MemAvailable, less 0.25 GiB headroom); "
+                          f"free memory, lower kv_cache_memory, or pick a smaller model or weight format")
 
 
 def load_config(model: str | Path | None = None) -> ModelConfig:
@@ -112,7 +158,7 @@ def load_config(model: str | Path | None = None) -> ModelConfig:
     path = resolve_model_path(model)
     if path.is_dir():
         return hf_config(path)
-    return gguf_config(path, read_gguf_header(path), file_sha256(path)[:16])
+    return gguf_config(path, read_gguf_header(path), file_identity(path)[:16])
 
 
 def load_model(
@@ -124,6 +170,7 @@ def load_model(
     cache_dir: str | Path | None = None,
     use_cache: bool = True,
     route: str | None = None,
+    kv_bytes: int = 0,
 ) -> LoadedModel:
     """Load weights, config and tokenizer.
 
@@ -131,10 +178,12 @@ def load_model(
     ``dtype``: float32 (default), bfloat16 or float16 parameters (a torch dtype or a name such
     as ``"bf16"``). ``device``: where the parameters live. ``weights``: the linear layers'
     format, ``None`` (default: unquantised in ``dtype``, exact) | ``fp32`` | ``bf16`` | ``int8``
-    | ``int4`` | ``auto`` (see
-    ``pagedkv.model.quant``; int4 keeps a Q4_0/Q4_1 GGUF's stored codes; ``auto`` takes int4
-    only from such a file, see ``auto_int4_source``); each format of a
-    GGUF is cached in its own entry. ``route``: ``fast`` | ``fallback`` kernel of the quantised
+    | ``int4`` | ``gguf`` | ``auto`` (see ``pagedkv.model.quant``; int4 keeps a Q4_0/Q4_1
+    GGUF's stored codes; ``gguf`` streams a GGUF's stored blocks onto the integer kernels,
+    ``pagedkv.model.gguf_native``, with no other copy and no weight cache; ``auto`` never
+    changes the model's numbers, see ``auto_weights``); each other format of a GGUF is cached
+    in its own entry. ``kv_bytes``: the KV cache the caller will allocate, counted with the
+    weights when ``gguf`` checks the host's memory before loading (``check_memory``). ``route``: ``fast`` | ``fallback`` kernel of the quantised
     layers (default: what this CPU runs fast). ``cache_dir``: root of the GGUF weight cache
     (default ``cache_root()``); ``use_cache=False`` neither reads nor writes it.
 
@@ -147,10 +196,12 @@ def load_model(
         fmt, why = canonical_dtype(dtype), "the model dtype"
     else:
         fmt, why = resolve_weights(weights, dtype, device=device)
-        if weights == "auto" and fmt == "int4":
-            fmt, why = auto_int4_source(model, why)
+        if weights == "auto":
+            fmt, why = auto_weights(model, fmt, why, dtype, device)
     quantised = fmt != canonical_dtype(dtype)
     path = resolve_model_path(model)
+    if fmt == "gguf":
+        return _load_gguf_native(path, _root(cache_dir), use_cache, route, why, t0, kv_bytes)
     if path.is_dir():
         config = hf_config(path)
         state = hf_state_dict(path, config)
@@ -190,7 +241,7 @@ def load_weights(
         return config, hf_state_dict(path, config), path
     root = _root(cache_dir)
     if use_cache:
-        sha = file_sha256(path)
+        sha = file_identity(path, root)
         entry = entry_dir(root, sha)
         if manifest_ok(entry, sha):
             try:
@@ -244,7 +295,7 @@ def _load_gguf_format(
     """``_load_gguf_cached`` for weight format ``fmt`` (bf16 | int8 | int4): the state is that
     format's portable form, read from its own cache entry or quantised from the fp32 one (int4
     from the GGUF's stored Q4 codes where it has them) and written there."""
-    sha = file_sha256(path)
+    sha = file_identity(path, root)
     entry = entry_dir(root, sha, fmt)
     damaged = False
     if use_cache and entry.is_dir() and manifest_ok(entry_dir(root, sha), sha):
@@ -274,7 +325,7 @@ def _load_gguf_cached(
     """``(config, state, tokenizer, cache entry or None, from_cache)`` of a GGUF file: read the
     cache entry, or dequantise and (if ``use_cache``) write it. A damaged entry is replaced;
     a cache that cannot be written is skipped with a warning. ``sha``: the file's, if known."""
-    sha = sha or file_sha256(path)
+    sha = sha or file_identity(path, root)
     entry = entry_dir(root, sha)
     damaged = False
     if use_cache and entry.is_dir():
@@ -297,3 +348,50 @@ def _load_gguf_cached(
         log.warning("pagedkv: could not write the weight cache %s (%s); continuing without it", entry, e)
         return config, state, tokenizer, None, False
     return config, state, tokenizer, entry, False
+
+
+def _load_gguf_native(path: Path, root: Path, use_cache: bool, route: str | None, why: str, t0: float,
+                      kv_bytes: int) -> LoadedModel:
+    """``load_model`` for weights ``gguf``: header, identity (``file_identity``), a memory check
+    of the weights' bytes plus ``kv_bytes``, the streaming build (``gguf_native``), and the
+    tokenizer from its cache entry (built from the file and written there on the first load)."""
+    from pagedkv.model import gguf_native
+
+    if path.is_dir():
+        raise ConfigError(f"weights 'gguf': {str(path)!r} is a directory; 'gguf' keeps a GGUF file's stored blocks")
+    header = read_gguf_header(path)
+    sha = file_identity(path, root)
+    config = gguf_config(path, header, sha[:16])
+    need = gguf_native.weight_bytes(header, config)
+    check_memory(need + kv_bytes, f"{path.name}'s weights ({need / 2**30:.2f} GiB as stored) and the KV cache "
+                                  f"({kv_bytes / 2**30:.2f} GiB)")
+    net, report = gguf_native.build_gguf_model(path, header, config, route=route)
+    tokenizer, entry, hit = _gguf_tokenizer(path, root, sha, use_cache)
+    log.info("pagedkv: loaded %s: %s", path.name, report.summary())
+    return LoadedModel(model=net, config=config, tokenizer=tokenizer, path=path, cache_dir=entry, from_cache=hit,
+                       load_seconds=time.perf_counter() - t0, weights="gguf", weights_reason=why, report=report)
+
+
+def _gguf_tokenizer(path: Path, root: Path, sha: str, use_cache: bool) -> tuple[Any, Path | None, bool]:
+    """``(tokenizer, cache entry or None, from cache)`` of a GGUF: its entry ``<sha16>-tokenizer``
+    (the tokenizer only: building it from the file's vocabulary takes seconds), written on a
+    miss; an entry that fails to load is rebuilt, one that cannot be written is skipped."""
+    from pagedkv.model.weight_cache import read_tokenizer_entry, write_cache_entry
+
+    entry = entry_dir(root, sha, "tokenizer")
+    damaged = False
+    if use_cache and entry.is_dir():
+        try:
+            return read_tokenizer_entry(entry, sha), entry, True
+        except Exception as e:  # noqa: BLE001 - any damage means "rebuild"
+            log.warning("pagedkv: tokenizer cache %s is unusable (%s); rebuilding it", entry, e)
+            damaged = True
+    tokenizer = load_tokenizer(path.parent, gguf_file=path.name)
+    if not use_cache:
+        return tokenizer, None, False
+    try:
+        write_cache_entry(entry, sha, path, None, {}, tokenizer, replace=damaged, weights="tokenizer")
+    except OSError as e:
+        log.warning("pagedkv: could not write the tokenizer cache %s (%s); continuing without it", entry, e)
+        return tokenizer, None, False
+    return tokenizer, entry, False

@@ -57,6 +57,40 @@ def file_sha256(path: str | Path) -> str:
     return h.hexdigest()
 
 
+#: bytes of a file's start that key its stored identity, beside its path, size and mtime
+_ID_HEAD_BYTES = 1 << 16
+
+
+def file_identity(path: str | Path, root: Path | None = None) -> str:
+    """The hex sha256 of a model file's bytes, computed once: stored under ``root/ids/`` (default
+    ``cache_root()``) keyed by the file's real path, size, modification time (ns) and a hash of
+    its first 64 KiB, so a later start reads it back instead of hashing gigabytes again; a file
+    changed in place gets a new key. A store that cannot be written is skipped (the hash is
+    still returned). Raises ``OSError`` when the file cannot be read."""
+    p = Path(path)
+    st = p.stat()
+    with open(p, "rb") as f:
+        head = hashlib.sha256(f.read(_ID_HEAD_BYTES)).hexdigest()
+    key = hashlib.sha256(f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}|{head}".encode()).hexdigest()[:32]
+    store = (root if root is not None else cache_root()) / "ids" / f"{key}.json"
+    try:
+        known = json.loads(store.read_text())
+        if known.get("size") == st.st_size and len(known.get("sha256", "")) == 64:
+            return str(known["sha256"])
+    except (OSError, ValueError):
+        pass
+    sha = file_sha256(p)
+    try:
+        store.parent.mkdir(parents=True, exist_ok=True)
+        tmp = store.with_name(f".{store.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        tmp.write_text(json.dumps({"sha256": sha, "path": str(p.resolve()), "size": st.st_size,
+                                   "mtime_ns": st.st_mtime_ns}))
+        os.replace(tmp, store)
+    except OSError:
+        pass
+    return sha
+
+
 def entry_dir(root: Path, sha: str, weights: str = "fp32") -> Path:
     """The entry of the source file whose hex sha256 is ``sha``, in weight format ``weights``."""
     return root / (sha[:16] if weights == "fp32" else f"{sha[:16]}-{weights}")
@@ -113,6 +147,14 @@ def read_cache_entry(
         _check_manifest(entry, sha)
         config, state = ModelConfig.from_dict(json.loads((entry / _CONFIG_FILE).read_text())), {}
     return config, state, load_tokenizer(entry / _TOKENIZER_DIR)
+
+
+def read_tokenizer_entry(entry: Path, sha: str) -> Any:
+    """The tokenizer of a tokenizer-only entry (``<16 hex>-tokenizer``, written by
+    ``write_cache_entry(..., weights="tokenizer")``). Raises (any exception) if it is missing
+    or damaged."""
+    _check_manifest(entry, sha, "tokenizer")
+    return load_tokenizer(entry / _TOKENIZER_DIR)
 
 
 def write_cache_entry(

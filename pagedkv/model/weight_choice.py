@@ -18,7 +18,8 @@ from pagedkv.errors import ConfigError
 from pagedkv.utils import canonical_dtype
 
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
-WEIGHT_CHOICES = ("auto",) + WEIGHT_FORMATS
+#: ``gguf``: a GGUF file's stored blocks on the integer kernels (``pagedkv.model.gguf_native``)
+WEIGHT_CHOICES = ("auto", "gguf") + WEIGHT_FORMATS
 ROUTES = ("fast", "fallback")
 ROUTE_ENV = "PAGEDKV_WEIGHT_ROUTE"
 
@@ -87,7 +88,9 @@ def auto_route(fmt: str, features: CpuFeatures | None = None) -> str:
     if forced == "fallback":
         return "fallback"
     f = features or cpu_features()
-    fast = {"fp32": True, "bf16": f.bf16_fast, "int8": f.int_kernels_fast, "int4": f.int_kernels_fast}[fmt]
+    # gguf runs pagedkv's own kernels (qmm), vectorised or plain C: fast wherever they build
+    fast = {"fp32": True, "bf16": f.bf16_fast, "int8": f.int_kernels_fast, "int4": f.int_kernels_fast,
+            "gguf": True}[fmt]
     return "fast" if fast else "fallback"
 
 
@@ -107,7 +110,12 @@ def resolve_weights(
     ``device`` and the tensor-parallel size. The format equals the model dtype's name
     (``fp32``/``bf16``/``fp16``) when the linear layers stay unquantised.
 
-    ``auto`` is the fastest format within the quality bounds (int8 within 2% of fp32's
+    This is the CPU's side of ``auto``; the source's side (a GGUF keeps its stored codes, an
+    unquantised checkpoint its own dtype) is ``pagedkv.model.loader.auto_weights``, which the
+    loader applies after this. ``gguf`` (a GGUF's stored blocks) needs a float32 model on one
+    CPU, as the quantised formats do.
+
+    ``auto`` here is the fastest format within the quality bounds (int8 within 2% of fp32's
     perplexity, int4 within 6%; measured by ``pagedkv bench quality``) that has a fast kernel
     on this CPU: int4 where the int4 kernel is vectorised (AVX2/AVX-512 builds), else bf16
     with AVX512-BF16/AMX, else fp32. (int4 is the fastest at decode batches up to ~8; bf16
@@ -138,4 +146,6 @@ def resolve_weights(
         raise ConfigError(f"weights: {name!r} runs on the CPU only (device {device!r}); use 'auto' or the model dtype")
     if tensor_parallel_size != 1:
         raise ConfigError(f"weights: {name!r} is not supported with tensor parallelism; use 'auto' or {model!r}")
+    if name == "gguf" and model != "fp32":
+        raise ConfigError(f"weights: 'gguf' needs dtype float32 (its kernels take float32 activations; the model is {model})")
     return name, "requested"

@@ -30,6 +30,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"blocks x {kv['block_size']} tokens; torch threads {args.threads}; "
           f"tenants: {len(set(keys.values())) if keys else 'off'}",
           file=sys.stderr)
+    if engine.loaded.report is not None:
+        print(f"[pagedkv] weights: {engine.loaded.report.summary()}", file=sys.stderr)
     app = build_app(engine, served_model_name=args.served_model_name, api_keys=keys,
                     max_body_bytes=args.max_body_bytes, max_n=args.max_n,
                     shutdown_timeout_s=args.shutdown_timeout, open_routes=tuple(args.open_route or ()))

@@ -29,7 +29,7 @@ import torch
 from pagedkv.attention import get_backend
 from pagedkv.attention.quant import FORMATS
 from pagedkv.errors import ConfigError
-from pagedkv.model.loader import LoadedModel, auto_int4_source, load_model
+from pagedkv.model.loader import LoadedModel, auto_weights, load_model
 from pagedkv.model.quant import resolve_weights
 from pagedkv.utils import torch_dtype
 from pagedkv.worker.kv_transfer import BlockPayloadCodec
@@ -64,7 +64,7 @@ class Executor(Protocol):
 
 
 def load_checked(model: Any, *, dtype: torch.dtype, device: str, weights: str,
-                 tensor_parallel_size: int = 1) -> LoadedModel:
+                 tensor_parallel_size: int = 1, kv_bytes: int = 0) -> LoadedModel:
     """The ``LoadedModel`` for ``model`` (a path, a bundled name, ``None`` for the bundled
     SmolLM2, or a ``LoadedModel``) in model ``dtype`` on ``device`` with the weight format
     ``weights`` (``"auto"`` or a format name, see ``pagedkv.model.quant.resolve_weights``).
@@ -72,8 +72,10 @@ def load_checked(model: Any, *, dtype: torch.dtype, device: str, weights: str,
     A ``LoadedModel`` passed in is used as it is, after checking it: raises ``ConfigError``
     when its parameters are another dtype than ``dtype``, or (``weights`` not ``"auto"``) its
     weight format is not the one asked for. Else the model is loaded (``ConfigError`` for a
-    bad path or format); ``weights="auto"`` resolving to int4 becomes int8 for a GGUF whose
-    layer matrices are not Q4_0/Q4_1 codes. ``weights_reason`` says why the format was chosen."""
+    bad path or format); ``weights="auto"`` keeps the source's numbers
+    (``pagedkv.model.loader.auto_weights``: a GGUF's stored blocks, a checkpoint's own dtype).
+    ``kv_bytes``: the KV cache to come, checked with the weights against the host's memory
+    before a ``gguf`` load. ``weights_reason`` says why the format was chosen."""
     fmt, why = resolve_weights(weights, dtype, device, tensor_parallel_size)
     if isinstance(model, LoadedModel):
         model_dtype = next(model.model.parameters()).dtype
@@ -82,9 +84,9 @@ def load_checked(model: Any, *, dtype: torch.dtype, device: str, weights: str,
         if weights != "auto" and model.weights != fmt:
             raise ConfigError(f"the loaded model has {model.weights} weights; the engine asks for {fmt}")
         return model
-    if weights == "auto" and fmt == "int4":  # int4 only from Q4_0/Q4_1 codes
-        fmt, why = auto_int4_source(model, why)
-    loaded = load_model(model, dtype=dtype, device=device, weights=fmt)
+    if weights == "auto":
+        fmt, why = auto_weights(model, fmt, why, dtype, device, tensor_parallel_size)
+    loaded = load_model(model, dtype=dtype, device=device, weights=fmt, kv_bytes=kv_bytes)
     loaded.weights_reason = why
     return loaded
 
@@ -107,12 +109,12 @@ class Worker:
 
     @classmethod
     def load(cls, model: Any, *, dtype: torch.dtype, device: str = "cpu", weights: str = "auto",
-             attention_backend: str, tensor_parallel_size: int = 1) -> "Worker":
+             attention_backend: str, tensor_parallel_size: int = 1, kv_bytes: int = 0) -> "Worker":
         """Load ``model`` (see :func:`load_checked`, whose ``ConfigError`` it raises) and
         create the backend ``attention_backend`` (``ConfigError`` for an unknown name,
         ``BackendError`` when it cannot run here). The caches come later (:meth:`init_cache`)."""
         loaded = load_checked(model, dtype=dtype, device=device, weights=weights,
-                              tensor_parallel_size=tensor_parallel_size)
+                              tensor_parallel_size=tensor_parallel_size, kv_bytes=kv_bytes)
         backend = get_backend(attention_backend)
         return cls(loaded.model, loaded.config, backend, device, loaded=loaded, backend_name=attention_backend)
 

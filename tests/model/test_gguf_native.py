@@ -1,0 +1,187 @@
+"""``weights="gguf"`` (what ``auto`` picks for a GGUF): the streaming loader keeps every weight
+matrix in its stored blocks, fused and un-permuted exactly like the fp32 path's values, holds
+no other copy, writes no weight cache, checks memory before loading, and ``auto`` never
+changes a model's numbers (an fp32 HF checkpoint stays fp32)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from pagedkv.errors import ConfigError
+from pagedkv.gguf_header import read_gguf_header
+from pagedkv.model import gguf_native, loader, qmm, weight_cache
+from pagedkv.model.gguf_native import GGUFEmbedding, GGUFLinear
+from pagedkv.model.loader import load_model
+from pagedkv.model.quantize import linear_prefixes
+
+
+def _stored_bytes(header, names) -> int:
+    return sum(gguf_native._nbytes(t) for t in header.tensors if t.name in names)
+
+
+@pytest.fixture(scope="module")
+def smol_gguf(bundled_gguf, tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf-cache")
+    return load_model(bundled_gguf, weights="gguf", cache_dir=root), root
+
+
+def test_every_matrix_keeps_its_stored_blocks_and_equals_the_fp32_values(smol_gguf, loaded_model, bundled_gguf):
+    lm, _root = smol_gguf
+    assert lm.weights == "gguf" and lm.config.tie_word_embeddings
+    ref = loaded_model.model.state_dict()  # the fp32 path: gguf.dequantize, un-permuted, fused
+    for prefix in linear_prefixes(lm.config):
+        m = lm.model.get_submodule(prefix[:-1])
+        assert isinstance(m, GGUFLinear) and m.qmm_rows == qmm.ALL_ROWS
+        want = ref.get(prefix + "weight", ref["embed_tokens.weight"] if prefix == "lm_head." else None)
+        torch.testing.assert_close(m.dequantize(), want, rtol=0, atol=1e-6)
+    header = read_gguf_header(bundled_gguf)
+    # 210 Q4_1 layer matrices + the tied Q8_0 head (49152 rows of 576 values: 18 blocks of 34 bytes)
+    assert lm.model.layers[0].qkv_proj.types == ("Q4_1", "Q4_1", "Q4_1")
+    assert lm.model.lm_head.types == ("Q8_0",) and lm.model.lm_head.packed.nbytes == 49152 * 18 * 34
+    layer_names = {t.name for t in header.tensors if t.name.startswith("blk.") and len(t.shape) == 2}
+    assert len(layer_names) == 210
+    packed = sum(m.packed.nbytes for m in gguf_native.iter_linears(lm.model))
+    assert packed == _stored_bytes(header, layer_names) + 49152 * 18 * 34
+    assert isinstance(lm.model.embed_tokens, GGUFEmbedding)
+    ids = torch.tensor([0, 1, 2, 504, 49151])
+    torch.testing.assert_close(lm.model.embed_tokens(ids), ref["embed_tokens.weight"][ids], rtol=0, atol=0)
+    with pytest.raises(IndexError):
+        lm.model.embed_tokens(torch.tensor([49152]))
+
+
+def test_norms_and_the_first_step_agree_with_the_fp32_model(smol_gguf, loaded_model):
+    lm, _ = smol_gguf
+    ref = loaded_model.model.state_dict()
+    got = {k: v for k, v in lm.model.named_parameters()}
+    assert set(got) == {k for k in ref if "norm" in k}
+    for k, v in got.items():
+        assert torch.equal(v, ref[k])
+
+
+def test_no_weight_cache_only_the_tokenizer_and_the_identity(smol_gguf, bundled_gguf):
+    lm, root = smol_gguf
+    assert lm.cache_dir is not None and lm.cache_dir.name.endswith("-tokenizer")
+    files = [p for p in root.rglob("*") if p.is_file()]
+    assert not [p for p in files if p.name == "model.safetensors" and p.stat().st_size > 1024]
+    total = sum(p.stat().st_size for p in files)
+    assert total < 0.1 * bundled_gguf.stat().st_size  # the tokenizer's files and a few JSON
+    ids = list((root / "ids").glob("*.json"))
+    assert len(ids) == 1 and json.loads(ids[0].read_text())["sha256"] == weight_cache.file_sha256(bundled_gguf)
+    again = load_model(bundled_gguf, weights="gguf", cache_dir=root)
+    assert again.from_cache and again.config.revision == lm.config.revision == json.loads(
+        ids[0].read_text())["sha256"][:16]
+
+
+def test_the_identity_is_hashed_once_and_again_when_the_file_changes(tmp_path, monkeypatch):
+    f = tmp_path / "m.bin"
+    f.write_bytes(b"x" * 100_000)
+    sha = weight_cache.file_identity(f, tmp_path)
+    assert sha == weight_cache.file_sha256(f)
+    monkeypatch.setattr(weight_cache, "file_sha256", lambda p: pytest.fail("hashed twice"))
+    assert weight_cache.file_identity(f, tmp_path) == sha
+    monkeypatch.undo()
+    f.write_bytes(b"y" * 100_000)
+    os.utime(f, ns=(1, 1))
+    assert weight_cache.file_identity(f, tmp_path) == weight_cache.file_sha256(f) != sha
+
+
+def test_a_model_that_cannot_fit_is_refused_before_loading(bundled_gguf, tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match=r"not enough memory: .* need 2\.00 GiB, this host has 1\.00 GiB"):
+        loader.check_memory(2 << 30, "weights", available=1 << 30)
+    loader.check_memory(1 << 30, "weights", available=2 << 30)
+    monkeypatch.setattr(gguf_native, "build_gguf_model", lambda *a, **k: pytest.fail("read the weights"))
+    with pytest.raises(ConfigError, match=r"SmolLM2-135M-Instruct\.Q4_1\.gguf's weights \(0\.\d\d GiB as stored\) "
+                                          r"and the KV cache \(4096\.00 GiB\)"):
+        load_model(bundled_gguf, weights="gguf", cache_dir=tmp_path, kv_bytes=4096 << 30)
+
+
+def test_auto_keeps_a_gguf_s_blocks_and_explicit_formats_stay_available(bundled_gguf, gemma3_gguf):
+    fmt, why = loader.auto_weights(bundled_gguf, "int4", "auto: int4 here")
+    assert fmt == "gguf" and "Q4_1 x210, Q8_0 x1" in why
+    fmt, why = loader.auto_weights(gemma3_gguf, "int4", "auto: int4 here")
+    assert fmt == "gguf" and "Q4_K x27" in why and "Q6_K x9" in why and "Q5_0 x81" in why
+    # a 16-bit model, tensor parallelism or another device keep the CPU side's choice
+    assert loader.auto_weights(bundled_gguf, "bf16", "x", dtype="bfloat16") == ("bf16", "x")
+    assert loader.auto_weights(bundled_gguf, "fp32", "x", tensor_parallel_size=2) == ("fp32", "x")
+
+
+def test_auto_refuses_nothing_but_takes_fp32_for_types_without_kernels(bundled_gguf, monkeypatch):
+    monkeypatch.setattr(qmm, "GGUF_TYPES", ("Q8_0",))
+    fmt, why = loader.auto_weights(bundled_gguf, "int4", "auto: int4 here")
+    assert fmt == "fp32" and "Q4_1" in why and "weights='int8'" in why
+    with pytest.raises(ConfigError, match="Q4_1, which the GGUF kernels do not multiply"):
+        load_model(bundled_gguf, weights="gguf", use_cache=False)
+
+
+def _tiny_hf_dir(tmp_path):
+    import transformers as tf
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    cfg = tf.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(cfg).eval()
+    out = tmp_path / "tiny-llama"
+    model.save_pretrained(out)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 97)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tf.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                               eos_token="</s>").save_pretrained(out)
+    assert json.loads((out / "config.json").read_text()).get("torch_dtype", "float32") == "float32"
+    return model, out
+
+
+def test_auto_on_an_fp32_checkpoint_gives_that_checkpoint_s_greedy_tokens(tmp_path):
+    from pagedkv import LLM, SamplingParams
+
+    hf, path = _tiny_hf_dir(tmp_path)
+    prompt = [5, 17, 33, 8, 61, 12]
+    with torch.inference_mode():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12,
+                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    llm = LLM(model=str(path), weights="auto", num_blocks=32, block_size=4)
+    assert llm.engine.loaded.weights == "fp32" and "own values" in llm.engine.loaded.weights_reason
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert out[0].token_ids == want
+    with pytest.raises(ConfigError, match="is a directory; 'gguf' keeps a GGUF file's stored blocks"):
+        load_model(path, weights="gguf")
+
+
+_RSS_CHILD = textwrap.dedent("""
+    import json, sys, torch
+    from pagedkv.model import qmm
+    from pagedkv.model.loader import load_model
+    assert qmm.get() is not None  # build the kernels before the baseline
+    def rss(field):
+        for line in open("/proc/self/status"):
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    base = rss("VmRSS:")
+    lm = load_model(sys.argv[1], weights="gguf", cache_dir=sys.argv[2])
+    print(json.dumps({"base": base, "peak": rss("VmHWM:"), "now": rss("VmRSS:"),
+                      "held": lm.report.weight_bytes}))
+""")
+
+
+def test_a_load_grows_resident_memory_by_at_most_1_2x_the_file(bundled_gguf, tmp_path):
+    """Measured in a fresh process: VmHWM after the load less VmRSS before it (imports, kernels
+    built) is the load's peak growth; the packed weights are the file's bytes."""
+    # warm the tokenizer entry first, so the measured load is the weights' (as a second start is)
+    load_model(bundled_gguf, weights="gguf", cache_dir=tmp_path)
+    out = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(bundled_gguf), str(tmp_path)], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    size = bundled_gguf.stat().st_size
+    assert r["held"] <= 1.02 * size
+    assert r["peak"] - r["base"] <= 1.2 * size, r
