@@ -23,6 +23,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -277,6 +280,322 @@ INLINE void q8_group(const int NR, int64_t nb, const int8_t *wc, const float *sc
 #endif
 }
 
+/* ---- GGUF blocks as stored: Q8_0, Q4_K, Q5_K, Q6_K ------------------------------------------
+ * Packed per group g of 8 columns and stored block b (32 values for Q8_0, a 256-value
+ * super-block for the K-quants): the 8 columns' file blocks, their bytes moved but none added,
+ * dropped or widened (so 8 x the file's block size; pagedkv_pack_gguf builds them):
+ *  - Q8_0, Q80_BLOCK = 8 x 34 bytes: the 8 columns' codes in the int8 layout (8 steps t of 32
+ *    bytes, byte 4i + j of step t = column i's element 4t + j), then their fp16 d. w = d c,
+ *    c in -128..127 (-128 too: the sign trick's |c| = 128 is its unsigned byte).
+ *  - Q4_K, Q4K_BLOCK = 8 x 144: for each of the 8 sub-blocks s of 32 values, 128 bytes of
+ *    4-bit codes in the int4 layout (step t, byte 4i + j: element 32s + 8t + j low nibble,
+ *    32s + 8t + 4 + j high); then the 12 packed 6-bit scale/min bytes of each column
+ *    "transposed" (byte 8q + i = column i's scale byte q, so each of the 12 byte positions
+ *    of the file is one 8-column vector and the 6-bit values decode 8 columns at once); then
+ *    the 8 fp16 d, then the 8 fp16 dmin. w = d sc_s c - dmin m_s, c in 0..15.
+ *  - Q5_K, Q5K_BLOCK = 8 x 176: Q4_K's low nibbles, then per sub-block s 32 bytes of high bits
+ *    (byte 4i + j: bit 2t = element 32s + 8t + j, bit 2t + 1 = 32s + 8t + 4 + j), then the
+ *    transposed scale bytes, d, dmin. c in 0..31.
+ *  - Q6_K, Q6K_BLOCK = 8 x 210: the low nibbles as Q4_K; then per sub-block s 64 bytes of
+ *    the codes' upper 2 bits (32 bytes for steps 0-1, 32 for steps 2-3; byte 4i + j, bits
+ *    4(t % 2) .. +1 = element 32s + 8t + j, bits 4(t % 2) + 2 .. +3 = element 32s + 8t + 4 + j);
+ *    then the 16 int8 scales per column transposed (byte 8q + i = column i's scale q, one per
+ *    16 values); then the 8 fp16 d. w = d sc_q (c - 32), c - 32 in -32..31.
+ * The scales are decoded from these bytes inside the kernel, per super-block and 8 columns
+ * at once; per 32 activation values (one block of the activations' own scale d_x) a row adds
+ *   Q8_0: d_w d_x sum(c q);  Q4_K/Q5_K: d sc_s d_x sum(c q) - dmin m_s sum(x);
+ *   Q6_K: d d_x (sc_2s sum_lo16((c-32) q) + sc_2s+1 sum_hi16((c-32) q))
+ * with the integer sums exact: AVX2 pairwise int16 sums stay below 2^15 (Q4_K 16 x 15 x 127
+ * per sub-block as int4; Q5_K 8 x 31 x 127, widened every 2 steps; Q8_0 and Q6_K signed codes
+ * with the sign moved onto q, 2 x 128 x 127 per pair and 8 x 32 x 127 per 16 values), VNNI's
+ * vpdpbusd (int32) where built. */
+
+#define QK_K 256
+#define Q80_BLOCK 272
+#define Q4K_BLOCK 1152
+#define Q5K_BLOCK 1408
+#define Q6K_BLOCK 1680
+#define Q4K_SC 1024 /* offsets inside a group-block */
+#define Q5K_QH 1024
+#define Q5K_SC 1280
+#define Q6K_QH 1024
+#define Q6K_SC 1536
+#define Q6K_D 1664
+
+#if defined(__AVX2__) && ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
+#define QMM_VNNI 1
+#else
+#define QMM_VNNI 0
+#endif
+
+/* sc[s] and m[s] (s < 8) of one column from its 12 transposed scale bytes (stride 8), as
+ * ggml's get_scale_min_k4 */
+static inline void k4_scale_min(const uint8_t *q, int i, int s, int *sc, int *m) {
+#define QB(j) q[8 * (j) + i]
+    if (s < 4) {
+        *sc = QB(s) & 63;
+        *m = QB(s + 4) & 63;
+    } else {
+        *sc = (QB(s + 4) & 0x0F) | ((QB(s - 4) >> 6) << 4);
+        *m = (QB(s + 4) >> 4) | ((QB(s) >> 6) << 4);
+    }
+#undef QB
+}
+
+#ifdef __AVX2__
+static inline __m256i shift16(__m256i v, int n) { /* v << n (n >= 0) or v >> -n, per 16-bit lane */
+    return n >= 0 ? _mm256_slli_epi16(v, n) : _mm256_srli_epi16(v, -n);
+}
+/* 8 bytes as 8 float lanes (unsigned or signed) */
+static inline __m256 u8x8_ps(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
+static inline __m256i i8x8_epi32(const uint8_t *p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+#endif
+
+INLINE void q80_group(const int NR, int64_t nb, const uint8_t *wc, const qrows_t *a, int64_t r0, float *y, int64_t ys,
+                      const float *bias) {
+    const int8_t *xq = a->q + r0 * nb * QK;
+    const float *xd = a->d + r0 * nb;
+#ifdef __AVX2__
+    __m256 acc[ROW_TILE];
+    for (int j = 0; j < NR; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i isum[ROW_TILE];
+        for (int j = 0; j < NR; j++) isum[j] = _mm256_setzero_si256();
+        const uint8_t *w = wc + b * Q80_BLOCK;
+        _mm_prefetch((const char *)(w + 4 * Q80_BLOCK), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + 4 * Q80_BLOCK + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + 4 * Q80_BLOCK + 128), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + 4 * Q80_BLOCK + 192), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + 4 * Q80_BLOCK + 256), _MM_HINT_T0);
+        for (int t = 0; t < 8; t++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(w + 32 * t));
+            __m256i av = _mm256_sign_epi8(v, v); /* |c| as u8 (-128 -> 128); c's sign moves onto q */
+            for (int j = 0; j < NR; j++)
+                isum[j] = madd_u8s8(isum[j], av, _mm256_sign_epi8(bcast4(xq + j * nb * QK + b * QK + 4 * t), v));
+        }
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 256)));
+        for (int j = 0; j < NR; j++)
+            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_broadcast_ss(xd + j * nb + b)), _mm256_cvtepi32_ps(isum[j]),
+                                     acc[j]);
+    }
+    __m256 bv = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+    for (int j = 0; j < NR; j++) _mm256_storeu_ps(y + (r0 + j) * ys, _mm256_add_ps(acc[j], bv));
+#else
+    for (int j = 0; j < NR; j++) {
+        float acc[8] = {0};
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *w = wc + b * Q80_BLOCK;
+            int32_t isum[8] = {0};
+            for (int t = 0; t < 8; t++)
+                for (int i = 0; i < 8; i++)
+                    for (int e = 0; e < 4; e++)
+                        isum[i] += (int8_t)w[32 * t + 4 * i + e] * xq[j * nb * QK + b * QK + 4 * t + e];
+            for (int i = 0; i < 8; i++) {
+                uint16_t h;
+                memcpy(&h, w + 256 + 2 * i, 2);
+                acc[i] += half_to_float(h) * xd[j * nb + b] * (float)isum[i];
+            }
+        }
+        for (int i = 0; i < 8; i++) y[(r0 + j) * ys + i] = acc[i] + (bias ? bias[i] : 0.0f);
+    }
+#endif
+}
+
+/* Q4_K (FIVE 0) and Q5_K (FIVE 1): nsb super-blocks per column */
+INLINE void q45k_group(const int NR, const int FIVE, int64_t nsb, const uint8_t *wc, const qrows_t *a, int64_t r0,
+                       float *y, int64_t ys, const float *bias) {
+    const int64_t nb = nsb * (QK_K / QK);
+    const int BLK = FIVE ? Q5K_BLOCK : Q4K_BLOCK, SC = FIVE ? Q5K_SC : Q4K_SC;
+    const int8_t *xq = a->q + r0 * nb * QK;
+    const float *xd = a->d + r0 * nb, *xs = a->s + r0 * nb;
+#ifdef __AVX2__
+    __m256 acc[ROW_TILE];
+    for (int j = 0; j < NR; j++) acc[j] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0F), m63 = _mm256_set1_epi8(0x3F), m30 = _mm256_set1_epi8(0x30),
+                  bit4 = _mm256_set1_epi8(0x10);
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *w = wc + sb * BLK;
+        /* the 6-bit scales and mins of 8 columns x 8 sub-blocks: byte 8s + i */
+        __m256i A = _mm256_loadu_si256((const __m256i *)(w + SC)), B = _mm256_loadu_si256((const __m256i *)(w + SC + 32)),
+                C = _mm256_loadu_si256((const __m256i *)(w + SC + 64));
+        uint8_t sc[64] __attribute__((aligned(32))), mn[64] __attribute__((aligned(32)));
+        _mm256_store_si256((__m256i *)sc, _mm256_and_si256(A, m63));
+        _mm256_store_si256((__m256i *)(sc + 32), _mm256_or_si256(_mm256_and_si256(C, low),
+                                                                 _mm256_and_si256(_mm256_srli_epi16(A, 2), m30)));
+        _mm256_store_si256((__m256i *)mn, _mm256_and_si256(B, m63));
+        _mm256_store_si256((__m256i *)(mn + 32), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(C, 4), low),
+                                                                 _mm256_and_si256(_mm256_srli_epi16(B, 2), m30)));
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + SC + 96)));
+        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + SC + 112)));
+        for (int s = 0; s < QK_K / QK; s++) {
+            const uint8_t *c = w + 128 * s;
+            /* the next super-block, BLK / 8 bytes per sub-block */
+            for (int p = 0; p < BLK / 8; p += 64) _mm_prefetch((const char *)(w + BLK + BLK / 8 * s + p), _MM_HINT_T0);
+            const int64_t xb = sb * (QK_K / QK) + s;
+            __m256i isum[ROW_TILE];
+            for (int j = 0; j < NR; j++) isum[j] = _mm256_setzero_si256();
+#if !QMM_VNNI
+            __m256i i16[ROW_TILE];
+            for (int j = 0; j < NR; j++) i16[j] = _mm256_setzero_si256();
+#endif
+            __m256i H = FIVE ? _mm256_loadu_si256((const __m256i *)(w + Q5K_QH + 32 * s)) : _mm256_setzero_si256();
+            for (int t = 0; t < 4; t++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(c + 32 * t));
+                __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                if (FIVE) {
+                    lo = _mm256_or_si256(lo, _mm256_and_si256(shift16(H, 4 - 2 * t), bit4));
+                    hi = _mm256_or_si256(hi, _mm256_and_si256(shift16(H, 3 - 2 * t), bit4));
+                }
+                for (int j = 0; j < NR; j++) {
+                    const int8_t *x = xq + j * nb * QK + xb * QK + 8 * t;
+#if QMM_VNNI
+                    isum[j] = madd_u8s8(madd_u8s8(isum[j], lo, bcast4(x)), hi, bcast4(x + 4));
+#else
+                    i16[j] = _mm256_add_epi16(i16[j], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(x)),
+                                                                       _mm256_maddubs_epi16(hi, bcast4(x + 4))));
+                    if (!FIVE ? t == 3 : (t & 1)) { /* 5-bit codes: widen every 2 steps (8 x 31 x 127 < 2^15) */
+                        isum[j] = _mm256_add_epi32(isum[j], _mm256_madd_epi16(i16[j], _mm256_set1_epi16(1)));
+                        i16[j] = _mm256_setzero_si256();
+                    }
+#endif
+                }
+            }
+            const __m256 dsc = _mm256_mul_ps(d, u8x8_ps(sc + 8 * s)), dmn = _mm256_mul_ps(dmin, u8x8_ps(mn + 8 * s));
+            for (int j = 0; j < NR; j++) {
+                acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dsc, _mm256_broadcast_ss(xd + j * nb + xb)),
+                                         _mm256_cvtepi32_ps(isum[j]), acc[j]);
+                acc[j] = _mm256_fnmadd_ps(dmn, _mm256_broadcast_ss(xs + j * nb + xb), acc[j]);
+            }
+        }
+    }
+    __m256 bv = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+    for (int j = 0; j < NR; j++) _mm256_storeu_ps(y + (r0 + j) * ys, _mm256_add_ps(acc[j], bv));
+#else
+    for (int j = 0; j < NR; j++) {
+        float acc[8] = {0};
+        for (int64_t sb = 0; sb < nsb; sb++) {
+            const uint8_t *w = wc + sb * BLK;
+            for (int s = 0; s < QK_K / QK; s++) {
+                const int64_t xb = sb * (QK_K / QK) + s;
+                const int8_t *x = xq + j * nb * QK + xb * QK;
+                int32_t isum[8] = {0};
+                for (int t = 0; t < 4; t++)
+                    for (int i = 0; i < 8; i++)
+                        for (int e = 0; e < 4; e++) {
+                            int p = 32 * t + 4 * i + e;
+                            int cl = w[128 * s + p] & 15, ch = w[128 * s + p] >> 4;
+                            if (FIVE) {
+                                uint8_t hb = w[Q5K_QH + 32 * s + 4 * i + e];
+                                cl |= ((hb >> (2 * t)) & 1) << 4;
+                                ch |= ((hb >> (2 * t + 1)) & 1) << 4;
+                            }
+                            isum[i] += cl * x[8 * t + e] + ch * x[8 * t + 4 + e];
+                        }
+                for (int i = 0; i < 8; i++) {
+                    int sc, m;
+                    uint16_t hd, hm;
+                    k4_scale_min(w + SC, i, s, &sc, &m);
+                    memcpy(&hd, w + SC + 96 + 2 * i, 2);
+                    memcpy(&hm, w + SC + 112 + 2 * i, 2);
+                    acc[i] += half_to_float(hd) * (float)sc * xd[j * nb + xb] * (float)isum[i] -
+                              half_to_float(hm) * (float)m * xs[j * nb + xb];
+                }
+            }
+        }
+        for (int i = 0; i < 8; i++) y[(r0 + j) * ys + i] = acc[i] + (bias ? bias[i] : 0.0f);
+    }
+#endif
+}
+
+INLINE void q6k_group(const int NR, int64_t nsb, const uint8_t *wc, const qrows_t *a, int64_t r0, float *y, int64_t ys,
+                      const float *bias) {
+    const int64_t nb = nsb * (QK_K / QK);
+    const int8_t *xq = a->q + r0 * nb * QK;
+    const float *xd = a->d + r0 * nb;
+#ifdef __AVX2__
+    __m256 acc[ROW_TILE];
+    for (int j = 0; j < NR; j++) acc[j] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30), k32 = _mm256_set1_epi8(32);
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *w = wc + sb * Q6K_BLOCK;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + Q6K_D)));
+        for (int s = 0; s < QK_K / QK; s++) {
+            const uint8_t *c = w + 128 * s;
+            for (int p = 0; p < Q6K_BLOCK / 8; p += 64)
+                _mm_prefetch((const char *)(w + Q6K_BLOCK + Q6K_BLOCK / 8 * s + p), _MM_HINT_T0);
+            const int64_t xb = sb * (QK_K / QK) + s;
+            __m256i isum[ROW_TILE], part[ROW_TILE]; /* the block's scaled sum; a 16-value half's sum */
+            for (int j = 0; j < NR; j++) isum[j] = part[j] = _mm256_setzero_si256();
+            for (int t = 0; t < 4; t++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(c + 32 * t));
+                __m256i H = _mm256_loadu_si256((const __m256i *)(w + Q6K_QH + 64 * s + 32 * (t >> 1)));
+                const int u = 4 * (t & 1);
+                __m256i lo = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(shift16(H, 4 - u), m30));
+                __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+                                             _mm256_and_si256(shift16(H, 2 - u), m30));
+                lo = _mm256_sub_epi8(lo, k32); /* c - 32 in -32..31; |c - 32| as u8, its sign onto q */
+                hi = _mm256_sub_epi8(hi, k32);
+                __m256i alo = _mm256_sign_epi8(lo, lo), ahi = _mm256_sign_epi8(hi, hi);
+                for (int j = 0; j < NR; j++) {
+                    const int8_t *x = xq + j * nb * QK + xb * QK + 8 * t;
+                    __m256i xl = _mm256_sign_epi8(bcast4(x), lo), xh = _mm256_sign_epi8(bcast4(x + 4), hi);
+#if QMM_VNNI
+                    part[j] = madd_u8s8(madd_u8s8(part[j], alo, xl), ahi, xh);
+#else
+                    part[j] = _mm256_add_epi16(part[j], _mm256_add_epi16(_mm256_maddubs_epi16(alo, xl),
+                                                                         _mm256_maddubs_epi16(ahi, xh)));
+#endif
+                }
+                if (t & 1) { /* a 16-value half done: times its int8 scale, exact in int32 */
+                    __m256i sc = i8x8_epi32(w + Q6K_SC + 8 * (2 * s + (t >> 1)));
+#if QMM_VNNI
+                    for (int j = 0; j < NR; j++) isum[j] = _mm256_add_epi32(isum[j], _mm256_mullo_epi32(part[j], sc));
+#else
+                    sc = _mm256_blend_epi16(sc, _mm256_slli_epi32(sc, 16), 0xAA); /* sc in both int16 halves */
+                    for (int j = 0; j < NR; j++) isum[j] = _mm256_add_epi32(isum[j], _mm256_madd_epi16(part[j], sc));
+#endif
+                    for (int j = 0; j < NR; j++) part[j] = _mm256_setzero_si256();
+                }
+            }
+            for (int j = 0; j < NR; j++)
+                acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_broadcast_ss(xd + j * nb + xb)),
+                                         _mm256_cvtepi32_ps(isum[j]), acc[j]);
+        }
+    }
+    __m256 bv = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+    for (int j = 0; j < NR; j++) _mm256_storeu_ps(y + (r0 + j) * ys, _mm256_add_ps(acc[j], bv));
+#else
+    for (int j = 0; j < NR; j++) {
+        float acc[8] = {0};
+        for (int64_t sb = 0; sb < nsb; sb++) {
+            const uint8_t *w = wc + sb * Q6K_BLOCK;
+            for (int s = 0; s < QK_K / QK; s++) {
+                const int64_t xb = sb * (QK_K / QK) + s;
+                const int8_t *x = xq + j * nb * QK + xb * QK;
+                int32_t isum[8] = {0};
+                for (int t = 0; t < 4; t++) {
+                    int32_t part[8] = {0};
+                    for (int i = 0; i < 8; i++)
+                        for (int e = 0; e < 4; e++) {
+                            int p = 32 * t + 4 * i + e;
+                            uint8_t h = w[Q6K_QH + 64 * s + 32 * (t >> 1) + 4 * i + e] >> (4 * (t & 1));
+                            int cl = (w[128 * s + p] & 15) | ((h & 3) << 4), ch = (w[128 * s + p] >> 4) | (((h >> 2) & 3) << 4);
+                            part[i] += (cl - 32) * x[8 * t + e] + (ch - 32) * x[8 * t + 4 + e];
+                        }
+                    for (int i = 0; i < 8; i++) isum[i] += part[i] * (int8_t)w[Q6K_SC + 8 * (2 * s + (t >> 1)) + i];
+                }
+                for (int i = 0; i < 8; i++) {
+                    uint16_t hd;
+                    memcpy(&hd, w + Q6K_D + 2 * i, 2);
+                    acc[i] += half_to_float(hd) * xd[j * nb + xb] * (float)isum[i];
+                }
+            }
+        }
+        for (int i = 0; i < 8; i++) y[(r0 + j) * ys + i] = acc[i] + (bias ? bias[i] : 0.0f);
+    }
+#endif
+}
+
 /* calls F(NR, ...) with NR the constant min(nr, ROW_TILE) */
 #define BY_TILE(nr, F, ...) do { switch (nr) { \
     case 1: F(1, __VA_ARGS__); break; case 2: F(2, __VA_ARGS__); break; \
@@ -286,35 +605,117 @@ INLINE void q8_group(const int NR, int64_t nb, const int8_t *wc, const float *sc
 
 /* ---- entry points --------------------------------------------------------------------------- */
 
+#define FMT_CONCAT 1
+#define FMT_Q4 4
+#define FMT_Q8 8
+#define FMT_Q8_0 108 /* 100 + the GGML type id */
+#define FMT_Q4_K 112
+#define FMT_Q5_K 113
+#define FMT_Q6_K 114
+
 /* One layer's packed weights (built once by qmm.py): fmt 4 = int4 (n / 8 * k / 32 blocks of
  * Q4_BLOCK bytes, codes then fp16 d and m), fmt 8 = int8 (codes n * k bytes in the int8
- * layout, scale float32 [n]); bias float32 [n] or NULL. k a multiple of 32, n of 8. */
-typedef struct {
+ * layout, scale float32 [n]), fmt 108 / 112 / 113 / 114 = GGUF Q8_0 / Q4_K / Q5_K / Q6_K
+ * (n / 8 * k / 32 blocks of Q80_BLOCK, or n / 8 * k / 256 of Q4K_/Q5K_/Q6K_BLOCK bytes);
+ * fmt 1 = concat: nparts parts (each a qweights_t of another format, the same k, n the sum of
+ * theirs), part p writing its columns at its offset of y; bias float32 [n] or NULL (a concat's
+ * bias, when set, covers all its columns and the parts' own are not used). k a multiple of 32
+ * (256 for the K-quants), n of 8. The fields before parts are the original struct's. */
+typedef struct qweights {
     int64_t n, k;
     int32_t fmt;
     const void *codes;
     const float *scale, *bias;
+    const struct qweights *const *parts;
+    int64_t nparts;
 } qweights_t;
+
+static int simple_fmt(int32_t fmt) {
+    return fmt == FMT_Q4 || fmt == FMT_Q8 || fmt == FMT_Q8_0 || fmt == FMT_Q4_K || fmt == FMT_Q5_K || fmt == FMT_Q6_K;
+}
+
+/* bytes of one group of 8 columns (the cost a thread's share is measured in) */
+static int64_t group_bytes(const qweights_t *w) {
+    switch (w->fmt) {
+    case FMT_Q4: return w->k / QK * Q4_BLOCK;
+    case FMT_Q8: return w->k * 8;
+    case FMT_Q8_0: return w->k / QK * Q80_BLOCK;
+    case FMT_Q4_K: return w->k / QK_K * Q4K_BLOCK;
+    case FMT_Q5_K: return w->k / QK_K * Q5K_BLOCK;
+    default: return w->k / QK_K * Q6K_BLOCK;
+    }
+}
+
+/* columns 8g .. 8g + 7 of w for all rows: y, bias at w's column 0 (row stride ys) */
+static void run_group(const qweights_t *w, int64_t g, const qrows_t *a, int64_t rows, float *y, int64_t ys,
+                      const float *bias) {
+    const int64_t nb = w->k / QK, nsb = w->k / QK_K;
+    const uint8_t *wc = (const uint8_t *)w->codes + g * group_bytes(w);
+    const float *bg = bias ? bias + 8 * g : NULL;
+    float *yg = y + 8 * g;
+    for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
+        switch (w->fmt) {
+        case FMT_Q4: BY_TILE(rows - r0, q4_group, nb, wc, a, r0, yg, ys, bg); break;
+        case FMT_Q8: BY_TILE(rows - r0, q8_group, nb, (const int8_t *)wc, w->scale + 8 * g, a, r0, yg, ys, bg); break;
+        case FMT_Q8_0: BY_TILE(rows - r0, q80_group, nb, wc, a, r0, yg, ys, bg); break;
+        case FMT_Q4_K: BY_TILE(rows - r0, q45k_group, 0, nsb, wc, a, r0, yg, ys, bg); break;
+        case FMT_Q5_K: BY_TILE(rows - r0, q45k_group, 1, nsb, wc, a, r0, yg, ys, bg); break;
+        case FMT_Q6_K: BY_TILE(rows - r0, q6k_group, nsb, wc, a, r0, yg, ys, bg); break;
+        }
+    }
+}
 
 /* y [rows, n] (row stride n) = x [rows, k] (row stride xs, float32) times w, + bias, on
  * nthreads OpenMP threads (torch's count, passed in: a thread that never set it would get
- * OMP_NUM_THREADS or every core). Returns 0, -1 when out of memory, -2 for an unknown format. */
+ * OMP_NUM_THREADS or every core). Returns 0, -1 when out of memory, -2 for an unknown format
+ * (or a concat part that is not one of the others, or of another k). */
 int pagedkv_qmm(const qweights_t *w, int64_t rows, const float *x, int64_t xs, float *y, int nthreads) {
-    if (w->fmt != 4 && w->fmt != 8) return -2;
+    if (w->fmt == FMT_CONCAT) {
+        if (w->nparts < 1 || !w->parts) return -2;
+        int64_t cols = 0;
+        for (int64_t p = 0; p < w->nparts; p++) {
+            if (!simple_fmt(w->parts[p]->fmt) || w->parts[p]->k != w->k) return -2;
+            cols += w->parts[p]->n;
+        }
+        if (cols != w->n) return -2;
+    } else if (!simple_fmt(w->fmt)) {
+        return -2;
+    }
     const int nt = nthreads > 0 ? nthreads : 1;
     qrows_t a;
     if (quantize_rows(x, xs, rows, w->k, &a, nt)) return -1;
-    int64_t nb = w->k / QK, n = w->n;
-    #pragma omp parallel for if (rows * n * w->k >= PAR_MACS) num_threads(nt) schedule(static)
-    for (int64_t g = 0; g < n / 8; g++) {
-        const float *bias = w->bias ? w->bias + 8 * g : NULL;
-        for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
-            if (w->fmt == 4)
-                BY_TILE(rows - r0, q4_group, nb, (const uint8_t *)w->codes + g * nb * Q4_BLOCK, &a, r0, y + 8 * g,
-                        n, bias);
-            else
-                BY_TILE(rows - r0, q8_group, nb, (const int8_t *)w->codes + g * nb * 256, w->scale + 8 * g, &a, r0,
-                        y + 8 * g, n, bias);
+    const int64_t n = w->n;
+    if (w->fmt != FMT_CONCAT) {
+        #pragma omp parallel for if (rows * n * w->k >= PAR_MACS) num_threads(nt) schedule(static)
+        for (int64_t g = 0; g < n / 8; g++) run_group(w, g, &a, rows, y, n, w->bias);
+    } else {
+        /* the activations quantised once; the parts' groups as one sequence, cut into one
+         * contiguous range per thread of about equal weight bytes (parts of different formats
+         * cost different bytes per group) */
+        int64_t total = 0;
+        for (int64_t p = 0; p < w->nparts; p++) total += w->parts[p]->n / 8 * group_bytes(w->parts[p]);
+        const int use = rows * n * w->k >= PAR_MACS ? nt : 1;
+        #pragma omp parallel num_threads(use)
+        {
+            int64_t tid = 0, cnt = 1;
+#ifdef _OPENMP
+            tid = omp_get_thread_num();
+            cnt = omp_get_num_threads();
+#endif
+            const int64_t lo = total * tid / cnt, hi = total * (tid + 1) / cnt;
+            int64_t before = 0, col = 0; /* bytes and columns of the earlier parts */
+            for (int64_t p = 0; p < w->nparts; p++) {
+                const qweights_t *q = w->parts[p];
+                const int64_t gb = group_bytes(q), ng = q->n / 8;
+                /* this thread's groups of q: those whose first byte lies in [lo, hi) */
+                int64_t g0 = lo > before ? (lo - before + gb - 1) / gb : 0, g1 = hi > before ? (hi - before + gb - 1) / gb : 0;
+                g0 = g0 < ng ? g0 : ng;
+                g1 = g1 < ng ? g1 : ng;
+                const float *bias = w->bias ? w->bias + col : q->bias;
+                for (int64_t g = g0; g < g1; g++) run_group(q, g, &a, rows, y + col, n, bias);
+                before += ng * gb;
+                col += q->n;
+            }
         }
     }
     free(a.mem);
@@ -356,6 +757,234 @@ void pagedkv_q8_dequant(int64_t k, int64_t n, const int8_t *codes, const float *
                     for (int e = 0; e < 4; e++)
                         out[(8 * g + i) * k + b * QK + 4 * t + e] =
                             scale[8 * g + i] * (float)codes[(g * nb + b) * 256 + 32 * t + 4 * i + e];
+}
+
+/* ---- GGUF blocks -> the layouts above (at model load) ------------------------------------- */
+
+#define GGML_Q4_0 2
+#define GGML_Q4_1 3
+#define GGML_Q8_0 8
+#define GGML_Q4_K 12
+#define GGML_Q5_K 13
+#define GGML_Q6_K 14
+
+/* float -> IEEE half, round to nearest even (exact for the values the packer makes) */
+static uint16_t float_to_half(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000, ax = x & 0x7fffffff;
+    if (ax >= 0x7f800000) return (uint16_t)(sign | 0x7c00 | (ax > 0x7f800000 ? 0x200 : 0)); /* inf, NaN */
+    if (ax >= 0x477ff000) return (uint16_t)(sign | 0x7c00);                                   /* rounds past 65504 */
+    if (ax < 0x38800000) { /* a half subnormal (or zero): units of 2^-24 */
+        if (ax < 0x33000000) return (uint16_t)sign;
+        uint32_t man = (ax & 0x7fffff) | 0x800000, e = ax >> 23; /* value = man 2^(e - 150) */
+        uint32_t shift = 126 - e, r = man >> shift, rem = man & ((1u << shift) - 1), half = 1u << (shift - 1);
+        if (rem > half || (rem == half && (r & 1))) r++;
+        return (uint16_t)(sign | r);
+    }
+    uint32_t r = ((ax - 0x38000000) >> 13), rem = ax & 0x1fff;
+    if (rem > 0x1000 || (rem == 0x1000 && (r & 1))) r++;
+    return (uint16_t)(sign | r);
+}
+
+/* the 4-bit code of element e (0..31) of a Q4_0 / Q4_1 block's 16 code bytes */
+static inline int q4_0_code(const uint8_t *qs, int e) { return e < 16 ? qs[e] & 15 : qs[e - 16] >> 4; }
+
+/* Q4_0 / Q4_1 (bytes per block bs, codes at qoff) -> the int4 group-block at out */
+static int pack_q4_block(const uint8_t *const *rows, int64_t b, int bs, int is_q41, uint8_t *out) {
+    int bad = 0;
+    for (int i = 0; i < 8; i++) {
+        const uint8_t *blk = rows[i] + b * bs, *qs = blk + (is_q41 ? 4 : 2);
+        for (int t = 0; t < 4; t++)
+            for (int e = 0; e < 4; e++)
+                out[32 * t + 4 * i + e] = (uint8_t)(q4_0_code(qs, 8 * t + e) | (q4_0_code(qs, 8 * t + 4 + e) << 4));
+        memcpy(out + 128 + 2 * i, blk, 2);
+        if (is_q41) {
+            memcpy(out + 144 + 2 * i, blk + 2, 2);
+        } else { /* w = d (c - 8) = d c + m, m = -8 d: exact in fp16 unless it overflows */
+            uint16_t h;
+            memcpy(&h, blk, 2);
+            float d = half_to_float(h), m = -8.0f * d;
+            uint16_t hm = float_to_half(m);
+            if (isfinite(d) && !isfinite(half_to_float(hm))) bad = 1;
+            memcpy(out + 144 + 2 * i, &hm, 2);
+        }
+    }
+    return bad;
+}
+
+static void pack_q8_0_block(const uint8_t *const *rows, int64_t b, uint8_t *out) {
+    for (int i = 0; i < 8; i++) {
+        const uint8_t *blk = rows[i] + b * 34;
+        for (int t = 0; t < 8; t++) memcpy(out + 32 * t + 4 * i, blk + 2 + 4 * t, 4);
+        memcpy(out + 256 + 2 * i, blk, 2);
+    }
+}
+
+/* the 4-bit codes of one column's 8 sub-blocks of 32 (code of sub-block s, element e at
+ * c[32 s + e]) into the int4-layout code bytes (128 per sub-block) of column i */
+static void put_nibbles(const uint8_t *c, int i, uint8_t *out) {
+    for (int s = 0; s < 8; s++)
+        for (int t = 0; t < 4; t++)
+            for (int e = 0; e < 4; e++)
+                out[128 * s + 32 * t + 4 * i + e] = (uint8_t)((c[32 * s + 8 * t + e] & 15) | (c[32 * s + 8 * t + 4 + e] << 4));
+}
+
+/* Q4_K (176 = 0) / Q5_K super-block b of the 8 rows -> one group-block */
+static void pack_q45k_block(const uint8_t *const *rows, int64_t b, int five, uint8_t *out) {
+    const int bs = five ? 176 : 144, SC = five ? Q5K_SC : Q4K_SC;
+    uint8_t c[256];
+    for (int i = 0; i < 8; i++) {
+        const uint8_t *blk = rows[i] + b * bs, *qs = blk + (five ? 48 : 16);
+        for (int p = 0; p < 4; p++) /* sub-blocks 2p (low nibbles) and 2p + 1 (high) share 32 bytes */
+            for (int e = 0; e < 32; e++) {
+                c[64 * p + e] = qs[32 * p + e] & 15;
+                c[64 * p + 32 + e] = qs[32 * p + e] >> 4;
+            }
+        put_nibbles(c, i, out);
+        if (five) { /* high bit of sub-block s, element e: bit s of qh[e] */
+            const uint8_t *qh = blk + 16;
+            for (int s = 0; s < 8; s++)
+                for (int e = 0; e < 4; e++) {
+                    uint8_t v = 0;
+                    for (int t = 0; t < 4; t++)
+                        v |= (uint8_t)((((qh[8 * t + e] >> s) & 1) << (2 * t)) | (((qh[8 * t + 4 + e] >> s) & 1) << (2 * t + 1)));
+                    out[Q5K_QH + 32 * s + 4 * i + e] = v;
+                }
+        }
+        for (int q = 0; q < 12; q++) out[SC + 8 * q + i] = blk[4 + q];
+        memcpy(out + SC + 96 + 2 * i, blk, 2);
+        memcpy(out + SC + 112 + 2 * i, blk + 2, 2);
+    }
+}
+
+static void pack_q6k_block(const uint8_t *const *rows, int64_t b, uint8_t *out) {
+    uint8_t lo[256], hb[256];
+    for (int i = 0; i < 8; i++) {
+        const uint8_t *blk = rows[i] + b * 210, *ql = blk, *qh = blk + 128;
+        /* element 128h + 32c + e: low nibble of ql[64h + 32(c & 1) + e] (c < 2) or its high
+         * nibble (c >= 2); upper bits (qh[32h + e] >> 2c) & 3 */
+        for (int h = 0; h < 2; h++)
+            for (int cc = 0; cc < 4; cc++)
+                for (int e = 0; e < 32; e++) {
+                    int n = 128 * h + 32 * cc + e;
+                    uint8_t l = ql[64 * h + 32 * (cc & 1) + e];
+                    lo[n] = cc < 2 ? l & 15 : l >> 4;
+                    hb[n] = (qh[32 * h + e] >> (2 * cc)) & 3;
+                }
+        put_nibbles(lo, i, out);
+        for (int s = 0; s < 8; s++)
+            for (int half = 0; half < 2; half++)
+                for (int e = 0; e < 4; e++) {
+                    uint8_t v = 0;
+                    for (int u = 0; u < 2; u++) {
+                        int t = 2 * half + u;
+                        v |= (uint8_t)((hb[32 * s + 8 * t + e] << (4 * u)) | (hb[32 * s + 8 * t + 4 + e] << (4 * u + 2)));
+                    }
+                    out[Q6K_QH + 64 * s + 32 * half + 4 * i + e] = v;
+                }
+        for (int q = 0; q < 16; q++) out[Q6K_SC + 8 * q + i] = blk[192 + q];
+        memcpy(out + Q6K_D + 2 * i, blk + 208, 2);
+    }
+}
+
+/* n rows (n a multiple of 8) of k values in GGML type ggml_type as stored (row r's blocks at
+ * raw + r * raw_row_stride) -> out in the layout of its format: Q4_0 / Q4_1 -> fmt 4 (20 bytes
+ * per 32 values), Q8_0 / Q4_K / Q5_K / Q6_K -> fmt 100 + type (the file's bytes, moved).
+ * OpenMP over groups of 8 rows. Returns 0; -1 when a Q4_0 scale's m = -8 d overflows fp16
+ * (|d| >= 8192); -2 for another type or a k that is not a whole number of its blocks. */
+int pagedkv_pack_gguf(int ggml_type, int64_t n, int64_t k, const uint8_t *raw, int64_t raw_row_stride, uint8_t *out) {
+    int64_t per, out_bytes, bs;
+    switch (ggml_type) {
+    case GGML_Q4_0: per = QK; bs = 18; out_bytes = Q4_BLOCK; break;
+    case GGML_Q4_1: per = QK; bs = 20; out_bytes = Q4_BLOCK; break;
+    case GGML_Q8_0: per = QK; bs = 34; out_bytes = Q80_BLOCK; break;
+    case GGML_Q4_K: per = QK_K; bs = 144; out_bytes = Q4K_BLOCK; break;
+    case GGML_Q5_K: per = QK_K; bs = 176; out_bytes = Q5K_BLOCK; break;
+    case GGML_Q6_K: per = QK_K; bs = 210; out_bytes = Q6K_BLOCK; break;
+    default: return -2;
+    }
+    (void)bs;
+    if (k % per || k <= 0 || n % 8) return -2;
+    const int64_t nb = k / per;
+    int bad = 0;
+    #pragma omp parallel for schedule(static) reduction(| : bad)
+    for (int64_t g = 0; g < n / 8; g++) {
+        const uint8_t *rows[8];
+        for (int i = 0; i < 8; i++) rows[i] = raw + (8 * g + i) * raw_row_stride;
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *o = out + (g * nb + b) * out_bytes;
+            switch (ggml_type) {
+            case GGML_Q4_0: bad |= pack_q4_block(rows, b, 18, 0, o); break;
+            case GGML_Q4_1: pack_q4_block(rows, b, 20, 1, o); break;
+            case GGML_Q8_0: pack_q8_0_block(rows, b, o); break;
+            case GGML_Q4_K: pack_q45k_block(rows, b, 0, o); break;
+            case GGML_Q5_K: pack_q45k_block(rows, b, 1, o); break;
+            default: pack_q6k_block(rows, b, o); break;
+            }
+        }
+    }
+    return bad ? -1 : 0;
+}
+
+/* Packed GGUF weights (fmt 108, 112, 113, 114; 4 as pagedkv_q4_dequant) as float32 out [n, k],
+ * with GGUF's own float formulas (gguf-py's dequantize: (d sc) c - (dmin m), (d sc) (c - 32),
+ * d c), so equal to it: what tests compare the packing with. Returns 0, -2 for another fmt. */
+int pagedkv_gguf_dequant(int fmt, int64_t n, int64_t k, const uint8_t *codes, float *out) {
+    if (fmt == FMT_Q4) {
+        pagedkv_q4_dequant(k, n, codes, out);
+        return 0;
+    }
+    if (fmt != FMT_Q8_0 && fmt != FMT_Q4_K && fmt != FMT_Q5_K && fmt != FMT_Q6_K) return -2;
+    const int64_t per = fmt == FMT_Q8_0 ? QK : QK_K, nb = k / per;
+    const int64_t bytes = fmt == FMT_Q8_0 ? Q80_BLOCK : fmt == FMT_Q4_K ? Q4K_BLOCK : fmt == FMT_Q5_K ? Q5K_BLOCK : Q6K_BLOCK;
+    #pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < n / 8; g++)
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *w = codes + (g * nb + b) * bytes;
+            for (int i = 0; i < 8; i++) {
+                float *o = out + (8 * g + i) * k + b * per;
+                uint16_t h;
+                if (fmt == FMT_Q8_0) {
+                    memcpy(&h, w + 256 + 2 * i, 2);
+                    float d = half_to_float(h);
+                    for (int t = 0; t < 8; t++)
+                        for (int e = 0; e < 4; e++) o[4 * t + e] = d * (float)(int8_t)w[32 * t + 4 * i + e];
+                } else if (fmt == FMT_Q6_K) {
+                    memcpy(&h, w + Q6K_D + 2 * i, 2);
+                    float d = half_to_float(h);
+                    for (int s = 0; s < 8; s++)
+                        for (int t = 0; t < 4; t++)
+                            for (int e = 0; e < 8; e++) {
+                                int hi = e >= 4, ee = e & 3;
+                                uint8_t nib = w[128 * s + 32 * t + 4 * i + ee] >> (4 * hi);
+                                uint8_t up = w[Q6K_QH + 64 * s + 32 * (t >> 1) + 4 * i + ee] >> (4 * (t & 1) + 2 * hi);
+                                int c = ((nib & 15) | ((up & 3) << 4)) - 32;
+                                float dsc = d * (float)(int8_t)w[Q6K_SC + 8 * (2 * s + (t >> 1)) + i];
+                                o[32 * s + 8 * t + e] = dsc * (float)c;
+                            }
+                } else {
+                    const int five = fmt == FMT_Q5_K, SC = five ? Q5K_SC : Q4K_SC;
+                    uint16_t hm;
+                    memcpy(&h, w + SC + 96 + 2 * i, 2);
+                    memcpy(&hm, w + SC + 112 + 2 * i, 2);
+                    float d = half_to_float(h), dmin = half_to_float(hm);
+                    for (int s = 0; s < 8; s++) {
+                        int sc, m;
+                        k4_scale_min(w + SC, i, s, &sc, &m);
+                        float dsc = d * (float)sc, dm = dmin * (float)m;
+                        for (int t = 0; t < 4; t++)
+                            for (int e = 0; e < 8; e++) {
+                                int hi = e >= 4, ee = e & 3;
+                                int c = (w[128 * s + 32 * t + 4 * i + ee] >> (4 * hi)) & 15;
+                                if (five) c |= ((w[Q5K_QH + 32 * s + 4 * i + ee] >> (2 * t + hi)) & 1) << 4;
+                                o[32 * s + 8 * t + e] = dsc * (float)c - dm;
+                            }
+                    }
+                }
+            }
+        }
+    return 0;
 }
 
 /* Which integer dot product this build uses (for logs and benchmark records). */

@@ -1,6 +1,7 @@
 """Quantised matmuls with integer dot products (``pagedkv/csrc/qmm.c`` through ctypes): int4 (Q4_1
-blocks) or per-channel int8 weights times activations quantised on the fly to 8-bit blocks
-of 32 (the way llama.cpp multiplies its Q4/Q8 weights).
+blocks) or per-channel int8 weights, or GGUF's Q8_0 / Q4_K / Q5_K / Q6_K blocks as stored
+(:func:`pack_gguf`), times activations quantised on the fly to 8-bit blocks of 32 (the way
+llama.cpp multiplies its Q4/Q8 weights).
 
 On a CPU without VNNI or AMX, oneDNN's and ATen's int8 kernels either emulate bf16 (the
 weight-only int4/int8 kernels take bf16 activations) or add u8 x s8 products in saturating
@@ -19,7 +20,9 @@ why. Measured in docs/performance.md ("Integer matmuls").
 from __future__ import annotations
 
 import ctypes
+from typing import Sequence
 
+import numpy as np
 import torch
 
 from pagedkv.csrc import BuiltOnce, compile_c, source
@@ -52,29 +55,56 @@ class QWeights(ctypes.Structure):
     pointer (built once per layer: a call converts only the activation arguments)."""
 
     _fields_ = [("n", ctypes.c_int64), ("k", ctypes.c_int64), ("fmt", ctypes.c_int32), ("codes", ctypes.c_void_p),
-                ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+                ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("parts", ctypes.c_void_p),
+                ("nparts", ctypes.c_int64)]
+
+
+#: ``Packed.fmt`` of a concatenation of other packed weights (:func:`concat_packed`)
+FMT_CONCAT = 1
+#: the GGML types :func:`pack_gguf` takes: name -> (GGML type id, values per block, bytes per block)
+GGUF_BLOCKS: dict[str, tuple[int, int, int]] = {
+    "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34),
+    "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210),
+}
+#: the GGML type names :func:`pack_gguf` takes
+GGUF_TYPES: tuple[str, ...] = tuple(GGUF_BLOCKS)
 
 
 class Packed:
     """A layer's weights in the kernels' layout (8 output columns interleaved; ``qmm.c``
     describes it): ``fmt`` 4 (int4: ``codes`` uint8 ``[N / 8 * K / 32 * 160]``: per 8 columns x
     32 inputs their 4-bit codes, then their float16 ``d`` and ``m``, ``w = d c + m``) or 8 (int8: ``codes`` int8 ``[N * K]``, ``scale``
-    float32 ``[N]``, ``w = scale[o] c``); ``bias`` float32 ``[N]`` or ``None``. Holds the
-    tensors its ``QWeights`` points into. Build with :func:`pack_int4` / :func:`pack_int8`."""
+    float32 ``[N]``, ``w = scale[o] c``); 108 / 112 / 113 / 114 (GGUF Q8_0 / Q4_K / Q5_K / Q6_K
+    blocks as stored, their bytes reordered per 8 columns: ``codes`` uint8 of the file's size
+    for the tensor, ``N / 8 * K / 32 * 272`` or ``N / 8 * K / 256 * 1152 / 1408 / 1680``); or
+    ``FMT_CONCAT`` (1: ``parts``, other :class:`Packed` of the same ``K`` side by side, ``N``
+    their sum; ``codes`` ``None``). ``bias`` float32 ``[N]`` or ``None``. Holds the tensors
+    (and parts) its ``QWeights`` points into. Build with :func:`pack_int4` / :func:`pack_int8`
+    / :func:`pack_gguf` / :func:`concat_packed`."""
 
-    def __init__(self, fmt: int, n: int, k: int, codes: torch.Tensor, scale: torch.Tensor | None = None,
-                 bias: torch.Tensor | None = None) -> None:
+    def __init__(self, fmt: int, n: int, k: int, codes: torch.Tensor | None, scale: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None, parts: Sequence["Packed"] = ()) -> None:
         if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (n,)):
             raise ValueError(f"bias: need float32 [{n}], got {bias.dtype} {tuple(bias.shape)}")
         self.fmt, self.n, self.k = fmt, n, k
         self.codes, self.scale = codes, scale
         self.bias = None if bias is None else bias.contiguous()
+        self.parts = tuple(parts)
 
         def ptr(t: torch.Tensor | None) -> int | None:
             return None if t is None else t.data_ptr()
 
-        self.struct = QWeights(n, k, fmt, codes.data_ptr(), ptr(scale), ptr(self.bias))
+        # a concat's C array of its parts' struct pointers, kept alive with it
+        self._part_ptrs = (ctypes.c_void_p * len(self.parts))(*(ctypes.addressof(p.struct) for p in self.parts))
+        self.struct = QWeights(n, k, fmt, ptr(codes), ptr(scale), ptr(self.bias),
+                               ctypes.addressof(self._part_ptrs) if self.parts else None, len(self.parts))
         self.ref = ctypes.byref(self.struct)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this holds: its codes, scales and bias, and its parts' (a concat's)."""
+        own = sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.bias) if t is not None)
+        return own + sum(p.nbytes for p in self.parts)
 
 
 def _check_nk(n: int, k: int) -> None:
@@ -110,6 +140,83 @@ def pack_int8(codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | Non
     return Packed(8, n, k, c.contiguous().reshape(-1), scale=scale.float().contiguous(), bias=bias)
 
 
+def _gguf_block(qtype: str) -> tuple[int, int, int]:
+    try:
+        return GGUF_BLOCKS[qtype]
+    except KeyError:
+        raise ValueError(f"GGML type {qtype!r}: the kernels take {', '.join(GGUF_TYPES)}") from None
+
+
+def _raw_args(qtype: str, raw: np.ndarray | torch.Tensor, k: int) -> tuple[int, int, int]:
+    """:func:`pack_gguf`'s checks: ``(N, address of raw, bytes between rows)``, or ``ValueError``."""
+    ggml_id, per, bs = _gguf_block(qtype)
+    if isinstance(raw, torch.Tensor):
+        if raw.dtype != torch.uint8 or raw.device.type != "cpu":
+            raise ValueError(f"raw: need a CPU uint8 tensor, got {raw.dtype} on {raw.device}")
+        shape, strides, addr = tuple(raw.shape), tuple(raw.stride()), raw.data_ptr()
+    elif isinstance(raw, np.ndarray):
+        if raw.dtype != np.uint8:
+            raise ValueError(f"raw: need a uint8 array, got {raw.dtype}")
+        shape, strides, addr = raw.shape, raw.strides, raw.__array_interface__["data"][0]
+    else:
+        raise ValueError(f"raw: need a uint8 numpy array or torch tensor, got {type(raw).__name__}")
+    if k <= 0 or k % per:
+        raise ValueError(f"{qtype} weights: need in features (k = {k}) a positive multiple of {per}")
+    if len(shape) != 2 or shape[1] != k // per * bs:
+        raise ValueError(f"raw: need [N, {k // per * bs}] ({k // per} {qtype} blocks of {bs} bytes per row), "
+                         f"got {tuple(shape)}")
+    n = shape[0]
+    if n < 8 or n % 8:
+        raise ValueError(f"{qtype} weights [{n}, {k}]: need out features a multiple of 8")
+    if strides[1] != 1:
+        raise ValueError("raw: need each row's bytes contiguous (unit column stride)")
+    return n, addr, strides[0]
+
+
+def pack_gguf(qtype: str, raw: np.ndarray | torch.Tensor, k: int, bias: torch.Tensor | None = None) -> Packed:
+    """One GGUF tensor's stored blocks -> :class:`Packed`, without dequantising: ``qtype`` a
+    name of ``GGUF_TYPES``; ``raw`` uint8 ``[N, K / block * block_bytes]`` (a numpy array, e.g.
+    the reader's memory map, or a CPU tensor; each row's bytes contiguous, rows at any stride),
+    row ``o`` the blocks of output feature ``o`` as in the file; ``k`` the values per row (K);
+    ``bias`` float32 ``[N]`` or ``None``. Q8_0 / Q4_K / Q5_K / Q6_K keep their bytes (``fmt``
+    100 + the GGML type id; ``codes`` uint8 of exactly ``raw``'s size); Q4_0 / Q4_1 become the
+    int4 layout (``fmt`` 4, 20 bytes per 32 values; Q4_0's ``m = -8 d``, exact in fp16). One
+    pass in C (OpenMP over groups of 8 rows: the calling thread's OpenMP count, torch's in the
+    thread that set it) into one new uint8
+    tensor; no float copy of the weights. Raises ``ValueError`` for another type, ``N`` not a
+    positive multiple of 8, ``K`` not a positive multiple of the type's block (32; 256 for the
+    K-quants), a ``raw`` of another dtype, shape or layout, a ``bias`` of another dtype or shape,
+    or a Q4_0 scale with ``|d| >= 8192`` (``m`` would overflow fp16); ``RuntimeError`` when the
+    kernels cannot be built (:func:`build_error` says why)."""
+    ops = get()
+    if ops is None:
+        _raw_args(qtype, raw, k)  # bad arguments are still ValueErrors
+        raise RuntimeError(f"qmm kernels unavailable: {build_error()}")
+    return ops.pack_gguf(qtype, raw, k, bias)
+
+
+def concat_packed(parts: Sequence[Packed]) -> Packed:
+    """Packed weights side by side: ``y[:, off_i : off_i + N_i]`` = part ``i``'s output, one
+    call quantising the activations once (e.g. a fused q/k/v whose parts a GGUF stores in
+    different types). ``parts``: :class:`Packed` of any format but concat, all with the same
+    ``K``. The result's ``N`` is the sum; its bias the parts' biases concatenated (zeros for
+    a part without one), ``None`` when none has one. Keeps the parts alive (``.parts``).
+    Raises ``ValueError`` for no parts, a concat part or different ``K``."""
+    parts = list(parts)
+    if not parts:
+        raise ValueError("concat_packed: need at least one part")
+    k = parts[0].k
+    for p in parts:
+        if p.fmt == FMT_CONCAT:
+            raise ValueError("concat_packed: a part is itself a concatenation (pass its parts)")
+        if p.k != k:
+            raise ValueError(f"concat_packed: parts of in features {k} and {p.k}")
+    bias = None
+    if any(p.bias is not None for p in parts):
+        bias = torch.cat([p.bias if p.bias is not None else torch.zeros(p.n) for p in parts])
+    return Packed(FMT_CONCAT, sum(p.n for p in parts), k, None, bias=bias, parts=parts)
+
+
 class QmmOps:
     """Callable wrappers of the compiled kernels on :class:`Packed` weights."""
 
@@ -124,6 +231,12 @@ class QmmOps:
         self._q8_deq = lib.pagedkv_q8_dequant
         self._q8_deq.argtypes = [i64, i64, ptr, ptr, ptr]
         self._q8_deq.restype = None
+        self._pack = lib.pagedkv_pack_gguf
+        self._pack.argtypes = [ctypes.c_int, i64, i64, ptr, i64, ptr]
+        self._pack.restype = ctypes.c_int
+        self._gguf_deq = lib.pagedkv_gguf_dequant
+        self._gguf_deq.argtypes = [ctypes.c_int, i64, i64, ptr, ptr]
+        self._gguf_deq.restype = ctypes.c_int
         isa = lib.pagedkv_qmm_isa
         isa.restype = ctypes.c_char_p
         #: the integer dot product of this build: ``avx512-vnni``, ``avx-vnni``, ``avx2`` or ``scalar``
@@ -132,24 +245,49 @@ class QmmOps:
     def linear(self, x: torch.Tensor, w: Packed) -> torch.Tensor:
         """``x`` float32 ``[R, K]`` (CPU, unit column stride) times the packed weights, plus
         their bias -> float32 ``[R, N]``: ``x``'s rows quantised to int8 blocks of 32, exact
-        integer block sums. Raises ``ValueError`` for another ``x``, ``MemoryError`` when the
-        quantised activations cannot be allocated."""
+        integer block sums. Raises ``ValueError`` for another ``x`` (or weights of an unknown
+        format), ``MemoryError`` when the quantised activations cannot be allocated."""
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != w.k or x.stride(1) != 1 or x.is_cuda:
             raise ValueError(f"x: need a CPU float32 [rows, {w.k}] tensor with unit column stride, got {x.dtype} "
                              f"{tuple(x.shape)} strides {x.stride()} on {x.device}")
         y = torch.empty(x.shape[0], w.n)
-        if self._qmm(w.ref, x.shape[0], x.data_ptr(), x.stride(0), y.data_ptr(), torch.get_num_threads()):
+        rc = self._qmm(w.ref, x.shape[0], x.data_ptr(), x.stride(0), y.data_ptr(), torch.get_num_threads())
+        if rc == -2:
+            raise ValueError(f"qmm: weights of format {w.fmt} this build does not take")
+        if rc:
             raise MemoryError("qmm: no memory for the quantised activations")
         return y
 
     def dequantize(self, w: Packed) -> torch.Tensor:
-        """The packed weights as float32 ``[N, K]`` (one pass, OpenMP)."""
+        """The packed weights as float32 ``[N, K]`` (one pass, OpenMP; a concat's parts stacked
+        by rows): for the GGUF formats GGUF's own float formulas, equal to gguf-py's
+        ``dequantize`` of the stored blocks."""
+        if w.fmt == FMT_CONCAT:
+            return torch.cat([self.dequantize(p) for p in w.parts])
         out = torch.empty(w.n, w.k)
         if w.fmt == 4:
             self._q4_deq(w.k, w.n, w.codes.data_ptr(), out.data_ptr())
-        else:
+        elif w.fmt == 8:
             self._q8_deq(w.k, w.n, w.codes.data_ptr(), w.scale.data_ptr(), out.data_ptr())
+        elif self._gguf_deq(w.fmt, w.n, w.k, w.codes.data_ptr(), out.data_ptr()):
+            raise ValueError(f"dequantize: unknown format {w.fmt}")
         return out
+
+    def pack_gguf(self, qtype: str, raw: np.ndarray | torch.Tensor, k: int,
+                  bias: torch.Tensor | None = None) -> Packed:
+        """:func:`pack_gguf` with this build's packer (the layouts do not depend on the build)."""
+        n, addr, row_stride = _raw_args(qtype, raw, k)
+        ggml_id, per, bs = _gguf_block(qtype)
+        q4 = qtype in ("Q4_0", "Q4_1")
+        if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (n,)):
+            raise ValueError(f"bias: need float32 [{n}], got {bias.dtype} {tuple(bias.shape)}")
+        out = torch.empty(n * (k // QK * 20 if q4 else k // per * bs), dtype=torch.uint8)
+        rc = self._pack(ggml_id, n, k, addr, row_stride, out.data_ptr())
+        if rc == -1:
+            raise ValueError(f"{qtype}: a block scale d with |d| >= 8192 (its m = -8 d overflows float16)")
+        if rc:
+            raise ValueError(f"{qtype} [{n}, {k}]: the packer refused it (code {rc})")
+        return Packed(4 if q4 else 100 + ggml_id, n, k, out, bias=bias)
 
 
 def build(march: str | None = None) -> QmmOps:
