@@ -44,8 +44,8 @@ from pagedkv.gguf_header import GGUFHeader, GGUFTensorInfo
 from pagedkv.model import qmm
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.families import GGUF_CONVENTIONS
+from pagedkv.model.weights import _gguf_layer_name
 from pagedkv.model.quant import QuantLinear
-from pagedkv.model.quantize import linear_prefixes
 
 log = logging.getLogger(__name__)
 
@@ -116,26 +116,26 @@ class GGUFLinear(QuantLinear):
     interleaved layout of ``qmm.pack_gguf`` or a ``qmm.concat_packed`` of several) with its
     bias. ``forward(x [T, in]) -> [T, out]`` in ``x``'s dtype through ``qmm`` at every ``T``
     (route ``fast``); route ``fallback`` dequantises the blocks and calls ``F.linear``.
-    ``types``: the GGML type names of its parts (for logs). Holds no portable state dict: a
-    deep copy shares the (read-only) packed weights."""
+    ``types``: the GGML type names of its parts (for logs). ``out_features``: the real output
+    size when the packed rows were padded with zero rows to a multiple of 8 (the kernels' column
+    group; an odd vocabulary), whose extra columns ``forward`` drops. Holds no portable state
+    dict: a deep copy shares the (read-only) packed weights."""
 
     fmt = "gguf"
 
-    def __init__(self, packed: qmm.Packed, types: tuple[str, ...]) -> None:
-        super().__init__(packed.k, packed.n)
+    def __init__(self, packed: qmm.Packed, types: tuple[str, ...], out_features: int | None = None) -> None:
+        super().__init__(packed.k, packed.n if out_features is None else out_features)
         self.packed, self.types = packed, types
+        self.padded = self.out_features != packed.n
         if packed.bias is not None:
-            self.bias = packed.bias
+            self.bias = packed.bias[: self.out_features]
 
     def dequantize(self) -> torch.Tensor:
         ops = qmm.get()
         if ops is None:
             raise RuntimeError("GGUFLinear: the integer kernels are not built")
-        return ops.dequantize(self.packed)
-
-    def prepare(self, route: str | None = None) -> "GGUFLinear":
-        super().prepare(route)
-        return self
+        w = ops.dequantize(self.packed)
+        return w[: self.out_features] if self.padded else w
 
     def _prepare_qmm(self) -> None:
         """Every row count runs the integer kernels on the fast route (there is no other
@@ -153,14 +153,19 @@ class GGUFLinear(QuantLinear):
     def _has_bf16_kernel(self) -> bool:
         return False
 
+    def qmm_forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().qmm_forward(x)
+        return y[:, : self.out_features].contiguous() if self.padded else y
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qmm_rows:  # the bias is in the packed weights
-            return super().forward(x)
+            y = super().forward(x)
+            return y[:, : self.out_features].contiguous() if self.padded else y
         y = torch.nn.functional.linear(x.float(), self.dequantize())
         return (y if self.bias is None else y + self.bias).to(x.dtype)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "GGUFLinear":
-        return GGUFLinear(self.packed, self.types).prepare(self.route)
+        return GGUFLinear(self.packed, self.types, self.out_features).prepare(self.route)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, types={'+'.join(self.types)}, route={self.route}"
@@ -225,74 +230,116 @@ class LoadReport:
                 f"({rate:.2f} GB/s); weights in memory {self.weight_bytes / 1e9:.2f} GB ({kinds})")
 
 
-def _read(f: Any, info: GGUFTensorInfo) -> tuple[str, np.ndarray]:
-    """``(type name, uint8 [rows, row_bytes])`` of a 2-D (or 1-D: one row) tensor, read into a
-    buffer of its own. Raises ``ConfigError`` for a truncated file or a partial block."""
-    import gguf
+class _Reader:
+    """A GGUF file opened for positioned reads (``os.preadv``: no map, so the bytes read are
+    this process's memory only while a buffer holds them); ``take`` counts the bytes read and
+    moves the progress bar."""
 
-    name = _qtype(info)
-    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(info.ggml_type)]
-    *outer, inner = info.shape
-    if inner % block:
-        raise ConfigError(f"weights: {info.name} row length {inner} is not whole {name} blocks")
-    rows = int(np.prod(outer, dtype=np.int64)) if outer else 1
-    buf = np.empty((rows, inner // block * size), dtype=np.uint8)
-    if f.readinto_at(buf, info.offset) != buf.nbytes:
-        raise ConfigError(f"weights: {info.name} extends past the end of the GGUF file (truncated?)")
-    return name, buf
+    def __init__(self, path: Path, bar: Any) -> None:
+        self.fd, self.bar, self.read = os.open(path, os.O_RDONLY), bar, 0
 
-
-class _File:
-    """A GGUF file opened for positioned reads."""
-
-    def __init__(self, path: Path) -> None:
-        self.fd = os.open(path, os.O_RDONLY)
-
-    def readinto_at(self, buf: np.ndarray, offset: int) -> int:
-        view, done = memoryview(buf).cast("B"), 0
+    def into(self, info: GGUFTensorInfo, out: np.ndarray) -> None:
+        """Read ``info``'s stored bytes into ``out`` (uint8, C-contiguous, exactly their size).
+        Raises ``ConfigError`` for a truncated file."""
+        view, done = memoryview(out).cast("B"), 0
         while done < len(view):
-            n = os.preadv(self.fd, [view[done:]], offset + done)
+            n = os.preadv(self.fd, [view[done:]], info.offset + done)
             if n <= 0:
-                break
+                raise ConfigError(f"weights: {info.name} extends past the end of the GGUF file (truncated?)")
             done += n
-        return done
+        self.read += done
+        self.bar.update(done)
+
+    def take(self, info: GGUFTensorInfo) -> np.ndarray:
+        """``info``'s stored bytes as a new uint8 ``[rows, row_bytes]`` (1-D: one row)."""
+        rows, rb = _rows(info)
+        out = np.empty((rows, rb), dtype=np.uint8)
+        self.into(info, out)
+        return out
+
+    def floats(self, info: GGUFTensorInfo) -> torch.Tensor:
+        """A small tensor (norm, bias) as float32 of its shape."""
+        import gguf
+
+        values = gguf.dequantize(self.take(info).reshape(-1), gguf.GGMLQuantizationType(info.ggml_type))
+        return torch.from_numpy(np.array(values, dtype=np.float32).reshape(info.shape))
 
     def close(self) -> None:
         os.close(self.fd)
 
 
-def _floats(name: str, raw: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+def _rows(info: GGUFTensorInfo) -> tuple[int, int]:
+    """``(rows, bytes per row)`` of a stored tensor; ``ConfigError`` for a partial block."""
     import gguf
 
-    values = gguf.dequantize(raw.reshape(-1), gguf.GGMLQuantizationType[name])
-    return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(info.ggml_type)]
+    *outer, inner = info.shape
+    if inner % block:
+        raise ConfigError(f"weights: {info.name} row length {inner} is not whole {_qtype(info)} blocks")
+    return (int(np.prod(outer, dtype=np.int64)) if outer else 1), inner // block * size
 
 
-def _unpermute_rows(raw: np.ndarray, n_heads: int) -> np.ndarray:
+def _unpermute_into(raw: np.ndarray, n_heads: int, out: np.ndarray) -> None:
     """Invert llama.cpp's Q/K row permutation on stored rows (``weights._unpermute_rope_rows``
-    on whole rows of blocks)."""
+    on whole rows of blocks), writing into ``out``."""
     rows, rb = raw.shape
     hd = rows // n_heads
-    return np.ascontiguousarray(raw.reshape(n_heads, hd // 2, 2, rb).transpose(0, 2, 1, 3).reshape(rows, rb))
+    out[...] = raw.reshape(n_heads, hd // 2, 2, rb).transpose(0, 2, 1, 3).reshape(rows, rb)
 
 
-def _pack(parts: list[tuple[str, np.ndarray, torch.Tensor | None]], k: int, what: str) -> GGUFLinear:
-    """One ``GGUFLinear`` from stored parts ``(type, rows, bias)`` stacked along the output
-    rows: one packed weight when all parts share a type, else a concat of each part's."""
-    types = tuple(t for t, _, _ in parts)
-    biases = [b for _, _, b in parts]
-    bias = torch.cat(biases).float().contiguous() if all(b is not None for b in biases) else None
-    if any(b is not None for b in biases) and bias is None:
+def _linear(reader: _Reader, parts: list[tuple[GGUFTensorInfo, int | None, GGUFTensorInfo | None]],
+            what: str, route: str | None) -> GGUFLinear:
+    """One prepared ``GGUFLinear`` from stored parts ``(weight, heads to un-permute or None,
+    bias or None)`` stacked along the output rows. Parts of one type are read straight into one
+    buffer (zero rows pad it to a multiple of 8) and packed once; parts of different types are
+    packed each and concatenated (``qmm.concat_packed``; each must be a multiple of 8 rows)."""
+    types = tuple(_qtype(w) for w, _, _ in parts)
+    k = parts[0][0].shape[-1]
+    if any(w.shape[-1] != k for w, _, _ in parts):
+        raise ConfigError(f"weights: {what}: parts of different input sizes")
+    biases = [None if b is None else reader.floats(b) for _, _, b in parts]
+    if any(b is not None for b in biases) and any(b is None for b in biases):
         raise ConfigError(f"weights: {what} has a bias on some of its parts only")
+    for i, ((w, heads, _), b) in enumerate(zip(parts, biases)):
+        if b is not None and heads is not None:
+            from pagedkv.model.weights import _unpermute_rope_rows
+
+            biases[i] = _unpermute_rope_rows(b, heads)
+
+    def read(w: GGUFTensorInfo, heads: int | None, out: np.ndarray) -> None:
+        if heads is None:
+            reader.into(w, out)
+        else:
+            _unpermute_into(reader.take(w), heads, out)
+
     try:
         if len(set(types)) == 1:
-            raw = parts[0][1] if len(parts) == 1 else np.concatenate([p[1] for p in parts])
-            packed = qmm.pack_gguf(types[0], raw, k, bias)
+            sizes = [_rows(w) for w, _, _ in parts]
+            n = sum(r for r, _ in sizes)
+            buf = np.empty((n + (-n % 8), sizes[0][1]), dtype=np.uint8)
+            buf[n:] = 0  # zero blocks: d = 0, values 0
+            r0 = 0
+            for (w, heads, _), (rows, _rb) in zip(parts, sizes):
+                read(w, heads, buf[r0:r0 + rows])
+                r0 += rows
+            bias = None
+            if biases[0] is not None:
+                bias = torch.cat([*biases, torch.zeros(buf.shape[0] - n)]).float().contiguous()
+            packed = qmm.pack_gguf(types[0], buf, k, bias)
+            del buf
         else:
-            packed = qmm.concat_packed([qmm.pack_gguf(t, r, k, b) for t, r, b in parts])
+            n, packs = 0, []
+            for (w, heads, _), b in zip(parts, biases):
+                rows, rb = _rows(w)
+                buf = np.empty((rows, rb), dtype=np.uint8)
+                read(w, heads, buf)
+                packs.append(qmm.pack_gguf(_qtype(w), buf, k, None if b is None else b.float().contiguous()))
+                n += rows
+                del buf
+            packed = qmm.concat_packed(packs)
     except ValueError as e:
         raise ConfigError(f"weights: {what}: {e}") from None
-    return GGUFLinear(packed, types)
+    return GGUFLinear(packed, types, n).prepare(route)
 
 
 def _layer_tensors(header: GGUFHeader) -> dict[int, list[GGUFTensorInfo]]:
@@ -301,12 +348,6 @@ def _layer_tensors(header: GGUFHeader) -> dict[int, list[GGUFTensorInfo]]:
         if t.name.startswith("blk."):
             out.setdefault(int(t.name.split(".")[1]), []).append(t)
     return out
-
-
-def _norm_name(arch: str, rest: str) -> str | None:
-    from pagedkv.model.weights import _gguf_layer_name
-
-    return _gguf_layer_name(arch, rest)
 
 
 def build_gguf_model(path: Path, header: GGUFHeader, config: ModelConfig, route: str | None = None,
@@ -327,80 +368,54 @@ def build_gguf_model(path: Path, header: GGUFHeader, config: ModelConfig, route:
     conv = GGUF_CONVENTIONS[config.architecture]
     net = LlamaForCausalLM(config, dtype=torch.float32, device="cpu", materialize=False)
     by_name = {t.name: t for t in header.tensors}
-    total = sum(_nbytes(t) for t in header.tensors)
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {path.name}",
-               disable=(None if progress is None else not progress), leave=False)
-    f, read, floats = _File(path), 0, {}
-    try:
-        def take(info: GGUFTensorInfo) -> tuple[str, np.ndarray]:
-            nonlocal read
-            out = _read(f, info)
-            read += out[1].nbytes
-            bar.update(out[1].nbytes)
-            return out
+    bar = tqdm(total=sum(_nbytes(t) for t in header.tensors), unit="B", unit_scale=True,
+               desc=f"loading {path.name}", disable=(None if progress is None else not progress), leave=False)
+    reader, floats = _Reader(path, bar), {}
 
+    def bias_of(w: GGUFTensorInfo) -> GGUFTensorInfo | None:
+        return by_name.get(w.name[: -len("weight")] + "bias")
+
+    try:
         for i, infos in sorted(_layer_tensors(header).items()):
             if i >= config.num_layers:
                 raise ConfigError(f"weights: tensors of layer {i}, beyond num_layers {config.num_layers}")
-            layer = net.layers[i]
-            groups: dict[str, list[Any]] = {}
+            layer, groups = net.layers[i], {}
             for info in infos:
                 rest = info.name.split(".", 2)[2]
                 part, _, kind = rest.rpartition(".")
-                if kind == "weight" and part in _SINGLE and not (part == "ffn_up" and conv["fused_gate_up"]):
-                    qtype, raw = take(info)
-                    setattr(layer, _SINGLE[part], _pack([(qtype, raw, _bias(f, by_name, info, take))],
-                                                        info.shape[1], info.name).prepare(route))
-                elif part == "ffn_up" and conv["fused_gate_up"] and kind == "weight":
-                    qtype, raw = take(info)
-                    layer.gate_up_proj = _pack([(qtype, raw, None)], info.shape[1], info.name).prepare(route)
-                elif part in _FUSED and kind == "weight":
-                    qtype, raw = take(info)
+                if kind == "bias" and (part in _FUSED or part in _SINGLE):
+                    continue  # read with its weight
+                if kind == "weight" and part == "ffn_up" and conv["fused_gate_up"]:  # Phi-3: gate and up rows
+                    layer.gate_up_proj = _linear(reader, [(info, None, None)], info.name, route)
+                elif kind == "weight" and part in _SINGLE:
+                    setattr(layer, _SINGLE[part], _linear(reader, [(info, None, bias_of(info))], info.name, route))
+                elif kind == "weight" and part in _FUSED:
+                    heads = None
                     if conv["rope_rows_permuted"] and part in ("attn_q", "attn_k"):
-                        raw = _unpermute_rows(raw, config.num_heads if part == "attn_q" else config.num_kv_heads)
-                    groups.setdefault(_FUSED[part][0], []).append((_FUSED[part][1], qtype, raw, info))
-                elif kind == "bias" and part in _FUSED:
-                    continue  # taken with its weight (``_bias``)
+                        heads = config.num_heads if part == "attn_q" else config.num_kv_heads
+                    module, pos = _FUSED[part]
+                    groups.setdefault(module, {})[pos] = (info, heads, bias_of(info))
                 else:
-                    ours = _norm_name(config.architecture, rest)
+                    ours = _gguf_layer_name(config.architecture, rest)
                     if ours is None or len(info.shape) != 1:
                         raise ConfigError(f"weights: unexpected GGUF tensor {info.name!r}")
-                    qtype, raw = take(info)
-                    w = _floats(qtype, raw, info.shape)
+                    w = reader.floats(info)
                     floats[f"layers.{i}.{ours}"] = w - 1.0 if conv["norms_plus_one"] else w
             for module, parts in groups.items():
-                parts.sort(key=lambda p: p[0])
                 want = 3 if module == "qkv_proj" else 2
-                if len(parts) != want:
+                if sorted(parts) != list(range(want)):
                     raise ConfigError(f"weights: layer {i} is missing parts of {module}")
-                stacked = []
-                for _pos, qtype, raw, info in parts:
-                    b = _bias(f, by_name, info, take)
-                    if b is not None and conv["rope_rows_permuted"] and info.name.endswith(("attn_q.weight",
-                                                                                           "attn_k.weight")):
-                        from pagedkv.model.weights import _unpermute_rope_rows
-
-                        heads = config.num_heads if "attn_q" in info.name else config.num_kv_heads
-                        b = _unpermute_rope_rows(b, heads)
-                    stacked.append((qtype, raw, b))
-                setattr(layer, module, _pack(stacked, parts[0][3].shape[1], f"layer {i} {module}").prepare(route))
-                del stacked, parts
-        top = {"output_norm.weight": "norm.weight"}
-        for name, ours in top.items():
-            info = by_name.get(name)
-            if info is None:
-                raise ConfigError(f"weights: {name} is missing")
-            qtype, raw = take(info)
-            w = _floats(qtype, raw, info.shape)
-            floats[ours] = w - 1.0 if conv["norms_plus_one"] else w
+                setattr(layer, module, _linear(reader, [parts[p] for p in range(want)], f"layer {i} {module}", route))
+        info = by_name.get("output_norm.weight")
+        if info is None:
+            raise ConfigError("weights: output_norm.weight is missing")
+        w = reader.floats(info)
+        floats["norm.weight"] = w - 1.0 if conv["norms_plus_one"] else w
         embd = by_name.get("token_embd.weight")
         if embd is None:
             raise ConfigError("weights: token_embd.weight is missing")
-        head = by_name.get("output.weight") if not config.tie_word_embeddings else None
-        head = head or embd
-        qtype, raw = take(head)
-        net.lm_head = _pack([(qtype, raw, None)], head.shape[1], head.name).prepare(route)
-        del raw
+        head = (by_name.get("output.weight") if not config.tie_word_embeddings else None) or embd
+        net.lm_head = _linear(reader, [(head, None, None)], head.name, route)
         net.embed_tokens = GGUFEmbedding(path, embd)
         known = {"rope_freqs.weight", "output_norm.weight", "token_embd.weight", "output.weight"}
         stray = [t.name for t in header.tensors if not t.name.startswith("blk.") and t.name not in known]
@@ -408,9 +423,9 @@ def build_gguf_model(path: Path, header: GGUFHeader, config: ModelConfig, route:
             raise ConfigError(f"weights: unexpected GGUF tensor {stray[0]!r}")
         _assign_floats(net, floats)
     finally:
-        f.close()
+        reader.close()
         bar.close()
-    report = LoadReport(tensors=len(header.tensors), bytes_read=read, weight_bytes=held_bytes(net),
+    report = LoadReport(tensors=len(header.tensors), bytes_read=reader.read, weight_bytes=held_bytes(net),
                         seconds=time.perf_counter() - t0, types=linear_types(header))
     return net.eval().requires_grad_(False), report
 
@@ -420,14 +435,6 @@ def _nbytes(info: GGUFTensorInfo) -> int:
 
     block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(info.ggml_type)]
     return int(np.prod(info.shape, dtype=np.int64)) // block * size
-
-
-def _bias(f: _File, by_name: dict[str, GGUFTensorInfo], weight: GGUFTensorInfo, take: Any) -> torch.Tensor | None:
-    info = by_name.get(weight.name[: -len("weight")] + "bias")
-    if info is None:
-        return None
-    qtype, raw = take(info)
-    return _floats(qtype, raw, info.shape)
 
 
 def _assign_floats(net: nn.Module, floats: dict[str, torch.Tensor]) -> None:
@@ -463,11 +470,3 @@ def iter_linears(net: nn.Module) -> Iterator[GGUFLinear]:
     for m in net.modules():
         if isinstance(m, GGUFLinear):
             yield m
-
-
-def check_complete(net: nn.Module, config: ModelConfig) -> None:
-    """Raise ``ConfigError`` unless every linear layer of ``net`` is a ``GGUFLinear``."""
-    for prefix in linear_prefixes(config):
-        module = net.get_submodule(prefix[:-1])
-        if not isinstance(module, GGUFLinear):
-            raise ConfigError(f"weights: no stored tensor for {prefix[:-1]}")

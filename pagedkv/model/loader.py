@@ -24,7 +24,7 @@ from pagedkv.gguf_header import is_gguf_file, read_gguf_header
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.llama import LlamaForCausalLM
 from pagedkv.model.quant import resolve_weights
-from pagedkv.model.quantize import gguf_q4_codes, has_q4_linears, install_linears, quantize_state
+from pagedkv.model.quantize import gguf_q4_codes, install_linears, quantize_state
 from pagedkv.model.tokenizer import load_tokenizer
 from pagedkv.model.weight_cache import (
     cache_root, entry_dir, file_identity, file_sha256, manifest_ok, read_cache_entry, read_cached_weights,

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import textwrap
 
-import numpy as np
 import pytest
 import torch
 
@@ -158,26 +157,28 @@ def test_auto_on_an_fp32_checkpoint_gives_that_checkpoint_s_greedy_tokens(tmp_pa
 
 
 _RSS_CHILD = textwrap.dedent("""
-    import json, sys, torch
-    from pagedkv.model import qmm
-    from pagedkv.model.loader import load_model
+    import json, pathlib, sys, torch
+    from pagedkv.gguf_header import read_gguf_header
+    from pagedkv.model import gguf_native, qmm
+    from pagedkv.model.loader import load_config
     assert qmm.get() is not None  # build the kernels before the baseline
+    path = pathlib.Path(sys.argv[1])
+    header, config = read_gguf_header(path), load_config(path)
     def rss(field):
         for line in open("/proc/self/status"):
             if line.startswith(field):
                 return int(line.split()[1]) * 1024
     base = rss("VmRSS:")
-    lm = load_model(sys.argv[1], weights="gguf", cache_dir=sys.argv[2])
-    print(json.dumps({"base": base, "peak": rss("VmHWM:"), "now": rss("VmRSS:"),
-                      "held": lm.report.weight_bytes}))
+    net, report = gguf_native.build_gguf_model(path, header, config)
+    print(json.dumps({"base": base, "peak": rss("VmHWM:"), "now": rss("VmRSS:"), "held": report.weight_bytes}))
 """)
 
 
-def test_a_load_grows_resident_memory_by_at_most_1_2x_the_file(bundled_gguf, tmp_path):
-    """Measured in a fresh process: VmHWM after the load less VmRSS before it (imports, kernels
-    built) is the load's peak growth; the packed weights are the file's bytes."""
-    # warm the tokenizer entry first, so the measured load is the weights' (as a second start is)
-    load_model(bundled_gguf, weights="gguf", cache_dir=tmp_path)
+def test_streaming_the_weights_grows_resident_memory_by_at_most_1_2x_the_file(bundled_gguf, tmp_path):
+    """Measured in a fresh process: VmHWM after ``build_gguf_model`` less VmRSS before it
+    (imports, kernels built, header and config read: the constants a model's size does not
+    change; the tokenizer is one more) is the weights' peak growth; the packed weights are the
+    file's bytes (the tied Q8_0 head held, the embedding left in the page cache)."""
     out = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(bundled_gguf), str(tmp_path)], capture_output=True,
                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
@@ -185,3 +186,48 @@ def test_a_load_grows_resident_memory_by_at_most_1_2x_the_file(bundled_gguf, tmp
     size = bundled_gguf.stat().st_size
     assert r["held"] <= 1.02 * size
     assert r["peak"] - r["base"] <= 1.2 * size, r
+
+
+KERNEL_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+
+
+@pytest.mark.parametrize("type_name", KERNEL_TYPES)
+def test_each_kernel_type_loads_as_stored_and_runs_within_the_int8_activation_error(tmp_path, type_name):
+    """The tiny 2-layer llama of ``test_gguf_types`` with every matrix in ``type_name``:
+    ``gguf`` keeps the stored bytes (packed = file bytes per matrix), its dequantised weights
+    equal the fp32 loader's (``gguf.dequantize``, un-permuted, fused), and one prefill's
+    logits are within the 8-bit activation blocks' error of the fp32 model's."""
+    from pagedkv.attention.registry import get_backend
+    from tests.model.test_gguf_types import write_tiny_gguf
+    from tests.model.test_llama import _run
+
+    path = tmp_path / f"tiny-{type_name}.gguf"
+    write_tiny_gguf(path, type_name)
+    fp32 = load_model(path, weights="fp32", use_cache=False)
+    lm = load_model(path, weights="gguf", use_cache=False)
+    assert lm.weights == "gguf"
+    header = read_gguf_header(path)
+    ref = fp32.model.state_dict()
+    for prefix in linear_prefixes(lm.config):
+        m = lm.model.get_submodule(prefix[:-1])
+        assert isinstance(m, GGUFLinear) and set(m.types) == {type_name}
+        torch.testing.assert_close(m.dequantize(), ref[prefix + "weight"], rtol=0, atol=1e-6)
+    stored = sum(gguf_native._nbytes(t) for t in header.tensors if len(t.shape) == 2 and t.name != "token_embd.weight")
+    head = next(t for t in header.tensors if t.name == "output.weight")
+    assert head.shape[0] == 260 and lm.model.lm_head.padded and lm.model.lm_head.out_features == 260
+    pad = 4 * gguf_native._nbytes(head) // 260  # 4 zero rows: 264 packed rows, a multiple of 8
+    assert sum(m.packed.nbytes for m in gguf_native.iter_linears(lm.model)) == stored + pad
+    ids = [5, 6, 7, 8, 9, 10, 100, 3, 200, 45, 17]
+    backend = get_backend("reference")
+    outs = []
+    for m in (fp32.model, lm.model):
+        caches = m.allocate_kv_caches(backend, num_blocks=4, block_size=8)
+        outs.append(_run(m, backend, caches, ids, [len(ids)], [len(ids)], [[2, 0]], block=8))
+    want, got = outs
+    # 8-bit activation blocks at each of the 15 matmuls: 1.6% (Q8_0) to 4.5% (Q4_1) measured
+    # (the int8 format on the same files: 1.5-3%); per matmul the kernels' bound is tested in
+    # tests/model/test_qmm_gguf.py, and the weights themselves are exact (above)
+    rel = ((got - want).norm() / want.norm()).item()
+    assert rel <= 0.06, rel
+    same = sum(a == b for a, b in zip(got.argmax(-1).tolist(), want.argmax(-1).tolist()))
+    assert same >= len(ids) - 1, same  # the head's logits are wide apart (std-1 rows): at most one near-tie flips

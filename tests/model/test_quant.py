@@ -80,7 +80,7 @@ def test_bad_weight_format_is_config_error_naming_the_valid_values():
     from pagedkv.engine.config import EngineConfig
 
     for bad in ("int3", "", None, 4, "fp8"):
-        with pytest.raises(ConfigError, match="one of auto, fp32, bf16, int8, int4"):
+        with pytest.raises(ConfigError, match="one of auto, gguf, fp32, bf16, int8, int4"):
             EngineConfig.from_kwargs({"weights": bad})
     assert check_weights(" INT4 ") == "int4"
     assert EngineConfig.from_kwargs({}).weights == "auto"
@@ -91,7 +91,7 @@ def test_cli_rejects_a_bad_weight_format_before_loading(capsys):
 
     assert main(["generate", "--weights", "q4_k", "hi"]) == 2
     err = capsys.readouterr().err
-    assert "weights: unsupported 'q4_k' (one of auto, fp32, bf16, int8, int4)" in err
+    assert "weights: unsupported 'q4_k' (one of auto, gguf, fp32, bf16, int8, int4)" in err
 
 
 def test_auto_follows_the_cpu_capability_not_timing():
@@ -105,6 +105,11 @@ def test_auto_follows_the_cpu_capability_not_timing():
     assert resolve_weights("auto", "float32", tensor_parallel_size=2, features=AVX512_AMX)[0] == "fp32"
     assert resolve_weights("auto", "float32", device="cuda", features=AVX512_AMX)[0] == "fp32"
     assert resolve_weights("int8", "float32") == ("int8", "requested")
+    assert resolve_weights("gguf", "float32") == ("gguf", "requested")
+    with pytest.raises(ConfigError, match="'gguf' needs dtype float32"):
+        resolve_weights("gguf", "bfloat16")
+    with pytest.raises(ConfigError, match="tensor parallelism"):
+        resolve_weights("gguf", "float32", tensor_parallel_size=2)
     with pytest.raises(ConfigError, match="tensor parallelism"):
         resolve_weights("int4", "float32", tensor_parallel_size=2)
     with pytest.raises(ConfigError, match="needs dtype float32"):
