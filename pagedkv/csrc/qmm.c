@@ -121,18 +121,29 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, float *d, float *
 typedef struct {
     int8_t *q;
     float *d, *s;
+    int32_t *q16; /* the sums of each 16 codes [rows, k / 16] (NULL unless asked for: Q6_K with VNNI) */
     void *mem;
 } qrows_t;
 
-static int quantize_rows(const float *x, int64_t xs, int64_t rows, int64_t k, qrows_t *out, int nt) {
+static int quantize_rows(const float *x, int64_t xs, int64_t rows, int64_t k, qrows_t *out, int nt, int sums16) {
     int64_t nb = k / QK;
-    out->mem = malloc((size_t)(rows * k + 2 * rows * nb * (int64_t)sizeof(float) + 64));
+    out->mem = malloc((size_t)(rows * k + 2 * rows * nb * (int64_t)sizeof(float) +
+                               (sums16 ? rows * (k / 16) * (int64_t)sizeof(int32_t) : 0) + 64));
     if (!out->mem) return -1;
     out->d = (float *)out->mem;
     out->s = out->d + rows * nb;
     out->q = (int8_t *)(out->s + rows * nb);
+    out->q16 = sums16 ? (int32_t *)(out->q + rows * k) : NULL; /* rows * k is a multiple of 32 */
     #pragma omp parallel for if (rows * k >= 65536) num_threads(nt) schedule(static)
-    for (int64_t r = 0; r < rows; r++) quantize_row(x + r * xs, k, out->q + r * k, out->d + r * nb, out->s + r * nb);
+    for (int64_t r = 0; r < rows; r++) {
+        quantize_row(x + r * xs, k, out->q + r * k, out->d + r * nb, out->s + r * nb);
+        if (sums16)
+            for (int64_t h = 0; h < k / 16; h++) {
+                int32_t sum = 0;
+                for (int e = 0; e < 16; e++) sum += out->q[r * k + 16 * h + e];
+                out->q16[r * (k / 16) + h] = sum;
+            }
+    }
     return 0;
 }
 
@@ -308,7 +319,9 @@ INLINE void q8_group(const int NR, int64_t nb, const int8_t *wc, const float *sc
  * with the integer sums exact: AVX2 pairwise int16 sums stay below 2^15 (Q4_K 16 x 15 x 127
  * per sub-block as int4; Q5_K 8 x 31 x 127, widened every 2 steps; Q8_0 and Q6_K signed codes
  * with the sign moved onto q, 2 x 128 x 127 per pair and 8 x 32 x 127 per 16 values), VNNI's
- * vpdpbusd (int32) where built. */
+ * vpdpbusd (int32) where built; there Q6_K multiplies its unsigned codes c (0..63, no sign
+ * work per row) and takes 32 x the activation codes' sum of each 16 (computed once per call)
+ * off: the same integer. */
 
 #define QK_K 256
 #define Q80_BLOCK 272
@@ -439,6 +452,7 @@ INLINE void q45k_group(const int NR, const int FIVE, int64_t nsb, const uint8_t 
             for (int j = 0; j < NR; j++) i16[j] = _mm256_setzero_si256();
 #endif
             __m256i H = FIVE ? _mm256_loadu_si256((const __m256i *)(w + Q5K_QH + 32 * s)) : _mm256_setzero_si256();
+            #pragma GCC unroll 4 /* constant shift counts */
             for (int t = 0; t < 4; t++) {
                 __m256i v = _mm256_loadu_si256((const __m256i *)(c + 32 * t));
                 __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
@@ -526,6 +540,7 @@ INLINE void q6k_group(const int NR, int64_t nsb, const uint8_t *wc, const qrows_
             const int64_t xb = sb * (QK_K / QK) + s;
             __m256i isum[ROW_TILE], part[ROW_TILE]; /* the block's scaled sum; a 16-value half's sum */
             for (int j = 0; j < NR; j++) isum[j] = part[j] = _mm256_setzero_si256();
+            #pragma GCC unroll 4 /* constant shift counts */
             for (int t = 0; t < 4; t++) {
                 __m256i v = _mm256_loadu_si256((const __m256i *)(c + 32 * t));
                 __m256i H = _mm256_loadu_si256((const __m256i *)(w + Q6K_QH + 64 * s + 32 * (t >> 1)));
@@ -533,19 +548,25 @@ INLINE void q6k_group(const int NR, int64_t nsb, const uint8_t *wc, const qrows_
                 __m256i lo = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(shift16(H, 4 - u), m30));
                 __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
                                              _mm256_and_si256(shift16(H, 2 - u), m30));
+#if QMM_VNNI
+                (void)k32; /* unsigned codes c in 0..63 (int32 sums) from -32 x the 16 codes' sum: sum (c - 32) q */
+                if (!(t & 1))
+                    for (int j = 0; j < NR; j++) part[j] = _mm256_set1_epi32(-32 * a->q16[(r0 + j) * 2 * nb + 2 * xb + (t >> 1)]);
+                for (int j = 0; j < NR; j++) {
+                    const int8_t *x = xq + j * nb * QK + xb * QK + 8 * t;
+                    part[j] = madd_u8s8(madd_u8s8(part[j], lo, bcast4(x)), hi, bcast4(x + 4));
+                }
+#else
                 lo = _mm256_sub_epi8(lo, k32); /* c - 32 in -32..31; |c - 32| as u8, its sign onto q */
                 hi = _mm256_sub_epi8(hi, k32);
                 __m256i alo = _mm256_sign_epi8(lo, lo), ahi = _mm256_sign_epi8(hi, hi);
                 for (int j = 0; j < NR; j++) {
                     const int8_t *x = xq + j * nb * QK + xb * QK + 8 * t;
                     __m256i xl = _mm256_sign_epi8(bcast4(x), lo), xh = _mm256_sign_epi8(bcast4(x + 4), hi);
-#if QMM_VNNI
-                    part[j] = madd_u8s8(madd_u8s8(part[j], alo, xl), ahi, xh);
-#else
                     part[j] = _mm256_add_epi16(part[j], _mm256_add_epi16(_mm256_maddubs_epi16(alo, xl),
                                                                          _mm256_maddubs_epi16(ahi, xh)));
-#endif
                 }
+#endif
                 if (t & 1) { /* a 16-value half done: times its int8 scale, exact in int32 */
                     __m256i sc = i8x8_epi32(w + Q6K_SC + 8 * (2 * s + (t >> 1)));
 #if QMM_VNNI
@@ -682,8 +703,13 @@ int pagedkv_qmm(const qweights_t *w, int64_t rows, const float *x, int64_t xs, f
         return -2;
     }
     const int nt = nthreads > 0 ? nthreads : 1;
+    int sums16 = 0; /* Q6_K's VNNI kernel takes the activations' sums of 16 */
+    if (QMM_VNNI) {
+        sums16 = w->fmt == FMT_Q6_K;
+        for (int64_t p = 0; w->fmt == FMT_CONCAT && p < w->nparts; p++) sums16 |= w->parts[p]->fmt == FMT_Q6_K;
+    }
     qrows_t a;
-    if (quantize_rows(x, xs, rows, w->k, &a, nt)) return -1;
+    if (quantize_rows(x, xs, rows, w->k, &a, nt, sums16)) return -1;
     const int64_t n = w->n;
     if (w->fmt != FMT_CONCAT) {
         #pragma omp parallel for if (rows * n * w->k >= PAR_MACS) num_threads(nt) schedule(static)
