@@ -121,18 +121,29 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, float *d, float *
 typedef struct {
     int8_t *q;
     float *d, *s;
+    int32_t *q16; /* the sums of each 16 codes [rows, k / 16] (NULL unless asked for: Q6_K with VNNI) */
     void *mem;
 } qrows_t;
 
-static int quantize_rows(const float *x, int64_t xs, int64_t rows, int64_t k, qrows_t *out, int nt) {
+static int quantize_rows(const float *x, int64_t xs, int64_t rows, int64_t k, qrows_t *out, int nt, int sums16) {
     int64_t nb = k / QK;
-    out->mem = malloc((size_t)(rows * k + 2 * rows * nb * (int64_t)sizeof(float) + 64));
+    out->mem = malloc((size_t)(rows * k + 2 * rows * nb * (int64_t)sizeof(float) +
+                               (sums16 ? rows * (k / 16) * (int64_t)sizeof(int32_t) : 0) + 64));
     if (!out->mem) return -1;
     out->d = (float *)out->mem;
     out->s = out->d + rows * nb;
     out->q = (int8_t *)(out->s + rows * nb);
+    out->q16 = sums16 ? (int32_t *)(out->q + rows * k) : NULL; /* rows * k is a multiple of 32 */
     #pragma omp parallel for if (rows * k >= 65536) num_threads(nt) schedule(static)
-    for (int64_t r = 0; r < rows; r++) quantize_row(x + r * xs, k, out->q + r * k, out->d + r * nb, out->s + r * nb);
+    for (int64_t r = 0; r < rows; r++) {
+        quantize_row(x + r * xs, k, out->q + r * k, out->d + r * nb, out->s + r * nb);
+        if (sums16)
+            for (int64_t h = 0; h < k / 16; h++) {
+                int32_t sum = 0;
+                for (int e = 0; e < 16; e++) sum += out->q[r * k + 16 * h + e];
+                out->q16[r * (k / 16) + h] = sum;
+            }
+    }
     return 0;
 }
 
@@ -308,7 +319,9 @@ INLINE void q8_group(const int NR, int64_t nb, const int8_t *wc, const float *sc
  * with the integer sums exact: AVX2 pairwise int16 sums stay below 2^15 (Q4_K 16 x 15 x 127
  * per sub-block as int4; Q5_K 8 x 31 x 127, widened every 2 steps; Q8_0 and Q6_K signed codes
  * with the sign moved onto q, 2 x 128 x 127 per pair and 8 x 32 x 127 per 16 values), VNNI's
- * vpdpbusd (int32) where built. */
+ * vpdpbusd (int32) where built; there Q6_K multiplies its unsigned codes c (0..63, no sign
+ * work per row) and takes 32 x the activation codes' sum of each 16 (computed once per call)
+ * off: the same integer. */
 
 #define QK_K 256
 #define Q80_BLOCK 272
@@ -439,6 +452,7 @@ INLINE void q45k_group(const int NR, const int FIVE, int64_t nsb, const uint8_t 
             for (int j = 0; j < NR; j++) i16[j] = _mm256_setzero_si256();
 #endif
             __m256i H = FIVE ? _mm256_loadu_si256((const __m256i *)(w + Q5K_QH + 32 * s)) : _mm256_setzero_si256();
+            #pragma GCC unroll 4 /* constant shift counts */
             for (int t = 0; t < 4; t++) {
                 __m256i v = _mm256_loadu_si256((const __m256i *)(c + 32 * t));
                 __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
@@ -526,6 +540,7 @@ INLINE void q6k_group(const int NR, int64_t nsb, const uint8_t *wc, const qrows_
             const int64_t xb = sb * (QK_K / QK) + s;
             __m256i isum[ROW_TILE], part[ROW_TILE]; /* the block's scaled sum; a 16-value half's sum */
             for (int j = 0; j < NR; j++) isum[j] = part[j] = _mm256_setzero_si256();
+            #pragma GCC unroll 4 /* constant shift counts */
             for (int t = 0; t < 4; t++) {
                 __m256i v = _mm256_loadu_si256((const __m256i *)(c + 32 * t));
                 __m256i H = _mm256_loadu_si256((const __m256i *)(w + Q6K_QH + 64 * s + 32 * (t >> 1)));
@@ -533,19 +548,25 @@ INLINE void q6k_group(const int NR, int64_t nsb, const uint8_t *wc, const qrows_
                 __m256i lo = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(shift16(H, 4 - u), m30));
                 __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
                                              _mm256_and_si256(shift16(H, 2 - u), m30));
+#if QMM_VNNI
+                (void)k32; /* unsigned codes c in 0..63 (int32 sums) from -32 x the 16 codes' sum: sum (c - 32) q */
+                if (!(t & 1))
+                    for (int j = 0; j < NR; j++) part[j] = _mm256_set1_epi32(-32 * a->q16[(r0 + j) * 2 * nb + 2 * xb + (t >> 1)]);
+                for (int j = 0; j < NR; j++) {
+                    const int8_t *x = xq + j * nb * QK + xb * QK + 8 * t;
+                    part[j] = madd_u8s8(madd_u8s8(part[j], lo, bcast4(x)), hi, bcast4(x + 4));
+                }
+#else
                 lo = _mm256_sub_epi8(lo, k32); /* c - 32 in -32..31; |c - 32| as u8, its sign onto q */
                 hi = _mm256_sub_epi8(hi, k32);
                 __m256i alo = _mm256_sign_epi8(lo, lo), ahi = _mm256_sign_epi8(hi, hi);
                 for (int j = 0; j < NR; j++) {
                     const int8_t *x = xq + j * nb * QK + xb * QK + 8 * t;
                     __m256i xl = _mm256_sign_epi8(bcast4(x), lo), xh = _mm256_sign_epi8(bcast4(x + 4), hi);
-#if QMM_VNNI
-                    part[j] = madd_u8s8(madd_u8s8(part[j], alo, xl), ahi, xh);
-#else
                     part[j] = _mm256_add_epi16(part[j], _mm256_add_epi16(_mm256_maddubs_epi16(alo, xl),
                                                                          _mm256_maddubs_epi16(ahi, xh)));
-#endif
                 }
+#endif
                 if (t & 1) { /* a 16-value half done: times its int8 scale, exact in int32 */
                     __m256i sc = i8x8_epi32(w + Q6K_SC + 8 * (2 * s + (t >> 1)));
 #if QMM_VNNI
@@ -682,8 +703,13 @@ int pagedkv_qmm(const qweights_t *w, int64_t rows, const float *x, int64_t xs, f
         return -2;
     }
     const int nt = nthreads > 0 ? nthreads : 1;
+    int sums16 = 0; /* Q6_K's VNNI kernel takes the activations' sums of 16 */
+    if (QMM_VNNI) {
+        sums16 = w->fmt == FMT_Q6_K;
+        for (int64_t p = 0; w->fmt == FMT_CONCAT && p < w->nparts; p++) sums16 |= w->parts[p]->fmt == FMT_Q6_K;
+    }
     qrows_t a;
-    if (quantize_rows(x, xs, rows, w->k, &a, nt)) return -1;
+    if (quantize_rows(x, xs, rows, w->k, &a, nt, sums16)) return -1;
     const int64_t n = w->n;
     if (w->fmt != FMT_CONCAT) {
         #pragma omp parallel for if (rows * n * w->k >= PAR_MACS) num_threads(nt) schedule(static)
@@ -787,26 +813,56 @@ static uint16_t float_to_half(float f) {
     return (uint16_t)(sign | r);
 }
 
-/* the 4-bit code of element e (0..31) of a Q4_0 / Q4_1 block's 16 code bytes */
-static inline int q4_0_code(const uint8_t *qs, int e) { return e < 16 ? qs[e] & 15 : qs[e - 16] >> 4; }
+static inline uint32_t ld32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+static inline uint64_t ld64(const uint8_t *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+static inline void st32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
 
-/* Q4_0 / Q4_1 (bytes per block bs, codes at qoff) -> the int4 group-block at out */
+#define NIB 0x0F0F0F0Fu
+/* Little-endian words throughout (x86). 32 code bytes q of a K-quant holding two sub-blocks of
+ * 32 (low nibbles: sub-block "even", high: "odd") -> column i's int4-layout bytes of both
+ * (step t: byte e = element 8t + e low, 8t + 4 + e high). */
+static inline void put_nibble_pair(const uint8_t *q, int i, uint8_t *even, uint8_t *odd) {
+    for (int t = 0; t < 4; t++) {
+        uint32_t a = ld32(q + 8 * t), b = ld32(q + 8 * t + 4);
+        st32(even + 32 * t + 4 * i, (a & NIB) | ((b & NIB) << 4));
+        st32(odd + 32 * t + 4 * i, ((a >> 4) & NIB) | (b & ~NIB));
+    }
+}
+
+/* Q4_0 / Q4_1 (block bytes bs) -> the int4 group-block at out. Codes: elements 0..15 in the
+ * low nibbles of the 16 code bytes, 16..31 in the high. Returns 1 when a Q4_0 m overflows. */
 static int pack_q4_block(const uint8_t *const *rows, int64_t b, int bs, int is_q41, uint8_t *out) {
     int bad = 0;
     for (int i = 0; i < 8; i++) {
         const uint8_t *blk = rows[i] + b * bs, *qs = blk + (is_q41 ? 4 : 2);
-        for (int t = 0; t < 4; t++)
-            for (int e = 0; e < 4; e++)
-                out[32 * t + 4 * i + e] = (uint8_t)(q4_0_code(qs, 8 * t + e) | (q4_0_code(qs, 8 * t + 4 + e) << 4));
+        for (int t = 0; t < 2; t++) {
+            uint32_t a = ld32(qs + 8 * t), c = ld32(qs + 8 * t + 4);
+            st32(out + 32 * t + 4 * i, (a & NIB) | ((c & NIB) << 4));
+            st32(out + 32 * (t + 2) + 4 * i, ((a >> 4) & NIB) | (c & ~NIB));
+        }
         memcpy(out + 128 + 2 * i, blk, 2);
         if (is_q41) {
             memcpy(out + 144 + 2 * i, blk + 2, 2);
         } else { /* w = d (c - 8) = d c + m, m = -8 d: exact in fp16 unless it overflows */
-            uint16_t h;
+            uint16_t h, hm;
             memcpy(&h, blk, 2);
-            float d = half_to_float(h), m = -8.0f * d;
-            uint16_t hm = float_to_half(m);
-            if (isfinite(d) && !isfinite(half_to_float(hm))) bad = 1;
+            const int e = (h >> 10) & 31;
+            if (e >= 1 && e <= 27) { /* normal, 8 |d| < 65536: the exponent + 3, the sign flipped */
+                hm = (uint16_t)((h ^ 0x8000) + (3 << 10));
+            } else if (e == 31) { /* inf -> -inf, NaN stays NaN */
+                hm = (uint16_t)(h ^ 0x8000);
+            } else { /* zero or subnormal (exact through float), or |d| >= 8192: overflows */
+                hm = float_to_half(-8.0f * half_to_float(h));
+                bad |= e != 0;
+            }
             memcpy(out + 144 + 2 * i, &hm, 2);
         }
     }
@@ -821,68 +877,69 @@ static void pack_q8_0_block(const uint8_t *const *rows, int64_t b, uint8_t *out)
     }
 }
 
-/* the 4-bit codes of one column's 8 sub-blocks of 32 (code of sub-block s, element e at
- * c[32 s + e]) into the int4-layout code bytes (128 per sub-block) of column i */
-static void put_nibbles(const uint8_t *c, int i, uint8_t *out) {
-    for (int s = 0; s < 8; s++)
-        for (int t = 0; t < 4; t++)
-            for (int e = 0; e < 4; e++)
-                out[128 * s + 32 * t + 4 * i + e] = (uint8_t)((c[32 * s + 8 * t + e] & 15) | (c[32 * s + 8 * t + 4 + e] << 4));
+/* Q5_K's high bits of one column (qh[e] bit s = sub-block s, element e) -> its 4 bytes per
+ * sub-block s at out + 32 s (byte j bit m = element j + 4m: bit 2t = 8t + j, 2t + 1 = 8t + 4 + j).
+ * A transpose of the bit indices m (bits 32m + 8j + s of qh) and s: three delta swaps. */
+static inline void put_q5_high(const uint8_t *qh, uint8_t *out) {
+    uint64_t w[4];
+    for (int q = 0; q < 4; q++) {
+        uint64_t x = ld64(qh + 8 * q), t = (x ^ (x >> 31)) & 0x00000000AAAAAAAAull; /* m0 <-> s0 */
+        w[q] = x ^ t ^ (t << 31);
+    }
+    for (int q = 0; q < 4; q += 2) { /* m1 <-> s1 */
+        uint64_t t = ((w[q] >> 2) ^ w[q + 1]) & 0x3333333333333333ull;
+        w[q + 1] ^= t;
+        w[q] ^= t << 2;
+    }
+    for (int q = 0; q < 2; q++) { /* m2 <-> s2 */
+        uint64_t t = ((w[q] >> 4) ^ w[q + 2]) & 0x0F0F0F0F0F0F0F0Full;
+        w[q + 2] ^= t;
+        w[q] ^= t << 4;
+    }
+    for (int s = 0; s < 8; s++) st32(out + 32 * s, (uint32_t)(w[s >> 1] >> (32 * (s & 1))));
 }
 
-/* Q4_K (176 = 0) / Q5_K super-block b of the 8 rows -> one group-block */
+/* Q4_K (five 0) / Q5_K super-block b of the 8 rows -> one group-block */
 static void pack_q45k_block(const uint8_t *const *rows, int64_t b, int five, uint8_t *out) {
     const int bs = five ? 176 : 144, SC = five ? Q5K_SC : Q4K_SC;
-    uint8_t c[256];
     for (int i = 0; i < 8; i++) {
         const uint8_t *blk = rows[i] + b * bs, *qs = blk + (five ? 48 : 16);
         for (int p = 0; p < 4; p++) /* sub-blocks 2p (low nibbles) and 2p + 1 (high) share 32 bytes */
-            for (int e = 0; e < 32; e++) {
-                c[64 * p + e] = qs[32 * p + e] & 15;
-                c[64 * p + 32 + e] = qs[32 * p + e] >> 4;
-            }
-        put_nibbles(c, i, out);
-        if (five) { /* high bit of sub-block s, element e: bit s of qh[e] */
-            const uint8_t *qh = blk + 16;
-            for (int s = 0; s < 8; s++)
-                for (int e = 0; e < 4; e++) {
-                    uint8_t v = 0;
-                    for (int t = 0; t < 4; t++)
-                        v |= (uint8_t)((((qh[8 * t + e] >> s) & 1) << (2 * t)) | (((qh[8 * t + 4 + e] >> s) & 1) << (2 * t + 1)));
-                    out[Q5K_QH + 32 * s + 4 * i + e] = v;
-                }
-        }
+            put_nibble_pair(qs + 32 * p, i, out + 128 * (2 * p), out + 128 * (2 * p + 1));
+        if (five) put_q5_high(blk + 16, out + Q5K_QH + 4 * i);
         for (int q = 0; q < 12; q++) out[SC + 8 * q + i] = blk[4 + q];
         memcpy(out + SC + 96 + 2 * i, blk, 2);
         memcpy(out + SC + 112 + 2 * i, blk + 2, 2);
     }
 }
 
+/* Q6_K: element 128h + 32c + e has the low nibble of ql[64h + 32(c & 1) + e] (c < 2) or its
+ * high nibble (c >= 2), and upper bits (qh[32h + e] >> 2c) & 3. */
 static void pack_q6k_block(const uint8_t *const *rows, int64_t b, uint8_t *out) {
-    uint8_t lo[256], hb[256];
     for (int i = 0; i < 8; i++) {
         const uint8_t *blk = rows[i] + b * 210, *ql = blk, *qh = blk + 128;
-        /* element 128h + 32c + e: low nibble of ql[64h + 32(c & 1) + e] (c < 2) or its high
-         * nibble (c >= 2); upper bits (qh[32h + e] >> 2c) & 3 */
         for (int h = 0; h < 2; h++)
-            for (int cc = 0; cc < 4; cc++)
-                for (int e = 0; e < 32; e++) {
-                    int n = 128 * h + 32 * cc + e;
-                    uint8_t l = ql[64 * h + 32 * (cc & 1) + e];
-                    lo[n] = cc < 2 ? l & 15 : l >> 4;
-                    hb[n] = (qh[32 * h + e] >> (2 * cc)) & 3;
-                }
-        put_nibbles(lo, i, out);
-        for (int s = 0; s < 8; s++)
-            for (int half = 0; half < 2; half++)
-                for (int e = 0; e < 4; e++) {
-                    uint8_t v = 0;
-                    for (int u = 0; u < 2; u++) {
-                        int t = 2 * half + u;
-                        v |= (uint8_t)((hb[32 * s + 8 * t + e] << (4 * u)) | (hb[32 * s + 8 * t + 4 + e] << (4 * u + 2)));
-                    }
-                    out[Q6K_QH + 64 * s + 32 * half + 4 * i + e] = v;
-                }
+            for (int c = 0; c < 2; c++) /* sub-blocks 4h + c (low nibbles) and 4h + c + 2 (high) */
+                put_nibble_pair(ql + 64 * h + 32 * c, i, out + 128 * (4 * h + c), out + 128 * (4 * h + c + 2));
+        /* upper bits: for 16 elements 16f + j + 4m (m, j < 4) of half h, qh bytes hold the 2-bit
+         * fields [m][j][c] (bits 32m + 8j + 2c); the layout wants [c][j][m] (out byte j of
+         * sub-block 4h + c, step half f: field m = element 16f + j + 4m): swap m and c. */
+        for (int h = 0; h < 2; h++)
+            for (int f = 0; f < 2; f++) {
+                uint64_t A = ld64(qh + 32 * h + 16 * f), B = ld64(qh + 32 * h + 16 * f + 8), t;
+                t = (A ^ (A >> 30)) & 0x00000000CCCCCCCCull; /* m0 <-> c0 */
+                A ^= t ^ (t << 30);
+                t = (B ^ (B >> 30)) & 0x00000000CCCCCCCCull;
+                B ^= t ^ (t << 30);
+                t = ((A >> 4) ^ B) & 0x0F0F0F0F0F0F0F0Full; /* m1 <-> c1 */
+                B ^= t;
+                A ^= t << 4;
+                uint8_t *o = out + Q6K_QH + 64 * (4 * h) + 32 * f + 4 * i;
+                st32(o, (uint32_t)A);
+                st32(o + 64, (uint32_t)(A >> 32));
+                st32(o + 128, (uint32_t)B);
+                st32(o + 192, (uint32_t)(B >> 32));
+            }
         for (int q = 0; q < 16; q++) out[Q6K_SC + 8 * q + i] = blk[192 + q];
         memcpy(out + Q6K_D + 2 * i, blk + 208, 2);
     }

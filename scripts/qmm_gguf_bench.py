@@ -1,0 +1,102 @@
+"""Time the integer matmul kernels on GGUF blocks (``pagedkv.model.qmm.pack_gguf``) beside the
+int4 (fmt 4) and int8 (fmt 8) ones, at one input row (a batch-1 decode step's matmul) on an
+8B-layer-like shape, and the packing throughput of ``pack_gguf``.
+
+    PYTHONPATH=. python scripts/qmm_gguf_bench.py [--shapes 14336x4096,4096x14336] [--threads 1,2]
+                                                   [--rows 1] [--seconds 1.0]
+
+Prints, per shape, format and thread count, ms per call (the median of repeated batches) and
+the weight bytes read per call over that time (GB/s, 1e9 bytes). Weights are random valid
+blocks (random code bytes, small fp16 scales); timing does not depend on their values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from pagedkv.model import qmm
+
+
+def _raw(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    _, per, bs = qmm.GGUF_BLOCKS[qtype]
+    raw = rng.integers(0, 256, size=(n, k // per, bs), dtype=np.uint8)
+    d = (rng.standard_normal((n, k // per, 1)) * 1e-3).astype(np.float16).view(np.uint8)
+    if qtype == "Q6_K":
+        raw[..., 208:210] = d
+    else:
+        raw[..., 0:2] = d
+        if qtype not in ("Q4_0", "Q8_0"):
+            raw[..., 2:4] = d
+    return raw.reshape(n, -1)
+
+
+def _time(fn, seconds: float) -> float:
+    """Median seconds per call over batches filling ``seconds``."""
+    fn()
+    t0, calls = time.perf_counter(), 0
+    while time.perf_counter() - t0 < 0.05:
+        fn()
+        calls += 1
+    per_batch = max(1, calls)
+    samples = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end or len(samples) < 3:
+        t = time.perf_counter()
+        for _ in range(per_batch):
+            fn()
+        samples.append((time.perf_counter() - t) / per_batch)
+    return statistics.median(samples)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="14336x4096,4096x14336", help="N x K pairs (out x in features)")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--seconds", type=float, default=1.0, help="timing per line")
+    ap.add_argument("--types", default="Q4_0,Q4_1,Q8_0,Q4_K,Q5_K,Q6_K")
+    args = ap.parse_args()
+    ops = qmm.get()
+    assert ops is not None, qmm.build_error()
+    rng = np.random.default_rng(0)
+    threads = [int(t) for t in args.threads.split(",")]
+    print(f"qmm build: {ops.isa}; torch {torch.__version__}; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')}")
+    for shape in args.shapes.split(","):
+        n, k = (int(v) for v in shape.split("x"))
+        x = torch.randn(args.rows, k)
+        packed: list[tuple[str, qmm.Packed, float]] = []
+        # the existing formats from random codes (int4: Q4_1-like blocks; int8: per-channel)
+        codes4 = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+        d = torch.full((n, k // 32), 1e-3)
+        packed.append(("int4 (fmt 4)", qmm.pack_int4(codes4, d, -8 * d), float("nan")))
+        del codes4
+        packed.append(("int8 (fmt 8)", qmm.pack_int8(torch.randint(-127, 128, (n, k), dtype=torch.int8),
+                                                     torch.full((n,), 1e-3)), float("nan")))
+        for qtype in args.types.split(","):
+            raw = _raw(qtype, n, k, rng)
+            torch.set_num_threads(max(threads))
+            t = _time(lambda: qmm.pack_gguf(qtype, raw, k), min(args.seconds, 0.5))
+            packed.append((f"{qtype} (fmt {4 if qtype in ('Q4_0', 'Q4_1') else 100 + qmm.GGUF_BLOCKS[qtype][0]})",
+                           qmm.pack_gguf(qtype, raw, k), raw.nbytes / t / 1e9))
+            del raw
+        print(f"\nN={n} K={k} rows={args.rows}")
+        print(f"{'format':<14} {'MB':>8} " + " ".join(f"{f'{nt}T ms':>9} {f'{nt}T GB/s':>9}" for nt in threads)
+              + f"  pack GB/s ({max(threads)}T, file bytes)")
+        for name, w, pack_gbs in packed:
+            cols = []
+            for nt in threads:
+                torch.set_num_threads(nt)
+                t = _time(lambda: ops.linear(x, w), args.seconds)
+                cols.append(f"{t * 1e3:9.3f} {w.nbytes / t / 1e9:9.2f}")
+            pk = "" if pack_gbs != pack_gbs else f"  {pack_gbs:.2f}"
+            print(f"{name:<14} {w.nbytes / 1e6:8.1f} " + " ".join(cols) + pk, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,333 @@
+"""The integer matmul kernels on GGUF blocks as stored (``pagedkv.model.qmm.pack_gguf``):
+Q8_0 / Q4_K / Q5_K / Q6_K in their own layouts, Q4_0 / Q4_1 in the int4 one, and the concat
+format whose parts are of different types.
+
+The reference is gguf-py's own dequantiser (``gguf.dequantize``) of random but valid stored
+blocks (random code and packed-scale bytes; fp16 block scales of realistic magnitudes, some
+subnormal). ``ops.dequantize`` of the packed weights must equal it exactly. ``ops.linear``
+is checked two ways: against the kernels' arithmetic done in float64 (the activation codes
+emulated as in test_qmm.py; each format's weights split into the part multiplying the
+activation codes and a per-block offset multiplying the block's exact float sum, the split
+checked to recompose gguf's weights exactly), within float32 accumulation rounding; and
+against ``x @ W.T`` within the bound that the activations' rounding gives. Each build the host
+can run is checked: the default one, AVX2 (``x86-64-v3``) and plain C (``x86-64``).
+"""
+
+from __future__ import annotations
+
+import platform
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pagedkv.model import qmm
+
+BUILDS = ["default", "x86-64-v3", "x86-64"] if platform.machine() == "x86_64" else ["default"]
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 16, 17, 31, 33, 64, 200]
+
+
+@pytest.fixture(scope="module", params=BUILDS)
+def ops(request):
+    if request.param == "default":
+        got = qmm.get()
+        assert got is not None, qmm.build_error()
+        return got
+    return qmm.build(request.param)
+
+
+# ---- random stored blocks and the split of their weights ----------------------------------------
+
+
+def _f16(rng: np.random.Generator, shape: tuple[int, ...], lo: float, hi: float) -> np.ndarray:
+    """fp16 bytes ``[..., 2]`` of values of either sign with magnitudes log-uniform in [lo, hi)."""
+    v = rng.choice([-1.0, 1.0], size=shape) * 10.0 ** rng.uniform(np.log10(lo), np.log10(hi), size=shape)
+    return v.astype(np.float16)[..., None].view(np.uint8)
+
+
+def random_blocks(qtype: str, n: int, k: int, seed: int) -> np.ndarray:
+    """uint8 ``[n, row bytes]``: random code and scale bytes; fp16 scales at GGUF-like sizes
+    (d ~ 1e-6 .. 1e-2 per block: some fp16 subnormals; Q4_1's and the K-quants' minima too)."""
+    rng = np.random.default_rng(seed)
+    _, per, bs = qmm.GGUF_BLOCKS[qtype]
+    raw = rng.integers(0, 256, size=(n, k // per, bs), dtype=np.uint8)
+    nb = (n, k // per)
+    if qtype in ("Q4_0", "Q8_0"):
+        raw[..., 0:2] = _f16(rng, nb, 1e-6, 1e-2)
+    elif qtype == "Q4_1":
+        raw[..., 0:2] = _f16(rng, nb, 1e-6, 1e-2)
+        raw[..., 2:4] = _f16(rng, nb, 1e-4, 1e-1)
+    elif qtype in ("Q4_K", "Q5_K"):
+        raw[..., 0:2] = _f16(rng, nb, 1e-6, 1e-3)
+        raw[..., 2:4] = _f16(rng, nb, 1e-6, 1e-3)
+    else:  # Q6_K: d last
+        raw[..., 208:210] = _f16(rng, nb, 1e-7, 1e-4)
+    return raw.reshape(n, -1)
+
+
+def _unit_scales(qtype: str, raw: np.ndarray, k: int) -> np.ndarray:
+    """``raw`` with every scale 1 and every minimum 0: gguf's dequantiser then gives the codes
+    (Q4_0 c - 8, Q6_K c - 32)."""
+    _, per, bs = qmm.GGUF_BLOCKS[qtype]
+    b = raw.reshape(raw.shape[0], k // per, bs).copy()
+    one = np.array([1.0], np.float16).view(np.uint8)
+    if qtype == "Q6_K":
+        b[..., 192:208] = 1
+        b[..., 208:210] = one
+    else:
+        b[..., 0:2] = one
+        if qtype != "Q4_0" and qtype != "Q8_0":
+            b[..., 2:4] = 0
+        if qtype in ("Q4_K", "Q5_K"):  # sc = 1, m = 0 for all 8 sub-blocks
+            b[..., 4:8], b[..., 8:12], b[..., 12:16] = 1, 0, 1
+    return b.reshape(raw.shape)
+
+
+def split(qtype: str, raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What the kernels multiply: ``(dc, off, w)``, float64 ``dc`` ``[N, K]`` (the weight part
+    that multiplies the activation codes: d c, d sc c, d sc (c - 32)), ``off`` ``[N, K / 32]``
+    (the per-32 part that multiplies the block's float sum: Q4_1's m, Q4_0's -8 d, the
+    K-quants' -dmin m, else 0) and gguf's weights ``w`` float32 ``[N, K]``; asserts that
+    ``dc + off`` (in float32, as gguf computes it) is ``w`` exactly."""
+    n = raw.shape[0]
+    qt = gguf.GGMLQuantizationType[qtype]
+    _, per, bs = qmm.GGUF_BLOCKS[qtype]
+    w = gguf.dequantize(raw, qt).reshape(n, k)
+    codes = gguf.dequantize(_unit_scales(qtype, raw, k), qt).reshape(n, k).astype(np.float32)
+    b = raw.reshape(n, k // per, bs)
+
+    def half(lo: int) -> np.ndarray:
+        return b[..., lo:lo + 2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, blocks]
+
+    off = np.zeros((n, k // 32), np.float32)
+    if qtype == "Q8_0":
+        mult = np.repeat(half(0), 32, axis=1)
+    elif qtype == "Q4_0":  # the int4 layout: w = d c + m, c = code + 8, m = -8 d
+        codes = codes + 8
+        mult, off = np.repeat(half(0), 32, axis=1), -8 * half(0)
+    elif qtype == "Q4_1":
+        mult, off = np.repeat(half(0), 32, axis=1), half(2)
+    elif qtype in ("Q4_K", "Q5_K"):
+        sc, m = gguf.quants.Q4_K.get_scale_min(b[..., 4:16].reshape(-1, 12))
+        dsc = half(0)[..., None] * sc.reshape(n, -1, 8).astype(np.float32)
+        mult = np.repeat(dsc.reshape(n, -1), 32, axis=1)
+        off = -(half(2)[..., None] * m.reshape(n, -1, 8).astype(np.float32)).reshape(n, -1)
+    else:  # Q6_K: per-16 int8 scales
+        dsc = half(208)[..., None] * b[..., 192:208].view(np.int8).astype(np.float32)
+        mult = np.repeat(dsc.reshape(n, -1), 16, axis=1)
+    dc = mult * codes  # float32: exact (an fp16 times 6-bit and 8-bit integers)
+    np.testing.assert_array_equal(dc + np.repeat(off, 32, axis=1), w)
+    return dc.astype(np.float64), off.astype(np.float64), w
+
+
+def emulated(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' activations (as test_qmm.py): ``x_hat`` float64 ``[R, K]``, each block of 32
+    rounded to its int8 codes times ``d = max|x| / 127``, and the exact float sums ``[R, K / 32]``."""
+    r, k = x.shape
+    xb = x.reshape(r, k // 32, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(xb * inv).double()
+    return (q * (amax / 127.0).double()).reshape(r, k), xb.double().sum(-1)
+
+
+def check_linear(ops, packed: qmm.Packed, dc: np.ndarray, off: np.ndarray, w: np.ndarray, x: torch.Tensor,
+                 bias: torch.Tensor | None) -> None:
+    got = ops.linear(x, packed).double()
+    assert got.shape == (x.shape[0], packed.n)
+    xh, xs = emulated(x)
+    dct, offt = torch.from_numpy(dc), torch.from_numpy(off)
+    b = torch.zeros(packed.n, dtype=torch.float64) if bias is None else bias.double()
+    # 1. the kernels' arithmetic in float64: exact integer block sums leave float32 rounding only
+    ref = xh @ dct.T + xs @ offt.T + b
+    mag = xh.abs() @ dct.abs().T + xs.abs() @ offt.abs().T + b.abs()  # the summed terms' size
+    err = (got - ref).abs()
+    assert (err <= 2e-6 * mag + 1e-30).all(), f"max error / size {(err / mag.clamp_min(1e-30)).max():.3g}"
+    # 2. the true product with gguf's weights: off by the activations' rounding (|x - x_hat| on
+    # the codes' part; the offsets take exact sums) and that float32 rounding
+    true = x.double() @ torch.from_numpy(w).double().T + b
+    bound = (x.double() - xh).abs() @ dct.abs().T + 2e-6 * mag
+    assert ((got - true).abs() <= bound + 1e-30).all()
+
+
+# ---- the formats one at a time -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", qmm.GGUF_TYPES)
+def test_dequantize_equals_gguf(ops, qtype):
+    for n, k in ((8, 256), (24, 768), (40, 512)):
+        raw = random_blocks(qtype, n, k, seed=n + k)
+        packed = ops.pack_gguf(qtype, raw, k)
+        w = gguf.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(n, k)
+        assert torch.equal(ops.dequantize(packed), torch.from_numpy(w))
+        assert packed.fmt == (4 if qtype in ("Q4_0", "Q4_1") else 100 + qmm.GGUF_BLOCKS[qtype][0])
+        # the file's bytes (Q4_0: the int4 layout's 20 bytes per 32 values instead of 18)
+        assert packed.nbytes == (n * k // 32 * 20 if packed.fmt == 4 else raw.nbytes)
+
+
+@pytest.mark.parametrize("qtype", qmm.GGUF_TYPES)
+def test_linear_every_row_count(ops, qtype):
+    k = 768  # 3 super-blocks: not a power of two
+    g = torch.Generator().manual_seed(7)
+    for n in (8, 24, 40):
+        raw = random_blocks(qtype, n, k, seed=3 * n)
+        dc, off, w = split(qtype, raw, k)
+        bias = torch.randn(n, generator=g) if n != 24 else None
+        packed = ops.pack_gguf(qtype, raw, k, bias)
+        for rows in ROWS:
+            base = torch.randn(rows, k + 5, generator=g)
+            x = base[:, :k]  # a row stride that is not k
+            x[0, 3] = 40.0  # an outlier: costs its own block's precision only
+            check_linear(ops, packed, dc, off, w, x, bias)
+
+
+@pytest.mark.parametrize("qtype", qmm.GGUF_TYPES)
+@pytest.mark.parametrize("fill", [0x00, 0xFF])
+def test_extreme_codes_keep_exact_sums(ops, qtype, fill):
+    """Every code byte at its extreme and activation codes of +-127 with the product's sign
+    fixed: the pairwise int16 sums at their largest (Q5_K 8 x 31 x 127, Q6_K 8 x 32 x 127,
+    Q8_0 2 x 128 x 127 with code -128), so an overflow or a lost sign shows."""
+    n, k = 8, 512
+    raw = random_blocks(qtype, n, k, seed=fill + 1)
+    _, per, bs = qmm.GGUF_BLOCKS[qtype]
+    b = raw.reshape(n, k // per, bs)
+    code_bytes = {"Q4_0": slice(2, 18), "Q4_1": slice(4, 20), "Q8_0": slice(2, 34), "Q4_K": slice(16, 144),
+                  "Q5_K": slice(16, 176), "Q6_K": slice(0, 192)}[qtype]
+    b[..., code_bytes] = fill
+    if qtype == "Q8_0" and fill == 0xFF:
+        b[..., 2:34] = 0x80  # -128
+    dc, off, w = split(qtype, raw, k)
+    x = torch.where(torch.from_numpy(dc[:1]) >= 0, 1.0, -1.0).float().repeat(3, 1)  # codes +-127
+    x[1] *= -2.0
+    x[2, :64] = 0.0  # blocks of zeros
+    check_linear(ops, ops.pack_gguf(qtype, raw, k), dc, off, w, x, None)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(qtype=st.sampled_from(qmm.GGUF_TYPES), groups=st.integers(1, 6), blocks=st.integers(1, 4),
+       rows=st.integers(1, 12), seed=st.integers(0, 2**32 - 1))
+def test_random_shapes(qtype, groups, blocks, rows, seed):
+    ops = qmm.get()
+    n, k = 8 * groups, blocks * qmm.GGUF_BLOCKS[qtype][1]
+    raw = random_blocks(qtype, n, k, seed)
+    dc, off, w = split(qtype, raw, k)
+    packed = qmm.pack_gguf(qtype, raw, k)
+    assert torch.equal(ops.dequantize(packed), torch.from_numpy(w))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed))
+    check_linear(ops, packed, dc, off, w, x, None)
+
+
+def test_inputs_as_tensors_and_strided_rows(ops):
+    n, k = 16, 512
+    raw = random_blocks("Q4_K", n, k, seed=5)
+    ref = ops.dequantize(ops.pack_gguf("Q4_K", raw, k))
+    wide = np.zeros((n, raw.shape[1] + 40), np.uint8)
+    wide[:, 8:8 + raw.shape[1]] = raw
+    assert torch.equal(ops.dequantize(ops.pack_gguf("Q4_K", wide[:, 8:8 + raw.shape[1]], k)), ref)
+    assert torch.equal(ops.dequantize(ops.pack_gguf("Q4_K", torch.from_numpy(raw), k)), ref)
+    ro = raw.copy()
+    ro.setflags(write=False)  # as a read-only memory map of the file
+    assert torch.equal(ops.dequantize(ops.pack_gguf("Q4_K", ro, k)), ref)
+
+
+# ---- concat ------------------------------------------------------------------------------------
+
+
+def test_concat_of_mixed_types_is_the_column_concatenation(ops):
+    k = 512
+    g = torch.Generator().manual_seed(21)
+    specs = [("Q4_K", 32, True), ("Q6_K", 8, False), ("Q4_0", 24, True), ("Q8_0", 16, False)]
+    parts, splits = [], []
+    for i, (qtype, n, has_bias) in enumerate(specs):
+        raw = random_blocks(qtype, n, k, seed=100 + i)
+        splits.append(split(qtype, raw, k))
+        parts.append(ops.pack_gguf(qtype, raw, k, torch.randn(n, generator=g) if has_bias else None))
+    cat = qmm.concat_packed(parts)
+    assert cat.fmt == qmm.FMT_CONCAT and cat.n == 80 and cat.k == k
+    assert cat.nbytes == sum(p.nbytes for p in parts) + 80 * 4  # the parts and the concatenated bias
+    assert torch.equal(cat.bias, torch.cat([p.bias if p.bias is not None else torch.zeros(p.n) for p in parts]))
+    assert torch.equal(ops.dequantize(cat), torch.cat([ops.dequantize(p) for p in parts]))
+    dc = np.concatenate([s[0] for s in splits])
+    off = np.concatenate([s[1] for s in splits])
+    w = np.concatenate([s[2] for s in splits])
+    threads = torch.get_num_threads()
+    try:
+        for nt in (1, 3):  # 3: thread shares that cut parts unevenly
+            torch.set_num_threads(nt)
+            for rows in (1, 5, 17, 64):
+                x = torch.randn(rows, k, generator=g)
+                got = ops.linear(x, cat)
+                # the same arithmetic per part: bit for bit the parts' own outputs
+                assert torch.equal(got, torch.cat([ops.linear(x, p) for p in parts], dim=1))
+                check_linear(ops, cat, dc, off, w, x, cat.bias)
+    finally:
+        torch.set_num_threads(threads)
+    nobias = qmm.concat_packed([ops.pack_gguf("Q4_K", random_blocks("Q4_K", 8, k, 1), k),
+                                ops.pack_gguf("Q6_K", random_blocks("Q6_K", 16, k, 2), k)])
+    assert nobias.bias is None
+    x = torch.randn(2, k, generator=g)
+    assert torch.equal(ops.linear(x, nobias), torch.cat([ops.linear(x, p) for p in nobias.parts], dim=1))
+
+
+# ---- errors ------------------------------------------------------------------------------------
+
+
+def test_bad_inputs_are_value_errors():
+    raw = random_blocks("Q4_K", 16, 512, seed=1)
+    with pytest.raises(ValueError, match="Q2_K"):
+        qmm.pack_gguf("Q2_K", raw, 512)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        qmm.pack_gguf("Q4_K", raw[:12], 512)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        qmm.pack_gguf("Q4_K", raw, 384)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        qmm.pack_gguf("Q8_0", random_blocks("Q8_0", 8, 64, 1), 48)
+    with pytest.raises(ValueError, match="blocks of 144 bytes"):
+        qmm.pack_gguf("Q4_K", raw[:, :200], 512)
+    with pytest.raises(ValueError, match="uint8"):
+        qmm.pack_gguf("Q4_K", raw.view(np.int8), 512)
+    with pytest.raises(ValueError, match="uint8"):
+        qmm.pack_gguf("Q4_K", torch.from_numpy(raw).float(), 512)
+    with pytest.raises(ValueError, match="contiguous"):
+        qmm.pack_gguf("Q8_0", np.zeros((16, 2 * 68), np.uint8)[:, ::2], 64)
+    with pytest.raises(ValueError, match="bias"):
+        qmm.pack_gguf("Q4_K", raw, 512, torch.zeros(8))
+    q40 = random_blocks("Q4_0", 8, 64, seed=2).reshape(8, 2, 18)
+    q40[3, 1, 0:2] = np.array([9000.0], np.float16).view(np.uint8)  # m = -8 d overflows fp16
+    with pytest.raises(ValueError, match="8192"):
+        qmm.pack_gguf("Q4_0", q40.reshape(8, 36), 64)
+    a = qmm.pack_gguf("Q4_K", raw, 512)
+    b = qmm.pack_gguf("Q8_0", random_blocks("Q8_0", 8, 256, 3), 256)
+    with pytest.raises(ValueError, match="in features"):
+        qmm.concat_packed([a, b])
+    with pytest.raises(ValueError, match="concatenation"):
+        qmm.concat_packed([qmm.concat_packed([a]), a])
+    with pytest.raises(ValueError, match="at least one"):
+        qmm.concat_packed([])
+
+
+# ---- a real file -------------------------------------------------------------------------------
+
+
+def test_the_bundled_q4_k_m_tensors(gemma3_gguf):
+    """Real blocks: the bundled Gemma-3-270M Q4_K_M's first Q4_K, Q6_K and Q8_0 matrices."""
+    ops = qmm.get()
+    reader = gguf.GGUFReader(str(gemma3_gguf))
+    seen = set()
+    g = torch.Generator().manual_seed(4)
+    for t in reader.tensors:
+        qtype = t.tensor_type.name
+        if qtype not in ("Q4_K", "Q6_K", "Q8_0") or qtype in seen or len(t.shape) != 2 or int(t.shape[1]) > 4096:
+            continue
+        seen.add(qtype)
+        k, n = (int(s) for s in t.shape)
+        raw = np.asarray(t.data).reshape(n, -1)
+        dc, off, w = split(qtype, raw, k)
+        packed = qmm.pack_gguf(qtype, raw, k)
+        assert packed.nbytes == raw.nbytes
+        assert torch.equal(ops.dequantize(packed), torch.from_numpy(w))
+        check_linear(ops, packed, dc, off, w, torch.randn(3, k, generator=g), None)
+    assert seen == {"Q4_K", "Q6_K", "Q8_0"}
