@@ -19,12 +19,18 @@
  * Parallel over output columns with OpenMP (the libgomp torch loaded), one thread for small
  * products. Tested against the formats' dequantised weights in tests/model/test_qmm.py.
  */
+#if defined(__linux__) && !defined(_DEFAULT_SOURCE)
+#define _DEFAULT_SOURCE /* madvise */
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
 #ifdef _OPENMP
 #include <omp.h>
+#endif
+#ifdef __linux__
+#include <sys/mman.h>
 #endif
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -964,6 +970,15 @@ int pagedkv_pack_gguf(int ggml_type, int64_t n, int64_t k, const uint8_t *raw, i
     (void)bs;
     if (k % per || k <= 0 || n % 8) return -2;
     const int64_t nb = k / per;
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    {   /* out is fresh memory written once here: 2 MiB pages (where the kernel's transparent huge
+         * pages are on "madvise") take ~500x fewer first-touch faults, which cost more than the
+         * packing, and fewer TLB misses when the kernels stream the weights. Advice only. */
+        const uintptr_t page = 4096, lo = ((uintptr_t)out + page - 1) & ~(page - 1);
+        const uintptr_t hi = ((uintptr_t)out + (uintptr_t)(n / 8 * nb * out_bytes)) & ~(page - 1);
+        if (hi > lo && hi - lo >= ((uintptr_t)4 << 20)) madvise((void *)lo, hi - lo, MADV_HUGEPAGE);
+    }
+#endif
     int bad = 0;
     #pragma omp parallel for schedule(static) reduction(| : bad)
     for (int64_t g = 0; g < n / 8; g++) {
