@@ -11,6 +11,10 @@
  *    Per block: sum_k w x ~= d_w d_x sum(c q) + m sum(x).
  *  - int8 (per output channel): w = s_w[o] * c, c in -127..127. Per block: d_x sum(c q); the
  *    column times s_w.
+ *  - GGUF Q8_0, Q4_K, Q5_K, Q6_K blocks as the file stores them, only reordered per 8 columns
+ *    (section "GGUF blocks as stored"; pagedkv_pack_gguf builds them, and puts Q4_0 / Q4_1
+ *    into the int4 layout); sub-block scales decoded in the kernel.
+ *  - concat (fmt 1): parts of the above side by side, the activations quantised once.
  * The integer block sums are exact: u8 x s8 products added in pairs in int16 (AVX2's
  * vpmaddubsw) stay below 2^15 for these ranges (15 * 127 * 2 for int4; for int8 the sign is
  * moved onto q and |c| <= 127, 127 * 127 * 2), then added in int32 (vpmaddwd); VNNI's
