@@ -11,6 +11,10 @@
  *    Per block: sum_k w x ~= d_w d_x sum(c q) + m sum(x).
  *  - int8 (per output channel): w = s_w[o] * c, c in -127..127. Per block: d_x sum(c q); the
  *    column times s_w.
+ *  - GGUF Q8_0, Q4_K, Q5_K, Q6_K blocks as the file stores them, only reordered per 8 columns
+ *    (section "GGUF blocks as stored"; pagedkv_pack_gguf builds them, and puts Q4_0 / Q4_1
+ *    into the int4 layout); sub-block scales decoded in the kernel.
+ *  - concat (fmt 1): parts of the above side by side, the activations quantised once.
  * The integer block sums are exact: u8 x s8 products added in pairs in int16 (AVX2's
  * vpmaddubsw) stay below 2^15 for these ranges (15 * 127 * 2 for int4; for int8 the sign is
  * moved onto q and |c| <= 127, 127 * 127 * 2), then added in int32 (vpmaddwd); VNNI's
@@ -19,12 +23,18 @@
  * Parallel over output columns with OpenMP (the libgomp torch loaded), one thread for small
  * products. Tested against the formats' dequantised weights in tests/model/test_qmm.py.
  */
+#if defined(__linux__) && !defined(_DEFAULT_SOURCE)
+#define _DEFAULT_SOURCE /* madvise */
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
 #ifdef _OPENMP
 #include <omp.h>
+#endif
+#ifdef __linux__
+#include <sys/mman.h>
 #endif
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -372,8 +382,8 @@ INLINE void q80_group(const int NR, int64_t nb, const uint8_t *wc, const qrows_t
     __m256 acc[ROW_TILE];
     for (int j = 0; j < NR; j++) acc[j] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        __m256i isum[ROW_TILE];
-        for (int j = 0; j < NR; j++) isum[j] = _mm256_setzero_si256();
+        __m256i isum[ROW_TILE], isum2[ROW_TILE]; /* isum2: odd steps' chain when NR <= 4 */
+        for (int j = 0; j < NR; j++) isum[j] = isum2[j] = _mm256_setzero_si256();
         const uint8_t *w = wc + b * Q80_BLOCK;
         _mm_prefetch((const char *)(w + 4 * Q80_BLOCK), _MM_HINT_T0);
         _mm_prefetch((const char *)(w + 4 * Q80_BLOCK + 64), _MM_HINT_T0);
@@ -383,9 +393,16 @@ INLINE void q80_group(const int NR, int64_t nb, const uint8_t *wc, const qrows_t
         for (int t = 0; t < 8; t++) {
             __m256i v = _mm256_loadu_si256((const __m256i *)(w + 32 * t));
             __m256i av = _mm256_sign_epi8(v, v); /* |c| as u8 (-128 -> 128); c's sign moves onto q */
-            for (int j = 0; j < NR; j++)
-                isum[j] = madd_u8s8(isum[j], av, _mm256_sign_epi8(bcast4(xq + j * nb * QK + b * QK + 4 * t), v));
+            for (int j = 0; j < NR; j++) {
+                __m256i xv = _mm256_sign_epi8(bcast4(xq + j * nb * QK + b * QK + 4 * t), v);
+                if (NR <= 4 && (t & 1)) /* few rows: two shorter dependency chains */
+                    isum2[j] = madd_u8s8(isum2[j], av, xv);
+                else
+                    isum[j] = madd_u8s8(isum[j], av, xv);
+            }
         }
+        if (NR <= 4)
+            for (int j = 0; j < NR; j++) isum[j] = _mm256_add_epi32(isum[j], isum2[j]);
         __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 256)));
         for (int j = 0; j < NR; j++)
             acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_broadcast_ss(xd + j * nb + b)), _mm256_cvtepi32_ps(isum[j]),
@@ -447,7 +464,10 @@ INLINE void q45k_group(const int NR, const int FIVE, int64_t nsb, const uint8_t 
             const int64_t xb = sb * (QK_K / QK) + s;
             __m256i isum[ROW_TILE];
             for (int j = 0; j < NR; j++) isum[j] = _mm256_setzero_si256();
-#if !QMM_VNNI
+#if QMM_VNNI
+            __m256i isum2[ROW_TILE]; /* the high nibbles' chain: two short dependency chains */
+            for (int j = 0; j < NR; j++) isum2[j] = _mm256_setzero_si256();
+#else
             __m256i i16[ROW_TILE];
             for (int j = 0; j < NR; j++) i16[j] = _mm256_setzero_si256();
 #endif
@@ -463,7 +483,12 @@ INLINE void q45k_group(const int NR, const int FIVE, int64_t nsb, const uint8_t 
                 for (int j = 0; j < NR; j++) {
                     const int8_t *x = xq + j * nb * QK + xb * QK + 8 * t;
 #if QMM_VNNI
-                    isum[j] = madd_u8s8(madd_u8s8(isum[j], lo, bcast4(x)), hi, bcast4(x + 4));
+                    if (NR <= 4) { /* few rows: two chains of 4 vpdpbusd (latency); more rows have enough */
+                        isum[j] = madd_u8s8(isum[j], lo, bcast4(x));
+                        isum2[j] = madd_u8s8(isum2[j], hi, bcast4(x + 4));
+                    } else {
+                        isum[j] = madd_u8s8(madd_u8s8(isum[j], lo, bcast4(x)), hi, bcast4(x + 4));
+                    }
 #else
                     i16[j] = _mm256_add_epi16(i16[j], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(x)),
                                                                        _mm256_maddubs_epi16(hi, bcast4(x + 4))));
@@ -475,6 +500,10 @@ INLINE void q45k_group(const int NR, const int FIVE, int64_t nsb, const uint8_t 
                 }
             }
             const __m256 dsc = _mm256_mul_ps(d, u8x8_ps(sc + 8 * s)), dmn = _mm256_mul_ps(dmin, u8x8_ps(mn + 8 * s));
+#if QMM_VNNI
+            if (NR <= 4)
+                for (int j = 0; j < NR; j++) isum[j] = _mm256_add_epi32(isum[j], isum2[j]);
+#endif
             for (int j = 0; j < NR; j++) {
                 acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dsc, _mm256_broadcast_ss(xd + j * nb + xb)),
                                          _mm256_cvtepi32_ps(isum[j]), acc[j]);
@@ -964,6 +993,15 @@ int pagedkv_pack_gguf(int ggml_type, int64_t n, int64_t k, const uint8_t *raw, i
     (void)bs;
     if (k % per || k <= 0 || n % 8) return -2;
     const int64_t nb = k / per;
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    {   /* out is fresh memory written once here: 2 MiB pages (where the kernel's transparent huge
+         * pages are on "madvise") take ~500x fewer first-touch faults, which cost more than the
+         * packing, and fewer TLB misses when the kernels stream the weights. Advice only. */
+        const uintptr_t page = 4096, lo = ((uintptr_t)out + page - 1) & ~(page - 1);
+        const uintptr_t hi = ((uintptr_t)out + (uintptr_t)(n / 8 * nb * out_bytes)) & ~(page - 1);
+        if (hi > lo && hi - lo >= ((uintptr_t)4 << 20)) madvise((void *)lo, hi - lo, MADV_HUGEPAGE);
+    }
+#endif
     int bad = 0;
     #pragma omp parallel for schedule(static) reduction(| : bad)
     for (int64_t g = 0; g < n / 8; g++) {

@@ -11,6 +11,15 @@ integer block sums, and with VNNI (``vpdpbusd``) where the build targets it. Act
 keep one float scale per 32 values (an outlier costs its own block only) and, for int4's
 minimum, the exact float sum of each block.
 
+GGUF weights (:func:`pack_gguf`, at model load, per tensor) are not dequantised: their stored
+blocks are only reordered, 8 output columns interleaved, so the packed bytes are the file's
+and a batch-1 step reads each of them once. The kernels decode the K-quants' 6-bit (Q4_K,
+Q5_K) or int8 (Q6_K) sub-block scales from those bytes; a sub-block's minimum multiplies the
+activation block's float sum; the signed codes of Q8_0 and Q6_K take the sign trick (AVX2) or,
+for Q6_K with VNNI, an offset by the activation codes' sums of 16. Q4_0 / Q4_1 go to the
+int4 layout (Q4_0: 20 bytes per 32 values where the file has 18). A fused layer whose parts
+a file stores in different types is a :func:`concat_packed`: one call, activations quantised once.
+
 Used by ``pagedkv.model.quant`` (``QuantLinear.kernel`` ``"q8"``) for every row count on CPUs
 without AMX (``max_rows``), and by ``pagedkv.model.native_step``. ``get()`` returns ``None``
 when there is no C compiler, the build fails, or ``PAGEDKV_QMM=0``; ``build_error()`` says
@@ -78,7 +87,8 @@ class Packed:
     blocks as stored, their bytes reordered per 8 columns: ``codes`` uint8 of the file's size
     for the tensor, ``N / 8 * K / 32 * 272`` or ``N / 8 * K / 256 * 1152 / 1408 / 1680``); or
     ``FMT_CONCAT`` (1: ``parts``, other :class:`Packed` of the same ``K`` side by side, ``N``
-    their sum; ``codes`` ``None``). ``bias`` float32 ``[N]`` or ``None``. Holds the tensors
+    their sum; ``codes`` ``None``). ``bias`` float32 ``[N]`` or ``None`` (a concat's, when set,
+    is added to all its columns in place of the parts' own). Holds the tensors
     (and parts) its ``QWeights`` points into. Build with :func:`pack_int4` / :func:`pack_int8`
     / :func:`pack_gguf` / :func:`concat_packed`."""
 
