@@ -655,10 +655,133 @@ INLINE void q6k_group(const int NR, int64_t nsb, const uint8_t *wc, const qrows_
 
 /* ---- entry points --------------------------------------------------------------------------- */
 
+/* ---- Q4_0 / Q5_0 / Q5_1 as stored -----------------------------------------------------------
+ * Per group of 8 columns and block of 32 values (the file's block, 8 times):
+ *  - Q4_0, Q40_BLOCK = 8 x 18: the codes in the int4 layout (128 bytes), then the 8 fp16 d.
+ *    w = d (c - 8), c in 0..15.
+ *  - Q5_0, Q50_BLOCK = 8 x 22: the low nibbles in the int4 layout, then 32 bytes of high bits
+ *    (byte 4i + j: bit 2t = element 8t + j, bit 2t + 1 = element 8t + 4 + j), then the 8 d.
+ *    w = d (c - 16), c in 0..31.
+ *  - Q5_1, Q51_BLOCK = 8 x 24: as Q5_0, then the 8 fp16 m after the d. w = d c + m.
+ * Sums: Q4_0 / Q5_0 signed codes c - 8 / c - 16 with the sign moved onto q (|c'| <= 16), so
+ * a block's 8 pair sums stay below 2^15 in int16 (8 x 2 x 16 x 127 = 32512) and the block adds
+ * one FMA (no m term, no offset error: llama.cpp's Q4_0 x Q8_0 arithmetic); Q5_1 unsigned
+ * codes (31 x 127 x 2 per pair) widened to int32 every step; VNNI vpdpbusd where built. */
+#define Q40_BLOCK 144
+#define Q50_BLOCK 176
+#define Q51_BLOCK 192
+
+/* KIND 0: Q4_0, 1: Q5_0, 2: Q5_1 */
+INLINE void q4x_group(const int NR, const int KIND, int64_t nb, const uint8_t *wc, const qrows_t *a, int64_t r0,
+                      float *y, int64_t ys, const float *bias) {
+    const int BLK = KIND == 0 ? Q40_BLOCK : KIND == 1 ? Q50_BLOCK : Q51_BLOCK;
+    const int DOFF = KIND == 0 ? 128 : 160, MOFF = 176;
+    const int8_t *xq = a->q + r0 * nb * QK;
+    const float *xd = a->d + r0 * nb, *xs = a->s + r0 * nb;
+#ifdef __AVX2__
+    __m256 acc[ROW_TILE];
+    for (int j = 0; j < NR; j++) acc[j] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10), off = _mm256_set1_epi8(KIND ? 16 : 8),
+                  ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i isum[ROW_TILE];
+        for (int j = 0; j < NR; j++) isum[j] = _mm256_setzero_si256();
+        const uint8_t *w = wc + b * BLK;
+        _mm_prefetch((const char *)(w + 4 * BLK), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + 4 * BLK + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + 4 * BLK + 128), _MM_HINT_T0);
+        if (KIND) _mm_prefetch((const char *)(w + 4 * BLK + 176), _MM_HINT_T0);
+        const __m256i H = KIND ? _mm256_loadu_si256((const __m256i *)(w + 128)) : _mm256_setzero_si256();
+        for (int t = 0; t < 4; t++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(w + 32 * t));
+            __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            if (KIND) {
+                lo = _mm256_or_si256(lo, _mm256_and_si256(shift16(H, 4 - 2 * t), bit4));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(shift16(H, 3 - 2 * t), bit4));
+            }
+            if (KIND != 2) { /* signed codes: |c'| as u8, the sign onto q */
+                lo = _mm256_sub_epi8(lo, off);
+                hi = _mm256_sub_epi8(hi, off);
+                const __m256i alo = _mm256_abs_epi8(lo), ahi = _mm256_abs_epi8(hi);
+                for (int j = 0; j < NR; j++) {
+                    const int8_t *x = xq + j * nb * QK + b * QK + 8 * t;
+                    const __m256i xl = _mm256_sign_epi8(bcast4(x), lo), xh = _mm256_sign_epi8(bcast4(x + 4), hi);
+#if QMM_VNNI
+                    isum[j] = madd_u8s8(madd_u8s8(isum[j], alo, xl), ahi, xh);
+#else
+                    isum[j] = _mm256_add_epi16(isum[j], _mm256_add_epi16(_mm256_maddubs_epi16(alo, xl),
+                                                                         _mm256_maddubs_epi16(ahi, xh)));
+#endif
+                }
+            } else {
+                for (int j = 0; j < NR; j++) {
+                    const int8_t *x = xq + j * nb * QK + b * QK + 8 * t;
+#if QMM_VNNI
+                    isum[j] = madd_u8s8(madd_u8s8(isum[j], lo, bcast4(x)), hi, bcast4(x + 4));
+#else
+                    isum[j] = _mm256_add_epi32(isum[j], _mm256_madd_epi16(_mm256_add_epi16(
+                        _mm256_maddubs_epi16(lo, bcast4(x)), _mm256_maddubs_epi16(hi, bcast4(x + 4))), ones));
+#endif
+                }
+            }
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + DOFF)));
+        const __m256 m = KIND == 2 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + MOFF))) : _mm256_setzero_ps();
+        for (int j = 0; j < NR; j++) {
+            const __m256 p = (QMM_VNNI || KIND == 2) ? _mm256_cvtepi32_ps(isum[j])
+                                                     : _mm256_cvtepi32_ps(_mm256_madd_epi16(isum[j], ones));
+            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_broadcast_ss(xd + j * nb + b)), p, acc[j]);
+            if (KIND == 2) acc[j] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xs + j * nb + b), acc[j]);
+        }
+    }
+    __m256 bv = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+    for (int j = 0; j < NR; j++) _mm256_storeu_ps(y + (r0 + j) * ys, _mm256_add_ps(acc[j], bv));
+#else
+    for (int j = 0; j < NR; j++) {
+        float acc[8] = {0};
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *w = wc + b * BLK;
+            const int8_t *x = xq + j * nb * QK + b * QK;
+            int32_t isum[8] = {0};
+            for (int t = 0; t < 4; t++)
+                for (int i = 0; i < 8; i++)
+                    for (int e = 0; e < 4; e++) {
+                        const uint8_t c = w[32 * t + 4 * i + e];
+                        int lo = c & 15, hi = c >> 4;
+                        if (KIND) {
+                            const uint8_t hb = w[128 + 4 * i + e];
+                            lo |= ((hb >> (2 * t)) & 1) << 4;
+                            hi |= ((hb >> (2 * t + 1)) & 1) << 4;
+                        }
+                        if (KIND != 2) {
+                            lo -= KIND ? 16 : 8;
+                            hi -= KIND ? 16 : 8;
+                        }
+                        isum[i] += lo * x[8 * t + e] + hi * x[8 * t + 4 + e];
+                    }
+            for (int i = 0; i < 8; i++) {
+                uint16_t h;
+                memcpy(&h, w + DOFF + 2 * i, 2);
+                acc[i] += half_to_float(h) * xd[j * nb + b] * (float)isum[i];
+                if (KIND == 2) {
+                    memcpy(&h, w + MOFF + 2 * i, 2);
+                    acc[i] += half_to_float(h) * xs[j * nb + b];
+                }
+            }
+        }
+        for (int i = 0; i < 8; i++) y[(r0 + j) * ys + i] = acc[i] + (bias ? bias[i] : 0.0f);
+    }
+#endif
+}
+
+
 #define FMT_CONCAT 1
 #define FMT_Q4 4
 #define FMT_Q8 8
-#define FMT_Q8_0 108 /* 100 + the GGML type id */
+#define FMT_Q4_0 102 /* 100 + the GGML type id */
+#define FMT_Q5_0 106
+#define FMT_Q5_1 107
+#define FMT_Q8_0 108
 #define FMT_Q4_K 112
 #define FMT_Q5_K 113
 #define FMT_Q6_K 114
@@ -681,7 +804,8 @@ typedef struct qweights {
 } qweights_t;
 
 static int simple_fmt(int32_t fmt) {
-    return fmt == FMT_Q4 || fmt == FMT_Q8 || fmt == FMT_Q8_0 || fmt == FMT_Q4_K || fmt == FMT_Q5_K || fmt == FMT_Q6_K;
+    return fmt == FMT_Q4 || fmt == FMT_Q8 || fmt == FMT_Q4_0 || fmt == FMT_Q5_0 || fmt == FMT_Q5_1 || fmt == FMT_Q8_0 ||
+           fmt == FMT_Q4_K || fmt == FMT_Q5_K || fmt == FMT_Q6_K;
 }
 
 /* bytes of one group of 8 columns (the cost a thread's share is measured in) */
@@ -689,6 +813,9 @@ static int64_t group_bytes(const qweights_t *w) {
     switch (w->fmt) {
     case FMT_Q4: return w->k / QK * Q4_BLOCK;
     case FMT_Q8: return w->k * 8;
+    case FMT_Q4_0: return w->k / QK * Q40_BLOCK;
+    case FMT_Q5_0: return w->k / QK * Q50_BLOCK;
+    case FMT_Q5_1: return w->k / QK * Q51_BLOCK;
     case FMT_Q8_0: return w->k / QK * Q80_BLOCK;
     case FMT_Q4_K: return w->k / QK_K * Q4K_BLOCK;
     case FMT_Q5_K: return w->k / QK_K * Q5K_BLOCK;
@@ -707,6 +834,9 @@ static void run_group(const qweights_t *w, int64_t g, const qrows_t *a, int64_t 
         switch (w->fmt) {
         case FMT_Q4: BY_TILE(rows - r0, q4_group, nb, wc, a, r0, yg, ys, bg); break;
         case FMT_Q8: BY_TILE(rows - r0, q8_group, nb, (const int8_t *)wc, w->scale + 8 * g, a, r0, yg, ys, bg); break;
+        case FMT_Q4_0: BY_TILE(rows - r0, q4x_group, 0, nb, wc, a, r0, yg, ys, bg); break;
+        case FMT_Q5_0: BY_TILE(rows - r0, q4x_group, 1, nb, wc, a, r0, yg, ys, bg); break;
+        case FMT_Q5_1: BY_TILE(rows - r0, q4x_group, 2, nb, wc, a, r0, yg, ys, bg); break;
         case FMT_Q8_0: BY_TILE(rows - r0, q80_group, nb, wc, a, r0, yg, ys, bg); break;
         case FMT_Q4_K: BY_TILE(rows - r0, q45k_group, 0, nsb, wc, a, r0, yg, ys, bg); break;
         case FMT_Q5_K: BY_TILE(rows - r0, q45k_group, 1, nsb, wc, a, r0, yg, ys, bg); break;
@@ -818,29 +948,12 @@ void pagedkv_q8_dequant(int64_t k, int64_t n, const int8_t *codes, const float *
 
 #define GGML_Q4_0 2
 #define GGML_Q4_1 3
+#define GGML_Q5_0 6
+#define GGML_Q5_1 7
 #define GGML_Q8_0 8
 #define GGML_Q4_K 12
 #define GGML_Q5_K 13
 #define GGML_Q6_K 14
-
-/* float -> IEEE half, round to nearest even (exact for the values the packer makes) */
-static uint16_t float_to_half(float f) {
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    uint32_t sign = (x >> 16) & 0x8000, ax = x & 0x7fffffff;
-    if (ax >= 0x7f800000) return (uint16_t)(sign | 0x7c00 | (ax > 0x7f800000 ? 0x200 : 0)); /* inf, NaN */
-    if (ax >= 0x477ff000) return (uint16_t)(sign | 0x7c00);                                   /* rounds past 65504 */
-    if (ax < 0x38800000) { /* a half subnormal (or zero): units of 2^-24 */
-        if (ax < 0x33000000) return (uint16_t)sign;
-        uint32_t man = (ax & 0x7fffff) | 0x800000, e = ax >> 23; /* value = man 2^(e - 150) */
-        uint32_t shift = 126 - e, r = man >> shift, rem = man & ((1u << shift) - 1), half = 1u << (shift - 1);
-        if (rem > half || (rem == half && (r & 1))) r++;
-        return (uint16_t)(sign | r);
-    }
-    uint32_t r = ((ax - 0x38000000) >> 13), rem = ax & 0x1fff;
-    if (rem > 0x1000 || (rem == 0x1000 && (r & 1))) r++;
-    return (uint16_t)(sign | r);
-}
 
 static inline uint32_t ld32(const uint8_t *p) {
     uint32_t v;
@@ -866,36 +979,45 @@ static inline void put_nibble_pair(const uint8_t *q, int i, uint8_t *even, uint8
     }
 }
 
-/* Q4_0 / Q4_1 (block bytes bs) -> the int4 group-block at out. Codes: elements 0..15 in the
- * low nibbles of the 16 code bytes, 16..31 in the high. Returns 1 when a Q4_0 m overflows. */
-static int pack_q4_block(const uint8_t *const *rows, int64_t b, int bs, int is_q41, uint8_t *out) {
-    int bad = 0;
+/* Q4_1 -> the int4 group-block at out (the same bytes: codes, d, m). Codes: elements 0..15 in
+ * the low nibbles of the 16 code bytes, 16..31 in the high. */
+static void pack_q41_block(const uint8_t *const *rows, int64_t b, uint8_t *out) {
     for (int i = 0; i < 8; i++) {
-        const uint8_t *blk = rows[i] + b * bs, *qs = blk + (is_q41 ? 4 : 2);
+        const uint8_t *blk = rows[i] + b * 20, *qs = blk + 4;
         for (int t = 0; t < 2; t++) {
             uint32_t a = ld32(qs + 8 * t), c = ld32(qs + 8 * t + 4);
             st32(out + 32 * t + 4 * i, (a & NIB) | ((c & NIB) << 4));
             st32(out + 32 * (t + 2) + 4 * i, ((a >> 4) & NIB) | (c & ~NIB));
         }
         memcpy(out + 128 + 2 * i, blk, 2);
-        if (is_q41) {
-            memcpy(out + 144 + 2 * i, blk + 2, 2);
-        } else { /* w = d (c - 8) = d c + m, m = -8 d: exact in fp16 unless it overflows */
-            uint16_t h, hm;
-            memcpy(&h, blk, 2);
-            const int e = (h >> 10) & 31;
-            if (e >= 1 && e <= 27) { /* normal, 8 |d| < 65536: the exponent + 3, the sign flipped */
-                hm = (uint16_t)((h ^ 0x8000) + (3 << 10));
-            } else if (e == 31) { /* inf -> -inf, NaN stays NaN */
-                hm = (uint16_t)(h ^ 0x8000);
-            } else { /* zero or subnormal (exact through float), or |d| >= 8192: overflows */
-                hm = float_to_half(-8.0f * half_to_float(h));
-                bad |= e != 0;
-            }
-            memcpy(out + 144 + 2 * i, &hm, 2);
-        }
+        memcpy(out + 144 + 2 * i, blk + 2, 2);
     }
-    return bad;
+}
+
+/* Q4_0 (bs 18) / Q5_0 (22) / Q5_1 (24) block b of the 8 rows -> one Q40/Q50/Q51 group-block:
+ * the codes' low nibbles in the int4 layout, Q5's high bits (qh bit j = element j) as
+ * byte 4i + e bit 2t = element 8t + e, bit 2t + 1 = 8t + 4 + e, then d (and Q5_1's m). */
+static void pack_q4x_block(const uint8_t *const *rows, int64_t b, int bs, uint8_t *out) {
+    const int five = bs != 18, qs_off = bs == 18 ? 2 : bs == 22 ? 6 : 8, d_off = five ? 160 : 128;
+    for (int i = 0; i < 8; i++) {
+        const uint8_t *blk = rows[i] + b * bs, *qs = blk + qs_off;
+        for (int t = 0; t < 2; t++) {
+            uint32_t a = ld32(qs + 8 * t), c = ld32(qs + 8 * t + 4);
+            st32(out + 32 * t + 4 * i, (a & NIB) | ((c & NIB) << 4));
+            st32(out + 32 * (t + 2) + 4 * i, ((a >> 4) & NIB) | (c & ~NIB));
+        }
+        if (five) {
+            const uint32_t qh = ld32(blk + (bs == 22 ? 2 : 4));
+            for (int e = 0; e < 4; e++) {
+                uint8_t hb = 0;
+                for (int t = 0; t < 4; t++)
+                    hb |= (uint8_t)((((qh >> (8 * t + e)) & 1) << (2 * t)) | (((qh >> (8 * t + 4 + e)) & 1) << (2 * t + 1)));
+                out[128 + 4 * i + e] = hb;
+            }
+        }
+        memcpy(out + d_off + 2 * i, blk, 2);
+        if (bs == 24) memcpy(out + 176 + 2 * i, blk + 2, 2);
+    }
 }
 
 static void pack_q8_0_block(const uint8_t *const *rows, int64_t b, uint8_t *out) {
@@ -975,15 +1097,17 @@ static void pack_q6k_block(const uint8_t *const *rows, int64_t b, uint8_t *out) 
 }
 
 /* n rows (n a multiple of 8) of k values in GGML type ggml_type as stored (row r's blocks at
- * raw + r * raw_row_stride) -> out in the layout of its format: Q4_0 / Q4_1 -> fmt 4 (20 bytes
- * per 32 values), Q8_0 / Q4_K / Q5_K / Q6_K -> fmt 100 + type (the file's bytes, moved).
- * OpenMP over groups of 8 rows. Returns 0; -1 when a Q4_0 scale's m = -8 d overflows fp16
- * (|d| >= 8192); -2 for another type or a k that is not a whole number of its blocks. */
+ * raw + r * raw_row_stride) -> out in the layout of its format, the file's bytes moved: Q4_1 ->
+ * fmt 4 (the int4 layout), Q4_0 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K -> fmt 100 + type.
+ * OpenMP over groups of 8 rows. Returns 0; -2 for another type or a k that is not a whole
+ * number of its blocks. */
 int pagedkv_pack_gguf(int ggml_type, int64_t n, int64_t k, const uint8_t *raw, int64_t raw_row_stride, uint8_t *out) {
     int64_t per, out_bytes, bs;
     switch (ggml_type) {
-    case GGML_Q4_0: per = QK; bs = 18; out_bytes = Q4_BLOCK; break;
+    case GGML_Q4_0: per = QK; bs = 18; out_bytes = Q40_BLOCK; break;
     case GGML_Q4_1: per = QK; bs = 20; out_bytes = Q4_BLOCK; break;
+    case GGML_Q5_0: per = QK; bs = 22; out_bytes = Q50_BLOCK; break;
+    case GGML_Q5_1: per = QK; bs = 24; out_bytes = Q51_BLOCK; break;
     case GGML_Q8_0: per = QK; bs = 34; out_bytes = Q80_BLOCK; break;
     case GGML_Q4_K: per = QK_K; bs = 144; out_bytes = Q4K_BLOCK; break;
     case GGML_Q5_K: per = QK_K; bs = 176; out_bytes = Q5K_BLOCK; break;
@@ -1002,16 +1126,17 @@ int pagedkv_pack_gguf(int ggml_type, int64_t n, int64_t k, const uint8_t *raw, i
         if (hi > lo && hi - lo >= ((uintptr_t)4 << 20)) madvise((void *)lo, hi - lo, MADV_HUGEPAGE);
     }
 #endif
-    int bad = 0;
-    #pragma omp parallel for schedule(static) reduction(| : bad)
+    #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < n / 8; g++) {
         const uint8_t *rows[8];
         for (int i = 0; i < 8; i++) rows[i] = raw + (8 * g + i) * raw_row_stride;
         for (int64_t b = 0; b < nb; b++) {
             uint8_t *o = out + (g * nb + b) * out_bytes;
             switch (ggml_type) {
-            case GGML_Q4_0: bad |= pack_q4_block(rows, b, 18, 0, o); break;
-            case GGML_Q4_1: pack_q4_block(rows, b, 20, 1, o); break;
+            case GGML_Q4_0: pack_q4x_block(rows, b, 18, o); break;
+            case GGML_Q5_0: pack_q4x_block(rows, b, 22, o); break;
+            case GGML_Q5_1: pack_q4x_block(rows, b, 24, o); break;
+            case GGML_Q4_1: pack_q41_block(rows, b, o); break;
             case GGML_Q8_0: pack_q8_0_block(rows, b, o); break;
             case GGML_Q4_K: pack_q45k_block(rows, b, 0, o); break;
             case GGML_Q5_K: pack_q45k_block(rows, b, 1, o); break;
@@ -1019,7 +1144,7 @@ int pagedkv_pack_gguf(int ggml_type, int64_t n, int64_t k, const uint8_t *raw, i
             }
         }
     }
-    return bad ? -1 : 0;
+    return 0;
 }
 
 /* Packed GGUF weights (fmt 108, 112, 113, 114; 4 as pagedkv_q4_dequant) as float32 out [n, k],
@@ -1028,6 +1153,34 @@ int pagedkv_pack_gguf(int ggml_type, int64_t n, int64_t k, const uint8_t *raw, i
 int pagedkv_gguf_dequant(int fmt, int64_t n, int64_t k, const uint8_t *codes, float *out) {
     if (fmt == FMT_Q4) {
         pagedkv_q4_dequant(k, n, codes, out);
+        return 0;
+    }
+    if (fmt == FMT_Q4_0 || fmt == FMT_Q5_0 || fmt == FMT_Q5_1) {
+        const int64_t nb = k / QK, bytes = fmt == FMT_Q4_0 ? Q40_BLOCK : fmt == FMT_Q5_0 ? Q50_BLOCK : Q51_BLOCK;
+        const int five = fmt != FMT_Q4_0, doff = five ? 160 : 128;
+        #pragma omp parallel for schedule(static)
+        for (int64_t g = 0; g < n / 8; g++)
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *w = codes + (g * nb + b) * bytes;
+                for (int i = 0; i < 8; i++) {
+                    uint16_t h;
+                    memcpy(&h, w + doff + 2 * i, 2);
+                    const float d = half_to_float(h);
+                    float m = 0.0f;
+                    if (fmt == FMT_Q5_1) {
+                        memcpy(&h, w + 176 + 2 * i, 2);
+                        m = half_to_float(h);
+                    }
+                    float *o = out + (8 * g + i) * k + b * QK;
+                    for (int t = 0; t < 4; t++)
+                        for (int e = 0; e < 8; e++) {
+                            const int hi = e >= 4, ee = e & 3;
+                            int c = (w[32 * t + 4 * i + ee] >> (4 * hi)) & 15;
+                            if (five) c |= ((w[128 + 4 * i + ee] >> (2 * t + hi)) & 1) << 4;
+                            o[8 * t + e] = fmt == FMT_Q5_1 ? d * (float)c + m : d * (float)(c - (five ? 16 : 8));
+                        }
+                }
+            }
         return 0;
     }
     if (fmt != FMT_Q8_0 && fmt != FMT_Q4_K && fmt != FMT_Q5_K && fmt != FMT_Q6_K) return -2;

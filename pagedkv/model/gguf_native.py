@@ -238,17 +238,28 @@ class _Reader:
     def __init__(self, path: Path, bar: Any) -> None:
         self.fd, self.bar, self.read = os.open(path, os.O_RDONLY), bar, 0
 
-    def into(self, info: GGUFTensorInfo, out: np.ndarray) -> None:
-        """Read ``info``'s stored bytes into ``out`` (uint8, C-contiguous, exactly their size).
-        Raises ``ConfigError`` for a truncated file."""
+    def into(self, info: GGUFTensorInfo, out: np.ndarray, skip: int = 0) -> None:
+        """Read ``out``'s size of ``info``'s stored bytes, from ``skip`` bytes into it, into
+        ``out`` (uint8, C-contiguous). Raises ``ConfigError`` for a truncated file."""
         view, done = memoryview(out).cast("B"), 0
         while done < len(view):
-            n = os.preadv(self.fd, [view[done:]], info.offset + done)
+            n = os.preadv(self.fd, [view[done:]], info.offset + skip + done)
             if n <= 0:
                 raise ConfigError(f"weights: {info.name} extends past the end of the GGUF file (truncated?)")
             done += n
         self.read += done
         self.bar.update(done)
+
+    def rows(self, info: GGUFTensorInfo, r0: int, r1: int) -> np.ndarray:
+        """Rows ``r0 .. r1 - 1`` of a stored matrix as a new uint8 ``[r1 - r0, row_bytes]``;
+        rows past its end are zero blocks (value 0: the padding to a multiple of 8)."""
+        rows, rb = _rows(info)
+        out = np.empty((r1 - r0, rb), dtype=np.uint8)
+        real = max(0, min(r1, rows) - r0)
+        if real:
+            self.into(info, out[:real], skip=r0 * rb)
+        out[real:] = 0
+        return out
 
     def take(self, info: GGUFTensorInfo) -> np.ndarray:
         """``info``'s stored bytes as a new uint8 ``[rows, row_bytes]`` (1-D: one row)."""
@@ -313,7 +324,12 @@ def _linear(reader: _Reader, parts: list[tuple[GGUFTensorInfo, int | None, GGUFT
             _unpermute_into(reader.take(w), heads, out)
 
     try:
-        if len(set(types)) == 1:
+        if len(parts) == 1 and parts[0][1] is None:  # one stored matrix: packed a chunk of rows at a time
+            n = _rows(parts[0][0])[0]
+            pad = -n % 8
+            bias = None if biases[0] is None else torch.cat([biases[0], torch.zeros(pad)]).float().contiguous()
+            packed = qmm.pack_gguf_rows(types[0], n + pad, k, lambda r0, r1: reader.rows(parts[0][0], r0, r1), bias)
+        elif len(set(types)) == 1:
             sizes = [_rows(w) for w, _, _ in parts]
             n = sum(r for r, _ in sizes)
             buf = np.empty((n + (-n % 8), sizes[0][1]), dtype=np.uint8)

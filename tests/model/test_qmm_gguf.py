@@ -1,6 +1,6 @@
 """The integer matmul kernels on GGUF blocks as stored (``pagedkv.model.qmm.pack_gguf``):
-Q8_0 / Q4_K / Q5_K / Q6_K in their own layouts, Q4_0 / Q4_1 in the int4 one, and the concat
-format whose parts are of different types.
+Q4_0 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K in their own layouts (the file's bytes), Q4_1
+in the int4 one (its bytes too), and the concat format whose parts are of different types.
 
 The reference is gguf-py's own dequantiser (``gguf.dequantize``) of random but valid stored
 blocks (random code and packed-scale bytes; fp16 block scales of realistic magnitudes, some
@@ -55,9 +55,9 @@ def random_blocks(qtype: str, n: int, k: int, seed: int) -> np.ndarray:
     _, per, bs = qmm.GGUF_BLOCKS[qtype]
     raw = rng.integers(0, 256, size=(n, k // per, bs), dtype=np.uint8)
     nb = (n, k // per)
-    if qtype in ("Q4_0", "Q8_0"):
+    if qtype in ("Q4_0", "Q8_0", "Q5_0"):
         raw[..., 0:2] = _f16(rng, nb, 1e-6, 1e-2)
-    elif qtype == "Q4_1":
+    elif qtype in ("Q4_1", "Q5_1"):
         raw[..., 0:2] = _f16(rng, nb, 1e-6, 1e-2)
         raw[..., 2:4] = _f16(rng, nb, 1e-4, 1e-1)
     elif qtype in ("Q4_K", "Q5_K"):
@@ -70,7 +70,7 @@ def random_blocks(qtype: str, n: int, k: int, seed: int) -> np.ndarray:
 
 def _unit_scales(qtype: str, raw: np.ndarray, k: int) -> np.ndarray:
     """``raw`` with every scale 1 and every minimum 0: gguf's dequantiser then gives the codes
-    (Q4_0 c - 8, Q6_K c - 32)."""
+    (Q4_0 c - 8, Q5_0 c - 16, Q6_K c - 32)."""
     _, per, bs = qmm.GGUF_BLOCKS[qtype]
     b = raw.reshape(raw.shape[0], k // per, bs).copy()
     one = np.array([1.0], np.float16).view(np.uint8)
@@ -79,7 +79,7 @@ def _unit_scales(qtype: str, raw: np.ndarray, k: int) -> np.ndarray:
         b[..., 208:210] = one
     else:
         b[..., 0:2] = one
-        if qtype != "Q4_0" and qtype != "Q8_0":
+        if qtype in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"):
             b[..., 2:4] = 0
         if qtype in ("Q4_K", "Q5_K"):  # sc = 1, m = 0 for all 8 sub-blocks
             b[..., 4:8], b[..., 8:12], b[..., 12:16] = 1, 0, 1
@@ -89,8 +89,8 @@ def _unit_scales(qtype: str, raw: np.ndarray, k: int) -> np.ndarray:
 def split(qtype: str, raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """What the kernels multiply: ``(dc, off, w)``, float64 ``dc`` ``[N, K]`` (the weight part
     that multiplies the activation codes: d c, d sc c, d sc (c - 32)), ``off`` ``[N, K / 32]``
-    (the per-32 part that multiplies the block's float sum: Q4_1's m, Q4_0's -8 d, the
-    K-quants' -dmin m, else 0) and gguf's weights ``w`` float32 ``[N, K]``; asserts that
+    (the per-32 part that multiplies the block's float sum: Q4_1's and Q5_1's m, the
+    K-quants' -dmin m, else 0: Q4_0 and Q5_0 multiply their signed codes c - 8, c - 16) and gguf's weights ``w`` float32 ``[N, K]``; asserts that
     ``dc + off`` (in float32, as gguf computes it) is ``w`` exactly."""
     n = raw.shape[0]
     qt = gguf.GGMLQuantizationType[qtype]
@@ -103,12 +103,9 @@ def split(qtype: str, raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, 
         return b[..., lo:lo + 2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, blocks]
 
     off = np.zeros((n, k // 32), np.float32)
-    if qtype == "Q8_0":
+    if qtype in ("Q8_0", "Q4_0", "Q5_0"):
         mult = np.repeat(half(0), 32, axis=1)
-    elif qtype == "Q4_0":  # the int4 layout: w = d c + m, c = code + 8, m = -8 d
-        codes = codes + 8
-        mult, off = np.repeat(half(0), 32, axis=1), -8 * half(0)
-    elif qtype == "Q4_1":
+    elif qtype in ("Q4_1", "Q5_1"):
         mult, off = np.repeat(half(0), 32, axis=1), half(2)
     elif qtype in ("Q4_K", "Q5_K"):
         sc, m = gguf.quants.Q4_K.get_scale_min(b[..., 4:16].reshape(-1, 12))
@@ -163,9 +160,8 @@ def test_dequantize_equals_gguf(ops, qtype):
         packed = ops.pack_gguf(qtype, raw, k)
         w = gguf.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(n, k)
         assert torch.equal(ops.dequantize(packed), torch.from_numpy(w))
-        assert packed.fmt == (4 if qtype in ("Q4_0", "Q4_1") else 100 + qmm.GGUF_BLOCKS[qtype][0])
-        # the file's bytes (Q4_0: the int4 layout's 20 bytes per 32 values instead of 18)
-        assert packed.nbytes == (n * k // 32 * 20 if packed.fmt == 4 else raw.nbytes)
+        assert packed.fmt == (4 if qtype == "Q4_1" else 100 + qmm.GGUF_BLOCKS[qtype][0])
+        assert packed.nbytes == raw.nbytes  # the file's bytes
 
 
 @pytest.mark.parametrize("qtype", qmm.GGUF_TYPES)
@@ -189,13 +185,14 @@ def test_linear_every_row_count(ops, qtype):
 def test_extreme_codes_keep_exact_sums(ops, qtype, fill):
     """Every code byte at its extreme and activation codes of +-127 with the product's sign
     fixed: the pairwise int16 sums at their largest (Q5_K 8 x 31 x 127, Q6_K 8 x 32 x 127,
-    Q8_0 2 x 128 x 127 with code -128), so an overflow or a lost sign shows."""
+    Q5_0 8 x 2 x 16 x 127 with codes 0 (c - 16 = -16), Q5_1 2 x 2 x 31 x 127 a step, Q8_0
+    2 x 128 x 127 with code -128), so an overflow or a lost sign shows."""
     n, k = 8, 512
     raw = random_blocks(qtype, n, k, seed=fill + 1)
     _, per, bs = qmm.GGUF_BLOCKS[qtype]
     b = raw.reshape(n, k // per, bs)
-    code_bytes = {"Q4_0": slice(2, 18), "Q4_1": slice(4, 20), "Q8_0": slice(2, 34), "Q4_K": slice(16, 144),
-                  "Q5_K": slice(16, 176), "Q6_K": slice(0, 192)}[qtype]
+    code_bytes = {"Q4_0": slice(2, 18), "Q4_1": slice(4, 20), "Q5_0": slice(2, 22), "Q5_1": slice(4, 24),
+                  "Q8_0": slice(2, 34), "Q4_K": slice(16, 144), "Q5_K": slice(16, 176), "Q6_K": slice(0, 192)}[qtype]
     b[..., code_bytes] = fill
     if qtype == "Q8_0" and fill == 0xFF:
         b[..., 2:34] = 0x80  # -128
@@ -239,15 +236,16 @@ def test_inputs_as_tensors_and_strided_rows(ops):
 def test_concat_of_mixed_types_is_the_column_concatenation(ops):
     k = 512
     g = torch.Generator().manual_seed(21)
-    specs = [("Q4_K", 32, True), ("Q6_K", 8, False), ("Q4_0", 24, True), ("Q8_0", 16, False)]
+    specs = [("Q4_K", 32, True), ("Q6_K", 8, False), ("Q4_0", 24, True), ("Q8_0", 16, False), ("Q5_0", 8, True),
+             ("Q5_1", 16, False)]
     parts, splits = [], []
     for i, (qtype, n, has_bias) in enumerate(specs):
         raw = random_blocks(qtype, n, k, seed=100 + i)
         splits.append(split(qtype, raw, k))
         parts.append(ops.pack_gguf(qtype, raw, k, torch.randn(n, generator=g) if has_bias else None))
     cat = qmm.concat_packed(parts)
-    assert cat.fmt == qmm.FMT_CONCAT and cat.n == 80 and cat.k == k
-    assert cat.nbytes == sum(p.nbytes for p in parts) + 80 * 4  # the parts and the concatenated bias
+    assert cat.fmt == qmm.FMT_CONCAT and cat.n == 104 and cat.k == k
+    assert cat.nbytes == sum(p.nbytes for p in parts) + 104 * 4  # the parts and the concatenated bias
     assert torch.equal(cat.bias, torch.cat([p.bias if p.bias is not None else torch.zeros(p.n) for p in parts]))
     assert torch.equal(ops.dequantize(cat), torch.cat([ops.dequantize(p) for p in parts]))
     dc = np.concatenate([s[0] for s in splits])
@@ -295,10 +293,8 @@ def test_bad_inputs_are_value_errors():
         qmm.pack_gguf("Q8_0", np.zeros((16, 2 * 68), np.uint8)[:, ::2], 64)
     with pytest.raises(ValueError, match="bias"):
         qmm.pack_gguf("Q4_K", raw, 512, torch.zeros(8))
-    q40 = random_blocks("Q4_0", 8, 64, seed=2).reshape(8, 2, 18)
-    q40[3, 1, 0:2] = np.array([9000.0], np.float16).view(np.uint8)  # m = -8 d overflows fp16
-    with pytest.raises(ValueError, match="8192"):
-        qmm.pack_gguf("Q4_0", q40.reshape(8, 36), 64)
+    with pytest.raises(ValueError, match="blocks of 22 bytes"):
+        qmm.pack_gguf("Q5_0", random_blocks("Q4_0", 8, 64, seed=2), 64)
     a = qmm.pack_gguf("Q4_K", raw, 512)
     b = qmm.pack_gguf("Q8_0", random_blocks("Q8_0", 8, 256, 3), 256)
     with pytest.raises(ValueError, match="in features"):
