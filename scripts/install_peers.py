@@ -305,7 +305,7 @@ def describe_exit(rc: int) -> str:
 def run_command(argv: Sequence[str], timeout: float) -> tuple[Optional[int], str, str]:
     """Run ``argv``; (exit status, stdout, stderr), the status None when it ran past ``timeout``."""
     try:
-        r = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
+        r = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired as exc:
         def text(b: object) -> str:
             return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # type: ignore[return-value]
@@ -343,6 +343,8 @@ def smoke_test(bin_dir: Path, model: str, run=run_command, timeout: float = SMOK
     rc, out, err = run(argv, timeout)
     res: dict[str, object] = {"command": " ".join(shlex.quote(a) for a in argv),
                               "seconds": round(time.monotonic() - t0, 1)}
+    if hasattr(os, "getloadavg"):  # the rates are only a sign of life on a busy shared host
+        res["load_average_1m"] = round(os.getloadavg()[0], 2)
     tail = " | ".join(ln for ln in (err or "").strip().splitlines()[-3:])
     if rc is None:
         return {**res, "ok": False, "reason": f"smoke test: llama-bench ran past {timeout:g} s"}
@@ -489,15 +491,20 @@ def llama_cpp_is_current(cache: Path, flags: Optional[set[str]] = None) -> bool:
     return same and all((cache / "bin" / tool).is_file() for tool in TOOLS)
 
 
-def install_llama_cpp(python: str, cache: Path, jobs: int, dry_run: bool, force: bool) -> list[str]:
+def install_llama_cpp(python: str, cache: Path, jobs: int, dry_run: bool, force: bool, *,
+                      flags: Optional[set[str]] = None, model: Optional[str] = None, run_step=None, smoke=None,
+                      info=None, use_ccache: Optional[bool] = None) -> list[str]:
     """The llama.cpp step: :func:`build_variants`, the binaries copied to ``cache/bin``, the
-    stamps written; returns the errors (empty when a variant was kept)."""
-    flags = cpu_flags()
+    stamps written; returns the errors (empty when a variant was kept). The keywords replace,
+    for the tests, the CPU flags, the bundled GGUF, the command runner (:func:`run_reported`),
+    :func:`smoke_test`, :func:`system_info` and the ccache check."""
+    flags = cpu_flags() if flags is None else flags
     stamp = None if dry_run else read_stamp(cache)
     if not force and not dry_run and llama_cpp_is_current(cache, flags):
         print(f"[peers] llama.cpp ({stamp['variant']}) is already built in {cache / 'bin'}: {stamp.get('why')}")
         return []
-    use_ccache = shutil.which("ccache") is not None
+    use_ccache = shutil.which("ccache") is not None if use_ccache is None else use_ccache
+    run_step = run_step or (lambda step: run_reported(step, False))
     download, configure, build = server_steps(python, cache, jobs, "native", NATIVE_FLAGS, use_ccache)
     if dry_run:
         for step in (download, configure, build):
@@ -510,30 +517,38 @@ def install_llama_cpp(python: str, cache: Path, jobs: int, dry_run: bool, force:
                   + f" in {build_dir(cache, v)}")
         print(f"[peers] then {', '.join(TOOLS)} and llama.cpp.json go to {cache / 'bin'}")
         return []
-    model = bundled_model(python)
+    model = model or bundled_model(python)
     if model is None:
         return ["llama.cpp: the bundled GGUF (pagedkv._bundled.bundled_model_path) is missing: no smoke test possible"]
     started = time.monotonic()
     if not sdist_path(cache).is_file():
-        err = run_reported(download, False)
+        err = run_step(download)
         if err:
             return [err]
     unpack(cache)
     print(f"[peers] llama.cpp: variants {', '.join(VARIANTS)} in turn (ccache: {'yes' if use_ccache else 'no'}); "
           f"smoke test on {model}", flush=True)
-    variant, tried = build_variants(python, cache, jobs, model, flags, use_ccache=use_ccache)
+    variant, tried = build_variants(python, cache, jobs, model, flags, run_step=run_step, smoke=smoke or smoke_test,
+                                    use_ccache=use_ccache)
     if variant is None:
         return ["llama.cpp: no variant built and passed the smoke test: "
                 + "; ".join(f"{t['variant']}: {str(t.get('reason', '')).splitlines()[0]}" for t in tried)]
     src_bin, bin_dir = build_dir(cache, variant) / "bin", cache / "bin"
     bin_dir.mkdir(parents=True, exist_ok=True)
-    for tool in TOOLS:
-        shutil.copy2(src_bin / tool, bin_dir / tool)
-    sysinfo = system_info(bin_dir, model)
-    stamp = make_stamp(variant, tried, host_cpu(), sysinfo, use_ccache, started)
+    for tool in TOOLS:  # copied beside, then renamed: a binary running from bin/ is not overwritten
+        tmp = bin_dir / f".{tool}.tmp"
+        shutil.copy2(src_bin / tool, tmp)
+        os.replace(tmp, bin_dir / tool)
+    sysinfo = (info or system_info)(bin_dir, model)
+    cpu = host_cpu()
+    cpu["flags"] = sorted(flags)  # what llama_cpp_is_current compares
+    stamp = make_stamp(variant, tried, cpu, sysinfo, use_ccache, started)
     text = json.dumps(stamp, indent=1) + "\n"
-    (bin_dir / "llama.cpp.json").write_text(text)
-    (bin_dir / "llama-server.json").write_text(text)
+    for name in ("llama.cpp.json", "llama-server.json"):
+        (bin_dir / f".{name}.tmp").write_text(text)
+        os.replace(bin_dir / f".{name}.tmp", bin_dir / name)
+    print(f"[peers] llama.cpp: {stamp['why']} (this run: {stamp['seconds']['total']:g} s); "
+          f"{bin_dir / 'llama.cpp.json'} says how")
     return []
 
 

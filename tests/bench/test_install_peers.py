@@ -203,6 +203,51 @@ def test_stamp_records_the_choice_and_decides_a_rebuild(ip, tmp_path):
     assert "avx512 build" in ip.report_llama_cpp(tmp_path) and str(bin_dir) in ip.report_llama_cpp(tmp_path)
 
 
+def test_install_llama_cpp_copies_the_kept_variant_and_is_idempotent(ip, tmp_path, capsys):
+    """The whole step with fakes: native builds but dies of SIGSEGV in its smoke test, avx512
+    is kept; its binaries land in bin/, both stamps say so, and a second run builds nothing."""
+    root = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
+    _sdist(ip.sdist_path(tmp_path), [root + "CMakeLists.txt", root + "tools/server/server.cpp"])
+    steps = []
+
+    def run_step(step):
+        steps.append(step)
+        if step.argv[1] == "--build":
+            out = Path(step.argv[2]) / "bin"
+            out.mkdir(parents=True, exist_ok=True)
+            for tool in ip.TOOLS:
+                (out / tool).write_text(Path(step.argv[2]).name)
+        return None
+
+    def smoke(bin_dir, model):
+        rc = -11 if bin_dir.parent.name == "native" else 0
+        return ip.smoke_test(bin_dir, model, run=lambda a, t: (rc, bench_json() if rc == 0 else "", ""))
+
+    kw = dict(flags=AVX512_HOST, model="/m.gguf", run_step=run_step, smoke=smoke, use_ccache=True,
+              info=lambda b, m: {"system_info": "CPU : AVX512 = 1 | AVX512_VNNI = 1"})
+    assert ip.install_llama_cpp("/py", tmp_path, 2, dry_run=False, force=False, **kw) == []
+    assert [s.argv[1] for s in steps] == ["-S", "--build", "-S", "--build"]  # the sdist was there: no download
+    for tool in ip.TOOLS:
+        assert (tmp_path / "bin" / tool).read_text() == "avx512"
+    stamp = json.loads((tmp_path / "bin" / "llama.cpp.json").read_text())
+    assert (tmp_path / "bin" / "llama-server.json").read_text() == (tmp_path / "bin" / "llama.cpp.json").read_text()
+    assert serve_peer.binary_facts(str(tmp_path / "bin" / "llama-server"))["build"]["variant"] == "avx512"
+    assert stamp["variant"] == "avx512" and "-DCMAKE_C_COMPILER_LAUNCHER=ccache" in steps[0].argv
+    assert [(t["variant"], t["ok"]) for t in stamp["tried"]] == [("native", False), ("avx512", True)]
+    assert stamp["tried"][0]["reason"] == "smoke test: llama-bench killed by SIGSEGV (-11)"
+    assert stamp["system"]["system_info"].startswith("CPU : AVX512 = 1") and stamp["smoke"]["gen_tok_s"] == 95.25
+    assert "avx512 built and passed the smoke test after native" in capsys.readouterr().out
+    steps.clear()
+    assert ip.install_llama_cpp("/py", tmp_path, 2, dry_run=False, force=False, **kw) == []
+    assert steps == [] and "already built" in capsys.readouterr().out
+    # nothing passes: an error naming every variant, bin/ left as it was
+    kw["smoke"] = lambda b, m: ip.smoke_test(b, m, run=lambda a, t: (None, "", ""), timeout=1)
+    errors = ip.install_llama_cpp("/py", tmp_path, 2, dry_run=False, force=True, **kw)
+    assert len(errors) == 1 and errors[0].startswith("llama.cpp: no variant built and passed the smoke test: native: ")
+    assert "avx2: smoke test: llama-bench ran past 1 s" in errors[0]
+    assert json.loads((tmp_path / "bin" / "llama.cpp.json").read_text())["variant"] == "avx512"
+
+
 def test_pip_check_compares_before_and_after(ip):
     before = "a 1 requires b, which is not installed.\n"
     after = "a 1 requires b, which is not installed.\nc 2 has requirement d<2, but you have d 3.\n"
