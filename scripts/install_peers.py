@@ -22,7 +22,8 @@
 * **llama-cpp-python** (``pagedkv bench peers``: llama.cpp one request at a time), built from
   source into the running interpreter's environment with the CMake flags of the variant that
   ``bin/llama.cpp.json`` records (without one: the AVX2 flags, :data:`AVX2_FLAGS`);
-  ``peers/llama-cpp-python.json`` records the flags it was built with;
+  ``peers/llama-cpp-python.json`` records those flags and the CPU it was built on (either
+  changed: rebuilt);
 * **guidellm** (the serving benchmark client of ``pagedkv bench serve --peer llama-server``),
   installed under a constraints file that pins the torch and transformers already installed,
   so its dependencies cannot replace them;
@@ -184,16 +185,23 @@ def python_flags(cache: Path) -> tuple[tuple[str, ...], str]:
     return AVX2_FLAGS, "no llama.cpp build recorded (bin/llama.cpp.json): the AVX2 flags"
 
 
-def python_is_current(cache: Path, flags: Sequence[str]) -> bool:
+def python_record(flags: Sequence[str], cpu: Optional[set[str]] = None) -> dict[str, object]:
+    """What ``peers/llama-cpp-python.json`` says of the install: version, CMake flags, and the
+    /proc/cpuinfo flags of the CPU it was built on (a native build may not run on another)."""
+    return {"llama_cpp_python": LLAMA_CPP_PYTHON_VERSION, "cmake_flags": list(flags),
+            "cpu_flags": sorted(cpu_flags() if cpu is None else cpu)}
+
+
+def python_is_current(cache: Path, flags: Sequence[str], cpu: Optional[set[str]] = None) -> bool:
     """llama-cpp-python is installed at its version and ``llama-cpp-python.json`` says it was
-    built with ``flags`` (an install without that record is redone)."""
+    built with ``flags`` on this CPU (an install without that record is redone)."""
     if installed_version("llama-cpp-python") != LLAMA_CPP_PYTHON_VERSION:
         return False
     try:
         rec = json.loads((cache / "llama-cpp-python.json").read_text())
     except (OSError, ValueError):
         return False
-    return rec == {"llama_cpp_python": LLAMA_CPP_PYTHON_VERSION, "cmake_flags": list(flags)}
+    return rec == python_record(flags, cpu)
 
 
 # ---- llama.cpp: native, else AVX-512, else AVX2 --------------------------------------------------
@@ -499,8 +507,8 @@ def install_llama_cpp(python: str, cache: Path, jobs: int, dry_run: bool, force:
     for the tests, the CPU flags, the bundled GGUF, the command runner (:func:`run_reported`),
     :func:`smoke_test`, :func:`system_info` and the ccache check."""
     flags = cpu_flags() if flags is None else flags
-    stamp = None if dry_run else read_stamp(cache)
-    if not force and not dry_run and llama_cpp_is_current(cache, flags):
+    stamp = read_stamp(cache)
+    if not force and llama_cpp_is_current(cache, flags):
         print(f"[peers] llama.cpp ({stamp['variant']}) is already built in {cache / 'bin'}: {stamp.get('why')}")
         return []
     use_ccache = shutil.which("ccache") is not None if use_ccache is None else use_ccache
@@ -724,8 +732,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"[peers] llama-cpp-python's flags: {source}")
             _run(pips["llama-cpp-python"], args.dry_run)
             if not args.dry_run:
-                (cache / "llama-cpp-python.json").write_text(json.dumps(
-                    {"llama_cpp_python": LLAMA_CPP_PYTHON_VERSION, "cmake_flags": list(flags)}) + "\n")
+                (cache / "llama-cpp-python.json").write_text(json.dumps(python_record(flags)) + "\n")
     if "guidellm" in only:
         if not args.force and installed_version("guidellm") == GUIDELLM_VERSION:
             print(f"[peers] guidellm {GUIDELLM_VERSION} is already installed")

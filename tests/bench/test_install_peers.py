@@ -203,6 +203,18 @@ def test_stamp_records_the_choice_and_decides_a_rebuild(ip, tmp_path):
     assert "avx512 build" in ip.report_llama_cpp(tmp_path) and str(bin_dir) in ip.report_llama_cpp(tmp_path)
 
 
+def test_llama_cpp_python_record(ip, tmp_path, monkeypatch):
+    monkeypatch.setattr(ip, "installed_version", lambda name: "0.3.36")
+    flags = ("-DGGML_NATIVE=ON",)
+    assert not ip.python_is_current(tmp_path, flags, AVX512_HOST)  # installed by hand: no record, redone
+    (tmp_path / "llama-cpp-python.json").write_text(json.dumps(ip.python_record(flags, AVX512_HOST)))
+    assert ip.python_is_current(tmp_path, flags, AVX512_HOST)
+    assert not ip.python_is_current(tmp_path, ip.AVX2_FLAGS, AVX512_HOST)  # another variant
+    assert not ip.python_is_current(tmp_path, flags, AVX2_HOST)  # another CPU
+    monkeypatch.setattr(ip, "installed_version", lambda name: "0.3.35")
+    assert not ip.python_is_current(tmp_path, flags, AVX512_HOST)
+
+
 def test_install_llama_cpp_copies_the_kept_variant_and_is_idempotent(ip, tmp_path, capsys):
     """The whole step with fakes: native builds but dies of SIGSEGV in its smoke test, avx512
     is kept; its binaries land in bin/, both stamps say so, and a second run builds nothing."""
