@@ -18,7 +18,10 @@
   rates with llama-bench's ``cpu_info``/``backends``/``build_commit``, ``llama-cli --version``
   and ``llama_print_system_info()`` (from ``llama-completion``'s log), the CPU (``lscpu``),
   the llama-cpp-python version and the build's timings. ccache is the compiler launcher when
-  it is on PATH, so a rebuild is quick.
+  it is on PATH (with ``CCACHE_BASEDIR`` at the cache, so the variants' trees share every
+  object their flags leave alone), so a rebuild, or a fall-back after a failed native build,
+  is quick. ``--variants avx512,avx2`` tries only those (a host whose native build is known
+  to crash).
 * **llama-cpp-python** (``pagedkv bench peers``: llama.cpp one request at a time), built from
   source into the running interpreter's environment with the CMake flags of the variant that
   ``bin/llama.cpp.json`` records (without one: the AVX2 flags, :data:`AVX2_FLAGS`);
@@ -42,7 +45,8 @@ same CPU flags) is skipped. At the end it says which llama.cpp variant it built,
 Afterwards ``pip check`` may report nothing that was not already reported before.
 Network: PyPI only (pip). The build never downloads llama.cpp's web UI (it is switched off).
 
-Usage: ``python scripts/install_peers.py [--dry-run] [--only STEP,...] [--jobs N] [--force]``
+Usage: ``python scripts/install_peers.py [--dry-run] [--only STEP,...] [--jobs N] [--force]
+[--variants native,avx512,avx2]``
 (steps: llama-cpp, llama-cpp-python, guidellm, vllm, openvino). Stdlib only.
 """
 
@@ -219,7 +223,11 @@ def server_steps(python: str, cache: Path, jobs: int, variant: str = "native",
     src = llama_cpp_source(cache)
     build = build_dir(cache, variant)
     gen = ["-G", "Ninja"] if shutil.which("ninja") else []
-    launcher = CCACHE_FLAGS if (shutil.which("ccache") is not None if use_ccache is None else use_ccache) else ()
+    use_ccache = shutil.which("ccache") is not None if use_ccache is None else use_ccache
+    launcher = CCACHE_FLAGS if use_ccache else ()
+    # paths under the cache hashed relative to the build tree: the variants' trees share ccache's
+    # objects for everything their flags do not change (all but ggml-cpu), so a fall-back is quick
+    env = {"CCACHE_BASEDIR": str(cache)} if use_ccache else {}
     return [
         Step("download the llama-cpp-python sdist",
              [python, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
@@ -227,7 +235,7 @@ def server_steps(python: str, cache: Path, jobs: int, variant: str = "native",
         Step(f"configure llama.cpp ({variant})",
              ["cmake", "-S", str(src), "-B", str(build), *gen, *launcher, *flags, *SERVER_FLAGS]),
         Step(f"build {' '.join(TOOLS)} ({variant})",
-             ["cmake", "--build", str(build), "--target", *TOOLS, "-j", str(jobs)]),
+             ["cmake", "--build", str(build), "--target", *TOOLS, "-j", str(jobs)], env=env),
     ]
 
 
@@ -402,16 +410,16 @@ def bundled_model(python: str) -> Optional[str]:
 
 
 def build_variants(python: str, cache: Path, jobs: int, model: str, flags: set[str], *, run_step=None,
-                   smoke=smoke_test, use_ccache: Optional[bool] = None,
+                   smoke=smoke_test, use_ccache: Optional[bool] = None, variants: Sequence[str] = VARIANTS,
                    log=print) -> tuple[Optional[str], list[dict[str, object]]]:
-    """Build and smoke-test the :data:`VARIANTS` in turn until one passes; returns its name
+    """Build and smoke-test ``variants`` (default :data:`VARIANTS`) in turn until one passes; returns its name
     (None when none did) and what each variant tried did: flags, timings, the smoke test, and
     for a failed one the ``stage`` (``cpu``, ``build``, ``smoke``) and ``reason``.
     ``run_step(step)`` returns None or the error (:func:`run_reported`); ``smoke(bin_dir, model)``
     is :func:`smoke_test` or a fake."""
     run_step = run_step or (lambda step: run_reported(step, False))
     tried: list[dict[str, object]] = []
-    for variant in VARIANTS:
+    for variant in variants:
         vflags = variant_flags(variant, flags)
         if vflags is None:
             tried.append({"variant": variant, "ok": False, "stage": "cpu",
@@ -445,23 +453,26 @@ def build_variants(python: str, cache: Path, jobs: int, model: str, flags: set[s
     return None, tried
 
 
-def why(variant: str, tried: Sequence[dict[str, object]]) -> str:
-    """One sentence: the variant kept and what happened to those tried before it."""
+def why(variant: str, tried: Sequence[dict[str, object]], variants: Sequence[str] = VARIANTS) -> str:
+    """One sentence: the variant kept and what happened to those tried before it (``variants``:
+    the ones asked for, when not all)."""
     failed = [f"{t['variant']}: {str(t.get('reason', '')).splitlines()[0] if t.get('reason') else '?'}"
               for t in tried if not t.get("ok")]
     return (f"{variant} built and passed the smoke test" + (" after " + "; ".join(failed) if failed else
-            (" (the first variant tried)" if variant == VARIANTS[0] else "")))
+            (" (the first variant tried)" if variant == VARIANTS[0] else
+             f" (only {', '.join(variants)} asked for)" if tuple(variants) != VARIANTS else "")))
 
 
 def make_stamp(variant: str, tried: list[dict[str, object]], cpu: dict[str, object], sysinfo: dict[str, object],
-               use_ccache: bool, started: float) -> dict[str, object]:
+               use_ccache: bool, started: float, variants: Sequence[str] = VARIANTS) -> dict[str, object]:
     """What ``bin/llama.cpp.json`` (and ``bin/llama-server.json``, read by ``pagedkv bench serve``)
     records about the build that was kept."""
     chosen = next(t for t in tried if t["variant"] == variant and t.get("ok"))
     return {
         "llama_cpp_python": LLAMA_CPP_PYTHON_VERSION,
         "variant": variant,
-        "why": why(variant, tried),
+        "why": why(variant, tried, variants),
+        "variants_asked": list(variants),
         "cmake_flags": chosen["cmake_flags"],
         "server_flags": list(SERVER_FLAGS),
         "ccache": use_ccache,
@@ -501,25 +512,27 @@ def llama_cpp_is_current(cache: Path, flags: Optional[set[str]] = None) -> bool:
 
 def install_llama_cpp(python: str, cache: Path, jobs: int, dry_run: bool, force: bool, *,
                       flags: Optional[set[str]] = None, model: Optional[str] = None, run_step=None, smoke=None,
-                      info=None, use_ccache: Optional[bool] = None) -> list[str]:
+                      info=None, use_ccache: Optional[bool] = None, variants: Sequence[str] = VARIANTS) -> list[str]:
     """The llama.cpp step: :func:`build_variants`, the binaries copied to ``cache/bin``, the
     stamps written; returns the errors (empty when a variant was kept). The keywords replace,
     for the tests, the CPU flags, the bundled GGUF, the command runner (:func:`run_reported`),
-    :func:`smoke_test`, :func:`system_info` and the ccache check."""
+    :func:`smoke_test`, :func:`system_info` and the ccache check. ``variants``: the ones to try
+    (``--variants``; a build recorded as current is kept only if its variant is among them)."""
     flags = cpu_flags() if flags is None else flags
     stamp = read_stamp(cache)
-    if not force and llama_cpp_is_current(cache, flags):
+    if not force and llama_cpp_is_current(cache, flags) and stamp and stamp["variant"] in variants:
         print(f"[peers] llama.cpp ({stamp['variant']}) is already built in {cache / 'bin'}: {stamp.get('why')}")
         return []
     use_ccache = shutil.which("ccache") is not None if use_ccache is None else use_ccache
     run_step = run_step or (lambda step: run_reported(step, False))
-    download, configure, build = server_steps(python, cache, jobs, "native", NATIVE_FLAGS, use_ccache)
+    first = variants[0]
+    download, configure, build = server_steps(python, cache, jobs, first, variant_flags(first, flags) or (), use_ccache)
     if dry_run:
-        for step in (download, configure, build):
+        for step in ((download,) if not sdist_path(cache).is_file() else ()) + (configure, build):
             print(f"[peers] {step.what}: {step.show()}")
-        print(f"[peers] smoke test: {build_dir(cache, 'native') / 'bin' / 'llama-bench'} -m <bundled GGUF> "
+        print(f"[peers] smoke test: {build_dir(cache, first) / 'bin' / 'llama-bench'} -m <bundled GGUF> "
               f"{' '.join(SMOKE_ARGS)} (timeout {SMOKE_TIMEOUT_S:g} s)")
-        for v in VARIANTS[1:]:
+        for v in variants[1:]:
             vf = variant_flags(v, flags)
             print(f"[peers] if that fails, {v}: " + (" ".join(vf) if vf else "skipped (no avx512f)")
                   + f" in {build_dir(cache, v)}")
@@ -534,10 +547,10 @@ def install_llama_cpp(python: str, cache: Path, jobs: int, dry_run: bool, force:
         if err:
             return [err]
     unpack(cache)
-    print(f"[peers] llama.cpp: variants {', '.join(VARIANTS)} in turn (ccache: {'yes' if use_ccache else 'no'}); "
+    print(f"[peers] llama.cpp: variants {', '.join(variants)} in turn (ccache: {'yes' if use_ccache else 'no'}); "
           f"smoke test on {model}", flush=True)
     variant, tried = build_variants(python, cache, jobs, model, flags, run_step=run_step, smoke=smoke or smoke_test,
-                                    use_ccache=use_ccache)
+                                    use_ccache=use_ccache, variants=variants)
     if variant is None:
         return ["llama.cpp: no variant built and passed the smoke test: "
                 + "; ".join(f"{t['variant']}: {str(t.get('reason', '')).splitlines()[0]}" for t in tried)]
@@ -550,7 +563,7 @@ def install_llama_cpp(python: str, cache: Path, jobs: int, dry_run: bool, force:
     sysinfo = (info or system_info)(bin_dir, model)
     cpu = host_cpu()
     cpu["flags"] = sorted(flags)  # what llama_cpp_is_current compares
-    stamp = make_stamp(variant, tried, cpu, sysinfo, use_ccache, started)
+    stamp = make_stamp(variant, tried, cpu, sysinfo, use_ccache, started, variants)
     text = json.dumps(stamp, indent=1) + "\n"
     for name in ("llama.cpp.json", "llama-server.json"):
         (bin_dir / f".{name}.tmp").write_text(text)
@@ -707,11 +720,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help=f"comma-separated subset of {','.join(STEPS)} (llama-server: the same as llama-cpp)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="parallel compile jobs")
     p.add_argument("--force", action="store_true", help="redo steps whose result is already there")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"llama.cpp: the variants to try, in this order (default {','.join(VARIANTS)}; "
+                        "e.g. avx512,avx2 on a host whose native build is known to crash)")
     args = p.parse_args(argv)
     only = [STEP_ALIASES.get(s.strip(), s.strip()) for s in args.only.split(",") if s.strip()]
     unknown = set(only) - set(STEPS)
     if unknown:
         p.error(f"unknown step(s): {', '.join(sorted(unknown))}")
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if not variants or set(variants) - set(VARIANTS):
+        p.error(f"--variants: a comma-separated subset of {','.join(VARIANTS)}")
     python, cache = sys.executable, cache_dir()
     pinned = {name: installed_version(name) for name in PINNED}
     constraints = cache / "constraints.txt"
@@ -722,7 +741,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     before = "" if args.dry_run else _pip_check(python)
     errors: list[str] = []
     if "llama-cpp" in only:  # first: llama-cpp-python takes the variant it chose
-        errors += install_llama_cpp(python, cache, args.jobs, args.dry_run, args.force)
+        errors += install_llama_cpp(python, cache, args.jobs, args.dry_run, args.force, variants=variants)
     flags, source = python_flags(cache)
     pips = pip_steps(python, constraints, args.jobs, flags)
     if "llama-cpp-python" in only:

@@ -56,12 +56,13 @@ def test_server_steps(ip, tmp_path):
     for flag in ("-DGGML_NATIVE=ON", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF", "-DBUILD_SHARED_LIBS=OFF",
                  "-DCMAKE_BUILD_TYPE=Release"):
         assert flag in configure.argv
-    assert not any("ccache" in a for a in configure.argv)
+    assert not any("ccache" in a for a in configure.argv) and build.env == {}
     assert build.argv == ["cmake", "--build", str(tmp_path / "build" / "native"), "--target", "llama-server",
                           "llama-bench", "llama-quantize", "llama-cli", "llama-completion", "-j", "2"]
     _, configure, build = ip.server_steps("/py", tmp_path, jobs=2, variant="avx2", flags=ip.AVX2_FLAGS, use_ccache=True)
     assert configure.argv[4] == str(tmp_path / "build" / "avx2") and build.argv[2] == str(tmp_path / "build" / "avx2")
     assert "-DCMAKE_C_COMPILER_LAUNCHER=ccache" in configure.argv and "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache" in configure.argv
+    assert build.env == {"CCACHE_BASEDIR": str(tmp_path)}  # the variants' trees share ccache's objects
     for flag in ip.AVX2_FLAGS:
         assert flag in configure.argv
 
@@ -114,7 +115,7 @@ def test_smoke_test_reads_llama_bench(ip, tmp_path):
     assert ip.describe_exit(1) == "exit 1" and ip.describe_exit(-4) == "killed by SIGILL (-4)"
 
 
-def _fake_build(ip, tmp_path, flags, fail_build=(), smoke_rc=None):
+def _fake_build(ip, tmp_path, flags, fail_build=(), smoke_rc=None, variants=None):
     """build_variants with a fake build (fails for the variants in ``fail_build``) and a fake
     smoke test (exit status per variant from ``smoke_rc``, default 0 with rates > 0)."""
     steps, logs = [], []
@@ -129,7 +130,7 @@ def _fake_build(ip, tmp_path, flags, fail_build=(), smoke_rc=None):
         rc = (smoke_rc or {}).get(variant, 0)
         return ip.smoke_test(bin_dir, model, run=lambda a, t: (rc, bench_json() if rc == 0 else "", "segfault here"))
     variant, tried = ip.build_variants("/py", tmp_path, 2, "/m.gguf", flags, run_step=run_step, smoke=smoke,
-                                       use_ccache=False, log=logs.append)
+                                       use_ccache=False, log=logs.append, variants=variants or ip.VARIANTS)
     return variant, tried, steps, logs
 
 
@@ -170,6 +171,18 @@ def test_avx2_host_skips_avx512_and_nothing_passing_is_none(ip, tmp_path):
     assert "no avx512f" in tried[1]["reason"]
     variant, tried, _, _ = _fake_build(ip, tmp_path, AVX512_HOST, smoke_rc=dict.fromkeys(ip.VARIANTS, -11))
     assert variant is None and all(not t["ok"] for t in tried)
+
+
+def test_only_the_variants_asked_for(ip, tmp_path, capsys, monkeypatch):
+    variant, tried, steps, _ = _fake_build(ip, tmp_path, AVX512_HOST, variants=("avx512", "avx2"))
+    assert variant == "avx512" and [t["variant"] for t in tried] == ["avx512"]
+    assert ip.why(variant, tried, ("avx512", "avx2")) == "avx512 built and passed the smoke test (only avx512, avx2 asked for)"
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "cache"))
+    assert ip.main(["--dry-run", "--only", "llama-cpp", "--variants", "avx2"]) == 0
+    out = capsys.readouterr().out
+    assert "configure llama.cpp (avx2)" in out and "GGML_NATIVE=ON" not in out and "if that fails" not in out
+    with pytest.raises(SystemExit):
+        ip.main(["--dry-run", "--only", "llama-cpp", "--variants", "native,sse"])
 
 
 def test_stamp_records_the_choice_and_decides_a_rebuild(ip, tmp_path):
