@@ -548,8 +548,8 @@ def install_llama_cpp(python: str, cache: Path, jobs: int, dry_run: bool, force:
             return [err]
     unpack(cache)
     print(f"[peers] llama.cpp: variants {', '.join(variants)} in turn (ccache: {'yes' if use_ccache else 'no'}); "
-          f"smoke test on {model}; a cold build of one variant took ~12 min on 2 busy cores, a rebuild with ccache "
-          "~1 min", flush=True)
+          f"smoke test on {model}; a cold build of one variant took 12-18 min on 2 busy cores, a rebuild or "
+          "another variant ~1 min with ccache warm", flush=True)
     variant, tried = build_variants(python, cache, jobs, model, flags, run_step=run_step, smoke=smoke or smoke_test,
                                     use_ccache=use_ccache, variants=variants)
     if variant is None:
