@@ -554,7 +554,7 @@ def install_llama_cpp(python: str, cache: Path, jobs: int, dry_run: bool, force:
                                     use_ccache=use_ccache, variants=variants)
     if variant is None:
         return ["llama.cpp: no variant built and passed the smoke test: "
-                + "; ".join(f"{t['variant']}: {str(t.get('reason', '')).splitlines()[0]}" for t in tried)]
+                + "; ".join(f"{t['variant']}: {(str(t.get('reason') or '?').splitlines() or ['?'])[0]}" for t in tried)]
     src_bin, bin_dir = build_dir(cache, variant) / "bin", cache / "bin"
     bin_dir.mkdir(parents=True, exist_ok=True)
     for tool in TOOLS:  # copied beside, then renamed: a binary running from bin/ is not overwritten
@@ -741,8 +741,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"[peers] constraints ({constraints}): {constraints_text(pinned).strip().replace(chr(10), ', ')}")
     before = "" if args.dry_run else _pip_check(python)
     errors: list[str] = []
+    llama_errors: list[str] = []
     if "llama-cpp" in only:  # first: llama-cpp-python takes the variant it chose
-        errors += install_llama_cpp(python, cache, args.jobs, args.dry_run, args.force, variants=variants)
+        llama_errors = install_llama_cpp(python, cache, args.jobs, args.dry_run, args.force, variants=variants)
+        errors += llama_errors
     flags, source = python_flags(cache)
     pips = pip_steps(python, constraints, args.jobs, flags)
     if "llama-cpp-python" in only:
@@ -771,7 +773,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"[peers] ERROR: {n} changed from {old} to {new}", file=sys.stderr)
     for line in problems:
         print(f"[peers] ERROR: pip check: {line}", file=sys.stderr)
-    built = report_llama_cpp(cache) if "llama-cpp" in only else None
+    built = report_llama_cpp(cache) if "llama-cpp" in only and not llama_errors else None
     if built:
         print(f"[peers] {built}")
     if changed or problems or errors:
