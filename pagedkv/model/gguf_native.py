@@ -69,17 +69,15 @@ def _qtype(info: GGUFTensorInfo) -> str:
         raise ConfigError(f"weights: {info.name} has unknown GGML type {info.ggml_type}") from None
 
 
-def _is_linear(info: GGUFTensorInfo) -> bool:
-    """A 2-D matrix that one of our linear layers (or the LM head / embedding) multiplies."""
-    return len(info.shape) == 2 and (info.name.startswith("blk.") or info.name in ("output.weight",
-                                                                                   "token_embd.weight"))
-
-
 def linear_types(header: GGUFHeader) -> dict[str, int]:
-    """``{GGML type name: count}`` of the file's 2-D weight matrices (layers, head, embedding)."""
+    """``{GGML type name: count}`` of the matrices the kernels multiply: every 2-D layer tensor
+    and the LM head (``output.weight``, or the embedding when it is tied). An untied embedding
+    is only looked up (any type ``gguf`` dequantises) and is not counted."""
+    names = {t.name for t in header.tensors}
+    head = "output.weight" if "output.weight" in names else "token_embd.weight"
     out: dict[str, int] = {}
     for t in header.tensors:
-        if _is_linear(t):
+        if len(t.shape) == 2 and (t.name.startswith("blk.") or t.name == head):
             out[_qtype(t)] = out.get(_qtype(t), 0) + 1
     return out
 

@@ -67,7 +67,8 @@ def test_corrupt_weights_are_rebuilt_bit_identically(bundled_gguf, loaded_model,
     assert not rebuilt.from_cache and rebuilt.cache_dir == entry
     assert weights.stat().st_size == size and weights.read_bytes()[:8] == data[:8]
     assert _same_weights(rebuilt.model, loaded_model.model)  # a fresh dequantisation == the cache
-    assert [p.name for p in seeded_cache.iterdir()] == [entry.name]  # no temp/stale dirs left
+    # no temp/stale dirs left (ids/: the file's stored sha256, pagedkv.model.weight_cache.file_identity)
+    assert sorted(p.name for p in seeded_cache.iterdir()) == sorted([entry.name, "ids"])
     assert load_model(bundled_gguf, cache_dir=seeded_cache).from_cache
 
 
@@ -263,7 +264,11 @@ def test_truncated_gguf(tmp_path, bundled_gguf):
         path.write_bytes(src.read(40 << 20))
     with pytest.raises(ConfigError, match="past the end"):
         load_model(path, cache_dir=tmp_path / "cache")
-    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+    with pytest.raises(ConfigError, match="past the end"):
+        load_model(path, weights="gguf", cache_dir=tmp_path / "cache")
+    # no weight or tokenizer entry: only the file's identity (its sha256, hashed once) is kept
+    left = sorted(p.relative_to(tmp_path / "cache").parts[0] for p in (tmp_path / "cache").rglob("*"))
+    assert set(left) <= {"ids"}
 
 
 def test_bad_dtype():
