@@ -218,7 +218,8 @@ def llama_server_load(server: str, path: str, args: argparse.Namespace, cold: bo
     port = _free_port()
     cmd = [server, "-m", path, "-t", str(args.threads), "-c", str(args.max_model_len), "--no-warmup",
            "--host", "127.0.0.1", "--port", str(port)]
-    res = run_guarded(cmd, timeout_s=args.timeout_s, rss_limit_bytes=args.rss_limit_gb * GB, ready=_healthy(port))
+    res = run_guarded(cmd, timeout_s=args.timeout_s, rss_limit_bytes=args.rss_limit_gb * GB, ready=_healthy(port),
+                      poll_s=0.05)
     if res["status"] == "ready":
         res["status"], res["load_s"] = "ok", res["ready_s"]
     else:
@@ -256,7 +257,7 @@ def llama_bench_run(bench: str, path: str, args: argparse.Namespace, measure_spe
     first = tests[0] if tests else {}
     res["system_info"] = {k: first.get(k) for k in ("build_commit", "build_number", "cpu_info", "backends", "n_threads",
                                                       "model_type", "model_size", "model_n_params", "type_k", "type_v",
-                                                      "use_mmap", "n_batch", "n_ubatch", "flash_attn")}
+                                                      "use_mmap", "load_mode", "repack", "n_batch", "n_ubatch", "flash_attn")}
     return res
 
 
@@ -298,7 +299,9 @@ def _tensor_types(path: str) -> dict[str, int]:
     return counts
 
 
-def collect(args: argparse.Namespace) -> dict[str, Any]:
+def collect(args: argparse.Namespace, on_model: Optional[Callable[[dict[str, Any]], None]] = None) -> dict[str, Any]:
+    """Every model measured; after each, ``on_model(partial results)`` (the run writes them, so a
+    run cut short still leaves the models it finished)."""
     from pagedkv.bench.models_report import summarize_model
 
     sizes, types = _split(args.sizes, SHAPES, "sizes"), _split(args.types, TYPES, "types")
@@ -350,8 +353,25 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
                         log(f"[models]   load {rec['cold'].get('load_s')} / {rec['warm'].get('load_s')}, "
                             f"bench {rec['bench']['status']} {rec['bench'].get('decode_tokens_per_s')}")
             entry["summary"] = summarize_model(entry, bandwidth["bytes_per_s"])
+            if on_model is not None:
+                on_model(_results(args, sizes, types, measure_spec, bandwidth, tools, llama_reason, models, load_start,
+                                  partial=True))
+    # the machine is shared: measured again at the end, the better of the two is the limit
+    again = read_bandwidth(args.threads)
+    bandwidth = {**bandwidth, "bytes_per_s": max(bandwidth["bytes_per_s"], again["bytes_per_s"]),
+                 "start_bytes_per_s": bandwidth["bytes_per_s"], "end_bytes_per_s": again["bytes_per_s"],
+                 "method": bandwidth["method"] + ", at the start and the end of the run, the higher taken"}
+    for entry in models:
+        entry["summary"] = summarize_model(entry, bandwidth["bytes_per_s"])
+    return _results(args, sizes, types, measure_spec, bandwidth, tools, llama_reason, models, load_start, partial=False)
+
+
+def _results(args: argparse.Namespace, sizes: list[str], types: list[str], measure_spec: dict[str, Any],
+             bandwidth: dict[str, Any], tools: dict[str, Optional[str]], llama_reason: Optional[str],
+             models: list[dict[str, Any]], load_start: Optional[float], partial: bool) -> dict[str, Any]:
     return json_clean({
         "benchmark": NAME,
+        "partial": partial,
         "description": (__doc__ or "").strip().splitlines()[0],
         "method": " ".join((__doc__ or "").strip().split("\n\n", 1)[1].split()),
         "config": {"sizes": sizes, "types": types, "rounds": args.rounds, "threads": args.threads,
@@ -386,7 +406,12 @@ def run(args: argparse.Namespace) -> int:
     from pagedkv.bench.models_report import plot, render_markdown
     from pagedkv.bench.report import publish, single_plot
 
-    data = collect(args)
-    publish(args.name, data, render_markdown, args.out_dir, as_json=args.json,
-            plots=None if args.no_plot else single_plot(args.name, "decode, prefill and peak RSS per model", plot))
+    def write(d: dict[str, Any], echo: bool = False) -> None:
+        publish(args.name, d, render_markdown, args.out_dir, as_json=args.json and echo, echo=echo,
+                plots=None if args.no_plot else single_plot(args.name, "decode, prefill and peak RSS per model", plot))
+
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so a terminated run kills its measured child
+    write(collect(args, on_model=write), echo=True)
     return 0

@@ -101,6 +101,9 @@ def run_guarded(cmd: Sequence[str], *, timeout_s: float, rss_limit_bytes: float,
                 _kill(proc, signal.SIGTERM)
             time.sleep(poll_s)
     finally:
+        if proc.returncode is None:  # interrupted (an exception in this loop): never leave the child running
+            _kill(proc, signal.SIGKILL)
+            proc.wait()
         if stdout_path:
             out_f.close()  # type: ignore[union-attr]
     wall = time.perf_counter() - t0

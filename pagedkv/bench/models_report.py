@@ -147,6 +147,8 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
     lines = [
         "# Models people run on CPUs: pagedkv beside llama.cpp",
         "",
+        *([f"**Partial results**: written while the run was still going ({len(data['models'])} of "
+           f"{len(cfg.get('sizes', [])) * len(cfg.get('types', []))} models started).", ""] if data.get("partial") else []),
         f"`{cfg['command']}`: random-weight GGUFs of Llama-family shapes (made by `pagedkv.bench.models_make`), "
         f"{cfg['rounds']} rounds with the systems interleaved, {cfg['threads']} threads, pagedkv "
         f"`weights={cfg['weights']}`, KV budget {cfg['kv_cache_memory']}, max_model_len {cfg['max_model_len']}, "
