@@ -62,6 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", dest="out_dir", default=None, help="where to write results (default docs/benchmarks/)")
     p.add_argument("--name", default=NAME, help=f"result file stem (default {NAME})")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--from-json", default=None,
+                   help="measure nothing: re-summarise and re-render an earlier run's JSON (e.g. after a report change)")
 
 
 # ---- machine facts -------------------------------------------------------------------------------
@@ -412,6 +414,14 @@ def run(args: argparse.Namespace) -> int:
 
     import signal
 
+    if args.from_json:
+        from pagedkv.bench.models_report import summarize_model
+
+        data = json.loads(Path(args.from_json).read_text())
+        for entry in data["models"]:
+            entry["summary"] = summarize_model(entry, data["read_bandwidth"]["bytes_per_s"])
+        write(json_clean(data), echo=True)
+        return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so a terminated run kills its measured child
     write(collect(args, on_model=write), echo=True)
     return 0

@@ -8,7 +8,7 @@ import statistics
 from typing import Any, Optional, Sequence
 
 GB = 1e9
-METRICS = ("cold_load_s", "warm_load_s", "peak_rss_bytes", "cache_bytes", "decode_tokens_per_s",
+METRICS = ("cold_load_s", "cold_load_peak_rss_bytes", "warm_load_s", "peak_rss_bytes", "cache_bytes", "decode_tokens_per_s",
            "prefill_tokens_per_s", "decode_fraction_of_limit")
 
 
@@ -35,6 +35,7 @@ def run_metrics(system: str, run: dict[str, Any], file_bytes: int, bandwidth: fl
     cold, warm = run.get("cold") or {}, run.get("warm") or {}
     if _ok(cold):
         m["cold_load_s"] = cold.get("load_s")
+        m["cold_load_peak_rss_bytes"] = cold.get("ru_maxrss")
     if _ok(warm):
         m["warm_load_s"] = warm.get("load_s")
     if system == "pagedkv":
@@ -86,7 +87,7 @@ def summarize_model(entry: dict[str, Any], bandwidth: float) -> dict[str, Any]:
     for name, system in entry.get("systems", {}).items():
         per_run = [run_metrics(name, r, file_bytes, bandwidth) for r in system.get("runs", [])]
         s: dict[str, Any] = {m: spread([r[m] for r in per_run]) for m in METRICS}
-        part_of = {"cold_load_s": "cold", "warm_load_s": "warm", "cache_bytes": "cold"}
+        part_of = {"cold_load_s": "cold", "cold_load_peak_rss_bytes": "cold", "warm_load_s": "warm", "cache_bytes": "cold"}
         default_part = "warm" if name == "pagedkv" else "bench"
         s["missing"] = {m: why_missing(system, part_of.get(m, default_part)) for m in METRICS if s[m] is None}
         out[name] = s
@@ -110,8 +111,8 @@ def cell(s: Optional[dict[str, Any]], scale: float = 1.0, digits: int = 1, missi
 
 
 COLUMNS = (  # (metric, header, scale, digits)
-    ("cold_load_s", "cold load s", 1.0, 1), ("warm_load_s", "warm load s", 1.0, 1),
-    ("peak_rss_bytes", "peak RSS GB", GB, 2), ("cache_bytes", "cache GB", GB, 2),
+    ("cold_load_s", "cold load s", 1.0, 1), ("cold_load_peak_rss_bytes", "cold-load peak RSS GB", GB, 2),
+    ("warm_load_s", "warm load s", 1.0, 1), ("peak_rss_bytes", "run peak RSS GB", GB, 2), ("cache_bytes", "cache GB", GB, 2),
     ("decode_tokens_per_s", "decode tok/s", 1.0, 1), ("prefill_tokens_per_s", "prefill 512 tok/s", 1.0, 1),
     ("decode_fraction_of_limit", "decode / weight-read limit", 1.0, 2),
 )
@@ -157,6 +158,10 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
         f"{' (dirty)' if data['machine'].get('dirty') else ''}.",
         "",
         data["method"].replace("``", "`").replace(":mod:", ""),
+        "",
+        "Cold-load peak RSS: the cold-loading process (pagedkv: until `LLM` is built; llama.cpp: `llama-server` until "
+        "`/health`); run peak RSS: the process that loaded and ran prefill and decode (pagedkv: the warm one; "
+        "llama.cpp: `llama-bench`). Cache GB: what pagedkv's cold load wrote to its cache dir (llama.cpp writes none).",
         "",
         f"Cells: median [interquartile range] over the rounds. Read bandwidth {bw['bytes_per_s'] / GB:.1f} GB/s "
         f"({bw['method']}); weight-read limit = bandwidth / file bytes tokens/s. llama.cpp: "

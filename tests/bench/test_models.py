@@ -164,7 +164,7 @@ def test_spread_median_and_iqr():
 
 def _ours(load, warm, decode, prefill, rss=2e9):
     meas = {"decode_tokens_per_s": decode, "prefill_tokens_per_s": prefill}
-    return {"cache_bytes": 3e9, "cold": {"status": "ok", "load_s": load},
+    return {"cache_bytes": 3e9, "cold": {"status": "ok", "load_s": load, "ru_maxrss": 5e9},
             "warm": {"status": "ok", "load_s": warm, "ru_maxrss": rss, "child": {"measure": meas}}}
 
 
@@ -198,15 +198,15 @@ def test_report_medians_iqr_and_not_measured_rows():
     assert s["pagedkv"]["decode_fraction_of_limit"]["median"] == 2.5
     assert s["decode_tokens_per_s_ratio"] is None
     md = render_markdown(data, {})
-    assert "| 0.5b | q4_0 | 1.00 | pagedkv | 11.0 [10.5-11.5] | 3.0 [2.5-3.5] | 2.00 [2.00-2.00] | 3.00 [3.00-3.00] | " \
+    assert "| 0.5b | q4_0 | 1.00 | pagedkv | 11.0 [10.5-11.5] | 5.00 [5.00-5.00] | 3.0 [2.5-3.5] | 2.00 [2.00-2.00] | 3.00 [3.00-3.00] | " \
            "25.0 [22.5-27.5] | 200.0 [150.0-250.0] | 2.50 [2.25-2.75] |" in md
     assert "| 0.5b | q4_0 | 1.00 | llama.cpp | not measured: llama.cpp tools not built (make peers) |" in md
-    assert "| 3b | q8_0 | 3.40 | pagedkv | killed at 14.2 GB | not measured: the cold load ended killed_rss |" in md
+    assert "| 3b | q8_0 | 3.40 | pagedkv | killed at 14.2 GB | killed at 14.2 GB | not measured: the cold load ended killed_rss |" in md
     assert "(dirty)" in md and "avx512" in md
 
 
 def test_report_ratios_with_llama_cpp():
-    run = {"cold": {"status": "ok", "load_s": 1.0}, "warm": {"status": "ok", "load_s": 0.5},
+    run = {"cold": {"status": "ok", "load_s": 1.0, "ru_maxrss": 0.9e9}, "warm": {"status": "ok", "load_s": 0.5},
            "bench": {"status": "ok", "decode_tokens_per_s": 50.0, "prefill_tokens_per_s": 400.0, "ru_maxrss": 1e9}}
     data = _fake_data({"status": "ok", "reason": None, "runs": [run, run]})
     s = data["models"][0]["summary"]
@@ -214,7 +214,7 @@ def test_report_ratios_with_llama_cpp():
     assert s["llama.cpp"]["cache_bytes"]["median"] == 0
     md = render_markdown(data, {})
     assert "| 0.5b | q4_0 | 0.50x | 0.50x |" in md
-    assert "| 0.5b | q4_0 | 1.00 | llama.cpp | 1.0 [1.0-1.0] | 0.5 [0.5-0.5] | 1.00 [1.00-1.00] | 0.00 [0.00-0.00] | " \
+    assert "| 0.5b | q4_0 | 1.00 | llama.cpp | 1.0 [1.0-1.0] | 0.90 [0.90-0.90] | 0.5 [0.5-0.5] | 1.00 [1.00-1.00] | 0.00 [0.00-0.00] | " \
            "50.0 [50.0-50.0] | 400.0 [400.0-400.0] | 5.00 [5.00-5.00] |" in md
 
 
@@ -224,3 +224,18 @@ def test_bad_size_is_a_config_error():
     with pytest.raises(ConfigError, match="--sizes"):
         bench_models._split("0.5b,13b", mm.SHAPES, "sizes")
     assert os.path.basename(str(mm.model_file("8b", "q4_k_m", "llama-quantize", Path("/r")))) == "random-llama-8b-q4_k_m.gguf"
+
+
+def test_from_json_re_renders_an_earlier_run(tmp_path):
+    data = _fake_data({"status": "not measured", "reason": bench_models.NOT_BUILT, "runs": []})
+    for e in data["models"]:
+        e["summary"] = None  # re-summarised from the runs
+    data["machine"].update({"machine": "x86_64", "torch_threads": 2, "packages": {"torch": "x"}, "time_utc": "t"})
+    src = tmp_path / "old.json"
+    src.write_text(json.dumps(data))
+    args = argparse.Namespace(from_json=str(src), name="models", out_dir=str(tmp_path / "out"), json=False, no_plot=True)
+    assert bench_models.run(args) == 0
+    out = json.loads((tmp_path / "out" / "models.json").read_text())
+    assert out["models"][0]["summary"]["pagedkv"]["decode_tokens_per_s"]["median"] == 25.0
+    assert "| 0.5b | q4_0 | 1.00 | llama.cpp | not measured: llama.cpp tools not built (make peers) |" in \
+        (tmp_path / "out" / "models.md").read_text()
