@@ -26,6 +26,7 @@ BENCHES: dict[str, str] = {
     "route": "pagedkv.bench.route",
     "structured": "pagedkv.bench.structured",
     "spec": "pagedkv.bench.spec",
+    "models": "pagedkv.bench.models",
 }
 
 

@@ -1,0 +1,241 @@
+"""`pagedkv bench models`: the random-GGUF maker (on a tiny shape), the RSS guard, the llama.cpp
+tool runs (with stand-in scripts) and the report on fake measurements; no llama.cpp build needed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import stat
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pagedkv.bench import models as bench_models
+from pagedkv.bench import models_make as mm
+from pagedkv.bench.models_guard import run_guarded
+from pagedkv.bench.models_report import render_markdown, spread, summarize_model
+from pagedkv.gguf_header import read_gguf_header
+
+TINY = mm.SHAPES["tiny"]  # hidden 64, 2 layers, 4 heads, 2 KV heads, ffn 128, vocab 49,152 + 16
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return mm.tokenizer_fields()
+
+
+@pytest.fixture(scope="module")
+def tiny_files(tmp_path_factory, tokenizer):
+    d = tmp_path_factory.mktemp("models")
+    return {q: (d / f"tiny-{q}.gguf", mm.write_random_gguf(d / f"tiny-{q}.gguf", TINY, q, tokenizer=tokenizer))
+            for q in ("f16", "q8_0", "q4_0")}
+
+
+def test_tiny_shape_tensors():
+    names = [n for n, _ in TINY.tensors()]
+    assert len(names) == 1 + 2 * 9 + 1  # embedding, 9 per layer, final norm; tied: no output.weight
+    assert TINY.head_dim == 16 and TINY.num_params() == 49168 * 64 + 2 * (64 * 64 * 2 + 32 * 64 * 2 + 3 * 128 * 64 + 2 * 64) + 64
+    assert [n for n, _ in mm.SHAPES["8b"].tensors()][-1] == "output.weight"  # Llama-3.1-8B is not tied
+    assert mm.SHAPES["8b"].num_params() == pytest.approx(8.03e9, rel=0.01)
+    assert mm.SHAPES["3b"].num_params() == pytest.approx(3.21e9, rel=0.01)
+
+
+@pytest.mark.parametrize("qtype,ggml_type,bytes_per_32", [("f16", 1, 64), ("q8_0", 8, 34), ("q4_0", 2, 18)])
+def test_written_gguf_has_the_shapes_types_and_bytes(tiny_files, qtype, ggml_type, bytes_per_32):
+    path, facts = tiny_files[qtype]
+    h = read_gguf_header(path)
+    assert facts["tensors"] == len(h.tensors) == 20 and facts["bytes"] == path.stat().st_size
+    assert [(t.name, t.shape) for t in h.tensors] == [(n, s) for n, s in TINY.tensors()]
+    assert {t.ggml_type for t in h.tensors if len(t.shape) == 1} == {0}  # norms F32
+    assert {t.ggml_type for t in h.tensors if len(t.shape) == 2} == {ggml_type}
+    md = h.metadata
+    assert md["general.architecture"] == "llama" and md["llama.block_count"] == 2
+    assert md["llama.embedding_length"] == 64 and md["llama.attention.head_count_kv"] == 2
+    assert md["llama.vocab_size"] == 49168 and len(md["tokenizer.ggml.tokens"]) == 49168
+    assert len(md["tokenizer.ggml.token_type"]) == 49168 and int(md["tokenizer.ggml.token_type"][-1]) == 4
+    # each tensor's bytes: the offsets step by the aligned size of the one before
+    offs = [t.offset for t in h.tensors]
+    for t, nxt in zip(h.tensors[:-1], offs[1:]):
+        n = int(np.prod(t.shape))
+        want = 4 * n if len(t.shape) == 1 else n // 32 * bytes_per_32
+        assert nxt - t.offset == -(-want // 32) * 32, t.name
+    last = h.tensors[-1]  # output_norm: 64 F32 ones at the end of the file
+    assert path.stat().st_size == last.offset + 256
+    if qtype == "f16":
+        emb = np.memmap(path, dtype=np.float16, mode="r", offset=h.tensors[0].offset, shape=(49168, 64))
+        assert abs(float(emb[:4096].astype(np.float32).std()) - mm.STD) < 0.001
+        norm = np.memmap(path, dtype=np.float32, mode="r", offset=last.offset, shape=(64,))
+        assert np.all(norm == 1.0)
+
+
+def test_padded_tokenizer(tokenizer):
+    out = mm.padded_tokenizer(tokenizer, 49152 + 3)
+    toks = out["tokenizer.ggml.tokens"][0]
+    assert len(toks) == 49155 and toks[-3:] == ["<|extra_0|>", "<|extra_1|>", "<|extra_2|>"]
+    assert out["tokenizer.ggml.token_type"][0][-1] == 4 and len(out["tokenizer.ggml.token_type"][0]) == 49155
+    assert out["tokenizer.ggml.merges"] == tokenizer["tokenizer.ggml.merges"]
+    with pytest.raises(ValueError, match="vocab 1000"):
+        mm.padded_tokenizer(tokenizer, 1000)
+
+
+def test_pagedkv_loads_and_generates_the_tiny_gguf(tiny_files, tmp_path, monkeypatch):
+    from pagedkv import LLM, SamplingParams
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    bench_models.seed_kernels(cache)  # the compiled kernels linked in: no compiling here
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(cache))
+    llm = LLM(model=str(tiny_files["q4_0"][0]), max_model_len=128, kv_cache_memory="16MiB")
+    assert llm.engine.loaded.config.vocab_size == 49168 and llm.engine.loaded.config.num_layers == 2
+    (out,) = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert len(out.token_ids) == 5 and all(0 <= t < 49168 for t in out.token_ids)
+    assert llm.tokenizer.encode("hello world") == [28120, 905]  # SmolLM2's own ids
+    assert bench_models.dir_bytes(cache) > 0  # the weight cache entry (the linked kernels are not counted)
+
+
+def _script(path: Path, body: str) -> str:
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
+
+
+def test_ensure_models_caches_and_says_what_it_cannot_make(tmp_path, monkeypatch, tokenizer):
+    monkeypatch.setattr(mm, "find_tool", lambda name, bin_dir=None: None)
+    monkeypatch.setattr(mm, "tokenizer_fields", lambda source=None: tokenizer)
+    made = mm.ensure_models(["tiny"], ["q8_0", "q4_k_m"], root=tmp_path, log=lambda m: None)
+    q8 = made[("tiny", "q8_0")]
+    assert q8["maker"] == "gguf-py" and not q8["cached"] and q8["path"].endswith("random-llama-tiny-q8_0-ggufpy.gguf")
+    assert "llama-quantize not built" in made[("tiny", "q4_k_m")]["error"]
+    again = mm.ensure_models(["tiny"], ["q8_0"], root=tmp_path, log=lambda m: None)
+    assert again[("tiny", "q8_0")]["cached"] and again[("tiny", "q8_0")]["bytes"] == q8["bytes"]
+    Path(q8["path"]).write_bytes(b"truncated")  # a damaged file is remade
+    assert not mm.ensure_models(["tiny"], ["q8_0"], root=tmp_path, log=lambda m: None)[("tiny", "q8_0")]["cached"]
+
+
+def test_ensure_models_with_llama_quantize_deletes_the_f16(tmp_path, monkeypatch, tokenizer):
+    calls = tmp_path / "calls"
+    fake = _script(tmp_path / "llama-quantize", f'echo "$3" >> {calls}; cp "$1" "$2"\n')
+    monkeypatch.setattr(mm, "find_tool", lambda name, bin_dir=None: fake if name == "llama-quantize" else None)
+    monkeypatch.setattr(mm, "tokenizer_fields", lambda source=None: tokenizer)
+    root = tmp_path / "models"
+    made = mm.ensure_models(["tiny"], ["q4_k_m", "q8_0"], root=root, log=lambda m: None)
+    assert calls.read_text().split() == ["Q4_K_M", "Q8_0"]  # one f16 file quantised twice
+    assert made[("tiny", "q4_k_m")]["maker"] == "llama-quantize" and made[("tiny", "q4_k_m")]["quantize_seconds"] >= 0
+    assert not (root / "random-llama-tiny-f16.gguf").exists()
+    assert sorted(p.name for p in root.glob("*.gguf")) == ["random-llama-tiny-q4_k_m.gguf", "random-llama-tiny-q8_0.gguf"]
+
+
+def test_rss_guard_kills_a_process_above_the_limit():
+    grow = "import time\nx = bytearray(400 * 1024 * 1024)\nfor i in range(0, len(x), 4096): x[i] = 1\ntime.sleep(30)"
+    res = run_guarded([sys.executable, "-c", grow], timeout_s=60, rss_limit_bytes=200e6, poll_s=0.05)
+    assert res["status"] == "killed_rss" and res["killed_at_bytes"] > 200e6
+    assert res["reason"].startswith("killed at 0.") and res["wall_s"] < 20
+    slow = run_guarded([sys.executable, "-c", "import time; time.sleep(30)"], timeout_s=1, rss_limit_bytes=1e12)
+    assert slow["status"] == "timeout" and slow["wall_s"] < 10
+    ok = run_guarded([sys.executable, "-c", "x = bytearray(50 * 1024 * 1024)"], timeout_s=60, rss_limit_bytes=1e12)
+    assert ok["status"] == "ok" and ok["ru_maxrss"] > 50 * 1024 * 1024
+    bad = run_guarded([sys.executable, "-c", "import sys; sys.exit('boom')"], timeout_s=60, rss_limit_bytes=1e12)
+    assert bad["status"] == "failed" and "exit 1" in bad["reason"] and "boom" in bad["reason"]
+    marks = iter([False, False, True])
+    srv = run_guarded([sys.executable, "-c", "import time; time.sleep(30)"], timeout_s=60, rss_limit_bytes=1e12,
+                      poll_s=0.05, ready=lambda: next(marks))
+    assert srv["status"] == "ready" and srv["ready_s"] is not None and srv["wall_s"] < 10
+
+
+def test_llama_bench_output_is_parsed(tmp_path):
+    rows = [{"build_commit": "abc", "cpu_info": "AMD EPYC", "n_threads": 2, "n_prompt": 512, "n_gen": 0, "avg_ts": 150.5},
+            {"build_commit": "abc", "cpu_info": "AMD EPYC", "n_threads": 2, "n_prompt": 0, "n_gen": 64, "avg_ts": 20.25}]
+    fake = _script(tmp_path / "llama-bench", f"cat <<'EOF'\n{json.dumps(rows)}\nEOF\n")
+    args = argparse.Namespace(threads=2, timeout_s=60, rss_limit_gb=100.0)
+    res = bench_models.llama_bench_run(fake, "/m.gguf", args, {"prefill_tokens": 512, "decode_tokens": 64})
+    assert res["status"] == "ok" and res["prefill_tokens_per_s"] == 150.5 and res["decode_tokens_per_s"] == 20.25
+    assert res["system_info"]["cpu_info"] == "AMD EPYC" and res["command"].endswith("-p 512 -n 64 -r 1 -o json")
+
+
+def test_spread_median_and_iqr():
+    s = spread([1.0, 2.0, 3.0, 4.0, 100.0])
+    assert s["median"] == 3.0 and s["q1"] == 2.0 and s["q3"] == 4.0 and s["iqr"] == 2.0 and s["n"] == 5
+    assert spread([5.0])["q1"] == spread([5.0])["q3"] == 5.0
+    assert spread([None, None]) is None
+
+
+def _ours(load, warm, decode, prefill, rss=2e9):
+    meas = {"decode_tokens_per_s": decode, "prefill_tokens_per_s": prefill}
+    return {"cache_bytes": 3e9, "cold": {"status": "ok", "load_s": load, "ru_maxrss": 5e9},
+            "warm": {"status": "ok", "load_s": warm, "ru_maxrss": rss, "child": {"measure": meas}}}
+
+
+def _fake_data(peer: dict) -> dict:
+    ok = {"size": "0.5b", "type": "q4_0", "file": {"bytes": 1e9, "maker": "gguf-py", "make_seconds": 20.0,
+                                                   "tensor_types": {"F32": 49, "Q4_0": 169}},
+          "systems": {"pagedkv": {"status": "ok", "reason": None,
+                                  "runs": [_ours(10, 2, 20, 100), _ours(12, 3, 30, 200), _ours(11, 4, 25, 300)]},
+                      "llama.cpp": peer}}
+    killed = {"size": "3b", "type": "q8_0", "file": {"bytes": 3.4e9, "maker": "llama-quantize", "make_seconds": 90.0},
+              "systems": {"pagedkv": {"status": "killed", "reason": "killed at 14.2 GB (RSS limit 14 GB)", "runs": [
+                  {"cache_bytes": 0, "cold": {"status": "killed_rss", "reason": "killed at 14.2 GB (RSS limit 14 GB)"},
+                   "warm": {"status": "not measured", "reason": "the cold load ended killed_rss"}}]},
+                          "llama.cpp": peer}}
+    bw = 10e9
+    for e in (ok, killed):
+        e["summary"] = summarize_model(e, bw)
+    return {"config": {"command": "pagedkv bench models", "rounds": 3, "threads": 2, "weights": "auto",
+                       "kv_cache_memory": "1GiB", "max_model_len": 1024, "rss_limit_gb": 14.0},
+            "read_bandwidth": {"bytes_per_s": bw, "method": "torch.sum"}, "cpu_model": "AMD EPYC", "method": "m",
+            "machine": {"commit": "abc", "dirty": True, "cpu_isa": {"isa": "avx512"}, "cpu_count": 2},
+            "llama_cpp": {"tools": {}, "stamp": None, "not_measured": peer["reason"]}, "models": [ok, killed]}
+
+
+def test_report_medians_iqr_and_not_measured_rows():
+    data = _fake_data({"status": "not measured", "reason": bench_models.NOT_BUILT, "runs": []})
+    s = data["models"][0]["summary"]
+    assert s["pagedkv"]["decode_tokens_per_s"]["median"] == 25.0
+    assert s["pagedkv"]["decode_tokens_per_s"]["q1"] == 22.5 and s["pagedkv"]["decode_tokens_per_s"]["q3"] == 27.5
+    assert s["weight_read_limit_tokens_per_s"] == 10.0  # 10 GB/s over a 1 GB file
+    assert s["pagedkv"]["decode_fraction_of_limit"]["median"] == 2.5
+    assert s["decode_tokens_per_s_ratio"] is None
+    md = render_markdown(data, {})
+    assert "| 0.5b | q4_0 | 1.00 | pagedkv | 11.0 [10.5-11.5] | 5.00 [5.00-5.00] | 3.0 [2.5-3.5] | 2.00 [2.00-2.00] | 3.00 [3.00-3.00] | " \
+           "25.0 [22.5-27.5] | 200.0 [150.0-250.0] | 2.50 [2.25-2.75] |" in md
+    assert "| 0.5b | q4_0 | 1.00 | llama.cpp | not measured: llama.cpp tools not built (make peers) |" in md
+    assert "| 3b | q8_0 | 3.40 | pagedkv | killed at 14.2 GB | killed at 14.2 GB | not measured: the cold load ended killed_rss |" in md
+    assert "(dirty)" in md and "avx512" in md
+
+
+def test_report_ratios_with_llama_cpp():
+    run = {"cold": {"status": "ok", "load_s": 1.0, "ru_maxrss": 0.9e9}, "warm": {"status": "ok", "load_s": 0.5},
+           "bench": {"status": "ok", "decode_tokens_per_s": 50.0, "prefill_tokens_per_s": 400.0, "ru_maxrss": 1e9}}
+    data = _fake_data({"status": "ok", "reason": None, "runs": [run, run]})
+    s = data["models"][0]["summary"]
+    assert s["decode_tokens_per_s_ratio"] == 0.5 and s["prefill_tokens_per_s_ratio"] == 0.5
+    assert s["llama.cpp"]["cache_bytes"]["median"] == 0
+    md = render_markdown(data, {})
+    assert "| 0.5b | q4_0 | 0.50x | 0.50x |" in md
+    assert "| 0.5b | q4_0 | 1.00 | llama.cpp | 1.0 [1.0-1.0] | 0.90 [0.90-0.90] | 0.5 [0.5-0.5] | 1.00 [1.00-1.00] | 0.00 [0.00-0.00] | " \
+           "50.0 [50.0-50.0] | 400.0 [400.0-400.0] | 5.00 [5.00-5.00] |" in md
+
+
+def test_bad_size_is_a_config_error():
+    from pagedkv.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--sizes"):
+        bench_models._split("0.5b,13b", mm.SHAPES, "sizes")
+    assert os.path.basename(str(mm.model_file("8b", "q4_k_m", "llama-quantize", Path("/r")))) == "random-llama-8b-q4_k_m.gguf"
+
+
+def test_from_json_re_renders_an_earlier_run(tmp_path):
+    data = _fake_data({"status": "not measured", "reason": bench_models.NOT_BUILT, "runs": []})
+    for e in data["models"]:
+        e["summary"] = None  # re-summarised from the runs
+    data["machine"].update({"machine": "x86_64", "torch_threads": 2, "packages": {"torch": "x"}, "time_utc": "t"})
+    src = tmp_path / "old.json"
+    src.write_text(json.dumps(data))
+    args = argparse.Namespace(from_json=str(src), name="models", out_dir=str(tmp_path / "out"), json=False, no_plot=True)
+    assert bench_models.run(args) == 0
+    out = json.loads((tmp_path / "out" / "models.json").read_text())
+    assert out["models"][0]["summary"]["pagedkv"]["decode_tokens_per_s"]["median"] == 25.0
+    assert "| 0.5b | q4_0 | 1.00 | llama.cpp | not measured: llama.cpp tools not built (make peers) |" in \
+        (tmp_path / "out" / "models.md").read_text()
