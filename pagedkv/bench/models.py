@@ -308,6 +308,7 @@ def collect(args: argparse.Namespace, on_model: Optional[Callable[[dict[str, Any
 
     sizes, types = _split(args.sizes, SHAPES, "sizes"), _split(args.types, TYPES, "types")
     load_start = load_average()
+    machine = {**machine_info(args.threads), "dirty": _dirty()}  # the commit measured: the one at the start
     tools = {t: find_tool(t) for t in ("llama-quantize", "llama-bench", "llama-server")}
     llama_reason = None
     if args.no_llama_cpp:
@@ -356,7 +357,7 @@ def collect(args: argparse.Namespace, on_model: Optional[Callable[[dict[str, Any
                             f"bench {rec['bench']['status']} {rec['bench'].get('decode_tokens_per_s')}")
             entry["summary"] = summarize_model(entry, bandwidth["bytes_per_s"])
             if on_model is not None:
-                on_model(_results(args, sizes, types, measure_spec, bandwidth, tools, llama_reason, models, load_start,
+                on_model(_results(args, sizes, types, measure_spec, bandwidth, tools, llama_reason, models, load_start, machine,
                                   partial=True))
     # the machine is shared: measured again at the end, the better of the two is the limit
     again = read_bandwidth(args.threads)
@@ -365,12 +366,13 @@ def collect(args: argparse.Namespace, on_model: Optional[Callable[[dict[str, Any
                  "method": bandwidth["method"] + ", at the start and the end of the run, the higher taken"}
     for entry in models:
         entry["summary"] = summarize_model(entry, bandwidth["bytes_per_s"])
-    return _results(args, sizes, types, measure_spec, bandwidth, tools, llama_reason, models, load_start, partial=False)
+    return _results(args, sizes, types, measure_spec, bandwidth, tools, llama_reason, models, load_start, machine, partial=False)
 
 
 def _results(args: argparse.Namespace, sizes: list[str], types: list[str], measure_spec: dict[str, Any],
              bandwidth: dict[str, Any], tools: dict[str, Optional[str]], llama_reason: Optional[str],
-             models: list[dict[str, Any]], load_start: Optional[float], partial: bool) -> dict[str, Any]:
+             models: list[dict[str, Any]], load_start: Optional[float], machine: dict[str, Any],
+             partial: bool) -> dict[str, Any]:
     return json_clean({
         "benchmark": NAME,
         "partial": partial,
@@ -387,7 +389,7 @@ def _results(args: argparse.Namespace, sizes: list[str], types: list[str], measu
         "llama_cpp": {"tools": tools, "stamp": llama_cpp_stamp(), "not_measured": llama_reason},
         "models": models,
         "load_average_1m": {"start": load_start, "end": load_average()},
-        "machine": {**machine_info(args.threads), "dirty": _dirty()},
+        "machine": {**machine, "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
     })
 
 
