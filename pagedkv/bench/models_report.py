@@ -221,7 +221,7 @@ def plot(data: dict[str, Any], path: Any) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     for ax, (metric, title, scale) in zip(axes, (("decode_tokens_per_s", "batch-1 decode tok/s", 1.0),
                                                   ("prefill_tokens_per_s", "prefill 512 tok/s", 1.0),
-                                                  ("peak_rss_bytes", "peak RSS GB", GB))):
+                                                  ("peak_rss_bytes", "run peak RSS GB", GB))):
         for k, (name, color) in enumerate((("pagedkv", "tab:blue"), ("llama.cpp", "tab:orange"))):
             xs, ys, lo, hi = [], [], [], []
             for i, e in enumerate(data["models"]):
