@@ -62,6 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", dest="out_dir", default=None, help="where to write results (default docs/benchmarks/)")
     p.add_argument("--name", default=NAME, help=f"result file stem (default {NAME})")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--note", default=None, help="free text recorded in the results (with --from-json: replaces the run's)")
     p.add_argument("--from-json", default=None,
                    help="measure nothing: re-summarise and re-render an earlier run's JSON (e.g. after a report change)")
 
@@ -381,7 +382,7 @@ def _results(args: argparse.Namespace, sizes: list[str], types: list[str], measu
         "config": {"sizes": sizes, "types": types, "rounds": args.rounds, "threads": args.threads,
                    "rss_limit_gb": args.rss_limit_gb, "timeout_s": args.timeout_s, "weights": args.weights,
                    "kv_cache_memory": args.kv_cache_memory, "max_model_len": args.max_model_len,
-                   "measure_spec": measure_spec, "drop_caches": bool(args.drop_caches),
+                   "measure_spec": measure_spec, "drop_caches": bool(args.drop_caches), "note": args.note,
                    "command": " ".join(["pagedkv bench models", *sys.argv[3:]]) if sys.argv[1:3] == ["bench", NAME]
                    else f"pagedkv bench models --sizes {','.join(sizes)} --types {','.join(types)} --rounds {args.rounds}"},
         "cpu_model": cpu_model(),
@@ -422,6 +423,8 @@ def run(args: argparse.Namespace) -> int:
         data = json.loads(Path(args.from_json).read_text())
         for entry in data["models"]:
             entry["summary"] = summarize_model(entry, data["read_bandwidth"]["bytes_per_s"])
+        if args.note:
+            data["config"]["note"] = args.note
         write(json_clean(data), echo=True)
         return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so a terminated run kills its measured child

@@ -174,6 +174,7 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
         "",
         data["method"].replace("``", "`").replace(":mod:", ""),
         "",
+        *([f"Note: {cfg['note']}", ""] if cfg.get("note") else []),
         "Cold-load peak RSS: the cold-loading process (pagedkv: until `LLM` is built; llama.cpp: `llama-server` until "
         "`/health`); run peak RSS: the process that loaded and ran prefill and decode (pagedkv: the warm one; "
         "llama.cpp: `llama-bench`). Cache GB: what pagedkv's cold load wrote to its cache dir (llama.cpp writes none). "

@@ -233,9 +233,11 @@ def test_from_json_re_renders_an_earlier_run(tmp_path):
     data["machine"].update({"machine": "x86_64", "torch_threads": 2, "packages": {"torch": "x"}, "time_utc": "t"})
     src = tmp_path / "old.json"
     src.write_text(json.dumps(data))
-    args = argparse.Namespace(from_json=str(src), name="models", out_dir=str(tmp_path / "out"), json=False, no_plot=True)
+    args = argparse.Namespace(from_json=str(src), name="models", out_dir=str(tmp_path / "out"), json=False, no_plot=True,
+                             note="shared machine")
     assert bench_models.run(args) == 0
     out = json.loads((tmp_path / "out" / "models.json").read_text())
     assert out["models"][0]["summary"]["pagedkv"]["decode_tokens_per_s"]["median"] == 25.0
+    assert "Note: shared machine" in (tmp_path / "out" / "models.md").read_text()
     assert "| 0.5b | q4_0 | 1.00 | llama.cpp | not measured: llama.cpp tools not built (make peers) |" in \
         (tmp_path / "out" / "models.md").read_text()
