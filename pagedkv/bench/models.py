@@ -62,6 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", dest="out_dir", default=None, help="where to write results (default docs/benchmarks/)")
     p.add_argument("--name", default=NAME, help=f"result file stem (default {NAME})")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--note", default=None, help="free text recorded in the results (with --from-json: replaces the run's)")
     p.add_argument("--from-json", default=None,
                    help="measure nothing: re-summarise and re-render an earlier run's JSON (e.g. after a report change)")
 
@@ -308,6 +309,7 @@ def collect(args: argparse.Namespace, on_model: Optional[Callable[[dict[str, Any
 
     sizes, types = _split(args.sizes, SHAPES, "sizes"), _split(args.types, TYPES, "types")
     load_start = load_average()
+    machine = {**machine_info(args.threads), "dirty": _dirty()}  # the commit measured: the one at the start
     tools = {t: find_tool(t) for t in ("llama-quantize", "llama-bench", "llama-server")}
     llama_reason = None
     if args.no_llama_cpp:
@@ -356,7 +358,7 @@ def collect(args: argparse.Namespace, on_model: Optional[Callable[[dict[str, Any
                             f"bench {rec['bench']['status']} {rec['bench'].get('decode_tokens_per_s')}")
             entry["summary"] = summarize_model(entry, bandwidth["bytes_per_s"])
             if on_model is not None:
-                on_model(_results(args, sizes, types, measure_spec, bandwidth, tools, llama_reason, models, load_start,
+                on_model(_results(args, sizes, types, measure_spec, bandwidth, tools, llama_reason, models, load_start, machine,
                                   partial=True))
     # the machine is shared: measured again at the end, the better of the two is the limit
     again = read_bandwidth(args.threads)
@@ -365,12 +367,13 @@ def collect(args: argparse.Namespace, on_model: Optional[Callable[[dict[str, Any
                  "method": bandwidth["method"] + ", at the start and the end of the run, the higher taken"}
     for entry in models:
         entry["summary"] = summarize_model(entry, bandwidth["bytes_per_s"])
-    return _results(args, sizes, types, measure_spec, bandwidth, tools, llama_reason, models, load_start, partial=False)
+    return _results(args, sizes, types, measure_spec, bandwidth, tools, llama_reason, models, load_start, machine, partial=False)
 
 
 def _results(args: argparse.Namespace, sizes: list[str], types: list[str], measure_spec: dict[str, Any],
              bandwidth: dict[str, Any], tools: dict[str, Optional[str]], llama_reason: Optional[str],
-             models: list[dict[str, Any]], load_start: Optional[float], partial: bool) -> dict[str, Any]:
+             models: list[dict[str, Any]], load_start: Optional[float], machine: dict[str, Any],
+             partial: bool) -> dict[str, Any]:
     return json_clean({
         "benchmark": NAME,
         "partial": partial,
@@ -379,7 +382,7 @@ def _results(args: argparse.Namespace, sizes: list[str], types: list[str], measu
         "config": {"sizes": sizes, "types": types, "rounds": args.rounds, "threads": args.threads,
                    "rss_limit_gb": args.rss_limit_gb, "timeout_s": args.timeout_s, "weights": args.weights,
                    "kv_cache_memory": args.kv_cache_memory, "max_model_len": args.max_model_len,
-                   "measure_spec": measure_spec, "drop_caches": bool(args.drop_caches),
+                   "measure_spec": measure_spec, "drop_caches": bool(args.drop_caches), "note": args.note,
                    "command": " ".join(["pagedkv bench models", *sys.argv[3:]]) if sys.argv[1:3] == ["bench", NAME]
                    else f"pagedkv bench models --sizes {','.join(sizes)} --types {','.join(types)} --rounds {args.rounds}"},
         "cpu_model": cpu_model(),
@@ -387,7 +390,7 @@ def _results(args: argparse.Namespace, sizes: list[str], types: list[str], measu
         "llama_cpp": {"tools": tools, "stamp": llama_cpp_stamp(), "not_measured": llama_reason},
         "models": models,
         "load_average_1m": {"start": load_start, "end": load_average()},
-        "machine": {**machine_info(args.threads), "dirty": _dirty()},
+        "machine": {**machine, "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
     })
 
 
@@ -420,6 +423,8 @@ def run(args: argparse.Namespace) -> int:
         data = json.loads(Path(args.from_json).read_text())
         for entry in data["models"]:
             entry["summary"] = summarize_model(entry, data["read_bandwidth"]["bytes_per_s"])
+        if args.note:
+            data["config"]["note"] = args.note
         write(json_clean(data), echo=True)
         return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so a terminated run kills its measured child

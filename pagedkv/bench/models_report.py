@@ -128,14 +128,29 @@ def table_rows(data: dict[str, Any]) -> list[str]:
         for name in ("pagedkv", "llama.cpp"):
             s = summ.get(name)
             sysrec = e.get("systems", {}).get(name, {})
-            if s is not None and sysrec.get("status") == "not measured":
+            if s is not None and sysrec.get("status") in ("not measured", "killed"):
                 s = None
-            if s is None:
+            if s is None and sysrec.get("status") == "killed":
+                cells = [f"{sysrec.get('reason')}: in the cold load of round 1 (no later round tried)"] + [""] * (len(COLUMNS) - 1)
+            elif s is None:
                 cells = [f"not measured: {sysrec.get('reason') or f.get('error') or 'no runs'}"] + [""] * (len(COLUMNS) - 1)
             else:
                 cells = [cell(s[m], scale, d, s["missing"].get(m, "")) for m, _h, scale, d in COLUMNS]
-            lines.append(f"| {e['size']} | {e['type']} | {size} | {name} | " + " | ".join(cells) + " |")
+            label = name
+            if name == "pagedkv" and weights_of(sysrec):
+                label = f"pagedkv ({weights_of(sysrec)})"
+            lines.append(f"| {e['size']} | {e['type']} | {size} | {label} | " + " | ".join(cells) + " |")
     return lines
+
+
+def weights_of(system: dict[str, Any]) -> Optional[str]:
+    """The linear-layer format pagedkv ran a model in (``int4``, ``int8``, ...), from its runs."""
+    for run in system.get("runs", []):
+        for part in ("warm", "cold"):
+            w = ((run.get(part) or {}).get("child") or {}).get("weights")
+            if w:
+                return str(w)
+    return None
 
 
 def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
@@ -159,9 +174,14 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
         "",
         data["method"].replace("``", "`").replace(":mod:", ""),
         "",
+        *([f"Note: {cfg['note']}", ""] if cfg.get("note") else []),
         "Cold-load peak RSS: the cold-loading process (pagedkv: until `LLM` is built; llama.cpp: `llama-server` until "
         "`/health`); run peak RSS: the process that loaded and ran prefill and decode (pagedkv: the warm one; "
-        "llama.cpp: `llama-bench`). Cache GB: what pagedkv's cold load wrote to its cache dir (llama.cpp writes none).",
+        "llama.cpp: `llama-bench`). Cache GB: what pagedkv's cold load wrote to its cache dir (llama.cpp writes none). "
+        "`pagedkv (int8)`: the linear-layer format pagedkv's `weights` setting chose for that file (with `auto`, int4 "
+        "only from Q4_0/Q4_1 codes, so a Q4_K_M file runs as int8 and reads about twice llama.cpp's weight bytes per "
+        "token). The weight-read limit uses the file's bytes; the bandwidth is `torch.sum`'s, not the machine's peak, "
+        "so a fraction above 1 means the limit is an underestimate, not that a system beat it.",
         "",
         f"Cells: median [interquartile range] over the rounds. Read bandwidth {bw['bytes_per_s'] / GB:.1f} GB/s "
         f"({bw['method']}); weight-read limit = bandwidth / file bytes tokens/s. llama.cpp: "
@@ -202,7 +222,7 @@ def plot(data: dict[str, Any], path: Any) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     for ax, (metric, title, scale) in zip(axes, (("decode_tokens_per_s", "batch-1 decode tok/s", 1.0),
                                                   ("prefill_tokens_per_s", "prefill 512 tok/s", 1.0),
-                                                  ("peak_rss_bytes", "peak RSS GB", GB))):
+                                                  ("peak_rss_bytes", "run peak RSS GB", GB))):
         for k, (name, color) in enumerate((("pagedkv", "tab:blue"), ("llama.cpp", "tab:orange"))):
             xs, ys, lo, hi = [], [], [], []
             for i, e in enumerate(data["models"]):

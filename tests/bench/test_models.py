@@ -165,7 +165,7 @@ def test_spread_median_and_iqr():
 def _ours(load, warm, decode, prefill, rss=2e9):
     meas = {"decode_tokens_per_s": decode, "prefill_tokens_per_s": prefill}
     return {"cache_bytes": 3e9, "cold": {"status": "ok", "load_s": load, "ru_maxrss": 5e9},
-            "warm": {"status": "ok", "load_s": warm, "ru_maxrss": rss, "child": {"measure": meas}}}
+            "warm": {"status": "ok", "load_s": warm, "ru_maxrss": rss, "child": {"measure": meas, "weights": "int4"}}}
 
 
 def _fake_data(peer: dict) -> dict:
@@ -198,10 +198,10 @@ def test_report_medians_iqr_and_not_measured_rows():
     assert s["pagedkv"]["decode_fraction_of_limit"]["median"] == 2.5
     assert s["decode_tokens_per_s_ratio"] is None
     md = render_markdown(data, {})
-    assert "| 0.5b | q4_0 | 1.00 | pagedkv | 11.0 [10.5-11.5] | 5.00 [5.00-5.00] | 3.0 [2.5-3.5] | 2.00 [2.00-2.00] | 3.00 [3.00-3.00] | " \
+    assert "| 0.5b | q4_0 | 1.00 | pagedkv (int4) | 11.0 [10.5-11.5] | 5.00 [5.00-5.00] | 3.0 [2.5-3.5] | 2.00 [2.00-2.00] | 3.00 [3.00-3.00] | " \
            "25.0 [22.5-27.5] | 200.0 [150.0-250.0] | 2.50 [2.25-2.75] |" in md
     assert "| 0.5b | q4_0 | 1.00 | llama.cpp | not measured: llama.cpp tools not built (make peers) |" in md
-    assert "| 3b | q8_0 | 3.40 | pagedkv | killed at 14.2 GB | killed at 14.2 GB | not measured: the cold load ended killed_rss |" in md
+    assert "| 3b | q8_0 | 3.40 | pagedkv | killed at 14.2 GB (RSS limit 14 GB): in the cold load of round 1 (no later round tried) |" in md
     assert "(dirty)" in md and "avx512" in md
 
 
@@ -233,9 +233,11 @@ def test_from_json_re_renders_an_earlier_run(tmp_path):
     data["machine"].update({"machine": "x86_64", "torch_threads": 2, "packages": {"torch": "x"}, "time_utc": "t"})
     src = tmp_path / "old.json"
     src.write_text(json.dumps(data))
-    args = argparse.Namespace(from_json=str(src), name="models", out_dir=str(tmp_path / "out"), json=False, no_plot=True)
+    args = argparse.Namespace(from_json=str(src), name="models", out_dir=str(tmp_path / "out"), json=False, no_plot=True,
+                             note="shared machine")
     assert bench_models.run(args) == 0
     out = json.loads((tmp_path / "out" / "models.json").read_text())
     assert out["models"][0]["summary"]["pagedkv"]["decode_tokens_per_s"]["median"] == 25.0
+    assert "Note: shared machine" in (tmp_path / "out" / "models.md").read_text()
     assert "| 0.5b | q4_0 | 1.00 | llama.cpp | not measured: llama.cpp tools not built (make peers) |" in \
         (tmp_path / "out" / "models.md").read_text()
