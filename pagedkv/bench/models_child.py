@@ -37,7 +37,7 @@ def main(argv: list[str]) -> int:
     import torch
 
     torch.set_num_threads(int(spec["threads"]))
-    from pagedkv import LLM
+    from pagedkv.engine.llm import LLM
     from pagedkv.bench.common import greedy
     from pagedkv.bench.peer_worker import measure
 
