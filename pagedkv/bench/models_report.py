@@ -178,9 +178,8 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
         "Cold-load peak RSS: the cold-loading process (pagedkv: until `LLM` is built; llama.cpp: `llama-server` until "
         "`/health`); run peak RSS: the process that loaded and ran prefill and decode (pagedkv: the warm one; "
         "llama.cpp: `llama-bench`). Cache GB: what pagedkv's cold load wrote to its cache dir (llama.cpp writes none). "
-        "`pagedkv (int8)`: the linear-layer format pagedkv's `weights` setting chose for that file (with `auto`, int4 "
-        "only from Q4_0/Q4_1 codes, so a Q4_K_M file runs as int8 and reads about twice llama.cpp's weight bytes per "
-        "token). The weight-read limit uses the file's bytes; the bandwidth is `torch.sum`'s, not the machine's peak, "
+        "`pagedkv (gguf)`: the linear-layer format pagedkv's `weights` setting chose for that file (`auto`: `gguf`, "
+        "the file's blocks as stored, so a decode step reads the file's bytes as llama.cpp's does). The weight-read limit uses the file's bytes; the bandwidth is `torch.sum`'s, not the machine's peak, "
         "so a fraction above 1 means the limit is an underestimate, not that a system beat it.",
         "",
         f"Cells: median [interquartile range] over the rounds. Read bandwidth {bw['bytes_per_s'] / GB:.1f} GB/s "
