@@ -2,16 +2,17 @@
 picks for a GGUF): the streaming loader and its two modules.
 
 The loader never holds the model in another precision. Each linear tensor is read once from the
-file (``os.preadv`` into a buffer of that tensor's size), its rows permuted where llama.cpp's
-converter permuted them (Q/K of ``llama``/``mistral`` files), fused with its siblings (q/k/v,
-gate/up) and repacked by ``pagedkv.model.qmm.pack_gguf`` into the integer kernels' interleaved
-layout, whose size is the file's bytes for that tensor; the buffer is then dropped. So the peak
-resident memory of a load is the packed weights (= the file's linear tensors) plus one fused
-tensor group, and nothing is written to disk but the tokenizer's cache entry.
+file (``os.preadv``), its rows permuted where llama.cpp's converter permuted them (Q/K of
+``llama``/``mistral`` files), stacked with its siblings (q/k/v, gate/up: read straight into one
+buffer) and repacked by ``pagedkv.model.qmm.pack_gguf`` into the integer kernels' interleaved
+layout, whose size is the file's bytes for that tensor; a single matrix (the LM head,
+``ffn_down``) is read and packed 4096 rows at a time (``qmm.pack_gguf_rows``). So the peak
+resident memory of a load is the packed weights (= the file's matrices) plus one fused group,
+and nothing is written to disk but the tokenizer's cache entry.
 
 * ``GGUFLinear``: a linear layer on ``qmm``'s kernels for every row count (``QuantLinear.kernel``
   ``"q8"``): x float32 ``[T, in]`` quantised to int8 blocks of 32 on the fly, times the stored
-  Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks with exact integer block sums. A fused layer
+  Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks with exact integer block sums. A fused layer
   whose parts are stored in different types (a ``*_K_M`` file's Q6_K ``attn_v`` beside Q4_K
   ``attn_q``) is one ``qmm.concat_packed`` weight: the activations are quantised once.
 * ``GGUFEmbedding``: the token-embedding rows read from the memory-mapped file (only the rows a
@@ -44,15 +45,15 @@ from pagedkv.gguf_header import GGUFHeader, GGUFTensorInfo
 from pagedkv.model import qmm
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.families import GGUF_CONVENTIONS
-from pagedkv.model.weights import _gguf_layer_name
 from pagedkv.model.quant import QuantLinear
+from pagedkv.model.weights import _gguf_layer_name
 
 log = logging.getLogger(__name__)
 
 __all__ = ["GGUFEmbedding", "GGUFLinear", "LoadReport", "build_gguf_model", "linear_types", "supported",
            "weight_bytes"]
 
-#: GGML types whose values are plain floats (norms, biases; an unquantised linear is refused)
+#: GGML types whose values are plain floats (norms, biases; a matrix of these has no kernel here)
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 #: fused parts: GGUF part name -> (our module, position in the fused rows)
 _FUSED = {"attn_q": ("qkv_proj", 0), "attn_k": ("qkv_proj", 1), "attn_v": ("qkv_proj", 2),
