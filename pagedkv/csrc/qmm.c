@@ -192,6 +192,13 @@ static inline __m256i madd_u8s8(__m256i acc, __m256i a, __m256i b) { /* acc + 4-
 #endif
 }
 
+/* rows r0 .. r0 + NR - 1 of y, 8 columns: the tile's accumulators plus the bias (or none) */
+static inline __attribute__((always_inline)) void store_tile(const int NR, const __m256 *acc, float *y, int64_t r0,
+                                                             int64_t ys, const float *bias) {
+    __m256 bv = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+    for (int j = 0; j < NR; j++) _mm256_storeu_ps(y + (r0 + j) * ys, _mm256_add_ps(acc[j], bv));
+}
+
 static inline __m256i bcast4(const int8_t *p) { /* 4 bytes repeated 8 times */
     int32_t v;
     memcpy(&v, p, 4);
@@ -240,8 +247,7 @@ INLINE void q4_group(const int NR, int64_t nb, const uint8_t *wc, const qrows_t 
             acc[j] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xs + j * nb + b), acc[j]);
         }
     }
-    __m256 bv = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
-    for (int j = 0; j < NR; j++) _mm256_storeu_ps(y + (r0 + j) * ys, _mm256_add_ps(acc[j], bv));
+    store_tile(NR, acc, y, r0, ys, bias);
 #else
     for (int j = 0; j < NR; j++) {
         float acc[8] = {0};
@@ -408,8 +414,7 @@ INLINE void q80_group(const int NR, int64_t nb, const uint8_t *wc, const qrows_t
             acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_broadcast_ss(xd + j * nb + b)), _mm256_cvtepi32_ps(isum[j]),
                                      acc[j]);
     }
-    __m256 bv = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
-    for (int j = 0; j < NR; j++) _mm256_storeu_ps(y + (r0 + j) * ys, _mm256_add_ps(acc[j], bv));
+    store_tile(NR, acc, y, r0, ys, bias);
 #else
     for (int j = 0; j < NR; j++) {
         float acc[8] = {0};
@@ -511,8 +516,7 @@ INLINE void q45k_group(const int NR, const int FIVE, int64_t nsb, const uint8_t 
             }
         }
     }
-    __m256 bv = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
-    for (int j = 0; j < NR; j++) _mm256_storeu_ps(y + (r0 + j) * ys, _mm256_add_ps(acc[j], bv));
+    store_tile(NR, acc, y, r0, ys, bias);
 #else
     for (int j = 0; j < NR; j++) {
         float acc[8] = {0};
@@ -612,8 +616,7 @@ INLINE void q6k_group(const int NR, int64_t nsb, const uint8_t *wc, const qrows_
                                          _mm256_cvtepi32_ps(isum[j]), acc[j]);
         }
     }
-    __m256 bv = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
-    for (int j = 0; j < NR; j++) _mm256_storeu_ps(y + (r0 + j) * ys, _mm256_add_ps(acc[j], bv));
+    store_tile(NR, acc, y, r0, ys, bias);
 #else
     for (int j = 0; j < NR; j++) {
         float acc[8] = {0};
@@ -734,8 +737,7 @@ INLINE void q4x_group(const int NR, const int KIND, int64_t nb, const uint8_t *w
             if (KIND == 2) acc[j] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xs + j * nb + b), acc[j]);
         }
     }
-    __m256 bv = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
-    for (int j = 0; j < NR; j++) _mm256_storeu_ps(y + (r0 + j) * ys, _mm256_add_ps(acc[j], bv));
+    store_tile(NR, acc, y, r0, ys, bias);
 #else
     for (int j = 0; j < NR; j++) {
         float acc[8] = {0};

@@ -46,7 +46,7 @@ from pagedkv.model import qmm
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.families import GGUF_CONVENTIONS
 from pagedkv.model.quant import QuantLinear
-from pagedkv.model.weights import _gguf_layer_name
+from pagedkv.model.weights import _gguf_layer_name, _unpermute_rope_rows
 
 log = logging.getLogger(__name__)
 
@@ -290,11 +290,9 @@ def _rows(info: GGUFTensorInfo) -> tuple[int, int]:
 
 
 def _unpermute_into(raw: np.ndarray, n_heads: int, out: np.ndarray) -> None:
-    """Invert llama.cpp's Q/K row permutation on stored rows (``weights._unpermute_rope_rows``
-    on whole rows of blocks), writing into ``out``."""
-    rows, rb = raw.shape
-    hd = rows // n_heads
-    out[...] = raw.reshape(n_heads, hd // 2, 2, rb).transpose(0, 2, 1, 3).reshape(rows, rb)
+    """Invert llama.cpp's Q/K row permutation on stored rows (``weights._unpermute_rope_rows``,
+    which the fp32 path applies to values, applied to whole rows of blocks), into ``out``."""
+    out[...] = _unpermute_rope_rows(torch.from_numpy(raw), n_heads).numpy()
 
 
 def _linear(reader: _Reader, parts: list[tuple[GGUFTensorInfo, int | None, GGUFTensorInfo | None]],
@@ -312,8 +310,6 @@ def _linear(reader: _Reader, parts: list[tuple[GGUFTensorInfo, int | None, GGUFT
         raise ConfigError(f"weights: {what} has a bias on some of its parts only")
     for i, ((w, heads, _), b) in enumerate(zip(parts, biases)):
         if b is not None and heads is not None:
-            from pagedkv.model.weights import _unpermute_rope_rows
-
             biases[i] = _unpermute_rope_rows(b, heads)
 
     def read(w: GGUFTensorInfo, heads: int | None, out: np.ndarray) -> None:

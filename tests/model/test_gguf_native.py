@@ -237,3 +237,24 @@ def test_each_kernel_type_loads_as_stored_and_runs_within_the_int8_activation_er
     clear = (top2[:, 0] - top2[:, 1]) > 2 * (got - want).abs().amax(-1)
     assert int(clear.sum()) >= 5
     assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m-instruct", "gemma-3-270m"])
+def test_the_default_route_gives_a_request_the_same_tokens_alone_batched_and_chunked(model, bundled_gguf, gemma3_gguf):
+    """``auto`` (= ``gguf``): activations are quantised per row and block, integer block sums
+    are exact and each row's float sums run in one order, so a prompt's greedy tokens do not
+    depend on what else is in the step or on the prefill chunk budget."""
+    from pagedkv import LLM, SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    p = "The history of the printing press"
+    others = ["Tell me about cats and dogs in detail", "1, 2, 3, 4,", "Why is the sky blue? Explain", "def fib(n):",
+              "Paris is", "A long time ago", "Q: 2+2? A:"]
+    alone = LLM(model, kv_cache_memory="64MiB").generate([p], sp, use_tqdm=False)[0]
+    assert alone.finish_reason == "length" and len(alone.token_ids) == 40
+    llm = LLM(model, kv_cache_memory="64MiB")
+    assert llm.engine.loaded.weights == "gguf"
+    batched = llm.generate(others[:3] + [p] + others[3:], sp, use_tqdm=False)[3]
+    chunked = LLM(model, kv_cache_memory="64MiB", max_num_batched_tokens=4).generate([p], sp, use_tqdm=False)[0]
+    assert batched.token_ids == alone.token_ids
+    assert chunked.token_ids == alone.token_ids

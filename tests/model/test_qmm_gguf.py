@@ -15,8 +15,6 @@ can run is checked: the default one, AVX2 (``x86-64-v3``) and plain C (``x86-64`
 
 from __future__ import annotations
 
-import platform
-
 import gguf
 import numpy as np
 import pytest
@@ -26,17 +24,9 @@ from hypothesis import strategies as st
 
 from pagedkv.model import qmm
 
-BUILDS = ["default", "x86-64-v3", "x86-64"] if platform.machine() == "x86_64" else ["default"]
+from tests.model.test_qmm import ops  # noqa: F401,E402  (the fixture: each build the host runs)
+
 ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 16, 17, 31, 33, 64, 200]
-
-
-@pytest.fixture(scope="module", params=BUILDS)
-def ops(request):
-    if request.param == "default":
-        got = qmm.get()
-        assert got is not None, qmm.build_error()
-        return got
-    return qmm.build(request.param)
 
 
 # ---- random stored blocks and the split of their weights ----------------------------------------
