@@ -133,6 +133,22 @@ class Scheduler:
             return max(candidates, key=self._queue_key)
         return candidates[-1]
 
+    @staticmethod
+    def _unschedule(req: Request, scheduled: list[tuple[Request, int]], copies: list[tuple[int, int]],
+                    drafts: dict[str, list[int]], step_copies: dict[str, list[tuple[int, int]]]) -> int:
+        """Take ``req`` out of this step before it runs (it is being preempted): its entry,
+        its copy-on-write copies (their destination blocks are freed with its table) and its
+        drafts. Returns the tokens it had taken from the budget."""
+        k = next(k for k, (r, _) in enumerate(scheduled) if r is req)
+        _, n = scheduled.pop(k)
+        mine = step_copies.pop(req.request_id, [])
+        if mine:
+            drop = set(mine)
+            copies[:] = [c for c in copies if c not in drop]
+            req.num_cow_copies -= len(mine)
+        drafts.pop(req.request_id, None)
+        return n
+
     def _preempt(self, victim: Request) -> None:
         self.gangs.unpark(victim)
         self.running.remove(victim)
@@ -170,6 +186,7 @@ class Scheduler:
         copies: list[tuple[int, int]] = []
         preempted: list[Request] = []
         drafts: dict[str, list[int]] = {}
+        step_copies: dict[str, list[tuple[int, int]]] = {}  # per request, the copies it added
 
         # 0) a gang split by last step's preemption: preempt its running members too (all or
         #    nothing; they would otherwise hold blocks waiting for siblings that can't get any)
@@ -200,6 +217,7 @@ class Scheduler:
                 if c is not None:
                     req.num_cow_copies += len(c)
                     copies += c
+                    step_copies[req.request_id] = c
                     drafts[req.request_id] = d
                     scheduled.append((req, 1 + len(d)))
                     budget -= 1 + len(d)
@@ -211,10 +229,18 @@ class Scheduler:
                     if c:
                         req.num_cow_copies += len(c)
                         copies += c
+                        step_copies[req.request_id] = c
                     ok = True
                     break
                 except NoFreeBlocksError:
-                    victim = self._pick_victim(self.running[i:])
+                    # the victim is chosen among *all* running requests: with the priority
+                    # policy one already scheduled this step may be the least important
+                    victim = self._pick_victim(self.running if self.config.policy == "priority"
+                                               else self.running[i:])
+                    j = self.running.index(victim)
+                    if j < i:  # scheduled this step: take its tokens, slots and copies back
+                        budget += self._unschedule(victim, scheduled, copies, drafts, step_copies)
+                        i -= 1
                     self._preempt(victim)
                     preempted.append(victim)
                     if victim is req:
@@ -242,7 +268,8 @@ class Scheduler:
             if self.enable_prefix_caching and req.sampling_params.prompt_logprobs is None:
                 # a gang's leader must compute up to the fork
                 hit_blocks, num_cached = self.kv.get_computed_blocks(
-                    req.request_id, req.all_token_ids, req.cache_keys, end - 1 if members else None
+                    req.request_id, req.all_token_ids, req.cache_keys, end - 1 if members else None,
+                    record=req.num_cached_tokens < 0,  # the stats count a first computation only
                 )
                 if self._prefix_in_flight(req, num_cached):
                     break  # a running prefill is computing its next block: hit it next step
@@ -454,13 +481,20 @@ class Scheduler:
 
     @staticmethod
     def check_stop(req: Request, token_id: int) -> Optional[RequestStatus]:
+        """The status ``req`` ends with after appending ``token_id``, or None. EOS and
+        ``stop_token_ids`` count only once ``min_tokens`` tokens were generated (the sampler
+        masks them before; this keeps the rule for any other path) and mark
+        ``req.stopped_by_token`` (the token's text is left out of the output text)."""
         p = req.sampling_params
-        if not p.ignore_eos and token_id in req.eos_token_ids:
-            req.stop_reason = None
-            return RequestStatus.FINISHED_STOPPED
-        if p.stop_token_ids and token_id in p.stop_token_ids:
-            req.stop_reason = token_id
-            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens > p.min_tokens:  # the token just appended is not within min_tokens
+            if not p.ignore_eos and token_id in req.eos_token_ids:
+                req.stop_reason = None
+                req.stopped_by_token = True
+                return RequestStatus.FINISHED_STOPPED
+            if p.stop_token_ids and token_id in p.stop_token_ids:
+                req.stop_reason = token_id
+                req.stopped_by_token = True
+                return RequestStatus.FINISHED_STOPPED
         if req.grammar is not None and req.grammar.done:  # structured output complete
             req.stop_reason = None
             return RequestStatus.FINISHED_STOPPED

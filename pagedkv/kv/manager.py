@@ -41,8 +41,10 @@ class KVCacheStats:
     """Counters since the manager was created (tokens unless named blocks).
 
     ``prefix_queries``/``prefix_hits``: prompt tokens looked up / served from the cache,
-    counted once per admission (when ``allocate_slots`` creates the request's table after a
-    ``get_computed_blocks``). ``cow_copies``: (src, dst) block copies returned.
+    counted once per recorded admission (when ``allocate_slots`` creates the request's table
+    after a ``get_computed_blocks(record=True)``; the scheduler records a request's first
+    admission only, so a preempted request's recompute is not counted and ``prefix_hits``
+    equals the sum of the requests' ``num_cached_tokens``). ``cow_copies``: (src, dst) block copies returned.
     ``evictions``: cached free blocks whose hash was dropped for reuse. ``allocated_blocks``:
     blocks taken from the free queue. ``deferred_frees``: frees/CoW drops held by a fence.
     ``window_freed_blocks``: blocks a sliding window moved past (dropped from a table).

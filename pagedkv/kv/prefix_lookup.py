@@ -35,7 +35,7 @@ class PrefixLookup:
 
     def get_computed_blocks(
         self, req_id: str, token_ids: Sequence[int], cache_keys: CacheKeys | None = None,
-        max_cached_tokens: int | None = None,
+        max_cached_tokens: int | None = None, record: bool = True,
     ) -> tuple[Any, int]:
         """Longest cached prefix of ``token_ids`` in whole blocks, never the whole prompt
         (at least the last token is left to compute), nor more than ``max_cached_tokens``.
@@ -46,7 +46,10 @@ class PrefixLookup:
         cached; a window group only the blocks covering the last ``W`` tokens before the hit
         point (its earlier entries are the null block): the hit is the longest prefix valid
         in every group. With tiers, a block found in a tier is a ``TierHit`` (loaded into a
-        fresh pool block at admission)."""
+        fresh pool block at admission). ``record``: count this lookup in the
+        ``prefix_queries`` / ``prefix_hits`` stats when ``allocate_slots`` admits the request
+        (the scheduler passes False for a preempted request's recompute: vLLM counts a
+        request's first computation only)."""
         if not self.enable_prefix_caching:
             return [], 0
         bs = self.block_size
@@ -82,7 +85,10 @@ class PrefixLookup:
         for g, f in enumerate(found):
             lo = self.groups.first_live_block(g, k * bs, bs)
             hits.append([self.null_block] * lo + f[lo:k] if lo else f[:k])
-        self._pending_query[req_id] = (n, k * bs)
+        if record:
+            self._pending_query[req_id] = (n, k * bs)
+        else:
+            self._pending_query.pop(req_id, None)
         return (hits[0] if len(hits) == 1 else tuple(hits)), k * bs
 
     def _group_hits(self, hits: Any) -> list[Sequence[KVCacheBlock]]:
