@@ -235,10 +235,14 @@ class LLMEngine:
         model's own template (a base model such as Gemma-3-270M has none)."""
         return bool(self.chat_template or getattr(self.tokenizer, "chat_template", None))
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation (``pagedkv.model.tokenizer.apply_chat``); raises
-        ``InvalidRequestError`` for bad messages or a model without a chat template."""
-        return apply_chat(self.tokenizer, messages, add_generation_prompt, self.chat_template, self.model_id)
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False) -> list[int]:
+        """Token ids of a conversation (``pagedkv.model.tokenizer.apply_chat``: with
+        ``continue_final_message`` the last, assistant message is left open for generation to
+        continue; it needs ``add_generation_prompt=False``); raises ``InvalidRequestError``
+        for bad messages, both flags true, or a model without a chat template."""
+        return apply_chat(self.tokenizer, messages, add_generation_prompt, self.chat_template, self.model_id,
+                          continue_final_message=continue_final_message)
 
     def add_request(
         self,

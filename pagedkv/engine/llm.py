@@ -63,15 +63,21 @@ class LLM:
         messages: Union[list[dict[str, str]], Sequence[list[dict[str, str]]]],
         sampling_params: Optional[SamplingParams] = None,
         use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         **request_kwargs: Any,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template (with the generation prompt) and generate. Takes
-        one conversation (a list of {'role', 'content'} dicts) or a list of them."""
+        """Apply the model's chat template (with the generation prompt, or with
+        ``continue_final_message`` and ``add_generation_prompt=False`` leaving the final
+        assistant message open) and generate. Takes one conversation (a list of {'role',
+        'content'} dicts) or a list of them. Raises ``InvalidRequestError`` (see
+        ``LLMEngine.apply_chat_template``)."""
         if messages and isinstance(messages[0], dict):
             convs = [messages]
         else:
             convs = list(messages)  # type: ignore[arg-type]
-        prompts = [self.engine.apply_chat_template(list(c)) for c in convs]  # type: ignore[arg-type]
+        prompts = [self.engine.apply_chat_template(list(c), add_generation_prompt,  # type: ignore[arg-type]
+                                                   continue_final_message) for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, **request_kwargs)
 
     def close(self) -> None:

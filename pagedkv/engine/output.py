@@ -9,9 +9,7 @@ hands to the scheduler (which frees the blocks behind the step fence).
 
 from __future__ import annotations
 
-from typing import Any
-
-from typing import Optional
+from typing import Any, Optional, Sequence
 
 from pagedkv.engine.beam import BeamHypothesis
 from pagedkv.engine.decisions import Finish
@@ -26,24 +24,28 @@ class OutputProcessor:
         self.tokenizer = tokenizer
 
     def detokenize(self, req: Request) -> Optional[Finish]:
-        """Bring ``req.output_text`` up to date. If a stop string appeared: cut the text
-        there, set ``req.stop_reason`` to it and return ``Finish(req, FINISHED_STOPPED)`` for
-        the scheduler; else ``None``."""
+        """Bring ``req.output_text`` up to date: the text of its output tokens, less the
+        token that ended it when that was an EOS or a ``stop_token_ids`` token (unless
+        ``include_stop_str_in_output``). If a stop string appeared (ending after the first
+        ``min_tokens`` tokens' text): cut the text before it (after it with
+        ``include_stop_str_in_output``), set ``req.stop_reason`` to it and return
+        ``Finish(req, FINISHED_STOPPED)`` for the scheduler; else ``None``."""
         if req._text_tokens == req.num_output_tokens or (
             req.stop_reason is not None and isinstance(req.stop_reason, str)
         ):
             return None
-        text = self.tokenizer.decode(
-            req.output_token_ids, skip_special_tokens=req.sampling_params.skip_special_tokens
-        )
+        p = req.sampling_params
+        ids = req.output_token_ids
+        if req.stopped_by_token and not p.include_stop_str_in_output:
+            ids = ids[:-1]
+        text = self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens)
         req._text_tokens = req.num_output_tokens
-        stops = req.sampling_params.stop
         finish = None
-        if stops:
-            hits = [(text.find(s), s) for s in stops if s in text]
-            if hits:
-                pos, s = min(hits)
-                text = text[:pos]
+        if p.stop and not req.stopped_by_token:
+            hit = find_stop_string(text, p.stop, stop_text_floor(self.tokenizer, req, req.output_token_ids))
+            if hit is not None:
+                pos, s = hit
+                text = text[:pos + len(s)] if p.include_stop_str_in_output else text[:pos]
                 finish = Finish(req, RequestStatus.FINISHED_STOPPED)
                 req.stop_reason = s
         req.output_text = text
@@ -78,6 +80,33 @@ class OutputProcessor:
         cached = metrics.prefix_hit_tokens if group.beam is not None else max(seqs[0].num_cached_tokens, 0)
         return RequestOutput(outputs=comps, num_cached_tokens=cached,
                              num_cached_tokens_by_tier=dict(seqs[0].num_cached_tokens_by_tier), **common)
+
+
+def find_stop_string(text: str, stops: Sequence[str], floor: Optional[int]) -> Optional[tuple[int, str]]:
+    """The first stop string of ``stops`` in ``text`` that ends after character ``floor``
+    (``None``: no stop string may end the text yet) as ``(position, string)``, else None."""
+    if floor is None:
+        return None
+    hits = [(pos, s) for s in stops if (pos := text.find(s, max(0, floor - len(s) + 1))) >= 0]
+    return min(hits) if hits else None
+
+
+def stop_text_floor(tokenizer: Any, req: Request, ids: Sequence[int]) -> Optional[int]:
+    """Characters of ``req``'s text a stop string must end after, when its output tokens are
+    ``ids``: ``None`` while they are ``<= min_tokens`` (no stop string may end it yet), else
+    the length of the first ``min_tokens`` tokens' text (0 without ``min_tokens``; vLLM's
+    rule). The length is kept on ``req`` once its own tokens hold it."""
+    p = req.sampling_params
+    if not p.min_tokens:
+        return 0
+    if len(ids) <= p.min_tokens:
+        return None
+    if req._min_tokens_chars >= 0:
+        return req._min_tokens_chars
+    n = len(tokenizer.decode(list(ids[:p.min_tokens]), skip_special_tokens=p.skip_special_tokens))
+    if req.num_output_tokens >= p.min_tokens:
+        req._min_tokens_chars = n
+    return n
 
 
 def _beam_output(index: int, h: BeamHypothesis) -> CompletionOutput:

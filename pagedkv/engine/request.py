@@ -30,8 +30,16 @@ class SamplingParams:
     token's logit before sampling (OpenAI semantics; biases in [-100, 100], at most 300
     tokens, ids in the vocabulary; None = off). seed: per-request RNG,
     so a request samples the same tokens alone or in any batch. max_tokens >= 1 (tokens).
-    stop: strings that end generation (not included in the text). stop_token_ids: token ids
-    that end generation (like EOS). ignore_eos: keep going past EOS (benchmarks).
+    stop: strings that end generation; the text is cut before the first one found (its
+    tokens stay in ``token_ids``). stop_token_ids: token ids that end generation (like EOS);
+    the token that ended a request (an EOS or one of ``stop_token_ids``) stays in
+    ``token_ids`` but its text is not in ``text`` (vLLM's semantics, also with
+    ``skip_special_tokens=False``). include_stop_str_in_output: keep the matched stop string,
+    or the stop token's text, at the end of ``text``. ignore_eos: keep going past EOS
+    (benchmarks). min_tokens: generated tokens before EOS / stop_token_ids may be sampled
+    (their logits are -inf until then, speculative drafts included) and before a stop
+    string may end the request (a stop string must end after the first ``min_tokens``
+    tokens' text); ``0 <= min_tokens <= max_tokens``; not with beam search or ``structured``.
     logprobs: return the top-N log-probabilities per generated token (None = off).
     prompt_logprobs: return, per prompt token, its log-probability given the tokens before
     it plus the top-N alternatives (None = off; the first prompt token has none). Computed
@@ -74,6 +82,8 @@ class SamplingParams:
     logit_bias: Optional[dict[int, float]] = None
     prompt_logprobs: Optional[int] = None
     structured: Any = None
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
 
     # The accepted ranges: validate() checks them, the server's request schemas reuse them.
     MAX_N: ClassVar[int] = 64  # default cap of n and beam_width (the engine passes its own)
@@ -144,6 +154,10 @@ class SamplingParams:
                 bad(name, f"must be in [{lo:g}, {hi:g}], got {v!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or not (0 <= self.min_tokens <= self.max_tokens):
+            bad("min_tokens", f"must be an integer in [0, max_tokens] = [0, {self.max_tokens}], got {self.min_tokens!r}")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            bad("include_stop_str_in_output", f"must be a bool, got {self.include_stop_str_in_output!r}")
         if self.logprobs is not None and (
             not _is_int(self.logprobs) or not (0 <= self.logprobs <= max_logprobs)
         ):
@@ -179,6 +193,8 @@ class SamplingParams:
             if not isinstance(self.structured, StructuredSpec):
                 bad("structured", f"must be a StructuredSpec or None, got {type(self.structured).__name__}")
             self.structured.validate()
+            if self.min_tokens:
+                bad("min_tokens", "not supported with structured outputs (a complete match must end)")
         if self.beam_width > 1:
             if self.n != 1:
                 bad("n", "must be 1 with beam search (beam_width hypotheses are returned)")
@@ -192,6 +208,8 @@ class SamplingParams:
                 bad("prompt_logprobs", "not supported with beam search")
             if self.logit_bias:
                 bad("logit_bias", "not supported with beam search")
+            if self.min_tokens:
+                bad("min_tokens", "not supported with beam search")
 
     def _validate_logit_bias(self, bad: Any, vocab_size: Optional[int]) -> None:
         lb = self.logit_bias
@@ -264,6 +282,7 @@ class Request:
     num_cow_copies: int = 0  # copy-on-write block copies made for this sequence's writes
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: Any = None
+    stopped_by_token: bool = False  # ended by an EOS or a stop_token_ids token (its text is left out)
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
     scheduled_time: Optional[float] = None
@@ -274,6 +293,7 @@ class Request:
     spec_misses: int = 0
     output_text: str = ""
     _text_tokens: int = 0  # how many output tokens output_text reflects
+    _min_tokens_chars: int = -1  # characters of the first min_tokens tokens' text (-1: not yet known)
     _all_token_ids: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:

@@ -9,7 +9,8 @@ request's generator, whatever the vocabulary size and the filters. On the CPU bo
 else in torch.
 
 Logits are adjusted per request before any pick: penalties (:func:`apply_penalties`), then
-``logit_bias`` (:func:`apply_logit_bias`), then a structured-output grammar's token mask
+``logit_bias`` (:func:`apply_logit_bias`), then ``min_tokens`` (:func:`apply_min_tokens`: EOS and
+``stop_token_ids`` at -inf until the request has ``min_tokens`` output tokens), then a structured-output grammar's token mask
 (:mod:`pagedkv.engine.structured`, batched over the rows that have one). Logprobs are those of the adjusted logits
 (before temperature). A row whose adjusted logits hold NaN or +inf, or are all -inf, or
 whose sampled token would get a non-finite logprob, raises :class:`SamplingError` naming
@@ -74,6 +75,25 @@ def apply_logit_bias(logits: torch.Tensor, req: Request) -> torch.Tensor:
     return logits
 
 
+def min_tokens_stop_ids(req: Request) -> list[int]:
+    """The tokens ``min_tokens`` holds back: EOS (unless ``ignore_eos``) and ``stop_token_ids``."""
+    p = req.sampling_params
+    ids = set(p.stop_token_ids or ())
+    if not p.ignore_eos:
+        ids.update(req.eos_token_ids)
+    return sorted(ids)
+
+
+def apply_min_tokens(logits: torch.Tensor, req: Request) -> torch.Tensor:
+    """Set the logits of :func:`min_tokens_stop_ids` (those in the vocabulary) to -inf, in
+    place (``logits`` ``[vocab]`` fp32): ``req`` has fewer than ``min_tokens`` output
+    tokens at this position."""
+    ids = [t for t in min_tokens_stop_ids(req) if t < logits.shape[0]]
+    if ids:
+        logits[torch.tensor(ids, dtype=torch.long)] = float("-inf")
+    return logits
+
+
 def _check_finite(logits: torch.Tensor, requests: Sequence[Request]) -> None:
     """Raise :class:`SamplingError` for rows of ``logits`` ``[R, vocab]`` with a NaN or +inf,
     or no finite value at all (softmax of those is NaN). One reduction when all are finite:
@@ -116,21 +136,30 @@ class Sampler:
     def __init__(self, generator: Optional[torch.Generator] = None) -> None:
         self.generator = generator or torch.Generator().manual_seed(0)
 
-    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
-        """``logits``: fp32 ``[num_rows, vocab]``, row i belongs to ``requests[i]``."""
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request],
+                 offsets: Optional[Sequence[int]] = None) -> SamplerOutput:
+        """``logits``: fp32 ``[num_rows, vocab]``, row i belongs to ``requests[i]``.
+        ``offsets[i]``: output tokens that row i's position comes after beyond the request's
+        own (a speculative row's draft positions: 0, 1, ...; ``None`` = all 0), for
+        ``min_tokens``."""
         logits = logits.float()
         n = logits.shape[0]
         tokens: list[int] = [0] * n
         logprobs: list[Optional[dict[int, float]]] = [None] * n
         adjust = [i for i, r in enumerate(requests)
                   if r.sampling_params.uses_penalties or r.sampling_params.uses_logit_bias]
-        if adjust:
+        held = [i for i, r in enumerate(requests)
+                if r.num_output_tokens + (offsets[i] if offsets else 0) < r.sampling_params.min_tokens]
+        if adjust or held:
             logits = logits.clone()
             for i in adjust:
                 if requests[i].sampling_params.uses_penalties:
                     apply_penalties(logits[i], requests[i])
                 if requests[i].sampling_params.uses_logit_bias:
                     apply_logit_bias(logits[i], requests[i])
+            for i in held:
+                apply_min_tokens(logits[i], requests[i])
+            adjust = adjust or held
         grammar_rows = constrained_rows(requests)
         if grammar_rows:  # structured outputs: forbidden tokens -> -inf, one batched fill
             logits = apply_grammar_masks(logits if adjust else logits.clone(), requests, grammar_rows)

@@ -254,8 +254,12 @@ class SequenceGroups:
         hypotheses."""
         bs = group.beam
         skip = group.params.skip_special_tokens
+        keep_stop = group.params.include_stop_str_in_output
         for h in bs.hypotheses:
-            h.text = tokenizer.decode(h.token_ids, skip_special_tokens=skip)
+            ids = h.token_ids
+            if not keep_stop and h.finish_reason == "stop" and ids and ids[-1] in bs.stop_ids:
+                ids = ids[:-1]  # the stop token's text is not in the text (its id stays)
+            h.text = tokenizer.decode(ids, skip_special_tokens=skip)
         for b in bs.beams:
             b._text_tokens = b.num_output_tokens  # its text is not used
         return [Finish(b, RequestStatus.FINISHED_STOPPED) for b in bs.beams]

@@ -26,7 +26,8 @@ plain decode steps (:func:`record_verify`), so free text that rarely repeats its
 pays for few rejected drafts. Requests that speculate: no beam search, no structured-output grammar, no repetition /
 presence / frequency penalty (those depend on tokens not yet accepted); every other
 parameter works (``n > 1`` siblings speculate one by one, logprobs are those of the kept
-tokens, stop strings cut the kept run, ``max_tokens`` and ``max_model_len`` cap the drafts).
+tokens, stop strings cut the kept run, ``min_tokens`` masks EOS / stop tokens at each draft
+position before it (so no run ends early), ``max_tokens`` and ``max_model_len`` cap the drafts).
 """
 
 from __future__ import annotations
@@ -185,15 +186,18 @@ def sample_with_drafts(sampler: Any, logits: torch.Tensor, reqs: Sequence[Reques
     positions (``draft_logits``) then its last position. Returns ``({request id: token},
     {request id: kept run y_0 .. y_m})``, each run cut after a stop string completes
     (``tokenizer`` decodes; ``None``: no cut)."""
-    rows, batch = [], []
+    rows, batch, offsets = [], [], []
     for i, r in enumerate(reqs):
         d = draft_logits.get(r.request_id)
         if d is not None:
             rows.append(d)
             batch += [r] * len(d)
+            offsets += range(len(d))
+        offsets.append(0 if d is None else len(d))
         rows.append(logits[i:i + 1])
         batch.append(r)
-    so = sampler(torch.cat(rows), batch)
+    # y_j is output token num_output_tokens + j: min_tokens masks EOS / stop tokens per position
+    so = sampler(torch.cat(rows), batch, offsets)
     sampled: dict[str, Sampled] = {}
     runs: dict[str, list[Sampled]] = {}
     at = 0
@@ -215,14 +219,19 @@ def sample_with_drafts(sampler: Any, logits: torch.Tensor, reqs: Sequence[Reques
 
 def cut_at_stop_string(tokenizer: Any, req: Request, run: list[Sampled]) -> list[Sampled]:
     """``run`` up to the token that completes one of ``req``'s stop strings (plain decoding
-    would stop there: the tokens after it are never emitted), else the whole run."""
+    would stop there: the tokens after it are never emitted), else the whole run. A stop
+    string counts only where plain decoding would take it (after ``min_tokens``, see
+    ``pagedkv.engine.output.stop_text_floor``)."""
+    from pagedkv.engine.output import find_stop_string, stop_text_floor
+
     stops = req.sampling_params.stop
     if not stops or len(run) < 2:
         return run
     skip = req.sampling_params.skip_special_tokens
     base = list(req.output_token_ids)
     for j in range(1, len(run)):
-        text = tokenizer.decode(base + [t for t, _ in run[:j]], skip_special_tokens=skip)
-        if any(s in text for s in stops):
+        ids = base + [t for t, _ in run[:j]]
+        floor = stop_text_floor(tokenizer, req, ids)
+        if floor is not None and find_stop_string(tokenizer.decode(ids, skip_special_tokens=skip), stops, floor):
             return run[:j]
     return run

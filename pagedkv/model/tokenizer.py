@@ -4,6 +4,9 @@ the result)."""
 
 from __future__ import annotations
 
+import re
+import weakref
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +30,20 @@ def encode_prompt(tokenizer: Any, text: str) -> list[int]:
     ``tokenizer.ggml.add_bos_token`` / ``add_eos_token`` (or an HF directory's
     ``tokenizer_config.json``), as transformers applies them and as vLLM and llama.cpp
     tokenize a completion prompt. SmolLM2 adds nothing; Gemma-3 starts every prompt with
-    ``<bos>`` (id 2), without which its greedy completions degenerate."""
-    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    ``<bos>`` (id 2), without which its greedy completions degenerate. A text that already
+    starts with the BOS token's text (``"<bos>..."``) gets no second one (vLLM's rule):
+    ``[2, 818, ...]``, not ``[2, 2, 818, ...]``."""
+    return drop_double_bos(tokenizer, text, list(tokenizer(text, add_special_tokens=True)["input_ids"]))
+
+
+def drop_double_bos(tokenizer: Any, text: str, ids: list[int]) -> list[int]:
+    """``ids`` (the token ids of ``text`` with the tokenizer's special tokens added) without
+    the added BOS when ``text`` itself starts with the BOS token's text, so it is not
+    doubled."""
+    bos, bos_id = getattr(tokenizer, "bos_token", None), getattr(tokenizer, "bos_token_id", None)
+    if bos and bos_id is not None and len(ids) >= 2 and ids[0] == ids[1] == bos_id and text.startswith(bos):
+        return ids[1:]
+    return ids
 
 
 
@@ -47,20 +62,105 @@ def read_chat_template(template: str) -> str:
 
 
 def apply_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-               chat_template: str | None = None, model_id: str = "the model") -> list[int]:
+               chat_template: str | None = None, model_id: str = "the model",
+               continue_final_message: bool = False) -> list[int]:
     """Token ids of a conversation (``[{"role", "content"}, ...]``) through ``chat_template``
-    (Jinja text) or the tokenizer's own template. Raises ``InvalidRequestError`` for malformed
-    messages or when there is no template (a base model: send plain completions instead)."""
+    (Jinja text) or the tokenizer's own template (tokenised without adding special tokens:
+    the template writes them; a doubled leading BOS is dropped). ``add_generation_prompt``:
+    end with the assistant's turn opening. ``continue_final_message``: leave the last
+    message, which must be the assistant's, open (the template's end-of-turn after it is
+    cut), so generation continues its text; needs ``add_generation_prompt=False`` (vLLM's
+    rule). Raises ``InvalidRequestError`` for malformed messages, both flags set, a last
+    message that is not the assistant's with ``continue_final_message``, or when there is no
+    template (a base model: send plain completions instead)."""
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
                                                  for m in messages):
         raise InvalidRequestError("messages must be a list of {'role', 'content'} dicts")
+    if continue_final_message and add_generation_prompt:
+        raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true "
+                                  "(set add_generation_prompt to false to continue the final message)")
+    if continue_final_message and (not messages or messages[-1]["role"] != "assistant"):
+        raise InvalidRequestError("continue_final_message needs the last message to be the assistant's")
     if not (chat_template or getattr(tokenizer, "chat_template", None)):
         raise InvalidRequestError(
             f"model {model_id} has no chat template (a base model): send a plain completion "
             "(/v1/completions, `pagedkv generate --raw`) or give one with the chat_template option "
             "(`--chat-template FILE`)")
-    kw = {"chat_template": chat_template} if chat_template else {}
+    kw: dict[str, Any] = {"chat_template": chat_template} if chat_template else {}
+    if continue_final_message:
+        kw["continue_final_message"] = True
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kw)
     if hasattr(ids, "keys") and "input_ids" in ids:  # transformers may return a BatchEncoding
         ids = ids["input_ids"]
-    return list(ids)
+    ids = list(ids)
+    bos_id = getattr(tokenizer, "bos_token_id", None)
+    if bos_id is not None and len(ids) >= 2 and ids[0] == ids[1] == bos_id:
+        ids = ids[1:]  # a template that writes BOS, tokenised with BOS added: one BOS
+    return ids
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: printable character -> the byte it stands for."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) \
+        + list(range(ord("\xae"), ord("\xff") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_TOKEN_KINDS: "weakref.WeakKeyDictionary[Any, tuple[str, frozenset[int]]]" = weakref.WeakKeyDictionary()
+
+
+def _token_kind(tokenizer: Any) -> tuple[str, frozenset[int]]:
+    """``(kind, added token ids)``: kind "byte_level" (GPT-2 style BPE), "sentencepiece"
+    (``▁`` for a space, ``<0xNN>`` byte tokens) or "text" (neither: decode each token)."""
+    try:
+        return _TOKEN_KINDS[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = str(getattr(backend, "decoder", "")) if backend is not None else ""
+    if "ByteLevel" in decoder:
+        kind = "byte_level"
+    elif "ByteFallback" in decoder or "\u2581" in decoder:
+        kind = "sentencepiece"
+    else:
+        kind = "text"
+    try:
+        added = frozenset(int(i) for i in tokenizer.get_added_vocab().values())
+    except Exception:
+        added = frozenset(int(i) for i in getattr(tokenizer, "all_special_ids", ()))
+    out = (kind, added)
+    try:
+        _TOKEN_KINDS[tokenizer] = out
+    except TypeError:
+        pass
+    return out
+
+
+def token_bytes(tokenizer: Any, token_id: int) -> bytes:
+    """The UTF-8 bytes token ``token_id`` stands for, also when it holds only part of a
+    multi-byte character (its decoded text is then U+FFFD): a byte-level BPE token's
+    characters through GPT-2's byte map, a SentencePiece byte token ``<0xNN>`` that byte
+    (``▁`` is a space); an added / special token, or a tokenizer of neither kind, the UTF-8
+    of its decoded text. Concatenated over a sequence these rebuild its exact text."""
+    kind, added = _token_kind(tokenizer)
+    piece = tokenizer.convert_ids_to_tokens(int(token_id))
+    if isinstance(piece, str) and int(token_id) not in added:
+        m = _BYTE_TOKEN.fullmatch(piece)
+        if m is not None and kind != "byte_level":
+            return bytes([int(m.group(1), 16)])
+        if kind == "byte_level":
+            dec = _byte_decoder()
+            if all(ch in dec for ch in piece):
+                return bytes(dec[ch] for ch in piece)
+        elif kind == "sentencepiece":
+            return piece.replace("\u2581", " ").encode("utf-8")
+    return tokenizer.decode([int(token_id)]).encode("utf-8")
