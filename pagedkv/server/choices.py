@@ -20,6 +20,7 @@ import dataclasses
 from typing import Any, Optional
 
 from pagedkv.engine.request import CompletionOutput, RequestOutput
+from pagedkv.model.tokenizer import token_bytes
 
 
 def _tok_str(tokenizer: Any, tid: int) -> str:
@@ -73,7 +74,7 @@ class ChoiceBuilder:
         safe = len(text) if finished else min(len(text) - self.holdback, len(text.rstrip("\ufffd")))
         safe = max(safe, self.sent_chars)
         delta = text[self.sent_chars:safe]
-        rows: list[tuple[str, Optional[float], Optional[list]]] = []
+        rows: list[tuple[int, str, Optional[float], Optional[list]]] = []
         offsets: list[int] = []
         if not self.opened:
             self.opened = True
@@ -85,7 +86,7 @@ class ChoiceBuilder:
         if self.logprobs and new and c.logprobs is not None:
             for tid, d in zip(new, c.logprobs[self.sent_tokens:]):
                 s = _tok_str(self.tokenizer, tid)
-                rows.append((s, d.get(tid, float("-inf")), top_entries(self.tokenizer, d, self.k)))
+                rows.append((tid, s, d.get(tid, float("-inf")), top_entries(self.tokenizer, d, self.k)))
                 offsets.append(self.offset)
                 self.offset += len(s)
         if not delta and not finished and not rows:
@@ -102,18 +103,19 @@ class ChoiceBuilder:
         plp = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
         for tid, d in zip(out.prompt_token_ids, plp):
             s = _tok_str(self.tokenizer, tid)
-            rows.append((s, None, None) if d is None else (s, d[tid], top_entries(self.tokenizer, d, self.k)))
+            rows.append((tid, s, None, None) if d is None else (tid, s, d[tid], top_entries(self.tokenizer, d, self.k)))
             offsets.append(off)
             off += len(s)
         return rows, offsets
 
     def _logprobs_json(self, rows: list, offsets: list[int]) -> Optional[dict[str, Any]]:
-        if self.kind == "chat":
+        if self.kind == "chat":  # bytes: the token's own (part of a character: not U+FFFD's)
+            tb = self.tokenizer
             return {"content": [
-                {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")),
-                 "top_logprobs": [{"token": ts, "logprob": v, "bytes": list(ts.encode("utf-8"))}
-                                  for _, ts, v in top or ()]}
-                for s, lp, top in rows]}
-        return {"tokens": [r[0] for r in rows], "token_logprobs": [r[1] for r in rows],
-                "top_logprobs": [None if r[2] is None else top_dict(r[2]) for r in rows],
+                {"token": s, "logprob": lp, "bytes": list(token_bytes(tb, tid)),
+                 "top_logprobs": [{"token": ts, "logprob": v, "bytes": list(token_bytes(tb, tt))}
+                                  for tt, ts, v in top or ()]}
+                for tid, s, lp, top in rows]}
+        return {"tokens": [r[1] for r in rows], "token_logprobs": [r[2] for r in rows],
+                "top_logprobs": [None if r[3] is None else top_dict(r[3]) for r in rows],
                 "text_offset": offsets}

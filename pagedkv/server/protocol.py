@@ -64,9 +64,16 @@ def sampling_params(body: Any, max_tokens: int, logprobs: Optional[int],
     ``best_of`` the engine draws ``best_of`` samples and keeps their logprobs, so that
     :func:`completion_response` can return the ``n`` best. ``max_tokens`` 0 (completions
     with echo) runs the engine for one token, which the response leaves out. ``structured``:
-    the constraint of :func:`structured_spec` (compiled by the route)."""
+    the constraint of :func:`structured_spec` (compiled by the route). Raises 400 for
+    ``min_tokens`` above ``max_tokens`` or with a structured-output constraint."""
     if body.best_of is not None and body.best_of > body.n:
         logprobs = logprobs or 0
+    if body.min_tokens > max_tokens:
+        raise APIError(400, f"min_tokens ({body.min_tokens}) must be <= max_tokens ({max_tokens})",
+                       param="min_tokens", code="invalid_value")
+    if body.min_tokens and structured is not None:
+        raise APIError(400, "min_tokens is not supported with structured outputs", param="min_tokens",
+                       code="invalid_value")
     return SamplingParams(
         n=body.best_of or body.n,
         temperature=1.0 if body.temperature is None else float(body.temperature),
@@ -78,7 +85,8 @@ def sampling_params(body: Any, max_tokens: int, logprobs: Optional[int],
         frequency_penalty=float(body.frequency_penalty or 0.0),
         seed=body.seed, max_tokens=max(max_tokens, 1), stop=body.stop, prompt_logprobs=prompt_logprobs,
         stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logprobs=logprobs,
-        logit_bias=body.token_biases(), structured=structured,
+        logit_bias=body.token_biases(), structured=structured, min_tokens=body.min_tokens,
+        include_stop_str_in_output=body.include_stop_str_in_output,
     )
 
 

@@ -82,6 +82,16 @@ def _admit(st: ServerState, body: Union[CompletionRequest, ChatCompletionRequest
     return model
 
 
+def _check_chat_flags(body: Union[ChatCompletionRequest, TokenizeRequest]) -> None:
+    """vLLM's rules for the chat template flags (400): ``continue_final_message`` needs
+    ``add_generation_prompt`` false and a last message from the assistant."""
+    if body.continue_final_message and body.add_generation_prompt:
+        raise _bad("continue_final_message and add_generation_prompt cannot both be true "
+                   "(send add_generation_prompt: false to continue the final message)", "continue_final_message")
+    if body.continue_final_message and body.messages[-1].role != "assistant":
+        raise _bad("continue_final_message needs the last message to be the assistant's", "continue_final_message")
+
+
 async def _structured(st: ServerState, body: Union[CompletionRequest, ChatCompletionRequest],
                       tool_spec: Optional[Any] = None) -> Optional[Any]:
     """The body's structured-output spec (or ``tool_spec``, the schema of ``required`` /
@@ -232,9 +242,11 @@ async def chat_completions(request: Request, st: State, tenant: Tenant, body: Ch
         raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
     engine = st.engine
     tools = ToolCalls.of(body)  # None: no tools, or tool_choice "none"
+    _check_chat_flags(body)
     messages = chat_messages(body) if tools is None else tools.messages(chat_messages(body))
     try:
-        ids = await asyncio.to_thread(engine.apply_chat_template, messages)
+        ids = await asyncio.to_thread(engine.apply_chat_template, messages, body.add_generation_prompt,
+                                      body.continue_final_message)
     except InvalidRequestError as e:
         raise APIError(400, str(e), param="messages", code="invalid_value") from None
     except Exception as e:  # a template that rejects this conversation (roles, order)
@@ -265,15 +277,20 @@ async def tokenize(st: State, tenant: Tenant, body: TokenizeBody) -> Response:
         _served_model(st, body.model)
     engine = st.engine
     if body.messages is not None:
+        _check_chat_flags(body)
         try:
-            ids = await asyncio.to_thread(engine.apply_chat_template, chat_messages(body), body.add_generation_prompt)
+            ids = await asyncio.to_thread(engine.apply_chat_template, chat_messages(body), body.add_generation_prompt,
+                                          body.continue_final_message)
         except Exception as e:  # a template that rejects this conversation (roles, order)
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages",
                            code="invalid_value") from None
     else:
         special = True if body.add_special_tokens is None else body.add_special_tokens
-        enc = await asyncio.to_thread(engine.tokenizer, body.prompt, add_special_tokens=special)
-        ids = list(enc["input_ids"])
+        if special:  # the completions rule: a prompt starting with BOS gets no second one
+            ids = await asyncio.to_thread(engine.tokenize, body.prompt)
+        else:
+            enc = await asyncio.to_thread(engine.tokenizer, body.prompt, add_special_tokens=False)
+            ids = list(enc["input_ids"])
     out: dict[str, Any] = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
                            "token_strs": None}
     if body.return_token_strs:

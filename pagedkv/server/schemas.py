@@ -6,7 +6,10 @@ refused with a 400 naming it when set to anything but its "off" value; other unk
 are ignored (clients send a few optional ones). Extensions beyond OpenAI, named as in vLLM:
 ``cache_salt`` (str: keeps this request's prefix-cache blocks apart from requests with
 another salt), ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
-``stop_token_ids``, and structured outputs: OpenAI's ``response_format`` (``json_object``,
+``stop_token_ids`` (the stop token's text, and a matched stop string, are not in the text
+unless ``include_stop_str_in_output``), ``min_tokens`` (no EOS, stop token or stop string ends
+a request before it has that many tokens), chat's ``add_generation_prompt`` and
+``continue_final_message``, and structured outputs: OpenAI's ``response_format`` (``json_object``,
 ``json_schema``) or one of ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
 ``guided_grammar`` (docs/structured_outputs.md). ``logit_bias`` (token id as a decimal string -> bias in [-100, 100])
 and ``best_of`` (generate ``best_of`` samples, return the ``n`` with the highest cumulative
@@ -144,6 +147,9 @@ class _SamplingFields(BaseModel):
     repetition_penalty: Optional[Number] = Field(None, ge=_REP_PENALTY[0], le=_REP_PENALTY[1])
     ignore_eos: StrictBool = False
     stop_token_ids: Optional[list[TokenId]] = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    # tokens generated before EOS / stop_token_ids / stop strings may end the request (<= max_tokens: 400)
+    min_tokens: StrictInt = Field(0, ge=0)
+    include_stop_str_in_output: StrictBool = False  # keep the matched stop string / stop token's text
     # structured outputs (at most one; pagedkv.server.protocol.structured_spec)
     response_format: Optional[ResponseFormat] = None
     guided_json: Optional[Union[dict[str, Any], str]] = None  # a JSON schema (object or its text)
@@ -263,7 +269,10 @@ class NamedToolChoice(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``. ``max_tokens`` (or ``max_completion_tokens``)
     defaults to the room left in the context. ``logprobs``: bool; ``top_logprobs``: 0..20
-    alternatives per token. ``tools`` / ``tool_choice`` (``none``, ``auto``, ``required``
+    alternatives per token. ``add_generation_prompt`` (default true) /
+    ``continue_final_message`` (default false; needs ``add_generation_prompt: false`` and a
+    last message from the assistant, else 400): see ``pagedkv.model.tokenizer.apply_chat``.
+    ``tools`` / ``tool_choice`` (``none``, ``auto``, ``required``
     or a named function) / ``parallel_tool_calls``: :mod:`pagedkv.server.tools`."""
 
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
@@ -275,6 +284,10 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: Optional[StrictBool] = None
 
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
+    # vLLM's chat template flags: both true is a 400; continue_final_message needs the last
+    # message to be the assistant's (400) and leaves it open for the model to continue
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     max_tokens: Optional[StrictInt] = Field(None, ge=1)
     max_completion_tokens: Optional[StrictInt] = Field(None, ge=1)
     logprobs: StrictBool = False
@@ -284,7 +297,7 @@ class ChatCompletionRequest(_SamplingFields):
 class TokenizeRequest(BaseModel):
     """``POST /tokenize`` (vLLM's shape): exactly one of ``prompt`` (text; with
     ``add_special_tokens``, default true) or ``messages`` (through the chat template; with
-    ``add_generation_prompt``, default true). ``return_token_strs``: also each token's
+    ``add_generation_prompt``, default true, or ``continue_final_message``). ``return_token_strs``: also each token's
     text. Answer: ``{"count", "max_model_len", "tokens", "token_strs"}``."""
 
     model_config = ConfigDict(extra="ignore")
@@ -293,6 +306,7 @@ class TokenizeRequest(BaseModel):
     messages: Optional[list[ChatMessage]] = Field(None, min_length=1, max_length=MAX_MESSAGES)
     add_special_tokens: Optional[StrictBool] = None
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     return_token_strs: StrictBool = False
 
     @model_validator(mode="after")

@@ -36,7 +36,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
-from pagedkv.model.tokenizer import encode_prompt
+from pagedkv.model.tokenizer import apply_chat, encode_prompt
 from pagedkv.server.api_keys import ApiKeys
 from pagedkv.server.protocol import chat_messages
 from pagedkv.server.schemas import ChatCompletionRequest
@@ -126,9 +126,9 @@ class Ingress:
         """Token ids of the (first) prompt of a generation call; [] when they cannot be known
         (the replica then answers the request's error)."""
         if path == "/v1/chat/completions":  # the replica's own mapping: roles, content parts
-            msgs = chat_messages(ChatCompletionRequest.model_validate(body))
-            ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            req = ChatCompletionRequest.model_validate(body)  # its template flags, as the replica uses them
+            return apply_chat(self.tokenizer, chat_messages(req), req.add_generation_prompt,
+                              continue_final_message=req.continue_final_message)
         p = body["prompt"]
         if isinstance(p, list) and p and not isinstance(p[0], int):
             p = p[0]
