@@ -5,9 +5,14 @@ Every step the scheduler spends a token budget (``max_num_batched_tokens``): fir
 running requests (one decode token each, or the next chunk of an unfinished prefill), then
 on waiting requests (a prefill chunk each), admitted only while blocks are available above a
 small watermark and fewer than ``max_num_seqs`` requests run. When a running request cannot
-get a block, the scheduler preempts the lowest-priority running request (FCFS: the latest
-admitted): its blocks are freed, its progress reset, and it is requeued first; on resume it
-recomputes prompt + outputs (hitting its own cached blocks if prefix caching is on).
+get a block, the scheduler preempts a victim: FCFS, the latest admitted; the priority policy,
+the running request with the largest ``priority`` value (lower = served first, vLLM's
+convention), then the latest arrival, chosen among *all* running requests: one already
+scheduled this step is taken back out of it (its tokens, copy-on-write copies and drafts; its
+blocks are freed with its table before the step runs). The victim's blocks are freed, its
+progress reset, and it is requeued first; on resume it recomputes prompt + outputs (hitting
+its own cached blocks if prefix caching is on; the prefix-cache query/hit counters count only
+a request's first admission, as vLLM's do).
 
 Beam groups are gangs, scheduled all or nothing (see ``gangs.Gangs``): preempting a
 member preempts the whole gang, and a waiting gang is admitted at once behind one leader that

@@ -60,8 +60,8 @@ class _EngineCollector:
         yield gauge("pagedkv_kv_cache_usage_percent", "Used KV blocks, percent of the pool (0-100).", 100.0 * st.kv_usage)
         yield gauge("pagedkv_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens looked up (0-1, since start).",
                     st.kv_prefix_hit_rate)
-        yield counter("pagedkv_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache.", st.kv_prefix_queries)
-        yield counter("pagedkv_prefix_cache_hits_tokens", "Prompt tokens served from the prefix cache.", st.kv_prefix_hits)
+        yield counter("pagedkv_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache (at each request's first admission).", st.kv_prefix_queries)
+        yield counter("pagedkv_prefix_cache_hits_tokens", "Prompt tokens served from the prefix cache (at each request's first admission).", st.kv_prefix_hits)
         yield counter("pagedkv_num_preemptions", "Sequences preempted (blocks freed, recomputed later).", st.num_preemptions)
         yield counter("pagedkv_cow_copies", "Copy-on-write block copies.", st.kv_cow_copies)
         yield counter("pagedkv_prefix_cache_evictions", "Cached free blocks evicted for reuse.", st.kv_evictions)
