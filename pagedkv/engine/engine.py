@@ -237,10 +237,9 @@ class LLMEngine:
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
                             continue_final_message: bool = False) -> list[int]:
-        """Token ids of a conversation (``pagedkv.model.tokenizer.apply_chat``: with
-        ``continue_final_message`` the last, assistant message is left open for generation to
-        continue; it needs ``add_generation_prompt=False``); raises ``InvalidRequestError``
-        for bad messages, both flags true, or a model without a chat template."""
+        """Token ids of a conversation (``pagedkv.model.tokenizer.apply_chat``; with
+        ``continue_final_message`` and ``add_generation_prompt=False`` the last, assistant
+        message is left open). ``InvalidRequestError``: bad messages or flags, no template."""
         return apply_chat(self.tokenizer, messages, add_generation_prompt, self.chat_template, self.model_id,
                           continue_final_message=continue_final_message)
 

@@ -327,6 +327,28 @@ class Request:
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
 
+    def stop_status(self, token_id: int) -> Optional[RequestStatus]:
+        """The status this sequence ends with after appending ``token_id``, or None. EOS and
+        ``stop_token_ids`` count only once ``min_tokens`` tokens were generated (the sampler
+        masks them before; this keeps the rule for any other path) and set
+        ``stopped_by_token`` (the token's text is left out of the output text)."""
+        p = self.sampling_params
+        if self.num_output_tokens > p.min_tokens:  # the token just appended is not within min_tokens
+            if not p.ignore_eos and token_id in self.eos_token_ids:
+                self.stop_reason = None
+                self.stopped_by_token = True
+                return RequestStatus.FINISHED_STOPPED
+            if p.stop_token_ids and token_id in p.stop_token_ids:
+                self.stop_reason = token_id
+                self.stopped_by_token = True
+                return RequestStatus.FINISHED_STOPPED
+        if self.grammar is not None and self.grammar.done:  # structured output complete
+            self.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= p.max_tokens or self.num_tokens >= self.max_total_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
     @property
     def is_finished(self) -> bool:
         return self.status.finished

@@ -394,7 +394,7 @@ class Scheduler:
             req.append_output_token(token_id, lp)
             if req.first_token_time is None:
                 req.first_token_time = t
-            status = self.check_stop(req, token_id)
+            status = req.stop_status(token_id)
             if status is not None:
                 self.finish_request(req, status)
                 finished.append(req)
@@ -408,7 +408,7 @@ class Scheduler:
         for token_id, lp in run:
             req.append_output_token(token_id, lp)
             kept += 1
-            if (status := self.check_stop(req, token_id)) is not None:
+            if (status := req.stop_status(token_id)) is not None:
                 break
         req.first_token_time = req.first_token_time or t
         st = self.stats
@@ -483,29 +483,6 @@ class Scheduler:
             for r in list(self.running) + list(self.waiting)
         ]
         return {"kv": self.kv.snapshot(), "requests": reqs}
-
-    @staticmethod
-    def check_stop(req: Request, token_id: int) -> Optional[RequestStatus]:
-        """The status ``req`` ends with after appending ``token_id``, or None. EOS and
-        ``stop_token_ids`` count only once ``min_tokens`` tokens were generated (the sampler
-        masks them before; this keeps the rule for any other path) and mark
-        ``req.stopped_by_token`` (the token's text is left out of the output text)."""
-        p = req.sampling_params
-        if req.num_output_tokens > p.min_tokens:  # the token just appended is not within min_tokens
-            if not p.ignore_eos and token_id in req.eos_token_ids:
-                req.stop_reason = None
-                req.stopped_by_token = True
-                return RequestStatus.FINISHED_STOPPED
-            if p.stop_token_ids and token_id in p.stop_token_ids:
-                req.stop_reason = token_id
-                req.stopped_by_token = True
-                return RequestStatus.FINISHED_STOPPED
-        if req.grammar is not None and req.grammar.done:  # structured output complete
-            req.stop_reason = None
-            return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= req.max_total_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def abort(self, request_ids: Iterable[str]) -> list[Request]:
         out = []

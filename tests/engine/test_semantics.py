@@ -1,4 +1,4 @@
-"""Issue 45 item 2: output semantics as vLLM defines them, in the engine (SmolLM2, greedy).
+"""Output semantics as vLLM defines them, in the engine (SmolLM2, greedy).
 
 * the token that ends a request (EOS or one of ``stop_token_ids``) stays in ``token_ids``
   but its text is not in ``text``, also with ``skip_special_tokens=False``, unless
@@ -55,7 +55,7 @@ def chat(engine, q):
     return engine.apply_chat_template([{"role": "user", "content": q}])
 
 
-# ---- item 1: the stop token's text; include_stop_str_in_output -------------------------
+# ---- the stop token's text; include_stop_str_in_output -------------------------
 def test_greedy_references(engine):
     assert run(engine, PARIS, max_tokens=12)[0].token_ids == PARIS_IDS
     o, _ = run(engine, chat(engine, SUM_Q), max_tokens=20)
@@ -101,7 +101,7 @@ def test_beam_hypotheses_leave_the_eos_text_out(engine):
         assert c.text == engine.tokenizer.decode(c.token_ids[:-1], skip_special_tokens=False)
 
 
-# ---- item 2: min_tokens ----------------------------------------------------------------
+# ---- min_tokens ----------------------------------------------------------------
 def test_min_tokens_masks_eos_until_reached(engine):
     ids = chat(engine, YES_NO)
     o, _ = run(engine, ids, max_tokens=10)
@@ -164,7 +164,7 @@ def test_min_tokens_with_speculative_decoding_matches_plain_decoding(engine, loa
     check_invariants(spec.kv)
 
 
-# ---- item 3: continue_final_message ----------------------------------------------------
+# ---- continue_final_message ----------------------------------------------------
 def test_continue_final_message(engine, loaded_model):
     conv = [{"role": "user", "content": "What is the capital of France?"},
             {"role": "assistant", "content": "The capital of France is"}]
@@ -186,7 +186,7 @@ def test_continue_final_message(engine, loaded_model):
         engine.apply_chat_template(conv[:1], add_generation_prompt=False, continue_final_message=True)
 
 
-# ---- item 7: no second BOS (Gemma-3) ---------------------------------------------------
+# ---- no second BOS (Gemma-3) ---------------------------------------------------
 def test_gemma3_prompt_starting_with_bos_gets_one(gemma3_loaded):
     template = "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}"
     eng = LLMEngine(gemma3_loaded, num_blocks=32, block_size=16, chat_template=template)

@@ -1,6 +1,6 @@
-"""Issue 45 item 2, scheduler side (no model): the priority policy preempts the least
-important running request even when it was already scheduled this step (item 4), and the
-prefix-cache counters count a request's first computation only (item 5)."""
+"""Scheduler semantics as vLLM's (no model): the priority policy preempts the least
+important running request even when it was already scheduled this step, and the
+prefix-cache counters count a request's first computation only."""
 
 from __future__ import annotations
 

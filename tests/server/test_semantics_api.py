@@ -1,4 +1,4 @@
-"""Issue 45 item 2 through the OpenAI-compatible server (SmolLM2 greedy; Gemma-3 for BOS):
+"""Output semantics through the OpenAI-compatible server (SmolLM2 greedy; Gemma-3 for BOS):
 ``stop_token_ids`` / ``include_stop_str_in_output`` (streamed = non-streamed), ``min_tokens``,
 chat ``continue_final_message`` / ``add_generation_prompt`` (and the ingress's prompt ids),
 chat logprobs ``bytes`` of tokens that hold part of a character, one BOS."""
