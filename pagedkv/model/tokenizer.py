@@ -42,7 +42,9 @@ def drop_double_bos(tokenizer: Any, text: str, ids: list[int]) -> list[int]:
     doubled."""
     bos, bos_id = getattr(tokenizer, "bos_token", None), getattr(tokenizer, "bos_token_id", None)
     if bos and bos_id is not None and len(ids) >= 2 and ids[0] == ids[1] == bos_id and text.startswith(bos):
-        return ids[1:]
+        plain = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if len(ids) > len(plain) and ids[1:1 + len(plain)] == plain:  # the first BOS was added
+            return ids[1:]
     return ids
 
 
@@ -66,7 +68,7 @@ def apply_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_pr
                continue_final_message: bool = False) -> list[int]:
     """Token ids of a conversation (``[{"role", "content"}, ...]``) through ``chat_template``
     (Jinja text) or the tokenizer's own template (tokenised without adding special tokens:
-    the template writes them; a doubled leading BOS is dropped). ``add_generation_prompt``:
+    a template that writes ``{{ bos_token }}`` gets one BOS, as in vLLM). ``add_generation_prompt``:
     end with the assistant's turn opening. ``continue_final_message``: leave the last
     message, which must be the assistant's, open (the template's end-of-turn after it is
     cut), so generation continues its text; needs ``add_generation_prompt=False`` (vLLM's
@@ -92,11 +94,7 @@ def apply_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_pr
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kw)
     if hasattr(ids, "keys") and "input_ids" in ids:  # transformers may return a BatchEncoding
         ids = ids["input_ids"]
-    ids = list(ids)
-    bos_id = getattr(tokenizer, "bos_token_id", None)
-    if bos_id is not None and len(ids) >= 2 and ids[0] == ids[1] == bos_id:
-        ids = ids[1:]  # a template that writes BOS, tokenised with BOS added: one BOS
-    return ids
+    return list(ids)
 
 
 @lru_cache(maxsize=1)

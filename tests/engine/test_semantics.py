@@ -206,3 +206,9 @@ def test_gemma3_prompt_starting_with_bos_gets_one(gemma3_loaded):
     ids = eng.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=False)
     assert ids[:2] == [2, 105] and ids.count(2) == 1
     assert eng.kv.num_used_blocks == 0
+
+
+def test_a_model_that_adds_no_bos_keeps_the_texts_own(engine):
+    # SmolLM2's BOS is <|im_start|> (1) and its tokenizer adds none: nothing is dropped
+    assert engine.tokenize("<|im_start|><|im_start|>hi") == [1, 1, 6004]
+    assert engine.tokenize("<|im_start|>hi") == [1, 6004]
