@@ -212,3 +212,35 @@ def test_a_model_that_adds_no_bos_keeps_the_texts_own(engine):
     # SmolLM2's BOS is <|im_start|> (1) and its tokenizer adds none: nothing is dropped
     assert engine.tokenize("<|im_start|><|im_start|>hi") == [1, 1, 6004]
     assert engine.tokenize("<|im_start|>hi") == [1, 6004]
+
+
+def test_priority_preemption_unschedules_the_low_priority_request_cleanly(loaded_model):
+    """6 blocks of 4 tokens: A (priority 10, running first) and B (priority 0). When B needs a
+    block A was already scheduled in that step; A is taken back out and preempted (before,
+    B was), and both still give their greedy tokens alone."""
+    tok = loaded_model.tokenizer
+    pa, pb = tok("The capital of France is")["input_ids"], tok("Once upon a time, in a small village")["input_ids"]
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    alone = {}
+    ref = LLMEngine(loaded_model, num_blocks=64, block_size=4, max_model_len=64)
+    for rid, p in (("A", pa), ("B", pb)):
+        ref.add_request(rid, p, sp)
+        while ref.has_unfinished_requests():
+            alone.update({o.request_id: o.token_ids for o in ref.step() if o.finished})
+    eng = LLMEngine(loaded_model, num_blocks=6, block_size=4, max_model_len=64, policy="priority",
+                    debug_invariants=True)
+    eng.add_request("A", pa, sp, priority=10)
+    eng.step()
+    eng.add_request("B", pb, sp, priority=0)
+    outs, preempted = {}, []
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o
+        preempted += [r.request_id for r in eng.scheduler.waiting if r.status.name == "PREEMPTED"
+                      and r.request_id not in preempted]
+    assert preempted == ["A"]
+    assert (outs["A"].metrics.num_preemptions, outs["B"].metrics.num_preemptions) == (1, 0)
+    assert outs["A"].token_ids == alone["A"] and outs["B"].token_ids == alone["B"]
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks == 6
+    check_invariants(eng.kv)
