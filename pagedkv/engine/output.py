@@ -30,8 +30,8 @@ class OutputProcessor:
         there, set ``req.stop_reason`` to it and return ``Finish(req, FINISHED_STOPPED)`` for
         the scheduler; else ``None``."""
         if req._text_tokens == req.num_output_tokens or (
-            req.stop_reason is not None and isinstance(req.stop_reason, str)
-        ):
+            isinstance(req.stop_reason, str) and req.status != RequestStatus.FINISHED_ERROR
+        ):  # text already cut at a stop string (a grammar failure's stop_reason is not one)
             return None
         text = self.tokenizer.decode(
             req.output_token_ids, skip_special_tokens=req.sampling_params.skip_special_tokens
