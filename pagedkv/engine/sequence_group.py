@@ -217,14 +217,14 @@ class SequenceGroups:
         # a beam whose grammar fails on its token (structured outputs) is dropped: a fork is
         # not made, a continued beam finishes with "error" (never extended unconstrained)
         continued: set[str] = set()
-        new_beams: list[Request] = []
-        kept: list = []  # the choices of new_beams, same order
-        in_place: list[tuple[Request, int, Any]] = []
+        order: list[tuple[Request, Any]] = []  # the new beams with their choices, best first
+        in_place: list[tuple[Request, int]] = []
         for c in choices:
             src = c.source
             if src.request_id not in continued:
                 continued.add(src.request_id)
-                in_place.append((src, c.token, c))
+                order.append((src, c))
+                in_place.append((src, c.token))
                 continue
             child = _sibling(src, f"{group.request_id}#beam{bs.num_forks + 1}", src.sampling_params,
                              group.request_id, 0)
@@ -238,16 +238,16 @@ class SequenceGroups:
             child.first_token_time = src.first_token_time
             dec.forks.append(Fork(src, child, src.num_computed_tokens))
             self.by_seq[child.request_id] = group
-            new_beams.append(child)
-            kept.append(c)
-        for src, tok, c in in_place:
-            if src.append_output_token(tok):
-                new_beams.append(src)
-                kept.append(c)
-            else:
+            order.append((child, c))
+        failed: set[str] = set()
+        for src, tok in in_place:
+            if not src.append_output_token(tok):
+                failed.add(src.request_id)
                 group.retire(src)
                 dec.finishes.append(Finish(src, RequestStatus.FINISHED_ERROR))
                 self.by_seq.pop(src.request_id, None)
+        order = [(b, c) for b, c in order if b.request_id not in failed]
+        new_beams, kept = [b for b, _ in order], [c for _, c in order]
         for old in bs.beams:
             if old.request_id not in continued:
                 group.retire(old)
