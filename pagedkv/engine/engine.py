@@ -45,6 +45,7 @@ from pagedkv.errors import ConfigError, InvalidRequestError
 from pagedkv.kv import CacheKeys, KVCacheSpec, parse_size
 from pagedkv.kv.tiers import StoreIdentity, ZmqEventPublisher, open_tiers, parse_tier_specs, replay_endpoint_for
 from pagedkv.model.tokenizer import apply_chat, encode_prompt, read_chat_template
+from pagedkv.model.weight_cache import model_digest
 from pagedkv.attention.quant import FORMATS, check_group_size
 from pagedkv.utils import canonical_dtype, kv_cache_dtype, passive_wait_warning, profile_scope, torch_dtype
 from pagedkv.worker.worker import Worker
@@ -164,6 +165,8 @@ class LLMEngine:
                     kv_dtype=self.kv_format_id,  # the cache format: int8/g64 blocks are not float32 ones
                     block_size=cfg.block_size, num_layers=mc.num_layers, block_format=codec.format,
                     block_nbytes=codec.nbytes,
+                    # the checkpoint's bytes (a user-given model_revision does not stand in for them)
+                    weights_digest=model_digest(self.loaded.path), tp_size=cfg.tensor_parallel_size,
                 )
             tiers, stores = open_tiers(specs, identity, cfg.block_size, publisher)
         except BaseException:

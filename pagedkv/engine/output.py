@@ -31,8 +31,8 @@ class OutputProcessor:
         ``include_stop_str_in_output``), set ``req.stop_reason`` to it and return
         ``Finish(req, FINISHED_STOPPED)`` for the scheduler; else ``None``."""
         if req._text_tokens == req.num_output_tokens or (
-            req.stop_reason is not None and isinstance(req.stop_reason, str)
-        ):
+            isinstance(req.stop_reason, str) and req.status != RequestStatus.FINISHED_ERROR
+        ):  # text already cut at a stop string (a grammar failure's stop_reason is not one)
             return None
         p = req.sampling_params
         ids = req.output_token_ids

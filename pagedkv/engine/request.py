@@ -246,6 +246,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # a structured-output grammar failed at run time (stop_reason says why)
 
     @property
     def finished(self) -> bool:
@@ -253,6 +254,7 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH,
             RequestStatus.FINISHED_ABORTED,
+            RequestStatus.FINISHED_ERROR,
         )
 
 
@@ -319,13 +321,17 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
-    def append_output_token(self, token_id: int, logprobs: Optional[dict[int, float]] = None) -> None:
+    def append_output_token(self, token_id: int, logprobs: Optional[dict[int, float]] = None) -> bool:
+        """Append a sampled token; True when appended. False (nothing appended) when the
+        structured-output grammar has failed or fails on this token: the caller finishes
+        the sequence (``Scheduler.grammar_failed``), it never continues unconstrained."""
+        if self.grammar is not None and not self.grammar.accept(token_id):
+            return False
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
-        if self.grammar is not None:
-            self.grammar.accept(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
+        return True
 
     def stop_status(self, token_id: int) -> Optional[RequestStatus]:
         """The status this sequence ends with after appending ``token_id``, or None. EOS and
@@ -365,7 +371,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: Optional[str]  # "stop" | "length" | "abort" | None while running
+    finish_reason: Optional[str]  # "stop" | "length" | "abort" | "error" (grammar failure) | None while running
     logprobs: Optional[list[dict[int, float]]] = None
     stop_reason: Any = None
     cumulative_logprob: Optional[float] = None  # beam search: sum of the tokens' logprobs

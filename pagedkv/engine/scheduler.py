@@ -391,7 +391,10 @@ class Scheduler:
             if tok is None:
                 continue  # a prefill chunk that does not end the known tokens
             token_id, lp = tok
-            req.append_output_token(token_id, lp)
+            if not req.append_output_token(token_id, lp):  # its grammar failed: token dropped
+                self.grammar_failed(req)
+                finished.append(req)
+                continue
             if req.first_token_time is None:
                 req.first_token_time = t
             status = req.stop_status(token_id)
@@ -406,7 +409,9 @@ class Scheduler:
         accepted drafts are computed; the lookahead past them is released."""
         status, kept = None, 0
         for token_id, lp in run:
-            req.append_output_token(token_id, lp)
+            if not req.append_output_token(token_id, lp):  # a grammar (never speculates) failed
+                status = self._grammar_failure(req)
+                break
             kept += 1
             if (status := req.stop_status(token_id)) is not None:
                 break
@@ -432,7 +437,9 @@ class Scheduler:
             self.fork(f.parent, f.child, f.num_computed_tokens)
         for d in decisions.finishes:
             req = d.request
-            if not req.status.finished:
+            if not req.status.finished and d.status == RequestStatus.FINISHED_ERROR:
+                self.grammar_failed(req)  # a beam whose grammar failed: counted
+            elif not req.status.finished:
                 self.finish_request(req, d.status)
             elif req.status == RequestStatus.FINISHED_LENGTH and d.status == RequestStatus.FINISHED_STOPPED:
                 req.status = d.status  # a stop string in the final text
@@ -483,6 +490,21 @@ class Scheduler:
             for r in list(self.running) + list(self.waiting)
         ]
         return {"kv": self.kv.snapshot(), "requests": reqs}
+
+    def _grammar_failure(self, req: Request) -> RequestStatus:
+        """Count ``req``'s failed grammar (``stats.grammar_failures[reason]``), set its
+        ``stop_reason`` to ``"grammar <reason>: <message>"``; the status to finish it with."""
+        reason, msg = req.grammar.failure if req.grammar is not None and req.grammar.failure else ("parser_error", "")
+        self.stats.grammar_failures[reason] = self.stats.grammar_failures.get(reason, 0) + 1
+        req.stop_reason = f"grammar {reason}: {msg}" if msg else f"grammar {reason}"
+        return RequestStatus.FINISHED_ERROR
+
+    def grammar_failed(self, req: Request) -> None:
+        """Finish ``req`` whose structured-output grammar failed at run time (finish reason
+        ``"error"``, its blocks freed, the failure counted); its text is what the grammar
+        accepted so far."""
+        if not req.status.finished:
+            self.finish_request(req, self._grammar_failure(req))
 
     def abort(self, request_ids: Iterable[str]) -> list[Request]:
         out = []

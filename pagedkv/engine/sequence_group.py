@@ -214,29 +214,40 @@ class SequenceGroups:
             dec.finishes = self._finish_beams(group, tokenizer)
             return dec
         # forks first: they copy their source's tokens before an in-place append changes them
+        # a beam whose grammar fails on its token (structured outputs) is dropped: a fork is
+        # not made, a continued beam finishes with "error" (never extended unconstrained)
         continued: set[str] = set()
-        new_beams: list[Request] = []
+        order: list[tuple[Request, Any]] = []  # the new beams with their choices, best first
         in_place: list[tuple[Request, int]] = []
         for c in choices:
             src = c.source
             if src.request_id not in continued:
                 continued.add(src.request_id)
-                new_beams.append(src)
+                order.append((src, c))
                 in_place.append((src, c.token))
                 continue
-            bs.num_forks += 1
-            child = _sibling(src, f"{group.request_id}#beam{bs.num_forks}", src.sampling_params,
+            child = _sibling(src, f"{group.request_id}#beam{bs.num_forks + 1}", src.sampling_params,
                              group.request_id, 0)
             for tok in src.output_token_ids:
                 child.append_output_token(tok)
-            child.append_output_token(c.token)
+            child.grammar = src.grammar.copy() if src.grammar is not None else None
+            if not child.append_output_token(c.token):
+                continue
+            bs.num_forks += 1
             child.num_cached_tokens = 0  # it never looked anything up itself
             child.first_token_time = src.first_token_time
             dec.forks.append(Fork(src, child, src.num_computed_tokens))
             self.by_seq[child.request_id] = group
-            new_beams.append(child)
+            order.append((child, c))
+        failed: set[str] = set()
         for src, tok in in_place:
-            src.append_output_token(tok)
+            if not src.append_output_token(tok):
+                failed.add(src.request_id)
+                group.retire(src)
+                dec.finishes.append(Finish(src, RequestStatus.FINISHED_ERROR))
+                self.by_seq.pop(src.request_id, None)
+        order = [(b, c) for b, c in order if b.request_id not in failed]
+        new_beams, kept = [b for b, _ in order], [c for _, c in order]
         for old in bs.beams:
             if old.request_id not in continued:
                 group.retire(old)
@@ -244,7 +255,7 @@ class SequenceGroups:
                 self.by_seq.pop(old.request_id, None)
         for i, b in enumerate(new_beams):
             b.index = i
-        bs.advance(choices, new_beams)
+        bs.advance(kept, new_beams)
         group.seqs = list(new_beams)
         dec.generated_tokens = len(new_beams)
         return dec

@@ -48,6 +48,9 @@ class EngineStats:
     num_spec_rows: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # structured-output sequences ended by a run-time grammar failure: {reason: count}
+    # (reasons: pagedkv.engine.structured.FAILURE_REASONS)
+    grammar_failures: dict = field(default_factory=dict)
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -96,4 +99,5 @@ def collect_stats(kv: Any, st: Any, num_running: int, num_waiting: int) -> Engin
         num_spec_rows=st.num_spec_rows,
         num_draft_tokens=st.num_draft_tokens,
         num_accepted_tokens=st.num_accepted_tokens,
+        grammar_failures=dict(st.grammar_failures),
     )

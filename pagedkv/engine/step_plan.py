@@ -56,6 +56,9 @@ class SchedulerStats:
     num_spec_rows: int = 0  # decode rows verified with draft tokens
     num_draft_tokens: int = 0  # draft tokens proposed in them
     num_accepted_tokens: int = 0  # of those, accepted (each row also keeps one sampled token)
+    # structured-output sequences ended by a run-time grammar failure, by reason
+    # (pagedkv.engine.structured.FAILURE_REASONS)
+    grammar_failures: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -19,6 +19,16 @@ measures its mask cost on the bundled model).
 A grammar that can end allows EOS; once nothing may follow (``GrammarState.done``) the
 scheduler's stop check finishes the request with ``"stop"`` without waiting for an EOS token.
 ``max_tokens`` and stop strings still cut the output where they fall (``"length"`` / ``"stop"``).
+
+Grammars fail closed. A spec with an empty language (``root ::= root``; a first mask that
+errs or allows no token) or a regex llguidance would misread (a lone trailing backslash) is
+``InvalidRequestError`` at compile time, before the request takes a block. At run time a
+matcher that errs (a parser limit such as ``root ::= "ab" root``'s endless forced tokens, a
+parser error, a refused token, a mask with no token, an exception) never lets the sequence go
+on unconstrained: the token it failed on is dropped and the scheduler finishes the sequence
+with finish reason ``"error"`` and ``stop_reason`` ``"grammar <reason>: <message>"``; its text
+is what the grammar accepted so far. The scheduler counts these by reason
+(``SchedulerStats.grammar_failures``, Prometheus ``pagedkv_grammar_failures_total``).
 """
 
 from __future__ import annotations
@@ -102,60 +112,129 @@ class StructuredSpec:
 class CompiledGrammar:
     """A validated grammar (llguidance's serialised form) bound to the engine's tokenizer.
     ``template``: a matcher at the start of the grammar; every sequence's matcher is a copy
-    of it (cheaper than parsing the grammar again)."""
+    of it (cheaper than parsing the grammar again). ``eos_token_id``: the token a failed
+    matcher's mask still allows (None: none known)."""
 
-    def __init__(self, grammar: str, template: Any) -> None:
+    def __init__(self, grammar: str, template: Any, eos_token_id: Optional[int] = None) -> None:
         self.grammar = grammar
         self.template = template
+        self.eos_token_id = eos_token_id
         self._lock = threading.Lock()
 
     def new_state(self) -> "GrammarState":
         """A fresh matcher for one sequence (thread-safe)."""
         with self._lock:
-            return GrammarState(self.template.deep_copy())
+            return GrammarState(self.template.deep_copy(), self.eos_token_id)
+
+
+# GrammarState.failure reasons (the ``reason`` label of pagedkv_grammar_failures_total)
+FAILURE_REASONS = ("parser_limit", "parser_error", "no_token", "exception")
 
 
 class GrammarState:
-    """One sequence's matcher. ``consumed``: output tokens fed so far."""
+    """One sequence's matcher. ``consumed``: output tokens fed (and accepted) so far.
 
-    __slots__ = ("matcher", "consumed", "failed")
+    Fails closed: once the matcher errs (a parser limit, a parser error, a token it refuses,
+    a mask that allows no token, an exception from llguidance), ``failure`` is set to
+    ``(reason, message)`` (reason one of ``FAILURE_REASONS``), :meth:`accept` refuses every
+    further token (the caller drops it and finishes the sequence with ``"error"``) and
+    :meth:`fill` allows only EOS. The output never continues unconstrained."""
 
-    def __init__(self, matcher: Any) -> None:
+    __slots__ = ("matcher", "consumed", "failure", "eos_token_id")
+
+    def __init__(self, matcher: Any, eos_token_id: Optional[int] = None) -> None:
         self.matcher = matcher
         self.consumed = 0
-        self.failed = matcher.is_error()
+        self.failure: Optional[tuple[str, str]] = None
+        self.eos_token_id = eos_token_id
+        self._check("start")
 
-    def accept(self, token_id: int) -> None:
-        """Advance by one output token. A token after the grammar stopped (EOS ignored) is
-        counted but not fed; a token the grammar refuses (only a bug lets one through the
-        mask) is logged and leaves the sequence unconstrained."""
+    @property
+    def failed(self) -> bool:
+        return self.failure is not None
+
+    def _fail(self, reason: str, message: str) -> None:
+        if self.failure is None:
+            self.failure = (reason, _first_line([message])[:300])
+            logger.warning("structured output: grammar failed after %d tokens (%s: %s); the sequence "
+                           "ends here", self.consumed, reason, self.failure[1])
+
+    def _check(self, where: str) -> bool:
+        """Record the matcher's error state, if any; True when it is fine."""
+        try:
+            msg = self.matcher.get_error()  # set by a failed consume even when is_error() is not
+            if not msg and not self.matcher.is_error():
+                return True
+            msg = msg or where
+        except Exception as e:  # noqa: BLE001 - a broken matcher fails the sequence, never the engine
+            self._fail("exception", f"{where}: {type(e).__name__}: {e}")
+            return False
+        self._fail("parser_limit" if "limit" in msg.lower() else "parser_error", msg)
+        return False
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one output token; True when the token may be emitted. A token after
+        the grammar stopped (EOS ignored) is counted but not fed. False (the token is not
+        counted; the caller drops it and ends the sequence) once the grammar has failed or
+        when this token makes it fail (refused, a parser limit, an exception)."""
+        if self.failure is not None:
+            return False
+        try:
+            if self.matcher.is_stopped():
+                self.consumed += 1
+                return True
+            ok = self.matcher.consume_token(token_id)
+        except Exception as e:  # noqa: BLE001 - see _check
+            self._fail("exception", f"token {token_id}: {type(e).__name__}: {e}")
+            return False
+        if not self._check(f"token {token_id} refused") or not ok:
+            self._fail("parser_error", f"token {token_id} refused")  # no-op if _check recorded one
+            return False
         self.consumed += 1
-        if self.failed or self.matcher.is_stopped():
-            return
-        if not self.matcher.consume_token(token_id) or self.matcher.is_error():
-            self.failed = True
-            logger.error("structured output: token %d refused by the grammar (%s); the sequence "
-                         "is no longer constrained", token_id, self.matcher.get_error()[:200])
+        return True
 
     @property
     def done(self) -> bool:
         """Whether the grammar is complete and nothing may follow (the request stops)."""
-        return not self.failed and self.matcher.is_stopped()
+        if self.failure is not None:
+            return False
+        try:
+            return bool(self.matcher.is_stopped())
+        except Exception as e:  # noqa: BLE001 - see _check
+            self._fail("exception", f"is_stopped: {type(e).__name__}: {e}")
+            return False
 
     def copy(self) -> "GrammarState":
         """An independent matcher at the same point (a forked sequence)."""
-        st = GrammarState(self.matcher.deep_copy())
-        st.consumed, st.failed = self.consumed, self.failed
+        st = GrammarState(self.matcher.deep_copy(), self.eos_token_id)
+        st.consumed, st.failure = self.consumed, self.failure
         return st
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into ``bitmask[row]`` (int32, bit ``t % 32`` of word
-        ``t // 32`` = token ``t``); all ones when unconstrained."""
-        if self.failed:
-            bitmask[row].fill_(-1)
-            return
+        ``t // 32`` = token ``t``). A failed matcher, or one that fails now or allows no
+        token, allows only EOS (all tokens if no EOS id is known: the caller drops what is
+        sampled, see :meth:`accept`)."""
         v = bitmask[row]
-        self.matcher.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+        if self.failure is None:
+            try:
+                self.matcher.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+            except Exception as e:  # noqa: BLE001 - see _check
+                self._fail("exception", f"mask: {type(e).__name__}: {e}")
+            if self._check("mask") and self.failure is None and not bool(v.any()):
+                self._fail("no_token", "the grammar allows no token here")
+        if self.failure is not None:
+            eos = self.eos_token_id
+            if eos is None or eos >= v.numel() * 32:
+                v.fill_(-1)
+            else:
+                v.zero_()
+                v[eos // 32] = _bit(eos % 32)
+
+
+def _bit(j: int) -> int:
+    """Bit ``j`` (0-31) of an int32 word, as a Python int in int32 range."""
+    return (1 << j) - (1 << 32) if j == 31 else 1 << j
 
 
 class GrammarCompiler:
@@ -207,7 +286,9 @@ class GrammarCompiler:
         template = llguidance.LLMatcher(tok, grammar, log_level=0, limits=self._limits)
         if template.is_error():
             raise InvalidRequestError(f"structured output ({spec.kind}): {_first_line([template.get_error()])}")
-        compiled = CompiledGrammar(grammar, template)
+        eos = self.eos_token_ids[0] if self.eos_token_ids else None
+        _check_nonempty(spec, template, self.vocab_size)
+        compiled = CompiledGrammar(grammar, template, eos)
         with self._lock:
             self._cache[key] = compiled
             while len(self._cache) > CACHE_SIZE:
@@ -217,6 +298,19 @@ class GrammarCompiler:
 
     def __len__(self) -> int:
         return len(self._cache)
+
+
+def _check_nonempty(spec: StructuredSpec, template: Any, vocab_size: int) -> None:
+    """Raise ``InvalidRequestError`` when the grammar accepts no output at all: its first
+    mask errs (``root ::= root``: no rule can start) or allows no token. One mask on a copy
+    of ``template`` (the compile cache keeps the result)."""
+    probe = template.deep_copy()
+    bitmask = torch.zeros((1, (vocab_size + 31) // 32), dtype=torch.int32)
+    probe.unsafe_compute_mask_ptr(bitmask.data_ptr(), bitmask.numel() * bitmask.element_size())
+    if probe.is_error() or not bool(bitmask.any()):
+        why = probe.get_error() if probe.is_error() else "no token allowed"
+        raise InvalidRequestError(f"structured output ({spec.kind}): the {spec.kind} accepts no output "
+                                  f"(empty language: {_first_line([why])[:200]})")
 
 
 def _grammar_of(spec: StructuredSpec) -> str:
@@ -231,6 +325,9 @@ def _grammar_of(spec: StructuredSpec) -> str:
             return LLMatcher.grammar_from_json_schema(spec.text(), defaults=JSON_OPTIONS)
         if spec.kind == "grammar":
             return llguidance.grammar_from("grammar", spec.value)
+        if spec.kind == "regex" and (len(spec.value) - len(spec.value.rstrip("\\"))) % 2:
+            # llguidance would drop the lone trailing backslash and accept another language
+            raise ValueError("regex ends with a lone backslash (an incomplete escape)")
         return llguidance.grammar_from(spec.kind, spec.text())
     except (ValueError, TypeError, RuntimeError) as e:  # the engine's answer to bad input
         raise InvalidRequestError(f"structured output ({spec.kind}): {_first_line([str(e)])}") from None

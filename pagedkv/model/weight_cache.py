@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from pagedkv.errors import ConfigError
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.tokenizer import load_tokenizer
 
@@ -89,6 +90,34 @@ def file_identity(path: str | Path, root: Path | None = None) -> str:
     except OSError:
         pass
     return sha
+
+
+#: the files of an HF checkpoint directory whose bytes decide its K/V for given token ids (the
+#: weights and config) or which ids a text becomes (the tokenizer): :func:`model_digest` hashes them
+HF_DIGEST_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "config.json", "tokenizer.json",
+                   "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "added_tokens.json")
+
+
+def model_digest(path: str | Path, root: Path | None = None) -> str:
+    """The hex sha256 that identifies a checkpoint's bytes: for a GGUF file its
+    :func:`file_identity` (weights and tokenizer are in the file); for an HF directory the
+    sha256 of ``name:file_identity`` lines of every file matching ``HF_DIGEST_FILES`` (weights,
+    config, tokenizer), sorted by name. Each file is hashed once and the result kept under
+    ``root/ids/`` (see :func:`file_identity`), so a restart costs a ``stat`` and a 64 KiB read
+    per file. Two checkpoints with the same names, config and shapes but other weights get
+    different digests. Raises ``ConfigError`` naming the file when one cannot be read."""
+    p = Path(path)
+    try:
+        if not p.is_dir():
+            return file_identity(p, root)
+        files = sorted({f for pat in HF_DIGEST_FILES for f in p.glob(pat) if f.is_file()}, key=lambda f: f.name)
+        h = hashlib.sha256(b"pagedkv-hf-digest-v1\n")
+        for f in files:
+            h.update(f"{f.name}:{file_identity(f, root)}\n".encode())
+        return h.hexdigest()
+    except OSError as e:
+        raise ConfigError(f"model: cannot read {e.filename or str(p)!r} to identify the checkpoint ({e.strerror or e})") from None
 
 
 def entry_dir(root: Path, sha: str, weights: str = "fp32") -> Path:

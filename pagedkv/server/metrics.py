@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from pagedkv.engine.request import RequestOutput
 from pagedkv.engine.stats import EngineStats
+from pagedkv.engine.structured import FAILURE_REASONS as GRAMMAR_FAILURE_REASONS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -74,6 +75,11 @@ class _EngineCollector:
                     st.spec_acceptance_rate)
         yield gauge("pagedkv_spec_decode_mean_accepted_length", "Tokens a verified decode row kept, on average "
                     "(accepted drafts + 1; 0 before any).", st.spec_mean_accepted_length)
+        gf = CounterMetricFamily("pagedkv_grammar_failures", "Structured-output sequences ended by a run-time grammar "
+                                 "failure (finish reason error), by reason.", labels=labels + ["reason"])
+        for reason in GRAMMAR_FAILURE_REASONS:
+            gf.add_metric(val + [reason], float(st.grammar_failures.get(reason, 0)))
+        yield gf
         kv = self.engine.kv_summary()
         info = GaugeMetricFamily("pagedkv_kv_cache_info", "The KV cache format (value 1): kv_cache_dtype and, "
                                  "for int8/fp8, elements per bf16 scale (quant_group_size).",
@@ -127,7 +133,7 @@ class ServerMetrics:
                               lbl, buckets=_TPOT_BUCKETS, registry=self.registry)
         self.e2e = Histogram("pagedkv_e2e_request_latency_seconds", "Arrival to finish, seconds.",
                              lbl, buckets=_E2E_BUCKETS, registry=self.registry)
-        self.finished = Counter("pagedkv_requests_finished", "User requests finished, by finish reason (stop, length, abort).",
+        self.finished = Counter("pagedkv_requests_finished", "User requests finished, by finish reason (stop, length, abort, error).",
                                 ["model_name", "finish_reason"], registry=self.registry)
         self.http_errors = Counter("pagedkv_http_errors", "Requests rejected with an error status.",
                                    ["model_name", "status"], registry=self.registry)
@@ -136,7 +142,7 @@ class ServerMetrics:
         # create the labelled series up front, so they are exported (as 0) before traffic
         for h in (self.ttft, self.tpot, self.e2e, self.disconnects):
             h.labels(model_name)
-        for reason in ("stop", "length", "abort"):
+        for reason in ("stop", "length", "abort", "error"):
             self.finished.labels(model_name, reason)
 
     def observe_output(self, out: RequestOutput) -> None:

@@ -177,3 +177,58 @@ def test_triton_writes_the_same_codes_and_scales_for_extreme_groups(name):
         value = (lambda c: c.view(fmt.code_dtype).float()) if fmt.code_dtype is not None else (lambda c: c)
         assert torch.equal(value(got_c), value(want_c))
         assert torch.equal(got_s.view(torch.int16), want_s.view(torch.int16))
+
+
+# ------------------------------------------------------------------ chunking (no model)
+def _write_in_chunks(be, name, x_k, x_v, table, chunk):
+    """A fresh cache with tokens ``0..n-1`` of one sequence (blocks ``table``, 16 tokens each)
+    written ``chunk`` tokens per ``write_kv`` call, each call followed by the step's attention
+    over the whole context so far (as a chunked prefill does); returns the cache."""
+    from pagedkv.attention.base import AttentionMetadata
+
+    n, h, d = x_k.shape
+    cache = be.allocate_kv_cache(8, 16, h, d, name)
+    for a in range(0, n, chunk):
+        b = min(n, a + chunk)
+        md = AttentionMetadata.build([b], [b - a], [table], 16)
+        be.write_kv(cache, x_k[a:b], x_v[a:b], md.slot_mapping)
+        be.forward(torch.randn(b - a, 2 * h, d), cache, md, d ** -0.5)
+    return cache
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_stored_codes_and_scales_do_not_depend_on_chunking(backend, name):
+    """Scales are per token (per group of a token's head vector), never per block: a token's
+    stored codes and scales are ``quantize`` of its own K/V, bit for bit, whether the prompt
+    is written at once or 4 / 16 / 5 tokens at a time (a later chunk never rescales a block an
+    earlier one started), by every write route; and attention reads the same values back."""
+    from pagedkv.attention import get_backend
+    from pagedkv.attention.base import AttentionMetadata
+
+    be = get_backend(backend)
+    g = torch.Generator().manual_seed(5)
+    n, h, d = 37, 2, 64
+    # later tokens much larger than earlier ones in the same block: a block scale fixed by
+    # the first chunk would clip them; a rescale would change the earlier ones
+    grow = torch.logspace(-2, 2, n).view(n, 1, 1)
+    x_k = torch.randn(n, h, d, generator=g) * grow
+    x_v = torch.randn(n, h, d, generator=g) * grow.flip(0)
+    table = [5, 2, 7]
+    slots = AttentionMetadata.build([n], [n], [table], 16).slot_mapping
+    fmt = FORMATS[name]
+    value = (lambda c: c.view(fmt.code_dtype).float()) if fmt.code_dtype is not None else (lambda c: c)
+    want = [quantize(x, fmt, d) for x in (x_k, x_v)]
+    ref = None
+    q = torch.randn(n, 2 * h, d, generator=g)
+    md = AttentionMetadata.build([n], [n], [table], 16)
+    for chunk in (n, 4, 16, 5):
+        cache = _write_in_chunks(be, name, x_k, x_v, table, chunk)
+        k, v, ks, vs = be.gather_kv_raw(cache, slots)
+        for got_c, got_s, (want_c, want_s) in ((k, ks, want[0]), (v, vs, want[1])):
+            assert torch.equal(value(got_c), value(want_c)), chunk
+            assert torch.equal(got_s.view(torch.int16), want_s.view(torch.int16)), chunk
+        out = be.forward(q, cache, md, d ** -0.5)  # the same reader over the same stored bytes
+        if ref is None:
+            ref = out
+        assert torch.equal(out, ref), chunk

@@ -98,6 +98,45 @@ def test_chunked_prefill_writes_the_same_codes(loaded_model):
                     assert torch.allclose(g.float(), w.float(), rtol=2 ** -7, atol=0)
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+def test_every_write_stores_quantize_of_its_own_tokens_in_any_chunking(loaded_model, kv_dtype):
+    """In the engine, one-shot and with max_num_batched_tokens 4 and 16: every K/V write of
+    every layer stores exactly ``quantize`` of the rows it was given (codes and bf16 scales bit
+    for bit, read back from the slots), so quantisation adds no dependence on chunking of its
+    own; the greedy tokens agree. The logprobs may still differ in the 2nd-3rd decimal: the
+    float32 K/V fed to it differ by an ulp between batch shapes (GEMM and attention routes)
+    and a code or a bf16-rounded scale can flip (docs/backends.md)."""
+    from pagedkv.attention import layouts
+    from pagedkv.attention.quant import FORMATS, quantize
+
+    ids = LLM(loaded_model, num_blocks=8).engine.tokenize(TEXT)[:23]
+    fmt = FORMATS[kv_dtype]
+    runs = {}
+    for chunk in (None, 4, 16):
+        kw = {} if chunk is None else {"max_num_batched_tokens": chunk}
+        llm = LLM(loaded_model, kv_cache_dtype=kv_dtype, num_blocks=16, block_size=16, enable_prefix_caching=False, **kw)
+        be = llm.engine.backend
+        real_write, checked = be.write_kv, []
+
+        def write_kv(cache, key, value, slots, real_write=real_write, checked=checked):
+            real_write(cache, key, value, slots)
+            keep = slots >= 0
+            k, v, ks, vs = layouts.gather_raw(cache, slots[keep])
+            for got_c, got_s, x in ((k, ks, key[keep]), (v, vs, value[keep])):
+                want_c, want_s = quantize(x, fmt, x.shape[-1])
+                checked.append(torch.equal(got_c, want_c) and torch.equal(got_s.view(torch.int16), want_s.view(torch.int16)))
+
+        be.write_kv = write_kv
+        out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=4, logprobs=0, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+        assert len(checked) >= 2 * L * (1 + 3) and all(checked), (chunk, checked.count(False))
+        runs[chunk] = out
+    for chunk in (4, 16):
+        assert runs[chunk].token_ids == runs[None].token_ids
+        for a, b, t in zip(runs[chunk].logprobs, runs[None].logprobs, runs[None].token_ids):
+            assert abs(a[t] - b[t]) < 0.1
+
+
 def test_int8_schedules_preemption_prefix_hits_and_forks(loaded_model, agreement):
     """The same requests under other schedules, on int8 blocks: shuffled physical blocks (the
     same arithmetic) give the very same tokens; chunked prefill, preemption (blocks freed and

@@ -103,13 +103,15 @@ def test_beam_search_accepts_stop_token_ids():
 
 
 def test_status_finished_and_finish_reason():
-    assert [s.finished for s in RequestStatus] == [False, False, False, True, True, True]
+    assert [s.finished for s in RequestStatus] == [False, False, False, True, True, True, True]
     r = Request("r", [1, 2, 3], SamplingParams(), arrival_time=0.0)
     assert r.finish_reason is None and not r.is_finished
     r.status = RequestStatus.FINISHED_LENGTH
     assert r.finish_reason == "length" and r.is_finished
     r.status = RequestStatus.FINISHED_ABORTED
     assert r.finish_reason == "abort"
+    r.status = RequestStatus.FINISHED_ERROR  # a structured-output grammar failed at run time
+    assert r.finish_reason == "error" and r.is_finished
 
 
 def test_request_token_bookkeeping():

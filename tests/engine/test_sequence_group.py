@@ -136,3 +136,44 @@ def test_request_blocks():
     assert request_blocks(20, 40, beam, 16, True, 100) == 11
     assert request_blocks(20, 40, beam, 16, False, 100) == 21
     assert request_blocks(20, 40, p, 16, True, 100, windows=(None, None)) == 6
+
+
+class _RefuseGrammar:
+    """A GrammarState stand-in that refuses ``bad`` tokens (as a failed matcher does)."""
+
+    def __init__(self, bad):
+        self.bad, self.seen = set(bad), []
+
+    def accept(self, t):
+        if t in self.bad:
+            return False
+        self.seen.append(t)
+        return True
+
+    def copy(self):
+        g = _RefuseGrammar(self.bad)
+        g.seen = list(self.seen)
+        return g
+
+
+def test_beam_step_drops_beams_whose_grammar_fails():
+    """A fork whose token the grammar refuses is not made; a beam continued in place with a
+    refused token finishes with "error" (its token not appended); the order of the others
+    is kept."""
+    params = SamplingParams(beam_width=2, max_tokens=4)
+    groups, g, first = _register(params, 0)
+    first.num_computed_tokens = first.num_tokens
+    first.grammar = _RefuseGrammar({2})
+    groups.offer_beam_rows(torch.tensor([[0.0, 2.0, 1.0, -1.0]]).log_softmax(-1), [0], [first])
+    dec = groups.beam_step("g", _Tok())  # candidates: token 1 (in place), token 2 (fork: refused)
+    assert dec.forks == [] and first.output_token_ids == [1] and first.grammar.seen == [1]
+    assert [s.request_id for s in g.seqs] == ["g"] and dec.generated_tokens == 1
+    first.grammar = _RefuseGrammar({1})
+    first.num_computed_tokens = first.num_tokens
+    groups.offer_beam_rows(torch.tensor([[-9.0, 3.0, 2.9, -9.0]]), [0], [first])
+    dec = groups.beam_step("g", _Tok())  # in place: token 1 (refused) -> error; fork: token 2
+    assert dec.finishes == [Finish(first, RequestStatus.FINISHED_ERROR)]
+    assert first.output_token_ids == [1]
+    (fork,) = dec.forks
+    assert fork.child.output_token_ids == [1, 2] and [s.request_id for s in g.seqs] == [fork.child.request_id]
+    assert fork.child.index == 0

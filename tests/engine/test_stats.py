@@ -20,7 +20,7 @@ def _kv(tiers):
 ST = SimpleNamespace(num_preemptions=1, num_steps=11, num_batched_tokens_total=300, peak_running=6,
                      num_generated_tokens=90, num_prompt_tokens=210, num_finished_requests=7,
                      peak_shared_blocks=9, peak_used_blocks=20, num_spec_rows=4, num_draft_tokens=16,
-                     num_accepted_tokens=6)
+                     num_accepted_tokens=6, grammar_failures={"parser_limit": 2})
 
 
 def test_collect_stats_copies_each_counter():
@@ -30,6 +30,7 @@ def test_collect_stats_copies_each_counter():
     assert (s.num_generated_tokens, s.num_prompt_tokens, s.num_finished_requests) == (90, 210, 7)
     assert (s.num_shared_blocks, s.peak_shared_blocks, s.peak_used_blocks) == (4, 9, 20)
     assert (s.kv_prefix_queries, s.kv_prefix_hits, s.kv_prefix_hit_rate) == (64, 48, 0.75)
+    assert s.grammar_failures == {"parser_limit": 2} and s.grammar_failures is not ST.grammar_failures
     assert (s.kv_cow_copies, s.kv_evictions, s.kv_allocated_blocks, s.kv_deferred_frees) == (3, 5, 40, 2)
     assert s.kv_tiers == {} and s.kv_pool_hit_tokens == 48  # no tiers: every hit is the pool's
     assert (s.num_spec_rows, s.num_draft_tokens, s.num_accepted_tokens) == (4, 16, 6)

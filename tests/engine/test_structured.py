@@ -242,3 +242,123 @@ def test_unpack_bitmask_bits_to_tokens():
     assert (pen[0] == 0).nonzero().flatten().tolist() == [0, 5]
     assert (pen[1] == 0).nonzero().flatten().tolist() == [35]
     assert torch.isneginf(pen[0, 1])
+
+
+# ---- grammars fail closed --------------------------------------------------------------------
+
+@pytest.mark.parametrize("spec,needle", [
+    (StructuredSpec("grammar", "root ::= root"), "accepts no output"),  # no rule can start
+    (StructuredSpec("regex", "\\"), "lone backslash"),  # llguidance would read it as ""
+    (StructuredSpec("regex", "ab\\"), "lone backslash"),
+    (StructuredSpec("regex", "[^\\x00-\\x{10FFFF}]"), "accepts no output"),  # no character at all
+    (StructuredSpec("json_schema", {"type": "integer", "minimum": 5, "maximum": 3}), "Unsatisfiable"),
+])
+def test_empty_languages_rejected_before_any_block(llm, spec, needle):
+    free = llm.engine.kv.num_free_blocks
+    with pytest.raises(InvalidRequestError, match=re.escape(needle)):
+        llm.generate(["x"], SamplingParams(max_tokens=4, structured=spec), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.kv.num_free_blocks == free and llm.engine.kv.num_used_blocks == 0
+
+
+def test_escaped_backslash_regex_still_compiles(llm):
+    out = llm.generate(["Write a backslash:"], SamplingParams(
+        temperature=0, max_tokens=8, structured=StructuredSpec("regex", "\\\\\\\\")), use_tqdm=False)[0]
+    assert out.text == "\\\\" and out.finish_reason == "stop"
+
+
+def _failures(llm):
+    return dict(llm.engine.get_stats().grammar_failures)
+
+
+def test_endless_grammar_ends_within_the_grammar(llm):
+    """``root ::= "ab" root`` never ends: llguidance hits its parser limit on the forced
+    tokens. The sequence stops there (finish "error", the reason in stop_reason), its text a
+    prefix of (ab)*, never unconstrained text; the failure is counted; no block leaks."""
+    before = _failures(llm)
+    outs = llm.generate(["Say ab:", "Repeat: abab"], [SamplingParams(
+        temperature=t, seed=3, max_tokens=20, structured=StructuredSpec("grammar", 'root ::= "ab" root'))
+        for t in (0.0, 1.0)], use_tqdm=False)
+    for out in outs:
+        c = out.outputs[0]
+        assert re.fullmatch(r"(ab)*a?", c.text), c.text
+        assert c.finish_reason == "error"
+        assert c.stop_reason.startswith("grammar parser_limit: "), c.stop_reason
+    after = _failures(llm)
+    assert after.get("parser_limit", 0) - before.get("parser_limit", 0) == 2
+    assert not llm.engine.has_unfinished_requests() and llm.engine.kv.num_used_blocks == 0
+
+
+class _FlakyMatcher:
+    """An llguidance matcher that raises after ``ok`` consumed tokens (or in the mask)."""
+
+    def __init__(self, inner, ok, where="consume"):
+        self.inner, self.ok, self.where, self.n = inner, ok, where, 0
+
+    def consume_token(self, t):
+        if self.where == "consume" and self.n >= self.ok:
+            raise RuntimeError("injected consume failure")
+        self.n += 1
+        return self.inner.consume_token(t)
+
+    def unsafe_compute_mask_ptr(self, ptr, size):
+        if self.where == "mask" and self.n >= self.ok:
+            raise RuntimeError("injected mask failure")
+        return self.inner.unsafe_compute_mask_ptr(ptr, size)
+
+    def deep_copy(self):
+        return _FlakyMatcher(self.inner.deep_copy(), self.ok, self.where)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("where", ["consume", "mask"])
+def test_runtime_failure_ends_with_the_text_so_far(llm, monkeypatch, where):
+    """A matcher that raises mid-generation: the request ends with the tokens the grammar
+    accepted (the failing one dropped), finish "error", the failure counted, every block
+    back in the pool; the unconstrained request beside it is untouched."""
+    from pagedkv.engine import structured
+
+    schema = SCHEMAS["person"]
+    spec = StructuredSpec("json_schema", schema)
+    sp = SamplingParams(temperature=0, max_tokens=60, structured=spec)
+    clean = llm.generate([PROMPT.format("a person")], sp, use_tqdm=False)[0]
+    assert clean.finish_reason == "stop" and len(clean.token_ids) > 6
+    plain = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    alone = llm.generate(["The capital of France is"], plain, use_tqdm=False)[0].token_ids
+
+    real_new_state = structured.CompiledGrammar.new_state
+
+    def flaky_state(self):
+        st = real_new_state(self)
+        st.matcher = _FlakyMatcher(st.matcher, 5, where)
+        return st
+
+    monkeypatch.setattr(structured.CompiledGrammar, "new_state", flaky_state)
+    before = _failures(llm)
+    outs = llm.generate([PROMPT.format("a person"), "The capital of France is"],
+                        [SamplingParams(temperature=0, max_tokens=60, structured=StructuredSpec("json_schema", schema)),
+                         plain], use_tqdm=False)
+    c = outs[0].outputs[0]
+    assert c.token_ids == clean.token_ids[:5]  # the five accepted tokens, nothing after
+    assert c.text == llm.tokenizer.decode(clean.token_ids[:5], skip_special_tokens=True)
+    assert c.finish_reason == "error" and c.stop_reason.startswith("grammar exception: ")
+    assert f"injected {where} failure" in c.stop_reason
+    assert outs[1].token_ids == alone
+    after = _failures(llm)
+    assert after.get("exception", 0) - before.get("exception", 0) == 1
+    assert not llm.engine.has_unfinished_requests() and llm.engine.kv.num_used_blocks == 0
+
+
+def test_failed_state_allows_only_eos(llm):
+    import torch
+
+    compiled = llm.engine.grammars.compile(StructuredSpec("choice", ["ab", "cd"]))
+    st = compiled.new_state()
+    st.failure = ("parser_error", "test")
+    bm = torch.zeros((1, (llm.engine.model_config.vocab_size + 31) // 32), dtype=torch.int32)
+    st.fill(bm, 0)
+    allowed = unpack_bitmask(bm, llm.engine.model_config.vocab_size)[0].isfinite().nonzero().flatten().tolist()
+    assert allowed == [llm.engine.eos_token_ids[0]]
+    assert not st.accept(allowed[0]) and st.consumed == 0 and not st.done

@@ -130,6 +130,8 @@ def test_guided_extras_on_completions(client):
     ({"guided_grammar": "root ::= undefined_rule"}, "guided_grammar", "undefined_rule"),
     ({"guided_json": "{not json"}, "guided_json", "not JSON"),
     ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex", "at most one"),
+    ({"guided_grammar": "root ::= root"}, "guided_grammar", "accepts no output"),  # empty language
+    ({"guided_regex": "\\"}, "guided_regex", "lone backslash"),
 ])
 def test_bad_constraints_are_400_naming_the_problem(server, body, param, needle):
     srv, engine = server
@@ -163,3 +165,25 @@ def test_openapi_document_lists_the_new_fields(server):
             assert name in props, (model, name)
     fmt = doc["components"]["schemas"]["ResponseFormat"]["properties"]["type"]
     assert set(fmt["enum"]) == {"text", "json_object", "json_schema"}
+
+
+def test_runtime_grammar_failure_is_finish_error_and_counted(server, client):
+    """``root ::= "ab" root`` never ends (llguidance's parser limit): the choice ends with
+    finish_reason "error" and text within the grammar, never unconstrained text; streamed
+    the same; the failure is in /metrics by reason."""
+    srv, engine = server
+    for _ in range(2):
+        r = client.completions.create(model="smol", prompt="Say ab:", max_tokens=20, temperature=0,
+                                      extra_body={"guided_grammar": 'root ::= "ab" root'})
+        c = r.choices[0]
+        assert re.fullmatch(r"(ab)*a?", c.text) and c.finish_reason == "error", (c.text, c.finish_reason)
+    chunks = list(client.completions.create(model="smol", prompt="Say ab:", max_tokens=20, temperature=0,
+                                            stream=True, extra_body={"guided_grammar": 'root ::= "ab" root'}))
+    assert chunks[-1].choices[0].finish_reason == "error"
+    assert re.fullmatch(r"(ab)*a?", "".join(ch.choices[0].text for ch in chunks if ch.choices))
+    _idle(engine)
+    text = httpx.get(srv.url + "/metrics").text
+    line = next(ln for ln in text.splitlines()
+                if ln.startswith("pagedkv_grammar_failures_total{") and 'reason="parser_limit"' in ln)
+    assert float(line.rsplit(" ", 1)[1]) >= 3
+    assert 'pagedkv_requests_finished_total{finish_reason="error",model_name="smol"}' in text

@@ -84,8 +84,13 @@ def parse_tier_specs(specs: str | Sequence[str] | None) -> list[TierSpec]:
 @dataclass(frozen=True)
 class StoreIdentity:
     """Whose K/V a persistent store holds: a block written under one identity is never
-    served under another (another model, revision, weight format, KV dtype or layout, block
-    size, layer count, hash scheme or payload format)."""
+    served under another (another model, revision, checkpoint bytes, weight format, KV dtype
+    or layout, block size, layer count, tensor-parallel size, hash scheme or payload format).
+
+    ``weights_digest``: ``pagedkv.model.weight_cache.model_digest`` of the checkpoint (GGUF
+    file, or an HF directory's weight, config and tokenizer files): two checkpoints with the
+    same name, revision and shapes but other weights differ here. A store written before this
+    field existed has none, so it is refused too (its blocks cannot be attributed)."""
 
     model_id: str
     revision: str
@@ -96,6 +101,8 @@ class StoreIdentity:
     block_format: str  # the backend layout and storage tensors of one block, e.g. "nhd f32[16,3,64]x2/layer"
     block_nbytes: int  # bytes of one block's payload (every layer)
     hash_scheme: str = HASH_SCHEME
+    weights_digest: str = ""  # hex sha256 of the checkpoint's bytes (weights, config, tokenizer)
+    tp_size: int = 1  # tensor-parallel ranks whose heads a block holds
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
