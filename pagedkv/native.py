@@ -9,7 +9,6 @@ request, so ``make run`` / ``make test`` set-up runs ``python -m pagedkv.native`
 engine calls :func:`status` at start (a cache hit only loads the libraries) and logs it.
 
 * ``attention``: paged attention and K/V writes (``pagedkv.attention.cpu_kernel``)
-* ``prefill``: causal attention of prefill chunks (``pagedkv.attention.prefill_kernel``)
 * ``fused``: RMSNorm, RoPE and activation passes of the decoder layer (``pagedkv.model.fused``)
 * ``sampler``: greedy and inverse-CDF picks (``pagedkv.engine.sample_ops``)
 * ``qmm``: integer matmuls of the int4/int8 weights (``pagedkv.model.qmm``)
@@ -29,15 +28,15 @@ logger = logging.getLogger("pagedkv")
 
 
 #: every native kernel's name, in build order
-KERNELS = ("attention", "prefill", "fused", "sampler", "qmm", "decoder", "step_op")
+KERNELS = ("attention", "fused", "sampler", "qmm", "decoder", "step_op")
 
 
 def _kernels(compiled: bool) -> dict[str, Any]:
-    from pagedkv.attention import cpu_kernel, prefill_kernel, step_op
+    from pagedkv.attention import cpu_kernel, step_op
     from pagedkv.engine import sample_ops
     from pagedkv.model import fused, native_step, qmm
 
-    mods = {"attention": cpu_kernel, "prefill": prefill_kernel, "fused": fused, "sampler": sample_ops, "qmm": qmm, "decoder": native_step}
+    mods = {"attention": cpu_kernel, "fused": fused, "sampler": sample_ops, "qmm": qmm, "decoder": native_step}
     return {**mods, "step_op": step_op} if compiled else mods
 
 

@@ -45,7 +45,7 @@ def test_every_native_source_lives_in_csrc_and_is_package_data():
     unlisted = [f for f in files if not any(fnmatch.fnmatch(Path(f).name, g) for g in globs)]
     assert not unlisted, f"not in pagedkv.csrc's package-data {globs}: {unlisted}"
     assert [p.relative_to(REPO).as_posix() for p in csrc.sources()] == files
-    assert {p.name for p in csrc.sources()} == {"cpu_kernel.c", "decoder.c", "fused_ops.c", "prefill_attn.c", "qmm.c",
+    assert {p.name for p in csrc.sources()} == {"cpu_kernel.c", "decoder.c", "fused_ops.c", "qmm.c",
                                                  "sample_ops.c", "step_op.cpp"}
 
 
@@ -74,11 +74,11 @@ def test_status_says_in_use_or_off_with_the_reason(monkeypatch):
     monkeypatch.setenv("PAGEDKV_QMM", "0")
     monkeypatch.setattr(qmm, "_OPS", csrc.BuiltOnce("PAGEDKV_QMM", qmm.build))
     st = native.status()
-    assert list(st) == ["attention", "prefill", "fused", "sampler", "qmm", "decoder"]
+    assert list(st) == ["attention", "fused", "sampler", "qmm", "decoder"]
     assert st["qmm"] == "off (disabled by PAGEDKV_QMM=0)"
-    assert {k: v for k, v in st.items() if k != "qmm"} == dict.fromkeys(["attention", "prefill", "fused", "sampler",
+    assert {k: v for k, v in st.items() if k != "qmm"} == dict.fromkeys(["attention", "fused", "sampler",
                                                                           "decoder"], "in use")
-    assert native.summary().startswith("attention in use, prefill in use, fused in use, sampler in use, qmm off (disabled")
+    assert native.summary().startswith("attention in use, fused in use, sampler in use, qmm off (disabled")
     assert list(native.status(compiled=True)) == list(native.KERNELS)
 
 
@@ -122,7 +122,7 @@ def test_wheel_carries_the_native_sources_and_its_engine_uses_them(tmp_path, loa
     (wheel,) = (tmp_path / "dist").glob("pagedkv-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     expected = {f"pagedkv/csrc/{p.name}" for p in csrc.sources()}
-    assert len(expected) == 7 and expected <= names, sorted(expected - names)
+    assert len(expected) == 6 and expected <= names, sorted(expected - names)
 
     site = tmp_path / "site"
     res = subprocess.run([*pip, "install", "--no-deps", "--no-index", "-q", "--target", str(site), str(wheel)],
@@ -136,7 +136,7 @@ def test_wheel_carries_the_native_sources_and_its_engine_uses_them(tmp_path, loa
     assert Path(got["pagedkv"]).resolve() == (site / "pagedkv" / "__init__.py").resolve()
     assert Path(got["csrc"]).resolve() == (site / "pagedkv" / "csrc").resolve()
     assert got["status"] == dict.fromkeys(native.KERNELS, "in use")
-    assert got["log"] == ["native kernels: attention in use, prefill in use, fused in use, sampler in use, qmm in use, "
+    assert got["log"] == ["native kernels: attention in use, fused in use, sampler in use, qmm in use, "
                           "decoder in use"]
     # the same tokens as the checkout's engine on the same weights
     llm = LLM(tiny_random_model(loaded_model, seed=3), num_blocks=32)

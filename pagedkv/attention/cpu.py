@@ -1,26 +1,28 @@
 """The fast CPU backend (the engine's default): paged attention without per-call gather
 buffers.
 
-Two paths, picked per sequence:
+Every query row goes to one small C kernel (``pagedkv/csrc/cpu_kernel.c``, built once with the
+system C compiler and loaded with ``ctypes``): prefill chunks, decode rows, speculative verify
+rows and recomputes alike. It walks the block table in 16-token tiles and reads each K/V element
+of a work item's context once for up to 4 consecutive query rows and all query heads of a
+KV-head group, with an online softmax in float32 (bf16/fp16 caches are widened on load).
 
-* **decode rows** (``q_len <= DECODE_MAX_QLEN``) go to a small C kernel
-  (``pagedkv/csrc/cpu_kernel.c``, built once with the system C compiler and loaded with ``ctypes``) that
-  walks the block table and reads every K/V element of the context exactly once, for all query
-  heads of a KV-head group at a time, with an online softmax in float32 (bf16/fp16 caches are
-  widened on load). When no compiler is available it falls back to the torch path below.
-* **prefill chunks** (and the fallback): the sequence's blocks are gathered with
-  ``index_select(out=...)`` into a persistent workspace (no fresh buffer per call), then
-  pagedkv's causal prefill kernel (``pagedkv/csrc/prefill_attn.c`` via
-  :mod:`pagedkv.attention.prefill_kernel`; float32, no window, no soft-cap) or one
-  ``scaled_dot_product_attention`` call with the chunk's bottom-right causal mask (decode rows
-  on the fallback: float32 matmul / softmax / matmul).
+**Batch invariance** (docs/determinism.md): a row's output is a function of its query and its
+visible keys/values only (tiles and context segments at absolute positions, one dot-product
+and one reduction order), so the same prompt gets bit-identical attention alone or in any
+batch, in any chunk, with or without a prefix-cache hit, on any thread count.
+
+When the kernel cannot run (no compiler, ``use_kernel=False``, a head dim over 256 or not a
+multiple of 8), the torch path gathers the sequence's blocks with ``index_select(out=...)``
+into a persistent workspace and runs one ``scaled_dot_product_attention`` per chunk (decode
+rows: float32 matmul / softmax / matmul); it is exact to float32 rounding but not batch-invariant.
 
 Layouts: ``nhd`` (default), ``hnd`` and ``ascend``; the kernel takes the layout as strides.
 
-Quantised caches (int8, fp8; :mod:`pagedkv.attention.quant`): the kernel dequantises each K
-row in registers and each 16-token V chunk in L1; the torch path dequantises
-``TILE_TOKENS`` of context at a time into a small float32 tile and merges the tiles with an
-online softmax. Neither ever expands a whole context (let alone the cache) to float32.
+Quantised caches (int8, fp8; :mod:`pagedkv.attention.quant`): the kernel dequantises each 16-token
+K and V tile in L1; the torch path dequantises ``TILE_TOKENS`` of context at a time into a small
+float32 tile and merges the tiles with an online softmax. Neither ever expands a whole context
+(let alone the cache) to float32.
 """
 
 from __future__ import annotations
@@ -37,15 +39,11 @@ from pagedkv.utils import cdiv
 import torch.nn.functional as F
 
 from pagedkv.attention import layouts as L
-from pagedkv.attention import prefill_kernel
 from pagedkv.attention import quant as Q
 from pagedkv.attention.base import AttentionMetadata, check_window, window_start
 from pagedkv.errors import BackendError
 from pagedkv.attention.reference import LayoutMemory, check_inputs, lists_of
 
-# Sequences with at most this many new tokens go through the C kernel; longer chunks use
-# matmuls (better arithmetic intensity).
-DECODE_MAX_QLEN = 8
 # Context tokens the torch path dequantises at once for a quantised cache.
 TILE_TOKENS = 256
 
@@ -81,12 +79,6 @@ class CPUBackend(LayoutMemory):
         self.name = name or ("cpu" if layout == "nhd" else f"cpu-{layout}")
         self.use_kernel = use_kernel
         self._local = threading.local()  # scratch per thread: two engines may share a process
-
-    @property
-    def _prefill(self):
-        """The causal prefill kernel (``pagedkv.attention.prefill_kernel``), or ``None``
-        (``use_kernel=False``, or it did not build): chunks then take SDPA."""
-        return prefill_kernel.get() if self.use_kernel else None
 
     @property
     def _ws(self) -> _Workspace:
@@ -293,11 +285,6 @@ class CPUBackend(LayoutMemory):
             v32 = self._ws.get("v32", h * n * d, torch.float32, v.device).view(h, n, d)
             k = k32.copy_(k)
             v = v32.copy_(v)
-        if ql > 1 and not cap and not window and self._prefill is not None and q.dtype == torch.float32:
-            # a chunk: pagedkv's causal prefill kernel (score tiles against K transposed once)
-            o = self._prefill.attend(q, k.transpose(0, 1), v.transpose(0, 1), scale)
-            if o is not None:
-                return o
         if ql > 1 and not cap:
             # a chunk: one fused SDPA call (flash kernel) with the chunk's bottom-right causal
             # mask (query row j sits at position seq_len - ql + j)
@@ -392,10 +379,9 @@ class _Plan:
         self.fused: dict = {}  # keyed by query/cache geometry, valid for fused_slots
         self.seq_lens, self.q_lens, self.starts = lists_of(md)
         self.num_real = self.starts[-1]
-        self.kernel_seqs = [i for i, ql in enumerate(self.q_lens)
-                            if kernel is not None and 0 < ql <= DECODE_MAX_QLEN]
-        self.torch_seqs = [i for i, ql in enumerate(self.q_lens)
-                           if ql > 0 and not (kernel is not None and ql <= DECODE_MAX_QLEN)]
+        live = [i for i, ql in enumerate(self.q_lens) if ql > 0]
+        self.kernel_seqs = live if kernel is not None else []
+        self.torch_seqs = [] if kernel is not None else live
         if self.kernel_seqs:
             from pagedkv.attention.cpu_kernel import KernelInputs
 

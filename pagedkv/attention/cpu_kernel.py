@@ -27,8 +27,8 @@ _FLAGS = ["-O3", *march_flags(), "-ffp-contract=fast", "-fno-math-errno", "-fno-
           "-fassociative-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # query/output; plain caches likewise
 # quantised caches: pagedkv.attention.quant.QuantFormat.kernel_id (2 int8, 3 fp8_e4m3, 4 fp8_e5m2)
-# Smallest context split (tokens) of the split-K path (used only when there are fewer work
-# items than 4x the threads).
+# split_len (tokens) of the kernel: a row's keys are cut into segments at absolute multiples of it
+# (parallel work for long contexts; the same cut whatever the batch, so results stay batch-invariant).
 MIN_SPLIT_LEN = 512
 
 

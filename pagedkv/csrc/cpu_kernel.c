@@ -1,16 +1,24 @@
-/* pagedkv CPU paged-attention kernel (decode rows and short prefill chunks).
+/* pagedkv CPU paged-attention kernel: every query row (prefill chunks, decode rows, verify rows).
  *
  * Built at first use by pagedkv/attention/cpu_kernel.py with the system C compiler and called
  * through ctypes; no Python or torch headers.
  *
- * One work item = (sequence, query row, context split, range of KV heads). It walks the
- * sequence's block table in chunks of CHUNK tokens; for each token it reads the K rows of its
- * KV heads once (all heads of a token are adjacent in NHD, so a block is read front to back),
- * dots each with the g = Hq/Hkv query vectors of that KV head, then updates an online softmax
- * (running max m, running sum l, accumulator acc, all float32) and accumulates P V. Every K/V
- * element of the visible context is read exactly once; nothing past seq_len (and no padding
- * block-table entry) is touched. Splits of one row are merged in a second pass (split-K, used
- * only when there are too few rows to keep every thread busy).
+ * One work item = (sequence, up to RB consecutive query rows of it, context segment, range of
+ * KV heads). It walks the sequence's block table in tiles of CHUNK tokens; for each token it
+ * reads the K rows of its KV heads once (all heads of a token are adjacent in NHD, so a block is
+ * read front to back), dots each with the rows' g = Hq/Hkv query vectors of that KV head, then
+ * updates an online softmax (running max m, running sum l, accumulator acc, all float32) and
+ * accumulates P V. Nothing past a row's own position or before its window (and no padding
+ * block-table entry) is read.
+ *
+ * Batch invariance (docs/determinism.md): a row's output depends only on its query, its
+ * visible keys and values, and nothing else: not on the other rows of its item, the batch, the
+ * chunk it came in, or the thread count. Its arithmetic is fixed by absolute key positions:
+ * tiles are the aligned spans [16i, 16i + 16), every score is the same 8-lane dot product
+ * summed by the same tree (hsum8x8), the softmax of a tile runs over the row's own keys in
+ * order, and a long context is cut into segments at absolute multiples of split_len (a
+ * row's segments are merged in order) whatever else runs. So prefill chunks, decode rows,
+ * speculative verify rows and recomputes all take this one path.
  *
  * Cache addressing (any layout whose head_dim is contiguous; strides in elements):
  *   row(t, h) = base + block_table[s][t / bs] * s_blk + (t % bs) * s_tok + h * s_head
@@ -35,22 +43,25 @@
 #include <omp.h>
 #endif
 
-#define CHUNK 16
+#define CHUNK 16  /* keys per tile (a multiple of 8) */
+#define RB 4      /* query rows per work item */
 #define MAXHQ 256 /* query heads */
 #define MAXD 256  /* head dim (multiple of 8) */
 
 typedef struct {
-    int32_t seq, row;     /* sequence index, query row inside its chunk */
+    int32_t seq, row, nrow; /* sequence index, first query row inside its chunk, rows (<= RB) */
+    int32_t end0;         /* first row's context end (its position + 1); row r ends at end0 + r */
     int32_t h0, h1;       /* KV heads [h0, h1) */
-    int32_t split;        /* -1: the only split (write out); else its index */
-    int32_t t0, t1;       /* context tokens [t0, t1) */
-    int64_t scratch;      /* offset (floats) of this item's partial result */
+    int32_t split;        /* -1: the only segment (write out); else its index */
+    int32_t t0, t1;       /* the segment's key positions [t0, t1) (absolute; rows clip to theirs) */
+    int64_t scratch;      /* offset (floats) of this item's partial results */
 } item_t;
 
 typedef struct {
     int qdt, kdt, hq, hkv, d, bs, prefetch;
     float scale;
     float softcap;      /* > 0: scores become softcap * tanh(score / softcap) */
+    int window;         /* > 0: a row at position p sees p - window + 1 .. p */
     const char *q; int64_t q_s0, q_s1;
     const char *k, *v; int64_t s_blk, s_tok, s_head;
     const uint16_t *ks, *vs; int64_t ss_blk, ss_tok, ss_head; int grp; /* quantised: bf16 scales */
@@ -107,17 +118,15 @@ static inline void deq_row(const uint8_t *restrict p, const uint16_t *restrict s
         for (int x = g0; x < g0 + grp; x++) out[x] *= sc;
     }
 }
-static inline float hsum8(v8f v) {
-    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+static inline float hsum8(v8f v) { /* the tree of hsum8x8's lanes */
+    return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
 }
 
 /* r[t] = sum of the 8 lanes of a[t] (t = 0..7) as one vector: a transpose-and-add, much
  * cheaper than 8 separate horizontal sums. */
-static inline v8f hsum8x8(const float *a /* 8 vectors of 8 floats, contiguous */) {
+static inline v8f hsum8x8v(v8f a0, v8f a1, v8f a2, v8f a3, v8f a4, v8f a5, v8f a6, v8f a7) {
 #if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
 #define SHUF(x, y, ...) __builtin_shufflevector(x, y, __VA_ARGS__)
-    v8f a0 = ld_f32(a), a1 = ld_f32(a + 8), a2 = ld_f32(a + 16), a3 = ld_f32(a + 24);
-    v8f a4 = ld_f32(a + 32), a5 = ld_f32(a + 40), a6 = ld_f32(a + 48), a7 = ld_f32(a + 56);
     const v8f u01 = SHUF(a0, a1, 0, 8, 2, 10, 4, 12, 6, 14) + SHUF(a0, a1, 1, 9, 3, 11, 5, 13, 7, 15);
     const v8f u23 = SHUF(a2, a3, 0, 8, 2, 10, 4, 12, 6, 14) + SHUF(a2, a3, 1, 9, 3, 11, 5, 13, 7, 15);
     const v8f u45 = SHUF(a4, a5, 0, 8, 2, 10, 4, 12, 6, 14) + SHUF(a4, a5, 1, 9, 3, 11, 5, 13, 7, 15);
@@ -127,9 +136,7 @@ static inline v8f hsum8x8(const float *a /* 8 vectors of 8 floats, contiguous */
     return SHUF(w0, w1, 0, 1, 2, 3, 8, 9, 10, 11) + SHUF(w0, w1, 4, 5, 6, 7, 12, 13, 14, 15);
 #undef SHUF
 #else
-    v8f r;
-    for (int t = 0; t < 8; t++) r[t] = hsum8(ld_f32(a + 8 * t));
-    return r;
+    return (v8f){hsum8(a0), hsum8(a1), hsum8(a2), hsum8(a3), hsum8(a4), hsum8(a5), hsum8(a6), hsum8(a7)};
 #endif
 }
 
@@ -199,85 +206,106 @@ static inline void store_row(char *o, const float *acc, float inv, int d, int dt
     else { uint16_t *ob = (uint16_t *)o; for (int x = 0; x < d; x++) ob[x] = f32_to_bf16(acc[x] * inv); }
 }
 
+/* A row's visible keys in an item: [max(t0, window start), min(t1, end)). */
+static inline void row_range(const args_t *A, const item_t *it, int r, int *a, int *b) {
+    const int end = it->end0 + r, lo = A->window > 0 && end > A->window ? end - A->window : 0;
+    *a = lo > it->t0 ? lo : it->t0;
+    *b = end < it->t1 ? end : it->t1;
+}
+
 /* One work item; NV = head_dim / 8, DT = cache format (kdt above). always_inline so each
- * (NV, DT) instantiation below gets constant trip counts. */
+ * (NV, DT) instantiation below gets constant trip counts. Query vector q = r * nh + j (row r of
+ * the item, head h0 * g + j). Per-tile arrays are indexed by the key's offset in its aligned
+ * tile, so a row runs the same loops over the same indices whatever rows share its item. */
 static inline __attribute__((always_inline)) void item_body(const args_t *A, const item_t *it, float *work,
                                                             const int NV, const int DT) {
     const int d = NV * 8, g = A->hq / A->hkv, esz = DT == 0 ? 4 : DT == 1 ? 2 : 1;
     const int qsz = A->qdt == 0 ? 4 : 2, QUANT = DT >= 2;
-    const uint16_t *ksp[CHUNK], *vsp[CHUNK]; /* quantised: scale rows of this chunk */
-    const int s = it->seq, h0 = it->h0, nkv = it->h1 - it->h0, nh = nkv * g;
-    /* workspace: qf [nh*d] | acc [nh*d] | vbuf [CHUNK*nkv*d] | sc [nh*CHUNK] | m [nh] | l [nh]
-     *            | part [nh*CHUNK*8] */
-    float *qf = work, *acc = qf + (int64_t)nh * d, *vbuf = acc + (int64_t)nh * d;
-    float *sc = vbuf + (int64_t)CHUNK * nkv * d, *m = sc + nh * CHUNK, *l = m + nh;
-    float *part = l + nh; /* [nh * CHUNK] unreduced 8-wide dot products */
+    const uint16_t *ksp[CHUNK], *vsp[CHUNK]; /* quantised: scale rows of this tile */
+    const int s = it->seq, h0 = it->h0, nkv = it->h1 - it->h0, nh = nkv * g, nr = it->nrow, nq = nr * nh;
+    /* workspace: qf [nq*d] | acc [nq*d] | vbuf [CHUNK*nkv*d] | kbuf [CHUNK*nkv*d] | sc [nq*CHUNK]
+     *            | m [nq] | l [nq] */
+    float *qf = work, *acc = qf + (int64_t)nq * d, *vbuf = acc + (int64_t)nq * d;
+    float *kbuf = vbuf + (int64_t)CHUNK * nkv * d, *sc = kbuf + (int64_t)CHUNK * nkv * d;
+    float *m = sc + nq * CHUNK, *l = m + nq;
     const char *kp[CHUNK], *vp[CHUNK];
-    const char *kn[CHUNK], *vn[CHUNK]; /* next chunk's rows, for software prefetch */
-    const int64_t qrow = (int64_t)A->q_start[s] + it->row;
-    for (int j = 0; j < nh; j++) {
-        const char *qs = A->q + (qrow * A->q_s0 + (int64_t)(h0 * g + j) * A->q_s1) * qsz;
-        for (int c = 0; c < NV; c++) st_f32(qf + j * d + 8 * c, ld_any(qs, 8 * c, A->qdt) * A->scale);
-        m[j] = -INFINITY;
-        l[j] = 0.f;
+    const char *kn[CHUNK], *vn[CHUNK]; /* next tile's rows, for software prefetch */
+    int ra[RB], rb[RB];
+    const int64_t qrow0 = (int64_t)A->q_start[s] + it->row;
+    for (int r = 0; r < nr; r++) {
+        row_range(A, it, r, &ra[r], &rb[r]);
+        for (int j = 0; j < nh; j++) {
+            const char *qs = A->q + ((qrow0 + r) * A->q_s0 + (int64_t)(h0 * g + j) * A->q_s1) * qsz;
+            float *qd = qf + (int64_t)(r * nh + j) * d;
+            for (int c = 0; c < NV; c++) st_f32(qd + 8 * c, ld_any(qs, 8 * c, A->qdt) * A->scale);
+            m[r * nh + j] = -INFINITY;
+            l[r * nh + j] = 0.f;
+        }
     }
-    memset(acc, 0, sizeof(float) * (size_t)nh * d);
+    memset(acc, 0, sizeof(float) * (size_t)nq * d);
+    const int lo_all = ra[0], hi_all = rb[nr - 1]; /* rows are consecutive: both nondecreasing */
     const int32_t *table = A->bt + (int64_t)s * A->bt_s0;
     const int64_t hoff = (int64_t)h0 * A->s_head;
-    for (int t = it->t0; t < it->t1; t += CHUNK) {
-        const int n = it->t1 - t < CHUNK ? it->t1 - t : CHUNK;
-        token_rows(A, table, t, n, hoff, esz, kp, vp);
-        if (QUANT) scale_rows(A, table, t, n, h0, ksp, vsp);
-        /* Software prefetch of the next chunk: blocks are scattered, so the hardware stream
+    for (int t = lo_all / CHUNK * CHUNK; t < hi_all; t += CHUNK) {
+        const int kl = t > lo_all ? t : lo_all, kh = t + CHUNK < hi_all ? t + CHUNK : hi_all;
+        const int i_lo = kl - t, i_hi = kh - t;
+        token_rows(A, table, kl, kh - kl, hoff, esz, kp + i_lo, vp + i_lo);
+        if (QUANT) scale_rows(A, table, kl, kh - kl, h0, ksp + i_lo, vsp + i_lo);
+        /* Software prefetch of the next tile: blocks are scattered, so the hardware stream
          * prefetchers restart at every block boundary. The prefetches are spread over this
-         * chunk's loops (one token's rows per iteration) rather than issued in one burst,
-         * which would fill the line-fill buffers ahead of this chunk's own loads. */
+         * tile's loops (one token's rows per iteration) rather than issued in one burst,
+         * which would fill the line-fill buffers ahead of this tile's own loads. */
         int nn = 0;
         if (A->prefetch) {
-            const int t2 = t + A->prefetch * CHUNK; /* prefetch distance, in chunks */
-            nn = it->t1 - t2 < CHUNK ? it->t1 - t2 : CHUNK;
+            const int t2 = t + A->prefetch * CHUNK; /* prefetch distance, in tiles */
+            nn = hi_all - t2 < CHUNK ? hi_all - t2 : CHUNK;
             if (nn > 0) token_rows(A, table, t2, nn, hoff, esz, kn, vn);
         }
-        /* scores: each K row is loaded once and dotted with its g query vectors */
-        for (int i = 0; i < n; i++) {
-            if (i < nn) prefetch_rows(kn[i], nkv, A->s_head * esz, d * esz);
-            for (int hh = 0; hh < nkv; hh++) {
-                const char *kr = kp[i] + (int64_t)hh * A->s_head * esz;
-                v8f kv[MAXD / 8];
-                if (QUANT) { /* dequantise the row into L1, then load it like a float32 row */
-                    float kq[MAXD];
-                    deq_row((const uint8_t *)kr, ksp[i] + (int64_t)hh * A->ss_head, d, A->grp, kq, DT);
-                    for (int c = 0; c < NV; c++) kv[c] = ld_f32(kq + 8 * c);
-                } else {
-                    for (int c = 0; c < NV; c++) kv[c] = ld_any(kr, 8 * c, DT);
+        if (DT != 0) /* widen (dequantise) the K tile once into kbuf; the score passes read it from L1 */
+            for (int i = i_lo; i < i_hi; i++)
+                for (int hh = 0; hh < nkv; hh++) {
+                    const char *kr = kp[i] + (int64_t)hh * A->s_head * esz;
+                    float *dst = kbuf + ((int64_t)i * nkv + hh) * d;
+                    if (QUANT) deq_row((const uint8_t *)kr, ksp[i] + (int64_t)hh * A->ss_head, d, A->grp, dst, DT);
+                    else for (int c = 0; c < NV; c++) st_f32(dst + 8 * c, ld_bf16((const uint16_t *)kr + 8 * c));
                 }
-                for (int jj = 0; jj < g; jj++) {
-                    const int j = hh * g + jj;
-                    const float *qj = qf + j * d;
-                    v8f a0 = ld_f32(qj) * kv[0];
+        for (int i = 0; i < nn; i++) prefetch_rows(kn[i], nkv, A->s_head * esz, d * esz);
+        /* scores: per query vector (held in registers), 8 aligned keys at a time: each an 8-lane
+         * dot product (two FMA chains), the 8 reduced by one transpose-and-add */
+        for (int q = 0; q < nq; q++) {
+            const int r = q / nh, hh = (q % nh) / g;
+            const int i0 = ra[r] - t > i_lo ? ra[r] - t : i_lo, i1 = rb[r] - t < i_hi ? rb[r] - t : i_hi;
+            if (i0 >= i1) continue;
+            v8f qv[MAXD / 8];
+            for (int c = 0; c < NV; c++) qv[c] = ld_f32(qf + (int64_t)q * d + 8 * c);
+            for (int g8 = i0 / 8 * 8; g8 < i1; g8 += 8) {
+                v8f pt[8];
+                /* all 8 lanes computed (a key outside the row's is clamped to one of its keys:
+                 * its lane is never used), so the loop unrolls and pt stays in registers */
+#pragma GCC unroll 8
+                for (int u = 0; u < 8; u++) {
+                    const int i = g8 + u < i0 ? i0 : g8 + u >= i1 ? i1 - 1 : g8 + u;
+                    const float *kr = DT == 0 ? (const float *)(kp[i] + (int64_t)hh * A->s_head * esz)
+                                              : kbuf + ((int64_t)i * nkv + hh) * d;
+                    v8f a0 = qv[0] * ld_f32(kr);
                     v8f a1 = (v8f){0, 0, 0, 0, 0, 0, 0, 0};
                     int c = 1;
                     for (; c + 1 < NV; c += 2) {
-                        a1 += ld_f32(qj + 8 * c) * kv[c];
-                        a0 += ld_f32(qj + 8 * c + 8) * kv[c + 1];
+                        a1 += qv[c] * ld_f32(kr + 8 * c);
+                        a0 += qv[c + 1] * ld_f32(kr + 8 * c + 8);
                     }
-                    for (; c < NV; c++) a1 += ld_f32(qj + 8 * c) * kv[c];
-                    st_f32(part + ((int64_t)j * CHUNK + i) * 8, a0 + a1); /* reduced below */
+                    for (; c < NV; c++) a1 += qv[c] * ld_f32(kr + 8 * c);
+                    pt[u] = a0 + a1;
                 }
+                st_f32(sc + q * CHUNK + g8, hsum8x8v(pt[0], pt[1], pt[2], pt[3], pt[4], pt[5], pt[6], pt[7]));
             }
-        }
-        for (int j = 0; j < nh; j++) { /* horizontal sums, 8 tokens at a time */
-            const float *pj = part + (int64_t)j * CHUNK * 8;
-            int i = 0;
-            for (; i + 8 <= n; i += 8) st_f32(sc + j * CHUNK + i, hsum8x8(pj + i * 8));
-            for (; i < n; i++) sc[j * CHUNK + i] = hsum8(ld_f32(pj + i * 8));
             if (A->softcap > 0.f) {
                 const float cap = A->softcap, inv_cap = 1.f / A->softcap;
-                for (i = 0; i < n; i++) sc[j * CHUNK + i] = cap * tanhf(sc[j * CHUNK + i] * inv_cap);
+                for (int i = i0; i < i1; i++) sc[q * CHUNK + i] = cap * tanhf(sc[q * CHUNK + i] * inv_cap);
             }
         }
-        if (DT != 0) /* widen (dequantise) the V chunk once; the g passes below read float32 from L1 */
-            for (int i = 0; i < n; i++)
+        if (DT != 0) /* widen (dequantise) the V tile once; the passes below read float32 from L1 */
+            for (int i = i_lo; i < i_hi; i++)
                 for (int hh = 0; hh < nkv; hh++) {
                     const char *vr = vp[i] + (int64_t)hh * A->s_head * esz;
                     float *dst = vbuf + ((int64_t)i * nkv + hh) * d;
@@ -287,25 +315,34 @@ static inline __attribute__((always_inline)) void item_body(const args_t *A, con
                         for (int c = 0; c < NV; c++) st_f32(dst + 8 * c, ld_bf16((const uint16_t *)vr + 8 * c));
                     }
                 }
-        /* online softmax + P V, one query head at a time (its accumulator stays in registers) */
-        for (int j = 0; j < nh; j++) {
-            const int hh = j / g;
-            float *sj = sc + j * CHUNK;
-            float cm = sj[0];
-            for (int i = 1; i < n; i++) cm = sj[i] > cm ? sj[i] : cm;
-            const float mn = cm > m[j] ? cm : m[j];
-            const float alpha = m[j] == -INFINITY ? 0.f : exp_neg(m[j] - mn);
+        /* online softmax + P V over each row's own keys of the tile, one query vector at a time
+         * (its accumulator stays in registers) */
+        for (int q = 0; q < nq; q++) {
+            const int r = q / nh, hh = (q % nh) / g;
+            const int i0 = ra[r] - t > i_lo ? ra[r] - t : i_lo, i1 = rb[r] - t < i_hi ? rb[r] - t : i_hi;
+            if (i0 >= i1) continue;
+            /* over the whole tile with the row's keys selected (fixed trip counts, so these
+             * vectorise; a row's selection is the same in any item) */
+            float *sj = sc + q * CHUNK;
+            float cm = -INFINITY;
+            for (int i = 0; i < CHUNK; i++) { const float x = i >= i0 && i < i1 ? sj[i] : -INFINITY; cm = x > cm ? x : cm; }
+            const float mn = cm > m[q] ? cm : m[q];
+            const float alpha = m[q] == -INFINITY ? 0.f : exp_neg(m[q] - mn);
             float sum = 0.f;
-            for (int i = 0; i < n; i++) { sj[i] = exp_neg(sj[i] - mn); sum += sj[i]; }
-            l[j] = l[j] * alpha + sum;
-            m[j] = mn;
-            float *aj = acc + (int64_t)j * d;
+            for (int i = 0; i < CHUNK; i++) {
+                const float e = exp_neg((i >= i0 && i < i1 ? sj[i] : mn) - mn);
+                sj[i] = i >= i0 && i < i1 ? e : 0.f;
+                sum += sj[i];
+            }
+            l[q] = l[q] * alpha + sum;
+            m[q] = mn;
+            float *aj = acc + (int64_t)q * d;
             for (int c0 = 0; c0 < NV; c0 += 8) { /* at most 8 accumulator vectors live */
                 const int nc = NV - c0 < 8 ? NV - c0 : 8;
                 v8f av[8];
                 for (int c = 0; c < nc; c++) av[c] = ld_f32(aj + 8 * (c0 + c)) * alpha;
-                for (int i = 0; i < n; i++) {
-                    if (j == 0 && c0 == 0 && i < nn) prefetch_rows(vn[i], nkv, A->s_head * esz, d * esz);
+                for (int i = i0; i < i1; i++) {
+                    if (q == 0 && c0 == 0 && i - i0 < nn) prefetch_rows(vn[i - i0], nkv, A->s_head * esz, d * esz);
                     const float p = sj[i];
                     const float *vr = DT == 0
                         ? (const float *)(vp[i] + (int64_t)hh * A->s_head * esz) + 8 * c0
@@ -316,16 +353,17 @@ static inline __attribute__((always_inline)) void item_body(const args_t *A, con
             }
         }
     }
-    if (it->split >= 0) { /* partial result: [nh] m, [nh] l, [nh*d] acc */
+    if (it->split >= 0) { /* partial results: [nq] m, [nq] l, [nq*d] acc */
         float *p = A->scratch + it->scratch;
-        memcpy(p, m, sizeof(float) * nh);
-        memcpy(p + nh, l, sizeof(float) * nh);
-        memcpy(p + 2 * nh, acc, sizeof(float) * (size_t)nh * d);
+        memcpy(p, m, sizeof(float) * nq);
+        memcpy(p + nq, l, sizeof(float) * nq);
+        memcpy(p + 2 * nq, acc, sizeof(float) * (size_t)nq * d);
         return;
     }
-    for (int j = 0; j < nh; j++) {
-        const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
-        store_row(A->out + (qrow * A->o_s0 + (int64_t)(h0 * g + j) * A->o_s1) * qsz, acc + (int64_t)j * d, inv, d, A->qdt);
+    for (int q = 0; q < nq; q++) {
+        const int r = q / nh, j = q % nh;
+        const float inv = l[q] > 0.f ? 1.f / l[q] : 0.f;
+        store_row(A->out + ((qrow0 + r) * A->o_s0 + (int64_t)(h0 * g + j) * A->o_s1) * qsz, acc + (int64_t)q * d, inv, d, A->qdt);
     }
 }
 
@@ -345,25 +383,26 @@ static void run_item(const args_t *A, const item_t *it, float *w) {
     ITEMS[nv == 4 ? 0 : nv == 8 ? 1 : nv == 16 ? 2 : 3][A->kdt](A, it, w);
 }
 
-/* Merge the partials of items [first, first + nsplit) (same seq/row/heads). */
+/* Merge the partials of items [first, first + nsplit) (same seq/rows/heads; segments in order). */
 static void merge_splits(const args_t *A, const item_t *first, int nsplit) {
     const int d = A->d, g = A->hq / A->hkv, esz = A->qdt == 0 ? 4 : 2;
-    const int nh = (first->h1 - first->h0) * g;
-    const int64_t qrow = (int64_t)A->q_start[first->seq] + first->row;
+    const int nh = (first->h1 - first->h0) * g, nq = first->nrow * nh;
     float acc[MAXD];
-    for (int j = 0; j < nh; j++) {
+    for (int q = 0; q < nq; q++) {
+        const int r = q / nh, j = q % nh;
+        const int64_t qrow = (int64_t)A->q_start[first->seq] + first->row + r;
         float M = -INFINITY, Lsum = 0.f;
         for (int c = 0; c < nsplit; c++) {
-            const float mj = A->scratch[first[c].scratch + j];
+            const float mj = A->scratch[first[c].scratch + q];
             if (mj > M) M = mj;
         }
         memset(acc, 0, sizeof(float) * d);
         for (int c = 0; c < nsplit; c++) {
             const float *p = A->scratch + first[c].scratch;
-            if (p[j] == -INFINITY) continue;
-            const float w = exp_neg(p[j] - M);
-            Lsum += w * p[nh + j];
-            const float *pa = p + 2 * nh + (int64_t)j * d;
+            if (p[q] == -INFINITY) continue;
+            const float w = exp_neg(p[q] - M);
+            Lsum += w * p[nq + q];
+            const float *pa = p + 2 * nq + (int64_t)q * d;
             for (int x = 0; x < d; x++) acc[x] += w * pa[x];
         }
         const float inv = Lsum > 0.f ? 1.f / Lsum : 0.f;
@@ -380,7 +419,9 @@ int pagedkv_max_head_dim(void) { return MAXD; }
  * window > 0: the row at position p sees only positions p - window + 1 .. p (its work items
  * start there: no K/V before it, nor its block-table entry, is read). softcap > 0: scores
  * (scale included) become softcap * tanh(score / softcap) before the softmax.
- * min_split_len: smallest context split (tokens) of split-K (0 disables it). qdt: query/output
+ * min_split_len: split_len, tokens (rounded up to a multiple of 16): a row's keys are cut into
+ * segments at absolute multiples of it, each segment one work item, merged in order (0: one
+ * segment); a function of the row alone, so results do not depend on the batch. qdt: query/output
  * format (0 f32, 1 bf16); kdt: cache format (see the top); ks/vs: bf16 scales (kdt >= 2).
  * Returns 0, or -1 bad shape, -2 bad dtype, -3 out of memory. */
 int pagedkv_paged_attention(
@@ -400,63 +441,64 @@ int pagedkv_paged_attention(
     if (nthreads < 1) nthreads = 1;
     if (window < 0 || softcap < 0.f) return -1;
     const int g = hq / hkv;
-    int64_t rows = 0;
-    int max_len = 0;
-    for (int i = 0; i < n_seqs; i++) {
-        rows += q_lens[i];
-        const int sl = seq_lens[seq_ids[i]], vis = window > 0 && window < sl ? window : sl;
-        if (vis > max_len) max_len = vis;
-    }
-    if (rows == 0) return 0;
-    /* parallelism: rows first, then KV-head groups (free), then context splits (need a merge) */
-    const int64_t want = 2 * (int64_t)nthreads;
-    int hgroups = 1;
-    if (rows < want) { hgroups = (int)((want + rows - 1) / rows); if (hgroups > hkv) hgroups = hkv; }
-    int split_len = 0;
-    if (rows * hgroups < want && min_split_len > 0 && max_len >= 2 * min_split_len) {
-        const int64_t ns = (want + rows * hgroups - 1) / (rows * hgroups);
-        split_len = (int)((max_len + ns - 1) / ns);
-        if (split_len < min_split_len) split_len = min_split_len;
-    }
-    int64_t total = 0;
+    /* split_len: segments at absolute multiples of it (a multiple of CHUNK; 0 = one segment) */
+    const int S = min_split_len > 0 ? (min_split_len + CHUNK - 1) / CHUNK * CHUNK : 0;
+    /* Work items: each sequence's rows in blocks of up to RB consecutive rows with the same
+     * first and last segment, times those segments, times KV-head groups. Everything that
+     * decides a row's arithmetic (its segments, its tiles) depends on that row alone. */
+    int64_t blocks = 0; /* (row block, segment) pairs */
     for (int i = 0; i < n_seqs; i++) {
         const int sl = seq_lens[seq_ids[i]];
+        int cur = 0, f0 = -1, l0 = -1;
         for (int r = 0; r < q_lens[i]; r++) {
             const int end = sl - q_lens[i] + r + 1, lo = window > 0 && end > window ? end - window : 0;
-            const int vis = end - lo;
-            const int ns = split_len && vis > split_len ? (vis + split_len - 1) / split_len : 1;
-            total += (int64_t)hgroups * ns;
+            const int f = S ? lo / S : 0, la = S ? (end - 1) / S : 0;
+            if (cur == 0 || cur == RB || f != f0 || la != l0) { blocks += la - f + 1; cur = 0; f0 = f; l0 = la; }
+            cur++;
         }
     }
+    if (blocks == 0) return 0;
+    /* parallelism: blocks and segments first, then KV-head groups (no arithmetic changes) */
+    const int64_t want = 2 * (int64_t)nthreads;
+    int hgroups = 1;
+    if (blocks < want) { hgroups = (int)((want + blocks - 1) / blocks); if (hgroups > hkv) hgroups = hkv; }
+    const int64_t total = blocks * hgroups;
     item_t *items = (item_t *)malloc(sizeof(item_t) * (size_t)total);
     if (!items) return -3;
     int64_t n_items = 0, scratch_floats = 0;
     for (int i = 0; i < n_seqs; i++) {
-        const int s = seq_ids[i], sl = seq_lens[s];
-        for (int r = 0; r < q_lens[i]; r++) {
-            const int end = sl - q_lens[i] + r + 1, lo = window > 0 && end > window ? end - window : 0;
-            const int vis = end - lo;
-            const int ns = split_len && vis > split_len ? (vis + split_len - 1) / split_len : 1;
+        const int s = seq_ids[i], sl = seq_lens[s], ql = q_lens[i];
+        for (int r = 0; r < ql;) {
+            const int end = sl - ql + r + 1, lo = window > 0 && end > window ? end - window : 0;
+            const int f = S ? lo / S : 0, la = S ? (end - 1) / S : 0;
+            int nr = 1;
+            while (nr < RB && r + nr < ql) {
+                const int e2 = end + nr, lo2 = window > 0 && e2 > window ? e2 - window : 0;
+                if ((S ? lo2 / S : 0) != f || (S ? (e2 - 1) / S : 0) != la) break;
+                nr++;
+            }
+            const int ns = la - f + 1;
             for (int hg = 0; hg < hgroups; hg++) {
                 const int h0 = (int)((int64_t)hkv * hg / hgroups), h1 = (int)((int64_t)hkv * (hg + 1) / hgroups);
-                const int64_t per_partial = (int64_t)(h1 - h0) * g * (2 + d);
+                const int64_t per_partial = (int64_t)nr * (h1 - h0) * g * (2 + d);
                 for (int c = 0; c < ns; c++) {
                     item_t *it = &items[n_items++];
-                    it->seq = s; it->row = r; it->h0 = h0; it->h1 = h1;
+                    it->seq = s; it->row = r; it->nrow = nr; it->end0 = end; it->h0 = h0; it->h1 = h1;
                     it->split = ns > 1 ? c : -1;
-                    it->t0 = lo + (ns > 1 ? c * split_len : 0);
-                    it->t1 = lo + (ns > 1 ? ((c + 1) * split_len < vis ? (c + 1) * split_len : vis) : vis);
+                    it->t0 = S ? (f + c) * S : 0;
+                    it->t1 = S ? (f + c + 1) * S : INT32_MAX;
                     it->scratch = ns > 1 ? scratch_floats : 0;
                     if (ns > 1) scratch_floats += per_partial;
                 }
             }
+            r += nr;
         }
     }
-    const int64_t wpt = 2 * (int64_t)hq * d + (int64_t)CHUNK * hkv * d + 9 * (int64_t)hq * CHUNK + 2 * hq + 16;
+    const int64_t wpt = RB * (2 * (int64_t)hq * d + (int64_t)hq * CHUNK + 2 * hq) + 2 * (int64_t)CHUNK * hkv * d + 16;
     float *work = (float *)malloc(sizeof(float) * (size_t)(wpt * nthreads));
     float *scratch = scratch_floats ? (float *)malloc(sizeof(float) * (size_t)scratch_floats) : NULL;
     if (!work || (scratch_floats && !scratch)) { free(items); free(work); free(scratch); return -3; }
-    args_t A = {qdt, kdt, hq, hkv, d, bs, prefetch, scale, softcap, (const char *)q, q_s0, q_s1, (const char *)k,
+    args_t A = {qdt, kdt, hq, hkv, d, bs, prefetch, scale, softcap, window, (const char *)q, q_s0, q_s1, (const char *)k,
                 (const char *)v, s_blk, s_tok, s_head, (const uint16_t *)ks, (const uint16_t *)vs,
                 ss_blk, ss_tok, ss_head, grp, bt, bt_s0, seq_lens, q_start,
                 (char *)out, o_s0, o_s1, scratch, work, wpt};

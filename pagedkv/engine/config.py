@@ -55,6 +55,10 @@ class EngineConfig:
     # linear layers' weight format: auto | gguf | fp32 | bf16 | int8 | int4 (pagedkv.model.quant;
     # auto keeps the model's numbers: a GGUF's stored blocks, a checkpoint's own dtype)
     weights: str = "auto"
+    # batch invariance (docs/determinism.md): a request's logits do not depend on the batch,
+    # the chunk budget, prefix hits or threads; False lets the dense (fp32/bf16) layers take the
+    # BLAS's per-row-count kernels and int8/int4 on AMX hosts take oneDNN's wide routes
+    deterministic: bool = True
     # tiers behind the block pool, fastest first: ["host:4GiB", "disk:PATH:50GiB"]
     # (pagedkv.kv.tiers); turns prefix caching on
     kv_offload: Optional[list[str]] = None
@@ -133,8 +137,9 @@ class EngineConfig:
             raise ConfigError(f"device: unknown device {self.device!r}") from None
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device: CUDA is not available on this machine")
-        if not isinstance(self.compile_decode, bool):
-            raise ConfigError(f"compile_decode must be True or False, got {self.compile_decode!r}")
+        for name in ("compile_decode", "deterministic"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.compile_decode and (dev.type != "cpu" or self.tensor_parallel_size != 1):
             raise ConfigError("compile_decode: CPU and tensor_parallel_size 1 only")
         if self.chat_template is not None and (not isinstance(self.chat_template, str) or not self.chat_template.strip()):

@@ -5,12 +5,11 @@ allocation and copy-on-write; the scheduler alone calls the KV manager) → the 
 (``pagedkv.worker.worker.Executor``, one per engine from ``make_executor``: this process's
 ``Worker`` or tensor-parallel ranks; flat batch through the one slot-mapping builder, CoW
 copies, model forward writing K/V through ``slot_mapping`` and reading through
-``block_tables``) →
-sampler (sequence groups decide n > 1 forks and which rows beam search takes) →
+``block_tables``) → sampler (sequence groups decide n > 1 forks and which rows beam search takes) →
 ``scheduler.update`` (the forks, append tokens, stop checks, publish full blocks, free
-behind the step fence) → beam steps and stop strings decide → ``scheduler.apply`` (their
-forks and finishes) → output processor (``RequestOutput``). Groups, beams and the output
-processor never hold the scheduler; they return ``pagedkv.engine.decisions`` records.
+behind the step fence) → beam steps and stop strings decide → ``scheduler.apply`` (forks,
+finishes) → output processor (``RequestOutput``). Groups, beams and the output processor
+never hold the scheduler; they return ``pagedkv.engine.decisions`` records.
 
 Thread-safety: ``add_request`` and ``abort_request`` may be called from other threads (the
 server). The engine lock is *released* during the forward pass, so an abort can land while
@@ -69,7 +68,7 @@ class LLMEngine:
             cfg.kv_cache_memory if cfg.kv_cache_memory is not None else "1GiB")
         worker = Worker.load(model, dtype=dtype, device=cfg.device, weights=cfg.weights,
                              attention_backend=cfg.attention_backend, tensor_parallel_size=cfg.tensor_parallel_size,
-                             kv_bytes=kv_bytes)
+                             kv_bytes=kv_bytes, deterministic=cfg.deterministic)
         loaded = worker.loaded
         logger.info("weights: %s (%s)", loaded.weights, loaded.weights_reason)
         if (warning := passive_wait_warning(torch.get_num_threads())) is not None:
@@ -165,7 +164,6 @@ class LLMEngine:
                     kv_dtype=self.kv_format_id,  # the cache format: int8/g64 blocks are not float32 ones
                     block_size=cfg.block_size, num_layers=mc.num_layers, block_format=codec.format,
                     block_nbytes=codec.nbytes,
-                    # the checkpoint's bytes (a user-given model_revision does not stand in for them)
                     weights_digest=model_digest(self.loaded.path), tp_size=cfg.tensor_parallel_size,
                 )
             tiers, stores = open_tiers(specs, identity, cfg.block_size, publisher)
@@ -240,9 +238,8 @@ class LLMEngine:
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
                             continue_final_message: bool = False) -> list[int]:
-        """Token ids of a conversation (``pagedkv.model.tokenizer.apply_chat``; with
-        ``continue_final_message`` and ``add_generation_prompt=False`` the last, assistant
-        message is left open). ``InvalidRequestError``: bad messages or flags, no template."""
+        """Token ids of a conversation (``pagedkv.model.tokenizer.apply_chat``: flags as there);
+        ``InvalidRequestError``: bad messages or flags, no template."""
         return apply_chat(self.tokenizer, messages, add_generation_prompt, self.chat_template, self.model_id,
                           continue_final_message=continue_final_message)
 

@@ -355,6 +355,15 @@ class Request:
             return RequestStatus.FINISHED_LENGTH
         return None
 
+    def grammar_failure(self, counts: dict[str, int]) -> RequestStatus:
+        """Count this sequence's failed grammar in ``counts[reason]`` (the scheduler's
+        ``stats.grammar_failures``), set ``stop_reason`` to ``"grammar <reason>: <message>"``;
+        returns the status to finish it with (``FINISHED_ERROR``)."""
+        reason, msg = self.grammar.failure if self.grammar is not None and self.grammar.failure else ("parser_error", "")
+        counts[reason] = counts.get(reason, 0) + 1
+        self.stop_reason = f"grammar {reason}: {msg}" if msg else f"grammar {reason}"
+        return RequestStatus.FINISHED_ERROR
+
     @property
     def is_finished(self) -> bool:
         return self.status.finished

@@ -34,7 +34,7 @@ from pagedkv.engine.gangs import Gangs
 from pagedkv.engine.request import Request, RequestStatus, now
 from pagedkv.engine.stats import EngineStats, collect_stats
 from pagedkv.engine.spec_decode import can_speculate, draft_budget, lookahead_cap, may_propose, record_verify
-from pagedkv.engine.step_plan import SchedulerConfig, SchedulerOutput, SchedulerStallError, SchedulerStats
+from pagedkv.engine.step_plan import SchedulerConfig, SchedulerOutput, SchedulerStallError, SchedulerStats, unschedule
 from pagedkv.errors import NoFreeBlocksError
 from pagedkv.kv import KVCacheManager, check_invariants
 from pagedkv.kv.tiers import cached_tokens_by_tier
@@ -138,22 +138,6 @@ class Scheduler:
             return max(candidates, key=self._queue_key)
         return candidates[-1]
 
-    @staticmethod
-    def _unschedule(req: Request, scheduled: list[tuple[Request, int]], copies: list[tuple[int, int]],
-                    drafts: dict[str, list[int]], step_copies: dict[str, list[tuple[int, int]]]) -> int:
-        """Take ``req`` out of this step before it runs (it is being preempted): its entry,
-        its copy-on-write copies (their destination blocks are freed with its table) and its
-        drafts. Returns the tokens it had taken from the budget."""
-        k = next(k for k, (r, _) in enumerate(scheduled) if r is req)
-        _, n = scheduled.pop(k)
-        mine = step_copies.pop(req.request_id, [])
-        if mine:
-            drop = set(mine)
-            copies[:] = [c for c in copies if c not in drop]
-            req.num_cow_copies -= len(mine)
-        drafts.pop(req.request_id, None)
-        return n
-
     def _preempt(self, victim: Request) -> None:
         self.gangs.unpark(victim)
         self.running.remove(victim)
@@ -244,7 +228,7 @@ class Scheduler:
                                                else self.running[i:])
                     j = self.running.index(victim)
                     if j < i:  # scheduled this step: take its tokens, slots and copies back
-                        budget += self._unschedule(victim, scheduled, copies, drafts, step_copies)
+                        budget += unschedule(victim, scheduled, copies, drafts, step_copies)
                         i -= 1
                     self._preempt(victim)
                     preempted.append(victim)
@@ -410,7 +394,7 @@ class Scheduler:
         status, kept = None, 0
         for token_id, lp in run:
             if not req.append_output_token(token_id, lp):  # a grammar (never speculates) failed
-                status = self._grammar_failure(req)
+                status = req.grammar_failure(self.stats.grammar_failures)
                 break
             kept += 1
             if (status := req.stop_status(token_id)) is not None:
@@ -491,20 +475,12 @@ class Scheduler:
         ]
         return {"kv": self.kv.snapshot(), "requests": reqs}
 
-    def _grammar_failure(self, req: Request) -> RequestStatus:
-        """Count ``req``'s failed grammar (``stats.grammar_failures[reason]``), set its
-        ``stop_reason`` to ``"grammar <reason>: <message>"``; the status to finish it with."""
-        reason, msg = req.grammar.failure if req.grammar is not None and req.grammar.failure else ("parser_error", "")
-        self.stats.grammar_failures[reason] = self.stats.grammar_failures.get(reason, 0) + 1
-        req.stop_reason = f"grammar {reason}: {msg}" if msg else f"grammar {reason}"
-        return RequestStatus.FINISHED_ERROR
-
     def grammar_failed(self, req: Request) -> None:
         """Finish ``req`` whose structured-output grammar failed at run time (finish reason
         ``"error"``, its blocks freed, the failure counted); its text is what the grammar
         accepted so far."""
         if not req.status.finished:
-            self.finish_request(req, self._grammar_failure(req))
+            self.finish_request(req, req.grammar_failure(self.stats.grammar_failures))
 
     def abort(self, request_ids: Iterable[str]) -> list[Request]:
         out = []

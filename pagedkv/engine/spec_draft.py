@@ -98,7 +98,8 @@ class DraftProposer:
             raise ConfigError("speculative draft model: not supported with tensor_parallel_size > 1")
         try:
             worker = Worker.load(model, dtype=torch_dtype(config.dtype), device=config.device,
-                                 weights=config.draft_weights, attention_backend=config.attention_backend)
+                                 weights=config.draft_weights, attention_backend=config.attention_backend,
+                                 deterministic=config.deterministic)
         except ConfigError as e:  # the loader says "model: ...": name the draft, not the target
             raise ConfigError(f"speculative draft model {model!r}: {e}") from e
         mc = worker.config

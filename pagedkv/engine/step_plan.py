@@ -114,3 +114,19 @@ class SchedulerOutput:
     def sampling_requests(self) -> list[Request]:
         """The sequences whose logits rows the step returns, in row order."""
         return [r for r, n in self.scheduled if r.num_computed_tokens + n == r.num_tokens or r.request_id in self.drafts]
+
+
+def unschedule(req: Request, scheduled: list[tuple[Request, int]], copies: list[tuple[int, int]],
+              drafts: dict[str, list[int]], step_copies: dict[str, list[tuple[int, int]]]) -> int:
+    """Take ``req`` out of this step before it runs (it is being preempted): its entry,
+    its copy-on-write copies (their destination blocks are freed with its table) and its
+    drafts. Returns the tokens it had taken from the budget."""
+    k = next(k for k, (r, _) in enumerate(scheduled) if r is req)
+    _, n = scheduled.pop(k)
+    mine = step_copies.pop(req.request_id, [])
+    if mine:
+        drop = set(mine)
+        copies[:] = [c for c in copies if c not in drop]
+        req.num_cow_copies -= len(mine)
+    drafts.pop(req.request_id, None)
+    return n

@@ -160,7 +160,7 @@ class GGUFLinear(QuantLinear):
         if self.qmm_rows:  # the bias is in the packed weights
             y = super().forward(x)
             return y[:, : self.out_features].contiguous() if self.padded else y
-        y = torch.nn.functional.linear(x.float(), self.dequantize())
+        y = self._linear(x.float(), self.dequantize())
         return (y if self.bias is None else y + self.bias).to(x.dtype)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "GGUFLinear":

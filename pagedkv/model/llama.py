@@ -39,6 +39,7 @@ from torch import nn
 
 from pagedkv.attention.base import AttentionBackend, AttentionMetadata
 from pagedkv.errors import ConfigError
+from pagedkv.model import invariant
 from pagedkv.model.config import ModelConfig
 from pagedkv.utils import profile_scope, torch_dtype
 
@@ -254,6 +255,9 @@ class LlamaForCausalLM(nn.Module):
     ``pagedkv.model.gguf_native``). Run under ``torch.inference_mode()``.
     """
 
+    #: the tied LM head through ``pagedkv.model.invariant.linear`` (``invariant.set_deterministic``)
+    deterministic = False
+
     def __init__(
         self,
         config: ModelConfig,
@@ -421,7 +425,8 @@ class LlamaForCausalLM(nn.Module):
         embedding matrix or ``lm_head``, which a weight format may have quantised), soft-capped
         as ``cap * tanh(logits / cap)`` when the config has a ``final_logit_softcap``."""
         if self.lm_head is None:
-            logits = F.linear(hidden, self.embed_tokens.weight).float()
+            w = self.embed_tokens.weight
+            logits = (invariant.linear(hidden, w) if self.deterministic else F.linear(hidden, w)).float()
         else:
             logits = self.lm_head(hidden).float()
         cap = self.config.final_logit_softcap

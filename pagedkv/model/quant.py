@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.errors import ConfigError
-from pagedkv.model import qmm
+from pagedkv.model import invariant, qmm
 from pagedkv.model.int8_mm import dynamic_int8_mm, onednn_int8, register_int8
 from pagedkv.model.weight_choice import (  # noqa: F401 - part of this module's interface
     ROUTE_ENV, ROUTES, WEIGHT_CHOICES, WEIGHT_FORMATS, CpuFeatures, auto_route, check_weights, cpu_features,
@@ -108,6 +108,8 @@ class QuantLinear(nn.Module):
     and build kernel-specific buffers in :meth:`prepare` (not saved)."""
 
     fmt = ""
+    #: batch-invariant kernels only (``pagedkv.model.invariant``; set by ``set_deterministic``)
+    deterministic = False
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
@@ -143,13 +145,27 @@ class QuantLinear(nn.Module):
         for shapes they do not take."""
         raise ValueError("no integer kernel for this format")
 
+    def set_deterministic(self, on: bool) -> None:
+        """Batch-invariant kernels only (``on``): ``qmm`` at every row count (re-prepared on
+        AMX hosts, where it otherwise hands wide inputs to oneDNN), dense ``F.linear`` calls
+        through ``pagedkv.model.invariant.linear``."""
+        if bool(on) == self.deterministic:
+            return
+        self.deterministic = bool(on)
+        if self.route == "fast" and cpu_features().amx:
+            self.prepare(self.route)
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``F.linear(x, w)``, batch-invariant when ``deterministic``."""
+        return invariant.linear(x, w) if self.deterministic else F.linear(x, w)
+
     def _prepare_qmm(self) -> None:
         """On the fast route, pack the weights for ``qmm`` (kernel ``"q8"``) when it is built
         and takes the shape; ``qmm_rows`` is the first row count it no longer runs (the rest
-        keep the format's other kernels)."""
+        keep the format's other kernels; every count when ``deterministic``)."""
         global _QMM
         self._qmm, self.qmm_rows = None, 0
-        rows = qmm.max_rows(cpu_features().amx, int8_rows()) if self.route == "fast" else 0
+        rows = qmm.max_rows(cpu_features().amx and not self.deterministic, int8_rows()) if self.route == "fast" else 0
         _QMM = qmm.get() if rows else _QMM
         if rows and _QMM is not None:
             try:
@@ -260,9 +276,9 @@ class QuantLinear(nn.Module):
                 y = y.to(x.dtype)
         elif kernel == "wide":  # a prefill chunk: dequantise once, one wide matmul
             wide = torch.bfloat16 if self._wide_bf16 else x.dtype
-            y = F.linear(x.to(wide), self.dequantize().to(wide)).to(x.dtype)
+            y = self._linear(x.to(wide), self.dequantize().to(wide)).to(x.dtype)
         else:
-            y = F.linear(x, self.dequantize().to(x.dtype))
+            y = self._linear(x, self.dequantize().to(x.dtype))
         if self.bias is not None:
             y += self.bias.to(y.dtype)
         return y
@@ -285,7 +301,7 @@ class BF16Linear(QuantLinear):
         return self.weight.float()
 
     def _fast(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return self._linear(x, self.weight)
 
 
 class Int8Linear(QuantLinear):

@@ -231,12 +231,15 @@ def test_write_and_forward_reuses_the_last_layers_arguments_only_while_they_hold
     assert be.write_and_forward(wide, k, v, a, md, 0.125).equal(be.write_and_forward(wide.contiguous(), k, v, a, md, 0.125))
 
 
-def test_write_and_forward_falls_back_for_chunks_and_quantised_caches(monkeypatch):
+def test_write_and_forward_takes_chunks_and_falls_back_for_quantised_caches(monkeypatch):
+    """A prefill chunk goes through the one fused call like a decode row (one kernel for every
+    row); a quantised cache takes write_kv + forward."""
     seen = _calls(monkeypatch)
     be, a, b, md, q, k, v = _fused_step("nhd", torch.float32, torch.float32, [40, 70], [1, 20])  # a 20-row chunk
     got = be.write_and_forward(q, k, v, a, md, 0.125)
     be.write_kv(b, k, v, md.slot_mapping)
-    assert seen == [] and torch.equal(got, be.forward(q, b, md, 0.125))
+    assert seen == [1] and torch.equal(got, be.forward(q, b, md, 0.125))
+    seen.clear()
     qc = be.allocate_kv_cache(a.num_blocks, 16, 3, 64, "int8", quant_group_size=32)
     md1 = AttentionMetadata.build([5], [1], [[0]], 16)
     out = be.write_and_forward(q[:1], k[:1], v[:1], qc, md1, 0.125)

@@ -48,9 +48,9 @@ def test_compiled_decode_gives_the_eager_tokens(tiny):
     eng, comp = _greedy(tiny, compile_decode=True)
     cd = eng.runner.compiled
     assert isinstance(cd, C.CompiledDecode) and cd.failed is None, cd.failed
-    # the graphs call the C++ attention op: in each of the 29 decode steps every layer after
-    # the first ran without Python (the prefill's 65-row chunk takes the Python op)
-    assert cd._op is table.op and table.direct_calls() == 29 * (len(tiny.model.layers) - 1)
+    # the graphs call the C++ attention op: in each of the 29 decode steps and the prefill's
+    # 65-row chunk (one kernel for every row) every layer after the first ran without Python
+    assert cd._op is table.op and table.direct_calls() == 30 * (len(tiny.model.layers) - 1)
     # every step ran compiled, the 65-row prefill of the three prompts included (the graphs
     # take up to the engine's token budget): 1 prefill + 29 decode steps, after 2 warm-up steps
     assert cd.max_rows == 512 and cd.warm_up_sizes() == [1, 2]
