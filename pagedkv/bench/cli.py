@@ -27,6 +27,7 @@ BENCHES: dict[str, str] = {
     "structured": "pagedkv.bench.structured",
     "spec": "pagedkv.bench.spec",
     "models": "pagedkv.bench.models",
+    "determinism": "pagedkv.bench.determinism",
 }
 
 

@@ -49,9 +49,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compile-decode", action="store_true",
                    help="run decode steps (<= 64 tokens) through torch.compile: ~80 s per graph at the first start "
                         "on a 2-core CPU, cached under ~/.cache/pagedkv/inductor (docs/performance.md)")
-    g.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
-                   help="batch-invariant kernels: a request's tokens do not depend on the batch, the chunk budget, "
-                        "prefix hits or threads (default on; docs/determinism.md)")
+    g.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant kernels on every route: a request's tokens do not depend on the batch, the "
+                        "chunk budget, prefix hits or threads (GGUF models are anyway; docs/determinism.md)")
     g.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template file in place of the model's own (a base model has none)")
     g.add_argument("--speculative", default=None, metavar="ngram|draft:MODEL",
@@ -80,7 +80,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         kv_offload=getattr(args, "kv_offload", None), kv_events=getattr(args, "kv_events", None),
         kv_events_replay=getattr(args, "kv_events_replay", None),
-        compile_decode=getattr(args, "compile_decode", False), deterministic=getattr(args, "deterministic", True),
+        compile_decode=getattr(args, "compile_decode", False), deterministic=getattr(args, "deterministic", False),
         chat_template=getattr(args, "chat_template", None),
         speculative=getattr(args, "speculative", None), num_speculative_tokens=getattr(args, "num_speculative_tokens", 4),
         draft_weights=getattr(args, "draft_weights", "auto"),

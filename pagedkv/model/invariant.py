@@ -12,9 +12,11 @@ bfloat16 two (1 row, >= 2 rows). ``linear`` therefore pads an input of fewer tha
 ``ROW_FLOOR`` rows with zero rows, so every call runs the >= 4-row kernel.
 ``tests/engine/test_determinism.py`` checks the classes on the host running it.
 
-``deterministic=True`` (the engine's default) also keeps the int8/int4 formats on ``qmm`` at
-every row count on AMX hosts, whose oneDNN dynamic-int8 and wide bf16 routes (chosen by row
-count) sum differently.
+Padding is not free: float32 batch-1 decode runs ~0.69x as fast (a 4-row GEMM instead of a
+GEMV; docs/benchmarks/determinism.md), so the engine does it only with ``deterministic=True``,
+which also keeps the int8/int4 formats on ``qmm`` at every row count on AMX hosts (their oneDNN
+dynamic-int8 and wide bf16 routes, chosen by row count, sum differently).
+:func:`batch_invariant` says whether a loaded model is invariant as it stands.
 """
 
 from __future__ import annotations
@@ -47,6 +49,23 @@ class RowFloorLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+
+def batch_invariant(model: nn.Module) -> tuple[bool, str]:
+    """``(True, "")`` when every linear layer of ``model`` is batch-invariant as prepared:
+    ``qmm`` at every row count, or padded dense layers; else ``(False, what is not)``."""
+    from pagedkv.model.qmm import ALL_ROWS
+
+    bad: list[str] = []
+    for m in model.modules():
+        if type(m) is nn.Linear:
+            bad.append("dense layers (F.linear)")
+        elif callable(getattr(m, "set_deterministic", None)) and not m.deterministic \
+                and getattr(m, "qmm_rows", 0) < ALL_ROWS:
+            bad.append(f"{m.fmt} layers (kernels by row count)")
+    if getattr(model, "lm_head", 1) is None and not getattr(model, "deterministic", False):
+        bad.append("the tied LM head (F.linear)")
+    return (not bad, ", ".join(dict.fromkeys(bad)))
 
 
 def set_deterministic(model: nn.Module, on: bool) -> None:

@@ -29,7 +29,7 @@ import torch
 from pagedkv.attention import get_backend
 from pagedkv.attention.quant import FORMATS
 from pagedkv.errors import ConfigError
-from pagedkv.model.invariant import set_deterministic
+from pagedkv.model.invariant import batch_invariant, set_deterministic
 from pagedkv.model.loader import LoadedModel, auto_weights, load_model
 from pagedkv.model.quant import resolve_weights
 from pagedkv.utils import torch_dtype
@@ -111,7 +111,7 @@ class Worker:
     @classmethod
     def load(cls, model: Any, *, dtype: torch.dtype, device: str = "cpu", weights: str = "auto",
              attention_backend: str, tensor_parallel_size: int = 1, kv_bytes: int = 0,
-             deterministic: bool = True) -> "Worker":
+             deterministic: bool = False) -> "Worker":
         """Load ``model`` (see :func:`load_checked`, whose ``ConfigError`` it raises) and
         create the backend ``attention_backend`` (``ConfigError`` for an unknown name,
         ``BackendError`` when it cannot run here). ``deterministic``: batch-invariant dense
@@ -120,6 +120,8 @@ class Worker:
         loaded = load_checked(model, dtype=dtype, device=device, weights=weights,
                               tensor_parallel_size=tensor_parallel_size, kv_bytes=kv_bytes)
         set_deterministic(loaded.model, deterministic)
+        ok, why = batch_invariant(loaded.model)
+        logger.info("batch-invariant: %s", "yes" if ok else f"no ({why}; deterministic=True makes it so)")
         backend = get_backend(attention_backend)
         return cls(loaded.model, loaded.config, backend, device, loaded=loaded, backend_name=attention_backend)
 

@@ -1,9 +1,9 @@
-"""Same request, same tokens (docs/determinism.md): with the default ``deterministic=True`` a
-prompt's sampled tokens *and their logprobs* are bit-identical alone, in a batch of 3, 8 or 33,
-with a prefill chunk budget of 4, 16 or 512 tokens, on 1 or 2 threads, with and without a
-prefix-cache hit, and with n-gram speculation, greedy and seeded; on the default route of both
-bundled models and on every weight format (int8, int4, bf16, fp32) and an int8 KV cache.
-``make test-avx2`` runs this file again as an AVX2-only host."""
+"""Same request, same tokens (docs/determinism.md): a prompt's sampled tokens *and their
+logprobs* are bit-identical alone, in a batch of 3, 8 or 33, with a prefill chunk budget of 4,
+16 or 512 tokens, on 1 or 2 threads, with and without a prefix-cache hit, and with n-gram
+speculation, greedy and seeded: at default settings on the default (``gguf``) route of both
+bundled models and on int8/int4 weights and an int8 KV cache, and with ``deterministic=True``
+on the dense fp32/bf16 formats too. ``make test-avx2`` runs this file again as an AVX2-only host."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 from pagedkv.engine.llm import LLM
 from pagedkv.engine.request import SamplingParams
 from pagedkv.model import invariant
+from pagedkv.model.quant import cpu_features
 
 PROMPT = "Explain in detail how a paged KV cache works in an LLM inference engine, and why it helps."
 OTHERS = [f"Question {i}: what is {i} times {i + 3}? Then write a short poem about the number {i}." for i in range(40)]
@@ -68,14 +69,20 @@ def test_default_route_matrix(model, bundled_gguf, gemma3_gguf):
         torch.set_num_threads(old)
 
 
-@pytest.mark.parametrize("weights,kv", [("int8", "auto"), ("int4", "auto"), ("bf16", "auto"), ("fp32", "auto"),
-                                        ("gguf", "int8")])
-def test_every_weight_format_and_int8_kv(weights, kv, bundled_gguf):
-    llm = _llm("smollm2-135m-instruct", weights=weights, kv_cache_dtype=kv)
+@pytest.mark.parametrize("weights,kv,det", [("int8", "auto", False), ("int4", "auto", False), ("bf16", "auto", True),
+                                            ("fp32", "auto", True), ("gguf", "int8", False)])
+def test_every_weight_format_and_int8_kv(weights, kv, det, bundled_gguf):
+    llm = _llm("smollm2-135m-instruct", weights=weights, kv_cache_dtype=kv, deterministic=det)
+    # what the start-up log reports: invariant as loaded (int8/int4: qmm takes every row count
+    # on a CPU without AMX; on an AMX host only with deterministic=True)
+    amx = cpu_features().amx
+    assert invariant.batch_invariant(llm.engine.loaded.model)[0] is (det or not (amx and weights in ("int8", "int4")))
+    if amx and weights in ("int8", "int4") and not det:
+        return  # oneDNN's routes by row count: not claimed
     ref = _run(llm)
     assert _run(llm, 3) == ref and _run(llm, 8) == ref
     c = _llm("smollm2-135m-instruct", weights=weights, kv_cache_dtype=kv, max_num_batched_tokens=4,
-             enable_prefix_caching=True)
+             enable_prefix_caching=True, deterministic=det)
     assert _run(c) == ref, "chunk budget 4"
     assert _run(c, 3) == ref, "chunk budget 4, prefix hit"
 
@@ -98,14 +105,19 @@ def test_the_dense_linear_gives_a_row_the_same_bits_at_every_row_count(dtype, k,
         torch.set_num_threads(old)
 
 
-def test_deterministic_false_is_a_config_choice(bundled_gguf):
+def test_fp32_is_invariant_only_when_asked(bundled_gguf):
+    """The default leaves fp32 on the BLAS's fastest kernels (a GEMV at batch 1), whose rows
+    differ by batch size; ``deterministic=True`` pads them (``RowFloorLinear``)."""
     from pagedkv.errors import ConfigError
 
     with pytest.raises(ConfigError, match="deterministic must be True or False"):
         LLM("smollm2-135m-instruct", deterministic="yes")
-    llm = _llm("smollm2-135m-instruct", weights="fp32", deterministic=False)
+    llm = _llm("smollm2-135m-instruct", weights="fp32")
     layers = [mod for mod in llm.engine.loaded.model.modules() if isinstance(mod, torch.nn.Linear)]
     assert layers and not any(isinstance(mod, invariant.RowFloorLinear) for mod in layers)
-    on = _llm("smollm2-135m-instruct", weights="fp32")
+    assert invariant.batch_invariant(llm.engine.loaded.model) == (
+        False, "dense layers (F.linear), the tied LM head (F.linear)")
+    on = _llm("smollm2-135m-instruct", weights="fp32", deterministic=True)
     assert all(isinstance(mod, invariant.RowFloorLinear) for mod in on.engine.loaded.model.modules()
                if isinstance(mod, torch.nn.Linear))
+    assert invariant.batch_invariant(on.engine.loaded.model) == (True, "")
