@@ -31,7 +31,9 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -236,6 +238,7 @@ class _Reader:
 
     def __init__(self, path: Path, bar: Any) -> None:
         self.fd, self.bar, self.read = os.open(path, os.O_RDONLY), bar, 0
+        self._lock = threading.Lock()  # two loader threads read at once (positioned reads)
 
     def into(self, info: GGUFTensorInfo, out: np.ndarray, skip: int = 0) -> None:
         """Read ``out``'s size of ``info``'s stored bytes, from ``skip`` bytes into it, into
@@ -246,8 +249,9 @@ class _Reader:
             if n <= 0:
                 raise ConfigError(f"weights: {info.name} extends past the end of the GGUF file (truncated?)")
             done += n
-        self.read += done
-        self.bar.update(done)
+        with self._lock:
+            self.read += done
+            self.bar.update(done)
 
     def rows(self, info: GGUFTensorInfo, r0: int, r1: int) -> np.ndarray:
         """Rows ``r0 .. r1 - 1`` of a stored matrix as a new uint8 ``[r1 - r0, row_bytes]``;
@@ -295,12 +299,13 @@ def _unpermute_into(raw: np.ndarray, n_heads: int, out: np.ndarray) -> None:
     out[...] = _unpermute_rope_rows(torch.from_numpy(raw), n_heads).numpy()
 
 
-def _linear(reader: _Reader, parts: list[tuple[GGUFTensorInfo, int | None, GGUFTensorInfo | None]],
-            what: str, route: str | None) -> GGUFLinear:
-    """One prepared ``GGUFLinear`` from stored parts ``(weight, heads to un-permute or None,
-    bias or None)`` stacked along the output rows. Parts of one type are read straight into one
-    buffer (zero rows pad it to a multiple of 8) and packed once; parts of different types are
-    packed each and concatenated (``qmm.concat_packed``; each must be a multiple of 8 rows)."""
+def _packed(reader: _Reader, parts: list[tuple[GGUFTensorInfo, int | None, GGUFTensorInfo | None]],
+            what: str) -> tuple[qmm.Packed, tuple[str, ...], int]:
+    """``(packed weights, GGML type names, output rows)`` from stored parts ``(weight, heads to
+    un-permute or None, bias or None)`` stacked along the output rows. Parts of one type are
+    read straight into one buffer (zero rows pad it to a multiple of 8) and packed once; parts of
+    different types are packed each and concatenated (``qmm.concat_packed``; each must be a
+    multiple of 8 rows). Touches no shared state but ``reader`` (safe on loader threads)."""
     types = tuple(_qtype(w) for w, _, _ in parts)
     k = parts[0][0].shape[-1]
     if any(w.shape[-1] != k for w, _, _ in parts):
@@ -350,7 +355,7 @@ def _linear(reader: _Reader, parts: list[tuple[GGUFTensorInfo, int | None, GGUFT
             packed = qmm.concat_packed(packs)
     except ValueError as e:
         raise ConfigError(f"weights: {what}: {e}") from None
-    return GGUFLinear(packed, types, n).prepare(route)
+    return packed, types, n
 
 
 def _layer_tensors(header: GGUFHeader) -> dict[int, list[GGUFTensorInfo]]:
@@ -386,6 +391,15 @@ def build_gguf_model(path: Path, header: GGUFHeader, config: ModelConfig, route:
     def bias_of(w: GGUFTensorInfo) -> GGUFTensorInfo | None:
         return by_name.get(w.name[: -len("weight")] + "bias")
 
+    # (module, attribute, future of _packed): every matrix is read and packed on two threads
+    # (positioned reads and the C packers release the GIL, so one thread reads while the other
+    # packs); the modules are made and prepared here, in file order
+    jobs: list[tuple[nn.Module, str, Any]] = []
+    pool = ThreadPoolExecutor(2, thread_name_prefix="pagedkv-load")
+
+    def later(owner: nn.Module, attr: str, parts: list, what: str) -> None:
+        jobs.append((owner, attr, pool.submit(_packed, reader, parts, what)))
+
     try:
         for i, infos in sorted(_layer_tensors(header).items()):
             if i >= config.num_layers:
@@ -397,9 +411,9 @@ def build_gguf_model(path: Path, header: GGUFHeader, config: ModelConfig, route:
                 if kind == "bias" and (part in _FUSED or part in _SINGLE):
                     continue  # read with its weight
                 if kind == "weight" and part == "ffn_up" and conv["fused_gate_up"]:  # Phi-3: gate and up rows
-                    layer.gate_up_proj = _linear(reader, [(info, None, None)], info.name, route)
+                    later(layer, "gate_up_proj", [(info, None, None)], info.name)
                 elif kind == "weight" and part in _SINGLE:
-                    setattr(layer, _SINGLE[part], _linear(reader, [(info, None, bias_of(info))], info.name, route))
+                    later(layer, _SINGLE[part], [(info, None, bias_of(info))], info.name)
                 elif kind == "weight" and part in _FUSED:
                     heads = None
                     if conv["rope_rows_permuted"] and part in ("attn_q", "attn_k"):
@@ -416,7 +430,7 @@ def build_gguf_model(path: Path, header: GGUFHeader, config: ModelConfig, route:
                 want = 3 if module == "qkv_proj" else 2
                 if sorted(parts) != list(range(want)):
                     raise ConfigError(f"weights: layer {i} is missing parts of {module}")
-                setattr(layer, module, _linear(reader, [parts[p] for p in range(want)], f"layer {i} {module}", route))
+                later(layer, module, [parts[p] for p in range(want)], f"layer {i} {module}")
         info = by_name.get("output_norm.weight")
         if info is None:
             raise ConfigError("weights: output_norm.weight is missing")
@@ -426,7 +440,9 @@ def build_gguf_model(path: Path, header: GGUFHeader, config: ModelConfig, route:
         if embd is None:
             raise ConfigError("weights: token_embd.weight is missing")
         head = (by_name.get("output.weight") if not config.tie_word_embeddings else None) or embd
-        net.lm_head = _linear(reader, [(head, None, None)], head.name, route)
+        later(net, "lm_head", [(head, None, None)], head.name)
+        for owner, attr, fut in jobs:
+            setattr(owner, attr, GGUFLinear(*fut.result()).prepare(route))
         net.embed_tokens = GGUFEmbedding(path, embd)
         known = {"rope_freqs.weight", "output_norm.weight", "token_embd.weight", "output.weight"}
         stray = [t.name for t in header.tensors if not t.name.startswith("blk.") and t.name not in known]
@@ -434,6 +450,7 @@ def build_gguf_model(path: Path, header: GGUFHeader, config: ModelConfig, route:
             raise ConfigError(f"weights: unexpected GGUF tensor {stray[0]!r}")
         _assign_floats(net, floats)
     finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # no thread reads a closed file
         reader.close()
         bar.close()
     report = LoadReport(tensors=len(header.tensors), bytes_read=reader.read, weight_bytes=held_bytes(net),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -365,8 +366,12 @@ def _load_gguf_native(path: Path, root: Path, use_cache: bool, route: str | None
     need = gguf_native.weight_bytes(header, config)
     check_memory(need + kv_bytes, f"{path.name}'s weights ({need / 2**30:.2f} GiB as stored) and the KV cache "
                                   f"({kv_bytes / 2**30:.2f} GiB)")
-    net, report = gguf_native.build_gguf_model(path, header, config, route=route)
-    tokenizer, entry, hit = _gguf_tokenizer(path, root, sha, use_cache)
+    # the tokenizer (mostly importing transformers: Python, ~1.5 s) loads in a thread while the
+    # weights stream in (preadv and the C packers release the GIL)
+    with ThreadPoolExecutor(1, thread_name_prefix="pagedkv-tokenizer") as pool:
+        tok = pool.submit(_gguf_tokenizer, path, root, sha, use_cache)
+        net, report = gguf_native.build_gguf_model(path, header, config, route=route)
+        tokenizer, entry, hit = tok.result()
     log.info("pagedkv: loaded %s: %s", path.name, report.summary())
     return LoadedModel(model=net, config=config, tokenizer=tokenizer, path=path, cache_dir=entry, from_cache=hit,
                        load_seconds=time.perf_counter() - t0, weights="gguf", weights_reason=why, report=report)
