@@ -110,13 +110,14 @@ class AttentionMetadata:
 
 def check_window(sliding_window: int | None, logits_soft_cap: float | None) -> tuple[int, float]:
     """Validate ``forward``'s per-layer options; returns ``(window, cap)`` with 0 meaning
-    "off". Raises ``BackendError`` for a non-positive or non-integral window, or a cap that
-    is not a positive finite number."""
+    "off" (a window of ``2**31 - 1`` tokens or more sees every position a sequence can have,
+    so it is off: kernels take 32-bit windows). Raises ``BackendError`` for a non-positive or
+    non-integral window, or a cap that is not a positive finite number."""
     window = 0
     if sliding_window is not None:
         if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window <= 0:
             raise BackendError(f"sliding_window must be a positive int (tokens) or None, got {sliding_window!r}")
-        window = int(sliding_window)
+        window = int(sliding_window) if sliding_window < 2**31 - 1 else 0
     cap = 0.0
     if logits_soft_cap is not None:
         if isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap, (int, float)) \

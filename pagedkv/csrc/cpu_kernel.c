@@ -442,7 +442,8 @@ int pagedkv_paged_attention(
     if (window < 0 || softcap < 0.f) return -1;
     const int g = hq / hkv;
     /* split_len: segments at absolute multiples of it (a multiple of CHUNK; 0 = one segment) */
-    const int S = min_split_len > 0 ? (min_split_len + CHUNK - 1) / CHUNK * CHUNK : 0;
+    /* (a value within a tile of INT_MAX means "never split": rounding it up would overflow) */
+    const int S = min_split_len > 0 && min_split_len <= INT32_MAX - CHUNK ? (min_split_len + CHUNK - 1) / CHUNK * CHUNK : 0;
     /* Work items: each sequence's rows in blocks of up to RB consecutive rows with the same
      * first and last segment, times those segments, times KV-head groups. Everything that
      * decides a row's arithmetic (its segments, its tiles) depends on that row alone. */

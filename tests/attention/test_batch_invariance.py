@@ -105,3 +105,18 @@ def test_the_split_length_is_a_multiple_of_the_tile_and_changes_nothing_but_the_
     c = torch.cat([_attend(be, cache, tables, q, [p], [1], torch.float32, None, None)[0] for p in (698, 699, 700)])
     assert torch.equal(b, c)
     assert (a - b).abs().max().item() < 1e-5
+
+
+def test_out_of_range_split_and_window_values_mean_off(monkeypatch):
+    """A split length near INT_MAX means "never split" (it once overflowed to a negative
+    segment and an all-zero output); a window of 2**31 tokens or more is no window (it was cut
+    to 32 bits: 2**32 + 5 became a window of 5)."""
+    be, cache, tables, q = _setup([40], torch.float32, 2, 1, 8)
+    monkeypatch.setattr(KERNEL, "min_split_len", 0)
+    want = _attend(be, cache, tables, q, [40], [3], torch.float32, None, None)[0]
+    for split in (2**31 - 1, 2**31 - 15):
+        monkeypatch.setattr(KERNEL, "min_split_len", split)
+        assert torch.equal(_attend(be, cache, tables, q, [40], [3], torch.float32, None, None)[0], want)
+    monkeypatch.setattr(KERNEL, "min_split_len", 512)
+    for window in (2**31 - 1, 2**31, 2**32 + 5, 2**63):
+        assert torch.equal(_attend(be, cache, tables, q, [40], [3], torch.float32, window, None)[0], want)
