@@ -15,7 +15,7 @@
  * visible keys and values, and nothing else: not on the other rows of its item, the batch, the
  * chunk it came in, or the thread count. Its arithmetic is fixed by absolute key positions:
  * tiles are the aligned spans [16i, 16i + 16), every score is the same 8-lane dot product
- * summed by the same tree (hsum8x8), the softmax of a tile runs over the row's own keys in
+ * summed by the same tree (hsum8x8v), the softmax of a tile runs over the row's own keys in
  * order, and a long context is cut into segments at absolute multiples of split_len (a
  * row's segments are merged in order) whatever else runs. So prefill chunks, decode rows,
  * speculative verify rows and recomputes all take this one path.
@@ -118,7 +118,7 @@ static inline void deq_row(const uint8_t *restrict p, const uint16_t *restrict s
         for (int x = g0; x < g0 + grp; x++) out[x] *= sc;
     }
 }
-static inline float hsum8(v8f v) { /* the tree of hsum8x8's lanes */
+static inline float hsum8(v8f v) { /* the tree of hsum8x8v's lanes */
     return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
 }
 

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from pagedkv.model import qmm
 
+from tests.model.test_qmm import _emulated as emulated  # noqa: E402  (the kernels' activations)
 from tests.model.test_qmm import ops  # noqa: F401,E402  (the fixture: each build the host runs)
 
 ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 16, 17, 31, 33, 64, 200]
@@ -108,17 +109,6 @@ def split(qtype: str, raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, 
     dc = mult * codes  # float32: exact (an fp16 times 6-bit and 8-bit integers)
     np.testing.assert_array_equal(dc + np.repeat(off, 32, axis=1), w)
     return dc.astype(np.float64), off.astype(np.float64), w
-
-
-def emulated(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernels' activations (as test_qmm.py): ``x_hat`` float64 ``[R, K]``, each block of 32
-    rounded to its int8 codes times ``d = max|x| / 127``, and the exact float sums ``[R, K / 32]``."""
-    r, k = x.shape
-    xb = x.reshape(r, k // 32, 32)
-    amax = xb.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    q = torch.round(xb * inv).double()
-    return (q * (amax / 127.0).double()).reshape(r, k), xb.double().sum(-1)
 
 
 def check_linear(ops, packed: qmm.Packed, dc: np.ndarray, off: np.ndarray, w: np.ndarray, x: torch.Tensor,
