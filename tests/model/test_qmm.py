@@ -36,7 +36,9 @@ def _emulated(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     r, k = x.shape
     xb = x.reshape(r, k // 32, 32)
     amax = xb.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # a correctly rounded float32 division, as C's 127.0f / mx: torch's ``127.0 / amax`` is
+    # reciprocal(amax) * 127, one ulp off at times, which moves an x / d on a tie by one code
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     q = torch.round(xb * inv).double()
     return (q * (amax / 127.0).double()).reshape(r, k), xb.double().sum(-1)
 

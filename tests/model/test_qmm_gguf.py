@@ -186,6 +186,21 @@ def test_extreme_codes_keep_exact_sums(ops, qtype, fill):
     check_linear(ops, ops.pack_gguf(qtype, raw, k), dc, off, w, x, None)
 
 
+def test_an_activation_on_a_rounding_tie_rounds_to_even(ops):
+    """x * (127 / max) == 89.5 exactly in float32 (hypothesis found it): the code is 90, as C's
+    correctly rounded division and round-half-even give (torch's ``127.0 / t`` is a reciprocal
+    times 127, one ulp lower here, which made the test's emulation say 89)."""
+    raw = random_blocks("Q4_K", 8, 512, 404117)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(404117))
+    xb = x[2, 288:320]
+    inv = torch.full_like(xb[:1], 127.0) / xb.abs().max()
+    assert float(xb[27] * inv) == 89.5
+    xh, _ = emulated(x[2:3])
+    assert float(xh[0, 288 + 27] / (xb.abs().max() / 127.0)) == pytest.approx(90.0, abs=1e-4)
+    dc, off, w = split("Q4_K", raw, 512)
+    check_linear(ops, ops.pack_gguf("Q4_K", raw, 512), dc, off, w, x, None)
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(qtype=st.sampled_from(qmm.GGUF_TYPES), groups=st.integers(1, 6), blocks=st.integers(1, 4),
        rows=st.integers(1, 12), seed=st.integers(0, 2**32 - 1))
