@@ -172,11 +172,17 @@ static int quantize_rows(const float *x, int64_t xs, int64_t rows, int64_t k, qr
 #define INLINE static inline __attribute__((always_inline))
 #define Q4_BLOCK 160
 /* bytes ahead of the block in use that the int4 loop prefetches (4 blocks) */
-/* Software prefetch distances, in blocks of each layout: 2-4.6 KB ahead of the read. Measured
- * (one thread, CPU time per 2048 x 8192 call over 16 weights, AMD EPYC Zen 4): 1.05-1.17x the
- * speed of 0.5-1 KB ahead for every format at 1 row, 1.07-1.11x at 8 rows. */
+/* Software prefetch distances, in blocks of each layout: 8-14 KB ahead of the read, into L2
+ * (T1: a prefetch into L1 holds one of its few miss buffers; L2 has more, so more lines are in
+ * flight). Measured (one thread, CPU time per 2048 x 8192 call over 16 weights, AMD EPYC Zen 4,
+ * against 0.5-1 KB ahead into L1): Q4_1 1.38x, Q5_1 1.24x, Q4_K/Q5_K 1.41x, Q6_K 1.15x, Q4_0/Q5_0
+ * 1.04-1.07x (they are compute-bound at ~43 G weights/s a core). Q8_0 keeps 4 KB into L1
+ * (1.02x; into L2 it measured 0.85-0.94x). */
+#ifndef PF_HINT
+#define PF_HINT _MM_HINT_T1
+#endif
 #ifndef PF_Q4
-#define PF_Q4 16
+#define PF_Q4 64
 #endif
 #define Q4_PREFETCH (PF_Q4 * Q4_BLOCK)
 
@@ -225,9 +231,9 @@ INLINE void q4_group(const int NR, int64_t nb, const uint8_t *wc, const qrows_t 
         __m256i isum[ROW_TILE];
         for (int j = 0; j < NR; j++) isum[j] = _mm256_setzero_si256();
         const uint8_t *w = wc + b * Q4_BLOCK;
-        _mm_prefetch((const char *)(w + Q4_PREFETCH), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + Q4_PREFETCH + 64), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + Q4_PREFETCH + 128), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + Q4_PREFETCH), PF_HINT);
+        _mm_prefetch((const char *)(w + Q4_PREFETCH + 64), PF_HINT);
+        _mm_prefetch((const char *)(w + Q4_PREFETCH + 128), PF_HINT);
         for (int t = 0; t < 4; t++) {
             __m256i v = _mm256_loadu_si256((const __m256i *)(w + 32 * t));
             __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
@@ -350,10 +356,10 @@ INLINE void q8_group(const int NR, int64_t nb, const int8_t *wc, const float *sc
 #define PF_Q80 16
 #endif
 #ifndef PF_K
-#define PF_K 4
+#define PF_K 8
 #endif
 #ifndef PF_Q6K
-#define PF_Q6K 3
+#define PF_Q6K 6
 #endif
 #define Q80_BLOCK 272
 #define Q4K_BLOCK 1152
@@ -480,7 +486,7 @@ INLINE void q45k_group(const int NR, const int FIVE, int64_t nsb, const uint8_t 
         for (int s = 0; s < QK_K / QK; s++) {
             const uint8_t *c = w + 128 * s;
             /* the next super-block, BLK / 8 bytes per sub-block */
-            for (int p = 0; p < BLK / 8; p += 64) _mm_prefetch((const char *)(w + PF_K * BLK + BLK / 8 * s + p), _MM_HINT_T0);
+            for (int p = 0; p < BLK / 8; p += 64) _mm_prefetch((const char *)(w + PF_K * BLK + BLK / 8 * s + p), PF_HINT);
             const int64_t xb = sb * (QK_K / QK) + s;
             __m256i isum[ROW_TILE];
             for (int j = 0; j < NR; j++) isum[j] = _mm256_setzero_si256();
@@ -584,7 +590,7 @@ INLINE void q6k_group(const int NR, int64_t nsb, const uint8_t *wc, const qrows_
         for (int s = 0; s < QK_K / QK; s++) {
             const uint8_t *c = w + 128 * s;
             for (int p = 0; p < Q6K_BLOCK / 8; p += 64)
-                _mm_prefetch((const char *)(w + PF_Q6K * Q6K_BLOCK + Q6K_BLOCK / 8 * s + p), _MM_HINT_T0);
+                _mm_prefetch((const char *)(w + PF_Q6K * Q6K_BLOCK + Q6K_BLOCK / 8 * s + p), PF_HINT);
             const int64_t xb = sb * (QK_K / QK) + s;
             __m256i isum[ROW_TILE], part[ROW_TILE]; /* the block's scaled sum; a 16-value half's sum */
             for (int j = 0; j < NR; j++) isum[j] = part[j] = _mm256_setzero_si256();
@@ -686,7 +692,7 @@ INLINE void q6k_group(const int NR, int64_t nsb, const uint8_t *wc, const qrows_
  * one FMA (no m term, no offset error: llama.cpp's Q4_0 x Q8_0 arithmetic); Q5_1 unsigned
  * codes (31 x 127 x 2 per pair) widened to int32 every step; VNNI vpdpbusd where built. */
 #ifndef PFD
-#define PFD 24
+#define PFD 96
 #endif
 #define Q40_BLOCK 144
 #define Q50_BLOCK 176
@@ -708,11 +714,12 @@ INLINE void q4x_group(const int NR, const int KIND, int64_t nb, const uint8_t *w
         __m256i isum[ROW_TILE];
         for (int j = 0; j < NR; j++) isum[j] = _mm256_setzero_si256();
         const uint8_t *w = wc + b * BLK;
-        _mm_prefetch((const char *)(w + PFD * BLK), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + PFD * BLK + 64), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + PFD * BLK + 128), _MM_HINT_T0);
-        if (KIND) _mm_prefetch((const char *)(w + PFD * BLK + 176), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + PFD * BLK), PF_HINT);
+        _mm_prefetch((const char *)(w + PFD * BLK + 64), PF_HINT);
+        _mm_prefetch((const char *)(w + PFD * BLK + 128), PF_HINT);
+        if (KIND) _mm_prefetch((const char *)(w + PFD * BLK + 176), PF_HINT);
         const __m256i H = KIND ? _mm256_loadu_si256((const __m256i *)(w + 128)) : _mm256_setzero_si256();
+        #pragma GCC unroll 4 /* constant shift counts */
         for (int t = 0; t < 4; t++) {
             __m256i v = _mm256_loadu_si256((const __m256i *)(w + 32 * t));
             __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
