@@ -131,7 +131,7 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, float *d, float *
 typedef struct {
     int8_t *q;
     float *d, *s;
-    int32_t *q16; /* the sums of each 16 codes [rows, k / 16] (NULL unless asked for: Q6_K, Q4_0, Q5_0 with VNNI) */
+    int32_t *q16; /* the sums of each 16 codes [rows, k / 16] (NULL unless a kernel takes them: see pagedkv_qmm) */
     void *mem;
 } qrows_t;
 
@@ -708,6 +708,9 @@ INLINE void q4x_group(const int NR, const int KIND, int64_t nb, const uint8_t *w
     const int8_t *xq = a->q + r0 * nb * QK;
     const float *xd = a->d + r0 * nb, *xs = a->s + r0 * nb;
 #ifdef __AVX2__
+    /* unsigned codes and the offset taken off in int32: Q4_0 everywhere, Q5_0 with VNNI (its
+     * 31 x 127 x 2 pair sums would overflow maddubs' int16 accumulation) */
+    const int UNSIGNED = KIND == 0 || (QMM_VNNI && KIND == 1);
     __m256 acc[ROW_TILE];
     for (int j = 0; j < NR; j++) acc[j] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10), off = _mm256_set1_epi8(KIND ? 16 : 8),
@@ -729,15 +732,17 @@ INLINE void q4x_group(const int NR, const int KIND, int64_t nb, const uint8_t *w
                 lo = _mm256_or_si256(lo, _mm256_and_si256(shift16(H, 4 - 2 * t), bit4));
                 hi = _mm256_or_si256(hi, _mm256_and_si256(shift16(H, 3 - 2 * t), bit4));
             }
-#if QMM_VNNI
-            if (KIND != 2) { /* unsigned codes c times q (no sign work per row); 8 or 16 x sum(q) comes off below */
+            if (UNSIGNED) { /* unsigned codes c times q (no sign work per row); 8 or 16 x sum(q) comes off below */
                 for (int j = 0; j < NR; j++) {
                     const int8_t *x = xq + j * nb * QK + b * QK + 8 * t;
+#if QMM_VNNI
                     isum[j] = madd_u8s8(madd_u8s8(isum[j], lo, bcast4(x)), hi, bcast4(x + 4));
-                }
-            } else
+#else /* Q4_0: 8 pair sums of 15 x 127 x 2 stay below 2^15 in int16 */
+                    isum[j] = _mm256_add_epi16(isum[j], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(x)),
+                                                                         _mm256_maddubs_epi16(hi, bcast4(x + 4))));
 #endif
-            if (KIND != 2) { /* signed codes: |c'| as u8, the sign onto q */
+                }
+            } else if (KIND != 2) { /* signed codes: |c'| as u8, the sign onto q */
                 lo = _mm256_sub_epi8(lo, off);
                 hi = _mm256_sub_epi8(hi, off);
                 const __m256i alo = _mm256_abs_epi8(lo), ahi = _mm256_abs_epi8(hi);
@@ -765,16 +770,13 @@ INLINE void q4x_group(const int NR, const int KIND, int64_t nb, const uint8_t *w
         }
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + DOFF)));
         const __m256 m = KIND == 2 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + MOFF))) : _mm256_setzero_ps();
-#if QMM_VNNI
-        if (KIND != 2) /* sum (c - off) q = sum c q - off sum q, in int32: the same integer */
-            for (int j = 0; j < NR; j++) {
-                const int32_t *q16 = a->q16 + (r0 + j) * 2 * nb + 2 * b;
-                isum[j] = _mm256_sub_epi32(isum[j], _mm256_set1_epi32((KIND ? 16 : 8) * (q16[0] + q16[1])));
-            }
-#endif
         for (int j = 0; j < NR; j++) {
-            const __m256 p = (QMM_VNNI || KIND == 2) ? _mm256_cvtepi32_ps(isum[j])
-                                                     : _mm256_cvtepi32_ps(_mm256_madd_epi16(isum[j], ones));
+            __m256i s32 = (QMM_VNNI || KIND == 2) ? isum[j] : _mm256_madd_epi16(isum[j], ones);
+            if (UNSIGNED) { /* sum (c - off) q = sum c q - off sum q, in int32: the same integer */
+                const int32_t *q16 = a->q16 + (r0 + j) * 2 * nb + 2 * b;
+                s32 = _mm256_sub_epi32(s32, _mm256_set1_epi32((KIND ? 16 : 8) * (q16[0] + q16[1])));
+            }
+            const __m256 p = _mm256_cvtepi32_ps(s32);
             acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_broadcast_ss(xd + j * nb + b)), p, acc[j]);
             if (KIND == 2) acc[j] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xs + j * nb + b), acc[j]);
         }
@@ -906,13 +908,11 @@ int pagedkv_qmm(const qweights_t *w, int64_t rows, const float *x, int64_t xs, f
         return -2;
     }
     const int nt = nthreads > 0 ? nthreads : 1;
-    int sums16 = 0; /* Q6_K's VNNI kernel takes the activations' sums of 16 */
-    if (QMM_VNNI) {
-#define SUMS16(f) ((f) == FMT_Q6_K || (f) == FMT_Q4_0 || (f) == FMT_Q5_0)
-        sums16 = SUMS16(w->fmt);
-        for (int64_t p = 0; w->fmt == FMT_CONCAT && p < w->nparts; p++) sums16 |= SUMS16(w->parts[p]->fmt);
+    /* the kernels that take the activations' sums of 16: Q4_0 (AVX2 and VNNI), Q6_K and Q5_0 (VNNI) */
+#define SUMS16(f) ((f) == FMT_Q4_0 || (QMM_VNNI && ((f) == FMT_Q6_K || (f) == FMT_Q5_0)))
+    int sums16 = SUMS16(w->fmt);
+    for (int64_t p = 0; w->fmt == FMT_CONCAT && p < w->nparts; p++) sums16 |= SUMS16(w->parts[p]->fmt);
 #undef SUMS16
-    }
     qrows_t a;
     if (quantize_rows(x, xs, rows, w->k, &a, nt, sums16)) return -1;
     const int64_t n = w->n;
