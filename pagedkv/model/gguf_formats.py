@@ -10,7 +10,9 @@ at once to the target (``quantize.quantize_linear`` for the linear layers, per o
 the model dtype for the rest) and copied into the tensor's final buffer before the next chunk
 is read. ``int4`` keeps a Q4_0/Q4_1 file's stored codes (``quantize.q4_code_names``); a tied
 head is made from the embedding's rows in the same pass. Two threads convert two tensors at a
-time (``gguf.dequantize`` and torch release the GIL in their large array operations).
+time (``gguf.dequantize`` and torch release the GIL in their large array operations). Chunks
+are small (1 MiB): malloc reuses their buffers, where 32 MiB ones left about 0.6 GB of freed
+memory resident after a 0.5B model's load, and they convert faster (cache-sized).
 
 Every format converts each output row on its own, so the result equals converting the whole
 dequantised fp32 model (``weights.gguf_state_dict`` + ``quantize.quantize_state``, the way
@@ -41,7 +43,7 @@ from pagedkv.model.weights import GGUFGroup, StateDict, gguf_assemble, gguf_grou
 __all__ = ["CHUNK_BYTES", "FORMATS", "StreamReport", "stream_state"]
 
 #: float32 bytes of one chunk of rows dequantised at once (at least one row / one head)
-CHUNK_BYTES = 32 << 20
+CHUNK_BYTES = 1 << 20
 #: the linear formats ``stream_state`` converts to (``None``: none, every tensor in the dtype)
 FORMATS = ("bf16", "int8", "int4")
 
