@@ -31,16 +31,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 from pagedkv.errors import ConfigError
 from pagedkv.gguf_header import GGUFHeader, GGUFTensorInfo
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.gguf_read import Reader, dequantize_rows, stored_bytes, tensor_rows
+from pagedkv.model.quant import GROUP_SIZE
 from pagedkv.model.quantize import _q4_rows, linear_prefixes, q4_code_names, quantize_linear
 from pagedkv.model.weights import GGUFGroup, StateDict, gguf_assemble, gguf_groups
 
-__all__ = ["CHUNK_BYTES", "FORMATS", "StreamReport", "stream_state"]
+__all__ = ["CHUNK_BYTES", "FORMATS", "StreamReport", "state_bytes", "stream_state"]
 
 #: float32 bytes of one chunk of rows dequantised at once (at least one row / one head)
 CHUNK_BYTES = 1 << 20
@@ -69,6 +71,38 @@ class StreamReport:
         what = self.fmt or str(self.dtype).removeprefix("torch.")
         return (f"{self.tensors} tensors as {what}, {self.bytes_read / 1e9:.2f} GB read and converted in "
                 f"{self.seconds:.1f} s ({rate:.2f} GB/s); state {self.state_bytes / 1e9:.2f} GB")
+
+
+def state_bytes(header: GGUFHeader, config: ModelConfig, fmt: str | None,
+                dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of the state ``stream_state`` will build (exactly its ``StreamReport.state_bytes``),
+    from the header alone: a linear ``[out, in]`` as int8 ``out * (in + 4)``, int4 ``out * (in / 2
+    + 8 * in / 32)`` (its head int8 without stored Q4 codes), bf16 ``2 * out * in``; biases
+    float32; every other tensor (and every
+    tensor for ``fmt=None``) in ``dtype``. The prepared kernels' buffers are not counted."""
+    by_name = {t.name: t for t in header.tensors}
+    linears = set(linear_prefixes(config))
+    size = torch.empty(0, dtype=dtype).element_size()
+
+    codes = q4_code_names(header, config) if fmt == "int4" else set()
+
+    def linear(out: int, k: int, head: bool = False, source: str = "") -> int:
+        kind = "int8" if fmt == "int4" and head and source not in codes else fmt  # int4's head without codes
+        return {"int8": out * (k + 4), "int4": out * (k // 2 + 8 * (k // GROUP_SIZE)), "bf16": 2 * out * k}[kind]
+
+    total = 0
+    for g in gguf_groups(list(by_name), config):
+        shapes = [by_name[n].shape for n, _ in g.parts]
+        numel = sum(int(np.prod(s, dtype=np.int64)) for s in shapes)
+        rows, k = numel // shapes[0][-1], shapes[0][-1]
+        prefix, _, kind = g.name.rpartition(".")
+        if fmt is not None and f"{prefix}." in linears:
+            total += linear(rows, k, prefix == "lm_head", g.parts[0][0]) if kind == "weight" else 4 * numel  # bias
+        else:
+            total += size * numel
+        if g.name == "embed_tokens.weight" and config.tie_word_embeddings and fmt is not None:
+            total += linear(rows, k, True, g.parts[0][0])
+    return total
 
 
 def stream_state(path: Path, header: GGUFHeader, config: ModelConfig, fmt: str | None,

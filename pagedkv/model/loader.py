@@ -187,7 +187,7 @@ def load_model(
     as the file is read (``pagedkv.model.gguf_formats``: peak memory the converted weights plus
     a chunk, never an fp32 copy of the model). No format writes a weight cache.
     ``kv_bytes``: the KV cache the caller will allocate, counted with the
-    weights when ``gguf`` checks the host's memory before loading (``check_memory``). ``route``: ``fast`` | ``fallback`` kernel of the quantised
+    weights when a GGUF's load checks the host's memory before reading them (``check_memory``). ``route``: ``fast`` | ``fallback`` kernel of the quantised
     layers (default: what this CPU runs fast). ``cache_dir``: root of the GGUF tokenizer cache
     and file identities (default ``cache_root()``); ``use_cache=False`` neither reads nor writes
     the tokenizer entry.
@@ -217,7 +217,7 @@ def load_model(
             state = quantize_state(state, config, fmt)
     else:
         config, state, tokenizer, entry, from_cache, report = _load_gguf_stream(
-            path, _root(cache_dir), use_cache, fmt if quantised else None, dtype)
+            path, _root(cache_dir), use_cache, fmt if quantised else None, dtype, kv_bytes)
     net = build_model(config, state, dtype, device, route=route, formats=quantised or path.is_dir())
     del state
     return LoadedModel(
@@ -293,17 +293,23 @@ def _root(cache_dir: str | Path | None) -> Path:
     return Path(cache_dir) if cache_dir is not None else cache_root()
 
 
-def _load_gguf_stream(path: Path, root: Path, use_cache: bool, fmt: str | None,
-                      dtype: torch.dtype) -> tuple[ModelConfig, StateDict, Any, Path | None, bool, Any]:
+def _load_gguf_stream(path: Path, root: Path, use_cache: bool, fmt: str | None, dtype: torch.dtype,
+                      kv_bytes: int) -> tuple[ModelConfig, StateDict, Any, Path | None, bool, Any]:
     """``(config, state, tokenizer, tokenizer entry or None, tokenizer from cache, StreamReport)``
     of a GGUF in an explicit format: ``fmt`` (bf16 | int8 | int4) or ``None`` (every tensor in
     ``dtype``), streamed tensor by tensor (``gguf_formats.stream_state``: no fp32 copy of the
-    model, no weight cache) while the tokenizer loads from its cache entry in a thread."""
-    from pagedkv.model.gguf_formats import stream_state
+    model, no weight cache) while the tokenizer loads from its cache entry in a thread. Before
+    reading a tensor, the converted weights' bytes (``gguf_formats.state_bytes``) plus
+    ``kv_bytes`` are checked against the host's memory (``check_memory``)."""
+    from pagedkv.model.gguf_formats import state_bytes, stream_state
 
     header = read_gguf_header(path)
     sha = file_identity(path, root)
     config = gguf_config(path, header, sha[:16])
+    need = state_bytes(header, config, fmt, dtype)
+    what = fmt or canonical_dtype(dtype)
+    check_memory(need + kv_bytes, f"{path.name}'s weights as {what} ({need / 2**30:.2f} GiB, kernel buffers not "
+                                  f"counted) and the KV cache ({kv_bytes / 2**30:.2f} GiB)")
     with ThreadPoolExecutor(1, thread_name_prefix="pagedkv-tokenizer") as pool:
         tok = pool.submit(_gguf_tokenizer, path, root, sha, use_cache)
         state, report = stream_state(path, header, config, fmt, dtype)

@@ -124,6 +124,7 @@ def test_the_streamed_state_equals_the_whole_model_conversion_bit_for_bit(source
         got, report = stream_state(path, header, config, fmt, torch.float32, threads=2)
         _assert_same_state(want, got)
         assert report.fmt == fmt and report.state_bytes == sum(t.numel() * t.element_size() for t in got.values())
+        assert gguf_formats.state_bytes(header, config, fmt) == report.state_bytes  # known before reading
     if source in ("Q4_0", "Q4_1", "bias-llama"):  # int4 kept the stored codes of every layer matrix
         assert len(q4_code_names(header, config)) == 14 + 2  # 2 layers x 7, embedding and head
     if source == "bias-llama":
@@ -153,6 +154,18 @@ def test_bad_formats_and_truncated_files_are_config_errors(source_files, tmp_pat
     cut.write_bytes(path.read_bytes()[: path.stat().st_size - 5000])
     with pytest.raises(ConfigError, match=r"output\.weight extends past the end"):
         stream_state(cut, read_gguf_header(cut), config, "int8")
+
+
+def test_a_model_whose_format_cannot_fit_is_refused_before_reading(source_files, monkeypatch, tmp_path):
+    path = source_files["Q8_0"]
+    header = read_gguf_header(path)
+    need = gguf_formats.state_bytes(header, gguf_config(path, header, "x"), "int8")
+    assert need == 260 * (256 + 4) + 260 * 256 * 4 + 5 * 256 * 4 + 2 * (  # head int8, embedding, norms
+        (256 + 2 * 128) * (256 + 4) + 256 * (256 + 4) + 2 * 512 * (256 + 4) + 256 * (512 + 4))  # 2 layers int8
+    monkeypatch.setattr(gguf_formats, "stream_state", lambda *a, **k: pytest.fail("read the weights"))
+    with pytest.raises(ConfigError, match=r"not enough memory: Q8_0\.gguf's weights as int8 \(0\.00 GiB, .*"
+                                          r"and the KV cache \(4096\.00 GiB\)"):
+        load_model(path, weights="int8", cache_dir=tmp_path, kv_bytes=4096 << 30)
 
 
 # ---- the bundled model -------------------------------------------------------------------------
