@@ -1,8 +1,8 @@
 """Shared fixtures: the expensive model loads happen once per test session.
 
 * ``bundled_gguf``: path of the bundled SmolLM2-135M-Instruct Q4_1 GGUF (skips if absent)
-* ``loaded_model``: our ``LoadedModel`` of it, float32 on CPU (weight cache in the default
-  cache root, so after the first run it loads in about a second)
+* ``loaded_model``: our ``LoadedModel`` of it, float32 on CPU (weights streamed from the file,
+  the tokenizer's cache entry in the default cache root: after the first run a few seconds)
 * ``hf_model``: transformers' ``LlamaForCausalLM`` from the same GGUF, float32, eval mode (~20 s)
 * ``hf_tokenizer``: transformers' tokenizer read from the same GGUF
 * ``gemma3_gguf`` / ``gemma3_loaded`` / ``gemma3_hf``: the second bundled real model,

@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import logging
 import mmap
-import os
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -47,6 +45,10 @@ from pagedkv.gguf_header import GGUFHeader, GGUFTensorInfo
 from pagedkv.model import qmm
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.families import GGUF_CONVENTIONS
+from pagedkv.model.gguf_read import Reader as _Reader
+from pagedkv.model.gguf_read import qtype_name as _qtype
+from pagedkv.model.gguf_read import stored_bytes as _nbytes
+from pagedkv.model.gguf_read import tensor_rows as _rows
 from pagedkv.model.quant import QuantLinear
 from pagedkv.model.weights import _gguf_layer_name, _unpermute_rope_rows
 
@@ -61,15 +63,6 @@ _FLOAT_TYPES = ("F32", "F16", "BF16")
 _FUSED = {"attn_q": ("qkv_proj", 0), "attn_k": ("qkv_proj", 1), "attn_v": ("qkv_proj", 2),
           "ffn_gate": ("gate_up_proj", 0), "ffn_up": ("gate_up_proj", 1)}
 _SINGLE = {"attn_output": "o_proj", "ffn_down": "down_proj", "attn_qkv": "qkv_proj"}
-
-
-def _qtype(info: GGUFTensorInfo) -> str:
-    import gguf
-
-    try:
-        return gguf.GGMLQuantizationType(info.ggml_type).name
-    except ValueError:
-        raise ConfigError(f"weights: {info.name} has unknown GGML type {info.ggml_type}") from None
 
 
 def linear_types(header: GGUFHeader) -> dict[str, int]:
@@ -229,68 +222,6 @@ class LoadReport:
         kinds = ", ".join(f"{k} x{v}" for k, v in sorted(self.types.items()))
         return (f"{self.tensors} tensors, {self.bytes_read / 1e9:.2f} GB read in {self.seconds:.1f} s "
                 f"({rate:.2f} GB/s); weights in memory {self.weight_bytes / 1e9:.2f} GB ({kinds})")
-
-
-class _Reader:
-    """A GGUF file opened for positioned reads (``os.preadv``: no map, so the bytes read are
-    this process's memory only while a buffer holds them); ``take`` counts the bytes read and
-    moves the progress bar."""
-
-    def __init__(self, path: Path, bar: Any) -> None:
-        self.fd, self.bar, self.read = os.open(path, os.O_RDONLY), bar, 0
-        self._lock = threading.Lock()  # two loader threads read at once (positioned reads)
-
-    def into(self, info: GGUFTensorInfo, out: np.ndarray, skip: int = 0) -> None:
-        """Read ``out``'s size of ``info``'s stored bytes, from ``skip`` bytes into it, into
-        ``out`` (uint8, C-contiguous). Raises ``ConfigError`` for a truncated file."""
-        view, done = memoryview(out).cast("B"), 0
-        while done < len(view):
-            n = os.preadv(self.fd, [view[done:]], info.offset + skip + done)
-            if n <= 0:
-                raise ConfigError(f"weights: {info.name} extends past the end of the GGUF file (truncated?)")
-            done += n
-        with self._lock:
-            self.read += done
-            self.bar.update(done)
-
-    def rows(self, info: GGUFTensorInfo, r0: int, r1: int) -> np.ndarray:
-        """Rows ``r0 .. r1 - 1`` of a stored matrix as a new uint8 ``[r1 - r0, row_bytes]``;
-        rows past its end are zero blocks (value 0: the padding to a multiple of 8)."""
-        rows, rb = _rows(info)
-        out = np.empty((r1 - r0, rb), dtype=np.uint8)
-        real = max(0, min(r1, rows) - r0)
-        if real:
-            self.into(info, out[:real], skip=r0 * rb)
-        out[real:] = 0
-        return out
-
-    def take(self, info: GGUFTensorInfo) -> np.ndarray:
-        """``info``'s stored bytes as a new uint8 ``[rows, row_bytes]`` (1-D: one row)."""
-        rows, rb = _rows(info)
-        out = np.empty((rows, rb), dtype=np.uint8)
-        self.into(info, out)
-        return out
-
-    def floats(self, info: GGUFTensorInfo) -> torch.Tensor:
-        """A small tensor (norm, bias) as float32 of its shape."""
-        import gguf
-
-        values = gguf.dequantize(self.take(info).reshape(-1), gguf.GGMLQuantizationType(info.ggml_type))
-        return torch.from_numpy(np.array(values, dtype=np.float32).reshape(info.shape))
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-
-def _rows(info: GGUFTensorInfo) -> tuple[int, int]:
-    """``(rows, bytes per row)`` of a stored tensor; ``ConfigError`` for a partial block."""
-    import gguf
-
-    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(info.ggml_type)]
-    *outer, inner = info.shape
-    if inner % block:
-        raise ConfigError(f"weights: {info.name} row length {inner} is not whole {_qtype(info)} blocks")
-    return (int(np.prod(outer, dtype=np.int64)) if outer else 1), inner // block * size
 
 
 def _unpermute_into(raw: np.ndarray, n_heads: int, out: np.ndarray) -> None:
@@ -456,13 +387,6 @@ def build_gguf_model(path: Path, header: GGUFHeader, config: ModelConfig, route:
     report = LoadReport(tensors=len(header.tensors), bytes_read=reader.read, weight_bytes=held_bytes(net),
                         seconds=time.perf_counter() - t0, types=linear_types(header))
     return net.eval().requires_grad_(False), report
-
-
-def _nbytes(info: GGUFTensorInfo) -> int:
-    import gguf
-
-    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(info.ggml_type)]
-    return int(np.prod(info.shape, dtype=np.int64)) // block * size
 
 
 def _assign_floats(net: nn.Module, floats: dict[str, torch.Tensor]) -> None:

@@ -1,11 +1,14 @@
 """Model loading: GGUF files and Hugging Face safetensors directories -> ``LoadedModel``.
 
-``load_model(None)`` loads the bundled SmolLM2-135M-Instruct Q4_1 GGUF. A GGUF's dequantised
-weights, tokenizer and config are cached (``pagedkv.model.weight_cache``: ``$PAGEDKV_CACHE_DIR``,
-default ``~/.cache/pagedkv``), so later loads take about a second; an entry that fails to load
-is rebuilt. Where the pieces live: the GGUF header reader ``pagedkv.gguf_header``; the weight
-formats (GGUF dequantisation and Q/K un-permutation, HF safetensors) ``pagedkv.model.weights``;
-the tokenizer ``pagedkv.model.tokenizer``.
+``load_model(None)`` loads the bundled SmolLM2-135M-Instruct Q4_1 GGUF. A GGUF's weights are
+read from the file on every load, tensor by tensor, in any format: its stored blocks
+(``weights="gguf"``, ``pagedkv.model.gguf_native``) or converted as they stream in (fp32, bf16,
+int8, int4, the model dtype: ``pagedkv.model.gguf_formats``); no weight cache is kept. Only the
+tokenizer (building it from the file's vocabulary takes seconds) and the file's sha256 are
+cached (``pagedkv.model.weight_cache``: ``$PAGEDKV_CACHE_DIR``, default ``~/.cache/pagedkv``);
+an entry that fails to load is rebuilt. Where the pieces live: the GGUF header reader
+``pagedkv.gguf_header``; the GGUF naming and fusion rules and HF safetensors
+``pagedkv.model.weights``; the tokenizer ``pagedkv.model.tokenizer``.
 """
 
 from __future__ import annotations
@@ -25,13 +28,10 @@ from pagedkv.gguf_header import is_gguf_file, read_gguf_header
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.llama import LlamaForCausalLM
 from pagedkv.model.quant import resolve_weights
-from pagedkv.model.quantize import gguf_q4_codes, install_linears, quantize_state
+from pagedkv.model.quantize import install_linears, quantize_state
 from pagedkv.model.tokenizer import load_tokenizer
-from pagedkv.model.weight_cache import (
-    cache_root, entry_dir, file_identity, file_sha256, manifest_ok, read_cache_entry, read_cached_weights,
-    read_format_weights, write_cache_entry,
-)
-from pagedkv.model.weights import StateDict, gguf_config, gguf_state_dict, hf_config, hf_state_dict
+from pagedkv.model.weight_cache import cache_root, entry_dir, file_identity, file_sha256
+from pagedkv.model.weights import StateDict, gguf_config, hf_config, hf_state_dict
 from pagedkv.utils import canonical_dtype, torch_dtype
 
 log = logging.getLogger(__name__)
@@ -48,12 +48,13 @@ class LoadedModel:
 
     ``model``: our ``LlamaForCausalLM`` (eval mode, requested dtype/device); ``config``: its
     ``ModelConfig``; ``tokenizer``: a transformers tokenizer (with the chat template when the
-    source has one); ``path``: the GGUF file or HF directory loaded; ``cache_dir``: the weight
-    cache entry used or written (``None`` for HF directories or when caching was off or
-    failed); ``from_cache``: whether weights came from the cache; ``load_seconds``: wall time;
-    ``weights``: the linear layers' weight format (``pagedkv.model.quant``) and
-    ``weights_reason`` why it was chosen; ``report``: a ``gguf_native.LoadReport`` (tensors,
-    bytes read, bytes held, seconds) for weights ``gguf``, else ``None``.
+    source has one); ``path``: the GGUF file or HF directory loaded; ``cache_dir``: a GGUF's
+    tokenizer cache entry used or written (``<sha16>-tokenizer``; ``None`` for HF directories or
+    when caching was off or failed; there is no weight cache); ``from_cache``: whether the
+    tokenizer came from it; ``load_seconds``: wall time; ``weights``: the linear layers' weight
+    format (``pagedkv.model.quant``) and ``weights_reason`` why it was chosen; ``report`` for a
+    GGUF: a ``gguf_native.LoadReport`` (weights ``gguf``) or ``gguf_formats.StreamReport`` (the
+    other formats: tensors, bytes read, state bytes, seconds), else ``None``.
     """
 
     model: LlamaForCausalLM
@@ -181,12 +182,15 @@ def load_model(
     format, ``None`` (default: unquantised in ``dtype``, exact) | ``fp32`` | ``bf16`` | ``int8``
     | ``int4`` | ``gguf`` | ``auto`` (see ``pagedkv.model.quant``; int4 keeps a Q4_0/Q4_1
     GGUF's stored codes; ``gguf`` streams a GGUF's stored blocks onto the integer kernels,
-    ``pagedkv.model.gguf_native``, with no other copy and no weight cache; ``auto`` never
-    changes the model's numbers, see ``auto_weights``); each other format of a GGUF is cached
-    in its own entry. ``kv_bytes``: the KV cache the caller will allocate, counted with the
-    weights when ``gguf`` checks the host's memory before loading (``check_memory``). ``route``: ``fast`` | ``fallback`` kernel of the quantised
-    layers (default: what this CPU runs fast). ``cache_dir``: root of the GGUF weight cache
-    (default ``cache_root()``); ``use_cache=False`` neither reads nor writes it.
+    ``pagedkv.model.gguf_native``, with no other copy; ``auto`` never changes the model's
+    numbers, see ``auto_weights``); every other format of a GGUF is converted tensor by tensor
+    as the file is read (``pagedkv.model.gguf_formats``: peak memory the converted weights plus
+    a chunk, never an fp32 copy of the model). No format writes a weight cache.
+    ``kv_bytes``: the KV cache the caller will allocate, counted with the
+    weights when a GGUF's load checks the host's memory before reading them (``check_memory``). ``route``: ``fast`` | ``fallback`` kernel of the quantised
+    layers (default: what this CPU runs fast). ``cache_dir``: root of the GGUF tokenizer cache
+    and file identities (default ``cache_root()``); ``use_cache=False`` neither reads nor writes
+    the tokenizer entry.
 
     Raises ``ConfigError`` for a missing path, a directory without ``config.json``, an
     unsupported architecture/quantisation/dtype/weight format, or missing/mis-shaped weights.
@@ -203,18 +207,19 @@ def load_model(
     path = resolve_model_path(model)
     if fmt == "gguf":
         return _load_gguf_native(path, _root(cache_dir), use_cache, route, why, t0, kv_bytes)
+    report = entry = None
+    from_cache = False
     if path.is_dir():
         config = hf_config(path)
         state = hf_state_dict(path, config)
         tokenizer = load_tokenizer(path)
-        entry, from_cache = None, False
         if quantised:
             state = quantize_state(state, config, fmt)
-    elif quantised:
-        config, state, tokenizer, entry, from_cache = _load_gguf_format(path, _root(cache_dir), use_cache, fmt)
     else:
-        config, state, tokenizer, entry, from_cache = _load_gguf_cached(path, _root(cache_dir), use_cache)
-    net = build_model(config, state, dtype, device, route=route)
+        config, state, tokenizer, entry, from_cache, report = _load_gguf_stream(
+            path, _root(cache_dir), use_cache, fmt if quantised else None, dtype, kv_bytes)
+    net = build_model(config, state, dtype, device, route=route, formats=quantised or path.is_dir())
+    del state
     return LoadedModel(
         model=net,
         config=config,
@@ -225,6 +230,7 @@ def load_model(
         load_seconds=time.perf_counter() - t0,
         weights=fmt,
         weights_reason=why,
+        report=report,
     )
 
 
@@ -233,39 +239,36 @@ def load_weights(
 ) -> tuple[ModelConfig, StateDict, Path]:
     """``(config, state_dict, path)`` of a model without building the module or loading the
     tokenizer (what a tensor-parallel worker needs before it slices its shard). Tensors use our
-    fused names (see ``pagedkv.model.llama``) in the source dtype (fp32 for GGUF). A valid GGUF
-    cache entry is read directly (weights memory-mapped); otherwise this is ``load_model``'s
-    path (which writes the cache). Raises ``ConfigError`` like ``load_model``."""
+    fused names (see ``pagedkv.model.llama``) in the source dtype: an HF checkpoint's own, fp32
+    for a GGUF, streamed tensor by tensor (``gguf_formats.stream_state``: no second copy, no
+    weight cache). ``cache_dir`` / ``use_cache``: where the GGUF's identity (its sha256, the
+    config's revision) is kept (``file_identity``). Raises ``ConfigError`` like ``load_model``."""
+    from pagedkv.model.gguf_formats import stream_state
+
     path = resolve_model_path(model)
     if path.is_dir():
         config = hf_config(path)
         return config, hf_state_dict(path, config), path
-    root = _root(cache_dir)
-    if use_cache:
-        sha = file_identity(path, root)
-        entry = entry_dir(root, sha)
-        if manifest_ok(entry, sha):
-            try:
-                config, state = read_cached_weights(entry, sha)
-                return config, state, path
-            except Exception as e:  # noqa: BLE001 - fall back to the rebuilding path
-                log.warning("pagedkv: weight cache %s is unusable (%s); rebuilding it", entry, e)
-    config, state, _tok, _entry, _hit = _load_gguf_cached(path, root, use_cache)
+    header = read_gguf_header(path)
+    config = gguf_config(path, header, file_identity(path, _root(cache_dir))[:16])
+    state, _report = stream_state(path, header, config, None, torch.float32)
     return config, state, path
 
 
 def build_model(
     config: ModelConfig, state: StateDict, dtype: torch.dtype | str = torch.float32,
-    device: torch.device | str = "cpu", route: str | None = None,
+    device: torch.device | str = "cpu", route: str | None = None, formats: bool = True,
 ) -> LlamaForCausalLM:
     """A ``LlamaForCausalLM`` for ``config`` holding ``state`` (converted to ``dtype`` on
     ``device``; eval mode, no grad). Linear layers whose ``state`` is in a quantised format
     (``pagedkv.model.quantize.quantize_state``) become that format's modules, on ``route``
-    (default: the CPU's fast one where it has it). Raises ``ConfigError`` on an unsupported
-    dtype or a missing, unexpected or mis-shaped tensor."""
+    (default: the CPU's fast one where it has it); ``formats=False`` keeps every linear layer an
+    ``nn.Linear`` (a state already in a 16-bit model dtype, not a ``BF16Linear``). Raises
+    ``ConfigError`` on an unsupported dtype or a missing, unexpected or mis-shaped tensor."""
     dtype = torch_dtype(dtype)
-    net = LlamaForCausalLM(config, dtype=dtype, device=device)
-    taken = install_linears(net, state, route)  # quantised tensors keep their own dtypes
+    # parameters on the meta device until ``state``'s tensors are assigned: no second buffer
+    net = LlamaForCausalLM(config, dtype=dtype, device=device, materialize=False)
+    taken = install_linears(net, state, route) if formats else set()  # quantised tensors keep their dtypes
     expected = net.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
@@ -290,65 +293,29 @@ def _root(cache_dir: str | Path | None) -> Path:
     return Path(cache_dir) if cache_dir is not None else cache_root()
 
 
-def _load_gguf_format(
-    path: Path, root: Path, use_cache: bool, fmt: str
-) -> tuple[ModelConfig, StateDict, Any, Path | None, bool]:
-    """``_load_gguf_cached`` for weight format ``fmt`` (bf16 | int8 | int4): the state is that
-    format's portable form, read from its own cache entry or quantised from the fp32 one (int4
-    from the GGUF's stored Q4 codes where it has them) and written there."""
-    sha = file_identity(path, root)
-    entry = entry_dir(root, sha, fmt)
-    damaged = False
-    if use_cache and entry.is_dir() and manifest_ok(entry_dir(root, sha), sha):
-        try:
-            state = read_format_weights(entry, sha, fmt)
-            config, _, tokenizer = read_cache_entry(entry_dir(root, sha), sha, with_weights=False)
-            return config, state, tokenizer, entry, True
-        except Exception as e:  # noqa: BLE001 - any damage means "rebuild"
-            log.warning("pagedkv: weight cache %s is unusable (%s); rebuilding it", entry, e)
-            damaged = True
-    config, state, tokenizer, _base, _hit = _load_gguf_cached(path, root, use_cache, sha)
-    codes = gguf_q4_codes(path, read_gguf_header(path), config) if fmt == "int4" else None
-    state = quantize_state(state, config, fmt, codes)
-    if not use_cache:
-        return config, state, tokenizer, None, False
-    try:
-        write_cache_entry(entry, sha, path, None, state, None, replace=damaged, weights=fmt)
-    except OSError as e:
-        log.warning("pagedkv: could not write the weight cache %s (%s); continuing without it", entry, e)
-        return config, state, tokenizer, None, False
-    return config, state, tokenizer, entry, False
-
-
-def _load_gguf_cached(
-    path: Path, root: Path, use_cache: bool, sha: str | None = None
-) -> tuple[ModelConfig, StateDict, Any, Path | None, bool]:
-    """``(config, state, tokenizer, cache entry or None, from_cache)`` of a GGUF file: read the
-    cache entry, or dequantise and (if ``use_cache``) write it. A damaged entry is replaced;
-    a cache that cannot be written is skipped with a warning. ``sha``: the file's, if known."""
-    sha = sha or file_identity(path, root)
-    entry = entry_dir(root, sha)
-    damaged = False
-    if use_cache and entry.is_dir():
-        try:
-            config, state, tokenizer = read_cache_entry(entry, sha)
-            return config, state, tokenizer, entry, True
-        except Exception as e:  # noqa: BLE001 - any damage means "rebuild"
-            log.warning("pagedkv: weight cache %s is unusable (%s); rebuilding it", entry, e)
-            damaged = True
+def _load_gguf_stream(path: Path, root: Path, use_cache: bool, fmt: str | None, dtype: torch.dtype,
+                      kv_bytes: int) -> tuple[ModelConfig, StateDict, Any, Path | None, bool, Any]:
+    """``(config, state, tokenizer, tokenizer entry or None, tokenizer from cache, StreamReport)``
+    of a GGUF in an explicit format: ``fmt`` (bf16 | int8 | int4) or ``None`` (every tensor in
+    ``dtype``), streamed tensor by tensor (``gguf_formats.stream_state``: no fp32 copy of the
+    model, no weight cache) while the tokenizer loads from its cache entry in a thread. Before
+    reading a tensor, the converted weights' bytes (``gguf_formats.state_bytes``) plus
+    ``kv_bytes`` are checked against the host's memory (``check_memory``)."""
+    from pagedkv.model.gguf_formats import state_bytes, stream_state
 
     header = read_gguf_header(path)
+    sha = file_identity(path, root)
     config = gguf_config(path, header, sha[:16])
-    state = gguf_state_dict(path, header, config)
-    tokenizer = load_tokenizer(path.parent, gguf_file=path.name)
-    if not use_cache:
-        return config, state, tokenizer, None, False
-    try:
-        write_cache_entry(entry, sha, path, config, state, tokenizer, replace=damaged)
-    except OSError as e:
-        log.warning("pagedkv: could not write the weight cache %s (%s); continuing without it", entry, e)
-        return config, state, tokenizer, None, False
-    return config, state, tokenizer, entry, False
+    need = state_bytes(header, config, fmt, dtype)
+    what = fmt or canonical_dtype(dtype)
+    check_memory(need + kv_bytes, f"{path.name}'s weights as {what} ({need / 2**30:.2f} GiB, kernel buffers not "
+                                  f"counted) and the KV cache ({kv_bytes / 2**30:.2f} GiB)")
+    with ThreadPoolExecutor(1, thread_name_prefix="pagedkv-tokenizer") as pool:
+        tok = pool.submit(_gguf_tokenizer, path, root, sha, use_cache)
+        state, report = stream_state(path, header, config, fmt, dtype)
+        tokenizer, entry, hit = tok.result()
+    log.info("pagedkv: loaded %s: %s", path.name, report.summary())
+    return config, state, tokenizer, entry, hit, report
 
 
 def _load_gguf_native(path: Path, root: Path, use_cache: bool, route: str | None, why: str, t0: float,

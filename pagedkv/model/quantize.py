@@ -25,7 +25,7 @@ from pagedkv.errors import ConfigError
 from pagedkv.gguf_header import GGUFHeader
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.quant import GROUP_SIZE, BF16Linear, Int4Linear, Int8Linear, QuantLinear, module_from_state
-from pagedkv.model.weights import StateDict, gguf_blocks, gguf_state_dict
+from pagedkv.model.weights import StateDict, gguf_blocks, gguf_groups, gguf_state_dict
 
 #: the linear layers of one decoder layer (``pagedkv.model.llama.DecoderLayer``)
 LAYER_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -68,15 +68,29 @@ def has_q4_linears(header: GGUFHeader) -> bool:
     return bool(parts) and all(gguf.GGMLQuantizationType(t.ggml_type).name in _Q4_TYPES for t in parts)
 
 
-def gguf_q4_codes(path: Path, header: GGUFHeader, config: ModelConfig) -> StateDict:
-    """``{"layers.{i}.qkv_proj.weight": float32 [rows, K + 2K/32], ...}`` (see ``_q4_rows``)
-    for the linear weights stored as Q4_0/Q4_1, under our fused names (``lm_head.weight`` or,
-    tied, ``embed_tokens.weight`` for the head). Empty if some layer's parts are not all Q4
-    (int4 then quantises every layer from the dequantised values)."""
+def q4_code_names(header: GGUFHeader, config: ModelConfig) -> set[str]:
+    """GGUF names of the matrices whose stored Q4_0/Q4_1 codes ``weights="int4"`` keeps: every
+    2-D Q4_0/Q4_1 tensor, but only when every layer's q/k/v and gate/up parts are of those
+    types (a fused tensor is one format); else the empty set (int4 then quantises every layer
+    from the dequantised values)."""
     import gguf
 
-    infos = [t for t in header.tensors
-             if gguf.GGMLQuantizationType(t.ggml_type).name in _Q4_TYPES and len(t.shape) == 2]
+    names = [t.name for t in header.tensors
+             if len(t.shape) == 2 and gguf.GGMLQuantizationType(t.ggml_type).name in _Q4_TYPES]
+    try:
+        gguf_groups(names, config)
+    except ConfigError:  # some fused part is stored in another type
+        return set()
+    return set(names)
+
+
+def gguf_q4_codes(path: Path, header: GGUFHeader, config: ModelConfig) -> StateDict:
+    """``{"layers.{i}.qkv_proj.weight": float32 [rows, K + 2K/32], ...}`` (see ``_q4_rows``)
+    for the linear weights of ``q4_code_names``, under our fused names (``lm_head.weight`` or,
+    tied, ``embed_tokens.weight`` for the head), the whole model at once: the reference form of
+    what ``pagedkv.model.gguf_formats`` streams."""
+    keep = q4_code_names(header, config)
+    infos = [t for t in header.tensors if t.name in keep]
 
     def read():
         for info, qtype, raw in gguf_blocks(path, infos):
@@ -84,10 +98,7 @@ def gguf_q4_codes(path: Path, header: GGUFHeader, config: ModelConfig) -> StateD
             del raw
             yield info.name, t
 
-    try:
-        return gguf_state_dict(path, header, config, tensors=read())
-    except ConfigError:  # some fused part is stored in another type
-        return {}
+    return gguf_state_dict(path, header, config, tensors=read()) if keep else {}
 
 
 def quantize_state(state: StateDict, config: ModelConfig, fmt: str, q4_codes: StateDict | None = None) -> StateDict:
@@ -111,25 +122,32 @@ def quantize_state(state: StateDict, config: ModelConfig, fmt: str, q4_codes: St
         weight = state[source]
         out.pop(prefix + "weight", None)
         bias = out.pop(prefix + "bias", None)
-        module = _quantize(weight, bias, fmt, q4_codes.get(source), head=prefix == "lm_head.")
+        module = quantize_linear(weight, bias, fmt, q4_codes.get(source), head=prefix == "lm_head.")
         for name, t in module.state_dict().items():
             out[prefix + name] = t
     return out
 
 
-def _quantize(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, codes: torch.Tensor | None,
-              head: bool) -> QuantLinear:
+def quantize_linear(weight: torch.Tensor | None, bias: torch.Tensor | None, fmt: str,
+                    codes: torch.Tensor | None = None, head: bool = False) -> QuantLinear:
+    """One linear layer in format ``fmt`` (bf16 | int8 | int4) from its float ``weight`` ``[out,
+    in]``, or for int4 from stored 4-bit ``codes`` (``_q4_rows``'s float32 ``[out, in + 2 in /
+    32]``; ``weight`` may then be ``None``). ``head``: the LM head, which int4 without codes
+    makes int8. Every format is per output row, so rows converted apart and stacked equal the
+    whole matrix converted. Raises ``ConfigError`` for an unknown ``fmt``."""
+    if fmt == "int4" and codes is not None:
+        k = codes.shape[1] * GROUP_SIZE // (GROUP_SIZE + 2)
+        groups = k // GROUP_SIZE
+        return Int4Linear.from_codes(codes[:, :k], codes[:, k:k + groups], codes[:, k + groups:], bias)
+    if weight is None:
+        raise ConfigError(f"weights: {fmt!r} needs the float weight")
     if fmt == "bf16":
         return BF16Linear(weight, bias)
-    if fmt == "int8" or (fmt == "int4" and head and codes is None):
+    if fmt == "int8" or (fmt == "int4" and head):
         return Int8Linear.from_float(weight, bias)
     if fmt != "int4":
         raise ConfigError(f"weights: cannot quantise to {fmt!r}")
-    if codes is None:
-        return Int4Linear.from_float(weight, bias)
-    k = weight.shape[1]
-    groups = k // GROUP_SIZE
-    return Int4Linear.from_codes(codes[:, :k], codes[:, k:k + groups], codes[:, k + groups:], bias)
+    return Int4Linear.from_float(weight, bias)
 
 
 def install_linears(net: nn.Module, state: StateDict, route: str | None = None) -> set[str]:

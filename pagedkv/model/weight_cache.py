@@ -1,18 +1,19 @@
-"""The dequantised-weight cache of GGUF models: one directory per source file.
+"""The on-disk caches of GGUF models under ``cache_root()`` (``$PAGEDKV_CACHE_DIR``, default
+``~/.cache/pagedkv``): the tokenizer of each file and each file's identity. No weights: every
+weight format loads from the GGUF file itself, tensor by tensor (``pagedkv.model.gguf_native``,
+``pagedkv.model.gguf_formats``), so a cached copy would only duplicate the file (earlier
+versions kept a dequantised fp32 entry ``<16 hex>/`` and one per format ``<16 hex>-<format>/``;
+they are no longer read and may be deleted).
 
-Dequantising a GGUF takes seconds, so the result — weights already in our fused layout, the
-tokenizer and the config — is kept under ``cache_root()`` (``$PAGEDKV_CACHE_DIR``, default
-``~/.cache/pagedkv``) in ``<first 16 hex of the GGUF's sha256>/``::
+* ``<first 16 hex of the GGUF's sha256>-tokenizer/``: the tokenizer built from the file's
+  vocabulary (seconds to build, about one to read back)::
 
-    model.safetensors   the state dict (fp32)
-    config.json         ModelConfig.to_dict()
-    tokenizer/          tokenizer.save_pretrained()
-    manifest.json       {"format": CACHE_FORMAT_VERSION, "weights": "fp32", "source_sha256",
-                         "source_path", "created_unix", "files": {relative path: bytes}}
+      tokenizer/          tokenizer.save_pretrained()
+      model.safetensors   an empty state dict (the entry layout is shared)
+      manifest.json       {"format": CACHE_FORMAT_VERSION, "weights": "tokenizer", "source_sha256",
+                           "source_path", "created_unix", "files": {relative path: bytes}}
 
-A weight format other than fp32 (``pagedkv.model.quant``) has its own entry
-``<16 hex>-<format>/`` (``model.safetensors`` in that format's portable form + manifest; the
-config and tokenizer are the fp32 entry's), so a format never reads another's weights.
+* ``ids/<key>.json``: a file's full sha256, hashed once (``file_identity``).
 
 An entry is written to a temporary sibling directory and renamed into place, so a crash never
 leaves a half-written entry; readers treat any damage (missing or truncated file, wrong
@@ -147,35 +148,6 @@ def _check_manifest(entry: Path, sha: str, weights: str = "fp32") -> None:
         actual = (entry / rel).stat().st_size
         if actual != size:
             raise ValueError(f"{rel} has {actual} bytes, expected {size}")
-
-
-def read_cached_weights(entry: Path, sha: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """``(config, state dict)`` of an entry (weights memory-mapped), without the tokenizer.
-    Raises (any exception) if the entry is missing or damaged."""
-    config = ModelConfig.from_dict(json.loads((entry / _CONFIG_FILE).read_text()))
-    return config, read_format_weights(entry, sha, "fp32")
-
-
-def read_format_weights(entry: Path, sha: str, weights: str) -> dict[str, torch.Tensor]:
-    """The state dict of an entry in weight format ``weights`` (memory-mapped). Raises (any
-    exception) if the entry is missing, damaged or of another format."""
-    from safetensors.torch import load_file
-
-    _check_manifest(entry, sha, weights)
-    return load_file(str(entry / _WEIGHTS_FILE))
-
-
-def read_cache_entry(
-    entry: Path, sha: str, with_weights: bool = True
-) -> tuple[ModelConfig, dict[str, torch.Tensor], Any]:
-    """``(config, state dict, tokenizer)`` of an entry (``with_weights=False``: an empty state
-    dict, the weights not read). Raises (any exception) if the entry is missing or damaged."""
-    if with_weights:
-        config, state = read_cached_weights(entry, sha)
-    else:
-        _check_manifest(entry, sha)
-        config, state = ModelConfig.from_dict(json.loads((entry / _CONFIG_FILE).read_text())), {}
-    return config, state, load_tokenizer(entry / _TOKENIZER_DIR)
 
 
 def read_tokenizer_entry(entry: Path, sha: str) -> Any:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import mmap
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -164,36 +165,93 @@ def gguf_config(path: Path, header: GGUFHeader, revision: str) -> ModelConfig:
     )
 
 
-def gguf_state_dict(
-    path: Path, header: GGUFHeader, config: ModelConfig,
-    tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
-) -> StateDict:
-    """Dequantise every tensor (fp32) and map it to our names, fusing q/k/v and gate/up.
-    ``tensors``: other ``(gguf name, tensor [rows, ...])`` to map instead (any per-row form,
-    e.g. the stored 4-bit codes of ``pagedkv.model.quantize``)."""
+@dataclass(frozen=True)
+class GGUFGroup:
+    """One tensor of our state dict made from a GGUF's stored tensors: ``name`` (ours, e.g.
+    ``"layers.3.qkv_proj.weight"``); ``parts``: ``(gguf name, heads)`` stacked along the rows in
+    this order, ``heads`` the head count whose RoPE rows llama.cpp's converter permuted (undo with
+    ``_unpermute_rope_rows``) or ``None``; ``plus_one``: stored as ``1 + w`` (Gemma's norms)."""
+
+    name: str
+    parts: tuple[tuple[str, int | None], ...]
+    plus_one: bool = False
+
+
+def gguf_groups(names: Iterable[str], config: ModelConfig) -> list[GGUFGroup]:
+    """The state dict of a GGUF whose tensors are ``names``, as groups (``GGUFGroup``): one per
+    tensor of ours, q/k/v (and their biases) and gate/up fused, Q/K rows to un-permute where the
+    family's converter permuted them, ``rope_freqs.weight`` (folded into the config) and a tied
+    ``output.weight`` left out. Raises ``ConfigError`` for an unexpected tensor name, a missing
+    part of a fused tensor, or parts of a layer beyond ``config.num_layers``."""
     conv = GGUF_CONVENTIONS[config.architecture]
     permuted, plus_one = conv["rope_rows_permuted"], conv["norms_plus_one"]
-    state: StateDict = {}
-    parts: _Parts = {}
-    for name, w in tensors if tensors is not None else dequantize_gguf(path, header.tensors):
+    groups: list[GGUFGroup] = []
+    parts: dict[tuple[int, str], tuple[str, int | None]] = {}
+    for name in names:
         if name == "rope_freqs.weight":
             continue  # folded into config.rope_scaling
-        if plus_one and name.endswith("norm.weight"):
-            w = w - 1.0
+        one = plus_one and name.endswith("norm.weight")
         if name in _GGUF_TOP_NAMES:
-            state[_GGUF_TOP_NAMES[name]] = w
+            if not (_GGUF_TOP_NAMES[name] == "lm_head.weight" and config.tie_word_embeddings):
+                groups.append(GGUFGroup(_GGUF_TOP_NAMES[name], ((name, None),), one))
             continue
         _, idx, rest = name.split(".", 2) if name.startswith("blk.") else ("", "", "")
         ours = _gguf_layer_name(config.architecture, rest)
         if ours is not None:
-            state[f"layers.{int(idx)}.{ours}"] = w
+            groups.append(GGUFGroup(f"layers.{int(idx)}.{ours}", ((name, None),), one))
         elif rest in _GGUF_FUSED_PARTS:
+            heads = None
             if permuted and rest.startswith(("attn_q.", "attn_k.")):
-                w = _unpermute_rope_rows(w, config.num_heads if rest.startswith("attn_q") else config.num_kv_heads)
-            parts[(int(idx), rest)] = w
+                heads = config.num_heads if rest.startswith("attn_q") else config.num_kv_heads
+            parts[(int(idx), rest)] = (name, heads)
         else:  # not blk.<i>.<known part>
             raise ConfigError(f"weights: unexpected GGUF tensor {name!r}")
-    return _fuse_layers(state, parts, config, ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up"))
+
+    def fused(i: int, ours: str, *keys: str) -> GGUFGroup:
+        try:
+            return GGUFGroup(f"layers.{i}.{ours}", tuple(parts.pop((i, key)) for key in keys))
+        except KeyError as e:
+            raise ConfigError(f"weights: layer {i} is missing {e.args[0][1]}") from None
+
+    have = {g.name for g in groups}
+    for i in range(config.num_layers):  # a checkpoint that stores them fused (Phi-3) has them already
+        if f"layers.{i}.qkv_proj.weight" not in have:
+            groups.append(fused(i, "qkv_proj.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight"))
+        if (i, "attn_q.bias") in parts:
+            groups.append(fused(i, "qkv_proj.bias", "attn_q.bias", "attn_k.bias", "attn_v.bias"))
+        if f"layers.{i}.gate_up_proj.weight" not in have:
+            groups.append(fused(i, "gate_up_proj.weight", "ffn_gate.weight", "ffn_up.weight"))
+    if parts:
+        raise ConfigError(f"weights: tensors of layers beyond num_layers: {sorted(parts)[:3]}")
+    return groups
+
+
+def gguf_assemble(group: GGUFGroup, tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """``group``'s tensor from its parts' tensors (in ``group.parts`` order; whole tensors or
+    the same rows of each, any per-row form such as ``pagedkv.model.quantize``'s 4-bit codes):
+    rows un-permuted, stacked, ``1`` subtracted for ``plus_one``."""
+    ts = [t if heads is None else _unpermute_rope_rows(t, heads) for t, (_, heads) in zip(tensors, group.parts)]
+    t = ts[0] if len(ts) == 1 else torch.cat(ts)
+    return t - 1.0 if group.plus_one else t
+
+
+def gguf_state_dict(
+    path: Path, header: GGUFHeader, config: ModelConfig,
+    tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
+) -> StateDict:
+    """The whole model at once: every tensor dequantised (fp32) and mapped to our names
+    (``gguf_groups``), q/k/v and gate/up fused. ``tensors``: other ``(gguf name, tensor
+    [rows, ...])`` to map instead (any per-row form, e.g. the stored 4-bit codes of
+    ``pagedkv.model.quantize``). The loader streams instead (``pagedkv.model.gguf_formats``,
+    which never holds this fp32 state); this form is its reference in tests."""
+    if tensors is None:
+        wanted = {n for g in gguf_groups([t.name for t in header.tensors], config) for n, _ in g.parts}
+        tensors = dequantize_gguf(path, [t for t in header.tensors if t.name in wanted])
+    source = dict(tensors)
+    state: StateDict = {}
+    for group in gguf_groups(list(source), config):
+        state[group.name] = gguf_assemble(group, [source.pop(n) for n, _ in group.parts])
+    return state
 
 
 def _gguf_layer_name(arch: str, rest: str) -> str | None:

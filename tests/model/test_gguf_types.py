@@ -283,12 +283,15 @@ def _greedy_reference(net, prompt: list[int]) -> list[int]:
 
 
 def _count_tensor_reads(monkeypatch) -> list[str]:
-    """Make the loader's one reader of tensor bytes (``weights.gguf_blocks``, also imported by
-    ``quantize``) record the name of every tensor it hands out."""
-    from pagedkv.model import quantize, weights
+    """Make the loader's readers of tensor bytes (``gguf_read.Reader``, which the streaming
+    loaders use; ``weights.gguf_blocks``, the memory map of ``load_config``'s ``rope_freqs`` and
+    the whole-model reference, also imported by ``quantize``) record the name of every tensor
+    they read from (once per tensor)."""
+    from pagedkv.model import gguf_read, quantize, weights
 
     read: list[str] = []
     real = weights.gguf_blocks
+    real_into = gguf_read.Reader.into
 
     def counting(path, tensors):
         for item in real(path, tensors):
@@ -296,8 +299,14 @@ def _count_tensor_reads(monkeypatch) -> list[str]:
             yield item
             del item  # the memory map closes only once no view of it is left
 
+    def into(self, info, out, skip=0):
+        if info.name not in read:
+            read.append(info.name)
+        return real_into(self, info, out, skip)
+
     monkeypatch.setattr(weights, "gguf_blocks", counting)
     monkeypatch.setattr(quantize, "gguf_blocks", counting)
+    monkeypatch.setattr(gguf_read.Reader, "into", into)
     return read
 
 

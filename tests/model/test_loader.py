@@ -1,5 +1,6 @@
-"""Loading: the dequantised-weight cache (reuse, bit-identical, corruption -> rebuild, atomic
-writes), the HF safetensors path against the GGUF path, the tokenizer, and bad inputs."""
+"""Loading: no weight cache (weights stream from the GGUF on every load, bit-identical), the
+tokenizer's cache entry (reuse, corruption -> rebuild, atomic writes), the HF safetensors path
+against the GGUF path, the tokenizer, and bad inputs."""
 
 from __future__ import annotations
 
@@ -31,42 +32,63 @@ def _replace_file(path, data: bytes) -> None:
 
 @pytest.fixture
 def seeded_cache(tmp_path, loaded_model):
-    """A private cache root holding a hard-linked copy of the session's cache entry."""
+    """A private cache root holding a hard-linked copy of the session's tokenizer entry."""
     if loaded_model.cache_dir is None:
-        pytest.skip("the default weight cache could not be written")
+        pytest.skip("the default tokenizer cache could not be written")
     root = tmp_path / "cache"
     shutil.copytree(loaded_model.cache_dir, root / loaded_model.cache_dir.name, copy_function=os.link)
     return root
 
 
+def _stored_bytes(path, config) -> int:
+    """Bytes of the tensors the model is made of (a tied ``output.weight`` and ``rope_freqs``
+    are not read)."""
+    from pagedkv.model.gguf_read import stored_bytes
+    from pagedkv.model.weights import gguf_groups
+
+    header = read_gguf_header(path)
+    used = {n for g in gguf_groups([t.name for t in header.tensors], config) for n, _ in g.parts}
+    return sum(stored_bytes(t) for t in header.tensors if t.name in used)
+
+
 @pytest.mark.slow
-def test_cached_load_is_fast_and_identical(bundled_gguf, loaded_model, seeded_cache):
+def test_a_second_load_reads_the_tokenizer_entry_and_streams_the_same_weights(bundled_gguf, loaded_model,
+                                                                            seeded_cache):
+    """No weight cache: the weights stream from the file again (each stored byte read once),
+    bit-identical; the tokenizer comes from its entry; nothing but that entry and the file's
+    identity is on disk."""
     t0 = time.perf_counter()
     again = load_model(bundled_gguf, cache_dir=seeded_cache)
     elapsed = time.perf_counter() - t0
-    assert again.from_cache and again.cache_dir == seeded_cache / loaded_model.config.revision
-    assert elapsed < 15, elapsed  # ~1-2 s on an idle machine; generous for a shared CI box
+    entry = seeded_cache / f"{loaded_model.config.revision}-tokenizer"
+    assert again.from_cache and again.cache_dir == entry == seeded_cache / loaded_model.cache_dir.name
+    assert elapsed < 20, elapsed  # ~3 s on an idle machine; generous for a shared CI box
     assert again.config == loaded_model.config
     assert _same_weights(again.model, loaded_model.model)
+    assert again.report.fmt is None and again.report.dtype == torch.float32
+    assert again.report.bytes_read == _stored_bytes(bundled_gguf, again.config)
+    assert again.report.state_bytes == sum(v.numel() * 4 for v in loaded_model.model.state_dict().values())
     text = "Hello, world! <|im_start|>user\nDéjà vu 12345"
     assert again.tokenizer(text)["input_ids"] == loaded_model.tokenizer(text)["input_ids"]
     assert again.tokenizer.chat_template == loaded_model.tokenizer.chat_template
+    assert sorted(p.name for p in seeded_cache.iterdir()) == sorted([entry.name, "ids"])
+    big = [p for p in seeded_cache.rglob("*.safetensors") if p.stat().st_size > 1024]
+    assert big == []  # the tokenizer entry's model.safetensors is an empty state dict
 
 
 @pytest.mark.slow
-def test_corrupt_weights_are_rebuilt_bit_identically(bundled_gguf, loaded_model, seeded_cache, monkeypatch):
+def test_a_damaged_tokenizer_entry_is_rebuilt(bundled_gguf, loaded_model, seeded_cache, monkeypatch):
     # Building the tokenizer from the GGUF takes ~10 s and is covered by the session fixture and
-    # test_tokenizer_matches_transformers_gguf_tokenizer; this test is about the weights.
+    # test_tokenizer_matches_transformers_gguf_tokenizer; this test is about the entry.
     monkeypatch.setattr(loader, "load_tokenizer", lambda directory, gguf_file=None: loaded_model.tokenizer)
-    entry = seeded_cache / loaded_model.config.revision
-    weights = entry / "model.safetensors"
-    data = weights.read_bytes()
-    size = len(data)
-    _replace_file(weights, b"\xff" * 8 + data[8:])  # same size, unreadable header (bit rot)
+    entry = seeded_cache / loaded_model.cache_dir.name
+    vocab = entry / "tokenizer" / "tokenizer.json"
+    data = vocab.read_bytes()
+    _replace_file(vocab, b"\xff" * 8 + data[8:])  # same size, unreadable (bit rot)
     rebuilt = load_model(bundled_gguf, cache_dir=seeded_cache)
     assert not rebuilt.from_cache and rebuilt.cache_dir == entry
-    assert weights.stat().st_size == size and weights.read_bytes()[:8] == data[:8]
-    assert _same_weights(rebuilt.model, loaded_model.model)  # a fresh dequantisation == the cache
+    assert vocab.read_bytes()[:8] == data[:8]
+    assert _same_weights(rebuilt.model, loaded_model.model)
     # no temp/stale dirs left (ids/: the file's stored sha256, pagedkv.model.weight_cache.file_identity)
     assert sorted(p.name for p in seeded_cache.iterdir()) == sorted([entry.name, "ids"])
     assert load_model(bundled_gguf, cache_dir=seeded_cache).from_cache
@@ -74,27 +96,29 @@ def test_corrupt_weights_are_rebuilt_bit_identically(bundled_gguf, loaded_model,
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "damage", ["truncated_weights", "missing_tokenizer", "manifest_format", "other_source", "bad_config", "no_manifest"]
+    "damage", ["truncated_tokenizer", "missing_tokenizer", "manifest_format", "other_source", "weights_kind",
+               "no_manifest"]
 )
 def test_damaged_entries_are_detected(loaded_model, seeded_cache, damage):
-    entry = seeded_cache / loaded_model.config.revision
-    sha = json.loads((entry / "manifest.json").read_text())["source_sha256"]
+    entry = seeded_cache / loaded_model.cache_dir.name
     manifest = json.loads((entry / "manifest.json").read_text())
-    if damage == "truncated_weights":
-        weights = entry / "model.safetensors"
-        _replace_file(weights, weights.read_bytes()[: weights.stat().st_size // 2])
+    sha = manifest["source_sha256"]
+    assert weight_cache.read_tokenizer_entry(entry, sha) is not None  # intact: reads
+    if damage == "truncated_tokenizer":
+        vocab = entry / "tokenizer" / "tokenizer.json"
+        _replace_file(vocab, vocab.read_bytes()[: vocab.stat().st_size // 2])
     elif damage == "missing_tokenizer":
         (entry / "tokenizer" / "tokenizer.json").unlink()
     elif damage == "manifest_format":
         _replace_file(entry / "manifest.json", json.dumps({**manifest, "format": -1}).encode())
     elif damage == "other_source":
         _replace_file(entry / "manifest.json", json.dumps({**manifest, "source_sha256": "0" * 64}).encode())
-    elif damage == "bad_config":
-        _replace_file(entry / "config.json", b'{"architecture": "llama"}')
+    elif damage == "weights_kind":  # an entry of earlier versions' fp32 weights is not a tokenizer entry
+        _replace_file(entry / "manifest.json", json.dumps({**manifest, "weights": "fp32"}).encode())
     else:
         (entry / "manifest.json").unlink()
     with pytest.raises(Exception):
-        weight_cache.read_cache_entry(entry, sha)
+        weight_cache.read_tokenizer_entry(entry, sha)
 
 
 def test_cache_write_is_atomic(tmp_path, monkeypatch):

@@ -1,5 +1,5 @@
 """Weight formats: fp32 | bf16 | int8 | int4 linear layers, their kernel
-routes, the choice of ``weights="auto"``, the per-format weight cache, and agreement with fp32
+routes, the choice of ``weights="auto"``, loading each format with no weight cache, and agreement with fp32
 on the bundled model (thresholds from ``pagedkv bench quality``, docs/benchmarks/weights_quality.md)."""
 
 from __future__ import annotations
@@ -362,21 +362,30 @@ AGREEMENT = {"bf16": 0.45, "int8": 0.5, "int4": 0.38}
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
-def test_each_format_loads_generates_and_agrees_with_fp32(bundled_gguf, loaded_model, fp32_tokens, fmt):
+def test_each_format_loads_generates_and_agrees_with_fp32(bundled_gguf, loaded_model, fp32_tokens, fmt, tmp_path):
+    import os
+    import shutil
+
     from pagedkv.model.loader import load_model
 
-    lm = load_model(bundled_gguf, weights=fmt)
-    assert lm.weights == fmt and lm.cache_dir is not None and lm.cache_dir.name.endswith(f"-{fmt}")
-    manifest = json.loads((lm.cache_dir / "manifest.json").read_text())
-    assert manifest["weights"] == fmt
+    root = tmp_path / "cache"  # a private root holding (hard links to) the session's tokenizer entry
+    shutil.copytree(loaded_model.cache_dir, root / loaded_model.cache_dir.name, copy_function=os.link)
+    lm = load_model(bundled_gguf, weights=fmt, cache_dir=root)
+    # converted as the file streams in: no weight cache entry, only the tokenizer's and the identity
+    assert lm.weights == fmt and lm.from_cache and lm.cache_dir == root / loaded_model.cache_dir.name
+    assert sorted(p.name for p in root.iterdir()) == sorted([lm.cache_dir.name, "ids"])
+    assert lm.report.fmt == fmt and lm.report.tensors == 2 + 6 * 30  # embedding, final norm; 2 norms + 4 linears a layer
+    assert json.loads((lm.cache_dir / "manifest.json").read_text())["weights"] == "tokenizer"
     kinds = {type(m).__name__ for m in lm.model.modules()}
     assert {"bf16": "BF16Linear", "int8": "Int8Linear", "int4": "Int4Linear"}[fmt] in kinds
     assert "Linear" not in kinds  # no plain nn.Linear left
     tokens = _greedy(lm)
     assert all(len(t) == 24 for t in tokens)
     assert _prefix_agreement(fp32_tokens, tokens) >= AGREEMENT[fmt]
-    again = load_model(bundled_gguf, weights=fmt)
-    assert again.from_cache and again.cache_dir == lm.cache_dir
+    again = load_model(bundled_gguf, weights=fmt, cache_dir=root)
+    assert again.from_cache and again.cache_dir == lm.cache_dir  # the tokenizer's entry
+    a, b = lm.model.state_dict(), again.model.state_dict()  # the same conversion again, bit for bit
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_int4_keeps_the_stored_q4_1_codes(bundled_gguf, loaded_model):

@@ -1,0 +1,123 @@
+"""Positioned reads of a GGUF file's stored tensors: the one reader of tensor bytes that both
+streaming loaders use (``pagedkv.model.gguf_native`` for ``weights="gguf"``,
+``pagedkv.model.gguf_formats`` for the explicit formats).
+
+``Reader`` reads with ``os.preadv`` into buffers the caller owns (no memory map), so a
+tensor's bytes are this process's memory only while a buffer holds them; ``rows`` reads a
+range of a matrix's rows, so a large tensor can be handled a chunk at a time. Sizes and types
+come from the header (``pagedkv.gguf_header``); ``ConfigError`` names the tensor for an unknown
+type, a row that is not whole blocks, or a file that ends early.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedkv.errors import ConfigError
+from pagedkv.gguf_header import GGUFTensorInfo
+
+__all__ = ["Reader", "dequantize_rows", "qtype_name", "stored_bytes", "tensor_rows"]
+
+
+def qtype_name(info: GGUFTensorInfo) -> str:
+    """The GGML type name of a stored tensor (``"Q4_1"``); ``ConfigError`` for an unknown id."""
+    import gguf
+
+    try:
+        return gguf.GGMLQuantizationType(info.ggml_type).name
+    except ValueError:
+        raise ConfigError(f"weights: {info.name} has unknown GGML type {info.ggml_type}") from None
+
+
+def tensor_rows(info: GGUFTensorInfo) -> tuple[int, int]:
+    """``(rows, bytes per row)`` of a stored tensor (a 1-D tensor is one row); ``ConfigError``
+    for an unknown type or a row that is not whole blocks."""
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype_name(info)]]
+    *outer, inner = info.shape
+    if inner % block:
+        raise ConfigError(f"weights: {info.name} row length {inner} is not whole {qtype_name(info)} blocks")
+    return (int(np.prod(outer, dtype=np.int64)) if outer else 1), inner // block * size
+
+
+def stored_bytes(info: GGUFTensorInfo) -> int:
+    """Bytes of a tensor's stored blocks in the file."""
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(info.ggml_type)]
+    return int(np.prod(info.shape, dtype=np.int64)) // block * size
+
+
+def dequantize_rows(info: GGUFTensorInfo, raw: np.ndarray) -> torch.Tensor:
+    """Stored rows of ``info`` (uint8 ``[n, row_bytes]``, e.g. from ``Reader.rows``) ->
+    float32 ``[n, cols]`` by ``gguf.dequantize`` (a fresh tensor, or ``raw``'s memory for F32).
+    Raises ``ConfigError`` for a type ``gguf`` cannot dequantise."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType(info.ggml_type)
+    try:
+        v = gguf.dequantize(raw, qtype)
+    except NotImplementedError:
+        raise ConfigError(f"weights: {info.name} uses {qtype.name}, which gguf cannot dequantise") from None
+    return torch.from_numpy(np.require(v, dtype=np.float32, requirements=["C", "W"])).reshape(raw.shape[0], -1)
+
+
+class Reader:
+    """A GGUF file opened for positioned reads. ``read``: bytes read so far; ``bar``: a
+    progress bar (tqdm-like, ``update(n)``) moved by the bytes read, or ``None``. Safe to use
+    from several threads at once (positioned reads; the count is locked). ``close()`` closes
+    the file."""
+
+    def __init__(self, path: Path, bar: Any = None) -> None:
+        self.fd, self.bar, self.read = os.open(path, os.O_RDONLY), bar, 0
+        self._lock = threading.Lock()
+
+    def into(self, info: GGUFTensorInfo, out: np.ndarray, skip: int = 0) -> None:
+        """Read ``out``'s size of ``info``'s stored bytes, from ``skip`` bytes into it, into
+        ``out`` (uint8, C-contiguous). Raises ``ConfigError`` for a truncated file."""
+        view, done = memoryview(out).cast("B"), 0
+        while done < len(view):
+            n = os.preadv(self.fd, [view[done:]], info.offset + skip + done)
+            if n <= 0:
+                raise ConfigError(f"weights: {info.name} extends past the end of the GGUF file (truncated?)")
+            done += n
+        with self._lock:
+            self.read += done
+            if self.bar is not None:
+                self.bar.update(done)
+
+    def rows(self, info: GGUFTensorInfo, r0: int, r1: int) -> np.ndarray:
+        """Rows ``r0 .. r1 - 1`` of a stored matrix as a new uint8 ``[r1 - r0, row_bytes]``;
+        rows past its end are zero blocks (value 0: the kernels' padding to a multiple of 8)."""
+        rows, rb = tensor_rows(info)
+        out = np.empty((r1 - r0, rb), dtype=np.uint8)
+        real = max(0, min(r1, rows) - r0)
+        if real:
+            self.into(info, out[:real], skip=r0 * rb)
+        out[real:] = 0
+        return out
+
+    def take(self, info: GGUFTensorInfo) -> np.ndarray:
+        """``info``'s stored bytes as a new uint8 ``[rows, row_bytes]`` (1-D: one row)."""
+        rows, rb = tensor_rows(info)
+        out = np.empty((rows, rb), dtype=np.uint8)
+        self.into(info, out)
+        return out
+
+    def values(self, info: GGUFTensorInfo) -> torch.Tensor:
+        """A whole stored tensor dequantised (``dequantize_rows``), float32 of its shape."""
+        return dequantize_rows(info, self.take(info)).reshape(info.shape)
+
+    def floats(self, info: GGUFTensorInfo) -> torch.Tensor:
+        """A small tensor (norm, bias) as float32 of its shape: ``values``."""
+        return self.values(info)
+
+    def close(self) -> None:
+        os.close(self.fd)
