@@ -1,4 +1,4 @@
-"""The comparison protocol every peer benchmark shares (issue 43): interleaved rounds, one
+"""The comparison protocol every peer benchmark shares: interleaved rounds, one
 estimator (the median) with its spread (the interquartile range), a goal "met" only when the
 unfavourable quartile meets it, every run kept with the load it ran under, and the facts a
 skeptic asks for (CPU model, ISA, threads, commit, dirty tree, llama.cpp's build).

