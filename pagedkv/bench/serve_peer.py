@@ -1,9 +1,15 @@
 """Serving side by side: `pagedkv serve` and llama.cpp's `llama-server` on the same requests, one server at a time.
 
-``pagedkv bench serve --peer llama-server``. For every concurrency (default 1, 4,
-16, 32) each server is started, warmed with one short request, loaded by a closed-loop client
-and stopped, one server at a time (the order alternates between concurrencies, so a change in
-the shared machine's load does not always favour the same one):
+``pagedkv bench serve --peer llama-server``. Over ``--rounds`` rounds, for every workload
+(``--workloads``, e.g. ``256x64,32x256``: prompt x output tokens) and concurrency (default 1,
+4, 16, 32) each server is started, warmed with one short request, loaded by a closed-loop
+client and stopped, one server at a time (the order alternates between rounds, workloads and
+concurrencies, so a change in the shared machine's load does not always favour the same one).
+Every run is kept with its load average; the summary (:mod:`pagedkv.bench.serve_peer_summary`)
+gives each server's median [IQR] over the rounds, the per-round ratios and the goals, met only
+by the unfavourable quartile. ``--gguf-type`` runs both servers on another GGUF type of the
+model, made offline (:func:`pagedkv.bench.peers_native.ensure_formats`; results
+``serving_peer_<type>.*``):
 
 * **pagedkv**: ``pagedkv serve`` with its defaults and ``--threads T``;
 * **llama-server**: llama.cpp's own server (built by ``make peers``) over the same GGUF
@@ -24,7 +30,8 @@ one finished) until ``max(--min-requests, c * --requests-per-stream)`` requests 
 ``--max-seconds`` have passed (then the requests in flight are cut and counted as
 incomplete). Requests: prompts of ``--prompt-tokens`` tokens, ``--output-tokens`` output
 tokens, ``ignore_eos``, ``/v1/completions`` streamed, identical for both servers (greedy with
-the built-in client; guidellm sends no temperature, so each server samples with its defaults).
+the built-in client, every sampling parameter sent explicitly to both: :data:`pagedkv.bench.http.SAMPLING`;
+guidellm sends no temperature, so each server samples with its defaults).
 
 * ``--client guidellm`` (the default when it is installed; what the committed numbers came
   from): ``guidellm run`` with a concurrent profile and synthetic text prompts of exactly
