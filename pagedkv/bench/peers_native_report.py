@@ -105,6 +105,9 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
         f"{isa_class(isa)}; {cfg['threads']} threads; commit "
         f"{machine.get('commit')}{' (dirty tree)' if machine.get('dirty') else ''}.",
     ]
+    lines += ["", "## Every run (in the order run)", "", markdown_table(_runs_table(data)),
+              "A decode value is missing where the run's N-token request took no longer than its 1-token one "
+              "(a load spike in between): the run is kept, the estimator has nothing to divide."]
     if data.get("partial"):
         lines += ["", "**Partial**: the run was cut short; the rounds finished so far."]
     if failed:
@@ -128,29 +131,66 @@ def isa_class(isa: dict[str, Any]) -> str:
     return name
 
 
+def _runs_table(data: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"round": r["round"], "type": r["type"].upper(), "system": r["system"], "status": r.get("status"),
+             "decode tok/s": _fmt(_value(r, "decode_tokens_per_s")), "prefill 512 tok/s": _fmt(_value(r, "prefill_tokens_per_s")),
+             "load 1m start/end": f"{_fmt(r.get('load_1m_start'), 2)}/{_fmt(r.get('load_1m_end'), 2)}",
+             "wall s": _fmt(r.get("wall_s"), 0)} for r in data["runs"]]
+
+
+def _fmt(x: Any, digits: int = 1) -> str:
+    return f"{x:.{digits}f}" if isinstance(x, (int, float)) else "n/a"
+
+
 def _file_name(path: Any) -> str:
     """The last component of ``path`` (``""`` for None)."""
     return str(path or "").rsplit("/", 1)[-1]
 
 
 def plot(data: dict[str, Any], path: Any) -> None:
-    """Decode and prefill tok/s per format, both systems: bars at the median, whiskers the IQR."""
+    """The per-round ratios pagedkv / llama.cpp per format (decode, prefill 512): each round a
+    point coloured by the higher 1-minute load of its two runs, the median a bar, the IQR a box,
+    the decode goal a dashed line (absolute tok/s swing with the shared machine's load; the
+    ratio of two runs back to back much less)."""
     from pagedkv.bench.report import pyplot, save_figure
 
     plt = pyplot()
-    types = [t for t in data["config"]["types"] if t in data["summary"]]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, metric, label in zip(axes, METRICS, ("batch-1 decode tok/s", "prefill 512 tok/s")):
-        for j, (system, color) in enumerate(((PAGEDKV, "tab:blue"), (LLAMA_CPP, "tab:orange"))):
-            xs = [i + (j - 0.5) * 0.38 for i in range(len(types))]
-            ss = [(data["summary"][t].get(system) or {}).get(metric) for t in types]
-            med = [s["median"] if s else 0 for s in ss]
-            err = [[(s["median"] - s["q1"]) if s else 0 for s in ss], [(s["q3"] - s["median"]) if s else 0 for s in ss]]
-            ax.bar(xs, med, 0.38, yerr=err, capsize=3, color=color, label=system)
-        ax.set_xticks(range(len(types)), [t.upper() for t in types])
-        ax.set_ylabel(label + " (higher is better)")
-        ax.legend()
     cfg = data["config"]
-    fig.suptitle(f"{cfg['model_id']}, {cfg['threads']} threads, {data.get('cpu_model')}: median of {cfg['rounds']} "
-                 "interleaved rounds, whiskers IQR")
+    types = [t for t in cfg["types"] if t in data["summary"]]
+    fig, (*axes, cax) = plt.subplots(1, 3, figsize=(12, 4), gridspec_kw={"width_ratios": [1, 1, 0.04]})
+    sc = None
+    for ax, metric, label in zip(axes, METRICS, ("batch-1 decode", "prefill 512")):
+        for i, t in enumerate(types):
+            pts = _round_ratios(data, t, metric)
+            s = data["summary"][t].get(f"{metric}_ratio")
+            if s:
+                ax.add_patch(plt.Rectangle((i - 0.25, s["q1"]), 0.5, max(s["q3"] - s["q1"], 1e-3), alpha=0.2))
+                ax.plot([i - 0.25, i + 0.25], [s["median"]] * 2, color="black")
+            if pts:
+                sc = ax.scatter([i + 0.04 * (k - len(pts) / 2) for k in range(len(pts))], [p[0] for p in pts],
+                                c=[p[1] for p in pts], cmap="viridis", vmin=0, vmax=8, zorder=3)
+        if metric == "decode_tokens_per_s" and cfg.get("goal_decode_ratio"):
+            ax.axhline(cfg["goal_decode_ratio"], ls="--", color="tab:red", label=f"goal {cfg['goal_decode_ratio']:g}x")
+            ax.legend(loc="upper right")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xticks(range(len(types)), [t.upper() for t in types])
+        ax.set_ylabel(f"{label}: pagedkv / llama.cpp, per round")
+    if sc is not None:
+        fig.colorbar(sc, cax=cax, label="1-minute load (2 CPUs)")
+    fig.suptitle(f"{cfg['model_id']}, {cfg['threads']} threads, {data.get('cpu_model')}: {cfg['rounds']} interleaved rounds "
+                 "(box: IQR, bar: median)")
     save_figure(fig, path)
+
+
+def _round_ratios(data: dict[str, Any], qtype: str, metric: str) -> list[tuple[float, float]]:
+    """``(ratio, the higher load of the two runs)`` of every round of ``qtype`` with both values."""
+    by: dict[int, dict[str, dict[str, Any]]] = {}
+    for r in data["runs"]:
+        if r["type"] == qtype:
+            by.setdefault(r["round"], {})[r["system"]] = r
+    out = []
+    for k in sorted(by):
+        a, b = _value(by[k].get(PAGEDKV), metric), _value(by[k].get(LLAMA_CPP), metric)
+        if a is not None and b:
+            out.append((a / b, max(x.get("load_1m_start") or 0.0 for x in by[k].values())))
+    return out

@@ -63,14 +63,14 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from pagedkv.bench import http
 from pagedkv.bench.common import RunFacts, json_clean, log
 from pagedkv.bench.peers_systems import PeerModel, resolve_peer_model
 from pagedkv.bench.peers_venv import OPENVINO, OPENVINO_NO_SERVER, VLLM, venv_python, vllm_server_command
 from pagedkv.bench.protocol import cpu_model, dirty_tree, interleaved, llama_cpp_stamp
-from pagedkv.bench.serve_peer_summary import GOALS, LLAMA_SERVER, PAGEDKV, PEER_GOALS, ratios  # noqa: F401 - API
+from pagedkv.bench.serve_peer_summary import GOALS, LLAMA_SERVER, PAGEDKV, PEER_GOALS, parse_workloads, ratios  # noqa: F401
 from pagedkv.bench.workload import BenchRequest, summarize, synth_prompts, tpot
 
 NAME = "serving_peer"
@@ -314,9 +314,11 @@ def _client(args: argparse.Namespace) -> str:
     return "guidellm" if importlib.util.find_spec("guidellm") is not None else "builtin"
 
 
-def run_serving_peer(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]:
-    """Every (concurrency, server) run on ``args.model`` (default: the bundled SmolLM2);
-    returns the results dict. Raises ``ConfigError`` if llama-server is not found (``make
+def run_serving_peer(args: argparse.Namespace, progress: bool = True,
+                     on_round: Optional[Callable[[dict[str, Any]], None]] = None) -> dict[str, Any]:
+    """Every (round, workload, concurrency, server) run on ``args.model`` (default: the bundled
+    SmolLM2); after each round ``on_round(the results so far, "partial": true)``; returns the
+    results dict. Raises ``ConfigError`` if llama-server is not found (``make
     peers`` builds it) or the model is missing or not a GGUF file."""
     from pagedkv.errors import ConfigError
 
@@ -346,11 +348,17 @@ def run_serving_peer(args: argparse.Namespace, progress: bool = True) -> dict[st
     loads = parse_workloads(args)
     client = _client(args)
     runs: list[dict[str, Any]] = []
-    t_all = time.time()
+    t_all, dirty = time.time(), dirty_tree()  # the tree measured: as it was at the start
+    rounds = max(1, getattr(args, "rounds", 1))
+
+    def results(partial: bool) -> dict[str, Any]:
+        return json_clean(_results(args, peer, binary, model, gguf_file, facts, concurrencies, loads, client, runs,
+                                   dirty, t_all, partial))
+
     with tempfile.TemporaryDirectory(prefix="pagedkv-peer-") as tmp:
         work = Path(tmp)
         tok_dir, vocab = _tokenizer(gguf, work)
-        for r in range(max(1, getattr(args, "rounds", 1))):
+        for r in range(rounds):
             for wi, (label, wargs) in enumerate(loads):
                 for i, c in enumerate(concurrencies):
                     for pos, name in enumerate(interleaved((PAGEDKV, peer), r + wi + i)):
@@ -358,8 +366,18 @@ def run_serving_peer(args: argparse.Namespace, progress: bool = True) -> dict[st
                                        tok_dir, vocab, work, progress)
                         runs.append({"round": r + 1, "workload": label, "prompt_tokens": wargs.prompt_tokens,
                                      "output_tokens": wargs.output_tokens, "position": pos + 1, **row})
-    data = {
+            if on_round is not None and r + 1 < rounds:
+                on_round(results(partial=True))
+    return results(partial=False)
+
+
+def _results(args: argparse.Namespace, peer: str, binary: str, model: PeerModel, gguf_file: Any, facts: RunFacts,
+             concurrencies: list[int], loads: list[tuple[str, argparse.Namespace]], client: str,
+             runs: list[dict[str, Any]], dirty: Optional[bool], t_all: float, partial: bool) -> dict[str, Any]:
+    gguf = str(model.path)
+    return {
         "benchmark": NAME,
+        "partial": partial,
         "description": (__doc__ or "").strip().splitlines()[0],
         "config": {
             "peer": peer, "servers": [PAGEDKV, peer], "client": client, "concurrency": concurrencies,
@@ -368,7 +386,7 @@ def run_serving_peer(args: argparse.Namespace, progress: bool = True) -> dict[st
             "sampling": (dict(http.SAMPLING, ignore_eos=True) if client == "builtin" else
                          "guidellm sends no sampling parameters: each server's defaults"),
             "gguf_type": getattr(args, "gguf_type", None), "gguf_file": gguf_file,
-            "cpu_model": cpu_model(), "dirty": dirty_tree(), "llama_cpp_stamp": llama_cpp_stamp(),
+            "cpu_model": cpu_model(), "dirty": dirty, "llama_cpp_stamp": llama_cpp_stamp(),
             "requests_per_run": {str(c): num_requests(c, args) for c in concurrencies},
             "max_seconds": args.max_seconds, "threads": facts.threads, "seed": args.seed,
             "pagedkv_serve": ["pagedkv", "serve", *pagedkv_serve_args(args, facts.threads, model)],
@@ -384,26 +402,6 @@ def run_serving_peer(args: argparse.Namespace, progress: bool = True) -> dict[st
         "elapsed_s": time.time() - t_all,
         **facts.finish(),
     }
-    return json_clean(data)
-
-
-def parse_workloads(args: argparse.Namespace) -> list[tuple[str, argparse.Namespace]]:
-    """``--workloads`` (``256x64,32x256``; default ``--prompt-tokens`` x ``--output-tokens``) as
-    ``(label "P/O", args with prompt_tokens P and output_tokens O)`` pairs. Raises
-    ``ConfigError`` for a malformed pair."""
-    from pagedkv.errors import ConfigError
-
-    text = getattr(args, "workloads", None) or f"{args.prompt_tokens}x{args.output_tokens}"
-    out = []
-    for item in (x.strip() for x in text.split(",") if x.strip()):
-        try:
-            p, o = (int(v) for v in item.lower().split("x"))
-        except ValueError:
-            raise ConfigError(f"--workloads: {item!r} is not PROMPTxOUTPUT (e.g. 256x64)") from None
-        if p < 1 or o < 1:
-            raise ConfigError(f"--workloads: {item!r} needs at least 1 prompt and 1 output token")
-        out.append((f"{p}/{o}", argparse.Namespace(**{**vars(args), "prompt_tokens": p, "output_tokens": o})))
-    return out
 
 
 def command_line(args: argparse.Namespace, threads: int, client: str) -> str:
@@ -476,13 +474,15 @@ def run(args: argparse.Namespace) -> int:
     from pagedkv.bench.report import publish, single_plot
     from pagedkv.bench.serve_peer_report import plot, render_markdown
 
-    data = run_serving_peer(args, progress=not args.json)
-    c = data["config"]
-    name = NAME if c["model_is_default"] else f"{NAME}_{c['model_name']}"  # never overwrite the default's
-    if c.get("gguf_type"):
-        name = f"{NAME}_{c['gguf_type']}"
-    if c["peer"] != LLAMA_SERVER:
-        name += f"_{c['peer']}"
-    publish(name, data, render_markdown, args.out_dir, as_json=args.json,
-            plots=None if args.no_plot else single_plot(name, f"pagedkv serve vs {c['peer']}", plot))
+    def write(data: dict[str, Any], echo: bool = True) -> None:
+        c = data["config"]
+        name = NAME if c["model_is_default"] else f"{NAME}_{c['model_name']}"  # never overwrite the default's
+        if c.get("gguf_type"):
+            name = f"{NAME}_{c['gguf_type']}"
+        if c["peer"] != LLAMA_SERVER:
+            name += f"_{c['peer']}"
+        publish(name, data, render_markdown, args.out_dir, as_json=args.json and echo, echo=echo,
+                plots=None if args.no_plot else single_plot(name, f"pagedkv serve vs {c['peer']}", plot))
+
+    write(run_serving_peer(args, progress=not args.json, on_round=lambda d: write(d, echo=False)))
     return 0

@@ -207,6 +207,8 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
         markdown_table(_runs_table(data)),
         _DEFINITIONS,
     ]
+    if data.get("partial"):
+        lines += ["", "**Partial**: the run was cut short; the rounds finished so far."]
     if c.get("command"):
         lines += ["", f"Command: `{c['command']}`"]
     lines += closing_lines(data, plots, c.get("notes"))

@@ -1,9 +1,10 @@
-"""The summary of ``pagedkv bench serve --peer``: per workload and concurrency, each server's
+"""The workloads and the summary of ``pagedkv bench serve --peer``: per workload and concurrency, each server's
 median [IQR] over the rounds, the per-round ratios pagedkv / peer and the goals, met only by
 the unfavourable quartile (:func:`pagedkv.bench.protocol.goal_check`)."""
 
 from __future__ import annotations
 
+import argparse
 import math
 from typing import Any, Optional, Sequence
 
@@ -62,4 +63,23 @@ def ratios(runs: list[dict[str, Any]], concurrencies: Sequence[int], peer: str =
             row["output_tok_s_goal_met"] = goal_check(row["output_tok_s_ratio_spread"], tok_goal)
             row["itl_goal_met"] = goal_check(row["itl_p50_ratio_spread"], itl_goal, higher_is_better=False)
             out.append(row)
+    return out
+
+
+def parse_workloads(args: argparse.Namespace) -> list[tuple[str, argparse.Namespace]]:
+    """``--workloads`` (``256x64,32x256``; default ``--prompt-tokens`` x ``--output-tokens``) as
+    ``(label "P/O", args with prompt_tokens P and output_tokens O)`` pairs. Raises
+    ``ConfigError`` for a malformed pair."""
+    from pagedkv.errors import ConfigError
+
+    text = getattr(args, "workloads", None) or f"{args.prompt_tokens}x{args.output_tokens}"
+    out = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        try:
+            p, o = (int(v) for v in item.lower().split("x"))
+        except ValueError:
+            raise ConfigError(f"--workloads: {item!r} is not PROMPTxOUTPUT (e.g. 256x64)") from None
+        if p < 1 or o < 1:
+            raise ConfigError(f"--workloads: {item!r} needs at least 1 prompt and 1 output token")
+        out.append((f"{p}/{o}", argparse.Namespace(**{**vars(args), "prompt_tokens": p, "output_tokens": o})))
     return out
