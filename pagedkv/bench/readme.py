@@ -85,7 +85,9 @@ def serving_rows(data: dict[str, Any], link: str) -> list[str]:
         if not qs:
             continue
         conc = " / ".join(str(q["concurrency"]) for q in qs)
-        head = f"{fmt.upper()}, prompt/output {w} tokens, concurrency {conc}; median [IQR] of {cfg['rounds']} rounds"
+        n = max(q.get("rounds_paired", 1) for q in qs)
+        head = (f"{fmt.upper()}, prompt/output {w} tokens, concurrency {conc}; median [IQR] of {n} rounds"
+                + (f" (of {cfg['rounds']} planned)" if n < cfg["rounds"] else ""))
         goals = ", ".join(f"{q['concurrency']}: {_met(q.get('output_tok_s_goal_met'))}" for q in qs
                           if q.get("goal_output_tok_s_ratio") is not None)
 

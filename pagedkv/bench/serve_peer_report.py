@@ -149,10 +149,11 @@ def _workloads(c: dict[str, Any]) -> str:
     return "; ".join(f"prompts of {w.split('/')[0]} tokens, {w.split('/')[1]} output tokens" for w in loads)
 
 
-def _rounds_lines(c: dict[str, Any]) -> list[str]:
+def _rounds_lines(c: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]:
     if int(c.get("rounds") or 1) < 2:
         return []
-    return [f"{c['rounds']} rounds; in each, every workload and concurrency ran on both servers back to back, their "
+    done = max((int(r.get("round", 1)) for r in runs), default=0)
+    return [f"{done} of {c['rounds']} rounds run; in each, every workload and concurrency ran on both servers back to back, their "
             "order alternating. Cells: median over the rounds [interquartile range]; ratios: per round (pagedkv / "
             "peer of the same round), the same summary. Load 1m: the 1-minute load average at each run's start.", ""]
 
@@ -192,7 +193,7 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
         "",
         "## pagedkv / llama-server",
         "",
-        *_rounds_lines(c),
+        *_rounds_lines(c, data["runs"]),
         markdown_table(_side_by_side(data)),
         "Ratios are pagedkv / llama-server: output tok/s higher is better for pagedkv, ITL and TTFT lower. TTFT is the "
         "prefill side (and queueing for a slot), ITL the decode side.",

@@ -95,3 +95,11 @@ def test_native_run_makes_the_formats_interleaves_and_keeps_every_run(tmp_path, 
                                        str(out / "peers_llama_cpp.json"), "--out-dir", str(tmp_path / "again"),
                                        "--no-plot"])
     assert peers.run(again) == 0 and (tmp_path / "again" / "peers_llama_cpp.md").read_text() == md
+
+
+def test_formats_without_llama_quantize_say_why(tmp_path, monkeypatch):
+    from pagedkv.bench.peers_systems import resolve_peer_model
+
+    monkeypatch.setattr(peers_native, "find_tool", lambda name, bin_dir=None: None)
+    files = peers_native.ensure_formats(resolve_peer_model(None), ["q4_1", "q4_0"], 2, root=tmp_path, log_fn=lambda m: None)
+    assert files["q4_1"]["maker"] == "as shipped" and files["q4_0"] == {"error": "llama-quantize not built (make peers)"}

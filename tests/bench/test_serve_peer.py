@@ -71,7 +71,7 @@ def _run(server, c, tok_s, itl, ttft):
 
 def test_ratios_and_goals():
     P, L = serve_peer.PAGEDKV, serve_peer.LLAMA_SERVER
-    # the goals (issue 43): >= 1.2x tok/s and ITL p50 <= 0.9x at 1; >= 1.5x tok/s at 4, 8, 16, 32
+    # the goals: >= 1.2x tok/s and ITL p50 <= 0.9x at 1; >= 1.5x tok/s at 4, 8, 16, 32
     assert serve_peer.GOALS == {1: (1.2, 0.9), 4: (1.5, None), 8: (1.5, None), 16: (1.5, None), 32: (1.5, None)}
     runs = [_run(P, 1, 20.0, 0.05, 1.0), _run(L, 1, 10.0, 0.10, 0.5),      # 2x tok/s, ITL 0.5x: both met
             _run(L, 4, 30.0, 0.04, 2.0), _run(P, 4, 15.0, 0.08, 1.0),      # 0.5x: not met; no ITL goal
@@ -372,3 +372,35 @@ def test_servers_inherit_the_omp_wait_policy_as_it_is(monkeypatch, policy):
     assert seen["cmd"] == ["llama-server", "-t", "2"]
     assert seen["env"].get("OMP_WAIT_POLICY") == policy
     assert seen["env"] == dict(os.environ)
+
+
+def test_rounds_interleave_and_write_after_every_round(monkeypatch):
+    """Every (round, workload, concurrency) runs both servers, their order alternating; the
+    results so far are handed out after each round but the last (a run cut short keeps them)."""
+    calls = []
+
+    def fake_run(name, c, n, wargs, threads, binary, model, client, tok_dir, vocab, work, progress):
+        calls.append((name, c, wargs.prompt_tokens, wargs.output_tokens, n))
+        return {"server": name, "concurrency": c, "requests": n, "completed": n, "incomplete": 0, "errored": 0,
+                "output_tokens": n * wargs.output_tokens, "output_tokens_per_s": 20.0 if name == "pagedkv" else 10.0,
+                "itl_s": {"p50": 0.01}, "ttft_s": {"p50": 0.1}, "load_1m_start": 1.0}
+
+    monkeypatch.setattr(serve_peer, "_one_run", fake_run)
+    monkeypatch.setattr(serve_peer, "find_llama_server", lambda explicit=None: "/bin/true")
+    monkeypatch.setattr(serve_peer, "binary_facts", lambda binary: {"path": binary})
+    monkeypatch.setattr(serve_peer, "_tokenizer", lambda gguf, work: ("tok", 1000))
+    partial = []
+    args = _args("--client", "builtin", "--workloads", "256x64,32x256", "--concurrency", "1,8", "--rounds", "2",
+                 "--min-requests", "2", "--requests-per-stream", "1")
+    data = serve_peer.run_serving_peer(args, progress=False, on_round=partial.append)
+    assert len(calls) == 2 * 2 * 2 * 2 and [len(d["runs"]) for d in partial] == [8]
+    assert partial[0]["partial"] is True and data["partial"] is False
+    assert [c[0] for c in calls[:4]] == ["pagedkv", "llama-server", "llama-server", "pagedkv"]
+    assert [c[0] for c in calls[8:10]] == ["llama-server", "pagedkv"]  # round 2 starts the other way round
+    assert {(c[2], c[3]) for c in calls} == {(256, 64), (32, 256)} and {c[4] for c in calls if c[1] == 8} == {8}
+    assert data["config"]["workloads"] == ["256/64", "32/256"] and data["config"]["rounds"] == 2
+    assert data["config"]["sampling"]["top_k"] == -1 and data["config"]["sampling"]["temperature"] == 0.0
+    assert "--workloads 256x64,32x256 --rounds 2" in data["config"]["command"]
+    rows = {(q["workload"], q["concurrency"]): q for q in data["ratios"]}
+    assert rows[("32/256", 8)]["output_tok_s_ratio"] == 2.0 and rows[("32/256", 8)]["rounds_paired"] == 2
+    assert rows[("32/256", 8)]["output_tok_s_goal_met"] is True  # 2.0 >= 1.5 in both rounds
