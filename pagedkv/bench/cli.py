@@ -28,6 +28,7 @@ BENCHES: dict[str, str] = {
     "spec": "pagedkv.bench.spec",
     "models": "pagedkv.bench.models",
     "determinism": "pagedkv.bench.determinism",
+    "readme": "pagedkv.bench.readme",
 }
 
 

@@ -138,6 +138,14 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait(timeout=10)
 
 
+#: the sampling parameters every request of the built-in client sends, spelled out so that two
+#: servers with other defaults (llama-server: top-k 40, top-p 0.95, min-p 0.05) run the same
+#: greedy decoding: sampler stages off, no penalties (``repetition_penalty`` is pagedkv's / vLLM's
+#: name, ``repeat_penalty`` llama-server's; each server ignores the other's)
+SAMPLING = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "presence_penalty": 0.0,
+            "frequency_penalty": 0.0, "repetition_penalty": 1.0, "repeat_penalty": 1.0}
+
+
 # ---- the client -------------------------------------------------------------------------------
 @dataclass
 class StreamRecord(RequestRecord):
@@ -156,8 +164,7 @@ async def _stream_one(client: Any, url: str, model: str, req: BenchRequest, rec:
     if delay > 0:
         await asyncio.sleep(delay)
     body = {"model": model, "prompt": list(req.prompt_token_ids), "max_tokens": req.output_len,
-            "temperature": 0.0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+            **SAMPLING, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     try:
         async with client.stream("POST", url + "/v1/completions", json=body,
                                  timeout=max(deadline - time.time(), 1.0)) as resp:

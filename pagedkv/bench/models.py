@@ -36,7 +36,8 @@ from typing import Any, Callable, Optional
 
 from pagedkv.bench.common import json_clean, load_average, log, machine_info
 from pagedkv.bench.models_guard import GB, fadvise_dontneed, run_guarded
-from pagedkv.bench.models_make import SHAPES, TYPES, ensure_models, find_tool, peers_bin
+from pagedkv.bench.models_make import SHAPES, TYPES, ensure_models, find_tool, tensor_types
+from pagedkv.bench.protocol import cpu_model, dirty_tree, interleaved, llama_bench_run, llama_cpp_stamp
 
 NAME = "models"
 PAGEDKV, LLAMA_CPP = "pagedkv", "llama.cpp"
@@ -68,18 +69,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # ---- machine facts -------------------------------------------------------------------------------
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
-
-
 def read_bandwidth(threads: int, num_bytes: int = 1 << 30, repeats: int = 5) -> dict[str, Any]:
     """Best measured read bandwidth (bytes/s): ``torch.sum`` over a ``num_bytes`` float32
     buffer with ``threads`` torch threads."""
@@ -115,13 +104,6 @@ def drop_page_cache(path: str, whole_machine: bool) -> dict[str, Any]:
     return out
 
 
-def llama_cpp_stamp() -> Optional[dict[str, Any]]:
-    try:
-        return json.loads((peers_bin() / "llama.cpp.json").read_text())
-    except (OSError, ValueError):
-        return None
-
-
 # ---- pagedkv ---------------------------------------------------------------------------------------
 def seed_kernels(cache: Path, source: Optional[Path] = None) -> list[str]:
     """Link the compiled C kernels (``*.so``) of ``source`` (default the cache root) into the
@@ -147,7 +129,11 @@ def dir_bytes(path: Path) -> int:
     return total
 
 
-def _child_run(model: str, cache: Path, spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+def run_child(model: str, cache: Path, spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """One :mod:`pagedkv.bench.models_child` process on the GGUF ``model`` with
+    ``$PAGEDKV_CACHE_DIR`` = ``cache`` and ``spec`` (threads, engine options, what to measure),
+    under ``args.timeout_s`` and ``args.rss_limit_gb``: its status, peak RSS, ``load_s``
+    (process start to the model ready, seconds) and ``child`` (its last result line)."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({**spec, "model": model}, f)
     out_path = Path(f.name + ".out")
@@ -180,7 +166,7 @@ def pagedkv_round(path: str, args: argparse.Namespace, measure_spec: dict[str, A
     try:
         seeded = seed_kernels(cache)
         page_cache = drop_page_cache(path, args.drop_caches)
-        cold = _child_run(path, cache, {"threads": args.threads, "engine": engine, "measure": False}, args)
+        cold = run_child(path, cache, {"threads": args.threads, "engine": engine, "measure": False}, args)
         cold["page_cache"] = page_cache
         built = sorted(p.name for p in cache.glob("*.so") if not p.is_symlink())
         for name in built:  # compiled during the load: keep them for the next rounds
@@ -191,7 +177,7 @@ def pagedkv_round(path: str, args: argparse.Namespace, measure_spec: dict[str, A
         if cold["status"] != "ok":
             rec["warm"] = {"status": "not measured", "reason": f"the cold load ended {cold['status']}: {cold['reason']}"}
             return rec
-        rec["warm"] = _child_run(path, cache, {"threads": args.threads, "engine": engine, "measure": True,
+        rec["warm"] = run_child(path, cache, {"threads": args.threads, "engine": engine, "measure": True,
                                                "measure_spec": measure_spec}, args)
         return rec
     finally:
@@ -233,37 +219,6 @@ def llama_server_load(server: str, path: str, args: argparse.Namespace, cold: bo
     return res
 
 
-def llama_bench_run(bench: str, path: str, args: argparse.Namespace, measure_spec: dict[str, Any]) -> dict[str, Any]:
-    """``llama-bench -p 512 -n 64 -r 1 -o json`` on ``path``: pp512 and tg64 tokens/s and its
-    system info fields."""
-    out = Path(tempfile.mkstemp(suffix=".json")[1])
-    cmd = [bench, "-m", path, "-t", str(args.threads), "-p", str(measure_spec["prefill_tokens"]),
-           "-n", str(measure_spec["decode_tokens"]), "-r", "1", "-o", "json"]
-    try:
-        res = run_guarded(cmd, timeout_s=args.timeout_s, rss_limit_bytes=args.rss_limit_gb * GB, stdout_path=out)
-        text = out.read_text()
-    finally:
-        out.unlink(missing_ok=True)
-    res["command"] = " ".join(cmd[:1] + ["-m", "FILE"] + cmd[3:])
-    if res["status"] != "ok":
-        return res
-    try:
-        tests = json.loads(text)
-    except ValueError:
-        res["status"], res["reason"] = "failed", "llama-bench printed no JSON"
-        return res
-    for t in tests:
-        if t.get("n_gen", 0) == 0 and t.get("n_prompt", 0) > 0:
-            res["prefill_tokens_per_s"] = t["avg_ts"]
-        elif t.get("n_prompt", 0) == 0 and t.get("n_gen", 0) > 0:
-            res["decode_tokens_per_s"] = t["avg_ts"]
-    first = tests[0] if tests else {}
-    res["system_info"] = {k: first.get(k) for k in ("build_commit", "build_number", "cpu_info", "backends", "n_threads",
-                                                      "model_type", "model_size", "model_n_params", "type_k", "type_v",
-                                                      "use_mmap", "load_mode", "repack", "n_batch", "n_ubatch", "flash_attn")}
-    return res
-
-
 def llama_cpp_round(path: str, args: argparse.Namespace, measure_spec: dict[str, Any],
                     tools: dict[str, Optional[str]]) -> dict[str, Any]:
     rec: dict[str, Any] = {}
@@ -290,18 +245,6 @@ def _split(text: str, allowed: Any, what: str) -> list[str]:
     return items
 
 
-def _tensor_types(path: str) -> dict[str, int]:
-    from gguf import GGMLQuantizationType
-
-    from pagedkv.gguf_header import read_gguf_header
-
-    counts: dict[str, int] = {}
-    for t in read_gguf_header(path).tensors:
-        name = GGMLQuantizationType(t.ggml_type).name
-        counts[name] = counts.get(name, 0) + 1
-    return counts
-
-
 def collect(args: argparse.Namespace, on_model: Optional[Callable[[dict[str, Any]], None]] = None) -> dict[str, Any]:
     """Every model measured; after each, ``on_model(partial results)`` (the run writes them, so a
     run cut short still leaves the models it finished)."""
@@ -309,7 +252,7 @@ def collect(args: argparse.Namespace, on_model: Optional[Callable[[dict[str, Any
 
     sizes, types = _split(args.sizes, SHAPES, "sizes"), _split(args.types, TYPES, "types")
     load_start = load_average()
-    machine = {**machine_info(args.threads), "dirty": _dirty()}  # the commit measured: the one at the start
+    machine = {**machine_info(args.threads), "dirty": dirty_tree()}  # the commit measured: the one at the start
     tools = {t: find_tool(t) for t in ("llama-quantize", "llama-bench", "llama-server")}
     llama_reason = None
     if args.no_llama_cpp:
@@ -334,13 +277,13 @@ def collect(args: argparse.Namespace, on_model: Optional[Callable[[dict[str, Any
                     entry["systems"][s] = {"status": "not measured", "reason": f"no model file: {facts['error']}", "runs": []}
                 continue
             path = facts["path"]
-            entry["file"]["tensor_types"] = _tensor_types(path)
+            entry["file"]["tensor_types"] = tensor_types(path)
             spec = {**measure_spec, "vocab_size": SHAPES[size].vocab}
             ours: dict[str, Any] = {"status": "ok", "reason": None, "runs": []}
             peer: dict[str, Any] = {"status": "not measured" if llama_reason else "ok", "reason": llama_reason, "runs": []}
             entry["systems"] = {PAGEDKV: ours, LLAMA_CPP: peer}
             for r in range(args.rounds):
-                order = [PAGEDKV, LLAMA_CPP] if r % 2 == 0 else [LLAMA_CPP, PAGEDKV]
+                order = interleaved([PAGEDKV, LLAMA_CPP], r)
                 for system in order:
                     if system == PAGEDKV and ours["status"] == "ok":
                         log(f"[models] {size} {qtype} round {r + 1}: pagedkv ...")
@@ -392,19 +335,6 @@ def _results(args: argparse.Namespace, sizes: list[str], types: list[str], measu
         "load_average_1m": {"start": load_start, "end": load_average()},
         "machine": {**machine, "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
     })
-
-
-def _dirty() -> Optional[bool]:
-    import subprocess
-
-    from pagedkv.bench.common import REPO_ROOT
-
-    try:
-        r = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
-                           capture_output=True, text=True, timeout=10)
-        return bool(r.stdout.strip()) if r.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def run(args: argparse.Namespace) -> int:

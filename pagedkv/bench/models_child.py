@@ -50,6 +50,7 @@ def main(argv: list[str]) -> int:
                            "import_s": t_import - T_START, "llm_init_s": load_s,
                            "weights": str(loaded.weights), "weights_reason": loaded.weights_reason,
                            "from_cache": bool(loaded.from_cache), "vm_hwm_after_load": status_bytes("VmHWM"),
+                           "kv_cache_dtype": str(llm.engine.kv_summary()["kv_cache_dtype"]),
                            "vm_rss_after_load": status_bytes("VmRSS")}
     print(json.dumps(out), flush=True)
     if spec.get("measure"):

@@ -37,7 +37,7 @@ STD = 0.02
 CHUNK_ELEMENTS = 1 << 24  # values generated (and quantised) per chunk: 64 MiB of float32
 TYPES = ("q4_0", "q4_k_m", "q8_0")
 #: llama-quantize's type names
-QUANTIZE_NAME = {"q4_0": "Q4_0", "q4_k_m": "Q4_K_M", "q8_0": "Q8_0"}
+QUANTIZE_NAME = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q4_k_m": "Q4_K_M", "q8_0": "Q8_0"}
 
 
 @dataclass(frozen=True)
@@ -277,13 +277,17 @@ def write_random_gguf(path: Path, shape: Shape, qtype: str = "f16", seed: int = 
             "params": shape.num_params()}
 
 
-def quantize_file(src: Path, dst: Path, qtype: str, quantize_bin: str, threads: int = 2) -> dict[str, Any]:
-    """``llama-quantize src dst.tmp TYPE threads``, then renamed. Raises ``RuntimeError`` with
-    the tail of its output when it fails."""
+def quantize_file(src: Path, dst: Path, qtype: str, quantize_bin: str, threads: int = 2,
+                  allow_requantize: bool = False) -> dict[str, Any]:
+    """``llama-quantize [--allow-requantize] src dst.tmp TYPE threads``, then renamed (with
+    ``allow_requantize`` a quantised ``src`` is dequantised to f32 tensor by tensor and quantised
+    again). Returns seconds, bytes and the command; raises ``RuntimeError`` with the tail of its
+    output when it fails."""
     tmp = dst.with_name(dst.name + ".tmp")
     t0 = time.perf_counter()
-    r = subprocess.run([quantize_bin, str(src), str(tmp), QUANTIZE_NAME[qtype], str(threads)],
-                       capture_output=True, text=True)
+    cmd = [quantize_bin, *(["--allow-requantize"] if allow_requantize else []), str(src), str(tmp),
+           QUANTIZE_NAME[qtype], str(threads)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         if tmp.exists():
             tmp.unlink()
@@ -292,7 +296,21 @@ def quantize_file(src: Path, dst: Path, qtype: str, quantize_bin: str, threads: 
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, dst)
-    return {"seconds": time.perf_counter() - t0, "bytes": dst.stat().st_size}
+    return {"seconds": time.perf_counter() - t0, "bytes": dst.stat().st_size,
+            "command": " ".join(["llama-quantize", *cmd[1:-4], "SOURCE", "OUT", *cmd[-2:]])}
+
+
+def tensor_types(path: str) -> dict[str, int]:
+    """How many tensors of the GGUF at ``path`` are stored in each GGML type (``{"Q4_0": 169, ...}``)."""
+    from gguf import GGMLQuantizationType
+
+    from pagedkv.gguf_header import read_gguf_header
+
+    counts: dict[str, int] = {}
+    for t in read_gguf_header(path).tensors:
+        name = GGMLQuantizationType(t.ggml_type).name
+        counts[name] = counts.get(name, 0) + 1
+    return counts
 
 
 def sidecar(path: Path) -> Path:

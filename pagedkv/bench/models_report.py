@@ -4,25 +4,13 @@ the Markdown table and the plot. A system or metric with no value says why ("not
 
 from __future__ import annotations
 
-import statistics
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
+
+from pagedkv.bench.protocol import cell, spread
 
 GB = 1e9
 METRICS = ("cold_load_s", "cold_load_peak_rss_bytes", "warm_load_s", "peak_rss_bytes", "cache_bytes", "decode_tokens_per_s",
            "prefill_tokens_per_s", "decode_fraction_of_limit")
-
-
-def spread(values: Sequence[float]) -> Optional[dict[str, Any]]:
-    """``{"median", "q1", "q3", "iqr", "n", "values"}`` of ``values`` (quartiles by the
-    inclusive method; one value: all three equal), None for no values."""
-    vals = [float(v) for v in values if v is not None]
-    if not vals:
-        return None
-    if len(vals) == 1:
-        q1 = q3 = vals[0]
-    else:
-        q1, _, q3 = statistics.quantiles(vals, n=4, method="inclusive")
-    return {"median": statistics.median(vals), "q1": q1, "q3": q3, "iqr": q3 - q1, "n": len(vals), "values": vals}
 
 
 def _ok(rec: Optional[dict[str, Any]]) -> bool:
@@ -99,17 +87,6 @@ def summarize_model(entry: dict[str, Any], bandwidth: float) -> dict[str, Any]:
 
 
 # ---- Markdown -----------------------------------------------------------------------------------------
-def cell(s: Optional[dict[str, Any]], scale: float = 1.0, digits: int = 1, missing: str = "") -> str:
-    """``median [q1-q3]`` (scaled), or the reason it is missing."""
-    if s is None:
-        return missing or "not measured"
-    fmt = f"{{:.{digits}f}}"
-    med = fmt.format(s["median"] / scale)
-    if s["n"] < 2:
-        return med
-    return f"{med} [{fmt.format(s['q1'] / scale)}-{fmt.format(s['q3'] / scale)}]"
-
-
 COLUMNS = (  # (metric, header, scale, digits)
     ("cold_load_s", "cold load s", 1.0, 1), ("cold_load_peak_rss_bytes", "cold-load peak RSS GB", GB, 2),
     ("warm_load_s", "warm load s", 1.0, 1), ("peak_rss_bytes", "run peak RSS GB", GB, 2), ("cache_bytes", "cache GB", GB, 2),

@@ -11,12 +11,10 @@ scaled to fit, synthetic token-id prompts, outputs forced to the drawn length) g
 * **transformers generate_batch**: transformers' own continuous batching (its
   ``ContinuousBatchingManager``, one ``add_request`` per request with that request's output
   length and EOS disabled),
-* **pagedkv one at a time**: the same requests through ``LLM.generate`` one after another
-  (batch 1), run just before
-* **llama.cpp** (``llama-cpp-python``, the same GGUF file at its native precision, Q4_1 here;
-  requests one after another, same threads) only if it is importable. These two give the
-  batch-1 decode comparison: per-request decode rate (tokens after the first / time from the
-  first token to the last) and TPOT, side by side in one run.
+
+The batch-1 comparison with llama.cpp (``--systems pagedkv-b1,llama.cpp``) is another protocol:
+native ``llama-bench`` beside pagedkv per GGUF format over interleaved rounds
+(:mod:`pagedkv.bench.peers_native`, results ``peers_llama_cpp.*``).
 
 All transformers runs use the same GGUF weights de-quantised to fp32
 (``AutoModelForCausalLM.from_pretrained(dir, gguf_file=name, dtype=torch.float32)``), greedy
@@ -54,26 +52,22 @@ from pagedkv.bench.peers_venv import VENV_SYSTEMS, plot_b1_prefill, render_b1_pr
 from pagedkv.bench.peers_systems import (
     HF_CB,
     HF_GENERATE,
-    LLAMA_CPP,
     PAGEDKV,
-    PAGEDKV_B1,
     PAGEDKV_REPEAT,
     failed,
     load_hf_model,
     resolve_peer_model,
     run_hf_generate,
     run_hf_generate_batch,
-    run_llama_cpp,
     run_pagedkv,
-    run_pagedkv_one_at_a_time,
 )
 from pagedkv.bench.report import publish, single_plot
 from pagedkv.bench.workload import add_trace_arguments, requests_from_args, summarize
 
 NAME = "peers"
 GOAL_RATIO = 3.0  # pagedkv >= 3x transformers generate output tok/s
-B1_GOAL_RATIO = 1.3  # batch-1 decode tokens/s >= 1.3x llama.cpp's (same GGUF, threads), every CPU class
-B1 = "pagedkv-b1"  # the --systems name of PAGEDKV_B1
+B1 = "pagedkv-b1"  # with llama.cpp: the batch-1 comparison with native llama.cpp (pagedkv.bench.peers_native)
+NATIVE_SYSTEMS = {B1, "llama.cpp"}
 DEFAULT_BATCH_SIZES = (8, 32)
 
 
@@ -86,9 +80,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--batch-size", default=",".join(map(str, DEFAULT_BATCH_SIZES)),
         help="static batch size(s) for transformers generate, comma-separated (default 8,32)",
     )
-    p.add_argument("--systems", default=f"pagedkv,generate,generate_batch,{B1},llama.cpp",
-                   help=f"which systems to run (comma-separated subset of the default; {B1}: pagedkv one "
-                        "request at a time, the batch-1 comparison with llama.cpp; vllm, openvino: vLLM-CPU and "
+    p.add_argument("--systems", default="pagedkv,generate,generate_batch",
+                   help=f"which systems to run (comma-separated subset of the default; {B1},llama.cpp (on their "
+                        "own): batch-1 decode and prefill 512 vs native llama-bench per GGUF format, interleaved rounds "
+                        "(results peers_llama_cpp.*, options below); vllm, openvino: vLLM-CPU and "
                         "OpenVINO GenAI from their own venvs (make peers), batch-1 decode, prefill 512 and offline "
                         "throughput on the trace (--trace-requests) beside pagedkv's; results: peers_<weights>_venv.*)")
     p.add_argument("--trace-requests", type=int, default=DEFAULT_TRACE_REQUESTS,
@@ -110,6 +105,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "per element like llama.cpp's default f16 cache; int8 / fp8_e4m3 / fp8_e5m2)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="pagedkv max running requests (default 64)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="pagedkv tokens per step (default 512)")
+    from pagedkv.bench.peers_native import add_arguments as add_native_arguments
+
+    add_native_arguments(p)
     add_run_options(p, tiny="4 requests, <=4 output and <=32 prompt tokens, batch 2", note=True)
 
 
@@ -145,7 +143,7 @@ def _ratios_and_goal(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
     ours = [r for r in rows if r["name"] in (PAGEDKV, PAGEDKV_REPEAT) and r["status"] == "ok"]
     base = min(ours, key=lambda r: r["output_tokens_per_s"], default=None)  # the conservative one
     for r in rows:
-        if r["name"] in (PAGEDKV, PAGEDKV_REPEAT, PAGEDKV_B1) or r["status"] != "ok" or base is None:
+        if r["name"] in (PAGEDKV, PAGEDKV_REPEAT) or r["status"] != "ok" or base is None:
             continue
         ratios.append({
             "peer": r["name"],
@@ -169,31 +167,6 @@ def _ratios_and_goal(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
     return ratios, goal
 
 
-def batch1_comparison(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """pagedkv one at a time against llama.cpp (both batch 1, same requests, same threads):
-    per-request decode tokens/s, TPOT p50 and own TTFT p50 (submission to first token) of
-    each, the decode ratio pagedkv / llama.cpp and whether it meets :data:`B1_GOAL_RATIO`.
-    Missing systems give None."""
-    by = {r["name"]: r for r in rows if r["status"] == "ok"}
-    ours, peer = by.get(PAGEDKV_B1), by.get(LLAMA_CPP)
-
-    def facts(r: Any) -> Any:
-        if r is None:
-            return None
-        return {"decode_tokens_per_s": r["decode_tokens_per_s"], "tpot_p50_s": r["tpot_s"]["p50"],
-                "tpot_mean_s": r["decode_s"] / r["decode_tokens"] if r["decode_tokens"] else None,
-                "own_ttft_p50_s": (r.get("own_ttft_s") or {}).get("p50"),
-                "output_tokens_per_s": r["output_tokens_per_s"]}
-
-    out: dict[str, Any] = {"pagedkv": facts(ours), "llama.cpp": facts(peer), "target_ratio": B1_GOAL_RATIO,
-                           "decode_ratio": None, "tpot_p50_ratio": None, "met": None}
-    if ours and peer:
-        out["decode_ratio"] = ours["decode_tokens_per_s"] / peer["decode_tokens_per_s"]
-        out["tpot_p50_ratio"] = ours["tpot_s"]["p50"] / peer["tpot_s"]["p50"]
-        out["met"] = bool(out["decode_ratio"] >= B1_GOAL_RATIO)
-    return out
-
-
 def run_peers(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None,
               progress: bool = True) -> dict[str, Any]:
     """Run the comparison; ``loaded`` (a pagedkv LoadedModel, fp32) and ``hf_model`` (the
@@ -209,7 +182,7 @@ def run_peers(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None
     timings: dict[str, float] = {}
 
     t = time.time()
-    if systems & {PAGEDKV, B1, *VENV_SYSTEMS}:  # the venv peers are timed beside pagedkv's own run
+    if systems & {PAGEDKV, *VENV_SYSTEMS}:  # the venv peers are timed beside pagedkv's own run
         loaded = load_fp32_model(loaded, path=None if model.default else str(model.path), weights=args.weights)
     timings["pagedkv_load_s"] = time.time() - t
     reqs, scaling = requests_from_args(args, _vocab_size(loaded, hf_model, model))
@@ -259,10 +232,6 @@ def run_peers(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None
     if "generate_batch" in hf_wanted:
         # last: the continuous batching manager may switch the model's attention implementation
         attempt(HF_CB, run_hf_generate_batch, hf_model, reqs, args.max_num_batched_tokens, progress)
-    if B1 in systems:  # just before llama.cpp: the batch-1 pair runs back to back
-        attempt(PAGEDKV_B1, run_pagedkv_one_at_a_time, loaded, reqs, engine_kwargs, progress)
-    if "llama.cpp" in systems:
-        attempt(LLAMA_CPP, run_llama_cpp, reqs, threads, progress, model)
     b1_prefill = None
     if systems & set(VENV_SYSTEMS):
         b1_prefill = run_b1_prefill(systems, loaded, dict(engine_kwargs, max_model_len=1040), threads,
@@ -281,7 +250,7 @@ def run_peers(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None
     ratios, goal = _ratios_and_goal(rows)
 
     agree = {}
-    ref = PAGEDKV if PAGEDKV in outputs else PAGEDKV_B1
+    ref = PAGEDKV
     if ref in outputs:
         for name, outs in outputs.items():
             if name not in (PAGEDKV, PAGEDKV_REPEAT, ref):
@@ -322,7 +291,6 @@ def run_peers(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None
         "systems": rows,
         "ratios": ratios,
         "goal": goal,
-        "batch1": batch1_comparison(rows),
         **({"batch1_prefill": b1_prefill} if b1_prefill else {}),
         **({"trace_offline": trace_offline} if trace_offline else {}),
         "greedy_agreement_with_pagedkv": agree,
@@ -346,6 +314,15 @@ def _model_option(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None) -> int:
+    systems = {s.strip() for s in args.systems.split(",") if s.strip()}
+    if systems & NATIVE_SYSTEMS:
+        from pagedkv.bench import peers_native
+        from pagedkv.errors import ConfigError
+
+        if systems - NATIVE_SYSTEMS:
+            raise ConfigError(f"--systems: {B1},llama.cpp (the native llama.cpp comparison) run on their own, "
+                              f"not with {','.join(sorted(systems - NATIVE_SYSTEMS))}")
+        return peers_native.run(args)
     data = run_peers(args, loaded=loaded, hf_model=hf_model, progress=not args.json)
     name = NAME if args.weights == "fp32" else f"{NAME}_{data['config']['pagedkv_weights'] or args.weights}"
     if args.compile_decode:

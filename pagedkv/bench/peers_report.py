@@ -66,7 +66,6 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
                          "TTFT p50 ratio": r["ttft_p50_ratio"], "TTFT p90 ratio": r["ttft_p90_ratio"]}
                         for r in data["ratios"]]),
     ]
-    lines += _batch1_lines(data.get("batch1"), weights)
     g = data["goal"]
     if g["ratio"] is not None:
         lines.append(f"**Goal**: pagedkv ≥ {g['target_ratio']:g}× {g['versus']} ({g['peer']}): "
@@ -87,32 +86,6 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
         lines += ["", f"Command: `{cfg['command']}`"]
     lines += closing_lines(data, plots, cfg.get("notes"))
     return "\n".join(lines) + "\n"
-
-
-def _batch1_lines(b: Any, weights: str = "Q4_1") -> list[str]:
-    """The batch-1 section: pagedkv one at a time against llama.cpp."""
-    if not b or (b["pagedkv"] is None and b["llama.cpp"] is None):
-        return []
-    rows = []
-    for name, f in (("pagedkv (one at a time)", b["pagedkv"]), (f"llama.cpp ({weights} as stored)", b["llama.cpp"])):
-        if f is None:
-            rows.append({"system": name, "decode tok/s": "did not run (see above)"})
-            continue
-        rows.append({"system": name, "decode tok/s": f["decode_tokens_per_s"],
-                     "TPOT mean (ms)": ms(f["tpot_mean_s"]), "TPOT p50 (ms)": ms(f["tpot_p50_s"]),
-                     "own TTFT p50 (s)": f["own_ttft_p50_s"], "output tok/s (incl. prefill)": f["output_tokens_per_s"]})
-    lines = ["## Batch 1: pagedkv vs llama.cpp (the same requests one at a time, same threads, back to back)", "",
-             markdown_table(rows),
-             "decode tok/s = a request's tokens after its first / the time from its first token to its last, "
-             "summed over the requests (1 / token-weighted mean TPOT); own TTFT = submission to first token "
-             "(prefill).", ""]
-    if b["decode_ratio"] is not None:
-        lines.append(f"**Goal**: batch-1 decode ≥ {b['target_ratio']:g}× llama.cpp's tokens/s: measured "
-                     f"{b['decode_ratio']:.2f}× (TPOT p50 ratio {b['tpot_p50_ratio']:.2f}) — "
-                     f"{'met' if b['met'] else 'NOT met'}.")
-    else:
-        lines.append("**Goal**: batch-1 decode ≥ 1.3× llama.cpp: not measured in this run (a system is missing).")
-    return lines + [""]
 
 
 def _computed(r: dict[str, Any]) -> Any:

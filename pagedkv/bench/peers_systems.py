@@ -19,10 +19,8 @@ from pagedkv.utils import cdiv
 # System names, as they appear in the result files.
 PAGEDKV = "pagedkv"
 PAGEDKV_REPEAT = "pagedkv (repeat, after the peers)"
-PAGEDKV_B1 = "pagedkv (one at a time)"
 HF_GENERATE = "transformers generate (bs={bs})"
 HF_CB = "transformers generate_batch"
-LLAMA_CPP = "llama.cpp"
 
 
 @dataclass(frozen=True)
@@ -191,37 +189,6 @@ def run_pagedkv(loaded: Any, reqs: Sequence[BenchRequest], engine_kwargs: dict[s
         computed_output_tokens=sum(len(o.token_ids) for o in outs),
     )
     return row, [list(o.token_ids) for o in outs]
-
-
-def run_pagedkv_one_at_a_time(loaded: Any, reqs: Sequence[BenchRequest], engine_kwargs: dict[str, Any],
-                              progress: bool = True) -> tuple[dict[str, Any], list[list[int]]]:
-    """The same requests through ``LLM.generate`` one after another (batch 1, as llama.cpp
-    runs them), greedy, ignore_eos; request ``i`` is submitted when request ``i-1`` has
-    finished, so its TTFT (since t0) includes every earlier request. Returns the result row
-    and the output token ids per request."""
-    from tqdm.auto import tqdm
-
-    from pagedkv.engine.llm import LLM
-
-    llm = LLM(loaded, **engine_kwargs)
-    llm.generate([reqs[0].prompt_token_ids[:8]], greedy(2), use_tqdm=False)  # warm-up, not timed
-    first, finish, n_out, outputs, own = [], [], [], [], []
-    t0 = time.time()
-    c0 = time.process_time()
-    for r in tqdm(reqs, desc="pagedkv one at a time", unit="req", disable=not progress, leave=False):
-        sent = time.time()
-        (o,) = llm.generate([r.prompt_token_ids], greedy(r.output_len), use_tqdm=False)
-        if o.metrics.first_token_time:
-            own.append(o.metrics.first_token_time - sent)
-        first.append(o.metrics.first_token_time - t0 if o.metrics.first_token_time else None)
-        finish.append(o.metrics.finish_time - t0 if o.metrics.finish_time else None)
-        n_out.append(len(o.token_ids))
-        outputs.append(list(o.token_ids))
-    elapsed = time.time() - t0
-    cpu = time.process_time() - c0
-    return result_row(PAGEDKV_B1, reqs, elapsed, cpu, first, finish, n_out, own_ttft_s=summarize(own),
-                      computed_prompt_tokens=sum(r.prompt_len for r in reqs),
-                      computed_output_tokens=sum(n_out)), outputs
 
 
 # ---- transformers -----------------------------------------------------------------------------
@@ -414,58 +381,3 @@ def _wait_results(mgr: Any, want: set[str], into: dict[str, Any], timeout: float
             got.add(res.request_id)
             if bar is not None:
                 bar.update(1)
-
-
-# ---- llama.cpp --------------------------------------------------------------------------------
-def run_llama_cpp(reqs: Sequence[BenchRequest], threads: int, progress: bool = True,
-                  model: Optional[PeerModel] = None) -> tuple[dict[str, Any], list[list[int]]]:
-    """llama-cpp-python on ``model``'s GGUF (default: the bundled one; weights as stored, Q4_1
-    there), one request at a time, greedy, EOS ignored (tokens are evaluated one by one without
-    a stop check, the prompts' token ids as given). ``threads``: decode and batch threads.
-    Raises ``ImportError`` when llama-cpp-python is absent, whatever it raises otherwise."""
-    import llama_cpp  # noqa: F401 - ImportError = not installed
-    from tqdm.auto import tqdm
-
-    model = model or resolve_peer_model(None)
-    n_ctx = max(r.prompt_len + r.output_len for r in reqs) + 8
-    llm = llama_cpp.Llama(model_path=str(model.path), n_ctx=n_ctx, n_threads=threads,
-                          n_threads_batch=threads, n_batch=512, verbose=False)
-
-    def one(r: BenchRequest) -> tuple[list[int], list[float]]:
-        times = [time.time()]  # submitted; the first token's time follows
-        llm.reset()
-        llm.eval(list(r.prompt_token_ids))
-        toks = []
-        for _ in range(r.output_len):
-            tok = int(llm.sample(temp=0.0))
-            times.append(time.time())
-            toks.append(tok)
-            if len(toks) < r.output_len:
-                llm.eval([tok])
-        return toks, times
-
-    one(BenchRequest(reqs[0].prompt_token_ids[:8], 2))  # warm-up
-    first, finish, n_out, outputs, own = [], [], [], [], []
-    t0 = time.time()
-    c0 = time.process_time()
-    for r in tqdm(reqs, desc="llama.cpp", unit="req", disable=not progress, leave=False):
-        toks, times = one(r)
-        own.append(times[1] - times[0])
-        first.append(times[1] - t0)
-        finish.append(times[-1] - t0)
-        n_out.append(len(toks))
-        outputs.append(toks)
-    elapsed = time.time() - t0
-    cpu = time.process_time() - c0
-    return result_row(LLAMA_CPP, reqs, elapsed, cpu, first, finish, n_out, own_ttft_s=summarize(own),
-                      weights=f"{model.file_type} (as stored in the GGUF)", threads=threads,
-                      llama_cpp_python=_version("llama-cpp-python")), outputs
-
-
-def _version(dist: str) -> Optional[str]:
-    from importlib import metadata
-
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None

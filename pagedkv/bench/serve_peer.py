@@ -1,9 +1,15 @@
 """Serving side by side: `pagedkv serve` and llama.cpp's `llama-server` on the same requests, one server at a time.
 
-``pagedkv bench serve --peer llama-server``. For every concurrency (default 1, 4,
-16, 32) each server is started, warmed with one short request, loaded by a closed-loop client
-and stopped, one server at a time (the order alternates between concurrencies, so a change in
-the shared machine's load does not always favour the same one):
+``pagedkv bench serve --peer llama-server``. Over ``--rounds`` rounds, for every workload
+(``--workloads``, e.g. ``256x64,32x256``: prompt x output tokens) and concurrency (default 1,
+4, 16, 32) each server is started, warmed with one short request, loaded by a closed-loop
+client and stopped, one server at a time (the order alternates between rounds, workloads and
+concurrencies, so a change in the shared machine's load does not always favour the same one).
+Every run is kept with its load average; the summary (:mod:`pagedkv.bench.serve_peer_summary`)
+gives each server's median [IQR] over the rounds, the per-round ratios and the goals, met only
+by the unfavourable quartile. ``--gguf-type`` runs both servers on another GGUF type of the
+model, made offline (:func:`pagedkv.bench.peers_native.ensure_formats`; results
+``serving_peer_<type>.*``):
 
 * **pagedkv**: ``pagedkv serve`` with its defaults and ``--threads T``;
 * **llama-server**: llama.cpp's own server (built by ``make peers``) over the same GGUF
@@ -24,7 +30,8 @@ one finished) until ``max(--min-requests, c * --requests-per-stream)`` requests 
 ``--max-seconds`` have passed (then the requests in flight are cut and counted as
 incomplete). Requests: prompts of ``--prompt-tokens`` tokens, ``--output-tokens`` output
 tokens, ``ignore_eos``, ``/v1/completions`` streamed, identical for both servers (greedy with
-the built-in client; guidellm sends no temperature, so each server samples with its defaults).
+the built-in client, every sampling parameter sent explicitly to both: :data:`pagedkv.bench.http.SAMPLING`;
+guidellm sends no temperature, so each server samples with its defaults).
 
 * ``--client guidellm`` (the default when it is installed; what the committed numbers came
   from): ``guidellm run`` with a concurrent profile and synthetic text prompts of exactly
@@ -56,24 +63,17 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from pagedkv.bench import http
 from pagedkv.bench.common import RunFacts, json_clean, log
 from pagedkv.bench.peers_systems import PeerModel, resolve_peer_model
 from pagedkv.bench.peers_venv import OPENVINO, OPENVINO_NO_SERVER, VLLM, venv_python, vllm_server_command
+from pagedkv.bench.protocol import cpu_model, dirty_tree, interleaved, llama_cpp_stamp
+from pagedkv.bench.serve_peer_summary import GOALS, LLAMA_SERVER, PAGEDKV, PEER_GOALS, parse_workloads, ratios  # noqa: F401
 from pagedkv.bench.workload import BenchRequest, summarize, synth_prompts, tpot
 
 NAME = "serving_peer"
-PAGEDKV = "pagedkv"
-LLAMA_SERVER = "llama-server"
-#: the serving goals, pagedkv / llama-server: output tok/s
-#: ratio >= (key 1), and ITL p50 ratio <= (key 2, None = no ITL goal), per concurrency.
-GOALS = {1: (1.2, 0.9), 4: (2.0, None), 16: (2.0, None), 32: (2.0, None)}
-#: the goals against each peer server, the same form as :data:`GOALS`: against vLLM-CPU (and
-#: OpenVINO GenAI) >= 1.2x output tok/s and ITL p50 <= 0.8x at every concurrency
-PEER_GOALS = {LLAMA_SERVER: GOALS, VLLM: {c: (1.2, 0.8) for c in (1, 4, 16, 32)},
-              OPENVINO: {c: (1.2, 0.8) for c in (1, 4, 16, 32)}}
 #: how the prompts get the BOS of a model whose tokenizer starts every prompt with one
 _BOS_HOW = ("token-id prompts (the warm-up, --client builtin) start with it, text prompts (guidellm) get it "
             "from each server's tokenizer")
@@ -93,6 +93,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--concurrency", default="1,4,16,32", help="requests in flight, comma-separated (default 1,4,16,32)")
     g.add_argument("--prompt-tokens", type=int, default=256, help="prompt length, tokens (default 256)")
     g.add_argument("--output-tokens", type=int, default=64, help="output length, tokens, ignore_eos (default 64)")
+    g.add_argument("--workloads", default=None,
+                   help="prompt x output token pairs run in every round, e.g. 256x64,32x256 (default: "
+                        "--prompt-tokens x --output-tokens)")
+    g.add_argument("--rounds", type=int, default=1,
+                   help="rounds; in each every workload and concurrency runs on both servers, their order "
+                        "alternating (default 1; the table gives median [IQR] over rounds)")
+    g.add_argument("--gguf-type", default=None,
+                   help="run both servers on this GGUF type of the model (q4_1, q4_0, q4_k_m; made offline "
+                        "from the stored file by llama-quantize --allow-requantize, cached; results "
+                        "serving_peer_<type>.*)")
     g.add_argument("--requests-per-stream", type=int, default=2,
                    help="requests per run = max(--min-requests, concurrency x this) (default 2)")
     g.add_argument("--min-requests", type=int, default=8, help="fewest requests per run (default 8)")
@@ -121,6 +131,7 @@ def apply_tiny(args: argparse.Namespace) -> None:
     args.requests_per_stream = 1
     args.min_requests = min(args.min_requests, 2)
     args.max_seconds = min(args.max_seconds, 60.0)
+    args.workloads = None
 
 
 # ---- the peer binary ----------------------------------------------------------------------------
@@ -295,34 +306,6 @@ def _ctx_per_slot(args: argparse.Namespace) -> int:
     return max(args.ctx_per_slot, args.prompt_tokens + args.output_tokens + 64)
 
 
-def ratios(runs: list[dict[str, Any]], concurrencies: Sequence[int], peer: str = LLAMA_SERVER) -> list[dict[str, Any]]:
-    """pagedkv / ``peer`` per concurrency: output tok/s, ITL p50 and TTFT p50 ratios, and
-    the goals against ``peer`` (:data:`PEER_GOALS`) met or not (None where not set or not measured)."""
-    goals = PEER_GOALS.get(peer, {})
-    out = []
-    by = {(r["server"], r["concurrency"]): r for r in runs if "error" not in r}
-    for c in concurrencies:
-        a, b = by.get((PAGEDKV, c)), by.get((peer, c))
-        if a is None or b is None:
-            out.append({"concurrency": c, "missing": True})
-            continue
-
-        def ratio(key: str, q: Optional[str] = None) -> Optional[float]:
-            x, y = (a[key], b[key]) if q is None else (a[key][q], b[key][q])
-            return x / y if isinstance(x, (int, float)) and isinstance(y, (int, float)) and y else None
-
-        row = {"concurrency": c, "output_tok_s_ratio": ratio("output_tokens_per_s"),
-               "itl_p50_ratio": ratio("itl_s", "p50"), "ttft_p50_ratio": ratio("ttft_s", "p50")}
-        tok_goal, itl_goal = goals.get(c, (None, None))
-        row["goal_output_tok_s_ratio"], row["goal_itl_p50_ratio"] = tok_goal, itl_goal
-        row["output_tok_s_goal_met"] = (None if tok_goal is None or row["output_tok_s_ratio"] is None
-                                        else row["output_tok_s_ratio"] >= tok_goal)
-        row["itl_goal_met"] = (None if itl_goal is None or row["itl_p50_ratio"] is None
-                               else row["itl_p50_ratio"] <= itl_goal)
-        out.append(row)
-    return out
-
-
 def _client(args: argparse.Namespace) -> str:
     if args.client != "auto":
         return args.client
@@ -331,9 +314,11 @@ def _client(args: argparse.Namespace) -> str:
     return "guidellm" if importlib.util.find_spec("guidellm") is not None else "builtin"
 
 
-def run_serving_peer(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]:
-    """Every (concurrency, server) run on ``args.model`` (default: the bundled SmolLM2);
-    returns the results dict. Raises ``ConfigError`` if llama-server is not found (``make
+def run_serving_peer(args: argparse.Namespace, progress: bool = True,
+                     on_round: Optional[Callable[[dict[str, Any]], None]] = None) -> dict[str, Any]:
+    """Every (round, workload, concurrency, server) run on ``args.model`` (default: the bundled
+    SmolLM2); after each round ``on_round(the results so far, "partial": true)``; returns the
+    results dict. Raises ``ConfigError`` if llama-server is not found (``make
     peers`` builds it) or the model is missing or not a GGUF file."""
     from pagedkv.errors import ConfigError
 
@@ -349,27 +334,59 @@ def run_serving_peer(args: argparse.Namespace, progress: bool = True) -> dict[st
         raise ConfigError("llama-server not found: run `make peers` (builds it into "
                           f"{peers_dir() / 'bin'}) or pass --llama-server PATH")
     model = resolve_peer_model(args.model)
+    gguf_file = None
+    if getattr(args, "gguf_type", None):
+        from pagedkv.bench.peers_native import ensure_formats
+
+        gguf_file = ensure_formats(model, [args.gguf_type.lower()], args.threads)[args.gguf_type.lower()]
+        if "error" in gguf_file:
+            raise ConfigError(f"--gguf-type {args.gguf_type}: {gguf_file['error']}")
+        model = resolve_peer_model(gguf_file["path"])
     gguf = str(model.path)
     facts = RunFacts.start(args.threads)
     concurrencies = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
+    loads = parse_workloads(args)
     client = _client(args)
     runs: list[dict[str, Any]] = []
-    t_all = time.time()
+    t_all, dirty = time.time(), dirty_tree()  # the tree measured: as it was at the start
+    rounds = max(1, getattr(args, "rounds", 1))
+
+    def results(partial: bool) -> dict[str, Any]:
+        return json_clean(_results(args, peer, binary, model, gguf_file, facts, concurrencies, loads, client, runs,
+                                   dirty, t_all, partial))
+
     with tempfile.TemporaryDirectory(prefix="pagedkv-peer-") as tmp:
         work = Path(tmp)
         tok_dir, vocab = _tokenizer(gguf, work)
-        for i, c in enumerate(concurrencies):
-            order = (PAGEDKV, peer) if i % 2 == 0 else (peer, PAGEDKV)
-            n = num_requests(c, args)
-            for name in order:
-                runs.append(_one_run(name, c, n, args, facts.threads, binary, model, client, tok_dir, vocab, work,
-                                     progress))
-    data = {
+        for r in range(rounds):
+            for wi, (label, wargs) in enumerate(loads):
+                for i, c in enumerate(concurrencies):
+                    for pos, name in enumerate(interleaved((PAGEDKV, peer), r + wi + i)):
+                        row = _one_run(name, c, num_requests(c, args), wargs, facts.threads, binary, model, client,
+                                       tok_dir, vocab, work, progress)
+                        runs.append({"round": r + 1, "workload": label, "prompt_tokens": wargs.prompt_tokens,
+                                     "output_tokens": wargs.output_tokens, "position": pos + 1, **row})
+            if on_round is not None and r + 1 < rounds:
+                on_round(results(partial=True))
+    return results(partial=False)
+
+
+def _results(args: argparse.Namespace, peer: str, binary: str, model: PeerModel, gguf_file: Any, facts: RunFacts,
+             concurrencies: list[int], loads: list[tuple[str, argparse.Namespace]], client: str,
+             runs: list[dict[str, Any]], dirty: Optional[bool], t_all: float, partial: bool) -> dict[str, Any]:
+    gguf = str(model.path)
+    return {
         "benchmark": NAME,
+        "partial": partial,
         "description": (__doc__ or "").strip().splitlines()[0],
         "config": {
             "peer": peer, "servers": [PAGEDKV, peer], "client": client, "concurrency": concurrencies,
             "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
+            "workloads": [w for w, _ in loads], "rounds": max(1, getattr(args, "rounds", 1)),
+            "sampling": (dict(http.SAMPLING, ignore_eos=True) if client == "builtin" else
+                         "guidellm sends no sampling parameters: each server's defaults"),
+            "gguf_type": getattr(args, "gguf_type", None), "gguf_file": gguf_file,
+            "cpu_model": cpu_model(), "dirty": dirty, "llama_cpp_stamp": llama_cpp_stamp(),
             "requests_per_run": {str(c): num_requests(c, args) for c in concurrencies},
             "max_seconds": args.max_seconds, "threads": facts.threads, "seed": args.seed,
             "pagedkv_serve": ["pagedkv", "serve", *pagedkv_serve_args(args, facts.threads, model)],
@@ -381,11 +398,10 @@ def run_serving_peer(args: argparse.Namespace, progress: bool = True) -> dict[st
             "command": command_line(args, facts.threads, client),
         },
         "runs": runs,
-        "ratios": ratios(runs, concurrencies, peer),
+        "ratios": ratios(runs, concurrencies, peer, [w for w, _ in loads]),
         "elapsed_s": time.time() - t_all,
         **facts.finish(),
     }
-    return json_clean(data)
 
 
 def command_line(args: argparse.Namespace, threads: int, client: str) -> str:
@@ -396,6 +412,12 @@ def command_line(args: argparse.Namespace, threads: int, client: str) -> str:
              "--output-tokens", str(args.output_tokens), "--requests-per-stream", str(args.requests_per_stream),
              "--min-requests", str(args.min_requests), "--max-seconds", f"{args.max_seconds:g}", "--client", client,
              "--parallel", str(args.parallel), "--ctx-per-slot", str(args.ctx_per_slot)]
+    if getattr(args, "workloads", None):
+        parts += ["--workloads", args.workloads]
+    if getattr(args, "rounds", 1) != 1:
+        parts += ["--rounds", str(args.rounds)]
+    if getattr(args, "gguf_type", None):
+        parts += ["--gguf-type", args.gguf_type]
     parts += [f"--serve-arg={a}" for a in args.serve_arg] + [f"--peer-arg={a}" for a in args.peer_arg]
     return " ".join(parts)
 
@@ -452,11 +474,15 @@ def run(args: argparse.Namespace) -> int:
     from pagedkv.bench.report import publish, single_plot
     from pagedkv.bench.serve_peer_report import plot, render_markdown
 
-    data = run_serving_peer(args, progress=not args.json)
-    c = data["config"]
-    name = NAME if c["model_is_default"] else f"{NAME}_{c['model_name']}"  # never overwrite the default's
-    if c["peer"] != LLAMA_SERVER:
-        name += f"_{c['peer']}"
-    publish(name, data, render_markdown, args.out_dir, as_json=args.json,
-            plots=None if args.no_plot else single_plot(name, f"pagedkv serve vs {c['peer']}", plot))
+    def write(data: dict[str, Any], echo: bool = True) -> None:
+        c = data["config"]
+        name = NAME if c["model_is_default"] else f"{NAME}_{c['model_name']}"  # never overwrite the default's
+        if c.get("gguf_type"):
+            name = f"{NAME}_{c['gguf_type']}"
+        if c["peer"] != LLAMA_SERVER:
+            name += f"_{c['peer']}"
+        publish(name, data, render_markdown, args.out_dir, as_json=args.json and echo, echo=echo,
+                plots=None if args.no_plot else single_plot(name, f"pagedkv serve vs {c['peer']}", plot))
+
+    write(run_serving_peer(args, progress=not args.json, on_round=lambda d: write(d, echo=False)))
     return 0

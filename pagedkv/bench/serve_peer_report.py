@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
+import json
 from pathlib import Path
 from typing import Any, Optional
 
-from pagedkv.bench.report import closing_lines, markdown_table, ms, pyplot, save_figure
+from pagedkv.bench.protocol import cell, ratio_cell, spread
+from pagedkv.bench.report import closing_lines, markdown_table, pyplot, save_figure
 
 _DEFINITIONS = (
     "Definitions: output tokens/s = output tokens streamed by every request of the run (a request cut at the time "
@@ -24,33 +27,43 @@ def _pair(a: Any, b: Any, fmt: str, scale: float = 1.0) -> str:
     return f"{one(a)} / {one(b)}"
 
 
-def _ratio(x: Optional[float]) -> str:
-    return f"{x:.2f}x" if isinstance(x, (int, float)) else "n/a"
+def _runs_of(data: dict[str, Any], server: str, c: int, workload: Any) -> list[dict[str, Any]]:
+    return [r for r in data["runs"] if r["server"] == server and r["concurrency"] == c
+            and r.get("workload") == workload and "error" not in r]
 
 
-def _by(data: dict[str, Any]) -> dict[tuple[str, int], dict[str, Any]]:
-    return {(r["server"], r["concurrency"]): r for r in data["runs"] if "error" not in r}
+def _spread_of(runs: list[dict[str, Any]], get: Any) -> Optional[dict[str, Any]]:
+    return spread([v for v in (get(r) for r in runs) if isinstance(v, (int, float)) and math.isfinite(v)])
 
 
 def _side_by_side(data: dict[str, Any]) -> list[dict[str, Any]]:
-    by = _by(data)
+    """Per (workload, concurrency): each server's median [IQR] over the rounds and the per-round
+    ratios' median [IQR]."""
     ours, peer = data["config"]["servers"]
     rows = []
     for q in data["ratios"]:
-        c = q["concurrency"]
-        a, b = by.get((ours, c), {}), by.get((peer, c), {})
-        cut = [name for name, r in ((ours, a), (peer, b)) if r.get("incomplete")]
+        c, w = q["concurrency"], q.get("workload")
+        a, b = _runs_of(data, ours, c, w), _runs_of(data, peer, c, w)
+        cut = [name for name, rs in ((ours, a), (peer, b)) if any(r.get("incomplete") for r in rs)]
+
+        def both(get: Any, scale: float, digits: int, key: str) -> str:
+            return (f"{cell(_spread_of(a, get), scale, digits, 'n/a')} / {cell(_spread_of(b, get), scale, digits, 'n/a')}"
+                    f" ({ratio_cell(q.get(key + '_ratio_spread'))})")
+
+        def done(rs: list[dict[str, Any]]) -> str:
+            return (f"{sum(r['completed'] for r in rs)} of {sum(r['requests'] for r in rs)}" if rs else "n/a of n/a")
+
         rows.append({
+            **({"workload (prompt/output)": w} if w is not None else {}),
             "concurrency": c,
-            "output tok/s pagedkv / llama-server": _pair(a.get("output_tokens_per_s"), b.get("output_tokens_per_s"),
-                                                         ".1f") + f" ({_ratio(q.get('output_tok_s_ratio'))})",
-            "ITL p50 (ms)": _pair((a.get("itl_s") or {}).get("p50"), (b.get("itl_s") or {}).get("p50"), ".0f", 1e3)
-            + f" ({_ratio(q.get('itl_p50_ratio'))})",
-            "TTFT p50 (s)": _pair((a.get("ttft_s") or {}).get("p50"), (b.get("ttft_s") or {}).get("p50"), ".2f")
-            + f" ({_ratio(q.get('ttft_p50_ratio'))})",
-            "completed": f"{a.get('completed', 'n/a')} of {a.get('requests', 'n/a')} / "
-                         f"{b.get('completed', 'n/a')} of {b.get('requests', 'n/a')}",
+            f"output tok/s pagedkv / {peer}": both(lambda r: r.get("output_tokens_per_s"), 1.0, 1, "output_tok_s"),
+            "ITL p50 (ms)": both(lambda r: (r.get("itl_s") or {}).get("p50"), 1e-3, 0, "itl_p50"),
+            "TTFT p50 (s)": both(lambda r: (r.get("ttft_s") or {}).get("p50"), 1.0, 2, "ttft_p50"),
+            "completed": f"{done(a)} / {done(b)}",
             "cut at the time limit": ", ".join(cut) or "no",
+            "rounds": q.get("rounds_paired", 0),
+            "load 1m": f"{cell(_spread_of(a, lambda r: r.get('load_1m_start')), 1.0, 1, 'n/a')} / "
+                       f"{cell(_spread_of(b, lambda r: r.get('load_1m_start')), 1.0, 1, 'n/a')}",
         })
     return rows
 
@@ -59,18 +72,21 @@ def _goal_lines(data: dict[str, Any]) -> list[str]:
     peer = data["config"].get("peer", "llama-server")
     lines = []
     for q in data["ratios"]:
+        where = (f"{q['workload']} at concurrency {q['concurrency']}" if q.get("workload") is not None
+                 else f"concurrency {q['concurrency']}")
         if q.get("missing"):
-            lines.append(f"- concurrency {q['concurrency']}: not measured (a run failed)")
+            lines.append(f"- {where}: not measured (a run failed)")
             continue
         parts = []
         if q.get("goal_output_tok_s_ratio") is not None:
             parts.append(f"output tok/s ≥ {q['goal_output_tok_s_ratio']:g}× {peer}'s: "
-                         f"{_ratio(q['output_tok_s_ratio'])} — {'met' if q['output_tok_s_goal_met'] else 'NOT met'}")
+                         f"{ratio_cell(q.get('output_tok_s_ratio_spread'))} — "
+                         f"{'met' if q['output_tok_s_goal_met'] else 'NOT met'}")
         if q.get("goal_itl_p50_ratio") is not None:
-            parts.append(f"ITL p50 ≤ {q['goal_itl_p50_ratio']:g}× {peer}'s: {_ratio(q['itl_p50_ratio'])} — "
-                         f"{'met' if q['itl_goal_met'] else 'NOT met'}")
+            parts.append(f"ITL p50 ≤ {q['goal_itl_p50_ratio']:g}× {peer}'s: {ratio_cell(q.get('itl_p50_ratio_spread'))}"
+                         f" — {'met' if q['itl_goal_met'] else 'NOT met'}")
         if parts:
-            lines.append(f"- concurrency {q['concurrency']}: " + "; ".join(parts))
+            lines.append(f"- {where}: " + "; ".join(parts))
     return lines
 
 
@@ -78,10 +94,12 @@ def _runs_table(data: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for r in data["runs"]:
         if "error" in r:
-            rows.append({"server": r["server"], "concurrency": r["concurrency"], "requests": f"error: {r['error']}"})
+            rows.append({**({"round": r["round"], "workload": r.get("workload")} if "round" in r else {}),
+                         "server": r["server"], "concurrency": r["concurrency"], "requests": f"error: {r['error']}"})
             continue
         la = (r.get("load_1m_start"), r.get("load_1m_end"))
         rows.append({
+            **({"round": r["round"], "workload": r.get("workload")} if "round" in r else {}),
             "server": r["server"], "concurrency": r["concurrency"],
             "requests": r["requests"], "completed/incomplete/errored": f"{r['completed']}/{r['incomplete']}/{r['errored']}",
             "output tokens": int(r["output_tokens"]), "duration (s)": r["duration_s"],
@@ -93,12 +111,14 @@ def _runs_table(data: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def _sampling(client: str) -> str:
+def _sampling(client: str, sent: Any = None) -> str:
     """How the tokens are picked: guidellm sends no temperature, so each server samples with
-    its own defaults; pagedkv's client asks for greedy."""
+    its own defaults; pagedkv's client asks for greedy, every parameter spelled out (``sent``)."""
     if client == "guidellm":
         return ("sampled with each server's defaults (guidellm sends no temperature: pagedkv samples at "
                 "temperature 1, llama-server with its default sampler chain)")
+    if isinstance(sent, dict):
+        return "greedy, the same sampling parameters sent to both: `" + json.dumps(sent) + "`"
     return "greedy"
 
 
@@ -123,6 +143,21 @@ def _model(c: dict[str, Any]) -> str:
     return f"{c['model_id']}, `{c['model_file']}`, {c.get('model_weights_as_stored')} as stored"
 
 
+def _workloads(c: dict[str, Any]) -> str:
+    """The workloads of the run in words (older results have one: prompt and output tokens)."""
+    loads = c.get("workloads") or [f"{c['prompt_tokens']}/{c['output_tokens']}"]
+    return "; ".join(f"prompts of {w.split('/')[0]} tokens, {w.split('/')[1]} output tokens" for w in loads)
+
+
+def _rounds_lines(c: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]:
+    if int(c.get("rounds") or 1) < 2:
+        return []
+    done = max((int(r.get("round", 1)) for r in runs), default=0)
+    return [f"{done} of {c['rounds']} rounds run; in each, every workload and concurrency ran on both servers back to back, their "
+            "order alternating. Cells: median over the rounds [interquartile range]; ratios: per round (pagedkv / "
+            "peer of the same round), the same summary. Load 1m: the 1-minute load average at each run's start.", ""]
+
+
 def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
     """The Markdown report of ``run_serving_peer``'s results (``plots``: label -> PNG name);
     a peer other than llama-server (vLLM) is named in its place, with its own command."""
@@ -145,8 +180,8 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
         "# Serving side by side: `pagedkv serve` vs llama.cpp's `llama-server`",
         "",
         *([f"Model: {c['model_id']} (`{c['model_file']}`), both servers.", ""] if c.get("model_file") else []),
-        f"Same requests, one server at a time, {_threads(c)}: prompts of {c['prompt_tokens']} tokens, "
-        f"{c['output_tokens']} output tokens (`ignore_eos`), {_sampling(c['client'])}, streamed `/v1/completions` on 127.0.0.1. "
+        f"Same requests, one server at a time, {_threads(c)}: {_workloads(c)} (`ignore_eos`), "
+        f"{_sampling(c['client'], c.get('sampling'))}, streamed `/v1/completions` on 127.0.0.1. "
         f"Client: {client}; it keeps `concurrency` requests in flight for "
         f"{', '.join(f'{n} requests at {k}' for k, n in c['requests_per_run'].items())}, each run cut at "
         f"{c['max_seconds']:g} s. Every run starts its server afresh (llama-server's prompt cache would otherwise "
@@ -158,10 +193,13 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
         "",
         "## pagedkv / llama-server",
         "",
+        *_rounds_lines(c, data["runs"]),
         markdown_table(_side_by_side(data)),
-        "Ratios are pagedkv / llama-server: output tok/s higher is better for pagedkv, ITL and TTFT lower.",
+        "Ratios are pagedkv / llama-server: output tok/s higher is better for pagedkv, ITL and TTFT lower. TTFT is the "
+        "prefill side (and queueing for a slot), ITL the decode side.",
         "",
-        "**Goals**:",
+        "**Goals** (with rounds: met only when the lower quartile of the per-round output tok/s ratios, or the upper "
+        "quartile of the ITL ratios, meets it):",
         "",
         *(_goal_lines(data) or ["- none set at these concurrencies (they are set at 1, 4, 16 and 32)"]),
         "",
@@ -170,6 +208,8 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
         markdown_table(_runs_table(data)),
         _DEFINITIONS,
     ]
+    if data.get("partial"):
+        lines += ["", "**Partial**: the run was cut short; the rounds finished so far."]
     if c.get("command"):
         lines += ["", f"Command: `{c['command']}`"]
     lines += closing_lines(data, plots, c.get("notes"))
@@ -177,30 +217,34 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
 
 
 def plot(data: dict[str, Any], path: Path) -> None:
-    """Output tokens/s, ITL p50 and TTFT p50 against concurrency, one line per server."""
+    """Output tokens/s, ITL p50 and TTFT p50 against concurrency, one line per server (the median
+    over the rounds, the band its IQR), one row of panels per workload."""
     plt = pyplot()
-    by = _by(data)
     conc = data["config"]["concurrency"]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    panels = [(lambda r: r["output_tokens_per_s"], "output tokens/s (higher is better)"),
-              (lambda r: ms(r["itl_s"]["p50"]), "inter-token latency p50, ms"),
-              (lambda r: r["ttft_s"]["p50"], "TTFT p50, s")]
-    for ax, (get, label) in zip(axes, panels):
-        for name, style in zip(data["config"]["servers"], ("o-", "s--")):
-            pts = [(c, get(by[(name, c)])) for c in conc if (name, c) in by]
-            pts = [(x, y) for x, y in pts if isinstance(y, (int, float))]
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(conc)
-        ax.set_xticklabels([str(c) for c in conc])
-        ax.set_xlabel("concurrency (requests in flight)")
-        ax.set_ylabel(label)
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        ax.legend()
+    loads = sorted({q.get("workload") for q in data["ratios"]}, key=lambda w: (w is None, str(w)))
+    fig, grid = plt.subplots(len(loads), 3, figsize=(15, 4 * len(loads)), squeeze=False)
+    panels = [(lambda r: r.get("output_tokens_per_s"), 1.0, "output tokens/s (higher is better)"),
+              (lambda r: (r.get("itl_s") or {}).get("p50"), 1e-3, "inter-token latency p50, ms"),
+              (lambda r: (r.get("ttft_s") or {}).get("p50"), 1.0, "TTFT p50, s")]
+    for axes, w in zip(grid, loads):
+        for ax, (get, scale, label) in zip(axes, panels):
+            for name, style in zip(data["config"]["servers"], ("o-", "s--")):
+                pts = [(c, _spread_of(_runs_of(data, name, c, w), get)) for c in conc]
+                pts = [(x, sp) for x, sp in pts if sp is not None]
+                if pts:
+                    xs = [p[0] for p in pts]
+                    ax.plot(xs, [p[1]["median"] / scale for p in pts], style, label=name)
+                    ax.fill_between(xs, [p[1]["q1"] / scale for p in pts], [p[1]["q3"] / scale for p in pts], alpha=0.2)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(conc)
+            ax.set_xticklabels([str(c) for c in conc])
+            ax.set_xlabel("concurrency (requests in flight)" + (f", workload {w}" if w else ""))
+            ax.set_ylabel(label)
+            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+            ax.legend()
     c = data["config"]
     model = "" if c.get("model_is_default", True) else f" ({c['model_id']})"
-    fig.suptitle(f"pagedkv serve vs llama-server{model}: prompts {c['prompt_tokens']} / outputs {c['output_tokens']} tokens, "
-                 f"{c['threads']} threads, client {c['client']}")
+    fig.suptitle(f"pagedkv serve vs {c['servers'][1]}{model}: {_workloads(c)}; {c['threads']} threads, client "
+                 f"{c['client']}; median of {c.get('rounds', 1)} round(s), band IQR")
     save_figure(fig, path)

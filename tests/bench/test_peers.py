@@ -27,26 +27,13 @@ def test_result_row_arithmetic_exact():
     assert agree["identical_requests"] == 1 and agree["mean_common_prefix_fraction"] == pytest.approx(0.75)
 
 
-def _b1_row(name, decode_tok_s, tpot_p50, own_ttft):
-    return {"name": name, "status": "ok", "decode_tokens_per_s": decode_tok_s, "decode_s": 10.0,
-            "decode_tokens": int(decode_tok_s * 10), "tpot_s": {"p50": tpot_p50}, "own_ttft_s": {"p50": own_ttft},
-            "output_tokens_per_s": decode_tok_s / 2}
+def test_native_systems_run_on_their_own():
+    from pagedkv.cli import build_parser
+    from pagedkv.errors import ConfigError
 
-
-def test_batch1_comparison():
-    rows = [_b1_row(peers.PAGEDKV_B1, 20.0, 0.05, 0.4), _b1_row(peers.LLAMA_CPP, 80.0, 0.0125, 0.3),
-            {"name": peers.PAGEDKV, "status": "ok"}]
-    b = peers.batch1_comparison(rows)
-    assert b["decode_ratio"] == 0.25 and b["tpot_p50_ratio"] == 4.0 and b["met"] is False
-    assert b["pagedkv"] == {"decode_tokens_per_s": 20.0, "tpot_p50_s": 0.05, "tpot_mean_s": 0.05,
-                            "own_ttft_p50_s": 0.4, "output_tokens_per_s": 10.0}
-    assert peers.B1_GOAL_RATIO == 1.3  # batch-1 decode >= 1.3x llama.cpp's
-    assert peers.batch1_comparison([_b1_row(peers.PAGEDKV_B1, 104.0, 0.0096, 0.1),
-                                    _b1_row(peers.LLAMA_CPP, 80.0, 0.0125, 0.3)])["met"] is True  # 1.3x
-    assert peers.batch1_comparison([_b1_row(peers.PAGEDKV_B1, 100.0, 0.01, 0.1),
-                                    _b1_row(peers.LLAMA_CPP, 80.0, 0.0125, 0.3)])["met"] is False  # 1.25x
-    missing = peers.batch1_comparison([rows[0], {"name": peers.LLAMA_CPP, "status": "not installed", "reason": "x"}])
-    assert missing["llama.cpp"] is None and missing["decode_ratio"] is None and missing["met"] is None
+    args = build_parser().parse_args(["bench", "peers", "--systems", "pagedkv,llama.cpp"])
+    with pytest.raises(ConfigError, match="on their own"):
+        peers.run(args)
 
 
 @pytest.mark.slow
@@ -61,9 +48,8 @@ def test_bench_peers_tiny(loaded_model, hf_model, tmp_path):
     for key in ("benchmark", "config", "workload", "systems", "ratios", "goal", "machine"):
         assert key in data and data[key] not in (None, [], {}), key
     by = {r["name"]: r for r in data["systems"]}
-    assert set(by) == {peers.PAGEDKV, peers.HF_GENERATE.format(bs=2), peers.HF_CB, peers.LLAMA_CPP,
-                       peers.PAGEDKV_B1, peers.PAGEDKV_REPEAT}
-    for name in (peers.PAGEDKV, peers.PAGEDKV_REPEAT, peers.HF_GENERATE.format(bs=2), peers.PAGEDKV_B1):
+    assert set(by) == {peers.PAGEDKV, peers.HF_GENERATE.format(bs=2), peers.HF_CB, peers.PAGEDKV_REPEAT}
+    for name in (peers.PAGEDKV, peers.PAGEDKV_REPEAT, peers.HF_GENERATE.format(bs=2)):
         r = by[name]
         assert r["status"] == "ok", r
         assert r["completed"] == 4 and r["output_tokens"] == data["workload"]["output_tokens"]
@@ -71,7 +57,7 @@ def test_bench_peers_tiny(loaded_model, hf_model, tmp_path):
             assert math.isfinite(r[k]) and r[k] > 0
         for k in ("ttft_s", "tpot_s"):
             assert all(math.isfinite(r[k][q]) and r[k][q] >= 0 for q in ("p50", "p90", "p99"))
-    for name in (peers.HF_CB, peers.LLAMA_CPP):  # may fail or be absent, but never silently
+    for name in (peers.HF_CB,):  # may fail or be absent, but never silently
         r = by[name]
         assert r["status"] in ("ok", "failed", "not installed")
         assert r["status"] == "ok" or r["reason"]
