@@ -7,17 +7,18 @@ alone (batch 1), greedy, up to EOS or ``--max-tokens`` tokens (both sides genera
 tokens); plain and speculative engines alternate
 request by request in one process (a shared host's load changes between two runs), and
 each side's decode tok/s is its generated tokens after the first / the time after the
-first token. When ``llama-cpp-python`` is installed, llama.cpp on the same GGUF runs the
-same prompts plain and with its prompt-lookup decoding (``LlamaPromptLookupDecoding``).
+first token. When ``llama-server`` is built (``make peers``), llama.cpp on the same GGUF runs
+the same prompt token ids plain and with its own C++ n-gram lookup decoding, interleaved with
+pagedkv's sides request by request (``pagedkv.bench.spec_peer``); without it the llama.cpp
+columns say why they were not measured.
 Goals: >= 2x on the repetitive workload, >= 0.95x on free chat.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
+import contextlib
 import time
-from itertools import islice, takewhile
 from typing import Any
 
 from pagedkv.bench.common import add_options, load_fp32_model, log, machine_info, pin_threads, weights_of
@@ -59,7 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ngram (default): plain and prompt lookup; draft:MODEL (a GGUF/HF path or a bundled name, "
                         "e.g. draft:smollm2-135m) adds a draft-model side beside them")
     p.add_argument("--draft-weights", default="auto", help="the draft model's linear-layer format (default auto)")
-    p.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp even when installed")
+    p.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp even when built")
+    p.add_argument("--llama-server", default=None,
+                   help="llama-server binary (default: $PAGEDKV_LLAMA_SERVER, the one `make peers` built, or PATH)")
 
 
 def _timed(gen: Any) -> tuple[int, float]:
@@ -85,26 +88,54 @@ def _pagedkv_run(eng: Any, prompt_ids: list[int], max_tokens: int):
             seen = n
 
 
-def _llama_cpp(path: str, threads: int, prompts: list[list[int]], max_tokens: int, rounds: int) -> Any:
-    """llama.cpp's decode tok/s on ``prompts`` plain and with prompt-lookup drafts (4 tokens),
-    or None when llama-cpp-python is not installed."""
-    try:
-        from llama_cpp import Llama
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-    except ImportError:
-        return None
-    out = {}
-    for name, draft in (("plain", None), ("lookup", LlamaPromptLookupDecoding(num_pred_tokens=4))):
-        llm = Llama(model_path=path, n_ctx=1024, n_threads=threads, n_threads_batch=threads, verbose=False,
-                    draft_model=draft)
-        toks, secs = 0, 0.0
-        for _ in range(rounds):
-            for ids in prompts:
-                gen = llm.generate(ids, temp=0.0, top_k=1, reset=True)
-                n, s = _timed(takewhile(lambda t: t != llm.token_eos(), islice(gen, max_tokens)))
-                toks, secs = toks + n, secs + s
-        out[name] = toks / secs if secs else 0.0
-    return out
+def _lookup_peer(args: argparse.Namespace, loaded: Any, threads: int) -> tuple[Any, dict[str, Any]]:
+    """``(LookupPeer or None, what was run or why not)``: llama.cpp's C++ lookup decoding on the
+    same GGUF when ``llama-server`` is built and the model is a GGUF file."""
+    from pagedkv.bench.serve_peer import binary_facts, find_llama_server
+    from pagedkv.bench.spec_peer import LookupPeer, lookup_flags
+
+    path = str(getattr(loaded, "path", "") or "")
+    if args.no_llama_cpp:
+        return None, {"measured": False, "reason": "--no-llama-cpp"}
+    if not path.endswith(".gguf"):
+        return None, {"measured": False, "reason": "the model is not a GGUF file"}
+    binary = find_llama_server(getattr(args, "llama_server", None))
+    if binary is None:
+        return None, {"measured": False, "reason": "llama-server not found: run `make peers`"}
+    size_n, size_m = max(3, args.ngram_min), args.num_speculative_tokens
+    return LookupPeer(binary, path, threads, size_n, size_m), {
+        "measured": True, "server": binary_facts(binary), "lookup_flags": lookup_flags(size_n, size_m)}
+
+
+def _workload(args: argparse.Namespace, engines: dict[str, Any], peer: Any, workload: str,
+              texts: list[str]) -> dict[str, Any]:
+    """One workload's row: every prompt ``args.rounds`` times on every side, the sides
+    alternating request by request (pagedkv's engines, then llama.cpp plain and lookup)."""
+    prompts = [engines["plain"].apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+    side = {name: [0, 0.0] for name in engines}
+    if peer is not None:
+        peer.reset()
+    for _ in range(args.rounds):
+        for ids in prompts:
+            for name, eng in engines.items():
+                n, s = _timed(_pagedkv_run(eng, ids, args.max_tokens))
+                side[name][0] += n
+                side[name][1] += s
+            if peer is not None:
+                peer.run(ids, args.max_tokens)
+    log(f"[spec] {workload}: {side}" + (f" llama.cpp {peer.totals}" if peer is not None else ""))
+    tps = {name: n / s for name, (n, s) in side.items()}
+    row = {"workload": workload, "plain_tok_s": round(tps["plain"], 2), "ngram_tok_s": round(tps["ngram"], 2),
+           "speedup": round(tps["ngram"] / tps["plain"], 3)}
+    if "draft" in tps:
+        row.update(draft_tok_s=round(tps["draft"], 2), draft_speedup=round(tps["draft"] / tps["plain"], 3))
+    if peer is not None:
+        lc = peer.rates()
+        row.update(llama_cpp_tok_s=round(lc["plain"], 2), llama_cpp_lookup_tok_s=round(lc["lookup"], 2),
+                   llama_cpp_speedup=round(lc["lookup"] / lc["plain"], 3) if lc["plain"] else 0.0,
+                   llama_cpp_acceptance=round(lc["acceptance"], 4), llama_cpp_same_tokens=peer.same_tokens,
+                   ngram_vs_llama_cpp_lookup=round(tps["ngram"] / lc["lookup"], 3) if lc["lookup"] else 0.0)
+    return row
 
 
 def collect(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
@@ -124,28 +155,11 @@ def collect(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
                                ngram_min=args.ngram_min, ngram_max=max(3, args.ngram_min),
                                draft_weights=getattr(args, "draft_weights", "auto"))
                for name, spec in sides}
+    peer, peer_info = _lookup_peer(args, loaded, threads)
     rows = []
-    for workload, texts in WORKLOADS.items():
-        prompts = [engines["plain"].apply_chat_template([{"role": "user", "content": t}]) for t in texts]
-        side = {name: [0, 0.0] for name in engines}
-        for _ in range(args.rounds):
-            for ids in prompts:
-                for name, eng in engines.items():
-                    n, s = _timed(_pagedkv_run(eng, ids, args.max_tokens))
-                    side[name][0] += n
-                    side[name][1] += s
-        log(f"[spec] {workload}: {side}")
-        tps = {name: n / s for name, (n, s) in side.items()}
-        row = {"workload": workload, "plain_tok_s": round(tps["plain"], 2), "ngram_tok_s": round(tps["ngram"], 2),
-               "speedup": round(tps["ngram"] / tps["plain"], 3)}
-        if "draft" in tps:
-            row.update(draft_tok_s=round(tps["draft"], 2), draft_speedup=round(tps["draft"] / tps["plain"], 3))
-        if not args.no_llama_cpp and getattr(loaded, "path", None):
-            lc = _llama_cpp(str(loaded.path), threads, prompts, args.max_tokens, args.rounds)
-            if lc:
-                row.update(llama_cpp_tok_s=round(lc["plain"], 2), llama_cpp_lookup_tok_s=round(lc["lookup"], 2),
-                           llama_cpp_speedup=round(lc["lookup"] / lc["plain"], 3))
-        rows.append(row)
+    with peer or contextlib.nullcontext():
+        for workload, texts in WORKLOADS.items():
+            rows.append(_workload(args, engines, peer, workload, texts))
     st = engines["ngram"].get_stats()
     extra: dict[str, Any] = {}
     if "draft" in engines:
@@ -158,7 +172,7 @@ def collect(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
                    "ngram_min": args.ngram_min, "speculative": draft,
                    "draft_weights": getattr(args, "draft_weights", "auto") if "draft" in engines else None,
                    "rounds": args.rounds, "threads": threads, "weights": weights_of(loaded),
-                   "prompts": WORKLOADS},
+                   "prompts": WORKLOADS, "llama_cpp": peer_info},
         "rows": rows,
         "acceptance_rate": round(st.spec_acceptance_rate, 4),
         "mean_accepted_length": round(st.spec_mean_accepted_length, 3),
@@ -173,7 +187,17 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
     if "draft_acceptance_rate" in data:
         cols += ["draft_tok_s", "draft_speedup"]
     if any("llama_cpp_tok_s" in r for r in data["rows"]):
-        cols += ["llama_cpp_tok_s", "llama_cpp_lookup_tok_s", "llama_cpp_speedup"]
+        cols += ["llama_cpp_tok_s", "llama_cpp_lookup_tok_s", "llama_cpp_speedup", "llama_cpp_acceptance",
+                 "ngram_vs_llama_cpp_lookup"]
+    lc = c.get("llama_cpp") or {"measured": False, "reason": "not recorded"}
+    if lc.get("measured"):
+        variant = ((lc.get("server") or {}).get("build") or {}).get("variant", "unknown")
+        lc_line = (f"llama.cpp: `llama-server` ({variant} build), plain and with its C++ n-gram lookup "
+                   f"(`{' '.join(lc['lookup_flags'])}`), one slot each, the same prompt token ids, interleaved with "
+                   "pagedkv request by request; decode tok/s from the server's own timings (tokens after the first / "
+                   "time after the first). `ngram_vs_llama_cpp_lookup` = pagedkv n-gram / llama.cpp lookup.")
+    else:
+        lc_line = f"llama.cpp: not measured ({lc.get('reason')})."
     return "\n".join([
         f"# Speculative decoding (prompt lookup{', draft model' if 'draft_acceptance_rate' in data else ''}), batch 1",
         "",
@@ -181,6 +205,8 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
         f"drafts per step, {c['weights']} weights, {c['threads']} thread(s), {c['rounds']} rounds, plain and "
         "speculative engines alternating request by request. Decode tok/s = tokens after the first / time after "
         "the first token.",
+        "",
+        lc_line,
         "",
         markdown_table(data["rows"], cols),
         f"Acceptance rate (all workloads): {data['acceptance_rate']:.2f}; mean tokens kept per verified row: "
