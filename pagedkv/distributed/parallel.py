@@ -48,6 +48,9 @@ def check_tp_size(config: ModelConfig, tp_size: int) -> None:
     model can be split over ``tp_size`` ranks."""
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ConfigError(f"tensor_parallel_size must be a positive integer, got {tp_size!r}")
+    if tp_size > 1 and getattr(config, "is_mla", False):
+        raise ConfigError(f"tensor_parallel_size {tp_size}: multi-head latent attention models "
+                          f"({config.architecture}) run on one rank only (no MLA shard: latent replicated, heads split)")
     valid = valid_tp_sizes(config)
     if tp_size not in valid:
         raise ConfigError(
