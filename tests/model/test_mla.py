@@ -121,3 +121,184 @@ def test_logits_equal_transformers_over_paged_latents(family):
     torch.testing.assert_close(torch.cat(got), ref, rtol=1e-4, atol=1e-4)
     assert rows[0] == {"absorbed": 0, "expanded": 13} and rows[-1] == {"absorbed": 1, "expanded": 0}
     assert lm.model._fused_state == lm.model.native_state == "off (MLA layers run eager)"
+
+
+def _reference(hf, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+    refs = []
+    for p in prompts:
+        with torch.inference_mode():
+            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              max_new_tokens=NEW, do_sample=False, num_beams=1, output_logits=True,
+                              return_dict_in_generate=True, pad_token_id=0)
+        toks = out.sequences[0, len(p):].tolist()
+        refs.append((toks, [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(out.logits, toks)]))
+    return refs
+
+
+def _check(outs, refs) -> None:
+    for o, (toks, lps) in zip(outs, refs):
+        c = o.outputs[0]
+        assert c.token_ids == toks
+        got = [step[t] for step, t in zip(c.logprobs, toks)]
+        assert max(abs(a - b) for a, b in zip(got, lps)) < 1e-4
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_engine_greedy_equals_transformers(family, block_size):
+    """Three requests batched with 8-token prefill chunks in a pool too small for them (the
+    scheduler preempts and recomputes), then the third prompt again in an ample pool (a
+    prefix-cache hit on its latents): greedy tokens == ``generate``'s, log-probabilities within
+    1e-4, every block returned."""
+    kind, hf, _, lm = family
+    prompts = [_prompt(30, 2), _prompt(22, 3), _prompt(27, 4)]
+    refs = _reference(hf, prompts)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, logprobs=1)
+    pool = {1: 80, 16: 5}[block_size]  # each request ends at 38-46 tokens: 3 blocks of 16, or 46 of 1
+    llm = LLM(lm, block_size=block_size, num_blocks=pool, max_num_batched_tokens=8, enable_prefix_caching=True,
+              debug_invariants=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.scheduler.stats.num_preemptions > 0
+    assert llm.engine.kv.num_used_blocks == 0
+    _check(outs, refs)
+    big = LLM(lm, block_size=block_size, num_blocks=64 if block_size == 16 else 256, max_num_batched_tokens=8,
+              enable_prefix_caching=True, debug_invariants=True)
+    first = big.generate(prompts[2:], params, use_tqdm=False)
+    again = big.generate(prompts[2:], params, use_tqdm=False)
+    assert again[0].num_cached_tokens >= (16 if block_size == 16 else 26)
+    _check(first + again, refs[2:] * 2)
+    assert big.engine.kv.num_used_blocks == 0
+
+
+def test_allocated_kv_bytes_per_token_equal_the_planner(family):
+    """fp32 and int8 (one bf16 scale per latent): the engine's pool tensors' bytes / (blocks x
+    block size) == ``KVCacheSpec`` of the same directory == the engine's own spec."""
+    kind, hf, path, lm = family
+    for kv_dtype, spec_dtype, per_layer in (("auto", "fp32", (RANK + ROPE) * 4), ("int8", "int8", RANK + ROPE + 2)):
+        llm = LLM(lm, block_size=16, num_blocks=6, kv_cache_dtype=kv_dtype)
+        eng = llm.engine
+        held = sum(c.nbytes for c in eng.runner.shared_caches) / (6 * 16)
+        planned = KVCacheSpec.from_hf_config(path, dtype=spec_dtype).bytes_per_token
+        assert held == planned == eng.kv_spec.bytes_per_token == 3 * per_layer
+        assert eng.kv_spec.is_mla and eng.kv_summary()["bytes_per_token"] == planned
+
+
+@pytest.mark.parametrize("group", [None, 8])
+def test_int8_latent_cache(family, group):
+    """An int8 latent cache (codes + bf16 scales, one scale per latent or per 8 elements): every
+    stored latent is within the quantiser's error bound of the fp32 one, and the logits stay close
+    to transformers' (the quantisation error of the tiny model's inflated latents)."""
+    from pagedkv.attention import quant as Q
+    from pagedkv.model.mla import allocate_latent_cache, read_latent
+
+    kind, hf, _, lm = family
+    ids = _prompt(40, 1)
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    backend = get_backend("cpu")
+    exact = lm.model.allocate_kv_caches(backend, num_blocks=10, block_size=4)
+    quant = [allocate_latent_cache(backend, 10, 4, 1, RANK + ROPE, "int8", "cpu", group) for _ in range(3)]
+    assert quant[0].group_size == (group or RANK + ROPE) and quant[0].value.numel() == 0
+    got = []
+    for start, end in ((0, 20), (20, 21), (21, 22), (22, 40)):
+        md = AttentionMetadata.build([end], [end - start], [list(range(10))], 4)
+        with torch.inference_mode():
+            lm.model(torch.tensor(ids[start:end]), torch.arange(start, end), exact, md, backend)
+            got.append(lm.model.compute_logits(lm.model(torch.tensor(ids[start:end]), torch.arange(start, end),
+                                                        quant, md, backend)))
+    slots = torch.arange(40)
+    for e, q in zip(exact[:1], quant[:1]):  # layer 0's latents depend on the tokens only
+        x = read_latent(e, slots)[:, None]
+        scales = q.layout.read(q.key_scale, slots, 4, 1, q.num_groups)
+        err = (read_latent(q, slots)[:, None].double() - x.double()).abs()
+        assert bool((err <= Q.error_bound(x, scales, q.quant)).all())
+    diff = (torch.cat(got) - ref).abs().max().item()
+    assert diff < 0.5
+
+
+def test_fast_paths_are_not_selected_for_mla(family):
+    """The fused ops, the native step loop and compiled steps each say they are off, and a
+    ``compile_decode`` engine runs every step eager (0 compiled steps) with transformers' tokens."""
+    kind, hf, _, lm = family
+    prompt = _prompt(30, 2)
+    ref = _reference(hf, [prompt])
+    llm = LLM(lm, block_size=16, num_blocks=8, compile_decode=True)
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=NEW), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == ref[0][0]
+    compiled = llm.engine.runner.compiled
+    assert compiled.failed == "MLA layers run eager" and compiled.steps == 0
+    assert lm.model._fused_state == lm.model.native_state == "off (MLA layers run eager)"
+    assert lm.model._native is None and all(layer.fused is None for layer in lm.model.layers)
+
+
+def test_plan_and_engine_agree(family):
+    """``pagedkv plan --model <dir>``'s spec (``kv.example.load_spec``) is the engine's."""
+    from pagedkv.kv.example import load_spec
+
+    kind, hf, path, lm = family
+    spec = load_spec(str(path))[0]
+    eng = LLM(lm, block_size=16, num_blocks=4).engine
+    assert spec.is_mla and spec.bytes_per_token == eng.kv_spec.bytes_per_token == 480
+
+
+def _raw_config(kind: str, **changes) -> dict:
+    cfg, _ = _hf_config(kind)
+    d = cfg.to_dict()
+    d.update(changes)
+    return d
+
+
+def test_moe_layers_and_unsupported_options_raise_config_error():
+    from pagedkv.model.config import ModelConfig
+
+    for kind in ("deepseek_v2", "deepseek_v3"):
+        with pytest.raises(ConfigError, match="n_routed_experts"):
+            ModelConfig.from_hf_config(_raw_config(kind, first_k_dense_replace=1))
+        dense = ModelConfig.from_hf_config(_raw_config(kind, n_routed_experts=None, first_k_dense_replace=0))
+        assert dense.is_mla  # no routed experts: every layer dense
+    with pytest.raises(ConfigError, match="attention_bias"):
+        ModelConfig.from_hf_config(_raw_config("minicpm3", attention_bias=True))
+    with pytest.raises(ConfigError, match="rope_scaling"):
+        ModelConfig.from_hf_config(_raw_config("deepseek_v3", rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                                               "rope_theta": 10000.0}))
+
+
+def test_tensor_parallel_mla_raises_config_error(family):
+    from pagedkv.distributed.parallel import check_tp_size
+
+    kind, hf, path, lm = family
+    with pytest.raises(ConfigError, match="tensor_parallel_size 2: multi-head latent attention"):
+        check_tp_size(lm.config, 2)
+    with pytest.raises(ConfigError, match="tensor_parallel_size 2"):
+        LLM(lm, block_size=16, num_blocks=4, tensor_parallel_size=2)
+
+
+def test_deepseek_v2_lite_shape_allocation_equals_planner():
+    """A DeepSeek-V2-Lite-shaped config (27 layers, 16 heads of 128 + 64, kv_lora_rank 512,
+    qk_rope_head_dim 64; no weights: the model on the meta device) gets a pool of 576 bf16
+    elements per token and layer from the engine's runner, == the planner's, 10.67x less than
+    the same model with MHA (K and V of 16 heads x 192)."""
+    from pagedkv.attention.cpu import CPUBackend
+    from pagedkv.model.config import ModelConfig
+    from pagedkv.model.llama import LlamaForCausalLM
+    from pagedkv.worker.runner import ModelRunner
+
+    lite = {"model_type": "deepseek_v2", "vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944,
+            "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
+            "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "eos_token_id": 100001,
+            "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+            "v_head_dim": 128, "first_k_dense_replace": 27, "n_routed_experts": 64, "torch_dtype": "bfloat16",
+            "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale": 0.707,
+                                "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096,
+                                "beta_fast": 32, "beta_slow": 1}}
+    mc = ModelConfig.from_hf_config(lite)
+    model = LlamaForCausalLM(mc, torch.bfloat16, materialize=False)
+    runner = ModelRunner(model, CPUBackend(), mc.num_layers, 4, 16, mc.cache_kv_heads, mc.cache_head_dim,
+                         torch.bfloat16)
+    held = sum(c.nbytes for c in runner.shared_caches) // (4 * 16)
+    planned = KVCacheSpec.from_hf_config(lite)
+    assert held == planned.bytes_per_token == KVCacheSpec.from_model_config(mc, "bf16").bytes_per_token == 27 * 576 * 2
+    mha = KVCacheSpec(num_layers=27, num_kv_heads=16, head_dim=192, dtype="bf16")
+    assert mha.bytes_per_token == 27 * 2 * 16 * 192 * 2
+    print(f"DeepSeek-V2-Lite KV bytes/token: MLA {held}, MHA {mha.bytes_per_token}, "
+          f"ratio {mha.bytes_per_token / held:.2f}")
+    assert round(mha.bytes_per_token / held, 2) == 10.67
