@@ -302,3 +302,29 @@ def test_deepseek_v2_lite_shape_allocation_equals_planner():
     print(f"DeepSeek-V2-Lite KV bytes/token: MLA {held}, MHA {mha.bytes_per_token}, "
           f"ratio {mha.bytes_per_token / held:.2f}")
     assert round(mha.bytes_per_token / held, 2) == 10.67
+
+
+@pytest.mark.parametrize("weights, bound", [("bf16", 0.25), ("int8", 0.6)])
+def test_quantised_weights_keep_kv_b_proj_a_tensor(family, weights, bound):
+    """``weights=bf16`` / ``int8``: the q, ``kv_a``, o and MLP projections take the format's
+    modules, ``kv_b_proj`` (absorbed per head) stays a float ``nn.Linear``; the logits stay within
+    the format's rounding of the fp32 model's (max |diff| over 40 positions, logits std ~1)."""
+    from pagedkv.model.quant import QuantLinear
+
+    kind, hf, path, lm = family
+    q = load_model(path, weights=weights)
+    layer = q.model.layers[0]
+    assert type(layer.mla.kv_b_proj) is torch.nn.Linear
+    projections = [layer.o_proj, layer.gate_up_proj, layer.down_proj, layer.mla.kv_a_proj_with_mqa,
+                   *(m for m in (layer.mla.q_proj, layer.mla.q_a_proj, layer.mla.q_b_proj) if m is not None)]
+    assert all(isinstance(m, QuantLinear) for m in projections)
+    ids = _prompt(40, 1)
+
+    def logits(model):
+        backend = get_backend("cpu")
+        caches = model.allocate_kv_caches(backend, num_blocks=10, block_size=4)
+        md = AttentionMetadata.build([40], [40], [list(range(10))], 4)
+        with torch.inference_mode():
+            return model.compute_logits(model(torch.tensor(ids), torch.arange(40), caches, md, backend))
+
+    assert (logits(q.model) - logits(lm.model)).abs().max().item() < bound
