@@ -263,16 +263,6 @@ def test_moe_layers_and_unsupported_options_raise_config_error():
                                                                                "rope_theta": 10000.0}))
 
 
-def test_tensor_parallel_mla_raises_config_error(family):
-    from pagedkv.distributed.parallel import check_tp_size
-
-    kind, hf, path, lm = family
-    with pytest.raises(ConfigError, match="tensor_parallel_size 2: multi-head latent attention"):
-        check_tp_size(lm.config, 2)
-    with pytest.raises(ConfigError, match="tensor_parallel_size 2"):
-        LLM(lm, block_size=16, num_blocks=4, tensor_parallel_size=2)
-
-
 def test_deepseek_v2_lite_shape_allocation_equals_planner():
     """A DeepSeek-V2-Lite-shaped config (27 layers, 16 heads of 128 + 64, kv_lora_rank 512,
     qk_rope_head_dim 64; no weights: the model on the meta device) gets a pool of 576 bf16
@@ -350,3 +340,33 @@ def test_parallel_sampling_copies_the_shared_latent_block(family):
     greedy = llm.generate([prompt], SamplingParams(n=2, temperature=0.0, max_tokens=NEW), use_tqdm=False)[0]
     ref = _reference(hf, [prompt])[0][0]
     assert [c.token_ids for c in greedy.outputs] == [ref, ref]
+
+
+def test_tensor_parallel_2_engine_equals_transformers(family, monkeypatch):
+    """``tensor_parallel_size=2`` (two spawned ranks over gloo, heads split, latent replicated):
+    greedy tokens == transformers' with 8-token chunks, preemption in a small pool and n=2
+    sampling equal to one rank's; every rank's cache holds the whole latent (480 B/token). Sizes
+    must divide the 4 heads: 3 is a ``ConfigError``."""
+    from pagedkv.distributed.parallel import check_tp_size
+
+    kind, hf, _, lm = family
+    with pytest.raises(ConfigError, match="tensor_parallel_size 3"):
+        check_tp_size(lm.config, 3)
+    monkeypatch.setenv("PAGEDKV_TP_THREADS", "1")
+    monkeypatch.setenv("PAGEDKV_TP_TIMEOUT", "60")
+    prompts = [_prompt(30, 2), _prompt(22, 3), _prompt(27, 4)]
+    refs = _reference(hf, prompts)
+    opts = dict(block_size=16, num_blocks=5, max_num_batched_tokens=8, enable_prefix_caching=True)
+    tp = LLM(lm, tensor_parallel_size=2, **opts)
+    try:
+        outs = tp.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [r[0] for r in refs]
+        assert tp.engine.scheduler.stats.num_preemptions > 0
+        sp = SamplingParams(n=2, seed=7, temperature=0.8, max_tokens=8, ignore_eos=True)
+        one = LLM(lm, **opts).generate(prompts[:1], sp, use_tqdm=False)[0]
+        two = tp.generate(prompts[:1], sp, use_tqdm=False)[0]
+        assert [c.token_ids for c in two.outputs] == [c.token_ids for c in one.outputs]
+        ranks = tp.engine.executor.query_workers()
+        assert [r["kv_bytes_per_token"] for r in ranks] == [480, 480] == [tp.engine.kv_spec.bytes_per_token] * 2
+    finally:
+        tp.engine.close()
