@@ -231,14 +231,19 @@ def test_fast_paths_are_not_selected_for_mla(family):
     assert lm.model._native is None and all(layer.fused is None for layer in lm.model.layers)
 
 
-def test_plan_and_engine_agree(family):
-    """``pagedkv plan --model <dir>``'s spec (``kv.example.load_spec``) is the engine's."""
-    from pagedkv.kv.example import load_spec
+def test_plan_and_engine_agree(family, capsys):
+    """``pagedkv plan --model <dir>`` sizes the cache the engine allocates: 480 B/token (3 layers
+    x 40 fp32 latent elements), the blocks of a 1 MiB budget, and the engine's pool of that budget."""
+    from pagedkv.cli import main
 
     kind, hf, path, lm = family
-    spec = load_spec(str(path))[0]
-    eng = LLM(lm, block_size=16, num_blocks=4).engine
-    assert spec.is_mla and spec.bytes_per_token == eng.kv_spec.bytes_per_token == 480
+    assert main(["plan", "--model", str(path), "--kv-budget", "1MiB", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    eng = LLM(lm, block_size=16, kv_cache_memory="1MiB").engine
+    assert p["bytes_per_token"] == eng.kv_spec.bytes_per_token == 480
+    assert p["num_blocks"] == eng.num_blocks == 2**20 // (16 * 480) == 136
+    held = sum(c.nbytes for c in eng.runner.shared_caches)
+    assert held == 136 * 16 * 480
 
 
 def _raw_config(kind: str, **changes) -> dict:
