@@ -8,7 +8,8 @@ Both builders are pure (they take already-parsed metadata); files are read by
 
 Supported families: Llama (incl. SmolLM2, Llama 3.x with ``llama3`` RoPE scaling), Mistral
 (sliding window), Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm), Phi-3 (fused checkpoints; not
-LongRoPE), Gemma-2 and Gemma-3 (text): what differs is a few switches, read by
+LongRoPE), Gemma-2 and Gemma-3 (text), and with multi-head latent attention MiniCPM3 and dense
+DeepSeek-V2/V3 (HF directories): what differs is a few switches, read by
 ``pagedkv.model.families``.
 """
 
@@ -346,7 +347,7 @@ class ModelConfig:
         model_id: str = "",
         revision: str = "",
     ) -> "ModelConfig":
-        """Build from a parsed HF ``config.json`` (llama / mistral / qwen2), plus the optional
+        """Build from a parsed HF ``config.json`` (``families.HF_MODEL_TYPES``), plus the optional
         ``generation_config.json`` whose ``eos_token_id`` entries are added to
         ``eos_token_ids``.
 

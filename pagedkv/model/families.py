@@ -101,12 +101,13 @@ def hf_mla_fields(arch: str, config: Mapping[str, Any], num_layers: int) -> dict
     mixture-of-experts layers, ``attention_bias`` for biased MLA projections."""
     if arch not in MLA_ARCHITECTURES:
         return {}
-    if arch != "minicpm3":
-        first_dense = config.get("first_k_dense_replace") or 0
-        if config.get("n_routed_experts") and first_dense < num_layers:
+    if arch != "minicpm3":  # transformers: layer i is a mixture of experts when i >= first_k_dense_replace
+        first_dense = config.get("first_k_dense_replace")
+        first_dense = {"deepseek_v2": 0, "deepseek_v3": 3}[arch] if first_dense is None else int(first_dense)
+        if first_dense < num_layers:
             raise ConfigError(f"n_routed_experts: layers {first_dense}..{num_layers - 1} are mixture-of-experts "
-                              f"layers ({config['n_routed_experts']} experts), which pagedkv does not run yet; only "
-                              "dense DeepSeek configs (first_k_dense_replace >= num_hidden_layers) load")
+                              f"layers ({config.get('n_routed_experts')} experts), which pagedkv does not run yet; "
+                              "only dense DeepSeek configs (first_k_dense_replace >= num_hidden_layers) load")
     if config.get("attention_bias"):
         raise ConfigError("attention_bias: biased MLA projections are not supported")
     nope, rope = int(config["qk_nope_head_dim"]), int(config["qk_rope_head_dim"])

@@ -340,14 +340,10 @@ class LlamaForCausalLM(nn.Module):
         built; ``PAGEDKV_FUSED=0`` keeps torch ops). Runs once, at the first forward."""
         from pagedkv.model import fused
 
-        ops = fused.get() if self.device.type == "cpu" and self.dtype == torch.float32 else None
-        if self.config.is_mla:
-            ops = None
+        if self.config.is_mla:  # pagedkv.model.mla has no fused or native form
             self._fused_state = self.native_state = "off (MLA layers run eager)"
-            self._native = None
-            for layer in self.layers:
-                layer.fused = None
             return
+        ops = fused.get() if self.device.type == "cpu" and self.dtype == torch.float32 else None
         for layer in self.layers:
             layer.fused = ops if layer.fusable else None
         self._fused_state = "on" if ops is not None else f"off ({fused.build_error() or 'not a float32 CPU model'})"

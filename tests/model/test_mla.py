@@ -259,8 +259,10 @@ def test_moe_layers_and_unsupported_options_raise_config_error():
     for kind in ("deepseek_v2", "deepseek_v3"):
         with pytest.raises(ConfigError, match="n_routed_experts"):
             ModelConfig.from_hf_config(_raw_config(kind, first_k_dense_replace=1))
-        dense = ModelConfig.from_hf_config(_raw_config(kind, n_routed_experts=None, first_k_dense_replace=0))
-        assert dense.is_mla  # no routed experts: every layer dense
+        with pytest.raises(ConfigError, match="n_routed_experts"):  # transformers' default: 0 (V2) / 3 (V3)
+            ModelConfig.from_hf_config({k: v for k, v in _raw_config(kind, num_hidden_layers=4).items()
+                                        if k != "first_k_dense_replace"})
+        assert ModelConfig.from_hf_config(_raw_config(kind, first_k_dense_replace=5)).is_mla  # >= 3 layers: dense
     with pytest.raises(ConfigError, match="attention_bias"):
         ModelConfig.from_hf_config(_raw_config("minicpm3", attention_bias=True))
     with pytest.raises(ConfigError, match="rope_scaling"):
