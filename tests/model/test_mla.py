@@ -388,3 +388,22 @@ def test_absorbed_form_for_decode_and_short_chunks_at_the_lite_shape():
 
     lite = dict(context=512, heads=16, rank=512, nope=128, rope=64, v=128)
     assert [absorb(rows, **lite) for rows in (1, 16, 100, 200, 256)] == [True, True, True, False, False]
+
+
+def test_host_tier_round_trips_latent_blocks(family):
+    """Latent blocks evicted from a 16-block pool to a host tier come back on a prefix hit
+    (1,920 bytes a block: 4 tokens x 480), and the tokens stay transformers'."""
+    kind, hf, _, lm = family
+    prompts = [_prompt(30, 2), _prompt(22, 3), _prompt(27, 4)]
+    refs = _reference(hf, prompts)
+    llm = LLM(lm, block_size=4, num_blocks=16, enable_prefix_caching=True, kv_offload=["host:1MiB"],
+              debug_invariants=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW)
+    outs = llm.generate(prompts, sp, use_tqdm=False) + llm.generate(prompts[:1], sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [r[0] for r in refs + refs[:1]]
+    tiers = llm.engine.get_stats().kv_tiers
+    host, moved = tiers["tiers"]["host"], tiers["transfer"]
+    assert host["hit_blocks"] > 0 and outs[-1].num_cached_tokens >= 28
+    assert moved["bytes"]["pool->host"] == moved["blocks"]["pool->host"] * 4 * 480
+    assert moved["bytes"]["host->pool"] == moved["blocks"]["host->pool"] * 4 * 480
+    llm.engine.close()
