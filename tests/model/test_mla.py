@@ -7,7 +7,8 @@ Three tiny random-weight families built with transformers and saved as HF direct
 * ``deepseek_v2``: every layer dense (``first_k_dense_replace`` = ``num_hidden_layers``), the
   complex (interleaved) rotary, yarn RoPE scaling with ``mscale_all_dim`` (softmax scale times
   mscale^2, cos/sin times the attention factor);
-* ``deepseek_v3``: dense, ``q_lora_rank`` null (one ``q_proj``), ``rope_interleave``.
+* ``deepseek_v3``: dense, ``q_lora_rank`` null (one ``q_proj``), ``rope_interleave`` (and once
+  without it: rotate-half).
 
 ``v_head_dim`` differs from ``qk_nope_head_dim`` in all three. The paged cache holds one latent
 (``kv_lora_rank + qk_rope_head_dim`` elements) per token and layer; the allocated pool's bytes per
@@ -59,8 +60,13 @@ def _hf_config(kind: str):
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request, tmp_path_factory):
     """(kind, transformers model, directory, pagedkv LoadedModel)."""
-    kind = request.param
+    return _build(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def _build(kind: str, out, **changes):
     cfg, cls = _hf_config(kind)
+    for key, value in changes.items():
+        setattr(cfg, key, value)
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     hf = cls(cfg).eval()
@@ -70,7 +76,6 @@ def family(request, tmp_path_factory):
                 p.add_(torch.randn_like(p) * 0.3)
             elif any(k in name for k in ("q_proj", "q_b_proj", "kv_a_proj", "kv_b_proj", "o_proj", "embed_tokens")):
                 p.mul_(3.0)
-    out = tmp_path_factory.mktemp(kind)
     hf.save_pretrained(out)
     from tests.model.test_llama import _tiny_tokenizer
 
@@ -142,6 +147,23 @@ def _check(outs, refs) -> None:
         assert c.token_ids == toks
         got = [step[t] for step, t in zip(c.logprobs, toks)]
         assert max(abs(a - b) for a, b in zip(got, lps)) < 1e-4
+
+
+def test_deepseek_v3_rotate_half_rope(tmp_path):
+    """DeepSeek-V3 with ``rope_interleave`` false: plain rotate-half RoPE, logits == transformers'."""
+    kind, hf, _, lm = _build("deepseek_v3", tmp_path, rope_interleave=False)
+    assert not lm.config.rope_interleave
+    ids = _prompt(24, 1)
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+        backend = get_backend("cpu")
+        caches = lm.model.allocate_kv_caches(backend, num_blocks=8, block_size=4)
+        got = []
+        for start, end in ((0, 20), (20, 21), (21, 24)):
+            md = AttentionMetadata.build([end], [end - start], [list(range(6))], 4)
+            got.append(lm.model.compute_logits(lm.model(torch.tensor(ids[start:end]), torch.arange(start, end),
+                                                        caches, md, backend)))
+    torch.testing.assert_close(torch.cat(got), ref, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("block_size", [1, 16])
