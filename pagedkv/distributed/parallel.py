@@ -13,6 +13,10 @@ ranks (``N`` = ``tensor_parallel_size``):
 * KV heads: when ``Hkv >= N`` each rank owns ``Hkv/N`` of them; when ``Hkv < N`` each head is
   **replicated** on ``N/Hkv`` ranks and each rank holds one (what ``KVCacheSpec(tp_size=N)``
   reports). The query heads of a rank always map onto the KV heads it holds.
+* Multi-head latent attention (``pagedkv.model.mla``): the query projection and ``kv_b_proj``
+  are split by heads, ``o_proj`` row-parallel as above; the latent's projections and norms are
+  **replicated**, and every rank caches the whole latent (one vector per token and layer, as
+  ``KVCacheSpec(kv_lora_rank=..., tp_size=N)`` counts: replication ``N``). Valid sizes divide ``Hq``.
 * Embedding, final norm and LM head are **replicated**, not vocab-parallel. Reason: sampling
   happens once, on the driver (rank 0); with a replicated head only rank 0 computes logits, for
   the sampled rows only, and no collective is needed for them. A vocab-parallel head would cost
@@ -122,6 +126,8 @@ def shard_state_dict(
     are new contiguous tensors. Raises ``ConfigError`` on a tensor of the wrong shape.
     """
     d, hq, hkv, inter = config.head_dim, config.num_heads, config.num_kv_heads, config.intermediate_size
+    if config.is_mla:
+        return _shard_mla(config, state, shard)
     q0, q1 = (h * d for h in shard.q_heads)
     k0, k1 = (hq * d + h * d for h in shard.kv_heads)
     v0, v1 = ((hq + hkv) * d + h * d for h in shard.kv_heads)
@@ -135,6 +141,37 @@ def shard_state_dict(
         elif leaf == "o_proj":
             _expect(name, w, 1, hq * d)
             out[name] = w[:, q0:q1].contiguous()
+        elif leaf == "gate_up_proj":
+            _expect(name, w, 0, 2 * inter)
+            out[name] = torch.cat([w[m0:m1], w[inter + m0 : inter + m1]]).contiguous()
+        elif leaf == "down_proj":
+            _expect(name, w, 1, inter)
+            out[name] = w[:, m0:m1].contiguous()
+        else:
+            out[name] = w
+    return out
+
+
+def _shard_mla(config: ModelConfig, state: Mapping[str, torch.Tensor], shard: TPShard) -> dict[str, torch.Tensor]:
+    """``shard_state_dict`` of a multi-head latent attention model (``pagedkv.model.mla``): the
+    query projection (``mla.q_proj`` / ``mla.q_b_proj``) and ``mla.kv_b_proj`` rows and the
+    ``o_proj`` columns of the rank's heads, the MLP as for every model; the latent's own
+    projections and norms (``q_a_*``, ``kv_a_*``) are replicated, so every rank writes the whole
+    latent into its own cache (``KVCacheSpec``: the latent is replicated on every rank)."""
+    h0, h1 = shard.q_heads
+    qk, v, nope, inter = config.head_dim, config.v_head_dim, config.qk_nope_head_dim, config.intermediate_size
+    hq, (m0, m1) = config.num_heads, shard.mlp
+    rows = {"q_proj": (qk, hq * qk), "q_b_proj": (qk, hq * qk), "kv_b_proj": (nope + v, hq * (nope + v))}
+    out: dict[str, torch.Tensor] = {}
+    for name, w in state.items():
+        leaf = name.rsplit(".", 2)[-2] if name.startswith("layers.") else ""
+        if ".mla." in name and leaf in rows:
+            per, total = rows[leaf]
+            _expect(name, w, 0, total)
+            out[name] = w[h0 * per:h1 * per].contiguous()
+        elif leaf == "o_proj":
+            _expect(name, w, 1, hq * v)
+            out[name] = w[:, h0 * v:h1 * v].contiguous()
         elif leaf == "gate_up_proj":
             _expect(name, w, 0, 2 * inter)
             out[name] = torch.cat([w[m0:m1], w[inter + m0 : inter + m1]]).contiguous()

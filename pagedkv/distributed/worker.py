@@ -137,7 +137,7 @@ class Rank:
         self.runner = self.worker.init_cache(
             self.num_blocks, self.block_size, init.get("kv_cache_dtype") or dtype,
             quant_group_size=init.get("kv_quant_group_size"), layer_windows=config.layer_windows(),
-            num_kv_heads=self.shard.num_kv_heads,
+            num_kv_heads=config.cache_kv_heads if config.is_mla else self.shard.num_kv_heads,  # MLA: the latent
         )
 
     def connect(self, groups: Groups) -> None:

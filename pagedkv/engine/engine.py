@@ -87,7 +87,7 @@ class LLMEngine:
         # the KV cache format: a plain dtype, or int8/fp8 codes + bf16 scales per group
         self.kv_cache_dtype = kv_cache_dtype(cfg.kv_cache_dtype, dtype)
         quant = FORMATS.get(self.kv_cache_dtype)  # a group size without one: EngineConfig raised
-        self.kv_quant_group_size = check_group_size(cfg.kv_quant_group_size, mc.head_dim) if quant else None
+        self.kv_quant_group_size = check_group_size(cfg.kv_quant_group_size, mc.cache_head_dim) if quant else None
         # per layer its sliding window (None: full); all-full models keep one layer group
         windows = mc.layer_windows()
         self.layer_windows = windows if windows and any(w is not None for w in windows) else None

@@ -4,7 +4,7 @@ Formulas (all results in bytes):
 
 * MHA / GQA / MQA: per layer per token ``2 (K and V) x Hkv x d x b``; the whole model
   multiplies by the number of layers ``L``: ``2 . L . Hkv . d . b``.
-* MLA (DeepSeek-V2/V3): one compressed latent of ``kv_lora_rank + qk_rope_head_dim``
+* MLA (DeepSeek-V2/V3, MiniCPM3; the engine runs it, ``pagedkv.model.mla``): one compressed latent of ``kv_lora_rank + qk_rope_head_dim``
   elements per token per layer (no x2, no heads): ``L . (r + rope) . b``.
 * Quantised caches (what the engine allocates for ``kv_cache_dtype``, see
   ``pagedkv.attention.quant``):
@@ -57,7 +57,7 @@ CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
 
 # HF ``model_type`` values from_hf_config understands.
 _MHA_TYPES = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "phi3", "gemma", "gemma2", "gemma3", "gemma3_text")
-_MLA_TYPES = ("deepseek_v2", "deepseek_v3")
+_MLA_TYPES = ("deepseek_v2", "deepseek_v3", "minicpm3")
 
 
 def check_group_size(group_size: int | None, head_dim: int) -> int:
@@ -241,7 +241,7 @@ class KVCacheSpec:
         ``cfg`` is a dict, a path to a ``config.json`` (or its folder), or the name of a
         shipped config (see ``known_configs()``, e.g. ``"llama-3-8b"``). ``dtype=None``
         uses the config's ``torch_dtype``/``dtype`` (bf16 if absent). Architectures:
-        llama, qwen2/qwen3, mistral/mixtral, phi3, gemma/gemma2/gemma3, deepseek_v2/v3 (MLA).
+        llama, qwen2/qwen3, mistral/mixtral, phi3, gemma/gemma2/gemma3, deepseek_v2/v3 and minicpm3 (MLA).
         Sliding-window layers (``pagedkv.model_config.hf_layer_windows``, the rules the model
         reads too) get their own layer group, sized by their window.
 
@@ -323,8 +323,14 @@ class KVCacheSpec:
         """Spec of the cache the engine allocates for a loaded model: ``mc`` is a
         ``pagedkv.model.config.ModelConfig`` (read for ``num_layers``, ``num_kv_heads``,
         ``head_dim`` and ``layer_windows()``, whose rules are ``pagedkv.model_config``'s, as
-        ``from_hf_config``'s and ``from_gguf``'s are). ``dtype``: the cache dtype; ``kw``: the
+        ``from_hf_config``'s and ``from_gguf``'s are; an MLA model, ``kv_lora_rank`` set, gives
+        an MLA spec as ``from_hf_config`` does). ``dtype``: the cache dtype; ``kw``: the
         other fields (``quant_group_size``, ...). Raises ``ConfigError`` on a bad field."""
+        r = getattr(mc, "kv_lora_rank", None)
+        if r is not None:
+            rope = mc.qk_rope_head_dim
+            return cls(num_layers=mc.num_layers, num_kv_heads=1, head_dim=r + rope, dtype=dtype, tp_size=tp_size,
+                       kv_lora_rank=r, qk_rope_head_dim=rope, **kw)
         return cls(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, dtype=dtype,
                    tp_size=tp_size, layer_windows=_windowed(mc.layer_windows()), **kw)
 

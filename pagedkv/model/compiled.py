@@ -300,6 +300,10 @@ def compile_decode(model: torch.nn.Module, max_rows: int = 64, progress: bool = 
     if isinstance(cd, CompiledDecode) and cd.model is model and cd.max_rows == max_rows and cd.failed is None:
         return cd
     cd = CompiledDecode(model, max_rows)
+    if getattr(getattr(model, "config", None), "is_mla", False):  # pagedkv.model.mla has no traced form
+        cd.failed = "MLA layers run eager"
+        logger.info("compiled decode steps: off (%s)", cd.failed)
+        return cd
     model._pagedkv_compiled_decode = cd
     seconds = cd.warm_up(progress)
     if cd.failed is None:

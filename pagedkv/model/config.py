@@ -8,7 +8,8 @@ Both builders are pure (they take already-parsed metadata); files are read by
 
 Supported families: Llama (incl. SmolLM2, Llama 3.x with ``llama3`` RoPE scaling), Mistral
 (sliding window), Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm), Phi-3 (fused checkpoints; not
-LongRoPE), Gemma-2 and Gemma-3 (text): what differs is a few switches, read by
+LongRoPE), Gemma-2 and Gemma-3 (text), and with multi-head latent attention MiniCPM3 and dense
+DeepSeek-V2/V3 (HF directories): what differs is a few switches, read by
 ``pagedkv.model.families``.
 """
 
@@ -22,12 +23,13 @@ from pagedkv.errors import ConfigError
 from pagedkv.model import families
 from pagedkv.model_config import LAYER_TYPES, layer_windows
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3",
+                           "minicpm3", "deepseek_v2", "deepseek_v3")
 
 _MISSING: Any = object()  # "no default" sentinel of the builders' key lookups
 
 # RoPE variants implemented by ``pagedkv.model.llama.rope_inv_freq``.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "yarn")
 
 
 @dataclass
@@ -60,6 +62,14 @@ class ModelConfig:
     (``None``: on every layer when ``sliding_window`` is set); ``rope_local_theta``: RoPE base
     of the sliding layers (Gemma-3; ``None``: ``rope_theta``, and ``rope_scaling`` applies to
     every layer).
+
+    Multi-head latent attention (MiniCPM3, DeepSeek-V2/V3; ``pagedkv.model.mla``) when
+    ``kv_lora_rank`` is set: ``q_lora_rank`` (``None``: one ``q_proj``), ``qk_nope_head_dim`` /
+    ``qk_rope_head_dim`` (each query/key head is ``nope + rope``; ``head_dim`` is their sum),
+    ``v_head_dim``, ``rope_interleave`` (DeepSeek's adjacent-pair rotary); ``residual_scale``
+    (each block's two branches times it: MiniCPM3's ``scale_depth / sqrt(L)``) and
+    ``logits_scaling`` (final hidden states divided by it before the LM head: MiniCPM3's
+    ``hidden_size / dim_model_base``).
     """
 
     architecture: str
@@ -91,6 +101,14 @@ class ModelConfig:
     sliding_window: int | None = None
     layer_types: list[str] | None = None
     rope_local_theta: float | None = None
+    kv_lora_rank: int | None = None
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
+    residual_scale: float = 1.0
+    logits_scaling: float = 1.0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -121,8 +139,9 @@ class ModelConfig:
         for t in self.eos_token_ids + ([self.bos_token_id] if self.bos_token_id is not None else []):
             if not 0 <= t < self.vocab_size:
                 raise ConfigError(f"eos_token_ids/bos_token_id: id {t} outside vocab [0, {self.vocab_size})")
-        self.rope_scaling = _check_rope_scaling(self.rope_scaling, self.head_dim)
+        self.rope_scaling = _check_rope_scaling(self.rope_scaling, self.rope_dim)
         self._check_family()
+        families.check_mla(self)
 
     def _check_family(self) -> None:
         ACTIVATIONS = families.ACTIVATIONS
@@ -155,6 +174,26 @@ class ModelConfig:
         return layer_windows(self.sliding_window, self.layer_types, self.num_layers)
 
     # ---- derived sizes -------------------------------------------------------------------
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (``kv_lora_rank`` set)."""
+        return self.kv_lora_rank is not None
+
+    @property
+    def rope_dim(self) -> int:
+        """Elements of a head that RoPE rotates: ``qk_rope_head_dim`` for MLA, else ``head_dim``."""
+        return self.qk_rope_head_dim if self.is_mla else self.head_dim
+
+    @property
+    def cache_kv_heads(self) -> int:
+        """KV heads of the paged cache: 1 for MLA (the latent), else ``num_kv_heads``."""
+        return 1 if self.is_mla else self.num_kv_heads
+
+    @property
+    def cache_head_dim(self) -> int:
+        """Elements of one cached vector: ``kv_lora_rank + qk_rope_head_dim`` for MLA, else ``head_dim``."""
+        return self.kv_lora_rank + self.qk_rope_head_dim if self.is_mla else self.head_dim
+
     @property
     def q_size(self) -> int:
         """Width of the query projection output: ``num_heads * head_dim``."""
@@ -308,7 +347,7 @@ class ModelConfig:
         model_id: str = "",
         revision: str = "",
     ) -> "ModelConfig":
-        """Build from a parsed HF ``config.json`` (llama / mistral / qwen2), plus the optional
+        """Build from a parsed HF ``config.json`` (``families.HF_MODEL_TYPES``), plus the optional
         ``generation_config.json`` whose ``eos_token_id`` entries are added to
         ``eos_token_ids``.
 
@@ -331,6 +370,9 @@ class ModelConfig:
         num_heads = _as_int(req("num_attention_heads"), "num_attention_heads")
         hidden = _as_int(req("hidden_size"), "hidden_size")
         head_dim = config.get("head_dim") or hidden // num_heads
+        if model_type in families.MLA_ARCHITECTURES:  # a query/key head is nope + rope elements
+            head_dim = _as_int(req("qk_nope_head_dim"), "qk_nope_head_dim") + _as_int(req("qk_rope_head_dim"),
+                                                                                      "qk_rope_head_dim")
 
         theta, scaling, local_theta = families.hf_rope(config)
         num_layers = _as_int(req("num_hidden_layers"), "num_hidden_layers")
@@ -369,6 +411,7 @@ class ModelConfig:
             attention_bias=True if model_type == "qwen2" else bool(config.get("attention_bias", False)),
             rope_local_theta=local_theta,
             **families.hf_family_fields(model_type, config, num_layers),
+            **families.hf_mla_fields(model_type, config, num_layers),
         )
 
 
@@ -408,6 +451,7 @@ def _check_rope_scaling(scaling: Mapping[str, Any] | None, head_dim: int) -> dic
         "linear": ("factor",),
         "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
         "freq_factors": ("factors",),
+        "yarn": ("factor", "original_max_position_embeddings"),
     }[rope_type]
     for key in need:
         if scaling.get(key) is None:

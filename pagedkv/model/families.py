@@ -17,6 +17,12 @@ gemma2     ``layer_types`` alternating sliding / full (every 2nd layer full); at
            ``embed_scale`` sqrt(hidden); ``attn_scale`` = ``query_pre_attn_scalar ** -0.5``
 gemma3     gemma2's switches plus ``qk_norm``; every 6th layer full (``sliding_window_pattern``
            or ``layer_types``); ``rope_local_theta`` for the sliding layers' RoPE base
+minicpm3   multi-head latent attention (``kv_lora_rank`` ..., ``pagedkv.model.mla``); embeddings
+           times ``scale_emb``; both residual branches times ``scale_depth / sqrt(L)``; final
+           hidden states divided by ``hidden_size / dim_model_base`` before the (tied) LM head
+deepseek_  multi-head latent attention with DeepSeek's interleaved rotary (V2 always, V3 with
+v2 / v3    ``rope_interleave``) and yarn ``mscale``; dense layers only (``first_k_dense_replace
+           >= num_hidden_layers``): a mixture-of-experts layer raises ``ConfigError``
 =========  =====================================================================================
 
 Which layers slide, and by how much, is read by ``pagedkv.model_config`` (the one reader the KV
@@ -36,11 +42,15 @@ from pagedkv.model_config import gguf_layout, hf_layout
 
 #: HF ``model_type`` values -> our architecture names.
 HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-                  "gemma2": "gemma2", "gemma3_text": "gemma3"}
+                  "gemma2": "gemma2", "gemma3_text": "gemma3", "minicpm3": "minicpm3",
+                  "deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3"}
 #: HF ``architectures`` entries -> our architecture names (when ``model_type`` is missing).
 HF_ARCH_CLASSES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                    "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
-                   "Gemma3ForCausalLM": "gemma3"}
+                   "Gemma3ForCausalLM": "gemma3", "MiniCPM3ForCausalLM": "minicpm3",
+                   "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
+#: families with multi-head latent attention (``pagedkv.model.mla``).
+MLA_ARCHITECTURES = ("minicpm3", "deepseek_v2", "deepseek_v3")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 _GEMMA = ("gemma2", "gemma3")
 
@@ -83,6 +93,61 @@ def hf_family_fields(arch: str, config: Mapping[str, Any], num_layers: int) -> d
             final_logit_softcap=_cap(config, "final_logit_softcapping"),
         )
     return out
+
+
+def hf_mla_fields(arch: str, config: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    """The multi-head latent attention fields of ``ModelConfig`` (``{}`` for other families).
+    Raises ``ConfigError`` naming ``n_routed_experts`` for a DeepSeek config with
+    mixture-of-experts layers, ``attention_bias`` for biased MLA projections."""
+    if arch not in MLA_ARCHITECTURES:
+        return {}
+    if arch != "minicpm3":  # transformers: layer i is a mixture of experts when i >= first_k_dense_replace
+        first_dense = config.get("first_k_dense_replace")
+        first_dense = {"deepseek_v2": 0, "deepseek_v3": 3}[arch] if first_dense is None else int(first_dense)
+        if first_dense < num_layers:
+            raise ConfigError(f"n_routed_experts: layers {first_dense}..{num_layers - 1} are mixture-of-experts "
+                              f"layers ({config.get('n_routed_experts')} experts), which pagedkv does not run yet; "
+                              "only dense DeepSeek configs (first_k_dense_replace >= num_hidden_layers) load")
+    if config.get("attention_bias"):
+        raise ConfigError("attention_bias: biased MLA projections are not supported")
+    nope, rope = int(config["qk_nope_head_dim"]), int(config["qk_rope_head_dim"])
+    hidden = int(config["hidden_size"])
+    out: dict[str, Any] = {
+        "kv_lora_rank": config.get("kv_lora_rank"), "q_lora_rank": config.get("q_lora_rank"),
+        "qk_nope_head_dim": nope, "qk_rope_head_dim": rope,
+        "v_head_dim": config.get("v_head_dim") or hidden // int(config["num_attention_heads"]),
+        "rope_interleave": arch == "deepseek_v2" or (arch == "deepseek_v3" and config.get("rope_interleave", True)),
+    }
+    if arch == "minicpm3":
+        depth = config.get("scale_depth")
+        depth = math.sqrt(num_layers) if depth is None else float(depth)
+        base = config.get("dim_model_base") or hidden
+        out.update(embed_scale=float(config.get("scale_emb", 12) or 1.0), residual_scale=depth / math.sqrt(num_layers),
+                   logits_scaling=hidden / float(base))
+    return out
+
+
+def check_mla(c: Any) -> None:
+    """Validate a ``ModelConfig``'s MLA fields (see its doc). Raises ``ConfigError`` naming the field."""
+    if c.rope_scaling is not None and c.rope_scaling["rope_type"] == "yarn" and not c.is_mla:
+        raise ConfigError("rope_scaling: yarn is supported for the MLA families only (minicpm3, deepseek_v2/v3)")
+    if not c.is_mla:
+        return
+    for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim") + (
+            ("q_lora_rank",) if c.q_lora_rank is not None else ()):
+        v = getattr(c, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ConfigError(f"{name}: must be a positive integer, got {v!r}")
+    if c.qk_rope_head_dim % 2:
+        raise ConfigError(f"qk_rope_head_dim: must be even for RoPE, got {c.qk_rope_head_dim}")
+    if c.head_dim != c.qk_nope_head_dim + c.qk_rope_head_dim:
+        raise ConfigError(f"head_dim: {c.head_dim} != qk_nope_head_dim + qk_rope_head_dim for MLA")
+    if c.sliding_window is not None or c.qk_norm or c.sandwich_norms or c.attn_logit_softcap is not None:
+        raise ConfigError("kv_lora_rank: MLA layers take no sliding window, q/k norms, sandwich norms or soft-cap")
+    for name in ("residual_scale", "logits_scaling"):
+        v = getattr(c, name)
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            raise ConfigError(f"{name}: must be a positive number, got {v!r}")
 
 
 def _cap(config: Mapping[str, Any], key: str) -> float | None:

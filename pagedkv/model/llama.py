@@ -1,4 +1,5 @@
-"""The decoder (Llama, SmolLM2, Mistral, Qwen2/3, Phi-3, Gemma-2/3) on a flat token batch.
+"""The decoder (Llama, SmolLM2, Mistral, Qwen2/3, Phi-3, Gemma-2/3, MiniCPM3, DeepSeek-V2/V3 dense)
+on a flat token batch.
 
 The engine packs every scheduled token of every sequence into one flat batch of ``T`` rows
 (prefill chunks and decode tokens mixed); there is no batch dimension and no padding. Each
@@ -25,6 +26,10 @@ Weights (state-dict names, ``H`` = hidden_size, ``I`` = intermediate_size, ``d``
 * ``sandwich_norms``: ``layers.{i}.pre_feedforward_layernorm.weight`` /
   ``post_feedforward_layernorm.weight`` ``[H]`` (``post_attention_layernorm`` then normalises
   the attention output instead of the MLP input)
+* multi-head latent attention (``config.kv_lora_rank`` set; MiniCPM3, DeepSeek): no ``qkv_proj``;
+  ``layers.{i}.mla.*`` (``pagedkv.model.mla.MLAttention``) and ``o_proj.weight``
+  ``[H, num_heads * v_head_dim]``; the paged cache holds one latent per token and layer. These
+  layers run the eager torch path (never the fused ops, the native step or compiled steps).
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ class KVCacheShape(NamedTuple):
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Inverse frequencies ``[head_dim / 2]`` fp32 of the model's RoPE (after any
     ``rope_scaling``): rotation angle of pair ``j`` at position ``p`` is ``p * inv_freq[j]``."""
-    d = config.head_dim
+    d = config.rope_dim
     inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     rs = config.rope_scaling
     if rs is None:
@@ -64,6 +69,10 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     kind = rs["rope_type"]
     if kind == "linear":
         return inv / float(rs["factor"])
+    if kind == "yarn":
+        from pagedkv.model.mla import yarn_inv_freq
+
+        return yarn_inv_freq(rs, d, config.rope_theta)[0]
     if kind == "freq_factors":
         return inv / torch.tensor(rs["factors"], dtype=torch.float32)
     if kind == "llama3":
@@ -86,6 +95,12 @@ def rope_cos_sin(config: ModelConfig, num_positions: int) -> tuple[torch.Tensor,
     ``0 .. num_positions - 1`` (angles computed in fp32 as transformers does)."""
     inv = rope_inv_freq(config)
     angles = torch.arange(num_positions, dtype=torch.int64).float()[:, None] * inv[None, :]
+    rs = config.rope_scaling
+    if rs is not None and rs["rope_type"] == "yarn":  # cos/sin times yarn's attention factor
+        from pagedkv.model.mla import yarn_inv_freq
+
+        f = yarn_inv_freq(rs, config.rope_dim, config.rope_theta)[1]
+        return angles.cos() * f, angles.sin() * f
     return angles.cos(), angles.sin()
 
 
@@ -109,7 +124,16 @@ class DecoderLayer(nn.Module):
                                                ("logits_soft_cap", config.attn_logit_softcap)) if v is not None}
         self.local_rope = window is not None and config.rope_local_theta is not None
         self.input_layernorm = _RMSNormWeight(h, **kw)
-        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=config.attention_bias, **kw)
+        # multi-head latent attention (pagedkv.model.mla) in place of qkv_proj, or None
+        self.mla: Any = None
+        self.residual_scale = config.residual_scale  # MiniCPM3: both branches times it
+        if config.is_mla:
+            from pagedkv.model.mla import MLAttention
+
+            self.mla, self.q_size = MLAttention(config, **kw), config.num_heads * config.v_head_dim
+            self.qkv_proj = None
+        else:
+            self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=config.attention_bias, **kw)
         self.o_proj = nn.Linear(self.q_size, h, bias=False, **kw)
         self.post_attention_layernorm = _RMSNormWeight(h, **kw)
         self.gate_up_proj = nn.Linear(h, 2 * config.intermediate_size, bias=False, **kw)
@@ -123,7 +147,7 @@ class DecoderLayer(nn.Module):
         self.all_reduce: Callable[[torch.Tensor], None] | None = None
         # pagedkv.model.fused ops, set by LlamaForCausalLM for a float32 model on the CPU when
         # this layer's shape allows them (no q/k norms, no sandwich norms); None = torch ops.
-        self.fusable = not config.qk_norm and not config.sandwich_norms
+        self.fusable = not config.qk_norm and not config.sandwich_norms and not config.is_mla
         self.fused: Any = None
 
     def forward(
@@ -139,6 +163,11 @@ class DecoderLayer(nn.Module):
         **in place**; ``cos``/``sin`` ``[T, 1, d/2]`` are the tokens' RoPE rows."""
         if self.fused is not None and self.all_reduce is None:
             return self._forward_fused(residual, cos, sin, kv_cache, md, backend)
+        if self.mla is not None:  # the latent cache is read by pagedkv.model.mla, not the backend
+            x = self._norm(residual, self.input_layernorm)
+            with profile_scope("pagedkv.attention"):
+                o = self.mla(x, cos, sin, kv_cache, md)
+            return self._residual_mlp(residual, self.o_proj(o))
 
         self.forward_with(residual, cos, sin, lambda q, k, v: self.attention(q, k, v, kv_cache, md, backend))
 
@@ -168,9 +197,14 @@ class DecoderLayer(nn.Module):
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
         v = qkv[:, self.q_size + self.kv_size :].reshape(t, self.num_kv_heads, self.head_dim).contiguous()
         o = attend(q, k, v)
-        attn_out = self.o_proj(o.reshape(t, self.q_size))
+        self._residual_mlp(residual, self.o_proj(o.reshape(t, self.q_size)))
+
+    def _residual_mlp(self, residual: torch.Tensor, attn_out: torch.Tensor) -> None:
+        """Add the attention output ``[T, H]`` to ``residual``, then the MLP branch (in place)."""
         if self.all_reduce is not None:
             self.all_reduce(attn_out)
+        if self.residual_scale != 1.0:
+            attn_out = attn_out * self.residual_scale
         if self.pre_feedforward_layernorm is not None:  # sandwich norms (Gemma)
             residual.add_(self._norm(attn_out, self.post_attention_layernorm))
             x = self._norm(residual, self.pre_feedforward_layernorm)
@@ -187,7 +221,7 @@ class DecoderLayer(nn.Module):
             self.all_reduce(mlp_out)
         if self.post_feedforward_layernorm is not None:
             mlp_out = self._norm(mlp_out, self.post_feedforward_layernorm)
-        residual.add_(mlp_out)
+        residual.add_(mlp_out if self.residual_scale == 1.0 else mlp_out * self.residual_scale)
 
     def _forward_fused(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: Any,
                        md: AttentionMetadata, backend: AttentionBackend) -> None:
@@ -306,6 +340,9 @@ class LlamaForCausalLM(nn.Module):
         built; ``PAGEDKV_FUSED=0`` keeps torch ops). Runs once, at the first forward."""
         from pagedkv.model import fused
 
+        if self.config.is_mla:  # pagedkv.model.mla has no fused or native form
+            self._fused_state = self.native_state = "off (MLA layers run eager)"
+            return
         ops = fused.get() if self.device.type == "cpu" and self.dtype == torch.float32 else None
         for layer in self.layers:
             layer.fused = ops if layer.fusable else None
@@ -334,9 +371,10 @@ class LlamaForCausalLM(nn.Module):
 
     def kv_cache_shape(self) -> KVCacheShape:
         """``(num_layers, num_kv_heads, head_dim, dtype)``: one K and one V cache per layer,
-        each token taking ``num_kv_heads * head_dim`` elements of ``dtype``."""
+        each token taking ``num_kv_heads * head_dim`` elements of ``dtype`` (MLA: one head of
+        ``kv_lora_rank + qk_rope_head_dim`` elements in K and no V)."""
         c = self.config
-        return KVCacheShape(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype)
+        return KVCacheShape(c.num_layers, c.cache_kv_heads, c.cache_head_dim, self.dtype)
 
     def allocate_kv_caches(
         self,
@@ -346,15 +384,18 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> list[Any]:
-        """One ``backend.allocate_kv_cache(...)`` per layer (zeros), in the model's dtype and
-        device unless given. Returns the list ``forward`` takes as ``kv_caches``."""
+        """One ``backend.allocate_kv_cache(...)`` per layer (zeros; MLA:
+        ``pagedkv.model.mla.allocate_latent_cache``), in the model's dtype and device unless
+        given. Returns the list ``forward`` takes as ``kv_caches``."""
         c = self.config
-        return [
-            backend.allocate_kv_cache(
-                num_blocks, block_size, c.num_kv_heads, c.head_dim, dtype or self.dtype, device or self.device
-            )
-            for _ in range(c.num_layers)
-        ]
+        alloc = backend.allocate_kv_cache
+        if c.is_mla:
+            from pagedkv.model.mla import allocate_latent_cache
+
+            def alloc(*args: Any) -> Any:
+                return allocate_latent_cache(backend, *args)
+        return [alloc(num_blocks, block_size, c.cache_kv_heads, c.cache_head_dim, dtype or self.dtype, device or self.device)
+                for _ in range(c.num_layers)]
 
     # ---- compute ---------------------------------------------------------------------------
     def forward(
@@ -423,7 +464,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[n, vocab_size]`` float32 for hidden states ``[n, hidden_size]`` (the tied
         embedding matrix or ``lm_head``, which a weight format may have quantised), soft-capped
-        as ``cap * tanh(logits / cap)`` when the config has a ``final_logit_softcap``."""
+        as ``cap * tanh(logits / cap)`` when the config has a ``final_logit_softcap``; the hidden
+        states are divided by ``config.logits_scaling`` first when it is not 1 (MiniCPM3)."""
+        if self.config.logits_scaling != 1.0:
+            hidden = hidden / self.config.logits_scaling
         if self.lm_head is None:
             w = self.embed_tokens.weight
             logits = (invariant.linear(hidden, w) if self.deterministic else F.linear(hidden, w)).float()

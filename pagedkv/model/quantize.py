@@ -34,8 +34,14 @@ _Q4_TYPES = {"Q4_0": 2, "Q4_1": 4}
 
 
 def linear_prefixes(config: ModelConfig) -> list[str]:
-    """State-dict prefixes (``"layers.3.o_proj."``, ..., ``"lm_head."``) of every linear layer."""
-    out = [f"layers.{i}.{name}." for i in range(config.num_layers) for name in LAYER_LINEARS]
+    """State-dict prefixes (``"layers.3.o_proj."``, ..., ``"lm_head."``) of every linear layer
+    (MLA layers: their q and ``kv_a`` projections; ``mla.kv_b_proj`` is read as a tensor, never
+    quantised)."""
+    names = LAYER_LINEARS
+    if config.is_mla:
+        q = ("mla.q_proj",) if config.q_lora_rank is None else ("mla.q_a_proj", "mla.q_b_proj")
+        names = (*q, "mla.kv_a_proj_with_mqa", "o_proj", "gate_up_proj", "down_proj")
+    out = [f"layers.{i}.{name}." for i in range(config.num_layers) for name in names]
     return out + ["lm_head."]
 
 

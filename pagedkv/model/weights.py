@@ -278,7 +278,7 @@ def _fuse_layers(state: StateDict, parts: _Parts, config: ModelConfig, names: tu
 
     q, k, v, gate, up = names
     for i in range(config.num_layers):  # a checkpoint that stores them fused (Phi-3) has them already
-        if f"layers.{i}.qkv_proj.weight" not in state:
+        if f"layers.{i}.qkv_proj.weight" not in state and not config.is_mla:
             state[f"layers.{i}.qkv_proj.weight"] = cat(i, f"{q}.weight", f"{k}.weight", f"{v}.weight")
         if (i, f"{q}.bias") in parts:
             state[f"layers.{i}.qkv_proj.bias"] = cat(i, f"{q}.bias", f"{k}.bias", f"{v}.bias")
@@ -313,6 +313,9 @@ _HF_FUSED_PARTS = {
     "mlp.gate_proj.weight": "gate.weight", "mlp.up_proj.weight": "up.weight",
 }
 _HF_TOP_NAMES = ("embed_tokens.weight", "norm.weight", "lm_head.weight")
+#: multi-head latent attention (``pagedkv.model.mla``): ``self_attn.X`` -> ``mla.X``
+_HF_MLA_NAMES = {f"self_attn.{n}.weight": f"mla.{n}.weight" for n in (
+    "q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj")}
 
 
 def hf_config(path: Path) -> ModelConfig:
@@ -366,7 +369,9 @@ def hf_state_dict(path: Path, config: ModelConfig) -> StateDict:
                 state[key] = w
                 continue
             _, idx, rest = key.split(".", 2) if key.startswith("layers.") else ("", "", "")
-            if rest in _HF_LAYER_NAMES:
+            if config.is_mla and rest in _HF_MLA_NAMES:
+                state[f"layers.{int(idx)}.{_HF_MLA_NAMES[rest]}"] = w
+            elif rest in _HF_LAYER_NAMES:
                 state[f"layers.{int(idx)}.{_HF_LAYER_NAMES[rest]}"] = w
             elif rest in _HF_FUSED_PARTS:
                 parts[(int(idx), _HF_FUSED_PARTS[rest])] = w

@@ -25,6 +25,7 @@ explicit argument, so the tensor-parallel workers run the same code.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -53,7 +54,9 @@ class ModelRunner:
     the cache's: a torch dtype, or a quantised format name (``"int8"``, ``"fp8_e4m3"``,
     ``"fp8_e5m2"``) with ``quant_group_size`` elements per scale (None: ``head_dim``).
     ``layer_windows``: per layer ``None`` (full attention) or its sliding window in tokens
-    (None: all full); it decides the layer groups (see the module doc)."""
+    (None: all full); it decides the layer groups (see the module doc). An MLA model
+    (``model.config.is_mla``) gets ``pagedkv.model.mla.allocate_latent_cache`` caches: one
+    ``head_dim``-wide latent per token in K, no V."""
 
     def __init__(
         self,
@@ -75,9 +78,14 @@ class ModelRunner:
         self.device = torch.device(device)
         self.groups = LayerGroups.from_layer_windows(layer_windows, num_layers)
         quant = {} if quant_group_size is None else {"quant_group_size": quant_group_size}
+        allocate = backend.allocate_kv_cache
+        if getattr(getattr(model, "config", None), "is_mla", False):  # one latent per token: K only
+            from pagedkv.model.mla import allocate_latent_cache
+
+            allocate = functools.partial(allocate_latent_cache, backend)
         #: the allocated caches (``max_layers`` of them); ``kv_caches[i]`` is layer i's
         self.shared_caches = [
-            backend.allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, self.device, **quant)
+            allocate(num_blocks, block_size, num_kv_heads, head_dim, dtype, self.device, **quant)
             for _ in range(self.groups.max_layers)
         ]
         self.kv_caches = [self.shared_caches[j] for j in self.groups.slot_of_layer]
