@@ -17,6 +17,12 @@ gemma2     ``layer_types`` alternating sliding / full (every 2nd layer full); at
            ``embed_scale`` sqrt(hidden); ``attn_scale`` = ``query_pre_attn_scalar ** -0.5``
 gemma3     gemma2's switches plus ``qk_norm``; every 6th layer full (``sliding_window_pattern``
            or ``layer_types``); ``rope_local_theta`` for the sliding layers' RoPE base
+qwen3_moe  qwen3's ``qk_norm``; mixture-of-experts MLPs (``num_experts``, ``num_experts_per_tok``,
+           ``moe_intermediate_size``, ``norm_topk_prob``) on the layers ``i`` not in
+           ``mlp_only_layers`` with ``(i + 1) % decoder_sparse_step == 0``, dense MLPs of
+           ``intermediate_size`` elsewhere; window on every layer with ``use_sliding_window``
+mixtral    mixture-of-experts MLPs on every layer (``num_local_experts``, width
+           ``intermediate_size``, top-k weights renormalised); ``sliding_window`` on every layer
 =========  =====================================================================================
 
 Which layers slide, and by how much, is read by ``pagedkv.model_config`` (the one reader the KV
@@ -36,13 +42,16 @@ from pagedkv.model_config import gguf_layout, hf_layout
 
 #: HF ``model_type`` values -> our architecture names.
 HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-                  "gemma2": "gemma2", "gemma3_text": "gemma3"}
+                  "gemma2": "gemma2", "gemma3_text": "gemma3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}
 #: HF ``architectures`` entries -> our architecture names (when ``model_type`` is missing).
 HF_ARCH_CLASSES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                    "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
-                   "Gemma3ForCausalLM": "gemma3"}
+                   "Gemma3ForCausalLM": "gemma3", "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 _GEMMA = ("gemma2", "gemma3")
+#: families that are refused, and what the decoder lacks for them
+_NEEDS = {"gpt_oss": "attention sinks and biased experts with a clamped SwiGLU",
+          "deepseek_v2": "multi-head latent attention (MLA)", "deepseek_v3": "multi-head latent attention (MLA)"}
 
 
 def hf_model_type(config: Mapping[str, Any]) -> str:
@@ -58,6 +67,8 @@ def hf_model_type(config: Mapping[str, Any]) -> str:
     if model_type == "gemma3" and "text_config" in config:
         raise ConfigError("model_type: 'gemma3' is the multimodal Gemma-3; only its text model "
                           "(model_type 'gemma3_text', Gemma3ForCausalLM) is supported")
+    if model_type in _NEEDS:
+        raise ConfigError(f"model_type: {model_type!r} is not supported yet: it needs {_NEEDS[model_type]}")
     if model_type not in HF_MODEL_TYPES:
         raise ConfigError(f"model_type: unsupported {model_type!r} (supported: {', '.join(HF_MODEL_TYPES)})")
     return HF_MODEL_TYPES[model_type]
@@ -71,7 +82,8 @@ def hf_family_fields(arch: str, config: Mapping[str, Any], num_layers: int) -> d
         raise ConfigError(f"hidden_act: unsupported activation {act!r} (supported: {', '.join(ACTIVATIONS)})")
     if config.get("use_bidirectional_attention"):
         raise ConfigError("use_bidirectional_attention: bidirectional attention is not supported (causal decoders only)")
-    out: dict[str, Any] = {"hidden_act": act, "qk_norm": arch in ("qwen3", "gemma3")}
+    out: dict[str, Any] = {"hidden_act": act, "qk_norm": arch in ("qwen3", "gemma3", "qwen3_moe")}
+    out.update(hf_moe_fields(arch, config, num_layers))
     window, types = hf_layout(arch, config, num_layers)
     out.update(sliding_window=window, layer_types=types)
     if arch in _GEMMA:
@@ -83,6 +95,35 @@ def hf_family_fields(arch: str, config: Mapping[str, Any], num_layers: int) -> d
             final_logit_softcap=_cap(config, "final_logit_softcapping"),
         )
     return out
+
+
+def hf_moe_fields(arch: str, config: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    """The mixture-of-experts fields of ``ModelConfig`` (``{}`` for a dense family), with the
+    config classes' defaults for missing keys (transformers 5.24 ``Qwen3MoeConfig``,
+    ``MixtralConfig``; both spell the expert count ``num_experts`` or ``num_local_experts``)."""
+    def get(key: str, default: Any) -> Any:
+        v = config.get(key)
+        return default if v is None else v
+
+    if arch == "mixtral":
+        return {"num_experts": get("num_local_experts", get("num_experts", 8)),
+                "num_experts_per_tok": get("num_experts_per_tok", 2),
+                "moe_intermediate_size": config.get("intermediate_size"), "norm_topk_prob": True}
+    if arch != "qwen3_moe":
+        return {}
+    experts = get("num_experts", get("num_local_experts", 128))
+    step, dense = get("decoder_sparse_step", 1), get("mlp_only_layers", [])
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ConfigError(f"decoder_sparse_step: must be a positive integer, got {step!r}")
+    if not isinstance(dense, (list, tuple)):
+        raise ConfigError(f"mlp_only_layers: must be a list of layer indices, got {dense!r}")
+    layers = [i for i in range(num_layers) if i not in dense and (i + 1) % step == 0]
+    if not experts or not layers:
+        return {}
+    return {"num_experts": experts, "num_experts_per_tok": get("num_experts_per_tok", 8),
+            "moe_intermediate_size": get("moe_intermediate_size", 768),
+            "norm_topk_prob": bool(get("norm_topk_prob", False)),
+            "moe_layers": None if len(layers) == num_layers else layers}
 
 
 def _cap(config: Mapping[str, Any], key: str) -> float | None:

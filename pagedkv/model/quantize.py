@@ -34,8 +34,17 @@ _Q4_TYPES = {"Q4_0": 2, "Q4_1": 4}
 
 
 def linear_prefixes(config: ModelConfig) -> list[str]:
-    """State-dict prefixes (``"layers.3.o_proj."``, ..., ``"lm_head."``) of every linear layer."""
-    out = [f"layers.{i}.{name}." for i in range(config.num_layers) for name in LAYER_LINEARS]
+    """State-dict prefixes (``"layers.3.o_proj."``, ..., ``"lm_head."``) of every linear layer;
+    a mixture-of-experts layer's are its experts' (``"layers.3.mlp.experts.5.gate_up_proj."``,
+    shared experts too; the router stays in the model dtype)."""
+    out = []
+    for i in range(config.num_layers):
+        if not config.is_moe_layer(i):
+            out += [f"layers.{i}.{name}." for name in LAYER_LINEARS]
+            continue
+        experts = [f"experts.{e}" for e in range(config.num_experts)] + (["shared"] if config.num_shared_experts else [])
+        out += [f"layers.{i}.{name}." for name in LAYER_LINEARS[:2]]
+        out += [f"layers.{i}.mlp.{x}.{name}." for x in experts for name in LAYER_LINEARS[2:]]
     return out + ["lm_head."]
 
 

@@ -10,7 +10,12 @@ The state dict uses the names and shapes of ``pagedkv.model.llama`` (q/k/v fused
   undo that so our rotate-half RoPE (the HF convention) applies. ``qwen2`` GGUFs are not
   permuted.
 * Hugging Face directories: ``config.json`` (+ ``generation_config.json``) and
-  ``*.safetensors`` in the source dtype.
+  ``*.safetensors`` in the source dtype. Mixture-of-experts layers (``pagedkv.model.moe``) are
+  read as transformers 5.24's ``save_pretrained`` writes them, one tensor per expert
+  (Qwen3-MoE ``mlp.experts.{e}.gate_proj``/``up_proj``/``down_proj``, Mixtral
+  ``block_sparse_moe.experts.{e}.w1``/``w3``/``w2``; router ``gate.weight``), or stacked
+  (``experts.gate_up_proj`` ``[E, 2 I, H]``, ``experts.down_proj`` ``[E, H, I]``, sliced per
+  expert without a copy).
 
 Every problem raises ``ConfigError`` naming the tensor, file or field.
 """
@@ -20,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import mmap
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -277,12 +283,15 @@ def _fuse_layers(state: StateDict, parts: _Parts, config: ModelConfig, names: tu
             raise ConfigError(f"weights: layer {i} is missing {e.args[0][1]}") from None
 
     q, k, v, gate, up = names
-    for i in range(config.num_layers):  # a checkpoint that stores them fused (Phi-3) has them already
+    for i in range(config.num_layers):
+        for e in range(config.num_experts if config.is_moe_layer(i) else 0):
+            if f"layers.{i}.mlp.experts.{e}.gate_up_proj.weight" not in state:
+                state[f"layers.{i}.mlp.experts.{e}.gate_up_proj.weight"] = cat(i, f"experts.{e}.gate", f"experts.{e}.up")  # a checkpoint that stores them fused (Phi-3) has them already
         if f"layers.{i}.qkv_proj.weight" not in state:
             state[f"layers.{i}.qkv_proj.weight"] = cat(i, f"{q}.weight", f"{k}.weight", f"{v}.weight")
         if (i, f"{q}.bias") in parts:
             state[f"layers.{i}.qkv_proj.bias"] = cat(i, f"{q}.bias", f"{k}.bias", f"{v}.bias")
-        if f"layers.{i}.gate_up_proj.weight" not in state:
+        if f"layers.{i}.gate_up_proj.weight" not in state and not config.is_moe_layer(i):
             state[f"layers.{i}.gate_up_proj.weight"] = cat(i, f"{gate}.weight", f"{up}.weight")
     if parts:
         raise ConfigError(f"weights: tensors of layers beyond num_layers: {sorted(parts)[:3]}")
@@ -313,6 +322,9 @@ _HF_FUSED_PARTS = {
     "mlp.gate_proj.weight": "gate.weight", "mlp.up_proj.weight": "up.weight",
 }
 _HF_TOP_NAMES = ("embed_tokens.weight", "norm.weight", "lm_head.weight")
+# a mixture-of-experts layer's tensors: (mlp|block_sparse_moe).<what>
+_HF_MOE = re.compile(r"(?:mlp|block_sparse_moe)\.(gate\.weight|(?:gate\.)?e_score_correction_bias|"
+                     r"experts\.gate_up_proj|experts\.down_proj|experts\.(\d+)\.(gate_proj|w1|up_proj|w3|down_proj|w2)\.weight)")
 
 
 def hf_config(path: Path) -> ModelConfig:
@@ -366,10 +378,33 @@ def hf_state_dict(path: Path, config: ModelConfig) -> StateDict:
                 state[key] = w
                 continue
             _, idx, rest = key.split(".", 2) if key.startswith("layers.") else ("", "", "")
-            if rest in _HF_LAYER_NAMES:
+            moe = _HF_MOE.fullmatch(rest)
+            if moe is not None:
+                _hf_moe_tensor(state, parts, int(idx), moe, w)
+            elif rest in _HF_LAYER_NAMES:
                 state[f"layers.{int(idx)}.{_HF_LAYER_NAMES[rest]}"] = w
             elif rest in _HF_FUSED_PARTS:
                 parts[(int(idx), _HF_FUSED_PARTS[rest])] = w
             elif not key.endswith("rotary_emb.inv_freq"):
                 raise ConfigError(f"weights: unexpected tensor {name!r} in {f.name}")
     return _fuse_layers(state, parts, config, ("q", "k", "v", "gate", "up"))
+
+
+def _hf_moe_tensor(state: StateDict, parts: _Parts, i: int, m: "re.Match[str]", w: torch.Tensor) -> None:
+    """File a mixture-of-experts tensor of layer ``i`` (``_HF_MOE`` match ``m``) under our
+    names (``pagedkv.model.moe``): per-expert gate/up into ``parts`` (fused later), stacked
+    tensors sliced per expert."""
+    what, expert, proj = m.groups()
+    pre = f"layers.{i}.mlp."
+    if what == "gate.weight":
+        state[pre + "router.weight"] = w
+    elif what.endswith("e_score_correction_bias"):
+        state[pre + "e_score_correction_bias"] = w
+    elif expert is None:  # stacked [E, rows, cols]
+        name = "gate_up_proj" if what.endswith("gate_up_proj") else "down_proj"
+        for e in range(w.shape[0]):
+            state[f"{pre}experts.{e}.{name}.weight"] = w[e]
+    elif proj in ("down_proj", "w2"):
+        state[f"{pre}experts.{expert}.down_proj.weight"] = w
+    else:
+        parts[(i, f"experts.{expert}.{'gate' if proj in ('gate_proj', 'w1') else 'up'}")] = w
