@@ -209,6 +209,27 @@ def test_stacked_expert_tensors_load_to_the_same_model(family, tmp_path):
     assert all(torch.equal(got[k], ref[k]) for k in ref)
 
 
+@pytest.mark.parametrize("weights, cls, tol", [("int8", "Int8Linear", 0.03), ("bf16", "BF16Linear", 0.01)])
+def test_quantised_experts_use_the_quantised_linear_modules(family, weights, cls, tol):
+    """``weights="int8"`` / ``"bf16"`` make every expert's two matrices (and attention's) that
+    format's module, the router staying float: logits within the format's error of fp32's."""
+    kind, _, out, lm = family
+    q = load_model(out, weights=weights)
+    moe = [layer.mlp for layer in q.model.layers if layer.mlp is not None]
+    assert {type(m).__name__ for mlp in moe for e in mlp.experts for m in (e.gate_up_proj, e.down_proj)} == {cls}
+    assert all(type(mlp.router) is torch.nn.Linear and mlp.router.weight.dtype == torch.float32 for mlp in moe)
+    ids = torch.tensor(_prompt(20, 11))
+    backend = get_backend("cpu")
+    logits = []
+    for net in (lm.model, q.model):
+        caches = net.allocate_kv_caches(backend, num_blocks=2, block_size=16)
+        with torch.inference_mode():
+            h = net(ids, torch.arange(20), caches, AttentionMetadata.build([20], [20], [[0, 1]], 16), backend)
+            logits.append(net.compute_logits(h))
+    diff = (logits[0] - logits[1]).abs().max().item()
+    assert 0 < diff < tol
+
+
 def _cfg(**kw):
     base = dict(model_type="qwen3_moe", vocab_size=32, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
