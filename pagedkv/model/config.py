@@ -306,7 +306,7 @@ class ModelConfig:
         num_layers = _as_int(get("block_count"), f"{arch}.block_count")
         head_dim = _as_int(head_dim, f"{arch}.attention.key_length")
         return cls(
-            architecture=arch,
+            architecture=families.GGUF_ARCH_NAMES.get(arch, arch),
             vocab_size=_as_int(vocab, f"{arch}.vocab_size"),
             hidden_size=hidden,
             intermediate_size=_as_int(get("feed_forward_length"), f"{arch}.feed_forward_length"),

@@ -167,7 +167,9 @@ def hf_rope(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None, fl
 
 
 #: GGUF ``general.architecture`` values we load (Mistral GGUFs are written as ``llama``).
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3moe")
+#: GGUF architecture names that differ from ours
+GGUF_ARCH_NAMES = {"qwen3moe": "qwen3_moe"}
 
 #: How llama.cpp's converters change a family's tensors on the way into a GGUF, in one place
 #: (``pagedkv.model.weights.gguf_state_dict`` undoes each; ``tests/model/test_gguf_conventions.py``
@@ -190,7 +192,7 @@ GGUF_CONVENTIONS: dict[str, dict[str, bool]] = {
         "ffn_norm_is_pre_feedforward": arch in _GEMMA,
         "fused_gate_up": arch == "phi3",
     }
-    for arch in (*GGUF_ARCHITECTURES, "mistral")
+    for arch in (*GGUF_ARCHITECTURES, "mistral", *GGUF_ARCH_NAMES.values())
 }
 
 
@@ -201,13 +203,21 @@ def gguf_family_fields(arch: str, metadata: Mapping[str, Any], tensor_names: set
     the local RoPE base 10000 llama.cpp assumes), soft caps from ``{arch}.attn_logit_softcapping``
     / ``final_logit_softcapping``. GGUF has no ``query_pre_attn_scalar``: Gemma's attention scale
     is ``head_dim ** -0.5`` (what llama.cpp uses for every size but the 27B ones). Raises
-    ``ConfigError`` for Phi-3 LongRoPE (``rope_factors_long.weight``)."""
+    ``ConfigError`` for Phi-3 LongRoPE (``rope_factors_long.weight``). Experts:
+    ``{arch}.expert_count`` / ``expert_used_count`` / ``expert_feed_forward_length``."""
     def key(name: str) -> Any:
         return metadata.get(f"{arch}.{name}")
 
     if arch == "phi3" and "rope_factors_long.weight" in tensor_names:
         raise ConfigError("rope_factors_long.weight: Phi-3 LongRoPE is not supported")
-    out: dict[str, Any] = {"qk_norm": arch in ("qwen3", "gemma3")}
+    out: dict[str, Any] = {"qk_norm": arch in ("qwen3", "gemma3", "qwen3moe")}
+    experts = key("expert_count")
+    if experts:  # llama.cpp: softmax top-k, weights renormalised (qwen3moe, llama/Mixtral); the
+        # MoE layers are those with a router (``blk.{i}.ffn_gate_inp.weight``)
+        layers = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" in tensor_names]
+        out.update(num_experts=int(experts), num_experts_per_tok=int(key("expert_used_count") or 0),
+                   moe_intermediate_size=int(key("expert_feed_forward_length") or key("feed_forward_length") or 0),
+                   norm_topk_prob=True, moe_layers=None if not tensor_names or len(layers) == num_layers else layers)
     window, types = gguf_layout(arch, metadata, num_layers)
     if window is not None:
         out.update(sliding_window=window, layer_types=types)

@@ -15,6 +15,9 @@ and nothing is written to disk but the tokenizer's cache entry.
   Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks with exact integer block sums. A fused layer
   whose parts are stored in different types (a ``*_K_M`` file's Q6_K ``attn_v`` beside Q4_K
   ``attn_q``) is one ``qmm.concat_packed`` weight: the activations are quantised once.
+* Mixture-of-experts files (``qwen3moe``, llama.cpp's stacked ``ffn_*_exps`` tensors): one
+  ``GGUFLinear`` per expert matrix, packed from that expert's stored rows
+  (``pagedkv.model.gguf_moe``); the F32 router becomes a float ``nn.Linear``.
 * ``GGUFEmbedding``: the token-embedding rows read from the memory-mapped file (only the rows a
   step looks up become resident) and dequantised for those rows only.
 
@@ -42,7 +45,7 @@ from torch import nn
 
 from pagedkv.errors import ConfigError
 from pagedkv.gguf_header import GGUFHeader, GGUFTensorInfo
-from pagedkv.model import qmm
+from pagedkv.model import gguf_moe, qmm
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.families import GGUF_CONVENTIONS
 from pagedkv.model.gguf_read import Reader as _Reader
@@ -73,7 +76,9 @@ def linear_types(header: GGUFHeader) -> dict[str, int]:
     head = "output.weight" if "output.weight" in names else "token_embd.weight"
     out: dict[str, int] = {}
     for t in header.tensors:
-        if len(t.shape) == 2 and (t.name.startswith("blk.") or t.name == head):
+        router = t.name.endswith(f"{gguf_moe.ROUTER}.weight")  # a float matrix, not multiplied by the kernels
+        if (len(t.shape) == 2 and not router and (t.name.startswith("blk.") or t.name == head)) \
+                or (len(t.shape) == 3 and t.name.startswith("blk.")):  # stacked experts
             out[_qtype(t)] = out.get(_qtype(t), 0) + 1
     return out
 
@@ -335,13 +340,17 @@ def build_gguf_model(path: Path, header: GGUFHeader, config: ModelConfig, route:
         for i, infos in sorted(_layer_tensors(header).items()):
             if i >= config.num_layers:
                 raise ConfigError(f"weights: tensors of layer {i}, beyond num_layers {config.num_layers}")
-            layer, groups = net.layers[i], {}
+            layer, groups, experts = net.layers[i], {}, {}
             for info in infos:
                 rest = info.name.split(".", 2)[2]
                 part, _, kind = rest.rpartition(".")
-                if kind == "bias" and (part in _FUSED or part in _SINGLE):
+                if kind == "weight" and part in gguf_moe.EXPERT_PARTS:  # stacked experts (pagedkv.model.gguf_moe)
+                    experts[part] = info
+                elif kind == "weight" and part == gguf_moe.ROUTER:
+                    floats[f"layers.{i}.mlp.router.weight"] = reader.floats(info)
+                elif kind == "bias" and (part in _FUSED or part in _SINGLE):
                     continue  # read with its weight
-                if kind == "weight" and part == "ffn_up" and conv["fused_gate_up"]:  # Phi-3: gate and up rows
+                elif kind == "weight" and part == "ffn_up" and conv["fused_gate_up"]:  # Phi-3: gate and up rows
                     later(layer, "gate_up_proj", [(info, None, None)], info.name)
                 elif kind == "weight" and part in _SINGLE:
                     later(layer, _SINGLE[part], [(info, None, bias_of(info))], info.name)
@@ -357,6 +366,8 @@ def build_gguf_model(path: Path, header: GGUFHeader, config: ModelConfig, route:
                         raise ConfigError(f"weights: unexpected GGUF tensor {info.name!r}")
                     w = reader.floats(info)
                     floats[f"layers.{i}.{ours}"] = w - 1.0 if conv["norms_plus_one"] else w
+            for owner, attr, (fn, *args) in gguf_moe.expert_jobs(layer, experts, i, config.num_experts) if experts else ():
+                jobs.append((owner, attr, pool.submit(fn, reader, *args)))
             for module, parts in groups.items():
                 want = 3 if module == "qkv_proj" else 2
                 if sorted(parts) != list(range(want)):

@@ -62,6 +62,8 @@ _GGUF_FUSED_PARTS = (
     "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_q.bias", "attn_k.bias", "attn_v.bias",
     "ffn_gate.weight", "ffn_up.weight",
 )
+#: a mixture-of-experts layer's GGUF tensors: the router and the stacked experts ``[E, rows, cols]``
+GGUF_EXPERT_PARTS = ("ffn_gate_inp.", "ffn_gate_exps.", "ffn_up_exps.", "ffn_down_exps.")
 _GGUF_TOP_NAMES = {
     "token_embd.weight": "embed_tokens.weight",
     "output_norm.weight": "norm.weight",
@@ -210,6 +212,9 @@ def gguf_groups(names: Iterable[str], config: ModelConfig) -> list[GGUFGroup]:
             if permuted and rest.startswith(("attn_q.", "attn_k.")):
                 heads = config.num_heads if rest.startswith("attn_q") else config.num_kv_heads
             parts[(int(idx), rest)] = (name, heads)
+        elif rest.startswith(GGUF_EXPERT_PARTS):
+            raise ConfigError(f"weights: {name}: a mixture-of-experts GGUF loads with weights='gguf' "
+                              "(its stored blocks on the integer kernels) only")
         else:  # not blk.<i>.<known part>
             raise ConfigError(f"weights: unexpected GGUF tensor {name!r}")
 
