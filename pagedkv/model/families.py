@@ -185,6 +185,7 @@ GGUF_ARCH_NAMES = {"qwen3moe": "qwen3_moe"}
 #: * ``ffn_norm_is_pre_feedforward``: ``ffn_norm`` is the pre-feed-forward norm of the
 #:   sandwich, and ``post_attention_norm`` the attention output's norm (Gemma).
 #: * ``fused_gate_up``: ``ffn_up`` holds gate and up rows fused, ``attn_qkv`` q/k/v (Phi-3).
+#: Keyed by our architecture names (a ``qwen3moe`` file is ``qwen3_moe``, ``GGUF_ARCH_NAMES``).
 GGUF_CONVENTIONS: dict[str, dict[str, bool]] = {
     arch: {
         "rope_rows_permuted": arch in ("llama", "mistral"),
@@ -192,7 +193,7 @@ GGUF_CONVENTIONS: dict[str, dict[str, bool]] = {
         "ffn_norm_is_pre_feedforward": arch in _GEMMA,
         "fused_gate_up": arch == "phi3",
     }
-    for arch in (*GGUF_ARCHITECTURES, "mistral", *GGUF_ARCH_NAMES.values())
+    for arch in (*(GGUF_ARCH_NAMES.get(a, a) for a in GGUF_ARCHITECTURES), "mistral")
 }
 
 

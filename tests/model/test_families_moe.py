@@ -230,6 +230,18 @@ def test_quantised_experts_use_the_quantised_linear_modules(family, weights, cls
     assert 0 < diff < tol
 
 
+def test_planner_and_engine_agree_on_kv_bytes_per_token(family):
+    """``pagedkv plan``'s sizing (``KVCacheSpec.from_hf_config``) knows the MoE families, and its
+    bytes per token are what the model allocates (experts change no KV shape)."""
+    from pagedkv.kv.spec import KVCacheSpec
+
+    _, _, out, lm = family
+    spec = KVCacheSpec.from_hf_config(out / "config.json", dtype="fp32")
+    caches = lm.model.allocate_kv_caches(get_backend("cpu"), num_blocks=4, block_size=16)
+    held = sum(t.numel() * t.element_size() for c in caches for t in (c.key, c.value))
+    assert spec.bytes_per_token == held // 64 == 3 * 2 * (2 * 16) * 4  # layers x K,V x kv heads x d x fp32
+
+
 def _cfg(**kw):
     base = dict(model_type="qwen3_moe", vocab_size=32, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
