@@ -111,13 +111,11 @@ def hf_moe_fields(arch: str, config: Mapping[str, Any], num_layers: int) -> dict
                 "moe_intermediate_size": config.get("intermediate_size"), "norm_topk_prob": True}
     if arch != "qwen3_moe":
         return {}
+    from pagedkv.model.moe import moe_layer_indices
+
     experts = get("num_experts", get("num_local_experts", 128))
-    step, dense = get("decoder_sparse_step", 1), get("mlp_only_layers", [])
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise ConfigError(f"decoder_sparse_step: must be a positive integer, got {step!r}")
-    if not isinstance(dense, (list, tuple)):
-        raise ConfigError(f"mlp_only_layers: must be a list of layer indices, got {dense!r}")
-    layers = [i for i in range(num_layers) if i not in dense and (i + 1) % step == 0]
+    layers = moe_layer_indices(num_layers, decoder_sparse_step=get("decoder_sparse_step", 1),
+                               mlp_only_layers=get("mlp_only_layers", []))
     if not experts or not layers:
         return {}
     return {"num_experts": experts, "num_experts_per_tok": get("num_experts_per_tok", 8),

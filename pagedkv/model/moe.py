@@ -17,8 +17,10 @@ Routing (``route``; ``logits = x @ router.T`` in fp32, ``[T, E]``):
   ``routed_scaling_factor``.
 
 Source: the routers of transformers 5.24 (``MixtralTopKRouter``, ``Qwen3MoeTopKRouter``,
-``DeepseekV2TopkRouter``, ``DeepseekV3TopkRouter``) and the DeepSeek-V2/V3 papers (sec. 2.1.2 /
-2.1.2: shared experts added to the routed output; group-limited routing).
+``DeepseekV2TopkRouter``, ``DeepseekV3TopkRouter``); DeepSeek-V2 (arXiv:2405.04434, sec. 2.2:
+shared experts added to the routed output, group- (device-) limited routing) and DeepSeek-V3
+(arXiv:2412.19437, sec. 2.1.2: sigmoid affinities, a bias that steers only the choice, weights
+normalised over the chosen experts). Which layers are MoE: ``moe_layer_indices``.
 
 Experts run grouped (``MoE.forward``): the ``T * k`` (token, expert) pairs are sorted by
 expert id and each expert that got tokens runs one matmul pair over its rows, scaled by their
@@ -104,6 +106,21 @@ class MoESpec:
         return cls(config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
                    config.num_shared_experts, config.moe_routing, config.norm_topk_prob, config.moe_n_group,
                    config.moe_topk_group, config.routed_scaling_factor, config.hidden_act)
+
+
+def moe_layer_indices(num_layers: int, *, first_k_dense_replace: int = 0, decoder_sparse_step: int = 1,
+                      mlp_only_layers: tuple[int, ...] | list[int] = ()) -> list[int]:
+    """The layers (ascending) whose MLP is a mixture of experts: layer ``i`` is when ``i >=
+    first_k_dense_replace`` (DeepSeek-V2/V3's leading dense layers), ``(i + 1) %
+    decoder_sparse_step == 0`` and ``i`` is not in ``mlp_only_layers`` (Qwen3-MoE). Raises
+    ``ConfigError`` naming the field for a negative ``first_k_dense_replace`` or a step below 1."""
+    for name, v, low in (("first_k_dense_replace", first_k_dense_replace, 0), ("decoder_sparse_step", decoder_sparse_step, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ConfigError(f"{name}: must be an integer >= {low}, got {v!r}")
+    if not isinstance(mlp_only_layers, (list, tuple)):
+        raise ConfigError(f"mlp_only_layers: must be a list of layer indices, got {mlp_only_layers!r}")
+    return [i for i in range(num_layers)
+            if i >= first_k_dense_replace and (i + 1) % decoder_sparse_step == 0 and i not in mlp_only_layers]
 
 
 def route(logits: torch.Tensor, spec: MoESpec, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

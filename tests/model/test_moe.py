@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedkv.errors import ConfigError
-from pagedkv.model.moe import MoE, MoESpec, route
+from pagedkv.model.moe import MoE, MoESpec, moe_layer_indices, route
 
 H, I = 64, 32
 
@@ -221,3 +221,57 @@ def test_prefill_groups_tokens_one_call_per_active_expert():
 def test_bad_fields_raise_config_error_naming_them(kwargs, field):
     with pytest.raises(ConfigError, match=field):
         MoESpec(**kwargs)
+
+
+def test_moe_layer_indices_follow_deepseek_and_qwen3_moe_rules():
+    assert moe_layer_indices(6) == [0, 1, 2, 3, 4, 5]
+    assert moe_layer_indices(6, first_k_dense_replace=1) == [1, 2, 3, 4, 5]  # DeepSeek-V2-Lite: layer 0 dense
+    assert moe_layer_indices(61, first_k_dense_replace=3)[:2] == [3, 4]  # DeepSeek-V3: 3 dense layers
+    assert moe_layer_indices(6, decoder_sparse_step=2, mlp_only_layers=[3]) == [1, 5]  # Qwen3-MoE
+    for kw, field in ((dict(first_k_dense_replace=-1), "first_k_dense_replace"),
+                      (dict(decoder_sparse_step=0), "decoder_sparse_step"),
+                      (dict(mlp_only_layers=3), "mlp_only_layers")):
+        with pytest.raises(ConfigError, match=field):
+            moe_layer_indices(6, **kw)
+
+
+@pytest.mark.parametrize("version", ["v2", "v3"])
+@pytest.mark.parametrize("tokens", [1, 7, 64])
+def test_deepseek_moe_blocks_equal_transformers(version, tokens):
+    """transformers 5.24's whole DeepSeek-V2 / V3 MoE block (router, routed experts, shared
+    experts) against ours holding its weights (the models need MLA, which the decoder lacks; the
+    block is checked here on its own)."""
+    import transformers as tf
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Moe
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    common = dict(hidden_size=H, moe_intermediate_size=I, n_routed_experts=8, num_experts_per_tok=3, n_group=4,
+                  topk_group=2, n_shared_experts=2, routed_scaling_factor=2.5)
+    if version == "v2":
+        ref = DeepseekV2Moe(tf.DeepseekV2Config(topk_method="group_limited_greedy", **common))
+        spec = MoESpec(8, 3, I, num_shared_experts=2, n_group=4, topk_group=2, routed_scaling_factor=2.5)
+    else:
+        ref = DeepseekV3MoE(tf.DeepseekV3Config(norm_topk_prob=True, **common))
+        spec = MoESpec(8, 3, I, num_shared_experts=2, routing="sigmoid", norm_topk_prob=True, n_group=4, topk_group=2,
+                       routed_scaling_factor=2.5)
+    g = torch.Generator().manual_seed(tokens)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+        ref.gate.weight.mul_(5.0)
+        if version == "v3":
+            ref.gate.e_score_correction_bias.copy_(torch.randn(8, generator=g) * 0.3)
+    ours = MoE(spec, H, torch.float32, "cpu")
+    with torch.no_grad():
+        ours.router.weight.copy_(ref.gate.weight)
+        if version == "v3":
+            ours.e_score_correction_bias.copy_(ref.gate.e_score_correction_bias)
+        for e, expert in enumerate(ours.experts):
+            expert.gate_up_proj.weight.copy_(ref.experts.gate_up_proj[e])  # gate rows then up rows, as ours
+            expert.down_proj.weight.copy_(ref.experts.down_proj[e])
+        sh = ref.shared_experts
+        ours.shared.gate_up_proj.weight.copy_(torch.cat([sh.gate_proj.weight, sh.up_proj.weight]))
+        ours.shared.down_proj.weight.copy_(sh.down_proj.weight)
+    x = torch.randn(tokens, H, generator=g)
+    with torch.inference_mode():
+        torch.testing.assert_close(ours(x), ref(x[None])[0], rtol=1e-5, atol=1e-5)
