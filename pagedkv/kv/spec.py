@@ -56,7 +56,8 @@ SCALED_DTYPES = ("int8", "fp8", "int4")
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
 
 # HF ``model_type`` values from_hf_config understands.
-_MHA_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral", "phi3", "gemma", "gemma2", "gemma3", "gemma3_text")
+_MHA_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral", "phi3", "gemma", "gemma2", "gemma3",
+               "gemma3_text")
 _MLA_TYPES = ("deepseek_v2", "deepseek_v3")
 
 

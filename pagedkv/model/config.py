@@ -8,8 +8,8 @@ Both builders are pure (they take already-parsed metadata); files are read by
 
 Supported families: Llama (incl. SmolLM2, Llama 3.x with ``llama3`` RoPE scaling), Mistral
 (sliding window), Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm), Phi-3 (fused checkpoints; not
-LongRoPE), Gemma-2 and Gemma-3 (text), and the mixture-of-experts Qwen3-MoE and Mixtral: what differs is a few switches, read by
-``pagedkv.model.families``.
+LongRoPE), Gemma-2 and Gemma-3 (text), and the mixture-of-experts Qwen3-MoE and Mixtral: what
+differs is a few switches, read by ``pagedkv.model.families``.
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ class ModelConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer ``layer``'s MLP is a mixture of experts (``pagedkv.model.moe``)."""
-        return self.num_experts > 0 and (self.moe_layers is None or layer in self.moe_layers)
+        return bool(self.num_experts) and (self.moe_layers is None or layer in self.moe_layers)
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window (tokens) of layer ``layer``, ``None`` for a full-attention layer:

@@ -366,7 +366,8 @@ def build_gguf_model(path: Path, header: GGUFHeader, config: ModelConfig, route:
                         raise ConfigError(f"weights: unexpected GGUF tensor {info.name!r}")
                     w = reader.floats(info)
                     floats[f"layers.{i}.{ours}"] = w - 1.0 if conv["norms_plus_one"] else w
-            for owner, attr, (fn, *args) in gguf_moe.expert_jobs(layer, experts, i, config.num_experts) if experts else ():
+            expert_jobs = gguf_moe.expert_jobs(layer, experts, i, config.num_experts) if experts else ()
+            for owner, attr, (fn, *args) in expert_jobs:
                 jobs.append((owner, attr, pool.submit(fn, reader, *args)))
             for module, parts in groups.items():
                 want = 3 if module == "qkv_proj" else 2

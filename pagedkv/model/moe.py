@@ -114,7 +114,8 @@ def moe_layer_indices(num_layers: int, *, first_k_dense_replace: int = 0, decode
     first_k_dense_replace`` (DeepSeek-V2/V3's leading dense layers), ``(i + 1) %
     decoder_sparse_step == 0`` and ``i`` is not in ``mlp_only_layers`` (Qwen3-MoE). Raises
     ``ConfigError`` naming the field for a negative ``first_k_dense_replace`` or a step below 1."""
-    for name, v, low in (("first_k_dense_replace", first_k_dense_replace, 0), ("decoder_sparse_step", decoder_sparse_step, 1)):
+    for name, v, low in (("first_k_dense_replace", first_k_dense_replace, 0),
+                         ("decoder_sparse_step", decoder_sparse_step, 1)):
         if isinstance(v, bool) or not isinstance(v, int) or v < low:
             raise ConfigError(f"{name}: must be an integer >= {low}, got {v!r}")
     if not isinstance(mlp_only_layers, (list, tuple)):

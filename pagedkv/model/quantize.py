@@ -42,7 +42,8 @@ def linear_prefixes(config: ModelConfig) -> list[str]:
         if not config.is_moe_layer(i):
             out += [f"layers.{i}.{name}." for name in LAYER_LINEARS]
             continue
-        experts = [f"experts.{e}" for e in range(config.num_experts)] + (["shared"] if config.num_shared_experts else [])
+        experts = [f"experts.{e}" for e in range(config.num_experts)]
+        experts += ["shared"] if config.num_shared_experts else []
         out += [f"layers.{i}.{name}." for name in LAYER_LINEARS[:2]]
         out += [f"layers.{i}.mlp.{x}.{name}." for x in experts for name in LAYER_LINEARS[2:]]
     return out + ["lm_head."]

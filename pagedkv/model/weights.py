@@ -288,10 +288,11 @@ def _fuse_layers(state: StateDict, parts: _Parts, config: ModelConfig, names: tu
             raise ConfigError(f"weights: layer {i} is missing {e.args[0][1]}") from None
 
     q, k, v, gate, up = names
-    for i in range(config.num_layers):
+    for i in range(config.num_layers):  # a checkpoint that stores them fused (Phi-3, stacked experts) has them already
         for e in range(config.num_experts if config.is_moe_layer(i) else 0):
             if f"layers.{i}.mlp.experts.{e}.gate_up_proj.weight" not in state:
-                state[f"layers.{i}.mlp.experts.{e}.gate_up_proj.weight"] = cat(i, f"experts.{e}.gate", f"experts.{e}.up")  # a checkpoint that stores them fused (Phi-3) has them already
+                state[f"layers.{i}.mlp.experts.{e}.gate_up_proj.weight"] = cat(i, f"experts.{e}.gate",
+                                                                               f"experts.{e}.up")
         if f"layers.{i}.qkv_proj.weight" not in state:
             state[f"layers.{i}.qkv_proj.weight"] = cat(i, f"{q}.weight", f"{k}.weight", f"{v}.weight")
         if (i, f"{q}.bias") in parts:
