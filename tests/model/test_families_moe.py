@@ -141,6 +141,19 @@ def test_engine_greedy_tokens_equal_transformers(family, block):
     assert len({t for r in refs for t in r}) > 12  # not a few tokens repeated
 
 
+def test_two_completions_of_one_prompt_share_its_blocks_and_equal_transformers(family):
+    """``n=2`` greedy: both completions fork from the one prefilled prompt and equal ``generate``'s."""
+    _, hf, _, lm = family
+    p = _prompt(30, 12)
+    with torch.inference_mode():
+        ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                          max_new_tokens=NEW, do_sample=False, num_beams=1, pad_token_id=0)[0, len(p):].tolist()
+    llm = LLM(lm, block_size=4, num_blocks=64, max_num_batched_tokens=16, debug_invariants=True)
+    out = llm.generate([p], SamplingParams(n=2, temperature=0.0, max_tokens=NEW, ignore_eos=True), use_tqdm=False)[0]
+    assert [c.token_ids for c in out.outputs] == [ref, ref]
+    assert llm.engine.kv.num_used_blocks == 0
+
+
 def test_moe_layers_run_eager_and_only_routed_experts_at_decode(family):
     kind, _, _, lm = family
     net = lm.model
