@@ -11,15 +11,21 @@ another, each packed by ``qmm.pack_gguf`` into the kernels' layout, whose size i
 bytes for those rows: the experts hold the stored codes and nothing else. At decode only the
 routed experts' packed weights are multiplied (``pagedkv.model.moe.MoE``).
 
+Lazily (``PAGEDKV_LAZY_EXPERTS=1``, or ``build_gguf_model(lazy_experts=True)``) each expert
+matrix is a ``LazyExpertLinear``: its rows are read and packed at its first forward, so an
+expert no token was routed to is never read from the file (the load reads everything else).
+
 Raises ``ConfigError`` naming the tensor for a missing part, a stacked tensor whose expert
 count or shape does not fit the config, or a type the kernels do not take.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+import threading
+from typing import Any, Callable, Iterator
 
 import numpy as np
+import torch
 from torch import nn
 
 from pagedkv.errors import ConfigError
@@ -92,3 +98,32 @@ def expert_jobs(layer: nn.Module, parts: dict[str, GGUFTensorInfo], i: int,
     for e in range(num_experts):
         for module, infos in groups.items():
             yield layer.mlp.experts[e], module, (expert_packed, infos, e, f"layer {i} expert {e} {module}")
+
+
+class LazyExpertLinear(nn.Module):
+    """An expert matrix read and packed at its first forward: ``make()`` returns the linear
+    module (a ``GGUFLinear`` on the expert's stored rows), which then becomes the child
+    ``linear`` (``None`` until then) and serves every later call. ``forward(x [T, in]) -> [T,
+    out]``. Safe to call from several threads (the first makes it once)."""
+
+    def __init__(self, make: Callable[[], nn.Module], in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self._make: Callable[[], nn.Module] | None = make
+        self._lock = threading.Lock()
+        self.linear: nn.Module | None = None
+
+    def materialize(self) -> nn.Module:
+        """The linear module, made now if it was not yet (reads the expert's rows)."""
+        if self.linear is None:
+            with self._lock:
+                if self.linear is None:
+                    self.linear = self._make()
+                    self._make = None
+        return self.linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.materialize()(x)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, read={self.linear is not None}"

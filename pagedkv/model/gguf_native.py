@@ -31,9 +31,12 @@ formats). Measured in docs/benchmarks/models.md; the format is described in docs
 
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
+import os
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -303,11 +306,12 @@ def _layer_tensors(header: GGUFHeader) -> dict[int, list[GGUFTensorInfo]]:
 
 
 def build_gguf_model(path: Path, header: GGUFHeader, config: ModelConfig, route: str | None = None,
-                     progress: bool | None = None) -> tuple[nn.Module, LoadReport]:
+                     progress: bool | None = None, lazy_experts: bool | None = None) -> tuple[nn.Module, LoadReport]:
     """A float32 ``LlamaForCausalLM`` for the GGUF at ``path`` whose linear layers are
     ``GGUFLinear`` on the stored blocks and whose embedding is a ``GGUFEmbedding``, streamed
     tensor by tensor (module doc). ``progress``: a tqdm bar over the bytes read (``None``: on a
-    terminal only). Returns ``(model in eval mode, LoadReport)``. Raises ``ConfigError`` for an
+    terminal only). ``lazy_experts`` (``None``: ``PAGEDKV_LAZY_EXPERTS=1``): a mixture of
+    experts' matrices are read at their first use (``gguf_moe.LazyExpertLinear``). Returns ``(model in eval mode, LoadReport)``. Raises ``ConfigError`` for an
     unsupported type (``supported``), a missing or unexpected tensor, or a truncated file."""
     from tqdm.auto import tqdm
 
@@ -323,6 +327,12 @@ def build_gguf_model(path: Path, header: GGUFHeader, config: ModelConfig, route:
     bar = tqdm(total=sum(_nbytes(t) for t in header.tensors), unit="B", unit_scale=True,
                desc=f"loading {path.name}", disable=(None if progress is None else not progress), leave=False)
     reader, floats = _Reader(path, bar), {}
+    if lazy_experts is None:
+        lazy_experts = os.environ.get("PAGEDKV_LAZY_EXPERTS", "0") == "1"
+    lazy_reader = None
+    if lazy_experts and config.num_experts:  # the experts' own reader, open while the model lives
+        lazy_reader = _Reader(path)
+        weakref.finalize(net, lazy_reader.close)
 
     def bias_of(w: GGUFTensorInfo) -> GGUFTensorInfo | None:
         return by_name.get(w.name[: -len("weight")] + "bias")
@@ -368,7 +378,12 @@ def build_gguf_model(path: Path, header: GGUFHeader, config: ModelConfig, route:
                     floats[f"layers.{i}.{ours}"] = w - 1.0 if conv["norms_plus_one"] else w
             expert_jobs = gguf_moe.expert_jobs(layer, experts, i, config.num_experts) if experts else ()
             for owner, attr, (fn, *args) in expert_jobs:
-                jobs.append((owner, attr, pool.submit(fn, reader, *args)))
+                if lazy_reader is not None:
+                    old = getattr(owner, attr)
+                    make = functools.partial(_made, fn, lazy_reader, args, route)
+                    setattr(owner, attr, gguf_moe.LazyExpertLinear(make, old.in_features, old.out_features))
+                else:
+                    jobs.append((owner, attr, pool.submit(fn, reader, *args)))
             for module, parts in groups.items():
                 want = 3 if module == "qkv_proj" else 2
                 if sorted(parts) != list(range(want)):
@@ -399,6 +414,11 @@ def build_gguf_model(path: Path, header: GGUFHeader, config: ModelConfig, route:
     report = LoadReport(tensors=len(header.tensors), bytes_read=reader.read, weight_bytes=held_bytes(net),
                         seconds=time.perf_counter() - t0, types=linear_types(header))
     return net.eval().requires_grad_(False), report
+
+
+def _made(fn: Any, reader: _Reader, args: tuple, route: str | None) -> GGUFLinear:
+    """A lazy expert's ``GGUFLinear`` (``gguf_moe.LazyExpertLinear``): ``fn(reader, *args)``'s packed rows."""
+    return GGUFLinear(*fn(reader, *args)).prepare(route)
 
 
 def _assign_floats(net: nn.Module, floats: dict[str, torch.Tensor]) -> None:

@@ -233,3 +233,54 @@ def test_dequantising_formats_are_refused(case, weights):
     _, path, _ = case
     with pytest.raises(ConfigError, match="weights='gguf'"):
         load_model(path, weights=weights)
+
+
+def test_lazy_experts_read_only_the_experts_a_token_is_routed_to(case):
+    """``lazy_experts=True`` (``PAGEDKV_LAZY_EXPERTS=1``): the load reads every tensor but the
+    stacked experts; a one-token step then reads and packs exactly each layer's ``k`` routed
+    experts (their stored bytes), and computes what the eagerly loaded model computes."""
+    from pagedkv.gguf_header import read_gguf_header
+    from pagedkv.model.gguf_moe import LazyExpertLinear
+    from pagedkv.model.gguf_native import build_gguf_model, held_bytes
+    from pagedkv.model.gguf_read import stored_bytes
+
+    _, path, lm = case
+    header = read_gguf_header(path)
+    net, report = build_gguf_model(path, header, lm.config, progress=False, lazy_experts=True)
+    experts = sum(stored_bytes(t) for t in header.tensors if t.name.endswith("_exps.weight"))
+    assert lm.report.bytes_read - report.bytes_read == experts  # (3 layers x 3 x 8 x 32 x 64 values as Q8_0)
+    lazies = [m for m in net.modules() if isinstance(m, LazyExpertLinear)]
+    assert len(lazies) == 3 * E * 2 and all(m.linear is None for m in lazies)
+    held = held_bytes(net)
+    backend = get_backend("cpu")
+    logits, routed = [], {}
+    for i, layer in enumerate(net.layers):
+        layer.mlp.register_forward_pre_hook(
+            lambda m, args, i=i: routed.__setitem__(i, sorted(m.route(args[0])[1].flatten().tolist())))
+    for model in (lm.model, net):
+        caches = model.allocate_kv_caches(backend, num_blocks=1, block_size=16)
+        with torch.inference_mode():
+            h = model(torch.tensor([77]), torch.tensor([0]), caches, AttentionMetadata.build([1], [1], [[0]], 16), backend)
+            logits.append(model.compute_logits(h))
+    assert torch.equal(logits[0], logits[1])
+    for i, layer in enumerate(net.layers):
+        read = [e for e, x in enumerate(layer.mlp.experts) if x.gate_up_proj.linear is not None]
+        assert read == routed[i] and len(read) == K
+        assert [e for e, x in enumerate(layer.mlp.experts) if x.down_proj.linear is not None] == read
+    per_expert = (2 * I_EXP * 64 + 64 * I_EXP) // 32 * 34  # gate + up + down rows, Q8_0: 34 bytes per 32 values
+    assert held_bytes(net) - held == 3 * K * per_expert
+
+
+def test_lazy_experts_from_the_environment_generate_the_eager_tokens(case, monkeypatch):
+    from pagedkv.model.gguf_moe import LazyExpertLinear
+
+    _, path, lm = case
+    monkeypatch.setenv("PAGEDKV_LAZY_EXPERTS", "1")
+    lazy = load_model(path, weights="gguf")
+    assert isinstance(lazy.model.layers[0].mlp.experts[0].gate_up_proj, LazyExpertLinear)
+    prompts = [list(range(5, 17)), [100, 3, 200, 45, 17]]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    got = [LLM(m, block_size=4, num_blocks=32, max_num_batched_tokens=8).generate(prompts, params, use_tqdm=False)
+           for m in (lm, lazy)]
+    assert [o.outputs[0].token_ids for o in got[0]] == [o.outputs[0].token_ids for o in got[1]]
+    assert len({o.outputs[0].token_ids[0] for o in got[0]}) == 2
