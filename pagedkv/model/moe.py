@@ -127,8 +127,9 @@ def moe_layer_indices(num_layers: int, *, first_k_dense_replace: int = 0, decode
 def route(logits: torch.Tensor, spec: MoESpec, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights fp32 [T, k], expert ids int64 [T, k])`` from router ``logits`` ``[T, E]``
     (any float dtype, routed in fp32) by ``spec.routing`` (module doc). ``bias`` ``[E]``:
-    DeepSeek-V3's ``e_score_correction_bias`` (``"sigmoid"``; ``None`` = zeros). Ties go to
-    the lower expert id (``torch.topk``'s order on the CPU, as transformers)."""
+    DeepSeek-V3's ``e_score_correction_bias`` (``"sigmoid"``; ``None`` = zeros). The ``k``
+    chosen experts come in no particular order (``torch.topk(sorted=False)``, as transformers);
+    exact ties are broken as ``torch.topk`` breaks them."""
     logits = logits.float()
     t, e = logits.shape
     size = e // spec.n_group
