@@ -17,6 +17,8 @@ model_type       sliding layers
 ===============  =============================================================================
 mistral,         every layer when ``sliding_window`` is set (``layer_types`` is ignored, as
 mixtral, phi3    transformers ignores it for these classes)
+qwen3_moe        every layer, only with ``use_sliding_window`` (its config class drops the window
+                 otherwise)
 qwen2, qwen3     only with ``use_sliding_window``; ``layer_types`` when given, else the layers
                  ``i >= max_window_layers`` (default 28, the config class's default: a
                  4-layer config without the key has no sliding layer)
@@ -48,8 +50,10 @@ LAYER_TYPES = (FULL, SLIDING)
 #: Default ``max_window_layers`` of transformers' Qwen2/Qwen3 config classes.
 QWEN_MAX_WINDOW_LAYERS = 28
 
-_EVERY_LAYER = ("mistral", "mixtral", "phi3")
+_EVERY_LAYER = ("mistral", "mixtral", "phi3", "qwen3_moe")
 _QWEN = ("qwen2", "qwen3")
+#: families whose window applies only with ``use_sliding_window``
+_WINDOW_FLAG = (*_QWEN, "qwen3_moe")
 #: Every n-th layer is full attention when a config gives no ``layer_types``.
 _HF_PATTERN = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6}
 _GGUF_PATTERN = {"gemma2": 2, "gemma3": 6}
@@ -90,7 +94,7 @@ def hf_layout(model_type: str | None, config: Mapping[str, Any], num_layers: int
     architecture name ``"gemma3"`` read the same). Raises ``ConfigError`` on a non-positive
     window, a ``layer_types`` of the wrong length or kinds, or a bad pattern."""
     window = check_window(config.get("sliding_window"))
-    if model_type in _QWEN and not config.get("use_sliding_window"):
+    if model_type in _WINDOW_FLAG and not config.get("use_sliding_window"):
         window = None
     if window is None:
         return None, None

@@ -41,7 +41,10 @@ from pagedkv.model.config import ModelConfig
 
 
 def valid_tp_sizes(config: ModelConfig) -> list[int]:
-    """Every ``tensor_parallel_size`` this model can be split over (ascending, 1 included)."""
+    """Every ``tensor_parallel_size`` this model can be split over (ascending, 1 included);
+    only 1 for a mixture-of-experts model (its experts are not sharded)."""
+    if config.num_experts:
+        return [1]
     hq, hkv = config.num_heads, config.num_kv_heads
     return [n for n in range(1, hq + 1) if hq % n == 0 and (hkv % n == 0 or n % hkv == 0)
             and n <= config.intermediate_size]
@@ -53,6 +56,9 @@ def check_tp_size(config: ModelConfig, tp_size: int) -> None:
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ConfigError(f"tensor_parallel_size must be a positive integer, got {tp_size!r}")
     valid = valid_tp_sizes(config)
+    if tp_size not in valid and config.num_experts:
+        raise ConfigError(f"tensor_parallel_size {tp_size}: mixture-of-experts models ({config.num_experts} experts) "
+                          "run on one device; valid sizes: 1")
     if tp_size not in valid:
         raise ConfigError(
             f"tensor_parallel_size {tp_size} does not fit {config.model_id or 'this model'} "

@@ -56,7 +56,8 @@ SCALED_DTYPES = ("int8", "fp8", "int4")
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
 
 # HF ``model_type`` values from_hf_config understands.
-_MHA_TYPES = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "phi3", "gemma", "gemma2", "gemma3", "gemma3_text")
+_MHA_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral", "phi3", "gemma", "gemma2", "gemma3",
+               "gemma3_text")
 _MLA_TYPES = ("deepseek_v2", "deepseek_v3", "minicpm3")
 
 
@@ -241,7 +242,7 @@ class KVCacheSpec:
         ``cfg`` is a dict, a path to a ``config.json`` (or its folder), or the name of a
         shipped config (see ``known_configs()``, e.g. ``"llama-3-8b"``). ``dtype=None``
         uses the config's ``torch_dtype``/``dtype`` (bf16 if absent). Architectures:
-        llama, qwen2/qwen3, mistral/mixtral, phi3, gemma/gemma2/gemma3, deepseek_v2/v3 and minicpm3 (MLA).
+        llama, qwen2/qwen3/qwen3_moe, mistral/mixtral, phi3, gemma/gemma2/gemma3, deepseek_v2/v3 and minicpm3 (MLA).
         Sliding-window layers (``pagedkv.model_config.hf_layer_windows``, the rules the model
         reads too) get their own layer group, sized by their window.
 

@@ -144,6 +144,9 @@ class CompiledDecode:
         self.model = model
         self.max_rows = max_rows
         self.failed: str | None = None  # why compiled steps stopped (eager from then on)
+        if any(getattr(layer, "mlp", None) is not None for layer in model.layers):
+            # data-dependent expert loops (pagedkv.model.moe) are not traced: MoE models run eager
+            self.failed = "mixture-of-experts layers run eager"
         self.steps = 0  # steps run compiled
         self._options: list[tuple[float, int | None, float | None]] | None = None  # per layer, for step_attention
         self.cache_dir = inductor_cache_dir()
@@ -305,6 +308,9 @@ def compile_decode(model: torch.nn.Module, max_rows: int = 64, progress: bool = 
         logger.info("compiled decode steps: off (%s)", cd.failed)
         return cd
     model._pagedkv_compiled_decode = cd
+    if cd.failed is not None:  # a model that never runs compiled (a mixture of experts)
+        logger.info("compiled decode steps off: %s", cd.failed)
+        return cd
     seconds = cd.warm_up(progress)
     if cd.failed is None:
         logger.info("compiled decode steps of 1..%d tokens in %.1f s (cache %s)", max_rows, seconds, cd.cache_dir)

@@ -8,9 +8,9 @@ Both builders are pure (they take already-parsed metadata); files are read by
 
 Supported families: Llama (incl. SmolLM2, Llama 3.x with ``llama3`` RoPE scaling), Mistral
 (sliding window), Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm), Phi-3 (fused checkpoints; not
-LongRoPE), Gemma-2 and Gemma-3 (text), and with multi-head latent attention MiniCPM3 and dense
-DeepSeek-V2/V3 (HF directories): what differs is a few switches, read by
-``pagedkv.model.families``.
+LongRoPE), Gemma-2 and Gemma-3 (text), with multi-head latent attention MiniCPM3 and
+DeepSeek-V2/V3 (HF directories), and the mixture-of-experts Qwen3-MoE and Mixtral: what differs
+is a few switches, read by ``pagedkv.model.families``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pagedkv.model import families
 from pagedkv.model_config import LAYER_TYPES, layer_windows
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3",
-                           "minicpm3", "deepseek_v2", "deepseek_v3")
+                           "minicpm3", "deepseek_v2", "deepseek_v3", "qwen3_moe", "mixtral")
 
 _MISSING: Any = object()  # "no default" sentinel of the builders' key lookups
 
@@ -70,6 +70,13 @@ class ModelConfig:
     (each block's two branches times it: MiniCPM3's ``scale_depth / sqrt(L)``) and
     ``logits_scaling`` (final hidden states divided by it before the LM head: MiniCPM3's
     ``hidden_size / dim_model_base``).
+    Mixture of experts (``pagedkv.model.moe``; ``num_experts`` 0 = dense): the layers listed in
+    ``moe_layers`` (``None``: every layer) replace the dense MLP by ``num_experts`` experts of
+    width ``moe_intermediate_size``, ``num_experts_per_tok`` routed per token by
+    ``moe_routing`` (``softmax`` or DeepSeek-V3's ``sigmoid``), with ``norm_topk_prob``,
+    group-limited choice ``moe_n_group`` / ``moe_topk_group``, ``routed_scaling_factor`` and
+    ``num_shared_experts`` shared experts; the other layers keep a dense MLP of width
+    ``intermediate_size``.
     """
 
     architecture: str
@@ -109,6 +116,16 @@ class ModelConfig:
     rope_interleave: bool = False
     residual_scale: float = 1.0
     logits_scaling: float = 1.0
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    num_shared_experts: int = 0
+    norm_topk_prob: bool = False
+    moe_routing: str = "softmax"
+    moe_n_group: int = 1
+    moe_topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    moe_layers: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -162,6 +179,18 @@ class ModelConfig:
                 raise ConfigError(f"{name}: must be a positive number or None, got {v!r}")
         if not (self.embed_scale > 0 and math.isfinite(self.embed_scale)):
             raise ConfigError(f"embed_scale: must be a positive number, got {self.embed_scale!r}")
+        if self.num_experts:
+            from pagedkv.model.moe import MoESpec
+
+            MoESpec.from_config(self)  # raises ConfigError naming the field
+            if self.moe_layers is not None:
+                self.moe_layers = sorted({int(i) for i in self.moe_layers})
+                if any(not 0 <= i < self.num_layers for i in self.moe_layers):
+                    raise ConfigError(f"moe_layers: layer indices must lie in [0, {self.num_layers})")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is a mixture of experts (``pagedkv.model.moe``)."""
+        return bool(self.num_experts) and (self.moe_layers is None or layer in self.moe_layers)
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window (tokens) of layer ``layer``, ``None`` for a full-attention layer:
@@ -315,7 +344,7 @@ class ModelConfig:
         num_layers = _as_int(get("block_count"), f"{arch}.block_count")
         head_dim = _as_int(head_dim, f"{arch}.attention.key_length")
         return cls(
-            architecture=arch,
+            architecture=families.GGUF_ARCH_NAMES.get(arch, arch),
             vocab_size=_as_int(vocab, f"{arch}.vocab_size"),
             hidden_size=hidden,
             intermediate_size=_as_int(get("feed_forward_length"), f"{arch}.feed_forward_length"),

@@ -23,6 +23,12 @@ minicpm3   multi-head latent attention (``kv_lora_rank`` ..., ``pagedkv.model.ml
 deepseek_  multi-head latent attention with DeepSeek's interleaved rotary (V2 always, V3 with
 v2 / v3    ``rope_interleave``) and yarn ``mscale``; dense layers only (``first_k_dense_replace
            >= num_hidden_layers``): a mixture-of-experts layer raises ``ConfigError``
+qwen3_moe  qwen3's ``qk_norm``; mixture-of-experts MLPs (``num_experts``, ``num_experts_per_tok``,
+           ``moe_intermediate_size``, ``norm_topk_prob``) on the layers ``i`` not in
+           ``mlp_only_layers`` with ``(i + 1) % decoder_sparse_step == 0``, dense MLPs of
+           ``intermediate_size`` elsewhere; window on every layer with ``use_sliding_window``
+mixtral    mixture-of-experts MLPs on every layer (``num_local_experts``, width
+           ``intermediate_size``, top-k weights renormalised); ``sliding_window`` on every layer
 =========  =====================================================================================
 
 Which layers slide, and by how much, is read by ``pagedkv.model_config`` (the one reader the KV
@@ -43,16 +49,20 @@ from pagedkv.model_config import gguf_layout, hf_layout
 #: HF ``model_type`` values -> our architecture names.
 HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
                   "gemma2": "gemma2", "gemma3_text": "gemma3", "minicpm3": "minicpm3",
-                  "deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3"}
+                  "deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3", "qwen3_moe": "qwen3_moe",
+                  "mixtral": "mixtral"}
 #: HF ``architectures`` entries -> our architecture names (when ``model_type`` is missing).
 HF_ARCH_CLASSES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                    "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
                    "Gemma3ForCausalLM": "gemma3", "MiniCPM3ForCausalLM": "minicpm3",
-                   "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
+                   "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3",
+                   "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
 #: families with multi-head latent attention (``pagedkv.model.mla``).
 MLA_ARCHITECTURES = ("minicpm3", "deepseek_v2", "deepseek_v3")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 _GEMMA = ("gemma2", "gemma3")
+#: families that are refused, and what the decoder lacks for them
+_NEEDS = {"gpt_oss": "attention sinks and biased experts with a clamped SwiGLU"}
 
 
 def hf_model_type(config: Mapping[str, Any]) -> str:
@@ -68,6 +78,8 @@ def hf_model_type(config: Mapping[str, Any]) -> str:
     if model_type == "gemma3" and "text_config" in config:
         raise ConfigError("model_type: 'gemma3' is the multimodal Gemma-3; only its text model "
                           "(model_type 'gemma3_text', Gemma3ForCausalLM) is supported")
+    if model_type in _NEEDS:
+        raise ConfigError(f"model_type: {model_type!r} is not supported yet: it needs {_NEEDS[model_type]}")
     if model_type not in HF_MODEL_TYPES:
         raise ConfigError(f"model_type: unsupported {model_type!r} (supported: {', '.join(HF_MODEL_TYPES)})")
     return HF_MODEL_TYPES[model_type]
@@ -81,7 +93,8 @@ def hf_family_fields(arch: str, config: Mapping[str, Any], num_layers: int) -> d
         raise ConfigError(f"hidden_act: unsupported activation {act!r} (supported: {', '.join(ACTIVATIONS)})")
     if config.get("use_bidirectional_attention"):
         raise ConfigError("use_bidirectional_attention: bidirectional attention is not supported (causal decoders only)")
-    out: dict[str, Any] = {"hidden_act": act, "qk_norm": arch in ("qwen3", "gemma3")}
+    out: dict[str, Any] = {"hidden_act": act, "qk_norm": arch in ("qwen3", "gemma3", "qwen3_moe")}
+    out.update(hf_moe_fields(arch, config, num_layers))
     window, types = hf_layout(arch, config, num_layers)
     out.update(sliding_window=window, layer_types=types)
     if arch in _GEMMA:
@@ -150,6 +163,33 @@ def check_mla(c: Any) -> None:
             raise ConfigError(f"{name}: must be a positive number, got {v!r}")
 
 
+def hf_moe_fields(arch: str, config: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    """The mixture-of-experts fields of ``ModelConfig`` (``{}`` for a dense family), with the
+    config classes' defaults for missing keys (transformers 5.24 ``Qwen3MoeConfig``,
+    ``MixtralConfig``; both spell the expert count ``num_experts`` or ``num_local_experts``)."""
+    def get(key: str, default: Any) -> Any:
+        v = config.get(key)
+        return default if v is None else v
+
+    if arch == "mixtral":
+        return {"num_experts": get("num_local_experts", get("num_experts", 8)),
+                "num_experts_per_tok": get("num_experts_per_tok", 2),
+                "moe_intermediate_size": config.get("intermediate_size"), "norm_topk_prob": True}
+    if arch != "qwen3_moe":
+        return {}
+    from pagedkv.model.moe import moe_layer_indices
+
+    experts = get("num_experts", get("num_local_experts", 128))
+    layers = moe_layer_indices(num_layers, decoder_sparse_step=get("decoder_sparse_step", 1),
+                               mlp_only_layers=get("mlp_only_layers", []))
+    if not experts or not layers:
+        return {}
+    return {"num_experts": experts, "num_experts_per_tok": get("num_experts_per_tok", 8),
+            "moe_intermediate_size": get("moe_intermediate_size", 768),
+            "norm_topk_prob": bool(get("norm_topk_prob", False)),
+            "moe_layers": None if len(layers) == num_layers else layers}
+
+
 def _cap(config: Mapping[str, Any], key: str) -> float | None:
     v = config.get(key)
     if v is None:
@@ -191,7 +231,9 @@ def hf_rope(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None, fl
 
 
 #: GGUF ``general.architecture`` values we load (Mistral GGUFs are written as ``llama``).
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3moe")
+#: GGUF architecture names that differ from ours
+GGUF_ARCH_NAMES = {"qwen3moe": "qwen3_moe"}
 
 #: How llama.cpp's converters change a family's tensors on the way into a GGUF, in one place
 #: (``pagedkv.model.weights.gguf_state_dict`` undoes each; ``tests/model/test_gguf_conventions.py``
@@ -207,6 +249,7 @@ GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 #: * ``ffn_norm_is_pre_feedforward``: ``ffn_norm`` is the pre-feed-forward norm of the
 #:   sandwich, and ``post_attention_norm`` the attention output's norm (Gemma).
 #: * ``fused_gate_up``: ``ffn_up`` holds gate and up rows fused, ``attn_qkv`` q/k/v (Phi-3).
+#: Keyed by our architecture names (a ``qwen3moe`` file is ``qwen3_moe``, ``GGUF_ARCH_NAMES``).
 GGUF_CONVENTIONS: dict[str, dict[str, bool]] = {
     arch: {
         "rope_rows_permuted": arch in ("llama", "mistral"),
@@ -214,7 +257,7 @@ GGUF_CONVENTIONS: dict[str, dict[str, bool]] = {
         "ffn_norm_is_pre_feedforward": arch in _GEMMA,
         "fused_gate_up": arch == "phi3",
     }
-    for arch in (*GGUF_ARCHITECTURES, "mistral")
+    for arch in (*(GGUF_ARCH_NAMES.get(a, a) for a in GGUF_ARCHITECTURES), "mistral")
 }
 
 
@@ -225,13 +268,21 @@ def gguf_family_fields(arch: str, metadata: Mapping[str, Any], tensor_names: set
     the local RoPE base 10000 llama.cpp assumes), soft caps from ``{arch}.attn_logit_softcapping``
     / ``final_logit_softcapping``. GGUF has no ``query_pre_attn_scalar``: Gemma's attention scale
     is ``head_dim ** -0.5`` (what llama.cpp uses for every size but the 27B ones). Raises
-    ``ConfigError`` for Phi-3 LongRoPE (``rope_factors_long.weight``)."""
+    ``ConfigError`` for Phi-3 LongRoPE (``rope_factors_long.weight``). Experts:
+    ``{arch}.expert_count`` / ``expert_used_count`` / ``expert_feed_forward_length``."""
     def key(name: str) -> Any:
         return metadata.get(f"{arch}.{name}")
 
     if arch == "phi3" and "rope_factors_long.weight" in tensor_names:
         raise ConfigError("rope_factors_long.weight: Phi-3 LongRoPE is not supported")
-    out: dict[str, Any] = {"qk_norm": arch in ("qwen3", "gemma3")}
+    out: dict[str, Any] = {"qk_norm": arch in ("qwen3", "gemma3", "qwen3moe")}
+    experts = key("expert_count")
+    if experts:  # llama.cpp: softmax top-k, weights renormalised (qwen3moe, llama/Mixtral); the
+        # MoE layers are those with a router (``blk.{i}.ffn_gate_inp.weight``)
+        layers = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" in tensor_names]
+        out.update(num_experts=int(experts), num_experts_per_tok=int(key("expert_used_count") or 0),
+                   moe_intermediate_size=int(key("expert_feed_forward_length") or key("feed_forward_length") or 0),
+                   norm_topk_prob=True, moe_layers=None if not tensor_names or len(layers) == num_layers else layers)
     window, types = gguf_layout(arch, metadata, num_layers)
     if window is not None:
         out.update(sliding_window=window, layer_types=types)

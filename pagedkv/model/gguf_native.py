@@ -15,6 +15,9 @@ and nothing is written to disk but the tokenizer's cache entry.
   Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks with exact integer block sums. A fused layer
   whose parts are stored in different types (a ``*_K_M`` file's Q6_K ``attn_v`` beside Q4_K
   ``attn_q``) is one ``qmm.concat_packed`` weight: the activations are quantised once.
+* Mixture-of-experts files (``qwen3moe``, llama.cpp's stacked ``ffn_*_exps`` tensors): one
+  ``GGUFLinear`` per expert matrix, packed from that expert's stored rows
+  (``pagedkv.model.gguf_moe``); the F32 router becomes a float ``nn.Linear``.
 * ``GGUFEmbedding``: the token-embedding rows read from the memory-mapped file (only the rows a
   step looks up become resident) and dequantised for those rows only.
 
@@ -28,9 +31,12 @@ formats). Measured in docs/benchmarks/models.md; the format is described in docs
 
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
+import os
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +48,7 @@ from torch import nn
 
 from pagedkv.errors import ConfigError
 from pagedkv.gguf_header import GGUFHeader, GGUFTensorInfo
-from pagedkv.model import qmm
+from pagedkv.model import gguf_moe, qmm
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.families import GGUF_CONVENTIONS
 from pagedkv.model.gguf_read import Reader as _Reader
@@ -73,7 +79,9 @@ def linear_types(header: GGUFHeader) -> dict[str, int]:
     head = "output.weight" if "output.weight" in names else "token_embd.weight"
     out: dict[str, int] = {}
     for t in header.tensors:
-        if len(t.shape) == 2 and (t.name.startswith("blk.") or t.name == head):
+        router = t.name.endswith(f"{gguf_moe.ROUTER}.weight")  # a float matrix, not multiplied by the kernels
+        if (len(t.shape) == 2 and not router and (t.name.startswith("blk.") or t.name == head)) \
+                or (len(t.shape) == 3 and t.name.startswith("blk.")):  # stacked experts
             out[_qtype(t)] = out.get(_qtype(t), 0) + 1
     return out
 
@@ -298,11 +306,12 @@ def _layer_tensors(header: GGUFHeader) -> dict[int, list[GGUFTensorInfo]]:
 
 
 def build_gguf_model(path: Path, header: GGUFHeader, config: ModelConfig, route: str | None = None,
-                     progress: bool | None = None) -> tuple[nn.Module, LoadReport]:
+                     progress: bool | None = None, lazy_experts: bool | None = None) -> tuple[nn.Module, LoadReport]:
     """A float32 ``LlamaForCausalLM`` for the GGUF at ``path`` whose linear layers are
     ``GGUFLinear`` on the stored blocks and whose embedding is a ``GGUFEmbedding``, streamed
     tensor by tensor (module doc). ``progress``: a tqdm bar over the bytes read (``None``: on a
-    terminal only). Returns ``(model in eval mode, LoadReport)``. Raises ``ConfigError`` for an
+    terminal only). ``lazy_experts`` (``None``: ``PAGEDKV_LAZY_EXPERTS=1``): a mixture of
+    experts' matrices are read at their first use (``gguf_moe.LazyExpertLinear``). Returns ``(model in eval mode, LoadReport)``. Raises ``ConfigError`` for an
     unsupported type (``supported``), a missing or unexpected tensor, or a truncated file."""
     from tqdm.auto import tqdm
 
@@ -318,6 +327,12 @@ def build_gguf_model(path: Path, header: GGUFHeader, config: ModelConfig, route:
     bar = tqdm(total=sum(_nbytes(t) for t in header.tensors), unit="B", unit_scale=True,
                desc=f"loading {path.name}", disable=(None if progress is None else not progress), leave=False)
     reader, floats = _Reader(path, bar), {}
+    if lazy_experts is None:
+        lazy_experts = os.environ.get("PAGEDKV_LAZY_EXPERTS", "0") == "1"
+    lazy_reader = None
+    if lazy_experts and config.num_experts:  # the experts' own reader, open while the model lives
+        lazy_reader = _Reader(path)
+        weakref.finalize(net, lazy_reader.close)
 
     def bias_of(w: GGUFTensorInfo) -> GGUFTensorInfo | None:
         return by_name.get(w.name[: -len("weight")] + "bias")
@@ -335,13 +350,17 @@ def build_gguf_model(path: Path, header: GGUFHeader, config: ModelConfig, route:
         for i, infos in sorted(_layer_tensors(header).items()):
             if i >= config.num_layers:
                 raise ConfigError(f"weights: tensors of layer {i}, beyond num_layers {config.num_layers}")
-            layer, groups = net.layers[i], {}
+            layer, groups, experts = net.layers[i], {}, {}
             for info in infos:
                 rest = info.name.split(".", 2)[2]
                 part, _, kind = rest.rpartition(".")
-                if kind == "bias" and (part in _FUSED or part in _SINGLE):
+                if kind == "weight" and part in gguf_moe.EXPERT_PARTS:  # stacked experts (pagedkv.model.gguf_moe)
+                    experts[part] = info
+                elif kind == "weight" and part == gguf_moe.ROUTER:
+                    floats[f"layers.{i}.mlp.router.weight"] = reader.floats(info)
+                elif kind == "bias" and (part in _FUSED or part in _SINGLE):
                     continue  # read with its weight
-                if kind == "weight" and part == "ffn_up" and conv["fused_gate_up"]:  # Phi-3: gate and up rows
+                elif kind == "weight" and part == "ffn_up" and conv["fused_gate_up"]:  # Phi-3: gate and up rows
                     later(layer, "gate_up_proj", [(info, None, None)], info.name)
                 elif kind == "weight" and part in _SINGLE:
                     later(layer, _SINGLE[part], [(info, None, bias_of(info))], info.name)
@@ -357,6 +376,14 @@ def build_gguf_model(path: Path, header: GGUFHeader, config: ModelConfig, route:
                         raise ConfigError(f"weights: unexpected GGUF tensor {info.name!r}")
                     w = reader.floats(info)
                     floats[f"layers.{i}.{ours}"] = w - 1.0 if conv["norms_plus_one"] else w
+            expert_jobs = gguf_moe.expert_jobs(layer, experts, i, config.num_experts) if experts else ()
+            for owner, attr, (fn, *args) in expert_jobs:
+                if lazy_reader is not None:
+                    old = getattr(owner, attr)
+                    make = functools.partial(_made, fn, lazy_reader, args, route)
+                    setattr(owner, attr, gguf_moe.LazyExpertLinear(make, old.in_features, old.out_features))
+                else:
+                    jobs.append((owner, attr, pool.submit(fn, reader, *args)))
             for module, parts in groups.items():
                 want = 3 if module == "qkv_proj" else 2
                 if sorted(parts) != list(range(want)):
@@ -387,6 +414,11 @@ def build_gguf_model(path: Path, header: GGUFHeader, config: ModelConfig, route:
     report = LoadReport(tensors=len(header.tensors), bytes_read=reader.read, weight_bytes=held_bytes(net),
                         seconds=time.perf_counter() - t0, types=linear_types(header))
     return net.eval().requires_grad_(False), report
+
+
+def _made(fn: Any, reader: _Reader, args: tuple, route: str | None) -> GGUFLinear:
+    """A lazy expert's ``GGUFLinear`` (``gguf_moe.LazyExpertLinear``): ``fn(reader, *args)``'s packed rows."""
+    return GGUFLinear(*fn(reader, *args)).prepare(route)
 
 
 def _assign_floats(net: nn.Module, floats: dict[str, torch.Tensor]) -> None:

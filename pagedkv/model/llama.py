@@ -1,5 +1,5 @@
-"""The decoder (Llama, SmolLM2, Mistral, Qwen2/3, Phi-3, Gemma-2/3, MiniCPM3, DeepSeek-V2/V3 dense)
-on a flat token batch.
+"""The decoder (Llama, SmolLM2, Mistral, Qwen2/3, Phi-3, Gemma-2/3, MiniCPM3, DeepSeek-V2/V3 dense,
+Qwen3-MoE, Mixtral) on a flat token batch.
 
 The engine packs every scheduled token of every sequence into one flat batch of ``T`` rows
 (prefill chunks and decode tokens mixed); there is no batch dimension and no padding. Each
@@ -23,6 +23,9 @@ Weights (state-dict names, ``H`` = hidden_size, ``I`` = intermediate_size, ``d``
 * ``layers.{i}.gate_up_proj.weight`` ``[2 * I, H]`` = gate rows then up rows;
   ``layers.{i}.down_proj.weight`` ``[H, I]``
 * ``qk_norm``: ``layers.{i}.q_norm.weight`` / ``k_norm.weight`` ``[d]``
+* a mixture-of-experts layer (``ModelConfig.is_moe_layer``) has ``layers.{i}.mlp.*`` (the
+  router and experts of ``pagedkv.model.moe``) instead of ``gate_up_proj`` / ``down_proj``, and
+  always runs the torch ops (never the fused or native paths)
 * ``sandwich_norms``: ``layers.{i}.pre_feedforward_layernorm.weight`` /
   ``post_feedforward_layernorm.weight`` ``[H]`` (``post_attention_layernorm`` then normalises
   the attention output instead of the MLP input)
@@ -46,6 +49,7 @@ from pagedkv.attention.base import AttentionBackend, AttentionMetadata
 from pagedkv.errors import ConfigError
 from pagedkv.model import invariant
 from pagedkv.model.config import ModelConfig
+from pagedkv.model.moe import MoE, MoESpec
 from pagedkv.utils import profile_scope, torch_dtype
 
 
@@ -136,8 +140,11 @@ class DecoderLayer(nn.Module):
             self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=config.attention_bias, **kw)
         self.o_proj = nn.Linear(self.q_size, h, bias=False, **kw)
         self.post_attention_layernorm = _RMSNormWeight(h, **kw)
-        self.gate_up_proj = nn.Linear(h, 2 * config.intermediate_size, bias=False, **kw)
-        self.down_proj = nn.Linear(config.intermediate_size, h, bias=False, **kw)
+        # a mixture-of-experts layer's MLP (pagedkv.model.moe) replaces the dense one
+        self.mlp = MoE(MoESpec.from_config(config), h, **kw) if config.is_moe_layer(layer) else None
+        dense = self.mlp is None
+        self.gate_up_proj = nn.Linear(h, 2 * config.intermediate_size, bias=False, **kw) if dense else None
+        self.down_proj = nn.Linear(config.intermediate_size, h, bias=False, **kw) if dense else None
         self.q_norm = _RMSNormWeight(d, **kw) if config.qk_norm else None
         self.k_norm = _RMSNormWeight(d, **kw) if config.qk_norm else None
         self.pre_feedforward_layernorm = _RMSNormWeight(h, **kw) if config.sandwich_norms else None
@@ -147,7 +154,7 @@ class DecoderLayer(nn.Module):
         self.all_reduce: Callable[[torch.Tensor], None] | None = None
         # pagedkv.model.fused ops, set by LlamaForCausalLM for a float32 model on the CPU when
         # this layer's shape allows them (no q/k norms, no sandwich norms); None = torch ops.
-        self.fusable = not config.qk_norm and not config.sandwich_norms and not config.is_mla
+        self.fusable = not config.qk_norm and not config.sandwich_norms and not config.is_mla and dense
         self.fused: Any = None
 
     def forward(
@@ -211,12 +218,15 @@ class DecoderLayer(nn.Module):
         else:
             residual.add_(attn_out)
             x = self._norm(residual, self.post_attention_layernorm)
-        gate_up = self.gate_up_proj(x)
-        gate = gate_up[:, : self.intermediate_size]
-        # out of place: inductor turns an in-place activation on a slice of gate_up into a
-        # kernel that recomputes it per use (2.3x slower at 32 rows with the int8 quantiser)
-        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        mlp_out = self.down_proj(act * gate_up[:, self.intermediate_size :])
+        if self.mlp is not None:
+            mlp_out = self.mlp(x)
+        else:
+            gate_up = self.gate_up_proj(x)
+            gate = gate_up[:, : self.intermediate_size]
+            # out of place: inductor turns an in-place activation on a slice of gate_up into a
+            # kernel that recomputes it per use (2.3x slower at 32 rows with the int8 quantiser)
+            act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+            mlp_out = self.down_proj(act * gate_up[:, self.intermediate_size :])
         if self.all_reduce is not None:
             self.all_reduce(mlp_out)
         if self.post_feedforward_layernorm is not None:

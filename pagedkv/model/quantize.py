@@ -36,12 +36,22 @@ _Q4_TYPES = {"Q4_0": 2, "Q4_1": 4}
 def linear_prefixes(config: ModelConfig) -> list[str]:
     """State-dict prefixes (``"layers.3.o_proj."``, ..., ``"lm_head."``) of every linear layer
     (MLA layers: their q and ``kv_a`` projections; ``mla.kv_b_proj`` is read as a tensor, never
-    quantised)."""
-    names = LAYER_LINEARS
+    quantised); a mixture-of-experts layer's MLP linears are its experts'
+    (``"layers.3.mlp.experts.5.gate_up_proj."``, shared experts too; the router stays in the
+    model dtype)."""
+    attn = LAYER_LINEARS[:2]
     if config.is_mla:
         q = ("mla.q_proj",) if config.q_lora_rank is None else ("mla.q_a_proj", "mla.q_b_proj")
-        names = (*q, "mla.kv_a_proj_with_mqa", "o_proj", "gate_up_proj", "down_proj")
-    out = [f"layers.{i}.{name}." for i in range(config.num_layers) for name in names]
+        attn = (*q, "mla.kv_a_proj_with_mqa", "o_proj")
+    out = []
+    for i in range(config.num_layers):
+        out += [f"layers.{i}.{name}." for name in attn]
+        if not config.is_moe_layer(i):
+            out += [f"layers.{i}.{name}." for name in LAYER_LINEARS[2:]]
+            continue
+        experts = [f"experts.{e}" for e in range(config.num_experts)]
+        experts += ["shared"] if config.num_shared_experts else []
+        out += [f"layers.{i}.mlp.{x}.{name}." for x in experts for name in LAYER_LINEARS[2:]]
     return out + ["lm_head."]
 
 

@@ -10,7 +10,12 @@ The state dict uses the names and shapes of ``pagedkv.model.llama`` (q/k/v fused
   undo that so our rotate-half RoPE (the HF convention) applies. ``qwen2`` GGUFs are not
   permuted.
 * Hugging Face directories: ``config.json`` (+ ``generation_config.json``) and
-  ``*.safetensors`` in the source dtype.
+  ``*.safetensors`` in the source dtype. Mixture-of-experts layers (``pagedkv.model.moe``) are
+  read as transformers 5.24's ``save_pretrained`` writes them, one tensor per expert
+  (Qwen3-MoE ``mlp.experts.{e}.gate_proj``/``up_proj``/``down_proj``, Mixtral
+  ``block_sparse_moe.experts.{e}.w1``/``w3``/``w2``; router ``gate.weight``), or stacked
+  (``experts.gate_up_proj`` ``[E, 2 I, H]``, ``experts.down_proj`` ``[E, H, I]``, sliced per
+  expert without a copy).
 
 Every problem raises ``ConfigError`` naming the tensor, file or field.
 """
@@ -20,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import mmap
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -56,6 +62,8 @@ _GGUF_FUSED_PARTS = (
     "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_q.bias", "attn_k.bias", "attn_v.bias",
     "ffn_gate.weight", "ffn_up.weight",
 )
+#: a mixture-of-experts layer's GGUF tensors: the router and the stacked experts ``[E, rows, cols]``
+GGUF_EXPERT_PARTS = ("ffn_gate_inp.", "ffn_gate_exps.", "ffn_up_exps.", "ffn_down_exps.")
 _GGUF_TOP_NAMES = {
     "token_embd.weight": "embed_tokens.weight",
     "output_norm.weight": "norm.weight",
@@ -204,6 +212,9 @@ def gguf_groups(names: Iterable[str], config: ModelConfig) -> list[GGUFGroup]:
             if permuted and rest.startswith(("attn_q.", "attn_k.")):
                 heads = config.num_heads if rest.startswith("attn_q") else config.num_kv_heads
             parts[(int(idx), rest)] = (name, heads)
+        elif rest.startswith(GGUF_EXPERT_PARTS):
+            raise ConfigError(f"weights: {name}: a mixture-of-experts GGUF loads with weights='gguf' "
+                              "(its stored blocks on the integer kernels) only")
         else:  # not blk.<i>.<known part>
             raise ConfigError(f"weights: unexpected GGUF tensor {name!r}")
 
@@ -277,12 +288,16 @@ def _fuse_layers(state: StateDict, parts: _Parts, config: ModelConfig, names: tu
             raise ConfigError(f"weights: layer {i} is missing {e.args[0][1]}") from None
 
     q, k, v, gate, up = names
-    for i in range(config.num_layers):  # a checkpoint that stores them fused (Phi-3) has them already
+    for i in range(config.num_layers):  # a checkpoint that stores them fused (Phi-3, stacked experts) has them already
+        for e in range(config.num_experts if config.is_moe_layer(i) else 0):
+            if f"layers.{i}.mlp.experts.{e}.gate_up_proj.weight" not in state:
+                state[f"layers.{i}.mlp.experts.{e}.gate_up_proj.weight"] = cat(i, f"experts.{e}.gate",
+                                                                               f"experts.{e}.up")
         if f"layers.{i}.qkv_proj.weight" not in state and not config.is_mla:
             state[f"layers.{i}.qkv_proj.weight"] = cat(i, f"{q}.weight", f"{k}.weight", f"{v}.weight")
         if (i, f"{q}.bias") in parts:
             state[f"layers.{i}.qkv_proj.bias"] = cat(i, f"{q}.bias", f"{k}.bias", f"{v}.bias")
-        if f"layers.{i}.gate_up_proj.weight" not in state:
+        if f"layers.{i}.gate_up_proj.weight" not in state and not config.is_moe_layer(i):
             state[f"layers.{i}.gate_up_proj.weight"] = cat(i, f"{gate}.weight", f"{up}.weight")
     if parts:
         raise ConfigError(f"weights: tensors of layers beyond num_layers: {sorted(parts)[:3]}")
@@ -316,6 +331,9 @@ _HF_TOP_NAMES = ("embed_tokens.weight", "norm.weight", "lm_head.weight")
 #: multi-head latent attention (``pagedkv.model.mla``): ``self_attn.X`` -> ``mla.X``
 _HF_MLA_NAMES = {f"self_attn.{n}.weight": f"mla.{n}.weight" for n in (
     "q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj")}
+# a mixture-of-experts layer's tensors: (mlp|block_sparse_moe).<what>
+_HF_MOE = re.compile(r"(?:mlp|block_sparse_moe)\.(gate\.weight|(?:gate\.)?e_score_correction_bias|"
+                     r"experts\.gate_up_proj|experts\.down_proj|experts\.(\d+)\.(gate_proj|w1|up_proj|w3|down_proj|w2)\.weight)")
 
 
 def hf_config(path: Path) -> ModelConfig:
@@ -369,8 +387,11 @@ def hf_state_dict(path: Path, config: ModelConfig) -> StateDict:
                 state[key] = w
                 continue
             _, idx, rest = key.split(".", 2) if key.startswith("layers.") else ("", "", "")
+            moe = _HF_MOE.fullmatch(rest)
             if config.is_mla and rest in _HF_MLA_NAMES:
                 state[f"layers.{int(idx)}.{_HF_MLA_NAMES[rest]}"] = w
+            elif moe is not None:
+                _hf_moe_tensor(state, parts, int(idx), moe, w)
             elif rest in _HF_LAYER_NAMES:
                 state[f"layers.{int(idx)}.{_HF_LAYER_NAMES[rest]}"] = w
             elif rest in _HF_FUSED_PARTS:
@@ -378,3 +399,23 @@ def hf_state_dict(path: Path, config: ModelConfig) -> StateDict:
             elif not key.endswith("rotary_emb.inv_freq"):
                 raise ConfigError(f"weights: unexpected tensor {name!r} in {f.name}")
     return _fuse_layers(state, parts, config, ("q", "k", "v", "gate", "up"))
+
+
+def _hf_moe_tensor(state: StateDict, parts: _Parts, i: int, m: "re.Match[str]", w: torch.Tensor) -> None:
+    """File a mixture-of-experts tensor of layer ``i`` (``_HF_MOE`` match ``m``) under our
+    names (``pagedkv.model.moe``): per-expert gate/up into ``parts`` (fused later), stacked
+    tensors sliced per expert."""
+    what, expert, proj = m.groups()
+    pre = f"layers.{i}.mlp."
+    if what == "gate.weight":
+        state[pre + "router.weight"] = w
+    elif what.endswith("e_score_correction_bias"):
+        state[pre + "e_score_correction_bias"] = w
+    elif expert is None:  # stacked [E, rows, cols]
+        name = "gate_up_proj" if what.endswith("gate_up_proj") else "down_proj"
+        for e in range(w.shape[0]):
+            state[f"{pre}experts.{e}.{name}.weight"] = w[e]
+    elif proj in ("down_proj", "w2"):
+        state[f"{pre}experts.{expert}.down_proj.weight"] = w
+    else:
+        parts[(i, f"experts.{expert}.{'gate' if proj in ('gate_proj', 'w1') else 'up'}")] = w

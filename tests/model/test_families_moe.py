@@ -1,0 +1,295 @@
+"""The mixture-of-experts families (Qwen3-MoE, Mixtral) against Hugging Face transformers on
+the same tiny random weights (fp32).
+
+For each family a tiny model (3 layers, hidden 64, 8 experts of which 2 per token; Qwen3-MoE
+with a dense middle layer through ``mlp_only_layers``) is built with transformers from a
+seeded config, given non-trivial norms and decisive routers, and saved with
+``save_pretrained`` (one tensor per expert, transformers 5.24's on-disk form); pagedkv loads
+the directory. Checked:
+
+* the decoder's logits equal transformers' (one forward over the sequence) at every position,
+  for a chunked prefill then decode steps, at block sizes 1 and 16 (atol = rtol = 1e-4);
+* the engine's greedy tokens equal ``generate``'s (ordinary cache, 20 new tokens) at block
+  sizes 1 and 16, with 16-token prefill chunks, three requests batched, preemption in a pool
+  too small for them, and a prefix-cache hit;
+* which path ran: the MoE layers on the torch ops (no fused ops, no native step loop, no
+  compiled step); at a one-token decode step each MoE layer runs exactly its ``k`` routed
+  experts;
+* the stacked-tensor form (``experts.gate_up_proj`` ``[E, 2I, H]``) loads to the same model.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedkv import LLM, SamplingParams
+from pagedkv.attention import get_backend
+from pagedkv.attention.base import AttentionMetadata
+from pagedkv.errors import ConfigError
+from pagedkv.model.config import ModelConfig
+from pagedkv.model.loader import load_model
+
+FAMILIES = ["qwen3_moe", "mixtral"]
+VOCAB = 97
+NEW = 20
+
+
+def _hf_config(kind: str):
+    import transformers as tf
+
+    common = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, num_experts_per_tok=2, tie_word_embeddings=False,
+    )
+    if kind == "qwen3_moe":  # layer 1 dense (mlp_only_layers), renormalised top-k
+        return tf.Qwen3MoeConfig(num_experts=8, moe_intermediate_size=32, head_dim=16, mlp_only_layers=[1],
+                                 norm_topk_prob=True, **common), tf.Qwen3MoeForCausalLM
+    if kind == "mixtral":
+        return tf.MixtralConfig(num_local_experts=8, sliding_window=None, **common), tf.MixtralForCausalLM
+    raise AssertionError(kind)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    """(kind, transformers model, directory, pagedkv LoadedModel)."""
+    kind = request.param
+    cfg, cls = _hf_config(kind)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = cls(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+            elif any(k in name for k in ("q_proj", "k_proj")) or name.endswith("embed_tokens.weight"):
+                p.mul_(8.0)
+            elif name.endswith("gate.weight"):  # the router: decisive choices
+                p.mul_(20.0)
+    out = tmp_path_factory.mktemp(kind)
+    hf.save_pretrained(out)
+    from tests.model.test_llama import _tiny_tokenizer
+
+    _tiny_tokenizer().save_pretrained(out)
+    return kind, hf, out, load_model(out)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_config_reads_the_family(family):
+    kind, _, out, lm = family
+    c = lm.config
+    assert c.architecture == kind
+    assert (c.num_experts, c.num_experts_per_tok) == (8, 2)
+    if kind == "qwen3_moe":
+        assert (c.moe_intermediate_size, c.moe_layers, c.norm_topk_prob, c.qk_norm) == (32, [0, 2], True, True)
+    else:
+        assert (c.moe_intermediate_size, c.moe_layers, c.norm_topk_prob, c.qk_norm) == (96, None, True, False)
+    assert c.layer_windows() == [None] * 3
+    assert [layer.mlp is not None for layer in lm.model.layers] == [True, kind == "mixtral", True]
+    assert sum(1 for n in lm.model.state_dict() if n.endswith("gate_up_proj.weight")) == (17 if kind == "qwen3_moe" else 24)
+
+
+@pytest.mark.parametrize("block", [1, 16])
+def test_logits_equal_transformers(family, block):
+    kind, hf, _, lm = family
+    ids = _prompt(40, 1)
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    backend = get_backend("cpu")
+    blocks = -(-40 // block)
+    caches = lm.model.allocate_kv_caches(backend, num_blocks=blocks + 3, block_size=block)
+    table = list(range(blocks + 3))[::-1][:blocks]  # reversed physical blocks
+    got = []
+    for start, end in ((0, 13), (13, 24), (24, 37), (37, 38), (38, 39), (39, 40)):
+        md = AttentionMetadata.build([end], [end - start], [table], block)
+        with torch.inference_mode():
+            got.append(lm.model.compute_logits(lm.model(torch.tensor(ids[start:end]), torch.arange(start, end),
+                                                        caches, md, backend)))
+    torch.testing.assert_close(torch.cat(got), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("block", [1, 16])
+def test_engine_greedy_tokens_equal_transformers(family, block):
+    kind, hf, _, lm = family
+    shared = _prompt(32, 7)
+    prompts = [_prompt(45, 2), _prompt(37, 3), shared + _prompt(11, 4), shared + _prompt(13, 5)]
+    refs = []
+    for p in prompts:
+        with torch.inference_mode():
+            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              max_new_tokens=NEW, do_sample=False, num_beams=1, pad_token_id=0)
+        refs.append(out[0, len(p):].tolist())
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    # the three first sequences need 57-65 tokens each: a pool of ~2 sequences' blocks preempts
+    pool = 130 // block + 1
+    llm = LLM(lm, block_size=block, num_blocks=pool, max_num_batched_tokens=16, enable_prefix_caching=True,
+              debug_invariants=True)
+    outs = llm.generate(prompts[:3], params, use_tqdm=False)
+    assert llm.engine.scheduler.stats.num_preemptions > 0
+    assert llm.engine.kv.num_used_blocks == 0
+    big = LLM(lm, block_size=block, num_blocks=512 // block, max_num_batched_tokens=16, enable_prefix_caching=True,
+              debug_invariants=True)
+    assert big.generate(prompts[2:3], params, use_tqdm=False)[0].outputs[0].token_ids == outs[2].outputs[0].token_ids
+    outs += big.generate(prompts[3:], params, use_tqdm=False)  # its 32-token prefix is cached by now
+    assert outs[3].num_cached_tokens >= 32 - block
+    assert big.engine.kv.num_used_blocks == 0
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    assert len({t for r in refs for t in r}) > 12  # not a few tokens repeated
+
+
+def test_two_completions_of_one_prompt_share_its_blocks_and_equal_transformers(family):
+    """``n=2`` greedy: both completions fork from the one prefilled prompt and equal ``generate``'s."""
+    _, hf, _, lm = family
+    p = _prompt(30, 12)
+    with torch.inference_mode():
+        ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                          max_new_tokens=NEW, do_sample=False, num_beams=1, pad_token_id=0)[0, len(p):].tolist()
+    llm = LLM(lm, block_size=4, num_blocks=64, max_num_batched_tokens=16, debug_invariants=True)
+    out = llm.generate([p], SamplingParams(n=2, temperature=0.0, max_tokens=NEW, ignore_eos=True), use_tqdm=False)[0]
+    assert [c.token_ids for c in out.outputs] == [ref, ref]
+    assert llm.engine.kv.num_used_blocks == 0
+
+
+def test_moe_layers_run_eager_and_only_routed_experts_at_decode(family):
+    kind, _, _, lm = family
+    net = lm.model
+    backend = get_backend("cpu")
+    caches = net.allocate_kv_caches(backend, num_blocks=4, block_size=16)
+    calls: dict[int, list[int]] = {}
+    handles = []
+    for i, layer in enumerate(net.layers):
+        if layer.mlp is None:
+            continue
+        calls[i] = []
+        for e, expert in enumerate(layer.mlp.experts):
+            handles.append(expert.register_forward_hook(lambda m, inp, out, i=i, e=e: calls[i].append(e)))
+    routed: dict[int, list[int]] = {}
+    for i in calls:  # what the router picks for the decode token's MLP input
+        layer = net.layers[i]
+        handles.append(layer.mlp.register_forward_pre_hook(
+            lambda m, args, i=i: routed.__setitem__(i, sorted(m.route(args[0])[1].flatten().tolist()))))
+    ids = _prompt(10, 9)
+    try:
+        with torch.inference_mode():
+            net(torch.tensor(ids[:9]), torch.arange(9), caches, AttentionMetadata.build([9], [9], [[0]], 16), backend)
+            for v in calls.values():
+                v.clear()
+            net(torch.tensor(ids[9:]), torch.tensor([9]), caches, AttentionMetadata.build([10], [1], [[0]], 16), backend)
+    finally:
+        for h in handles:
+            h.remove()
+    assert set(calls) == ({0, 2} if kind == "qwen3_moe" else {0, 1, 2})
+    for i, experts in calls.items():
+        assert sorted(experts) == routed[i] and len(experts) == 2  # the k routed experts, once each
+    # which path ran: every MoE layer on the torch ops (never fusable, so no fused ops and no
+    # native step loop, whichever this CPU builds), and no compiled step
+    assert net._fused_state is not None  # the first forward decided
+    assert all(layer.fused is None and not layer.fusable for layer in net.layers if layer.mlp is not None)
+    assert net._native is None
+    assert net.native_state in ("off (a layer outside the fused path)", "off (no fused ops)")
+    from pagedkv.model.compiled import compile_decode
+
+    cd = compile_decode(net, max_rows=8, progress=False)
+    assert cd.failed == "mixture-of-experts layers run eager" and not cd.accepts(1) and cd.steps == 0
+
+
+def test_stacked_expert_tensors_load_to_the_same_model(family, tmp_path):
+    """transformers' in-memory form (``experts.gate_up_proj`` ``[E, 2I, H]``, ``experts.down_proj``
+    ``[E, H, I]``) written to disk as is loads to the same weights as the per-expert files."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    kind, hf, out, lm = family
+    shutil.copytree(out, tmp_path / "m")
+    moe = "mlp" if kind == "qwen3_moe" else "block_sparse_moe"
+    stacked = {k: v for k, v in hf.state_dict().items() if ".experts." not in k}
+    for i in ([0, 2] if kind == "qwen3_moe" else [0, 1, 2]):
+        exp = hf.model.layers[i].mlp.experts
+        stacked[f"model.layers.{i}.{moe}.experts.gate_up_proj"] = exp.gate_up_proj.detach().clone()
+        stacked[f"model.layers.{i}.{moe}.experts.down_proj"] = exp.down_proj.detach().clone()
+        stacked[f"model.layers.{i}.{moe}.gate.weight"] = stacked.pop(f"model.layers.{i}.mlp.gate.weight")
+    save_file({k: v.contiguous() for k, v in stacked.items()}, str(tmp_path / "m" / "model.safetensors"))
+    assert any(k.endswith("experts.gate_up_proj") for k in load_file(str(tmp_path / "m" / "model.safetensors")))
+    again = load_model(tmp_path / "m")
+    ref = lm.model.state_dict()
+    got = again.model.state_dict()
+    assert sorted(got) == sorted(ref)
+    assert all(torch.equal(got[k], ref[k]) for k in ref)
+
+
+@pytest.mark.parametrize("weights, cls, tol", [("int8", "Int8Linear", 0.03), ("bf16", "BF16Linear", 0.01)])
+def test_quantised_experts_use_the_quantised_linear_modules(family, weights, cls, tol):
+    """``weights="int8"`` / ``"bf16"`` make every expert's two matrices (and attention's) that
+    format's module, the router staying float: logits within the format's error of fp32's."""
+    kind, _, out, lm = family
+    q = load_model(out, weights=weights)
+    moe = [layer.mlp for layer in q.model.layers if layer.mlp is not None]
+    assert {type(m).__name__ for mlp in moe for e in mlp.experts for m in (e.gate_up_proj, e.down_proj)} == {cls}
+    assert all(type(mlp.router) is torch.nn.Linear and mlp.router.weight.dtype == torch.float32 for mlp in moe)
+    ids = torch.tensor(_prompt(20, 11))
+    backend = get_backend("cpu")
+    logits = []
+    for net in (lm.model, q.model):
+        caches = net.allocate_kv_caches(backend, num_blocks=2, block_size=16)
+        with torch.inference_mode():
+            h = net(ids, torch.arange(20), caches, AttentionMetadata.build([20], [20], [[0, 1]], 16), backend)
+            logits.append(net.compute_logits(h))
+    diff = (logits[0] - logits[1]).abs().max().item()
+    assert 0 < diff < tol
+
+
+def test_planner_and_engine_agree_on_kv_bytes_per_token(family):
+    """``pagedkv plan``'s sizing (``KVCacheSpec.from_hf_config``) knows the MoE families, and its
+    bytes per token are what the model allocates (experts change no KV shape)."""
+    from pagedkv.kv.spec import KVCacheSpec
+
+    _, _, out, lm = family
+    spec = KVCacheSpec.from_hf_config(out / "config.json", dtype="fp32")
+    caches = lm.model.allocate_kv_caches(get_backend("cpu"), num_blocks=4, block_size=16)
+    held = sum(t.numel() * t.element_size() for c in caches for t in (c.key, c.value))
+    assert spec.bytes_per_token == held // 64 == 3 * 2 * (2 * 16) * 4  # layers x K,V x kv heads x d x fp32
+
+
+def _cfg(**kw):
+    base = dict(model_type="qwen3_moe", vocab_size=32, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
+                eos_token_id=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+    return ModelConfig.from_hf_config({**base, **kw})
+
+
+def test_qwen3_moe_sparse_step_and_dense_layers():
+    assert _cfg(decoder_sparse_step=2).moe_layers == [1, 3, 5]
+    assert _cfg(decoder_sparse_step=2, mlp_only_layers=[3]).moe_layers == [1, 5]
+    assert _cfg().moe_layers is None and _cfg().is_moe_layer(4)
+    dense = _cfg(num_experts=0)
+    assert dense.num_experts == 0 and not dense.is_moe_layer(0)
+    assert _cfg(use_sliding_window=True, sliding_window=16).layer_windows() == [16] * 6
+    assert _cfg(use_sliding_window=False, sliding_window=16).layer_windows() == [None] * 6
+    mixtral = _cfg(model_type="mixtral", num_experts=None, num_local_experts=4, sliding_window=4096)
+    assert (mixtral.num_experts, mixtral.moe_intermediate_size, mixtral.layer_windows()) == (4, 96, [4096] * 6)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(num_experts_per_tok=9), "num_experts_per_tok"),
+    (dict(decoder_sparse_step=0), "decoder_sparse_step"),
+    (dict(model_type="gpt_oss"), "attention sinks"),
+    (dict(model_type="deepseek_v3", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+          n_routed_experts=4), "n_routed_experts"),  # MLA runs; its mixture-of-experts layers do not yet
+])
+def test_unsupported_moe_configs_raise_config_error(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        _cfg(**kw)
+
+
+def test_tensor_parallel_refuses_moe():
+    from pagedkv.distributed.parallel import check_tp_size, valid_tp_sizes
+
+    c = _cfg()
+    assert valid_tp_sizes(c) == [1]
+    with pytest.raises(ConfigError, match="mixture-of-experts"):
+        check_tp_size(c, 2)
