@@ -421,6 +421,8 @@ class Scheduler:
             self.fork(f.parent, f.child, f.num_computed_tokens)
         for d in decisions.finishes:
             req = d.request
+            if d.stop_reason is not None:  # a stop string (the output processor found it)
+                req.stop_reason = d.stop_reason
             if not req.status.finished and d.status == RequestStatus.FINISHED_ERROR:
                 self.grammar_failed(req)  # a beam whose grammar failed: counted
             elif not req.status.finished:
