@@ -507,3 +507,47 @@ def test_the_engine_package_writes_no_other_objects_private_state():
 def test_private_write_check_is_not_vacuous():
     planted = "req._text_tokens = 3\nself._ok = 1\nstate.text = 'x'\nreq._n += 1\ndel other._x\n"
     assert _foreign_private_writes(planted) == ["line 1: req._text_tokens", "line 4: req._n", "line 5: other._x"]
+
+
+def _block_ceil_divisions(source: str) -> list[str]:
+    """Hand-made ceiling divisions by a block size in ``source``: ``-(-a // bs)``,
+    ``cdiv(a, bs)``, ``math.ceil(a / bs)`` or ``(a + bs - 1) // bs``, where the divisor's
+    source names ``bs`` or ``block_size``."""
+    import re
+
+    def by_block(node: ast.AST) -> bool:
+        return re.search(r"\b(bs|block_size)\b", ast.unparse(node)) is not None
+
+    out = []
+    for n in ast.walk(ast.parse(source)):
+        hit = None
+        if (isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.USub) and isinstance(n.operand, ast.BinOp)
+                and isinstance(n.operand.op, ast.FloorDiv) and isinstance(n.operand.left, ast.UnaryOp)
+                and by_block(n.operand.right)):
+            hit = n
+        elif isinstance(n, ast.Call) and len(n.args) == 2 and ast.unparse(n.func) in ("cdiv", "utils.cdiv") \
+                and by_block(n.args[1]):
+            hit = n
+        elif isinstance(n, ast.Call) and ast.unparse(n.func) == "math.ceil" and n.args \
+                and isinstance(n.args[0], ast.BinOp) and isinstance(n.args[0].op, ast.Div) and by_block(n.args[0].right):
+            hit = n
+        elif (isinstance(n, ast.BinOp) and isinstance(n.op, ast.FloorDiv) and isinstance(n.left, ast.BinOp)
+              and isinstance(n.left.op, ast.Sub) and by_block(n.right) and by_block(n.left)):
+            hit = n
+        if hit is not None:
+            out.append(f"line {n.lineno}: {ast.unparse(hit)}")
+    return out
+
+
+def test_the_engine_counts_blocks_through_blocks_needed():
+    """How many KV blocks a number of tokens takes is ``pagedkv.kv.block_table.blocks_needed``
+    (window rule included); the engine package never rounds up by the block size itself."""
+    hits = {p.name: h for p in sorted((PKG / "engine").glob("*.py")) if (h := _block_ceil_divisions(p.read_text()))}
+    assert hits == {}
+
+
+def test_block_ceil_division_check_is_not_vacuous():
+    planted = ("a = -(-used // block_size)\nb = cdiv(n, bs)\nc = math.ceil(t / self.block_size)\n"
+               "d = (t + bs - 1) // bs\ne = -(-V // B)\nf = n // bs\ng = blocks_needed(n, bs)\n")
+    assert _block_ceil_divisions(planted) == ["line 1: -(-used // block_size)", "line 2: cdiv(n, bs)",
+                                              "line 3: math.ceil(t / self.block_size)", "line 4: (t + bs - 1) // bs"]

@@ -40,6 +40,7 @@ import torch
 
 from pagedkv.engine.request import Request
 from pagedkv.errors import ConfigError
+from pagedkv.kv.block_table import blocks_needed
 
 #: one sampled token and its logprobs (``None`` unless asked for)
 Sampled = tuple[int, Optional[dict[int, float]]]
@@ -157,7 +158,7 @@ def lookahead_cap(num_computed: int, spare_blocks: int, block_size: int) -> int:
     needs: the slots left in the decode token's block plus ``spare_blocks`` whole blocks
     (``spare_blocks < 0`` counts as 0). Units: token positions, blocks per layer group."""
     used = num_computed + 1
-    return (-(-used // block_size) + max(0, spare_blocks)) * block_size - used
+    return (blocks_needed(used, block_size) + max(0, spare_blocks)) * block_size - used
 
 
 def split_extra_rows(scheduled: Sequence[tuple[Request, int]], prompt_rows: Sequence[int],
