@@ -150,7 +150,7 @@ class LLMEngine:
         self.groups = SequenceGroups()
         self.output = OutputProcessor(self.tokenizer)
         self.sampler = Sampler(torch.Generator().manual_seed(cfg.seed))
-        self.tokens = StepSampler(self.sampler, self.groups, cut=self.output.cut_at_stop_string)
+        self.step_sampler = StepSampler(self.sampler, self.groups, cut=self.output.cut_at_stop_string)
         self._lock = threading.RLock()
         self._ids = itertools.count()
         logger.info(
@@ -361,12 +361,12 @@ class LLMEngine:
             if out.is_empty:
                 return self._idle(out)
             with profile_scope("pagedkv.prepare"):
-                rows = self.tokens.rows(out)
+                rows = self.step_sampler.rows(out)
                 inp = self.executor.prepare(*out.model_inputs(), rows.extra)
                 self._move_blocks(out)
         logits = self.executor.execute(inp)  # lock released: aborts may land now (fenced)
         with self._lock:
-            chosen = self.tokens.choose(out, rows, logits, inp.num_sample_rows)
+            chosen = self.step_sampler.choose(out, rows, logits, inp.num_sample_rows)
             with profile_scope("pagedkv.update"):
                 self.scheduler.update(out, chosen.sampled, chosen.forks, chosen.runs)
                 self.scheduler.apply(self.output.decide(chosen.seqs, chosen.beam_groups, self.groups))
