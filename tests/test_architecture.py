@@ -389,3 +389,165 @@ def test_the_engine_changes_scheduler_state_only_through_its_methods(tmp_path):
     planted = tmp_path / "planted.py"
     planted.write_text("self.scheduler.stats.n += 1\nself.scheduler = 1\nx.scheduler.running[0] = 2\n")
     assert _writes_through(planted, "scheduler") == ["line 1: self.scheduler.stats.n", "line 3: x.scheduler.running[0]"]
+
+
+# ---- the engine core: input processor -> core step -> output processor ---------------------
+#: most lines of ``LLMEngine._step`` (its ``def`` line included): schedule -> execute -> update
+MAX_STEP_LINES = 25
+
+
+def _function_lines(source: str, cls: str, fn: str) -> int:
+    """Lines of method ``cls.fn`` in ``source`` (``def`` to its last line, decorators and
+    docstring included); 0 when there is no such method."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name == fn:
+                    first = min([item.lineno, *(d.lineno for d in item.decorator_list)])
+                    return item.end_lineno - first + 1
+    return 0
+
+
+def test_the_core_step_fits_on_a_screen():
+    """The core loop reads schedule -> execute -> update; features plug in behind hooks and
+    the step sampler / output processor, so it stays short."""
+    n = _function_lines((PKG / "engine" / "engine.py").read_text(), "LLMEngine", "_step")
+    assert 0 < n <= MAX_STEP_LINES, f"LLMEngine._step has {n} lines (at most {MAX_STEP_LINES})"
+
+
+def test_step_length_check_is_not_vacuous():
+    body = "".join(f"        x{i} = {i}\n" for i in range(MAX_STEP_LINES))
+    planted = f"class LLMEngine:\n    @staticmethod\n    def _step(opened):\n{body}"
+    assert _function_lines(planted, "LLMEngine", "_step") == MAX_STEP_LINES + 2  # decorator + def + body
+    assert _function_lines(planted, "LLMEngine", "step") == 0
+
+
+#: the engine's optional features: wired by pagedkv/engine/builder.py, never by the core
+FEATURE_MODULES = tuple(f"pagedkv.engine.{m}" for m in ("spec_decode", "spec_draft", "structured", "beam", "tools"))
+
+
+def _feature_imports(source: str) -> list[str]:
+    """Feature modules (:data:`FEATURE_MODULES`) that ``source`` imports, anywhere in it
+    (``import m``, ``from m import x``, ``from pagedkv.engine import m``)."""
+    out = []
+    for n in ast.walk(ast.parse(source)):
+        if isinstance(n, ast.Import):
+            names = [a.name for a in n.names]
+        elif isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
+            names = [n.module, *(f"{n.module}.{a.name}" for a in n.names)]
+        else:
+            continue
+        out += [f"line {n.lineno}: {m}" for m in names if m in FEATURE_MODULES]
+    return out
+
+
+def test_the_engine_core_imports_no_feature_module():
+    assert _feature_imports((PKG / "engine" / "engine.py").read_text()) == []
+    assert _feature_imports((PKG / "engine" / "builder.py").read_text())  # the builder wires them
+
+
+def test_feature_import_check_is_not_vacuous():
+    planted = ("import pagedkv.engine.beam\nfrom pagedkv.engine.spec_decode import make_proposer\n"
+               "def f():\n    from pagedkv.engine import structured, sampler\n")
+    assert _feature_imports(planted) == ["line 1: pagedkv.engine.beam", "line 2: pagedkv.engine.spec_decode",
+                                         "line 4: pagedkv.engine.structured"]
+
+
+#: what names a detokeniser's state: the output processor's (pagedkv.engine.output.TextState)
+DETOKENISER_WORDS = ("text", "detok", "decoded")
+
+
+def _detokeniser_fields(source: str, cls: str = "Request") -> list[str]:
+    """Annotated fields of class ``cls`` in ``source`` whose names hold a
+    :data:`DETOKENISER_WORDS` word (``output_text``, ``_text_tokens``, ...)."""
+    return [f"line {item.lineno}: {item.target.id}"
+            for node in ast.walk(ast.parse(source)) if isinstance(node, ast.ClassDef) and node.name == cls
+            for item in node.body
+            if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+            and any(w in item.target.id.lower() for w in DETOKENISER_WORDS)]
+
+
+def test_request_holds_scheduler_state_only():
+    """The scheduler's Request carries no detokeniser state (text, decoded counts): the
+    output processor keeps its own, per sequence."""
+    from dataclasses import fields
+
+    from pagedkv.engine.request import Request
+
+    assert _detokeniser_fields((PKG / "engine" / "request.py").read_text()) == []
+    assert not [f.name for f in fields(Request) if any(w in f.name.lower() for w in DETOKENISER_WORDS)]
+
+
+def test_detokeniser_field_check_is_not_vacuous():
+    planted = ("class Request:\n    request_id: str\n    output_text: str = ''\n    _text_tokens: int = 0\n"
+               "class Other:\n    text: str = ''\n")
+    assert _detokeniser_fields(planted) == ["line 3: output_text", "line 4: _text_tokens"]
+
+
+def _foreign_private_writes(source: str) -> list[str]:
+    """Assignments (``=``, ``+=``, ``del``) to a private attribute (``x._name``) of an object
+    other than ``self`` / ``cls``."""
+    out = []
+    for n in ast.walk(ast.parse(source)):
+        targets = (n.targets if isinstance(n, (ast.Assign, ast.Delete)) else [n.target]
+                   if isinstance(n, (ast.AugAssign, ast.AnnAssign)) else [])
+        out += [f"line {n.lineno}: {ast.unparse(x)}" for t in targets for x in ast.walk(t)
+                if isinstance(x, ast.Attribute) and x.attr.startswith("_") and not x.attr.startswith("__")
+                and not (isinstance(x.value, ast.Name) and x.value.id in ("self", "cls"))]
+    return out
+
+
+def test_the_engine_package_writes_no_other_objects_private_state():
+    """E.g. the output processor once kept its text counters in a Request's private fields;
+    each object now changes only its own private attributes."""
+    hits = {p.name: h for p in sorted((PKG / "engine").glob("*.py")) if (h := _foreign_private_writes(p.read_text()))}
+    assert hits == {}
+
+
+def test_private_write_check_is_not_vacuous():
+    planted = "req._text_tokens = 3\nself._ok = 1\nstate.text = 'x'\nreq._n += 1\ndel other._x\n"
+    assert _foreign_private_writes(planted) == ["line 1: req._text_tokens", "line 4: req._n", "line 5: other._x"]
+
+
+def _block_ceil_divisions(source: str) -> list[str]:
+    """Hand-made ceiling divisions by a block size in ``source``: ``-(-a // bs)``,
+    ``cdiv(a, bs)``, ``math.ceil(a / bs)`` or ``(a + bs - 1) // bs``, where the divisor's
+    source names ``bs`` or ``block_size``."""
+    import re
+
+    def by_block(node: ast.AST) -> bool:
+        return re.search(r"\b(bs|block_size)\b", ast.unparse(node)) is not None
+
+    out = []
+    for n in ast.walk(ast.parse(source)):
+        hit = None
+        if (isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.USub) and isinstance(n.operand, ast.BinOp)
+                and isinstance(n.operand.op, ast.FloorDiv) and isinstance(n.operand.left, ast.UnaryOp)
+                and by_block(n.operand.right)):
+            hit = n
+        elif isinstance(n, ast.Call) and len(n.args) == 2 and ast.unparse(n.func) in ("cdiv", "utils.cdiv") \
+                and by_block(n.args[1]):
+            hit = n
+        elif isinstance(n, ast.Call) and ast.unparse(n.func) == "math.ceil" and n.args \
+                and isinstance(n.args[0], ast.BinOp) and isinstance(n.args[0].op, ast.Div) and by_block(n.args[0].right):
+            hit = n
+        elif (isinstance(n, ast.BinOp) and isinstance(n.op, ast.FloorDiv) and isinstance(n.left, ast.BinOp)
+              and isinstance(n.left.op, ast.Sub) and by_block(n.right) and by_block(n.left)):
+            hit = n
+        if hit is not None:
+            out.append(f"line {n.lineno}: {ast.unparse(hit)}")
+    return out
+
+
+def test_the_engine_counts_blocks_through_blocks_needed():
+    """How many KV blocks a number of tokens takes is ``pagedkv.kv.block_table.blocks_needed``
+    (window rule included); the engine package never rounds up by the block size itself."""
+    hits = {p.name: h for p in sorted((PKG / "engine").glob("*.py")) if (h := _block_ceil_divisions(p.read_text()))}
+    assert hits == {}
+
+
+def test_block_ceil_division_check_is_not_vacuous():
+    planted = ("a = -(-used // block_size)\nb = cdiv(n, bs)\nc = math.ceil(t / self.block_size)\n"
+               "d = (t + bs - 1) // bs\ne = -(-V // B)\nf = n // bs\ng = blocks_needed(n, bs)\n")
+    assert _block_ceil_divisions(planted) == ["line 1: -(-used // block_size)", "line 2: cdiv(n, bs)",
+                                              "line 3: math.ceil(t / self.block_size)", "line 4: (t + bs - 1) // bs"]

@@ -48,7 +48,6 @@ class BeamHypothesis:
     cumulative_logprob: float
     score: float
     finish_reason: str
-    text: str = ""
 
 
 @dataclass

@@ -9,6 +9,7 @@ finished) or ``Scheduler.apply`` (beam forks and frees, stop-string finishes, ri
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedkv.engine.request import Request, RequestStatus
 
@@ -29,10 +30,12 @@ class Finish:
     """End ``request`` with ``status`` (a finished status) and free its blocks behind the
     step fence. A request that already finished keeps its status, except that a stop string
     found in the final text of a ``FINISHED_LENGTH`` request relabels it
-    ``FINISHED_STOPPED``."""
+    ``FINISHED_STOPPED``. ``stop_reason``: the stop string that ended it (set on the request
+    whatever its status; ``None``: left as it is)."""
 
     request: Request
     status: RequestStatus
+    stop_reason: Any = None
 
 
 @dataclass

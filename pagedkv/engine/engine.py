@@ -1,15 +1,27 @@
 """LLMEngine: add_request / step / abort_request over the paged KV memory system.
 
-One ``step()``, read top to bottom: ``scheduler.schedule()`` (admission, preemption, block
-allocation and copy-on-write; the scheduler alone calls the KV manager) → the executor
-(``pagedkv.worker.worker.Executor``, one per engine from ``make_executor``: this process's
-``Worker`` or tensor-parallel ranks; flat batch through the one slot-mapping builder, CoW
-copies, model forward writing K/V through ``slot_mapping`` and reading through
-``block_tables``) → sampler (sequence groups decide n > 1 forks and which rows beam search takes) →
-``scheduler.update`` (the forks, append tokens, stop checks, publish full blocks, free
-behind the step fence) → beam steps and stop strings decide → ``scheduler.apply`` (forks,
-finishes) → output processor (``RequestOutput``). Groups, beams and the output processor
-never hold the scheduler; they return ``pagedkv.engine.decisions`` records.
+The vLLM v1 shape, in three parts:
+
+* **input** (``pagedkv.engine.input_processor``): ``add_request`` checks, tokenises,
+  compiles a structured-output grammar and builds the prefix-cache identity, then queues the
+  request in the scheduler;
+* **the core**, one ``step()`` read top to bottom: the step hooks (``builder.StepHook``,
+  e.g. a draft model's batched proposals) → ``scheduler.schedule()`` (admission,
+  preemption, block allocation and copy-on-write; the scheduler alone calls the KV
+  manager) → the executor (``pagedkv.worker.worker.Executor``, one per engine from
+  ``make_executor``: this process's ``Worker`` or tensor-parallel ranks; flat batch through
+  the one slot-mapping builder, CoW copies, model forward writing K/V through
+  ``slot_mapping`` and reading through ``block_tables``) → the step sampler
+  (``step_sampler``: prompt logprob and draft rows, n > 1 forks, beam rows, the sampler) →
+  ``scheduler.update`` (the forks, append tokens, stop checks, publish full blocks, free
+  behind the step fence) → the output processor's decisions (beam steps, stop strings) →
+  ``scheduler.apply`` (forks, finishes) → the hooks' ``retain``;
+* **output** (``pagedkv.engine.output``): detokenisation state, stop strings, streams,
+  beams' final choice and the ``RequestOutput``s.
+
+Groups, beams, the step sampler and the output processor never hold the scheduler; they
+return ``pagedkv.engine.decisions`` records. The features (speculative decoding, structured
+outputs) are wired by ``pagedkv.engine.builder``: this module imports none of them.
 
 Thread-safety: ``add_request`` and ``abort_request`` may be called from other threads (the
 server). The engine lock is *released* during the forward pass, so an abort can land while
@@ -29,21 +41,19 @@ import torch
 
 from pagedkv import cpu_isa, native
 from pagedkv.distributed import check_tp_size, make_executor
+from pagedkv.engine.builder import load_speculation, make_grammar_compiler
 from pagedkv.engine.config import EngineConfig
-from pagedkv.engine.decisions import Decisions
+from pagedkv.engine.input_processor import InputLimits, InputProcessor
 from pagedkv.engine.output import OutputProcessor
-from pagedkv.engine.request import Request, RequestOutput, SamplingParams, now
-from pagedkv.engine.sampler import Sampler, prompt_logprob_dicts
+from pagedkv.engine.request import RequestOutput, SamplingParams
+from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
-from pagedkv.engine.spec_decode import draft_model_name, make_proposer, sample_with_drafts, split_extra_rows
-from pagedkv.engine.spec_draft import DraftProposer
-from pagedkv.engine.sequence_group import SequenceGroup, SequenceGroups, request_blocks
-from pagedkv.engine.structured import GrammarCompiler
+from pagedkv.engine.sequence_group import SequenceGroups
+from pagedkv.engine.step_sampler import StepSampler
 from pagedkv.engine.stats import EngineStats
 from pagedkv.errors import ConfigError, InvalidRequestError
-from pagedkv.kv import CacheKeys, KVCacheSpec, parse_size
+from pagedkv.kv import KVCacheSpec, parse_size
 from pagedkv.kv.tiers import StoreIdentity, ZmqEventPublisher, open_tiers, parse_tier_specs, replay_endpoint_for
-from pagedkv.model.tokenizer import apply_chat, encode_prompt, read_chat_template
 from pagedkv.model.weight_cache import model_digest
 from pagedkv.attention.quant import FORMATS, check_group_size
 from pagedkv.utils import canonical_dtype, kv_cache_dtype, passive_wait_warning, profile_scope, torch_dtype
@@ -76,9 +86,7 @@ class LLMEngine:
         self.loaded = loaded
         self.model_config = mc = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.chat_template = None if cfg.chat_template is None else read_chat_template(cfg.chat_template)
         self.model_id = str(mc.model_id)
-        self.revision = cfg.model_revision or str(getattr(mc, "revision", "") or "")
         self.max_model_len = cfg.resolve_max_model_len(mc.max_position_embeddings)
 
         tp = cfg.tensor_parallel_size
@@ -103,9 +111,20 @@ class LLMEngine:
             budget = parse_size(cfg.kv_cache_memory if cfg.kv_cache_memory is not None else "1GiB")
             num_blocks = self.kv_spec.num_blocks(budget, cfg.block_size)
         self.num_blocks = num_blocks
-        # a draft model (its own worker and KV pool of num_blocks blocks) or None
-        draft = draft_model_name(cfg.speculative)
-        self.draft = None if draft is None else DraftProposer.load(draft, cfg, loaded, num_blocks, self.model_id)
+        # requests in: validation, tokenisation, chat template (ConfigError for a bad one), grammars
+        self.eos_token_ids = tuple(mc.eos_token_ids or ())
+        self.grammars = make_grammar_compiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)  # structured outputs
+        self.inputs = InputProcessor(
+            self.tokenizer, InputLimits(mc.vocab_size, self.max_model_len, cfg.max_n, num_blocks, cfg.block_size,
+                                        cfg.enable_paging, cfg.max_num_batched_tokens, self.kv_spec.groups.windows),
+            model_id=self.model_id, revision=cfg.model_revision or str(getattr(mc, "revision", "") or ""),
+            kv_format_id=self.kv_format_id, eos_token_ids=self.eos_token_ids, chat_template=cfg.chat_template,
+            compile_grammar=self.grammars.compile,
+        )
+        # speculative decoding: the scheduler's proposer; a draft model (its own worker and KV
+        # pool of num_blocks blocks) with its step hook
+        spec = load_speculation(cfg, loaded, num_blocks, self.model_id, self.max_model_len)
+        self.draft, self.hooks = spec.draft, spec.hooks
 
         self.backend = worker.backend
         if torch.device(cfg.device).type == "cpu":
@@ -126,13 +145,12 @@ class LLMEngine:
             policy=cfg.policy, watermark=cfg.watermark, enable_chunked_prefill=cfg.enable_chunked_prefill,
             enable_prefix_caching=cfg.prefix_caching, enable_paging=cfg.enable_paging,
             shuffle_seed=cfg.shuffle_blocks, kv_tiers=self.kv_tiers, layer_windows=self.layer_windows,
-            speculative=self.draft or make_proposer(cfg),
+            speculative=spec.proposer,
         ))
         self.groups = SequenceGroups()
         self.output = OutputProcessor(self.tokenizer)
         self.sampler = Sampler(torch.Generator().manual_seed(cfg.seed))
-        self.eos_token_ids = tuple(mc.eos_token_ids or ())
-        self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)  # structured outputs
+        self.step_sampler = StepSampler(self.sampler, self.groups, cut=self.output.cut_at_stop_string)
         self._lock = threading.RLock()
         self._ids = itertools.count()
         logger.info(
@@ -225,23 +243,37 @@ class LLMEngine:
             "layer_groups": self.kv_spec.groups.describe() if self.layer_windows is not None else None,
         }
 
+    @property
+    def revision(self) -> str:
+        """The model revision in this engine's prefix-cache identity (``model_revision`` or
+        the model's own); settable (a reloaded model: its cached blocks are never served)."""
+        return self.inputs.revision
+
+    @revision.setter
+    def revision(self, value: str) -> None:
+        self.inputs.revision = value
+
+    @property
+    def chat_template(self) -> Optional[str]:
+        """The ``chat_template`` option's text (``None``: the model's own template)."""
+        return self.inputs.chat_template
+
     def tokenize(self, prompt: str) -> list[int]:
         """Token ids of a plain-text prompt, with the model's own BOS/EOS rule
         (``pagedkv.model.tokenizer.encode_prompt``)."""
-        return encode_prompt(self.tokenizer, prompt)
+        return self.inputs.tokenize(prompt)
 
     @property
     def has_chat_template(self) -> bool:
         """Whether chat requests can be served: the engine's ``chat_template`` option or the
         model's own template (a base model such as Gemma-3-270M has none)."""
-        return bool(self.chat_template or getattr(self.tokenizer, "chat_template", None))
+        return self.inputs.has_chat_template
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
                             continue_final_message: bool = False) -> list[int]:
         """Token ids of a conversation (``pagedkv.model.tokenizer.apply_chat``: flags as there);
         ``InvalidRequestError``: bad messages or flags, no template."""
-        return apply_chat(self.tokenizer, messages, add_generation_prompt, self.chat_template, self.model_id,
-                          continue_final_message=continue_final_message)
+        return self.inputs.apply_chat_template(messages, add_generation_prompt, continue_final_message)
 
     def add_request(
         self,
@@ -261,88 +293,23 @@ class LLMEngine:
         tokens: use :meth:`apply_chat_template` for chat) or token ids. Raises
         ``InvalidRequestError`` (nothing admitted, nothing allocated) for an empty prompt, a
         prompt with no room for one output token within max_model_len, bad sampling params,
-        a request that could never fit the whole pool, or a duplicate id.
+        a request that could never fit the whole pool, or a duplicate id (the checks are the
+        input processor's: ``pagedkv.engine.input_processor``).
 
         Prefix-cache identity (a cached block is reused only when all of these match, besides
         the token ids): the engine's model id and revision, its KV cache format (an int8
         block is never served to an fp32 cache), ``adapter_id``, ``cache_salt``,
         ``tenant`` (the isolation domain, e.g. the API key's owner: two tenants never share a
         block) and ``mm_hashes`` (``(content_hash, offset, length)`` per multimodal item)."""
-        if tenant is not None and not isinstance(tenant, str):
-            raise InvalidRequestError(f"tenant must be a string or None, got {type(tenant).__name__}")
-        params = sampling_params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError("sampling_params must be a SamplingParams")
-        params.validate(max_n=self.config.max_n, vocab_size=self.model_config.vocab_size)
-        if params.structured is not None:  # a bad schema/regex/grammar: InvalidRequestError
-            self.grammars.compile(params.structured)
-        if arrival_time is not None and (
-            isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float))
-            or arrival_time != arrival_time
-        ):
-            raise InvalidRequestError(f"arrival_time must be seconds (a number), got {arrival_time!r}")
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
-        for name, v in (("cache_salt", cache_salt), ("adapter_id", adapter_id)):
-            if v is not None and not isinstance(v, str):
-                raise InvalidRequestError(f"{name} must be a string or None, got {type(v).__name__}")
-        if not isinstance(mm_hashes, (list, tuple)) or not all(
-            isinstance(m, tuple) and len(m) == 3 and isinstance(m[0], str)
-            and all(type(x) is int and x >= 0 for x in m[1:]) for m in mm_hashes
-        ):
-            raise InvalidRequestError("mm_hashes must be a list of (content_hash: str, offset, length) tuples")
-        if isinstance(prompt, str):
-            text: Optional[str] = prompt
-            token_ids = self.tokenize(prompt)
-        else:
-            if not isinstance(prompt, (list, tuple)):
-                raise InvalidRequestError(
-                    f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
-                )
-            text = None
-            token_ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            if not all(type(t) is int and 0 <= t < vocab for t in token_ids):
-                raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
-        if not token_ids:
-            raise InvalidRequestError("prompt is empty")
-        if len(token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} "
-                "(the prompt plus at least one output token must fit)"
-            )
-        total = min(len(token_ids) + params.max_tokens, self.max_model_len)
-        cfg = self.config
-        need = request_blocks(len(token_ids), total, params, cfg.block_size, cfg.enable_paging, self.max_model_len,
-                              self.kv_spec.groups.windows, chunk=cfg.max_num_batched_tokens)
-        if need > self.num_blocks:
-            raise InvalidRequestError(
-                f"request needs {need} KV blocks ({total} tokens) but the pool has only "
-                f"{self.num_blocks}: it could never fit"
-            )
+        req = self.inputs.process(prompt, sampling_params, arrival_time=arrival_time, priority=priority,
+                                  cache_salt=cache_salt, adapter_id=adapter_id, mm_hashes=mm_hashes,
+                                  stream=stream, tenant=tenant, tokenize=self.tokenize)
         with self._lock:
-            if request_id is None:
-                request_id = f"req-{next(self._ids)}"
-            request_id = str(request_id)
-            if "#" in request_id:  # reserved for the engine's n > 1 / beam sequence ids
-                raise InvalidRequestError(f"request id {request_id!r} must not contain '#'")
-            if self.groups.get(request_id) is not None:
-                raise InvalidRequestError(f"request id {request_id!r} is already in use")
-            t = arrival_time if arrival_time is not None else now()
-            keys = CacheKeys(
-                model_id=self.model_id, revision=self.revision, adapter_id=adapter_id,
-                cache_salt=cache_salt, mm_hashes=tuple(mm_hashes), tenant=tenant,
-                kv_cache_dtype=self.kv_format_id,
-            )
-            group = SequenceGroup(request_id, text, token_ids, params, t, pending_children=params.n - 1, stream=stream)
-            seq = Request(
-                request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
-                arrival_time=t, cache_keys=keys, priority=priority, prompt=text,
-                eos_token_ids=self.eos_token_ids, max_total_tokens=total, parent_id=request_id,
-            )
+            rid = f"req-{next(self._ids)}" if request_id is None else request_id
+            group, seq = self.inputs.make(rid, req, lambda r: self.groups.get(r) is not None)
             self.groups.add(group, seq)
-            self.scheduler.add_request(seq, gang=params.use_beam_search)
-        return request_id
+            self.scheduler.add_request(seq, gang=req.params.use_beam_search)
+        return seq.request_id
 
     def abort_request(self, request_id: Union[str, Sequence[str]]) -> None:
         """Abort requests (all n sequences). Safe at any time, also while a step runs and
@@ -356,8 +323,8 @@ class LLMEngine:
         with self._lock:
             for rid in ids:
                 self.scheduler.abort(self.groups.abort(rid))
-            if self.draft is not None:  # the aborted requests' draft blocks
-                self.draft.retain(r.request_id for r in self.scheduler.running)
+            for hook in self.hooks:  # e.g. the aborted requests' draft blocks
+                hook.retain(self.scheduler.running)
 
     def has_unfinished_requests(self) -> bool:
         with self._lock:
@@ -386,82 +353,43 @@ class LLMEngine:
 
     def _step(self, opened: list) -> list[RequestOutput]:
         with self._lock:
-            if self.draft is not None:  # the draft model's proposals, batched over the running rows
-                with profile_scope("pagedkv.draft"):
-                    self.draft.prefetch(self.scheduler.running, self.max_model_len, self.config.max_num_batched_tokens)
+            for hook in self.hooks:
+                hook.before_schedule(self.scheduler.running)
             with profile_scope("pagedkv.schedule"):
                 out = self.scheduler.schedule()
             opened.append(out)
             if out.is_empty:
-                self.scheduler.end_step(out)
-                self.scheduler.check_stall(out)
-                return self._collect(self.groups.finished_ids())
+                return self._idle(out)
             with profile_scope("pagedkv.prepare"):
-                sampling = out.sampling_requests()
-                prompt_rows = out.prompt_rows()
-                extra_rows = out.extra_rows(prompt_rows)  # prompt logprobs, speculative rows
-                inp = self.executor.prepare(*out.model_inputs(), extra_rows)
-                if out.kv_transfer is not None:  # tier stores/loads: reads evicted blocks first
-                    self.executor.transfer_kv(out.kv_transfer, self.kv_stores)
-                self.executor.copy_blocks(out.copies)
+                rows = self.step_sampler.rows(out)
+                inp = self.executor.prepare(*out.model_inputs(), rows.extra)
+                self._move_blocks(out)
         logits = self.executor.execute(inp)  # lock released: aborts may land now (fenced)
         with self._lock:
-            draft_logits: dict = {}
-            if any(extra_rows):
-                prompt_logits, draft_logits = split_extra_rows(out.scheduled, prompt_rows, out.drafts,
-                                                               logits[inp.num_sample_rows:])
-                self._record_prompt_logprobs(out, prompt_rows, prompt_logits)
-                logits = logits[:inp.num_sample_rows]
-            with profile_scope("pagedkv.sample"):
-                rows, reqs, forks = self.groups.expand_forks(out, sampling)  # running rows only
-                rows, reqs, beam_groups = self.groups.offer_beam_rows(logits, rows, reqs)
-                keep = list(zip(rows, reqs))
-                sampled: dict[str, tuple[int, Optional[dict[int, float]]]] = {}
-                runs: dict = {}
-                if keep and draft_logits:
-                    sampled, runs = sample_with_drafts(self.sampler, logits[[i for i, _ in keep]], [r for _, r in keep],
-                                                       draft_logits, out.drafts, self.tokenizer)
-                elif keep:
-                    idx = [i for i, _ in keep]  # every row in order (plain decode): no gathered copy
-                    so = self.sampler(logits if idx == list(range(len(logits))) else logits[idx], [r for _, r in keep])
-                    for (_, r), t, lp in zip(keep, so.token_ids, so.logprobs):
-                        sampled[r.request_id] = (t, lp)
+            chosen = self.step_sampler.choose(out, rows, logits, inp.num_sample_rows)
             with profile_scope("pagedkv.update"):
-                self.scheduler.update(out, sampled, forks, runs)
-                decisions = Decisions()
-                for gid in beam_groups:
-                    decisions += self.groups.beam_step(gid, self.tokenizer)
-                touched = set(beam_groups)
-                for _, r in keep:
-                    touched.add(r.parent_id)
-                    group = self.groups.of(r.request_id)
-                    if r.sampling_params.stop or (group is not None and group.stream):
-                        if (stop := self.output.detokenize(r)) is not None:
-                            decisions.finishes.append(stop)
-                self.scheduler.apply(decisions)
-                if self.draft is not None:  # finished / preempted requests' draft blocks
-                    self.draft.retain(r.request_id for r in self.scheduler.running)
+                self.scheduler.update(out, chosen.sampled, chosen.forks, chosen.runs)
+                self.scheduler.apply(self.output.decide(chosen.seqs, chosen.beam_groups, self.groups))
+                for hook in self.hooks:  # e.g. finished / preempted requests' draft blocks
+                    hook.retain(self.scheduler.running)
             if self.config.debug_invariants:
                 self.scheduler.check_invariants()
             with profile_scope("pagedkv.output"):
-                return self._collect(touched | self.groups.finished_ids())
+                return self._collect(chosen.touched | self.groups.finished_ids())
 
-    def _record_prompt_logprobs(self, out: Any, prompt_rows: list[int], logits: torch.Tensor) -> None:
-        """Store the prompt logprobs of this step's prompt rows (``logits``: fp32 ``[sum of
-        prompt_rows, vocab]``, in scheduled order) in their groups."""
-        at = 0
-        for (r, _), k in zip(out.scheduled, prompt_rows):
-            if not k:
-                continue
-            group = self.groups.of(r.request_id)
-            start = r.num_computed_tokens
-            if group is not None:
-                if group.prompt_logprobs is None:
-                    group.prompt_logprobs = [None] * r.num_prompt_tokens
-                nxt = r.prompt_token_ids[start + 1 : start + 1 + k]
-                dicts = prompt_logprob_dicts(logits[at : at + k], nxt, r.sampling_params.prompt_logprobs)
-                group.prompt_logprobs[start + 1 : start + 1 + k] = dicts
-            at += k
+    def _idle(self, out: Any) -> list[RequestOutput]:
+        """A step that scheduled nothing: close its fence, raise ``SchedulerStallError`` if
+        nothing can ever run, return the outputs of groups that finished meanwhile (aborts)."""
+        self.scheduler.end_step(out)
+        self.scheduler.check_stall(out)
+        return self._collect(self.groups.finished_ids())
+
+    def _move_blocks(self, out: Any) -> None:
+        """The block moves ``out`` asks for before its forward: tier stores and loads (reading
+        evicted blocks first), then copy-on-write copies."""
+        if out.kv_transfer is not None:
+            self.executor.transfer_kv(out.kv_transfer, self.kv_stores)
+        self.executor.copy_blocks(out.copies)
 
     def _collect(self, group_ids: set[str]) -> list[RequestOutput]:
         """RequestOutputs of ``group_ids`` in arrival order; finished groups are forgotten."""
@@ -471,6 +399,7 @@ class LLMEngine:
             outs.append(self.output.make_output(group))
             if group.finished:
                 self.groups.pop(group.request_id)
+                self.output.forget(group.request_id)
                 self.scheduler.count_finished_request()
         return outs
 

@@ -260,7 +260,9 @@ class RequestStatus(enum.Enum):
 
 @dataclass
 class Request:
-    """One sequence being generated (a parallel-sampling child is its own Request)."""
+    """One sequence being generated (a parallel-sampling child is its own Request): the
+    scheduler's state only. Its text (detokeniser state) is the output processor's
+    (``pagedkv.engine.output.TextState``)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -293,9 +295,6 @@ class Request:
     # speculative decoding back-off: decode steps to skip proposing, consecutive fruitless verifies
     spec_wait: int = 0
     spec_misses: int = 0
-    output_text: str = ""
-    _text_tokens: int = 0  # how many output tokens output_text reflects
-    _min_tokens_chars: int = -1  # characters of the first min_tokens tokens' text (-1: not yet known)
     _all_token_ids: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:

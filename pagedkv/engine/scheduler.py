@@ -37,8 +37,8 @@ from pagedkv.engine.spec_decode import can_speculate, draft_budget, lookahead_ca
 from pagedkv.engine.step_plan import SchedulerConfig, SchedulerOutput, SchedulerStallError, SchedulerStats, unschedule
 from pagedkv.errors import NoFreeBlocksError
 from pagedkv.kv import KVCacheManager, check_invariants
+from pagedkv.kv.block_table import blocks_needed
 from pagedkv.kv.tiers import cached_tokens_by_tier
-from pagedkv.utils import cdiv
 
 
 class Scheduler:
@@ -270,7 +270,7 @@ class Scheduler:
             if members and self.running:
                 # what the members' suffixes (and their copies of a shared partial block) take
                 bs = self.kv.block_size
-                need += self.kv.num_groups * sum(cdiv(r.num_tokens, bs) - end // bs for r in [req] + members)
+                need += self.kv.num_groups * sum(blocks_needed(r.num_tokens, bs) - end // bs for r in [req] + members)
             free_after = self.kv.num_free_blocks - need
             if free_after < 0 or (self.running and free_after < self._watermark_blocks):
                 break  # head-of-line waits for blocks
@@ -421,6 +421,8 @@ class Scheduler:
             self.fork(f.parent, f.child, f.num_computed_tokens)
         for d in decisions.finishes:
             req = d.request
+            if d.stop_reason is not None:  # a stop string (the output processor found it)
+                req.stop_reason = d.stop_reason
             if not req.status.finished and d.status == RequestStatus.FINISHED_ERROR:
                 self.grammar_failed(req)  # a beam whose grammar failed: counted
             elif not req.status.finished:

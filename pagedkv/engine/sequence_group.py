@@ -193,7 +193,7 @@ class SequenceGroups:
                 touched.add(group.request_id)
         return keep_rows, keep_reqs, touched
 
-    def beam_step(self, request_id: str, tokenizer: Any) -> Decisions:
+    def beam_step(self, request_id: str) -> Decisions:
         """One beam-search step once every live beam has its logits (call after
         ``Scheduler.update``): pick the next beams; the first child of a beam continues it
         in place (its token appended here), each further child is to fork the beam's block
@@ -210,8 +210,8 @@ class SequenceGroups:
         for b in bs.beams:
             if b.first_token_time is None:
                 b.first_token_time = t
-        if bs.done:
-            dec.finishes = self._finish_beams(group, tokenizer)
+        if bs.done:  # every live beam is freed; the output processor decodes the hypotheses
+            dec.finishes = [Finish(b, RequestStatus.FINISHED_STOPPED) for b in bs.beams]
             return dec
         # forks first: they copy their source's tokens before an in-place append changes them
         # a beam whose grammar fails on its token (structured outputs) is dropped: a fork is
@@ -259,21 +259,6 @@ class SequenceGroups:
         group.seqs = list(new_beams)
         dec.generated_tokens = len(new_beams)
         return dec
-
-    def _finish_beams(self, group: SequenceGroup, tokenizer: Any) -> list[Finish]:
-        """The search is over: every live beam is to be freed; the output is the
-        hypotheses."""
-        bs = group.beam
-        skip = group.params.skip_special_tokens
-        keep_stop = group.params.include_stop_str_in_output
-        for h in bs.hypotheses:
-            ids = h.token_ids
-            if not keep_stop and h.finish_reason == "stop" and ids and ids[-1] in bs.stop_ids:
-                ids = ids[:-1]  # the stop token's text is not in the text (its id stays)
-            h.text = tokenizer.decode(ids, skip_special_tokens=skip)
-        for b in bs.beams:
-            b._text_tokens = b.num_output_tokens  # its text is not used
-        return [Finish(b, RequestStatus.FINISHED_STOPPED) for b in bs.beams]
 
 
 def request_blocks(num_prompt_tokens: int, total_tokens: int, params: SamplingParams, block_size: int,

@@ -33,13 +33,14 @@ position before it (so no run ends early), ``max_tokens`` and ``max_model_len`` 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
 
 from pagedkv.engine.request import Request
 from pagedkv.errors import ConfigError
+from pagedkv.kv.block_table import blocks_needed
 
 #: one sampled token and its logprobs (``None`` unless asked for)
 Sampled = tuple[int, Optional[dict[int, float]]]
@@ -157,7 +158,7 @@ def lookahead_cap(num_computed: int, spare_blocks: int, block_size: int) -> int:
     needs: the slots left in the decode token's block plus ``spare_blocks`` whole blocks
     (``spare_blocks < 0`` counts as 0). Units: token positions, blocks per layer group."""
     used = num_computed + 1
-    return (-(-used // block_size) + max(0, spare_blocks)) * block_size - used
+    return (blocks_needed(used, block_size) + max(0, spare_blocks)) * block_size - used
 
 
 def split_extra_rows(scheduled: Sequence[tuple[Request, int]], prompt_rows: Sequence[int],
@@ -179,13 +180,14 @@ def split_extra_rows(scheduled: Sequence[tuple[Request, int]], prompt_rows: Sequ
 
 
 def sample_with_drafts(sampler: Any, logits: torch.Tensor, reqs: Sequence[Request],
-                       draft_logits: dict[str, torch.Tensor], drafts: dict[str, list[int]], tokenizer: Any = None,
+                       draft_logits: dict[str, torch.Tensor], drafts: dict[str, list[int]],
+                       cut: Optional[Callable[[Request, list[Sampled]], list[Sampled]]] = None,
                        ) -> tuple[dict[str, Sampled], dict[str, list[Sampled]]]:
     """One sampler call over every row: a plain row's last-position logits (``logits[i]``
     for ``reqs[i]``, fp32 ``[vocab]``), and for a speculating request its ``k`` draft
     positions (``draft_logits``) then its last position. Returns ``({request id: token},
     {request id: kept run y_0 .. y_m})``, each run cut after a stop string completes
-    (``tokenizer`` decodes; ``None``: no cut)."""
+    (``cut(request, run)``: the output processor's ``cut_at_stop_string``; ``None``: no cut)."""
     rows, batch, offsets = [], [], []
     for i, r in enumerate(reqs):
         d = draft_logits.get(r.request_id)
@@ -211,27 +213,7 @@ def sample_with_drafts(sampler: Any, logits: torch.Tensor, reqs: Sequence[Reques
             while m < len(d) and ys[m][0] == d[m]:
                 m += 1
             run = ys[:m + 1]
-            runs[r.request_id] = run if tokenizer is None else cut_at_stop_string(tokenizer, r, run)
+            runs[r.request_id] = run if cut is None else cut(r, run)
         else:
             sampled[r.request_id] = ys[0]
     return sampled, runs
-
-
-def cut_at_stop_string(tokenizer: Any, req: Request, run: list[Sampled]) -> list[Sampled]:
-    """``run`` up to the token that completes one of ``req``'s stop strings (plain decoding
-    would stop there: the tokens after it are never emitted), else the whole run. A stop
-    string counts only where plain decoding would take it (after ``min_tokens``, see
-    ``pagedkv.engine.output.stop_text_floor``)."""
-    from pagedkv.engine.output import find_stop_string, stop_text_floor
-
-    stops = req.sampling_params.stop
-    if not stops or len(run) < 2:
-        return run
-    skip = req.sampling_params.skip_special_tokens
-    base = list(req.output_token_ids)
-    for j in range(1, len(run)):
-        ids = base + [t for t, _ in run[:j]]
-        floor = stop_text_floor(tokenizer, req, ids)
-        if floor is not None and find_stop_string(tokenizer.decode(ids, skip_special_tokens=skip), stops, floor):
-            return run[:j]
-    return run

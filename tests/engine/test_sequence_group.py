@@ -91,20 +91,15 @@ def test_metrics_sum_the_sequences_and_the_retired_ones():
     assert g.metrics().finish_time == 8.0
 
 
-class _Tok:
-    def decode(self, ids, skip_special_tokens=True):
-        return ",".join(map(str, ids))
-
-
 def test_beam_step_continues_in_place_forks_and_frees():
     params = SamplingParams(beam_width=2, max_tokens=4)
     groups, g, first = _register(params, 0)
     assert g.beam is not None and g.beam.stop_ids == frozenset({0}) and g.beam.max_new_tokens == 4
     first.num_computed_tokens = first.num_tokens
-    assert not groups.beam_step("g", _Tok()).forks  # no logits offered yet: nothing decided
+    assert not groups.beam_step("g").forks  # no logits offered yet: nothing decided
     rows, reqs, touched = groups.offer_beam_rows(torch.tensor([[0.0, 2.0, 1.0, -1.0]]).log_softmax(-1), [0], [first])
     assert (rows, reqs, touched) == ([], [], {"g"})
-    dec = groups.beam_step("g", _Tok())
+    dec = groups.beam_step("g")
     assert first.output_token_ids == [1]  # the first child continues the beam in place
     (fork,) = dec.forks
     assert (fork.parent, fork.child.request_id, fork.child.output_token_ids, fork.num_computed_tokens) == (
@@ -118,7 +113,7 @@ def test_beam_step_continues_in_place_forks_and_frees():
     for b in (first, child):
         b.num_computed_tokens = b.num_tokens
     groups.offer_beam_rows(torch.tensor([[5.0, -9.0, -9.0, -9.0], [-9.0, 3.0, 2.9, -9.0]]), [0, 1], [first, child])
-    dec = groups.beam_step("g", _Tok())
+    dec = groups.beam_step("g")
     assert dec.finishes == [Finish(first, RequestStatus.FINISHED_STOPPED)]
     assert [(f.parent.request_id, f.child.output_token_ids) for f in dec.forks] == [("g#beam1", [2, 2])]
     assert child.output_token_ids == [2, 1] and groups.of("g") is None
@@ -165,13 +160,13 @@ def test_beam_step_drops_beams_whose_grammar_fails():
     first.num_computed_tokens = first.num_tokens
     first.grammar = _RefuseGrammar({2})
     groups.offer_beam_rows(torch.tensor([[0.0, 2.0, 1.0, -1.0]]).log_softmax(-1), [0], [first])
-    dec = groups.beam_step("g", _Tok())  # candidates: token 1 (in place), token 2 (fork: refused)
+    dec = groups.beam_step("g")  # candidates: token 1 (in place), token 2 (fork: refused)
     assert dec.forks == [] and first.output_token_ids == [1] and first.grammar.seen == [1]
     assert [s.request_id for s in g.seqs] == ["g"] and dec.generated_tokens == 1
     first.grammar = _RefuseGrammar({1})
     first.num_computed_tokens = first.num_tokens
     groups.offer_beam_rows(torch.tensor([[-9.0, 3.0, 2.9, -9.0]]), [0], [first])
-    dec = groups.beam_step("g", _Tok())  # in place: token 1 (refused) -> error; fork: token 2
+    dec = groups.beam_step("g")  # in place: token 1 (refused) -> error; fork: token 2
     assert dec.finishes == [Finish(first, RequestStatus.FINISHED_ERROR)]
     assert first.output_token_ids == [1]
     (fork,) = dec.forks
