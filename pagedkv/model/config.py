@@ -9,7 +9,8 @@ Both builders are pure (they take already-parsed metadata); files are read by
 Supported families: Llama (incl. SmolLM2, Llama 3.x with ``llama3`` RoPE scaling), Mistral
 (sliding window), Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm), Phi-3 (fused checkpoints; not
 LongRoPE), Gemma-2 and Gemma-3 (text), with multi-head latent attention MiniCPM3 and
-DeepSeek-V2/V3 (HF directories), and the mixture-of-experts Qwen3-MoE and Mixtral: what differs
+DeepSeek-V2/V3 (HF directories; DeepSeek with its mixture-of-experts layers too), and the
+mixture-of-experts Qwen3-MoE and Mixtral: what differs
 is a few switches, read by ``pagedkv.model.families``.
 """
 

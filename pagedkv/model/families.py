@@ -21,8 +21,13 @@ minicpm3   multi-head latent attention (``kv_lora_rank`` ..., ``pagedkv.model.ml
            times ``scale_emb``; both residual branches times ``scale_depth / sqrt(L)``; final
            hidden states divided by ``hidden_size / dim_model_base`` before the (tied) LM head
 deepseek_  multi-head latent attention with DeepSeek's interleaved rotary (V2 always, V3 with
-v2 / v3    ``rope_interleave``) and yarn ``mscale``; dense layers only (``first_k_dense_replace
-           >= num_hidden_layers``): a mixture-of-experts layer raises ``ConfigError``
+v2 / v3    ``rope_interleave``) and yarn ``mscale``; mixture-of-experts MLPs (``n_routed_experts``
+           of width ``moe_intermediate_size``, ``n_shared_experts`` shared, ``num_experts_per_tok``)
+           on the layers from ``first_k_dense_replace`` on, dense MLPs of ``intermediate_size``
+           before; routing (``hf_moe_fields``) V2: softmax, ``topk_method`` ``greedy`` or
+           ``group_limited_greedy`` (``n_group`` / ``topk_group``), never renormalised; V3:
+           ``noaux_tc`` (sigmoid + ``e_score_correction_bias``, groups), ``norm_topk_prob``; both
+           times ``routed_scaling_factor``
 qwen3_moe  qwen3's ``qk_norm``; mixture-of-experts MLPs (``num_experts``, ``num_experts_per_tok``,
            ``moe_intermediate_size``, ``norm_topk_prob``) on the layers ``i`` not in
            ``mlp_only_layers`` with ``(i + 1) % decoder_sparse_step == 0``, dense MLPs of
@@ -110,17 +115,9 @@ def hf_family_fields(arch: str, config: Mapping[str, Any], num_layers: int) -> d
 
 def hf_mla_fields(arch: str, config: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
     """The multi-head latent attention fields of ``ModelConfig`` (``{}`` for other families).
-    Raises ``ConfigError`` naming ``n_routed_experts`` for a DeepSeek config with
-    mixture-of-experts layers, ``attention_bias`` for biased MLA projections."""
+    Raises ``ConfigError`` naming ``attention_bias`` for biased MLA projections."""
     if arch not in MLA_ARCHITECTURES:
         return {}
-    if arch != "minicpm3":  # transformers: layer i is a mixture of experts when i >= first_k_dense_replace
-        first_dense = config.get("first_k_dense_replace")
-        first_dense = {"deepseek_v2": 0, "deepseek_v3": 3}[arch] if first_dense is None else int(first_dense)
-        if first_dense < num_layers:
-            raise ConfigError(f"n_routed_experts: layers {first_dense}..{num_layers - 1} are mixture-of-experts "
-                              f"layers ({config.get('n_routed_experts')} experts), which pagedkv does not run yet; "
-                              "only dense DeepSeek configs (first_k_dense_replace >= num_hidden_layers) load")
     if config.get("attention_bias"):
         raise ConfigError("attention_bias: biased MLA projections are not supported")
     nope, rope = int(config["qk_nope_head_dim"]), int(config["qk_rope_head_dim"])
@@ -171,6 +168,8 @@ def hf_moe_fields(arch: str, config: Mapping[str, Any], num_layers: int) -> dict
         v = config.get(key)
         return default if v is None else v
 
+    if arch in ("deepseek_v2", "deepseek_v3"):
+        return _deepseek_moe_fields(arch, config, num_layers, get)
     if arch == "mixtral":
         return {"num_experts": get("num_local_experts", get("num_experts", 8)),
                 "num_experts_per_tok": get("num_experts_per_tok", 2),
@@ -187,6 +186,49 @@ def hf_moe_fields(arch: str, config: Mapping[str, Any], num_layers: int) -> dict
     return {"num_experts": experts, "num_experts_per_tok": get("num_experts_per_tok", 8),
             "moe_intermediate_size": get("moe_intermediate_size", 768),
             "norm_topk_prob": bool(get("norm_topk_prob", False)),
+            "moe_layers": None if len(layers) == num_layers else layers}
+
+
+def _deepseek_moe_fields(arch: str, config: Mapping[str, Any], num_layers: int, get: Any) -> dict[str, Any]:
+    """DeepSeek-V2/V3's mixture-of-experts fields (``hf_moe_fields``), as transformers 5.24's
+    ``DeepseekV2TopkRouter`` / ``DeepseekV3TopkRouter`` route (config-class defaults for missing
+    keys: V2 ``first_k_dense_replace`` 0, 2 shared experts, scaling 1.0; V3 3, 1, 2.5, 8 groups
+    with 4 chosen, ``norm_topk_prob`` true). V2 routes by softmax and never renormalises its
+    top-k weights (transformers ignores ``norm_topk_prob`` for V2, as DeepSeek-V2's configs set
+    it false); V3 always routes ``noaux_tc``. Raises ``ConfigError`` naming ``topk_method`` or
+    ``scoring_func`` for a routing transformers does not run for the family (V2 ``noaux_tc``,
+    V3 ``greedy``, a V2 sigmoid or V3 softmax score), ``n_group`` when group-limited routing
+    lacks its groups, ``num_experts_per_tok`` when missing."""
+    from pagedkv.model.moe import moe_layer_indices
+
+    v3 = arch == "deepseek_v3"
+    experts = get("n_routed_experts", get("num_local_experts", 256 if v3 else 64))
+    first_dense = get("first_k_dense_replace", 3 if v3 else 0)
+    layers = moe_layer_indices(num_layers, first_k_dense_replace=first_dense)
+    if not experts or not layers:
+        return {}
+    method = get("topk_method", "noaux_tc" if v3 else "greedy")
+    scoring = get("scoring_func", "sigmoid" if v3 else "softmax")
+    methods = ("noaux_tc",) if v3 else ("greedy", "group_limited_greedy")
+    if method not in methods:
+        raise ConfigError(f"topk_method: {method!r} is not {arch}'s routing (transformers runs {', '.join(methods)})")
+    if scoring != ("sigmoid" if v3 else "softmax"):
+        raise ConfigError(f"scoring_func: {scoring!r} is not {arch}'s ({'sigmoid' if v3 else 'softmax'}) router score")
+    grouped = method != "greedy"
+    n_group, topk_group = (get("n_group", 8), get("topk_group", 4)) if v3 else (config.get("n_group"),
+                                                                                   config.get("topk_group"))
+    if grouped and (n_group is None or topk_group is None):
+        raise ConfigError(f"n_group: topk_method {method!r} needs n_group and topk_group, got {n_group!r} / {topk_group!r}")
+    top_k = config.get("num_experts_per_tok")
+    if top_k is None and not v3:
+        raise ConfigError("num_experts_per_tok: missing from a DeepSeek-V2 config with mixture-of-experts layers")
+    return {"num_experts": experts, "num_experts_per_tok": get("num_experts_per_tok", 8),
+            "moe_intermediate_size": get("moe_intermediate_size", 2048 if v3 else 1407),
+            "num_shared_experts": get("n_shared_experts", 1 if v3 else 2),
+            "moe_routing": "sigmoid" if v3 else "softmax",
+            "norm_topk_prob": bool(get("norm_topk_prob", True)) if v3 else False,
+            "moe_n_group": n_group if grouped else 1, "moe_topk_group": topk_group if grouped else 1,
+            "routed_scaling_factor": float(get("routed_scaling_factor", 2.5 if v3 else 1.0)),
             "moe_layers": None if len(layers) == num_layers else layers}
 
 

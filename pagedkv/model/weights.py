@@ -12,8 +12,10 @@ The state dict uses the names and shapes of ``pagedkv.model.llama`` (q/k/v fused
 * Hugging Face directories: ``config.json`` (+ ``generation_config.json``) and
   ``*.safetensors`` in the source dtype. Mixture-of-experts layers (``pagedkv.model.moe``) are
   read as transformers 5.24's ``save_pretrained`` writes them, one tensor per expert
-  (Qwen3-MoE ``mlp.experts.{e}.gate_proj``/``up_proj``/``down_proj``, Mixtral
-  ``block_sparse_moe.experts.{e}.w1``/``w3``/``w2``; router ``gate.weight``), or stacked
+  (Qwen3-MoE and DeepSeek-V2/V3 ``mlp.experts.{e}.gate_proj``/``up_proj``/``down_proj``, Mixtral
+  ``block_sparse_moe.experts.{e}.w1``/``w3``/``w2``; router ``gate.weight``, DeepSeek-V3's
+  ``gate.e_score_correction_bias``; DeepSeek's ``mlp.shared_experts.gate_proj``/``up_proj``/
+  ``down_proj`` -> ``mlp.shared.gate_up_proj`` / ``down_proj``), or stacked
   (``experts.gate_up_proj`` ``[E, 2 I, H]``, ``experts.down_proj`` ``[E, H, I]``, sliced per
   expert without a copy).
 
@@ -293,6 +295,9 @@ def _fuse_layers(state: StateDict, parts: _Parts, config: ModelConfig, names: tu
             if f"layers.{i}.mlp.experts.{e}.gate_up_proj.weight" not in state:
                 state[f"layers.{i}.mlp.experts.{e}.gate_up_proj.weight"] = cat(i, f"experts.{e}.gate",
                                                                                f"experts.{e}.up")
+        if config.is_moe_layer(i) and config.num_shared_experts and f"layers.{i}.mlp.shared.gate_up_proj.weight" \
+                not in state:
+            state[f"layers.{i}.mlp.shared.gate_up_proj.weight"] = cat(i, "shared.gate", "shared.up")
         if f"layers.{i}.qkv_proj.weight" not in state and not config.is_mla:
             state[f"layers.{i}.qkv_proj.weight"] = cat(i, f"{q}.weight", f"{k}.weight", f"{v}.weight")
         if (i, f"{q}.bias") in parts:
@@ -333,7 +338,8 @@ _HF_MLA_NAMES = {f"self_attn.{n}.weight": f"mla.{n}.weight" for n in (
     "q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj")}
 # a mixture-of-experts layer's tensors: (mlp|block_sparse_moe).<what>
 _HF_MOE = re.compile(r"(?:mlp|block_sparse_moe)\.(gate\.weight|(?:gate\.)?e_score_correction_bias|"
-                     r"experts\.gate_up_proj|experts\.down_proj|experts\.(\d+)\.(gate_proj|w1|up_proj|w3|down_proj|w2)\.weight)")
+                     r"experts\.gate_up_proj|experts\.down_proj|experts\.(\d+)\.(gate_proj|w1|up_proj|w3|down_proj|w2)\.weight|"
+                     r"shared_experts\.(gate_proj|up_proj|down_proj)\.weight)")
 
 
 def hf_config(path: Path) -> ModelConfig:
@@ -405,9 +411,13 @@ def _hf_moe_tensor(state: StateDict, parts: _Parts, i: int, m: "re.Match[str]", 
     """File a mixture-of-experts tensor of layer ``i`` (``_HF_MOE`` match ``m``) under our
     names (``pagedkv.model.moe``): per-expert gate/up into ``parts`` (fused later), stacked
     tensors sliced per expert."""
-    what, expert, proj = m.groups()
+    what, expert, proj, shared = m.groups()
     pre = f"layers.{i}.mlp."
-    if what == "gate.weight":
+    if shared == "down_proj":  # DeepSeek's shared experts: one gated MLP
+        state[pre + "shared.down_proj.weight"] = w
+    elif shared is not None:
+        parts[(i, f"shared.{shared.removesuffix('_proj')}")] = w
+    elif what == "gate.weight":
         state[pre + "router.weight"] = w
     elif what.endswith("e_score_correction_bias"):
         state[pre + "e_score_correction_bias"] = w

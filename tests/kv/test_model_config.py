@@ -56,12 +56,7 @@ def test_shipped_config_spec_windows_equal_model_and_transformers_windows(name):
     cfg = known_config(name)
     spec = _spec_windows(KVCacheSpec.from_hf_config(name))
     assert spec == _transformers_windows(cfg)
-    if cfg["model_type"].startswith("deepseek"):  # MLA + MoE: the engine runs only its dense form yet
-        with pytest.raises(ConfigError, match="n_routed_experts"):
-            _model_windows(cfg)
-        assert _model_windows({**cfg, "first_k_dense_replace": 61}) == spec == [None] * 61
-    else:
-        assert _model_windows(cfg) == spec
+    assert _model_windows(cfg) == spec  # DeepSeek-V3: MLA + mixture-of-experts layers 3..60
     want = {"gemma-2-9b": [4096, None] * 21, "gemma-3-12b": ([1024] * 5 + [None]) * 8,
             "mistral-7b": [4096] * 32, "qwen2.5-7b": [None] * 28, "llama-2-7b": [None] * 32,
             "llama-3-8b": [None] * 32, "deepseek-v3": [None] * 61}[name]

@@ -4,7 +4,8 @@ Three tiny random-weight families built with transformers and saved as HF direct
 
 * ``minicpm3``: MLA with a ``q_lora_rank`` (q_a_proj / q_a_layernorm / q_b_proj), rotate-half
   RoPE, ``scale_emb`` / ``scale_depth`` / ``dim_model_base`` scaling, tied embeddings;
-* ``deepseek_v2``: every layer dense (``first_k_dense_replace`` = ``num_hidden_layers``), the
+* ``deepseek_v2``: every layer dense (``first_k_dense_replace`` = ``num_hidden_layers``; the
+  mixture-of-experts forms: ``tests/model/test_deepseek.py``), the
   complex (interleaved) rotary, yarn RoPE scaling with ``mscale_all_dim`` (softmax scale times
   mscale^2, cos/sin times the attention factor);
 * ``deepseek_v3``: dense, ``q_lora_rank`` null (one ``q_proj``), ``rope_interleave`` (and once
@@ -279,13 +280,15 @@ def _raw_config(kind: str, **changes) -> dict:
 def test_moe_layers_and_unsupported_options_raise_config_error():
     from pagedkv.model.config import ModelConfig
 
-    for kind in ("deepseek_v2", "deepseek_v3"):
-        with pytest.raises(ConfigError, match="n_routed_experts"):
-            ModelConfig.from_hf_config(_raw_config(kind, first_k_dense_replace=1))
-        with pytest.raises(ConfigError, match="n_routed_experts"):  # transformers' default: 0 (V2) / 3 (V3)
-            ModelConfig.from_hf_config({k: v for k, v in _raw_config(kind, num_hidden_layers=4).items()
-                                        if k != "first_k_dense_replace"})
-        assert ModelConfig.from_hf_config(_raw_config(kind, first_k_dense_replace=5)).is_mla  # >= 3 layers: dense
+    for kind in ("deepseek_v2", "deepseek_v3"):  # mixture-of-experts layers: tests/model/test_deepseek.py
+        assert ModelConfig.from_hf_config(_raw_config(kind, first_k_dense_replace=1, num_experts_per_tok=2,
+                                                      n_group=1, topk_group=1)).moe_layers == [1, 2]
+        moe = ModelConfig.from_hf_config({k: v for k, v in _raw_config(kind, num_hidden_layers=4, num_experts_per_tok=2,
+                                                                      n_group=1, topk_group=1).items()
+                                          if k != "first_k_dense_replace"})
+        assert moe.moe_layers == ([3] if kind == "deepseek_v3" else None)  # transformers' default: 0 (V2) / 3 (V3)
+        dense = ModelConfig.from_hf_config(_raw_config(kind, first_k_dense_replace=5))
+        assert dense.is_mla and dense.num_experts == 0  # >= 3 layers: dense
     with pytest.raises(ConfigError, match="attention_bias"):
         ModelConfig.from_hf_config(_raw_config("minicpm3", attention_bias=True))
     with pytest.raises(ConfigError, match="rope_scaling"):

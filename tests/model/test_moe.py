@@ -239,8 +239,8 @@ def test_moe_layer_indices_follow_deepseek_and_qwen3_moe_rules():
 @pytest.mark.parametrize("tokens", [1, 7, 64])
 def test_deepseek_moe_blocks_equal_transformers(version, tokens):
     """transformers 5.24's whole DeepSeek-V2 / V3 MoE block (router, routed experts, shared
-    experts) against ours holding its weights (the models need MLA, which the decoder lacks; the
-    block is checked here on its own)."""
+    experts) against ours holding its weights (the block on its own; the whole models:
+    ``tests/model/test_deepseek.py``)."""
     import transformers as tf
     from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Moe
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
