@@ -372,8 +372,10 @@ def _hf_revision(path: Path) -> str:
 
 
 def hf_state_dict(path: Path, config: ModelConfig) -> StateDict:
-    """Every ``*.safetensors`` tensor of ``path`` (source dtype) under our names, fused.
-    Raises ``ConfigError`` for no weight file, an unreadable file or an unexpected tensor."""
+    """Every ``*.safetensors`` tensor of ``path`` (source dtype) under our names, fused;
+    DeepSeek-V3's multi-token-prediction layers (``layers.{i}`` for ``i >= num_hidden_layers``,
+    which transformers ignores too) are skipped. Raises ``ConfigError`` for no weight file, an
+    unreadable file or an unexpected tensor."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -393,6 +395,8 @@ def hf_state_dict(path: Path, config: ModelConfig) -> StateDict:
                 state[key] = w
                 continue
             _, idx, rest = key.split(".", 2) if key.startswith("layers.") else ("", "", "")
+            if idx and config.architecture == "deepseek_v3" and int(idx) >= config.num_layers:
+                continue  # DeepSeek-V3's multi-token-prediction layers (num_nextn_predict_layers): unused
             moe = _HF_MOE.fullmatch(rest)
             if config.is_mla and rest in _HF_MLA_NAMES:
                 state[f"layers.{int(idx)}.{_HF_MLA_NAMES[rest]}"] = w

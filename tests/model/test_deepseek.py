@@ -251,6 +251,29 @@ def test_quantised_experts_and_shared_mlp(family, weights, cls, tol):
     assert 0 < diff < tol
 
 
+def test_v3_multi_token_prediction_layer_is_skipped(family, tmp_path):
+    """A DeepSeek-V3 checkpoint's MTP layer (``model.layers.{num_hidden_layers}.*``: ``eh_proj``,
+    ``enorm``, a whole decoder layer; transformers ignores it) loads to the same weights; for V2
+    a layer beyond ``num_hidden_layers`` stays a ``ConfigError``."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    kind, _, out, lm = family
+    shutil.copytree(out, tmp_path / "m")
+    f = tmp_path / "m" / "model.safetensors"
+    tensors = load_file(str(f))
+    tensors.update({k.replace("layers.2.", "layers.3."): v.clone() for k, v in tensors.items() if ".layers.2." in k})
+    tensors.update({"model.layers.3.eh_proj.weight": torch.zeros(64, 128), "model.layers.3.enorm.weight": torch.ones(64)})
+    save_file(tensors, str(f))
+    if kind == "deepseek_v2":
+        with pytest.raises(ConfigError, match="layers.3"):
+            load_model(tmp_path / "m")
+        return
+    got, ref = load_model(tmp_path / "m").model.state_dict(), lm.model.state_dict()
+    assert sorted(got) == sorted(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
+
+
 def _cfg(kind: str, **kw) -> ModelConfig:
     cfg, _ = _hf_config(kind)
     return ModelConfig.from_hf_config({**cfg.to_dict(), **kw})
