@@ -274,6 +274,23 @@ def test_v3_multi_token_prediction_layer_is_skipped(family, tmp_path):
     assert sorted(got) == sorted(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
 
 
+def test_stacked_expert_tensors_load_to_the_same_model(family, tmp_path):
+    """transformers' in-memory form of the experts (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``,
+    ``mlp.experts.down_proj`` ``[E, H, I]``) written as is loads to the per-expert files' weights."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    kind, hf, out, lm = family
+    shutil.copytree(out, tmp_path / "m")
+    stacked = {k: v.detach().clone().contiguous() for k, v in hf.state_dict().items()}
+    assert "model.layers.1.mlp.experts.gate_up_proj" in stacked and "model.layers.1.mlp.experts.0.up_proj.weight" \
+        not in stacked
+    save_file(stacked, str(tmp_path / "m" / "model.safetensors"))
+    got, ref = load_model(tmp_path / "m").model.state_dict(), lm.model.state_dict()
+    assert sorted(got) == sorted(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
+
+
 def _cfg(kind: str, **kw) -> ModelConfig:
     cfg, _ = _hf_config(kind)
     return ModelConfig.from_hf_config({**cfg.to_dict(), **kw})
