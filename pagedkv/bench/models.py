@@ -17,7 +17,11 @@ a fresh process under a timeout and an RSS guard (:mod:`pagedkv.bench.models_gua
 
 Load time is process start to ready for both. Peak RSS: ``ru_maxrss`` of the process that
 loaded the model and ran prefill and decode. Decode is also shown as a fraction of the
-weight-read limit: measured read bandwidth / file bytes tokens/s.
+weight-read limit: measured read bandwidth / bytes read per token tokens/s, where the bytes
+read per token are the file's tensor bytes, a mixture-of-experts file's stacked experts counted
+at their routed share (``expert_used_count / expert_count``; ``models_make.weight_bytes_per_token``).
+The ``moe-4b`` shape (``qwen3moe``, Qwen3-30B-A3B's 8-of-128 routing at half its width and
+depth) is not in the default sizes: ``--sizes moe-4b``.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from typing import Any, Callable, Optional
 
 from pagedkv.bench.common import json_clean, load_average, log, machine_info
 from pagedkv.bench.models_guard import GB, fadvise_dontneed, run_guarded
-from pagedkv.bench.models_make import SHAPES, TYPES, ensure_models, find_tool, tensor_types
+from pagedkv.bench.models_make import SHAPES, TYPES, ensure_models, find_tool, tensor_types, weight_bytes_per_token
 from pagedkv.bench.protocol import cpu_model, dirty_tree, interleaved, llama_bench_run, llama_cpp_stamp
 
 NAME = "models"
@@ -278,6 +282,7 @@ def collect(args: argparse.Namespace, on_model: Optional[Callable[[dict[str, Any
                 continue
             path = facts["path"]
             entry["file"]["tensor_types"] = tensor_types(path)
+            entry["file"]["weight_bytes"] = weight_bytes_per_token(path)
             spec = {**measure_spec, "vocab_size": SHAPES[size].vocab}
             ours: dict[str, Any] = {"status": "ok", "reason": None, "runs": []}
             peer: dict[str, Any] = {"status": "not measured" if llama_reason else "ok", "reason": llama_reason, "runs": []}

@@ -42,7 +42,12 @@ QUANTIZE_NAME = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q4_k_m": "Q4_K_M", "q8_0": "Q8
 
 @dataclass(frozen=True)
 class Shape:
-    """A Llama-family model shape (the dims of the real model it is named after)."""
+    """A Llama-family model shape (the dims of the real model it is named after). With
+    ``experts`` > 0 a mixture-of-experts model in llama.cpp's ``qwen3moe`` architecture: every
+    layer's MLP is ``experts`` experts of width ``expert_ffn``, ``experts_used`` routed per
+    token (tensors ``ffn_gate_inp`` ``[E, H]`` F32, ``ffn_gate_exps`` / ``ffn_up_exps``
+    ``[E, I, H]``, ``ffn_down_exps`` ``[E, H, I]``), and q/k norms per head (Qwen3's).
+    ``head_size`` 0 means ``hidden / heads``."""
 
     name: str
     like: str
@@ -56,22 +61,37 @@ class Shape:
     rope_theta: float = 10000.0
     context: int = 8192
     rms_eps: float = 1e-5
+    head_size: int = 0
+    experts: int = 0
+    experts_used: int = 0
+    expert_ffn: int = 0
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
+
+    @property
+    def arch(self) -> str:
+        """llama.cpp's architecture name of the file: ``llama`` or ``qwen3moe``."""
+        return "qwen3moe" if self.experts else "llama"
 
     def tensors(self) -> list[tuple[str, tuple[int, ...]]]:
         """``(name, numpy shape)`` of every tensor, in llama.cpp's names and order."""
-        h, kv = self.hidden, self.kv_heads * self.head_dim
+        h, kv, d = self.hidden, self.kv_heads * self.head_dim, self.head_dim
         out: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (self.vocab, h))]
         for i in range(self.layers):
             b = f"blk.{i}."
-            out += [(b + "attn_norm.weight", (h,)), (b + "attn_q.weight", (self.heads * self.head_dim, h)),
+            out += [(b + "attn_norm.weight", (h,)), (b + "attn_q.weight", (self.heads * d, h)),
                     (b + "attn_k.weight", (kv, h)), (b + "attn_v.weight", (kv, h)),
-                    (b + "attn_output.weight", (h, self.heads * self.head_dim)), (b + "ffn_norm.weight", (h,)),
-                    (b + "ffn_gate.weight", (self.ffn, h)), (b + "ffn_up.weight", (self.ffn, h)),
-                    (b + "ffn_down.weight", (h, self.ffn))]
+                    (b + "attn_output.weight", (h, self.heads * d)), (b + "ffn_norm.weight", (h,))]
+            if self.experts:
+                e, f = self.experts, self.expert_ffn
+                out += [(b + "attn_q_norm.weight", (d,)), (b + "attn_k_norm.weight", (d,)),
+                        (b + "ffn_gate_inp.weight", (e, h)), (b + "ffn_gate_exps.weight", (e, f, h)),
+                        (b + "ffn_up_exps.weight", (e, f, h)), (b + "ffn_down_exps.weight", (e, h, f))]
+            else:
+                out += [(b + "ffn_gate.weight", (self.ffn, h)), (b + "ffn_up.weight", (self.ffn, h)),
+                        (b + "ffn_down.weight", (h, self.ffn))]
         out.append(("output_norm.weight", (h,)))
         if not self.tied:
             out.append(("output.weight", (self.vocab, h)))
@@ -87,8 +107,17 @@ SHAPES: dict[str, Shape] = {
     "1.7b": Shape("1.7b", "SmolLM2-1.7B", 2048, 24, 32, 32, 8192, 49152, True, rope_theta=130000.0),
     "3b": Shape("3b", "Llama-3.2-3B", 3072, 28, 24, 8, 8192, 128256, True, rope_theta=500000.0),
     "8b": Shape("8b", "Llama-3.1-8B", 4096, 32, 32, 8, 14336, 128256, False, rope_theta=500000.0),
+    # mixture of experts: Qwen3-30B-A3B (hidden 2048, 48 layers, 128 experts of 768, 8 routed,
+    # 32 x 128 query heads, 4 KV heads) at half its width and depth, its routing and head size
+    # kept: 4.1B parameters, of which ~0.53B are read per token (the 8 routed experts, attention,
+    # the untied LM head)
+    "moe-4b": Shape("moe-4b", "Qwen3-30B-A3B at half width and depth (qwen3moe architecture)", 1024, 24, 16, 4,
+                    3072, 151936, False, rope_theta=1e6, rms_eps=1e-6, head_size=128, experts=128, experts_used=8,
+                    expert_ffn=384),
     # test-sized (smoke runs and tests): the tokenizer's 49,152 tokens + 16 extra
     "tiny": Shape("tiny", "test-sized", 64, 2, 4, 2, 128, 49168, True),
+    "tiny-moe": Shape("tiny-moe", "test-sized mixture of experts", 64, 2, 4, 2, 128, 49168, False, head_size=32,
+                      experts=8, experts_used=2, expert_ffn=64),
 }
 
 
@@ -116,7 +145,8 @@ def model_file(shape: str, qtype: str, maker: str, root: Optional[Path] = None) 
     """The cached file of ``shape`` in ``qtype`` made by ``maker`` (``llama-quantize`` or
     ``gguf-py``)."""
     suffix = "" if maker == "llama-quantize" else "-ggufpy"
-    return (root or models_dir()) / f"random-llama-{shape}-{qtype}{suffix}.gguf"
+    arch = SHAPES[shape].arch if shape in SHAPES else "llama"
+    return (root or models_dir()) / f"random-{arch}-{shape}-{qtype}{suffix}.gguf"
 
 
 # ---- the tokenizer ---------------------------------------------------------------------------------
@@ -168,8 +198,8 @@ def padded_tokenizer(fields: dict[str, tuple[Any, Any]], vocab: int) -> dict[str
 def _writer(path: Path, shape: Shape, file_type: int, tokenizer: dict[str, tuple[Any, Any]]) -> Any:
     from gguf import GGUFValueType, GGUFWriter
 
-    w = GGUFWriter(str(path), "llama")
-    w.add_name(f"pagedkv random llama {shape.name}")
+    w = GGUFWriter(str(path), shape.arch)
+    w.add_name(f"pagedkv random {shape.arch} {shape.name}")
     w.add_description(f"random weights (std {STD}, norms 1.0), {shape.like} shape, made by pagedkv bench models")
     w.add_context_length(shape.context)
     w.add_embedding_length(shape.hidden)
@@ -181,6 +211,12 @@ def _writer(path: Path, shape: Shape, file_type: int, tokenizer: dict[str, tuple
     w.add_layer_norm_rms_eps(shape.rms_eps)
     w.add_vocab_size(shape.vocab)
     w.add_rope_dimension_count(shape.head_dim)
+    if shape.experts:
+        w.add_key_length(shape.head_dim)
+        w.add_value_length(shape.head_dim)
+        w.add_expert_count(shape.experts)
+        w.add_expert_used_count(shape.experts_used)
+        w.add_expert_feed_forward_length(shape.expert_ffn)
     w.add_file_type(file_type)
     w.add_quantization_version(2)
     for key, (value, vtype) in tokenizer.items():
@@ -224,6 +260,35 @@ def _write_chunked(writer: Any, chunks: Iterator[np.ndarray]) -> int:
     return total
 
 
+def _is_f32(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether a tensor is stored F32 (norms, a mixture-of-experts router) in every file type."""
+    return len(shape) == 1 or name.endswith("ffn_gate_inp.weight")
+
+
+def weight_bytes_per_token(path: str) -> dict[str, int]:
+    """Bytes of weights one batch-1 decode step reads from the GGUF at ``path``, from its tensor
+    table: ``{"all": every tensor's bytes, "per_token": the same with each stacked expert
+    tensor (``*_exps``) counted at ``expert_used_count / expert_count`` of its bytes}`` (a
+    dense file: both equal; the token embedding is counted whole in both, as the file-bytes
+    limit always did)."""
+    from gguf import GGUFReader
+
+    r = GGUFReader(path)
+    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
+
+    def field(key: str) -> int | None:
+        f = r.fields.get(f"{arch}.{key}")
+        return int(f.parts[-1][0]) if f is not None else None
+
+    experts, used = field("expert_count"), field("expert_used_count")
+    total = per_token = 0
+    for t in r.tensors:
+        n = int(t.n_bytes)
+        total += n
+        per_token += n * used // experts if experts and used and t.name.endswith("_exps.weight") else n
+    return {"all": total, "per_token": per_token}
+
+
 def write_random_gguf(path: Path, shape: Shape, qtype: str = "f16", seed: int = 0,
                       tokenizer: Optional[dict[str, tuple[Any, Any]]] = None,
                       progress: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
@@ -247,10 +312,10 @@ def write_random_gguf(path: Path, shape: Shape, qtype: str = "f16", seed: int = 
     w = _writer(tmp, shape, int(ftype), tok)
     specs = shape.tensors()
     for name, shp in specs:
-        if len(shp) == 1:
-            w.add_tensor_info(name, shp, np.dtype(np.float32), 4 * shp[0])
+        if _is_f32(name, shp):
+            w.add_tensor_info(name, shp, np.dtype(np.float32), 4 * int(np.prod(shp)))
         else:
-            rows, cols = shp
+            rows, cols = int(np.prod(shp[:-1])), shp[-1]
             if cols % block:
                 raise ValueError(f"{name}: {cols} columns is not a multiple of {qtype}'s block {block}")
             w.add_tensor_info(name, shp, np.dtype(np.float16), rows * cols // block * type_size, raw_dtype=qt)
@@ -262,7 +327,10 @@ def write_random_gguf(path: Path, shape: Shape, qtype: str = "f16", seed: int = 
         if len(shp) == 1:
             _write_chunked(w, iter([np.ones(shp, dtype=np.float32)]))
             continue
-        chunks = _chunks(shp[0], shp[1], rng)
+        chunks = _chunks(int(np.prod(shp[:-1])), shp[-1], rng)
+        if _is_f32(name, shp):  # the router: random, F32 as llama.cpp's converter keeps it
+            _write_chunked(w, chunks)
+            continue
         if qtype == "f16":
             _write_chunked(w, (c.astype(np.float16) for c in chunks))
         else:
@@ -341,7 +409,7 @@ def ensure_models(sizes: list[str], types: list[str], *, use_llama_quantize: boo
     out: dict[tuple[str, str], dict[str, Any]] = {}
     for size in sizes:
         shape = SHAPES[size]
-        f16_path, f16_facts = root / f"random-llama-{size}-f16.gguf", None
+        f16_path, f16_facts = root / f"random-{shape.arch}-{size}-f16.gguf", None
         for qtype in types:
             maker = "llama-quantize" if qbin else "gguf-py"
             path = model_file(size, qtype, maker, root)

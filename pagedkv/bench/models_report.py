@@ -70,7 +70,9 @@ def _short(rec: dict[str, Any]) -> str:
 
 def summarize_model(entry: dict[str, Any], bandwidth: float) -> dict[str, Any]:
     """Per system: every metric's :func:`spread` over the rounds, and why a metric has none."""
-    file_bytes = (entry.get("file") or {}).get("bytes") or 0
+    # the bytes a batch-1 step reads: the file's, or with experts only the routed ones' share
+    file_bytes = ((entry.get("file") or {}).get("weight_bytes") or {}).get("per_token") \
+        or (entry.get("file") or {}).get("bytes") or 0
     out: dict[str, Any] = {"weight_read_limit_tokens_per_s": bandwidth / file_bytes if file_bytes else None}
     for name, system in entry.get("systems", {}).items():
         per_run = [run_metrics(name, r, file_bytes, bandwidth) for r in system.get("runs", [])]
@@ -156,11 +158,11 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
         "`/health`); run peak RSS: the process that loaded and ran prefill and decode (pagedkv: the warm one; "
         "llama.cpp: `llama-bench`). Cache GB: what pagedkv's cold load wrote to its cache dir (llama.cpp writes none). "
         "`pagedkv (gguf)`: the linear-layer format pagedkv's `weights` setting chose for that file (`auto`: `gguf`, "
-        "the file's blocks as stored, so a decode step reads the file's bytes as llama.cpp's does). The weight-read limit uses the file's bytes; the bandwidth is `torch.sum`'s, not the machine's peak, "
+        "the file's blocks as stored, so a decode step reads the file's bytes as llama.cpp's does). The weight-read limit uses the file's tensor bytes (a mixture of experts: its routed experts' share); the bandwidth is `torch.sum`'s, not the machine's peak, "
         "so a fraction above 1 means the limit is an underestimate, not that a system beat it.",
         "",
         f"Cells: median [interquartile range] over the rounds. Read bandwidth {bw['bytes_per_s'] / GB:.1f} GB/s "
-        f"({bw['method']}); weight-read limit = bandwidth / file bytes tokens/s. llama.cpp: "
+        f"({bw['method']}); weight-read limit = bandwidth / bytes read per token tokens/s. llama.cpp: "
         + (f"not measured: {lc['not_measured']}" if lc.get("not_measured") else
            f"{lc['tools'].get('llama-bench')} (build variant {variant or 'unknown: no llama.cpp.json stamp'})") + ".",
         "",

@@ -96,6 +96,49 @@ def test_pagedkv_loads_and_generates_the_tiny_gguf(tiny_files, tmp_path, monkeyp
     assert bench_models.dir_bytes(cache) > 0  # the weight cache entry (the linked kernels are not counted)
 
 
+TINY_MOE = mm.SHAPES["tiny-moe"]  # qwen3moe: hidden 64, 2 layers, 8 experts of 64, 2 per token
+
+
+def test_moe_shapes_tensors_and_parameters():
+    names = dict(TINY_MOE.tensors())
+    assert TINY_MOE.arch == "qwen3moe" and TINY.arch == "llama" and TINY_MOE.head_dim == 32
+    assert names["blk.1.ffn_gate_inp.weight"] == (8, 64) and names["blk.1.ffn_gate_exps.weight"] == (8, 64, 64)
+    assert names["blk.0.ffn_down_exps.weight"] == (8, 64, 64) and names["blk.0.attn_q.weight"] == (128, 64)
+    assert names["blk.0.attn_q_norm.weight"] == (32,) and "blk.0.ffn_gate.weight" not in names
+    assert names["output.weight"] == (49168, 64)
+    big = mm.SHAPES["moe-4b"]  # Qwen3-30B-A3B at half width and depth: 8 of 128 experts of 384
+    experts, attn, embed = 24 * 128 * 3 * 1024 * 384, 24 * (2 * 1024 * 2048 + 2 * 1024 * 512), 2 * 151936 * 1024
+    norms = 24 * (2 * 1024 + 2 * 128 + 128 * 1024) + 1024  # two norms, q/k norms and the F32 router per layer
+    assert big.num_params() == experts + attn + embed + norms == 4_064_074_752
+    assert mm.model_file("moe-4b", "q4_0", "gguf-py").name == "random-qwen3moe-moe-4b-q4_0-ggufpy.gguf"
+
+
+def test_tiny_moe_gguf_loads_generates_and_counts_routed_bytes(tmp_path, tokenizer, monkeypatch):
+    from pagedkv import LLM, SamplingParams
+
+    path = tmp_path / "tiny-moe-q8_0.gguf"
+    facts = mm.write_random_gguf(path, TINY_MOE, "q8_0", tokenizer=tokenizer)
+    h = read_gguf_header(path)
+    types = {t.name: t.ggml_type for t in h.tensors}
+    assert types["blk.0.ffn_gate_inp.weight"] == 0 and types["blk.0.ffn_up_exps.weight"] == 8  # router F32, experts Q8_0
+    md = h.metadata
+    assert (md["general.architecture"], md["qwen3moe.expert_count"], md["qwen3moe.expert_used_count"]) == ("qwen3moe", 8, 2)
+    assert md["qwen3moe.expert_feed_forward_length"] == 64 and md["qwen3moe.attention.key_length"] == 32
+    # bytes read per token: each expert tensor (8 x 64 x 64 Q8_0 = 8 x 64 x 2 blocks of 34 B) at 2/8
+    wb = mm.weight_bytes_per_token(str(path))
+    exps = 2 * 3 * 8 * 64 * 2 * 34
+    assert wb["all"] - wb["per_token"] == exps - exps * 2 // 8 and wb["all"] <= facts["bytes"]
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    bench_models.seed_kernels(cache)
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(cache))
+    llm = LLM(model=str(path), max_model_len=128, kv_cache_memory="16MiB")
+    cfg = llm.engine.loaded.config
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (8, 2, 64)
+    (out,) = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert len(out.token_ids) == 5 and all(0 <= t < 49168 for t in out.token_ids)
+
+
 def _script(path: Path, body: str) -> str:
     path.write_text("#!/bin/sh\n" + body)
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
