@@ -124,8 +124,8 @@ class LLMEngine:
             compile_grammar=self.grammars.compile,
         )
         # speculative decoding: the proposer (n-gram; a draft model: its own worker and KV pool
-        # of num_blocks blocks), owned by the executor, run after each step's sampling
-        self.proposer = make_proposer(cfg, loaded, num_blocks, self.model_id)
+        # of num_blocks blocks), handed to the executor, which runs it after each step's sampling
+        proposer = make_proposer(cfg, loaded, num_blocks, self.model_id)
 
         self.backend = worker.backend
         if torch.device(cfg.device).type == "cpu":
@@ -138,7 +138,7 @@ class LLMEngine:
             layer_windows=self.layer_windows,
             compile_max_rows=max(64, cfg.max_num_batched_tokens) if cfg.compile_decode else None,
         )
-        self.executor.attach_proposer(self.proposer)
+        self.executor.attach_proposer(proposer)
         self.runner = self.executor.runner  # (rank 0's) ModelRunner: its KV caches, model, compiled step
         self.kv_tiers, self.kv_stores, self.kv_events = self._open_kv_tiers(mc, dtype)
         self.scheduler = Scheduler(SchedulerConfig(
@@ -147,7 +147,7 @@ class LLMEngine:
             policy=cfg.policy, watermark=cfg.watermark, enable_chunked_prefill=cfg.enable_chunked_prefill,
             enable_prefix_caching=cfg.prefix_caching, enable_paging=cfg.enable_paging,
             shuffle_seed=cfg.shuffle_blocks, kv_tiers=self.kv_tiers, layer_windows=self.layer_windows,
-            num_speculative_tokens=cfg.num_speculative_tokens if self.proposer is not None else 0,
+            num_speculative_tokens=cfg.num_speculative_tokens if proposer is not None else 0,
         ))
         self.groups = SequenceGroups()
         self.output = OutputProcessor(self.tokenizer)
@@ -201,6 +201,12 @@ class LLMEngine:
         """The scheduler's ``KVCacheManager``, for inspection (tests, tools). Only the
         scheduler changes it."""
         return self.scheduler.kv
+
+    @property
+    def proposer(self) -> Any:
+        """The executor's speculative proposer (``pagedkv.worker.proposer.Proposer``; ``None``
+        when off), for inspection (tests, tools). Only the worker runs it."""
+        return self.executor.proposer
 
     def close(self) -> None:
         """Release the step runner's resources: with tensor parallelism, stop every worker

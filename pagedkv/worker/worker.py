@@ -46,7 +46,8 @@ class Executor(Protocol):
     """What the engine's step talks to (one process or tensor-parallel ranks).
 
     ``runner``: the (rank 0) ``ModelRunner`` holding the KV caches; ``backend``: the
-    attention backend object. ``prepare`` builds a step's ``ModelInput`` (see
+    attention backend object; ``proposer``: the speculative proposer it owns
+    (``attach_proposer``). ``prepare`` builds a step's ``ModelInput`` (see
     ``ModelRunner.prepare``); ``copy_blocks`` applies (or queues) copy-on-write block copies
     ``(src, dst)`` before the step's writes; ``execute`` runs the step and returns fp32 logits
     ``[sample rows + prompt rows, vocab]``; ``transfer_kv`` / ``kv_payload_codec`` serve the
@@ -56,6 +57,7 @@ class Executor(Protocol):
 
     runner: Any
     backend: Any
+    proposer: Any  # the speculative proposer it owns (None: off)
 
     def prepare(self, token_ids: Sequence[Sequence[int]], num_computed: Sequence[int],
                 block_ids: Sequence[Sequence[int]], sample: Sequence[bool],
@@ -68,6 +70,8 @@ class Executor(Protocol):
     def propose_drafts(self, rows: Sequence[DraftRequest]) -> dict[str, list[int]]: ...
 
     def finish_requests(self, request_ids: Sequence[str]) -> None: ...
+
+    def attach_proposer(self, proposer: Optional[Proposer]) -> None: ...
 
     def close(self) -> None: ...
 
