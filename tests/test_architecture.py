@@ -423,7 +423,8 @@ def test_step_length_check_is_not_vacuous():
 
 
 #: the engine's optional features: wired by pagedkv/engine/builder.py, never by the core
-FEATURE_MODULES = tuple(f"pagedkv.engine.{m}" for m in ("spec_decode", "spec_draft", "structured", "beam", "tools"))
+FEATURE_MODULES = tuple(f"pagedkv.engine.{m}" for m in ("spec_decode", "structured", "beam", "tools")) + tuple(
+    f"pagedkv.worker.{m}" for m in ("ngram_proposer", "draft_proposer"))
 
 
 def _feature_imports(source: str) -> list[str]:
@@ -551,3 +552,76 @@ def test_block_ceil_division_check_is_not_vacuous():
                "d = (t + bs - 1) // bs\ne = -(-V // B)\nf = n // bs\ng = blocks_needed(n, bs)\n")
     assert _block_ceil_divisions(planted) == ["line 1: -(-used // block_size)", "line 2: cdiv(n, bs)",
                                               "line 3: math.ceil(t / self.block_size)", "line 4: (t + bs - 1) // bs"]
+
+
+#: calls that run a model or a proposer: never made by the scheduler (it reserves slots only)
+MODEL_CALLS = ("propose", "propose_batch", "propose_drafts", "execute", "forward", "prepare", "model")
+
+
+def _scheduler_model_use(source: str) -> list[str]:
+    """Imports of a proposer, a draft model, the worker or the model package in ``source``
+    (``pagedkv.worker.*``, ``pagedkv.model.*``, any module named ``*proposer*`` or
+    ``spec_draft``), and calls of :data:`MODEL_CALLS` methods (``x.propose(...)``)."""
+    out = []
+    for n in ast.walk(ast.parse(source)):
+        if isinstance(n, ast.Import):
+            names = [a.name for a in n.names]
+        elif isinstance(n, ast.ImportFrom) and n.module:
+            names = [n.module, *(f"{n.module}.{a.name}" for a in n.names)]
+        elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in MODEL_CALLS:
+            out.append(f"line {n.lineno}: call {ast.unparse(n.func)}")
+            continue
+        else:
+            continue
+        bad = sorted({m for m in names if m.startswith(("pagedkv.worker", "pagedkv.model"))
+                      or "proposer" in m.rsplit(".", 1)[-1] or m.endswith("spec_draft")})
+        out += [f"line {n.lineno}: import {m}" for m in bad]
+    return out
+
+
+def test_the_scheduler_imports_no_proposer_and_runs_no_model():
+    """Speculation's proposers run on the worker side after a step (``pagedkv.worker.proposer``);
+    the scheduler reads the draft ids a request carries and reserves their lookahead slots."""
+    assert _scheduler_model_use((PKG / "engine" / "scheduler.py").read_text()) == []
+
+
+def test_scheduler_model_check_is_not_vacuous():
+    planted = ("from pagedkv.worker.draft_proposer import DraftModelProposer\nimport pagedkv.engine.spec_draft\n"
+               "from pagedkv.engine.spec_decode import lookahead_cap\n"
+               "def f(self, r):\n    d = self.spec.propose(r)\n    self.runner.execute(x)\n    r.num_tokens()\n")
+    assert _scheduler_model_use(planted) == [
+        "line 1: import pagedkv.worker.draft_proposer", "line 1: import pagedkv.worker.draft_proposer.DraftModelProposer",
+        "line 2: import pagedkv.engine.spec_draft", "line 5: call self.spec.propose", "line 6: call self.runner.execute"]
+
+
+def _proposer_classes(source: str) -> list[str]:
+    """Classes in ``source`` that are proposers: named ``*Proposer`` or deriving from one."""
+    out = []
+    for n in ast.walk(ast.parse(source)):
+        if isinstance(n, ast.ClassDef) and (n.name.endswith("Proposer") or any(
+                ast.unparse(b).rsplit(".", 1)[-1].endswith("Proposer") for b in n.bases)):
+            out.append(f"line {n.lineno}: {n.name}")
+    return out
+
+
+def test_proposers_live_in_the_worker_package_and_are_registered():
+    """Every proposer class is defined in ``pagedkv/worker/`` (one file each) and named in the
+    one registry (``pagedkv.worker.proposer.PROPOSERS``), which points at worker modules."""
+    from pagedkv.worker.proposer import PROPOSERS, Proposer, parse_speculative
+
+    outside = {str(p.relative_to(PKG)): h for p in sorted(PKG.rglob("*.py"))
+               if p.parent != PKG / "worker" and (h := _proposer_classes(p.read_text()))}
+    assert outside == {}
+    found = {p.name: _proposer_classes(p.read_text()) for p in sorted((PKG / "worker").glob("*.py"))}
+    homes = {name: target.split(":")[0] for name, target in PROPOSERS.items()}
+    assert all(m.startswith("pagedkv.worker.") for m in homes.values()) and len(set(homes.values())) == len(homes)
+    for name in PROPOSERS:
+        cls = parse_speculative(name + (":x" if name == "draft" else ""))[0]
+        assert issubclass(cls, Proposer) and cls.__module__ == homes[name]
+        assert [c.split(": ")[1] for c in found[cls.__module__.rsplit(".", 1)[1] + ".py"]] == [cls.__name__]
+
+
+def test_proposer_location_check_is_not_vacuous():
+    planted = ("class EagleProposer:\n    pass\nclass Plain:\n    pass\n"
+               "class Medusa(proposer.Proposer):\n    pass\nclass Helper(Plain):\n    pass\n")
+    assert _proposer_classes(planted) == ["line 1: EagleProposer", "line 5: Medusa"]

@@ -140,7 +140,7 @@ def _workload(args: argparse.Namespace, engines: dict[str, Any], peer: Any, work
 
 def collect(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
     from pagedkv.engine.engine import LLMEngine
-    from pagedkv.engine.spec_decode import draft_model_name
+    from pagedkv.worker.proposer import draft_model_name
 
     threads = pin_threads(args.threads)
     loaded = load_fp32_model(loaded, getattr(args, "model", None), weights=args.weights)

@@ -295,6 +295,21 @@ class TPExecutor:
         """PIDs of the worker ranks 1..N-1 (from the start-up handshake)."""
         return [i["pid"] for i in self.rank_info[1:]]
 
+    proposer: Any = None  # the speculative proposer (attach_proposer); it runs in this driver
+
+    def attach_proposer(self, proposer: Any) -> None:
+        """Own ``proposer`` (a ``pagedkv.worker.proposer.Proposer``; ``None``: off)."""
+        self.proposer = proposer
+
+    def propose_drafts(self, rows: Sequence[Any]) -> dict[str, list[int]]:
+        """As ``Worker.propose_drafts``: the proposer's drafts for ``rows`` (``{}`` without one)."""
+        return {} if self.proposer is None else self.proposer.propose(rows)
+
+    def finish_requests(self, request_ids: Sequence[str]) -> None:
+        """As ``Worker.finish_requests``: drop the proposer's state of ``request_ids``."""
+        for rid in request_ids if self.proposer is not None else ():
+            self.proposer.release(rid)
+
     def prepare(self, token_ids: Sequence[Sequence[int]], num_computed: Sequence[int],
                 block_ids: Sequence[Sequence[int]], sample: Sequence[bool],
                 prompt_rows: Sequence[int] = ()) -> ModelInput:

@@ -3,83 +3,29 @@
 The engine core (``pagedkv.engine.engine``) imports no feature module: the features it can
 run with are built here, from an ``EngineConfig``, and handed to it as plain collaborators:
 
-* speculative decoding (``pagedkv.engine.spec_decode`` / ``spec_draft``): the scheduler's
-  proposer (n-gram or a draft model) and, for a draft model, a :class:`StepHook` that
-  batches its proposals before ``schedule()`` and frees the draft blocks of requests that
-  left the running list;
+* speculative decoding: the proposer (``pagedkv.worker.proposer``: n-gram prompt lookup or a
+  draft model with its own paged KV), which the engine hands to its executor; the worker runs
+  it after each step's forward and sampling, and the scheduler only reserves lookahead slots
+  for the drafts it returned (``pagedkv.engine.spec_decode``);
 * structured outputs (``pagedkv.engine.structured``): the grammar compiler the input
   processor compiles a request's spec with (a bad schema is refused at ``add_request``).
-
-A :class:`StepHook` is the core's one kind of step participant: the core calls every hook's
-:meth:`StepHook.before_schedule` before each ``schedule()`` and :meth:`StepHook.retain`
-after each step's decisions and after an abort, whatever the hook does.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from pagedkv.engine.request import Request
-from pagedkv.engine.spec_decode import draft_model_name, make_proposer
-from pagedkv.engine.spec_draft import DraftProposer
 from pagedkv.engine.structured import GrammarCompiler
-from pagedkv.utils import profile_scope
+from pagedkv.worker.proposer import Proposer, build_proposer
 
 
-class StepHook:
-    """A step participant (no-op by default): ``running`` is the scheduler's running list
-    (read only)."""
-
-    def before_schedule(self, running: Sequence[Request]) -> None:
-        """Called under the engine lock before every ``Scheduler.schedule()``."""
-
-    def retain(self, running: Sequence[Request]) -> None:
-        """Called after a step's decisions are applied and after an abort: forget the state
-        of requests no longer in ``running``."""
-
-
-class DraftModelHook(StepHook):
-    """A draft model's seam: batched proposals for the running rows before ``schedule()``
-    (``DraftProposer.prefetch``: ``max_model_len`` tokens, at most ``budget`` tokens per
-    forward), and the draft blocks of requests that stopped running freed."""
-
-    def __init__(self, draft: DraftProposer, max_model_len: int, budget: Optional[int]) -> None:
-        self.draft = draft
-        self.max_model_len = max_model_len
-        self.budget = budget
-
-    def before_schedule(self, running: Sequence[Request]) -> None:
-        with profile_scope("pagedkv.draft"):
-            self.draft.prefetch(running, self.max_model_len, self.budget)
-
-    def retain(self, running: Sequence[Request]) -> None:
-        self.draft.retain(r.request_id for r in running)
-
-
-@dataclass
-class Speculation:
-    """Speculative decoding as configured: ``proposer`` for ``SchedulerConfig.speculative``
-    (an ``NgramProposer``, the ``DraftProposer`` or ``None``), ``draft`` (the draft model's
-    proposer, or ``None``) and the step ``hooks`` it needs."""
-
-    proposer: Any = None
-    draft: Optional[DraftProposer] = None
-    hooks: list[StepHook] = field(default_factory=list)
-
-
-def load_speculation(config: Any, target: Any, num_blocks: int, target_name: str, max_model_len: int) -> Speculation:
-    """Speculation for ``config`` (an ``EngineConfig``: ``speculative`` None, ``"ngram"`` or
-    ``"draft:<model>"``); a draft model is loaded (its own worker and pool of ``num_blocks``
-    blocks) and checked against ``target`` (the target's ``LoadedModel``, named
-    ``target_name``). Raises ``ConfigError`` (see ``make_proposer`` and
-    ``DraftProposer.load``)."""
-    name = draft_model_name(config.speculative)
-    if name is None:
-        return Speculation(proposer=make_proposer(config))
-    draft = DraftProposer.load(name, config, target, num_blocks, target_name)
-    return Speculation(proposer=draft, draft=draft,
-                       hooks=[DraftModelHook(draft, max_model_len, config.max_num_batched_tokens)])
+def make_proposer(config: Any, target: Any, num_blocks: int, target_name: str) -> Optional[Proposer]:
+    """The speculative proposer of ``config`` (an ``EngineConfig``: ``speculative`` None, a
+    name registered in ``pagedkv.worker.proposer.PROPOSERS`` such as ``"ngram"`` or
+    ``"draft:<model>"``), ``None`` when off; a draft model is loaded (its own worker and pool
+    of ``num_blocks`` blocks) and checked against ``target`` (the target's ``LoadedModel``,
+    named ``target_name``). Raises ``ConfigError`` (``build_proposer``)."""
+    return build_proposer(config, target, num_blocks, target_name)
 
 
 def make_grammar_compiler(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> GrammarCompiler:

@@ -72,10 +72,10 @@ class EngineConfig:
     # chat template (Jinja text or a file holding it) in place of the model's own; a model
     # without one (a base model) refuses chat requests unless this is set
     chat_template: Optional[str] = None
-    # speculative decoding: None (off) | "ngram" (prompt lookup, pagedkv.engine.spec_decode):
+    # speculative decoding: None (off) | "ngram" (prompt lookup, pagedkv.worker.ngram_proposer):
     # up to num_speculative_tokens drafts from the last ngram_max..ngram_min tokens' earlier match
     # | "draft:<model>" (a GGUF/HF path or a bundled name, same tokenizer; greedy drafts from it,
-    # pagedkv.engine.spec_draft), its linear layers in draft_weights (same values as weights)
+    # pagedkv.worker.draft_proposer), its linear layers in draft_weights (same values as weights)
     speculative: Optional[str] = None
     num_speculative_tokens: int = 4
     ngram_min: int = 2
@@ -145,9 +145,9 @@ class EngineConfig:
         if self.chat_template is not None and (not isinstance(self.chat_template, str) or not self.chat_template.strip()):
             raise ConfigError(f"chat_template: expected Jinja text or a file path, got {self.chat_template!r}")
         self._validate_kv_tiers()
-        from pagedkv.engine.spec_decode import make_proposer
+        from pagedkv.worker.proposer import check_speculative
 
-        make_proposer(self)  # speculative options
+        check_speculative(self)  # speculative options (the registered proposer's own checks)
 
     def _validate_kv_tiers(self) -> None:
         if parse_tier_specs(self.kv_offload) and self.tensor_parallel_size != 1:

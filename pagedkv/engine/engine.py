@@ -5,23 +5,25 @@ The vLLM v1 shape, in three parts:
 * **input** (``pagedkv.engine.input_processor``): ``add_request`` checks, tokenises,
   compiles a structured-output grammar and builds the prefix-cache identity, then queues the
   request in the scheduler;
-* **the core**, one ``step()`` read top to bottom: the step hooks (``builder.StepHook``,
-  e.g. a draft model's batched proposals) → ``scheduler.schedule()`` (admission,
-  preemption, block allocation and copy-on-write; the scheduler alone calls the KV
-  manager) → the executor (``pagedkv.worker.worker.Executor``, one per engine from
+* **the core**, one ``step()`` read top to bottom: ``scheduler.schedule()`` (admission,
+  preemption, block allocation and copy-on-write, lookahead slots for the drafts a request
+  carries; the scheduler alone calls the KV manager) → the executor (``pagedkv.worker.worker.Executor``, one per engine from
   ``make_executor``: this process's ``Worker`` or tensor-parallel ranks; flat batch through
   the one slot-mapping builder, CoW copies, model forward writing K/V through
   ``slot_mapping`` and reading through ``block_tables``) → the step sampler
   (``step_sampler``: prompt logprob and draft rows, n > 1 forks, beam rows, the sampler) →
   ``scheduler.update`` (the forks, append tokens, stop checks, publish full blocks, free
   behind the step fence) → the output processor's decisions (beam steps, stop strings) →
-  ``scheduler.apply`` (forks, finishes) → the hooks' ``retain``;
+  ``scheduler.apply`` (forks, finishes) → the executor's ``propose_drafts`` (the worker's
+  speculative proposer, after the forward and sampling; ``{}`` when off) for the rows of
+  ``scheduler.draft_rows()``, handed back with ``scheduler.set_drafts``;
 * **output** (``pagedkv.engine.output``): detokenisation state, stop strings, streams,
   beams' final choice and the ``RequestOutput``s.
 
 Groups, beams, the step sampler and the output processor never hold the scheduler; they
 return ``pagedkv.engine.decisions`` records. The features (speculative decoding, structured
 outputs) are wired by ``pagedkv.engine.builder``: this module imports none of them.
+Speculation's proposer (``pagedkv.worker.proposer``) is owned by the executor's worker.
 
 Thread-safety: ``add_request`` and ``abort_request`` may be called from other threads (the
 server). The engine lock is *released* during the forward pass, so an abort can land while
@@ -41,7 +43,7 @@ import torch
 
 from pagedkv import cpu_isa, native
 from pagedkv.distributed import check_tp_size, make_executor
-from pagedkv.engine.builder import load_speculation, make_grammar_compiler
+from pagedkv.engine.builder import make_grammar_compiler, make_proposer
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.input_processor import InputLimits, InputProcessor
 from pagedkv.engine.output import OutputProcessor
@@ -121,10 +123,9 @@ class LLMEngine:
             kv_format_id=self.kv_format_id, eos_token_ids=self.eos_token_ids, chat_template=cfg.chat_template,
             compile_grammar=self.grammars.compile,
         )
-        # speculative decoding: the scheduler's proposer; a draft model (its own worker and KV
-        # pool of num_blocks blocks) with its step hook
-        spec = load_speculation(cfg, loaded, num_blocks, self.model_id, self.max_model_len)
-        self.draft, self.hooks = spec.draft, spec.hooks
+        # speculative decoding: the proposer (n-gram; a draft model: its own worker and KV pool
+        # of num_blocks blocks), handed to the executor, which runs it after each step's sampling
+        proposer = make_proposer(cfg, loaded, num_blocks, self.model_id)
 
         self.backend = worker.backend
         if torch.device(cfg.device).type == "cpu":
@@ -137,6 +138,7 @@ class LLMEngine:
             layer_windows=self.layer_windows,
             compile_max_rows=max(64, cfg.max_num_batched_tokens) if cfg.compile_decode else None,
         )
+        self.executor.attach_proposer(proposer)
         self.runner = self.executor.runner  # (rank 0's) ModelRunner: its KV caches, model, compiled step
         self.kv_tiers, self.kv_stores, self.kv_events = self._open_kv_tiers(mc, dtype)
         self.scheduler = Scheduler(SchedulerConfig(
@@ -145,7 +147,7 @@ class LLMEngine:
             policy=cfg.policy, watermark=cfg.watermark, enable_chunked_prefill=cfg.enable_chunked_prefill,
             enable_prefix_caching=cfg.prefix_caching, enable_paging=cfg.enable_paging,
             shuffle_seed=cfg.shuffle_blocks, kv_tiers=self.kv_tiers, layer_windows=self.layer_windows,
-            speculative=spec.proposer,
+            num_speculative_tokens=cfg.num_speculative_tokens if proposer is not None else 0,
         ))
         self.groups = SequenceGroups()
         self.output = OutputProcessor(self.tokenizer)
@@ -199,6 +201,12 @@ class LLMEngine:
         """The scheduler's ``KVCacheManager``, for inspection (tests, tools). Only the
         scheduler changes it."""
         return self.scheduler.kv
+
+    @property
+    def proposer(self) -> Any:
+        """The executor's speculative proposer (``pagedkv.worker.proposer.Proposer``; ``None``
+        when off), for inspection (tests, tools). Only the worker runs it."""
+        return self.executor.proposer
 
     def close(self) -> None:
         """Release the step runner's resources: with tensor parallelism, stop every worker
@@ -321,10 +329,8 @@ class LLMEngine:
         else:
             raise InvalidRequestError("abort_request takes a request id or a list of them")
         with self._lock:
-            for rid in ids:
-                self.scheduler.abort(self.groups.abort(rid))
-            for hook in self.hooks:  # e.g. the aborted requests' draft blocks
-                hook.retain(self.scheduler.running)
+            aborted = [r.request_id for rid in ids for r in self.scheduler.abort(self.groups.abort(rid))]
+            self.executor.finish_requests(aborted)  # e.g. their draft model blocks
 
     def has_unfinished_requests(self) -> bool:
         with self._lock:
@@ -353,8 +359,6 @@ class LLMEngine:
 
     def _step(self, opened: list) -> list[RequestOutput]:
         with self._lock:
-            for hook in self.hooks:
-                hook.before_schedule(self.scheduler.running)
             with profile_scope("pagedkv.schedule"):
                 out = self.scheduler.schedule()
             opened.append(out)
@@ -370,8 +374,8 @@ class LLMEngine:
             with profile_scope("pagedkv.update"):
                 self.scheduler.update(out, chosen.sampled, chosen.forks, chosen.runs)
                 self.scheduler.apply(self.output.decide(chosen.seqs, chosen.beam_groups, self.groups))
-                for hook in self.hooks:  # e.g. finished / preempted requests' draft blocks
-                    hook.retain(self.scheduler.running)
+            with profile_scope("pagedkv.draft"):  # speculative proposals for the next step
+                self.scheduler.set_drafts(self.executor.propose_drafts(self.scheduler.draft_rows()))
             if self.config.debug_invariants:
                 self.scheduler.check_invariants()
             with profile_scope("pagedkv.output"):

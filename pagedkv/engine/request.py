@@ -295,6 +295,9 @@ class Request:
     # speculative decoding back-off: decode steps to skip proposing, consecutive fruitless verifies
     spec_wait: int = 0
     spec_misses: int = 0
+    # the proposer's drafts (pagedkv.worker.proposer) and the num_tokens they follow
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_after: int = -1
     _all_token_ids: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:

@@ -33,7 +33,7 @@ from pagedkv.engine.decisions import Decisions, Fork
 from pagedkv.engine.gangs import Gangs
 from pagedkv.engine.request import Request, RequestStatus, now
 from pagedkv.engine.stats import EngineStats, collect_stats
-from pagedkv.engine.spec_decode import can_speculate, draft_budget, lookahead_cap, may_propose, record_verify
+from pagedkv.engine.spec_decode import can_speculate, draft_rows, lookahead_cap, may_propose, pending_drafts, record_verify, set_drafts
 from pagedkv.engine.step_plan import SchedulerConfig, SchedulerOutput, SchedulerStallError, SchedulerStats, unschedule
 from pagedkv.errors import NoFreeBlocksError
 from pagedkv.kv import KVCacheManager, check_invariants
@@ -61,7 +61,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         # beam groups scheduled all or nothing (see the module doc)
         self.gangs = Gangs()
-        self.spec = config.speculative  # an NgramProposer, a DraftProposer or None
+        self.num_spec = config.num_speculative_tokens  # most drafts per row (0: no speculation)
         # Head-room kept free for running requests to grow into. Without paging a request
         # reserves its whole max_model_len up front and never grows, so none is needed.
         self._watermark_blocks = (
@@ -192,13 +192,11 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            if n == end - req.num_computed_tokens == 1 and self.spec is not None and can_speculate(req) \
-                    and may_propose(req):
+            if n == end - req.num_computed_tokens == 1 and self.num_spec and can_speculate(req) and may_propose(req):
                 # the lookahead may not take the blocks the later running rows' decodes need
                 spare = self.kv.num_free_blocks // self.kv.num_groups - (len(self.running) - i - 1)
-                cap = min(budget - 1, draft_budget(req, cfg.max_model_len),
-                          lookahead_cap(req.num_computed_tokens, spare, cfg.block_size))
-                d = self.spec.propose(req.all_token_ids, cap, req.request_id)
+                cap = min(budget - 1, lookahead_cap(req.num_computed_tokens, spare, cfg.block_size))
+                d = pending_drafts(req)[:max(0, cap)]  # proposed after the last step (worker side)
                 try:  # lookahead slots for the drafts, all or nothing (else a plain decode)
                     c = self.kv.allocate_slots(req.request_id, 1 + len(d), req.num_computed_tokens) if d else None
                 except NoFreeBlocksError:
@@ -311,6 +309,14 @@ class Scheduler:
         block_ids = [get_ids(r.request_id) for r, _ in scheduled]
         transfer = self.kv.take_transfer() if scheduled else None  # else it waits for a step
         return SchedulerOutput(scheduled, copies, preempted, step_id, used, block_ids, transfer, drafts)
+
+    def draft_rows(self) -> list[tuple[str, list[int], int]]:
+        """Rows for the worker's proposer after a step (``spec_decode.draft_rows``; ``[]`` when off)."""
+        return draft_rows(self.running, self.num_spec, self.config.max_num_batched_tokens, self.config.max_model_len)
+
+    def set_drafts(self, drafts: dict[str, list[int]]) -> None:
+        """Keep the proposer's ``{request id: draft ids}`` on the requests for the next step."""
+        set_drafts(self.requests, drafts)
 
     def persist_kv(self) -> Any:
         """Before a shutdown (no step in flight): the ``KVTransfer`` that copies every cached

@@ -1,8 +1,9 @@
-"""Speculative decoding by prompt lookup (n-gram): proposals, verification, the step's rows.
+"""Speculative decoding in the engine: which requests draft, their lookahead rows, verification.
 
-A decoding request whose recent tokens occurred earlier in its own context (prompt +
-output) gets up to ``k`` *draft* tokens: the tokens that followed the most recent earlier
-occurrence of its last ``n`` tokens (``n`` from ``ngram_max`` down to ``ngram_min``). The
+The drafts come from a proposer on the worker side (``pagedkv.worker.proposer``: n-gram
+prompt lookup, a draft model), run after each step's forward and sampling for the rows of
+:func:`draft_rows`; they ride on the request (``Request.draft_token_ids``) to the next step.
+A decoding request with ``k`` pending drafts (:func:`pending_drafts`): the
 scheduler gives that row ``1 + k`` query tokens (its last token and the drafts) and
 allocates their **lookahead slots** all or nothing (no room: a plain one-token decode). One
 forward pass returns the logits of every position of the row; the sampler draws a token
@@ -32,84 +33,48 @@ position before it (so no run ends early), ``max_tokens`` and ``max_model_len`` 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-import numpy as np
 import torch
 
 from pagedkv.engine.request import Request
-from pagedkv.errors import ConfigError
 from pagedkv.kv.block_table import blocks_needed
 
 #: one sampled token and its logprobs (``None`` unless asked for)
 Sampled = tuple[int, Optional[dict[int, float]]]
 
 
-@dataclass(frozen=True)
-class NgramProposer:
-    """Prompt-lookup proposals: up to ``k`` draft tokens (``1 <= ngram_min <= ngram_max``)."""
-
-    k: int = 4
-    ngram_min: int = 2
-    ngram_max: int = 3
-
-    def __post_init__(self) -> None:
-        for name in ("k", "ngram_min", "ngram_max"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"{'num_speculative_tokens' if name == 'k' else name} must be a positive integer, got {v!r}")
-        if self.ngram_min > self.ngram_max:
-            raise ConfigError(f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
-
-    def propose(self, token_ids: Sequence[int], max_tokens: Optional[int] = None,
-                request_id: Optional[str] = None) -> list[int]:
-        """Draft tokens for a context ``token_ids``: for ``n`` from ``ngram_max`` down to
-        ``ngram_min``, find the most recent earlier occurrence of the last ``n`` tokens and
-        return up to ``min(k, max_tokens)`` tokens that followed it (``[]`` if none).
-        ``request_id`` is not used (the draft-model proposer's keeps state per request)."""
-        k = self.k if max_tokens is None else min(self.k, max_tokens)
-        size = len(token_ids)
-        if k <= 0 or size < 2:
-            return []
-        toks = np.asarray(token_ids, dtype=np.int64)
-        for n in range(min(self.ngram_max, size - 1), self.ngram_min - 1, -1):
-            # windows starting at 0 .. size - n - 1 (not the suffix itself)
-            win = np.lib.stride_tricks.sliding_window_view(toks[:-1], n)
-            hits = np.flatnonzero((win == toks[size - n:]).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n
-                return toks[start:start + k].tolist()
+def draft_rows(running: Sequence[Request], k: int, budget: int, max_model_len: int) -> list[tuple[str, list[int], int]]:
+    """After a step, what the proposer (``pagedkv.worker.proposer``) drafts for: per running
+    request ``(request id, its token ids, most drafts)``, the most ``min(k, budget - 1,
+    draft_budget)`` for a request that decodes one token next, may speculate and is not
+    backing off, 0 for the others (``budget``: ``max_num_batched_tokens``; a row verifies at
+    most ``budget - 1`` drafts; ``k`` 0: speculation off, no rows). The scheduler takes fewer
+    when lookahead slots are short."""
+    if k <= 0:
         return []
+    rows = []
+    for r in running:
+        most = 0
+        if r.num_computed_tokens == r.num_tokens - 1 and r.spec_wait <= 0 and can_speculate(r):
+            most = max(0, min(k, budget - 1, draft_budget(r, max_model_len)))
+        rows.append((r.request_id, r.all_token_ids, most))
+    return rows
 
 
-def draft_model_name(method: Any) -> Optional[str]:
-    """The ``<model>`` of ``speculative="draft:<model>"`` (a path or a bundled name), else
-    ``None``; raises ``ConfigError`` for ``"draft:"`` without a model."""
-    if not isinstance(method, str) or not method.startswith("draft:"):
-        return None
-    name = method[len("draft:"):].strip()
-    if not name:
-        raise ConfigError("speculative: 'draft:<model>' needs a model path or a bundled name after 'draft:'")
-    return name
+def pending_drafts(req: Request) -> list[int]:
+    """The draft token ids proposed for ``req``'s current context (``[]`` if none or if its
+    tokens changed since)."""
+    return req.draft_token_ids if req.draft_after == req.num_tokens else []
 
 
-def make_proposer(config: Any) -> Optional[NgramProposer]:
-    """The n-gram proposer of an ``EngineConfig`` (``speculative``: None, "ngram" or
-    "draft:<model>"); ``None`` when off or for a draft model, which the engine builds
-    (``spec_draft.DraftProposer.load``: it needs the target). Raises ``ConfigError`` for
-    another method or a bad ``num_speculative_tokens`` / n-gram option."""
-    method = config.speculative
-    if method is None:
-        return None
-    if draft_model_name(method) is not None:
-        k = config.num_speculative_tokens
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ConfigError(f"num_speculative_tokens must be a positive integer, got {k!r}")
-        return None
-    if method != "ngram":
-        raise ConfigError(f"speculative: 'ngram' (prompt lookup) or 'draft:<model>' (a draft model), got {method!r}")
-    return NgramProposer(config.num_speculative_tokens, config.ngram_min, config.ngram_max)
+def set_drafts(requests: dict[str, Request], drafts: dict[str, list[int]]) -> None:
+    """Hang the proposer's ``drafts`` (``{request id: token ids}``) on the requests still
+    known (``requests``), for their current context."""
+    for rid, d in drafts.items():
+        req = requests.get(rid)
+        if req is not None:
+            req.draft_token_ids, req.draft_after = list(d), req.num_tokens
 
 
 def can_speculate(req: Request) -> bool:

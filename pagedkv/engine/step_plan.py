@@ -36,8 +36,9 @@ class SchedulerConfig:
     kv_tiers: Any = None  # pagedkv.kv.tiers.KVTiers: host/disk tiers and KV events (None: off)
     # per layer: None (full attention) or its sliding window in tokens; None: all full
     layer_windows: Optional[list] = None
-    # pagedkv.engine.spec_decode.NgramProposer: decode rows get draft tokens (None: off)
-    speculative: Any = None
+    # speculative decoding: the most draft tokens a decode row verifies (0: off); the drafts
+    # come from the worker's proposer (pagedkv.worker.proposer) on the requests
+    num_speculative_tokens: int = 0
 
 
 @dataclass

@@ -11,7 +11,9 @@ sizing, tiers, tokenizer use); the worker owns everything that touches the devic
    ``ModelRunner`` and its per-layer KV caches of ``num_blocks`` blocks;
 3. **compile** (:meth:`Worker.compile_steps`): optionally compile the steps (the runner
    owns the compiled step);
-4. **run steps** through the executor interface (:class:`Executor`).
+4. **run steps** through the executor interface (:class:`Executor`);
+5. **propose drafts** after a step (:meth:`Worker.propose_drafts`) with the speculative
+   proposer it owns (``pagedkv.worker.proposer``; none when speculation is off).
 
 :class:`Executor` is what the engine's step calls, whatever runs it: a ``Worker`` in this
 process, or ``pagedkv.distributed.TPExecutor`` over tensor-parallel ranks (whose rank
@@ -34,6 +36,7 @@ from pagedkv.model.loader import LoadedModel, auto_weights, load_model
 from pagedkv.model.quant import resolve_weights
 from pagedkv.utils import torch_dtype
 from pagedkv.worker.kv_transfer import BlockPayloadCodec
+from pagedkv.worker.proposer import DraftRequest, Proposer
 from pagedkv.worker.runner import ModelInput, ModelRunner
 
 logger = logging.getLogger("pagedkv")
@@ -43,15 +46,18 @@ class Executor(Protocol):
     """What the engine's step talks to (one process or tensor-parallel ranks).
 
     ``runner``: the (rank 0) ``ModelRunner`` holding the KV caches; ``backend``: the
-    attention backend object. ``prepare`` builds a step's ``ModelInput`` (see
+    attention backend object; ``proposer``: the speculative proposer it owns
+    (``attach_proposer``). ``prepare`` builds a step's ``ModelInput`` (see
     ``ModelRunner.prepare``); ``copy_blocks`` applies (or queues) copy-on-write block copies
     ``(src, dst)`` before the step's writes; ``execute`` runs the step and returns fp32 logits
     ``[sample rows + prompt rows, vocab]``; ``transfer_kv`` / ``kv_payload_codec`` serve the
-    KV tiers (single process only); ``close`` releases what the executor started
-    (idempotent)."""
+    KV tiers (single process only); ``propose_drafts`` runs the speculative proposer after a
+    step (``{}`` without one) and ``finish_requests`` drops its state of aborted requests;
+    ``close`` releases what the executor started (idempotent)."""
 
     runner: Any
     backend: Any
+    proposer: Any  # the speculative proposer it owns (None: off)
 
     def prepare(self, token_ids: Sequence[Sequence[int]], num_computed: Sequence[int],
                 block_ids: Sequence[Sequence[int]], sample: Sequence[bool],
@@ -60,6 +66,12 @@ class Executor(Protocol):
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None: ...
 
     def execute(self, inp: ModelInput) -> torch.Tensor: ...
+
+    def propose_drafts(self, rows: Sequence[DraftRequest]) -> dict[str, list[int]]: ...
+
+    def finish_requests(self, request_ids: Sequence[str]) -> None: ...
+
+    def attach_proposer(self, proposer: Optional[Proposer]) -> None: ...
 
     def close(self) -> None: ...
 
@@ -107,6 +119,7 @@ class Worker:
         self.loaded = loaded
         self.backend_name = backend_name
         self.runner: Optional[ModelRunner] = None
+        self.proposer: Optional[Proposer] = None  # speculative decoding (attach_proposer)
 
     @classmethod
     def load(cls, model: Any, *, dtype: torch.dtype, device: str = "cpu", weights: str = "auto",
@@ -180,6 +193,20 @@ class Worker:
     def execute(self, inp: ModelInput) -> torch.Tensor:
         """Run the step; fp32 logits ``[sample rows + prompt rows, vocab]``."""
         return self._ready().execute(inp)
+
+    def attach_proposer(self, proposer: Optional[Proposer]) -> None:
+        """Own ``proposer`` (a ``pagedkv.worker.proposer.Proposer``; ``None``: speculation off)."""
+        self.proposer = proposer
+
+    def propose_drafts(self, rows: Sequence[DraftRequest]) -> dict[str, list[int]]:
+        """After a step's forward and sampling: ``{request id: draft token ids}`` from the
+        proposer for ``rows`` (one per running request); ``{}`` without a proposer."""
+        return {} if self.proposer is None else self.proposer.propose(rows)
+
+    def finish_requests(self, request_ids: Sequence[str]) -> None:
+        """Drop the proposer's state of ``request_ids`` (aborted) now."""
+        for rid in request_ids if self.proposer is not None else ():
+            self.proposer.release(rid)
 
     def transfer_kv(self, transfer: Any, stores: Any) -> None:
         """Run a step's ``KVTransfer`` against the tiers' ``TierStores`` (None: no-op)."""

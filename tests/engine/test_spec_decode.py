@@ -1,5 +1,5 @@
-"""Speculative decoding by prompt lookup (pagedkv.engine.spec_decode): the proposer, the
-verification rule, the KV bookkeeping of lookahead slots (hand-made requests, no model) and
+"""Speculative decoding by prompt lookup: the registry (pagedkv.worker.proposer; the n-gram
+proposer itself: tests/worker/test_ngram_proposer.py), the verification rule (pagedkv.engine.spec_decode), the KV bookkeeping of lookahead slots (hand-made requests, no model) and
 the rejection rule's distribution; the model tests are in test_spec_engine.py."""
 
 from __future__ import annotations
@@ -10,54 +10,23 @@ import torch
 from pagedkv.engine.request import Request, SamplingParams
 from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
-from pagedkv.engine.spec_decode import (NgramProposer, can_speculate, draft_budget, make_proposer,
-                                        sample_with_drafts, split_extra_rows)
+from pagedkv.engine.spec_decode import can_speculate, draft_budget, sample_with_drafts, split_extra_rows
 from pagedkv.engine.config import EngineConfig
 from pagedkv.errors import ConfigError
 from pagedkv.kv import check_invariants
-
-
-# ---- the proposer ----------------------------------------------------------------------
-
-def test_longest_ngram_first_most_recent_match():
-    p = NgramProposer(k=3, ngram_min=1, ngram_max=3)
-    # last 3 tokens (7, 8, 9) occurred at 1..3, followed by 4, 5, 6
-    assert p.propose([0, 7, 8, 9, 4, 5, 6, 1, 7, 8, 9]) == [4, 5, 6]
-    # the most recent of two matches of (8, 9) wins
-    assert p.propose([8, 9, 1, 2, 8, 9, 3, 4, 8, 9]) == [3, 4, 8]
-    # no 3- or 2-gram match: the last token alone (5 at index 0 -> 6, 7, 8)
-    assert p.propose([5, 6, 7, 8, 1, 2, 5]) == [6, 7, 8]
-    # the continuation may be shorter than k
-    assert p.propose([3, 4, 3]) == [4, 3]
-    assert p.propose([1, 2, 3]) == []
-    assert p.propose([1]) == []
-    assert p.propose([1, 2, 1, 2, 1], max_tokens=1) == [2]
-    assert p.propose([1, 2, 1, 2, 1], max_tokens=0) == []
-
-
-def test_ngram_min_limits_the_match():
-    p = NgramProposer(k=2, ngram_min=2, ngram_max=2)
-    assert p.propose([5, 6, 7, 8, 1, 2, 5]) == []  # only a 1-gram matches
-    assert p.propose([1, 5, 6, 7, 1, 5]) == [6, 7]
-
-
-@pytest.mark.parametrize("kw, msg", [
-    ({"k": 0}, "num_speculative_tokens must be a positive integer"),
-    ({"ngram_min": 0}, "ngram_min must be a positive integer"),
-    ({"ngram_max": True}, "ngram_max must be a positive integer"),
-    ({"ngram_min": 3, "ngram_max": 2}, "ngram_min (3) must be <= ngram_max (2)"),
-])
-def test_bad_proposer_options_are_config_errors(kw, msg):
-    with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace(")", r"\)")):
-        NgramProposer(**kw)
+from pagedkv.worker.ngram_proposer import NgramProposer
+from pagedkv.worker.proposer import DraftRequest, build_proposer, parse_speculative
 
 
 def test_engine_config_speculative_options():
-    assert make_proposer(EngineConfig()) is None
-    assert make_proposer(EngineConfig(speculative="ngram", num_speculative_tokens=6)) == NgramProposer(6, 2, 3)
+    assert build_proposer(EngineConfig(), None, 8, "m") is None
+    assert build_proposer(EngineConfig(speculative="ngram", num_speculative_tokens=6), None, 8, "m") == NgramProposer(6, 2, 3)
     with pytest.raises(ConfigError, match="'ngram' \\(prompt lookup\\) or 'draft:<model>'"):
         EngineConfig.from_kwargs({"speculative": "eagle"})
-    assert make_proposer(EngineConfig.from_kwargs({"speculative": "draft:tiny"})) is None  # the engine loads it
+    with pytest.raises(ConfigError, match="'ngram' takes no argument"):
+        EngineConfig.from_kwargs({"speculative": "ngram:3"})
+    cls, arg = parse_speculative("draft: tiny ")  # the registry names the class; the engine loads it
+    assert (cls.__name__, cls.__module__, arg) == ("DraftModelProposer", "pagedkv.worker.draft_proposer", "tiny")
     with pytest.raises(ConfigError, match="num_speculative_tokens"):
         EngineConfig.from_kwargs({"speculative": "ngram", "num_speculative_tokens": -1})
 
@@ -150,8 +119,12 @@ def test_rejection_rule_gives_the_plain_sampling_distribution():
 
 def _sched(num_blocks=16, prefix=False):
     return Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=64,
-                                     max_model_len=128, enable_prefix_caching=prefix,
-                                     speculative=NgramProposer(k=3)))
+                                     max_model_len=128, enable_prefix_caching=prefix, num_speculative_tokens=3))
+
+
+def _propose(s, k=3):
+    """What the worker does after a step: the n-gram proposer's drafts for the scheduler's rows."""
+    s.set_drafts(NgramProposer(k=k).propose([DraftRequest(*row) for row in s.draft_rows()]))
 
 
 def _decode_ready(s, prompt, first, rid="r", max_tokens=20):
@@ -160,6 +133,7 @@ def _decode_ready(s, prompt, first, rid="r", max_tokens=20):
     s.add_request(r)
     out = s.schedule()  # the prefill
     s.update(out, {rid: (first, None)})
+    _propose(s)
     return r
 
 

@@ -134,3 +134,19 @@ def test_mixed_batch_with_prompt_logprobs_and_penalty_rows(loaded_model, prompt_
     assert a[0] is None and b[0] is None and len(a) == len(b) == len(prompt_ids[5:50])
     for x, y in zip(a[1:], b[1:]):
         assert list(x) == list(y) and [x[t] for t in x] == pytest.approx([y[t] for t in y], abs=1e-3)
+
+
+def test_counters_pinned_across_the_proposer_move(loaded_model, prompt_ids, hf_tokenizer):
+    """The n-gram proposer moved to the worker side (drafting after a step instead of inside
+    schedule()) without changing what is drafted, verified or accepted: 11 prompts x 32 greedy
+    tokens in a pool of 14 blocks (a preemption) give 15 speculative rows, 60 drafts, 48
+    accepted in 47 steps, as measured with the scheduler-side proposer before the move (with
+    256 blocks: 15, 60, 49 in 26 steps; the tokens are the plain engine's in both)."""
+    free = hf_tokenizer("Write a short story about a lighthouse keeper who finds a message in a bottle.",
+                        add_special_tokens=False)["input_ids"]
+    prompts = [prompt_ids, prompt_ids[:15], prompt_ids[:16], prompt_ids[:17], free] + [
+        prompt_ids[: 20 + 3 * i] for i in range(6)]
+    _, st, eng = run(loaded_model, prompts, greedy(32), num_blocks=14, speculative="ngram")
+    got = (st.num_spec_rows, st.num_draft_tokens, st.num_accepted_tokens, st.num_preemptions,
+           eng.scheduler.stats.num_steps)
+    assert got == (15, 60, 48, 1, 47)

@@ -12,15 +12,21 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from pagedkv.engine.request import Request, SamplingParams
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
-from pagedkv.engine.spec_decode import NgramProposer, lookahead_cap
+from pagedkv.engine.spec_decode import lookahead_cap
 from pagedkv.kv import check_invariants
 from pagedkv.utils import cdiv
+from pagedkv.worker.ngram_proposer import NgramProposer
 
 
 def _sched(num_blocks, prefix=False, k=3):
     return Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=64,
                                      max_model_len=128, watermark=0.0, enable_prefix_caching=prefix,
-                                     speculative=NgramProposer(k=k)))
+                                     num_speculative_tokens=k))
+
+
+def _propose(s, k=3):
+    """After a step, as the worker does: the n-gram proposer's drafts for the scheduler's rows."""
+    s.set_drafts(NgramProposer(k=k).propose(s.draft_rows()))
 
 
 def _req(rid, prompt, max_tokens=20):
@@ -48,6 +54,7 @@ def test_lookahead_never_preempts_a_later_running_request():
     out = s.schedule()
     assert out.scheduled == [(a, 6), (b, 8)]
     s.update(out, {"A": (3, None), "B": (1, None)})
+    _propose(s)
     assert s.kv.num_free_blocks == 1  # 4 of 5 held (2 each)
     out = s.schedule()
     assert out.preempted == [] and out.drafts == {"A": [4]}
@@ -65,6 +72,7 @@ def test_lookahead_takes_a_spare_block_when_the_others_are_covered():
     s.add_request(a)
     s.add_request(b)
     s.update(s.schedule(), {"A": (3, None), "B": (1, None)})
+    _propose(s)
     out = s.schedule()
     assert out.preempted == [] and out.drafts == {"A": [4, 1, 2]}
     assert [len(t) for t in out.block_ids] == [3, 3] and s.kv.num_free_blocks == 0
@@ -108,6 +116,7 @@ class ExactLookahead(RuleBasedStateMachine):
             elif r.num_computed_tokens + n == r.num_tokens:
                 sampled[r.request_id] = (data.draw(st.integers(0, 2)), None)
         self.s.update(out, sampled, (), runs)
+        _propose(self.s, k=4)
 
     @precondition(lambda self: self.s.running)
     @rule(i=st.integers(0, 7))

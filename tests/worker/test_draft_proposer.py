@@ -1,4 +1,4 @@
-"""Speculative decoding with a draft model (pagedkv.engine.spec_draft): the draft's greedy
+"""Speculative decoding with a draft model (pagedkv.worker.draft_proposer): the draft's greedy
 tokens and its own paged KV (longest-common-prefix bookkeeping, batched forwards, blocks
 freed), and through the engine greedy output identical with it on and off (block
 boundaries, preemption, abort, n > 1 seeded sampling), 0 draft blocks afterwards, and
@@ -19,11 +19,12 @@ from pagedkv.engine.cli import add_engine_args, engine_kwargs
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.engine import LLMEngine
 from pagedkv.engine.request import Request, RequestStatus
-from pagedkv.engine.spec_decode import draft_model_name, make_proposer
-from pagedkv.engine.spec_draft import DraftProposer, check_same_tokenizer
-from pagedkv.errors import ConfigError, InvalidRequestError
+from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
+from pagedkv.errors import ConfigError
 from pagedkv.kv import check_invariants
 from pagedkv.testing.tiny import tiny_random_model
+from pagedkv.worker.draft_proposer import DraftModelProposer, check_same_tokenizer
+from pagedkv.worker.proposer import DraftRequest, draft_model_name
 from pagedkv.worker.worker import Worker
 
 TEXT = ("Repeat this list exactly: apples, pears, plums, cherries, grapes, lemons, limes, figs. "
@@ -50,7 +51,12 @@ def tiny(loaded_model):
 def _proposer(model, num_blocks=32, k=4, max_len=4096):
     worker = Worker(model.model, model.config, get_backend("cpu"), loaded=model)
     worker.init_cache(num_blocks, 16, torch.float32)
-    return DraftProposer(worker, k, num_blocks, 16, max_len)
+    return DraftModelProposer(worker, k, num_blocks, 16, max_len)
+
+
+def _one(p, ctx, most, rid):
+    """``p``'s drafts for one request ``rid`` (context ``ctx``, at most ``most``), the others kept."""
+    return p.propose_batch([DraftRequest(rid, ctx, most)])[rid]
 
 
 def _kv(p, rid):
@@ -76,9 +82,9 @@ def run(model, prompts, params, **kw):
     eng = llm.engine
     assert not eng.has_unfinished_requests() and eng.kv.num_used_blocks == 0
     check_invariants(eng.kv)
-    if eng.draft is not None:  # the draft's own pool is empty too
-        assert eng.draft.num_used_blocks == 0 and eng.draft.held == {}
-        check_invariants(eng.draft.kv)
+    if isinstance(eng.proposer, DraftModelProposer):  # the draft's own pool is empty too
+        assert eng.proposer.num_used_blocks == 0 and eng.proposer.held == {}
+        check_invariants(eng.proposer.kv)
     return outs, eng.get_stats(), eng
 
 
@@ -91,7 +97,7 @@ def test_drafts_are_the_draft_models_greedy_tokens_and_its_kv_follows_the_contex
     ctx = [(i * 37 + 3) % 3000 + 5 for i in range(21)]
     want = _greedy_continuation(tiny, ctx, 6)
     p = _proposer(tiny)
-    d = p.propose(ctx, 4, "a")
+    d = _one(p, ctx, 4, "a")
     assert d == want[:4]
     # it holds the context and the 3 drafts fed back: 24 tokens in 2 blocks of 16
     assert p.held["a"] == ctx + d[:3] and p.kv.num_tokens("a") == 24 and p.num_used_blocks == 2
@@ -100,24 +106,21 @@ def test_drafts_are_the_draft_models_greedy_tokens_and_its_kv_follows_the_contex
     # tokens) is kept, one token caught up, three more decodes
     other = (want[2] + 1) % 3000
     ctx2 = ctx + want[:2] + [other]
-    d2 = p.propose(ctx2, 4, "a")
+    d2 = _one(p, ctx2, 4, "a")
     assert d2 == _greedy_continuation(tiny, ctx2, 4)
     assert p.held["a"] == ctx2 + d2[:3] and p.num_forwards == 8
     # a shorter context (a recompute after preemption, say): trimmed to it, a block freed
-    d3 = p.propose(ctx[:10], 2, "a")
+    d3 = _one(p, ctx[:10], 2, "a")
     assert d3 == _greedy_continuation(tiny, ctx[:10], 2)
     assert p.held["a"] == ctx[:10] + d3[:1] and p.kv.num_tokens("a") == 11 and p.num_used_blocks == 1
-    p.retain([])
-    assert p.held == {} and p.num_used_blocks == 0
-    with pytest.raises(InvalidRequestError, match="request_id is required"):
-        p.propose(ctx, 4)
+    assert p.propose([]) == {} and p.held == {} and p.num_used_blocks == 0  # not running: freed
     check_invariants(p.kv)
 
 
 def test_batched_drafts_equal_one_by_one_and_a_full_pool_drafts_nothing(tiny):
     a = [(i * 11 + 7) % 3000 + 5 for i in range(40)]
     b = [(i * 53 + 1) % 3000 + 5 for i in range(9)]
-    alone = {rid: _proposer(tiny).propose(ctx, 3, rid) for rid, ctx in (("a", a), ("b", b))}
+    alone = {rid: _one(_proposer(tiny), ctx, 3, rid) for rid, ctx in (("a", a), ("b", b))}
     p = _proposer(tiny)
     got = p.propose_batch([("a", a, 3), ("b", b, 3), ("c", b, 0)])
     assert got == {**alone, "c": []} and p.num_forwards == 3  # 1 catch-up + 2 decodes for both
@@ -128,25 +131,31 @@ def test_batched_drafts_equal_one_by_one_and_a_full_pool_drafts_nothing(tiny):
     assert got == {"a": [], "b": alone["b"]} and list(small.held) == ["b"] and small.num_used_blocks == 1
     # the draft's context ends: positions past max_len are never drafted
     short = _proposer(tiny, max_len=11)
-    assert short.propose(b, 4, "b") == alone["b"][:2]
+    assert _one(short, b, 4, "b") == alone["b"][:2]
     # its context grew past the draft's: it can never draft for it again, its blocks go back
-    assert short.propose(b + alone["b"][:2], 4, "b") == [] and short.held == {} and short.num_used_blocks == 0
+    assert _one(short, b + alone["b"][:2], 4, "b") == [] and short.held == {} and short.num_used_blocks == 0
 
 
-def test_prefetch_drafts_no_more_than_a_step_can_verify(tiny):
+def test_after_a_step_it_drafts_no_more_than_a_step_can_verify(tiny):
     """A row verifies at most ``max_num_batched_tokens - 1`` drafts: with k = 10 and a budget of
-    5 tokens the prefetch drafts 4 (4 forwards, 4 + 3 draft slots), not 10 it would discard."""
+    5 tokens the scheduler's rows ask for 4 and the proposer drafts 4 (4 forwards, 4 + 3 draft
+    slots), not 10 it would discard; the drafts ride on the request to the next step."""
     ctx = [(i * 37 + 3) % 3000 + 5 for i in range(21)]
     req = Request(request_id="a", prompt_token_ids=ctx, sampling_params=greedy(100), arrival_time=0.0)
     req.status, req.num_computed_tokens = RequestStatus.RUNNING, len(ctx) - 1
+    s = Scheduler(SchedulerConfig(num_blocks=8, max_num_batched_tokens=5, max_model_len=4096,
+                                  num_speculative_tokens=10))
+    s.running.append(req)
+    s.requests["a"] = req
+    assert s.draft_rows() == [("a", ctx, 4)]
     p = _proposer(tiny, k=10)
-    p.prefetch([req], 4096, budget=5)
     want = _greedy_continuation(tiny, ctx, 4)
-    assert p._ready["a"] == (ctx, want) and p.num_forwards == 4
+    s.set_drafts(p.propose([DraftRequest(*row) for row in s.draft_rows()]))
+    assert (req.draft_token_ids, req.draft_after) == (want, 21) and p.num_forwards == 4
     assert p.held["a"] == ctx + want[:3] and p.kv.num_tokens("a") == 24
-    assert p.propose(ctx, 4, "a") == want and p.num_forwards == 4  # the scheduler takes them as they are
-    p.prefetch([req], 4096, budget=1)  # no room for a draft in the step: none drafted
-    assert p._ready == {} and p.num_forwards == 4
+    s.config.max_num_batched_tokens = 1  # no room for a draft in the step: none drafted, state kept
+    assert p.propose([DraftRequest(*row) for row in s.draft_rows()]) == {"a": []} and p.num_forwards == 4
+    assert p.held["a"] == ctx + want[:3]
 
 
 _OPS = st.lists(st.tuples(st.sampled_from("ab"), st.sampled_from(["accept", "decode", "shrink", "release"]),
@@ -163,7 +172,7 @@ def test_random_accept_reject_sequences_keep_the_draft_kv_consistent(tiny, ops):
     the pool's used blocks are exactly those tokens' blocks, and the invariant checker passes."""
     p = _proposer(tiny, num_blocks=32, k=4)
     ctx = {"a": [(i * 37 + 3) % 3000 + 5 for i in range(21)], "b": [(i * 7 + 1) % 3000 + 5 for i in range(16)]}
-    last = {r: p.propose(c, 4, r) for r, c in ctx.items()}
+    last = {r: _one(p, c, 4, r) for r, c in ctx.items()}
     for rid, op, m, tok in ops:
         if op == "accept":
             ctx[rid] = ctx[rid] + last[rid][:m] + [tok]
@@ -177,7 +186,7 @@ def test_random_accept_reject_sequences_keep_the_draft_kv_consistent(tiny, ops):
         last = p.propose_batch([(r, c, 1 + (m + i) % 4) for i, (r, c) in enumerate(ctx.items())])
         for r, c in ctx.items():
             d, fresh = last[r], _proposer(tiny, k=4)
-            assert d == fresh.propose(c, len(d), r) and len(d) >= 1
+            assert d == _one(fresh, c, len(d), r) and len(d) >= 1
             assert p.held[r] == fresh.held[r] == c + d[:-1] and p.kv.num_tokens(r) == len(c) + len(d) - 1
             # the K/V it kept and caught up are those of a computation from scratch
             for got, want in zip(_kv(p, r), _kv(fresh, r)):
@@ -198,7 +207,7 @@ def test_tokenizer_check_and_speculative_options(loaded_model):
     with pytest.raises(ConfigError, match="draft model 'd' tokenizes .* the target 't'"):
         check_same_tokenizer(loaded_model, other, "t", "d")
     assert draft_model_name("draft:smollm2-135m") == "smollm2-135m" and draft_model_name("ngram") is None
-    assert make_proposer(EngineConfig.from_kwargs({"speculative": "draft:x.gguf"})) is None  # the engine loads it
+    EngineConfig.from_kwargs({"speculative": "draft:x.gguf"})  # checked, not loaded: the engine loads it
     with pytest.raises(ConfigError, match="needs a model path"):
         EngineConfig.from_kwargs({"speculative": "draft:"})
     with pytest.raises(ConfigError, match="draft_weights"):
@@ -223,7 +232,7 @@ def test_greedy_identical_with_the_model_as_its_own_draft(loaded_model, prompt_i
     # fp32 target, fp32 draft of the same weights: the drafts are the target's own argmax
     assert stats.spec_acceptance_rate > 0.9
     assert stats.num_generated_tokens == sum(len(o.outputs[0].token_ids) for o in spec)
-    assert eng.draft.num_forwards > 0
+    assert eng.proposer.num_forwards > 0
 
 
 def test_preemption_abort_and_seeded_n_samples(loaded_model, prompt_ids):
@@ -239,10 +248,10 @@ def test_preemption_abort_and_seeded_n_samples(loaded_model, prompt_ids):
     eng.add_request("b", prompts[5], greedy(32))
     for _ in range(4):
         eng.step()
-    assert set(eng.draft.held) == {"a", "b"}
+    assert set(eng.proposer.held) == {"a", "b"}
     eng.abort_request("a")
-    assert set(eng.draft.held) == {"b"}
-    assert eng.draft.num_used_blocks == -(-len(eng.draft.held["b"]) // 16)
+    assert set(eng.proposer.held) == {"b"}
+    assert eng.proposer.num_used_blocks == -(-len(eng.proposer.held["b"]) // 16)
     done = {}
     while eng.has_unfinished_requests():
         for o in eng.step():
@@ -251,7 +260,7 @@ def test_preemption_abort_and_seeded_n_samples(loaded_model, prompt_ids):
     assert done["b"] == plain[5].outputs[0].token_ids
     a = done["a"]  # the aborted request's tokens so far: a prefix of its plain ones
     assert 0 < len(a) < 32 and a == plain[4].outputs[0].token_ids[:len(a)]
-    assert eng.draft.num_used_blocks == 0 and eng.kv.num_used_blocks == 0
+    assert eng.proposer.num_used_blocks == 0 and eng.kv.num_used_blocks == 0
     # seeded sampling with n = 3: the same seed gives the same tokens, alone or beside another request
     sp = SamplingParams(temperature=0.8, max_tokens=24, seed=11, n=3)
     (x,), st, _ = run(loaded_model, [prompt_ids], sp, **DRAFT)

@@ -1,4 +1,4 @@
-"""Speculative decoding with a draft model (``speculative="draft:<model>"``).
+"""Draft-model proposals (``speculative="draft:<model>"``).
 
 A small model with the target's tokenizer proposes ``k`` tokens greedily (argmax) per
 speculating request; the target verifies them exactly as it verifies n-gram drafts
@@ -21,23 +21,29 @@ this), trims the draft's block table to it (the blocks past it return to the dra
 computes the missing tokens (one forward, in chunks of ``chunk`` tokens when long), then
 runs ``k - 1`` one-token decode steps: ``k`` drafts, ``k`` forwards. A request's draft
 blocks are freed when it leaves the running list (finish, abort, preemption:
-:meth:`DraftProposer.retain`), so an idle engine holds no draft block.
+:meth:`DraftModelProposer.propose`, :meth:`DraftModelProposer.release`), so an idle engine
+holds no draft block.
 
-**Batching.** :meth:`DraftProposer.prefetch` (the engine, before ``schedule()``) drafts for
-every running request that will decode and may speculate this step, batching the draft's
-forwards across them; the scheduler's :meth:`DraftProposer.propose` then takes the first
-``cap`` of that request's drafts (computing them alone if none were prefetched).
+**Batching.** :meth:`DraftModelProposer.propose` runs after a step's target forward and
+sampling (the worker's ``propose_drafts``), for every running request at once: it frees the
+draft blocks of requests no longer running, then drafts for each row with ``max_drafts > 0``
+(the scheduler's choice: decoding next, may speculate, not backing off; at most
+``min(k, draft budget, max_num_batched_tokens - 1)``), batching the draft's forwards across
+them. The drafts ride on the request; the next step's scheduler takes the first ``cap`` of
+them that its lookahead slots allow.
+
+**The draft's KV** is this proposer's own ``KVCacheManager`` (not a KV group of the target's
+manager); the proposer is owned by the worker, never by the scheduler or the engine.
 """
 
 from __future__ import annotations
 
 from typing import Any, Iterable, Optional, Sequence
 
-from pagedkv.engine.request import Request, RequestStatus
-from pagedkv.engine.spec_decode import can_speculate, draft_budget
-from pagedkv.errors import ConfigError, InvalidRequestError, NoFreeBlocksError
+from pagedkv.errors import ConfigError, NoFreeBlocksError
 from pagedkv.kv import KVCacheManager
 from pagedkv.utils import torch_dtype
+from pagedkv.worker.proposer import DraftRequest, Proposer, check_k
 from pagedkv.worker.worker import Worker
 
 #: texts both tokenizers must turn into the same ids (plain, code, digits, non-ASCII, spaces)
@@ -68,32 +74,32 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-class DraftProposer:
+class DraftModelProposer(Proposer):
     """Greedy draft-model proposals of up to ``k`` tokens (see the module doc). ``worker``: the
     draft's ``Worker`` with its caches built (``init_cache``) over ``num_blocks`` blocks of
     ``block_size`` tokens; ``max_len``: the draft's context (positions it may compute);
-    ``chunk``: most tokens of one request per catch-up forward. ``name``: the draft model."""
+    ``chunk``: most tokens of one request per catch-up forward. ``name``: the draft model.
+    Raises ``ConfigError`` for a bad ``k``."""
 
     def __init__(self, worker: Worker, k: int, num_blocks: int, block_size: int, max_len: int,
                  chunk: int = 512, name: str = "draft") -> None:
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ConfigError(f"num_speculative_tokens must be a positive integer, got {k!r}")
+        check_k(k)
         self.worker, self.k, self.max_len, self.chunk, self.name = worker, k, max_len, max(1, chunk), name
         self.kv = KVCacheManager(num_blocks, block_size)
         #: request id -> the token ids whose K/V the draft's cache holds (its block table's tokens)
         self.held: dict[str, list[int]] = {}
-        #: request id -> (the context, its drafts) prefetched this step
-        self._ready: dict[str, tuple[list[int], list[int]]] = {}
         self.num_forwards = 0  # draft forward passes run (tests, profiling)
 
     @classmethod
-    def load(cls, model: str, config: Any, target: Any, num_blocks: int, target_name: str) -> "DraftProposer":
-        """Load the draft ``model`` (a GGUF / HF path or a bundled name) as ``config`` (an
+    def from_config(cls, config: Any, argument: Optional[str], target: Any, num_blocks: int,
+                    target_name: str) -> "DraftModelProposer":
+        """Load the draft ``argument`` (a GGUF / HF path or a bundled name) as ``config`` (an
         ``EngineConfig``: dtype, device, attention backend, ``draft_weights``, block size,
         ``num_speculative_tokens``) asks, check its tokenizer against ``target`` (the
         target's ``LoadedModel``) and build its caches of ``num_blocks`` blocks. Raises
         ``ConfigError``: a bad path or format, another tokenizer (naming both models), a
         draft with sliding-window layers, tensor parallelism."""
+        model = argument
         if config.tensor_parallel_size != 1:
             raise ConfigError("speculative draft model: not supported with tensor_parallel_size > 1")
         try:
@@ -111,7 +117,16 @@ class DraftProposer:
         return cls(worker, config.num_speculative_tokens, num_blocks, config.block_size,
                    mc.max_position_embeddings, config.max_num_batched_tokens, str(model))
 
-    # ---- the engine's calls ----------------------------------------------------------------
+    # ---- the worker's calls -----------------------------------------------------------------
+    def propose(self, rows: Sequence[DraftRequest]) -> dict[str, list[int]]:
+        """After a step: free the draft blocks of requests not in ``rows`` (no longer
+        running), then draft (batched) up to ``max_drafts`` tokens for every row that asks
+        for some (``[]`` for the others)."""
+        self.retain(r[0] for r in rows)
+        out = {r[0]: [] for r in rows}
+        out.update(self.propose_batch([r for r in rows if r[2] > 0]))
+        return out
+
     def retain(self, request_ids: Iterable[str]) -> None:
         """Free the draft blocks of every request not in ``request_ids`` (the running ones)."""
         keep = set(request_ids)
@@ -121,42 +136,7 @@ class DraftProposer:
     def release(self, request_id: str) -> None:
         """Free ``request_id``'s draft blocks and state (unknown ids: no-op)."""
         self.held.pop(request_id, None)
-        self._ready.pop(request_id, None)
         self.kv.free(request_id)
-
-    def prefetch(self, running: Sequence[Request], max_model_len: int, budget: Optional[int] = None) -> None:
-        """Before a step: free the blocks of requests no longer running, then draft (batched)
-        for every running request that decodes one token next, may speculate and is not backing
-        off, up to ``min(k, draft_budget, budget - 1)`` tokens each (``budget``: the step's
-        token budget, ``max_num_batched_tokens``; a row verifies at most ``budget - 1`` drafts)."""
-        self.retain(r.request_id for r in running)
-        self._ready = {}
-        items = []
-        most = self.k if budget is None else min(self.k, budget - 1)
-        for r in running:
-            if r.status == RequestStatus.RUNNING and r.num_computed_tokens == r.num_tokens - 1 \
-                    and r.spec_wait <= 0 and can_speculate(r):
-                k = min(most, draft_budget(r, max_model_len))
-                if k > 0:
-                    items.append((r.request_id, r.all_token_ids, k))
-        drafts = self.propose_batch(items)
-        self._ready = {rid: (toks, drafts[rid]) for rid, toks, _ in items}
-
-    def propose(self, token_ids: Sequence[int], max_tokens: Optional[int] = None,
-                request_id: Optional[str] = None) -> list[int]:
-        """Up to ``min(k, max_tokens)`` greedy drafts following ``token_ids`` for request
-        ``request_id`` (the scheduler's call): the prefetched ones when their context is
-        ``token_ids``, else computed now. Raises ``InvalidRequestError`` without a request id."""
-        if request_id is None:
-            raise InvalidRequestError("a draft model proposes per request: request_id is required")
-        cap = self.k if max_tokens is None else min(self.k, max_tokens)
-        if cap <= 0:
-            return []
-        toks = list(token_ids)
-        ready = self._ready.pop(request_id, None)
-        if ready is not None and ready[0] == toks:  # drafted for min(k, budget) >= cap tokens
-            return ready[1][:cap]
-        return self.propose_batch([(request_id, toks, cap)])[request_id]
 
     # ---- the draft model's forwards ---------------------------------------------------------
     def propose_batch(self, items: Sequence[tuple[str, Sequence[int], int]]) -> dict[str, list[int]]:
