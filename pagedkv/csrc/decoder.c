@@ -2,7 +2,8 @@
  * pagedkv/model/native_step.py).
  *
  * For each layer it runs what DecoderLayer._forward_fused runs, in the same order and with the
- * same kernels: RMSNorm, the fused q/k/v matmul, RoPE + split, the paged K/V write and
+ * same kernels: RMSNorm, the fused q/k/v matmul, the per-head q/k RMSNorms (Qwen3; when the layer
+ * has them), RoPE + split, the paged K/V write and
  * attention, the o matmul, residual add + RMSNorm, the fused gate/up matmul, activation x up,
  * the down matmul and the residual add. The kernels live in the other native libraries
  * (qmm.c, fused_ops.c, cpu_kernel.c); Python hands their addresses in, so this
@@ -19,6 +20,8 @@ typedef void (*rope_fn)(int64_t T, int nq, int nkv, int d, const void *qkv, int6
                         const float *cos_t, const float *sin_t, float *q_out, float *k_out, float *v_out);
 typedef void (*act_fn)(int64_t T, int64_t I, const void *gate_up, int64_t gs, int dt_in, int gelu, void *out,
                        int dt_out);
+typedef void (*head_norm_fn)(int64_t T, int nh, int d, void *x, int64_t xs, int dt, const float *w, float eps,
+                             float offset);
 typedef int (*attend_fn)(const void *S, const void *q, const void *k_new, const void *v_new, void *k, void *v,
                          void *out, float scale, int window, float softcap);
 
@@ -28,6 +31,7 @@ typedef struct {
     void *k_cache, *v_cache;              /* this layer's cache buffers */
     float scale, softcap;
     int32_t window;
+    const float *q_norm, *k_norm;         /* per-head RMSNorm weights [d] (Qwen3), or both NULL */
 } layer_t;
 
 typedef struct {
@@ -40,6 +44,7 @@ typedef struct {
     int32_t hq, hkv, d, gelu, num_layers, nthreads;
     float eps, offset;
     const layer_t *layers;
+    head_norm_fn head_norm;
 } decoder_t;
 
 /* residual [T, hidden] float32 contiguous, updated in place by every layer; cos/sin float32
@@ -65,6 +70,10 @@ int pagedkv_decoder_forward(const decoder_t *M, const void *attn_args, int64_t T
         *failed = i;
         M->norm(T, H, residual, H, NULL, 0, 0, L->w_in, M->eps, M->offset, x, 0);
         if ((rc = M->qmm(L->qkv, T, x, H, qkv, M->nthreads))) break;
+        if (L->q_norm) {
+            M->head_norm(T, M->hq, M->d, qkv, Q + 2 * KV, 0, L->q_norm, M->eps, M->offset);
+            M->head_norm(T, M->hkv, M->d, qkv + Q, Q + 2 * KV, 0, L->k_norm, M->eps, M->offset);
+        }
         M->rope(T, M->hq, M->hkv, M->d, qkv, Q + 2 * KV, 0, cos_t, sin_t, q, k, v);
         if ((rc = M->attend(attn_args, q, k, v, L->k_cache, L->v_cache, o, L->scale, L->window, L->softcap))) {
             rc -= ATTN_ERR;

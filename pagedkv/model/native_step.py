@@ -9,7 +9,7 @@ a step is then one call. Same kernels in the same order as the fused Python path
 same results bit for bit (tests/model/test_native_step.py).
 
 It runs only where that path would run those kernels: a float32 Llama-family model on the
-CPU whose layers are all fusable (no q/k or sandwich norms, one RoPE) with every linear on the
+CPU whose layers are all fusable (q/k norms allowed, as Qwen3's; no sandwich norms, one RoPE) with every linear on the
 integer kernels (``QuantLinear.qmm_rows`` above the step's rows), one attention metadata for
 all layers, a backend with ``native_step_args`` (``pagedkv.attention.cpu.CPUBackend``) that
 gives kernel arguments for the step, and no profiler running (profiles keep the per-layer
@@ -37,7 +37,8 @@ class _Layer(ctypes.Structure):
     _fields_ = [("qkv", ctypes.c_void_p), ("o", ctypes.c_void_p), ("gate_up", ctypes.c_void_p),
                 ("down", ctypes.c_void_p), ("w_in", ctypes.c_void_p), ("w_post", ctypes.c_void_p),
                 ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("scale", ctypes.c_float),
-                ("softcap", ctypes.c_float), ("window", ctypes.c_int32)]
+                ("softcap", ctypes.c_float), ("window", ctypes.c_int32),
+                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p)]
 
 
 class _Decoder(ctypes.Structure):
@@ -45,7 +46,7 @@ class _Decoder(ctypes.Structure):
                 ("act", ctypes.c_void_p), ("attend", ctypes.c_void_p), ("hidden", ctypes.c_int64),
                 ("inter", ctypes.c_int64), ("hq", ctypes.c_int32), ("hkv", ctypes.c_int32), ("d", ctypes.c_int32),
                 ("gelu", ctypes.c_int32), ("num_layers", ctypes.c_int32), ("nthreads", ctypes.c_int32), ("eps", ctypes.c_float),
-                ("offset", ctypes.c_float), ("layers", ctypes.POINTER(_Layer))]
+                ("offset", ctypes.c_float), ("layers", ctypes.POINTER(_Layer)), ("head_norm", ctypes.c_void_p)]
 
 
 def _build() -> Any:
@@ -97,10 +98,12 @@ class NativeDecoder:
             s.qkv, s.o, s.gate_up, s.down = (ctypes.addressof(m._qmm.struct) for m in _linears(layer))
             s.w_in, s.w_post = layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr()
             s.scale, s.softcap, s.window = scale, cap, window
+            if layer.q_norm is not None:
+                s.q_norm, s.k_norm = layer.q_norm.weight.data_ptr(), layer.k_norm.weight.data_ptr()
         self._struct = _Decoder(
             _addr(qmm_ops._qmm), _addr(fused_ops._norm), _addr(fused_ops._rope), _addr(fused_ops._act), attend,
             first.input_layernorm.weight.shape[0], first.intermediate_size, self.hq, self.hkv, self.d, int(first.gelu), len(layers),
-            torch.get_num_threads(), first.eps, first.norm_offset, self._layers)
+            torch.get_num_threads(), first.eps, first.norm_offset, self._layers, _addr(fused_ops._head_norm))
         self._ref = ctypes.byref(self._struct)
         self._caches: list[int] = []
         self._failed = ctypes.c_int32(0)
@@ -118,7 +121,7 @@ class NativeDecoder:
         if not layers or model.device.type != "cpu" or model.dtype != torch.float32:
             return None, "off (not a float32 CPU model)"
         for layer in layers:
-            if layer.fused is None or layer.q_norm is not None or layer.pre_feedforward_layernorm is not None \
+            if layer.fused is None or layer.pre_feedforward_layernorm is not None \
                     or layer.post_feedforward_layernorm is not None or layer.local_rope or layer.all_reduce is not None:
                 return None, "off (a layer outside the fused path)"
             if set(layer.attn_options) - {"sliding_window", "logits_soft_cap"}:
@@ -189,12 +192,14 @@ def _linears(layer: Any) -> list[Any]:
 
 def _watched(layers: Sequence[Any]) -> list[Any]:
     """Every object the decoder's structs point into: each layer's linear modules, their packed
-    weights, and the two norm weights."""
+    weights, and the norm weights (with the q/k norms)."""
     out: list[Any] = []
     for layer in layers:
         for m in _linears(layer):
             out += [m, getattr(m, "_qmm", None)]
         out += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        if layer.q_norm is not None:
+            out += [layer.q_norm.weight, layer.k_norm.weight]
     return out
 
 
@@ -205,5 +210,7 @@ def _shapes_fit(layer: Any) -> bool:
     want = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]
     if [(m._qmm.n, m._qmm.k) for m in _linears(layer)] != want:
         return False
-    return all(w.dtype == torch.float32 and w.is_contiguous() and w.shape == (h,)
-               for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight))
+    norms = [(w, h) for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
+    if layer.q_norm is not None:
+        norms += [(layer.q_norm.weight, layer.head_dim), (layer.k_norm.weight, layer.head_dim)]
+    return all(w.dtype == torch.float32 and w.is_contiguous() and w.shape == (n,) for w, n in norms)
