@@ -183,7 +183,8 @@ class NativeDecoder:
         tokens' RoPE rows ``cos``/``sin`` (``[T, 1, d/2]``), writing this step's K/V at
         ``md.slot_mapping``. Returns ``False`` without touching anything when this step needs
         the Python path. Raises ``BackendError`` for a slot past the cache (nothing of the
-        failing layer written, as the Python path), ``MemoryError`` when scratch fails."""
+        failing layer written, as the Python path), ``MemoryError`` when scratch fails,
+        ``RuntimeError`` for a kernel error or a routed expert whose weight pointer is NULL."""
         t = residual.shape[0]
         args_of = getattr(backend, "native_step_args", None)
         if (t >= self.rows or args_of is None or torch.autograd._profiler_enabled() or not residual.is_contiguous()
