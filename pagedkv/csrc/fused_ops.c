@@ -46,6 +46,26 @@ void pagedkv_add_rms_norm(int64_t T, int64_t H, float *residual, int64_t rs, con
     }
 }
 
+/* Per-head RMSNorm in place (Qwen3's q/k norms, before RoPE): x holds T rows (row stride xs, in
+ * dt) of which columns [0, nh d) are nh heads of d values; each head is replaced by
+ * head / sqrt(mean(head^2) + eps) * (w + offset), w float32 [d]. Mean of squares in double. */
+void pagedkv_head_rms_norm(int64_t T, int nh, int d, void *x, int64_t xs, int dt, const float *w, float eps,
+                           float offset) {
+    #pragma omp parallel for if (T >= PAR_ROWS) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        for (int h = 0; h < nh; h++) {
+            const int64_t base = t * xs + (int64_t)h * d;
+            double ss = 0.0;
+            for (int j = 0; j < d; j++) {
+                const float v = ld(x, base + j, dt);
+                ss += (double)v * v;
+            }
+            const float inv = 1.0f / sqrtf((float)(ss / (double)d) + eps);
+            for (int j = 0; j < d; j++) st(x, base + j, ld(x, base + j, dt) * inv * (w[j] + offset), dt);
+        }
+    }
+}
+
 /* qkv [T, (nq + 2 nkv) d] in dt_in (row stride qs): rows of q heads, k heads, v heads.
  * cos/sin float32 [T, d/2] (contiguous). Rotate-half RoPE of q and k into q_out [T, nq, d] and
  * k_out [T, nkv, d]; v copied into v_out [T, nkv, d]; outputs float32 contiguous:

@@ -2,10 +2,11 @@
 
 A decode step at batch 1 spends more time between the matmuls than in them when every norm,
 RoPE, activation and dtype conversion is its own torch call (docs/benchmarks/step.md). These
-three ops do each group in one pass, reading and writing float32 or bfloat16 (the dtype the
+ops do each group in one pass, reading and writing float32 or bfloat16 (the dtype the
 neighbouring quantised matmul takes or returns, so no conversion calls remain):
 
 * ``add_rms_norm``: ``residual += delta`` (optional), then RMSNorm of the residual
+* ``head_rms_norm``: per-head RMSNorm of q and k in the fused qkv rows (Qwen3), in place
 * ``rope_split``: the fused qkv rows -> RoPE'd q and k, and v (float32, contiguous)
 * ``act_mul``: ``act(gate) * up`` (SiLU or tanh-GELU) from the fused gate/up rows
 
@@ -46,7 +47,9 @@ class FusedOps:
         self._rope.argtypes = [i64, i32, i32, i32, ptr, i64, i32, ptr, ptr, ptr, ptr, ptr]
         self._act = lib.pagedkv_act_mul
         self._act.argtypes = [i64, i64, ptr, i64, i32, i32, ptr, i32]
-        for f in (self._norm, self._rope, self._act):
+        self._head_norm = lib.pagedkv_head_rms_norm
+        self._head_norm.argtypes = [i64, i32, i32, ptr, i64, i32, ptr, f32, f32]
+        for f in (self._norm, self._rope, self._act, self._head_norm):
             f.restype = None
 
     @staticmethod
@@ -73,6 +76,23 @@ class FusedOps:
                    _DT[delta.dtype] if delta is not None else 0, weight.data_ptr(), eps, offset, out.data_ptr(),
                    _DT[out_dtype])
         return out
+
+    def head_rms_norm(self, qkv: torch.Tensor, first_head: int, num_heads: int, head_dim: int, weight: torch.Tensor,
+                      eps: float, offset: float = 0.0) -> None:
+        """Per-head RMSNorm **in place** (Qwen3's q/k norms): heads ``first_head ..
+        first_head + num_heads`` of ``qkv`` ``[T, heads * head_dim]`` float32/bfloat16 (unit
+        column stride) become ``head / sqrt(mean(head^2) + eps) * (weight + offset)``, ``weight``
+        float32 contiguous ``[head_dim]``. Raises ``ValueError`` for other shapes or dtypes."""
+        self._rows(qkv, "qkv")
+        if weight.dtype != torch.float32 or not weight.is_contiguous() or tuple(weight.shape) != (head_dim,):
+            raise ValueError(f"head_rms_norm: weight must be float32 contiguous [{head_dim}], got "
+                             f"{weight.dtype} {tuple(weight.shape)}")
+        if first_head < 0 or num_heads < 0 or (first_head + num_heads) * head_dim > qkv.shape[1]:
+            raise ValueError(f"head_rms_norm: heads {first_head}..{first_head + num_heads} of {head_dim} "
+                             f"exceed qkv's {qkv.shape[1]} columns")
+        ptr = qkv.data_ptr() + first_head * head_dim * qkv.element_size()
+        self._head_norm(qkv.shape[0], num_heads, head_dim, ptr, qkv.stride(0), _DT[qkv.dtype], weight.data_ptr(), eps,
+                        offset)
 
     def rope_split(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
                    num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

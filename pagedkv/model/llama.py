@@ -153,8 +153,9 @@ class DecoderLayer(nn.Module):
         # this sums their partial outputs [T, H] over the ranks, in place. None = one device.
         self.all_reduce: Callable[[torch.Tensor], None] | None = None
         # pagedkv.model.fused ops, set by LlamaForCausalLM for a float32 model on the CPU when
-        # this layer's shape allows them (no q/k norms, no sandwich norms); None = torch ops.
-        self.fusable = not config.qk_norm and not config.sandwich_norms and not config.is_mla and dense
+        # this layer's shape allows them (no sandwich norms, no MLA; an MoE MLP only with softmax
+        # routing and no shared experts, which decoder.c runs); None = torch ops.
+        self.fusable = not config.sandwich_norms and not config.is_mla and (dense or self.mlp.native_ok)
         self.fused: Any = None
 
     def forward(
@@ -236,16 +237,25 @@ class DecoderLayer(nn.Module):
     def _forward_fused(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: Any,
                        md: AttentionMetadata, backend: AttentionBackend) -> None:
         """``forward`` with the element-wise groups fused (``pagedkv.model.fused``): norm (and
-        the residual add before it), RoPE + q/k/v split, activation x up. Activations enter a
+        the residual add before it), q/k norms, RoPE + q/k/v split, activation x up (an MoE
+        layer's MLP is ``pagedkv.model.moe.MoE``'s torch ops). Activations enter a
         quantised matmul already in the bf16 its kernel rounds them to, and leave it in bf16."""
         t, ops = residual.shape[0], self.fused
         x = ops.add_rms_norm(residual, None, self.input_layernorm.weight, self.eps, self.norm_offset,
                              _act_dtype(self.qkv_proj, t))
-        q, k, v = ops.rope_split(self.qkv_proj(x), cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        if self.q_norm is not None:  # per-head RMSNorm of q and k before RoPE (Qwen3), in place
+            ops.head_rms_norm(qkv, 0, self.num_heads, self.head_dim, self.q_norm.weight, self.eps, self.norm_offset)
+            ops.head_rms_norm(qkv, self.num_heads, self.num_kv_heads, self.head_dim, self.k_norm.weight, self.eps,
+                              self.norm_offset)
+        q, k, v = ops.rope_split(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
         o = self.attention(q, k, v, kv_cache, md, backend)
         attn_out = self.o_proj(o.reshape(t, self.q_size))
         x = ops.add_rms_norm(residual, attn_out, self.post_attention_layernorm.weight, self.eps, self.norm_offset,
                              _act_dtype(self.gate_up_proj, t))
+        if self.mlp is not None:  # (x is float32: _act_dtype of no linear)
+            residual.add_(self.mlp(x))
+            return
         h = ops.act_mul(self.gate_up_proj(x), self.intermediate_size, self.gelu, _act_dtype(self.down_proj, t))
         residual.add_(self.down_proj(h))
 

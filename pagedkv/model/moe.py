@@ -197,6 +197,13 @@ class MoE(nn.Module):
         self.shared = (Expert(hidden, spec.num_shared_experts * spec.intermediate_size, spec.hidden_act, dtype, device)
                        if spec.num_shared_experts else None)
 
+    @property
+    def native_ok(self) -> bool:
+        """Whether the fused and native CPU paths (``pagedkv/csrc/decoder.c``) take this layer:
+        softmax routing without expert groups and no shared experts (Qwen3-MoE, Mixtral);
+        DeepSeek's sigmoid / group routing and shared experts stay on these torch ops."""
+        return self.spec.routing == "softmax" and self.spec.n_group == 1 and self.shared is None
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights fp32 [T, k], ids int64 [T, k])`` of tokens ``x`` ``[T, H]`` (``route``)."""
         logits = F.linear(x.float(), self.router.weight.float())

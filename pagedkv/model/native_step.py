@@ -9,7 +9,10 @@ a step is then one call. Same kernels in the same order as the fused Python path
 same results bit for bit (tests/model/test_native_step.py).
 
 It runs only where that path would run those kernels: a float32 Llama-family model on the
-CPU whose layers are all fusable (no q/k or sandwich norms, one RoPE) with every linear on the
+CPU whose layers are all fusable (q/k norms allowed, as Qwen3's; no sandwich norms, one RoPE;
+an MoE layer with softmax routing and no shared experts, ``MoE.native_ok``, whose FFN decoder.c
+runs: router, top-k, each routed expert's matmuls, in ``pagedkv.model.moe``'s order; every expert
+read, so lazy experts not yet read keep it off) with every linear on the
 integer kernels (``QuantLinear.qmm_rows`` above the step's rows), one attention metadata for
 all layers, a backend with ``native_step_args`` (``pagedkv.attention.cpu.CPUBackend``) that
 gives kernel arguments for the step, and no profiler running (profiles keep the per-layer
@@ -33,11 +36,19 @@ from pagedkv.cpu_isa import march_flags
 _FLAGS = ["-O3", *march_flags(), "-fno-math-errno", "-fPIC", "-shared", "-std=c11"]
 
 
+class _MoE(ctypes.Structure):
+    _fields_ = [("router", ctypes.c_void_p), ("gate_up", ctypes.POINTER(ctypes.c_void_p)),
+                ("down", ctypes.POINTER(ctypes.c_void_p)), ("inter", ctypes.c_int64), ("num_experts", ctypes.c_int32),
+                ("top_k", ctypes.c_int32), ("norm_topk", ctypes.c_int32), ("gelu", ctypes.c_int32),
+                ("scaling", ctypes.c_float)]
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", ctypes.c_void_p), ("o", ctypes.c_void_p), ("gate_up", ctypes.c_void_p),
                 ("down", ctypes.c_void_p), ("w_in", ctypes.c_void_p), ("w_post", ctypes.c_void_p),
                 ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("scale", ctypes.c_float),
-                ("softcap", ctypes.c_float), ("window", ctypes.c_int32)]
+                ("softcap", ctypes.c_float), ("window", ctypes.c_int32),
+                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("moe", ctypes.POINTER(_MoE))]
 
 
 class _Decoder(ctypes.Structure):
@@ -45,7 +56,7 @@ class _Decoder(ctypes.Structure):
                 ("act", ctypes.c_void_p), ("attend", ctypes.c_void_p), ("hidden", ctypes.c_int64),
                 ("inter", ctypes.c_int64), ("hq", ctypes.c_int32), ("hkv", ctypes.c_int32), ("d", ctypes.c_int32),
                 ("gelu", ctypes.c_int32), ("num_layers", ctypes.c_int32), ("nthreads", ctypes.c_int32), ("eps", ctypes.c_float),
-                ("offset", ctypes.c_float), ("layers", ctypes.POINTER(_Layer))]
+                ("offset", ctypes.c_float), ("layers", ctypes.POINTER(_Layer)), ("head_norm", ctypes.c_void_p)]
 
 
 def _build() -> Any:
@@ -87,23 +98,43 @@ class NativeDecoder:
         # what the C structs point into, kept alive; stale() also notices a module or tensor replaced
         self._watched = _watched(layers)
         self._lock = threading.Lock()  # one step at a time: the structs hold this step's cache pointers
-        self.rows = min(m.qmm_rows for layer in layers for m in _linears(layer))
+        self.rows = min(m.qmm_rows for layer in layers for m in _linears(layer) + _experts(layer))
         self.hq, self.hkv, self.d = first.num_heads, first.num_kv_heads, first.head_dim
         self._options = [(float(layer.scale), *check_window(layer.attn_options.get("sliding_window"),
                                                             layer.attn_options.get("logits_soft_cap")))
                          for layer in layers]
         self._layers = (_Layer * len(layers))()
-        for s, layer, (scale, window, cap) in zip(self._layers, layers, self._options):
-            s.qkv, s.o, s.gate_up, s.down = (ctypes.addressof(m._qmm.struct) for m in _linears(layer))
+        self.experts: dict[int, Any] = {}
+        self._keep: list[_MoE] = []
+        for idx, (s, layer, (scale, window, cap)) in enumerate(zip(self._layers, layers, self._options)):
+            lin = [ctypes.addressof(m._qmm.struct) for m in _linears(layer)]
+            s.qkv, s.o, s.gate_up, s.down = lin if len(lin) == 4 else (*lin, None, None)
             s.w_in, s.w_post = layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr()
             s.scale, s.softcap, s.window = scale, cap, window
+            if layer.q_norm is not None:
+                s.q_norm, s.k_norm = layer.q_norm.weight.data_ptr(), layer.k_norm.weight.data_ptr()
+            if layer.mlp is not None:
+                s.moe = ctypes.pointer(self._moe(layer, idx))
         self._struct = _Decoder(
             _addr(qmm_ops._qmm), _addr(fused_ops._norm), _addr(fused_ops._rope), _addr(fused_ops._act), attend,
             first.input_layernorm.weight.shape[0], first.intermediate_size, self.hq, self.hkv, self.d, int(first.gelu), len(layers),
-            torch.get_num_threads(), first.eps, first.norm_offset, self._layers)
+            torch.get_num_threads(), first.eps, first.norm_offset, self._layers, _addr(fused_ops._head_norm))
         self._ref = ctypes.byref(self._struct)
         self._caches: list[int] = []
         self._failed = ctypes.c_int32(0)
+
+    def _moe(self, layer: Any, idx: int) -> _MoE:
+        """The C description of ``layer``'s MoE FFN; its expert pointer arrays are kept in
+        ``self.experts`` (index of the layer -> (gate_up array, down array))."""
+        mlp, spec = layer.mlp, layer.mlp.spec
+        ex = _experts(layer)
+        n = spec.num_experts
+        gate_up = (ctypes.c_void_p * n)(*(ctypes.addressof(m._qmm.struct) for m in ex[0::2]))
+        down = (ctypes.c_void_p * n)(*(ctypes.addressof(m._qmm.struct) for m in ex[1::2]))
+        self.experts[idx] = (gate_up, down)
+        self._keep.append(_MoE(mlp.router.weight.data_ptr(), gate_up, down, spec.intermediate_size, n, spec.top_k,
+                    int(spec.norm_topk_prob), int(spec.hidden_act == "gelu_pytorch_tanh"), spec.routed_scaling_factor))
+        return self._keep[-1]
 
     @classmethod
     def create(cls, model: Any) -> "tuple[NativeDecoder | None, str]":
@@ -118,12 +149,16 @@ class NativeDecoder:
         if not layers or model.device.type != "cpu" or model.dtype != torch.float32:
             return None, "off (not a float32 CPU model)"
         for layer in layers:
-            if layer.fused is None or layer.q_norm is not None or layer.pre_feedforward_layernorm is not None \
+            if layer.fused is None or layer.pre_feedforward_layernorm is not None \
                     or layer.post_feedforward_layernorm is not None or layer.local_rope or layer.all_reduce is not None:
                 return None, "off (a layer outside the fused path)"
             if set(layer.attn_options) - {"sliding_window", "logits_soft_cap"}:
                 return None, "off (attention options beyond window/soft-cap)"
-            lin = _linears(layer)
+            if layer.mlp is not None and not layer.mlp.native_ok:
+                return None, "off (an MoE layer outside the native path: sigmoid/group routing or shared experts)"
+            if any(m is None for m in _experts(layer)):
+                return None, "off (lazy experts not all read yet)"
+            lin = _linears(layer) + _experts(layer)
             if not all(isinstance(m, QuantLinear) and getattr(m, "_qmm", None) is not None and m.qmm_rows > 0
                        for m in lin):
                 return None, "off (a linear layer without integer-kernel weights)"
@@ -148,7 +183,8 @@ class NativeDecoder:
         tokens' RoPE rows ``cos``/``sin`` (``[T, 1, d/2]``), writing this step's K/V at
         ``md.slot_mapping``. Returns ``False`` without touching anything when this step needs
         the Python path. Raises ``BackendError`` for a slot past the cache (nothing of the
-        failing layer written, as the Python path), ``MemoryError`` when scratch fails."""
+        failing layer written, as the Python path), ``MemoryError`` when scratch fails,
+        ``RuntimeError`` for a kernel error or a routed expert whose weight pointer is NULL."""
         t = residual.shape[0]
         args_of = getattr(backend, "native_step_args", None)
         if (t >= self.rows or args_of is None or torch.autograd._profiler_enabled() or not residual.is_contiguous()
@@ -174,6 +210,8 @@ class NativeDecoder:
             cache = kv_caches[failed]
             raise BackendError(f"slot_mapping has a slot >= the cache's {cache.num_blocks * cache.block_size} "
                                "slots (nothing written)")
+        if rc == -3:
+            raise RuntimeError(f"native decoder step: a routed expert of layer {failed} has no weights")
         if rc == -1:
             raise MemoryError("native decoder step: no memory for its scratch or a matmul's activations")
         if rc != 0:
@@ -184,17 +222,32 @@ class NativeDecoder:
 
 
 def _linears(layer: Any) -> list[Any]:
-    return [layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj]
+    """The layer's attention matmuls, and the dense MLP's (an MoE layer's are in ``_experts``)."""
+    dense = [layer.gate_up_proj, layer.down_proj] if layer.mlp is None else []
+    return [layer.qkv_proj, layer.o_proj, *dense]
+
+
+def _experts(layer: Any) -> list[Any]:
+    """An MoE layer's expert matrices ``[gate_up 0, down 0, gate_up 1, ...]`` (a lazy one's
+    linear module; ``None`` for a lazy one not read yet); ``[]`` for a dense layer."""
+    if layer.mlp is None:
+        return []
+    return [getattr(m, "linear", None) if hasattr(m, "materialize") else m
+            for e in layer.mlp.experts for m in (e.gate_up_proj, e.down_proj)]
 
 
 def _watched(layers: Sequence[Any]) -> list[Any]:
     """Every object the decoder's structs point into: each layer's linear modules, their packed
-    weights, and the two norm weights."""
+    weights, and the norm weights (with the q/k norms)."""
     out: list[Any] = []
     for layer in layers:
-        for m in _linears(layer):
+        for m in _linears(layer) + _experts(layer):
             out += [m, getattr(m, "_qmm", None)]
+        if layer.mlp is not None:
+            out += [layer.mlp.router.weight]
         out += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        if layer.q_norm is not None:
+            out += [layer.q_norm.weight, layer.k_norm.weight]
     return out
 
 
@@ -203,7 +256,15 @@ def _shapes_fit(layer: Any) -> bool:
     h, i = layer.input_layernorm.weight.shape[0], layer.intermediate_size
     q, kv = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
     want = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]
-    if [(m._qmm.n, m._qmm.k) for m in _linears(layer)] != want:
+    if layer.mlp is not None:
+        spec, ie = layer.mlp.spec, layer.mlp.spec.intermediate_size
+        want = want[:2] + [(2 * ie, h), (h, ie)] * spec.num_experts
+        router = layer.mlp.router.weight
+        if router.dtype != torch.float32 or not router.is_contiguous() or router.shape != (spec.num_experts, h):
+            return False
+    if [(m._qmm.n, m._qmm.k) for m in _linears(layer) + _experts(layer)] != want:
         return False
-    return all(w.dtype == torch.float32 and w.is_contiguous() and w.shape == (h,)
-               for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight))
+    norms = [(w, h) for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
+    if layer.q_norm is not None:
+        norms += [(layer.q_norm.weight, layer.head_dim), (layer.k_norm.weight, layer.head_dim)]
+    return all(w.dtype == torch.float32 and w.is_contiguous() and w.shape == (n,) for w, n in norms)

@@ -185,12 +185,12 @@ def test_moe_layers_run_eager_and_only_routed_experts_at_decode(family):
     assert set(calls) == ({0, 2} if kind == "qwen3_moe" else {0, 1, 2})
     for i, experts in calls.items():
         assert sorted(experts) == routed[i] and len(experts) == 2  # the k routed experts, once each
-    # which path ran: every MoE layer on the torch ops (never fusable, so no fused ops and no
-    # native step loop, whichever this CPU builds), and no compiled step
+    # which path ran: softmax-routed MoE layers are fusable (the fused ops around the MoE's torch
+    # ops); fp32 nn.Linear weights keep the native step loop off; no compiled step
     assert net._fused_state is not None  # the first forward decided
-    assert all(layer.fused is None and not layer.fusable for layer in net.layers if layer.mlp is not None)
+    assert all(layer.fusable for layer in net.layers)
     assert net._native is None
-    assert net.native_state in ("off (a layer outside the fused path)", "off (no fused ops)")
+    assert net.native_state.startswith("off (")
     from pagedkv.model.compiled import compile_decode
 
     cd = compile_decode(net, max_rows=8, progress=False)

@@ -180,4 +180,4 @@ def test_fused_ops_only_for_float32_cpu_models_and_plain_layers(loaded_model):
     assert gemma._fused_state == "on" and gemma.layers[0].fused is None  # sandwich norms: torch path
     qwen3 = LlamaForCausalLM(dataclasses.replace(cfg, qk_norm=True))
     qwen3._attach_fused()
-    assert not qwen3.layers[0].fusable and qwen3.layers[0].fused is None
+    assert qwen3.layers[0].fusable and qwen3.layers[0].fused is not None  # q/k norms: fused (head_rms_norm)
