@@ -18,6 +18,9 @@ and nothing is written to disk but the tokenizer's cache entry.
 * Mixture-of-experts files (``qwen3moe``, llama.cpp's stacked ``ffn_*_exps`` tensors): one
   ``GGUFLinear`` per expert matrix, packed from that expert's stored rows
   (``pagedkv.model.gguf_moe``); the F32 router becomes a float ``nn.Linear``.
+* DeepSeek-V2/V3 files (``deepseek2``): the MLA projections and shared experts on their stored
+  blocks, ``kv_b_proj`` re-joined from ``attn_k_b`` / ``attn_v_b`` as a float tensor
+  (``pagedkv.model.gguf_mla``).
 * ``GGUFEmbedding``: the token-embedding rows read from the memory-mapped file (only the rows a
   step looks up become resident) and dequantised for those rows only.
 

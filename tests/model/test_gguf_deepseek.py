@@ -297,3 +297,6 @@ def test_bad_files_raise_config_error(tmp_path):
     _write(_hf_model("deepseek_v2"), tmp_path / "half.gguf", drop="blk.1.attn_v_b.weight")
     with pytest.raises(ConfigError, match="attn_k_b / attn_v_b"):
         load_model(tmp_path / "half.gguf", weights="gguf")
+    for fmt in ("fp32", "int8"):  # the formats that dequantise a GGUF
+        with pytest.raises(ConfigError, match="weights='gguf'"):
+            load_model(tmp_path / "half.gguf", weights=fmt)
