@@ -37,7 +37,8 @@ SCALE = 1.5  # attention projections' multiplier (scores grow with its 4th power
 MARGIN = 0.5  # greedy top-2 logit gap of the compared prompts (measured: gaps <= 0.46 can flip)
 
 
-def _hf_model(kind: str):
+def _hf_model(kind: str, **extra):
+    """The tiny model (``extra``: more config keys, e.g. ``rope_parameters``)."""
     import transformers as tf
 
     vocab = len(_vocab())
@@ -47,6 +48,7 @@ def _hf_model(kind: str):
         eos_token_id=vocab - 2, pad_token_id=vocab - 1, initializer_range=0.1, kv_lora_rank=RANK,
         qk_rope_head_dim=ROPE, qk_nope_head_dim=NOPE, v_head_dim=VDIM, first_k_dense_replace=1, n_routed_experts=E,
         num_experts_per_tok=K, moe_intermediate_size=MOE_I, n_group=2, topk_group=1, tie_word_embeddings=False,
+        **extra,
     )
     if kind == "deepseek_v2":
         cfg = tf.DeepseekV2Config(q_lora_rank=QLORA, topk_method="group_limited_greedy", n_shared_experts=2,
@@ -107,6 +109,14 @@ def _write(hf, path, legacy: bool = False, gating: int | None = None, drop: str 
     if v3:  # written only when true
         w.add_expert_weights_norm(True)
     w.add_rope_dimension_count(ROPE)
+    rp = c.rope_parameters
+    if rp.get("rope_type") == "yarn":  # the converter's yarn keys (log multiplier: 0.1 * mscale_all_dim)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rp["factor"])
+        w.add_rope_scaling_orig_ctx_len(rp["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(rp["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(rp["beta_slow"])
+        w.add_rope_scaling_yarn_log_mul(0.1 * rp["mscale_all_dim"])
     tokens = _vocab()
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
@@ -300,3 +310,38 @@ def test_bad_files_raise_config_error(tmp_path):
     for fmt in ("fp32", "int8"):  # the formats that dequantise a GGUF
         with pytest.raises(ConfigError, match="weights='gguf'"):
             load_model(tmp_path / "half.gguf", weights=fmt)
+
+
+def test_yarn_scaling_reads_as_transformers(tmp_path):
+    """A V3 with yarn RoPE (factor 4 over 64 positions, ``mscale`` = ``mscale_all_dim`` 0.707,
+    as DeepSeek-V2/V3 configure it): the file's ``rope.scaling.*`` keys give the HF directory's
+    RoPE frequencies and softmax scale, and the dequantised route's logits over 100 positions
+    (past the original 64) equal transformers' (1e-4)."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 0.707,
+            "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1, "rope_theta": 10000.0}
+    hf = _hf_model("deepseek_v3", rope_parameters=yarn)
+    hf.save_pretrained(tmp_path / "hf")
+    _write(hf, tmp_path / "yarn.gguf")
+    from pagedkv.model.mla import softmax_scale, yarn_inv_freq
+
+    lm, ref = load_model(tmp_path / "yarn.gguf", weights="gguf"), load_config(tmp_path / "hf")
+    rs = lm.config.rope_scaling
+    assert (rs["rope_type"], rs["factor"], rs["original_max_position_embeddings"]) == ("yarn", 4.0, 64)
+    assert rs["mscale_all_dim"] == pytest.approx(0.707, rel=1e-6)
+    inv, att = yarn_inv_freq(rs, ROPE, lm.config.rope_theta)
+    ref_inv, ref_att = yarn_inv_freq(ref.rope_scaling, ROPE, ref.rope_theta)
+    torch.testing.assert_close(inv, ref_inv, rtol=1e-6, atol=0)
+    assert att == pytest.approx(ref_att, rel=1e-6)
+    assert softmax_scale(lm.config) == pytest.approx(softmax_scale(ref), rel=1e-6)
+    assert softmax_scale(lm.config) != pytest.approx((NOPE + ROPE) ** -0.5)  # the mscale bites
+    for m in iter_linears(lm.model):
+        m.prepare("fallback")
+    ids = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.inference_mode():
+        want = hf(torch.tensor([ids])).logits[0].float()
+    backend = get_backend("cpu")
+    caches = lm.model.allocate_kv_caches(backend, num_blocks=8, block_size=16)
+    md = AttentionMetadata.build([100], [100], [list(range(7))], 16)
+    with torch.inference_mode():
+        got = lm.model.compute_logits(lm.model(torch.tensor(ids), torch.arange(100), caches, md, backend))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-4)
