@@ -280,6 +280,9 @@ class ModelConfig:
         if arch not in families.GGUF_ARCHITECTURES:
             raise ConfigError(f"general.architecture: unsupported GGUF architecture {arch!r} "
                               f"(supported: {', '.join(families.GGUF_ARCHITECTURES)})")
+        if arch == "deepseek2":  # multi-head latent attention: pagedkv.model.gguf_mla
+            from pagedkv.model.gguf_mla import config_fields
+            return cls(**config_fields(metadata, tensor_names), model_id=model_id, revision=revision)
 
         def get(key: str, default: Any = _MISSING) -> Any:
             full = f"{arch}.{key}"

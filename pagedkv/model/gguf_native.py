@@ -18,6 +18,9 @@ and nothing is written to disk but the tokenizer's cache entry.
 * Mixture-of-experts files (``qwen3moe``, llama.cpp's stacked ``ffn_*_exps`` tensors): one
   ``GGUFLinear`` per expert matrix, packed from that expert's stored rows
   (``pagedkv.model.gguf_moe``); the F32 router becomes a float ``nn.Linear``.
+* DeepSeek-V2/V3 files (``deepseek2``): the MLA projections and shared experts on their stored
+  blocks, ``kv_b_proj`` re-joined from ``attn_k_b`` / ``attn_v_b`` as a float tensor
+  (``pagedkv.model.gguf_mla``).
 * ``GGUFEmbedding``: the token-embedding rows read from the memory-mapped file (only the rows a
   step looks up become resident) and dequantised for those rows only.
 
@@ -48,7 +51,7 @@ from torch import nn
 
 from pagedkv.errors import ConfigError
 from pagedkv.gguf_header import GGUFHeader, GGUFTensorInfo
-from pagedkv.model import gguf_moe, qmm
+from pagedkv.model import gguf_mla, gguf_moe, qmm
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.families import GGUF_CONVENTIONS
 from pagedkv.model.gguf_read import Reader as _Reader
@@ -80,8 +83,9 @@ def linear_types(header: GGUFHeader) -> dict[str, int]:
     out: dict[str, int] = {}
     for t in header.tensors:
         router = t.name.endswith(f"{gguf_moe.ROUTER}.weight")  # a float matrix, not multiplied by the kernels
+        router = router or t.name.rpartition(".")[0].endswith(gguf_mla.DEQUANTISED)  # MLA's kv_b: a float tensor
         if (len(t.shape) == 2 and not router and (t.name.startswith("blk.") or t.name == head)) \
-                or (len(t.shape) == 3 and t.name.startswith("blk.")):  # stacked experts
+                or (len(t.shape) == 3 and not router and t.name.startswith("blk.")):  # stacked experts
             out[_qtype(t)] = out.get(_qtype(t), 0) + 1
     return out
 
@@ -351,9 +355,12 @@ def build_gguf_model(path: Path, header: GGUFHeader, config: ModelConfig, route:
             if i >= config.num_layers:
                 raise ConfigError(f"weights: tensors of layer {i}, beyond num_layers {config.num_layers}")
             layer, groups, experts = net.layers[i], {}, {}
+            mla = gguf_mla.LayerParts(layer, i, config, later, reader.values, floats) if config.is_mla else None
             for info in infos:
                 rest = info.name.split(".", 2)[2]
                 part, _, kind = rest.rpartition(".")
+                if mla is not None and mla.take(part, kind, info):  # MLA and shared-expert tensors
+                    continue
                 if kind == "weight" and part in gguf_moe.EXPERT_PARTS:  # stacked experts (pagedkv.model.gguf_moe)
                     experts[part] = info
                 elif kind == "weight" and part == gguf_moe.ROUTER:
@@ -376,6 +383,8 @@ def build_gguf_model(path: Path, header: GGUFHeader, config: ModelConfig, route:
                         raise ConfigError(f"weights: unexpected GGUF tensor {info.name!r}")
                     w = reader.floats(info)
                     floats[f"layers.{i}.{ours}"] = w - 1.0 if conv["norms_plus_one"] else w
+            if mla is not None:
+                mla.finish()
             expert_jobs = gguf_moe.expert_jobs(layer, experts, i, config.num_experts) if experts else ()
             for owner, attr, (fn, *args) in expert_jobs:
                 if lazy_reader is not None:

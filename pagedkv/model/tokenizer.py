@@ -15,12 +15,20 @@ from pagedkv.errors import ConfigError, InvalidRequestError
 
 def load_tokenizer(directory: str | Path, gguf_file: str | None = None) -> Any:
     """A transformers tokenizer (with the chat template when the source has one) saved in
-    ``directory``, or built from ``directory/gguf_file``. Raises ``ConfigError``."""
-    from transformers import AutoTokenizer
+    ``directory``, or built from ``directory/gguf_file``: by ``AutoTokenizer``, or, for a GGUF
+    architecture whose config transformers does not read (``deepseek2``), by
+    ``PreTrainedTokenizerFast`` from the file's ``tokenizer.*`` metadata alone (the same
+    converter). Raises ``ConfigError``."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     try:
-        return AutoTokenizer.from_pretrained(str(directory), **kwargs)
+        try:
+            return AutoTokenizer.from_pretrained(str(directory), **kwargs)
+        except ValueError as e:
+            if not gguf_file or "is not supported yet" not in str(e):
+                raise
+            return PreTrainedTokenizerFast.from_pretrained(str(directory), **kwargs)
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(f"tokenizer: cannot load from {str(directory)!r} ({e})") from None
 

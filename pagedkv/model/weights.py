@@ -192,7 +192,11 @@ def gguf_groups(names: Iterable[str], config: ModelConfig) -> list[GGUFGroup]:
     tensor of ours, q/k/v (and their biases) and gate/up fused, Q/K rows to un-permute where the
     family's converter permuted them, ``rope_freqs.weight`` (folded into the config) and a tied
     ``output.weight`` left out. Raises ``ConfigError`` for an unexpected tensor name, a missing
-    part of a fused tensor, or parts of a layer beyond ``config.num_layers``."""
+    part of a fused tensor, or parts of a layer beyond ``config.num_layers``, and for an MLA
+    file (``deepseek2``: ``weights="gguf"`` only, ``pagedkv.model.gguf_mla``)."""
+    if config.is_mla:
+        raise ConfigError("weights: a deepseek2 (multi-head latent attention) GGUF loads with weights='gguf' "
+                          "(its stored blocks on the integer kernels) only")
     conv = GGUF_CONVENTIONS[config.architecture]
     permuted, plus_one = conv["rope_rows_permuted"], conv["norms_plus_one"]
     groups: list[GGUFGroup] = []
