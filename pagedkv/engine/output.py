@@ -191,8 +191,12 @@ class OutputProcessor:
 
 def find_stop_string(text: str, stops: Sequence[str], floor: Optional[int]) -> Optional[tuple[int, str]]:
     """The first stop string of ``stops`` in ``text`` that ends after character ``floor``
-    (``None``: no stop string may end the text yet) as ``(position, string)``, else None."""
+    (``None``: no stop string may end the text yet) as ``(position, string)``, else None.
+    Trailing U+FFFD characters are left out of the search: they stand for the bytes of a
+    character whose remaining bytes are still to come (a stop string holding U+FFFD must
+    not match a character that is only half generated)."""
     if floor is None:
         return None
+    text = text.rstrip("\ufffd")
     hits = [(pos, s) for s in stops if (pos := text.find(s, max(0, floor - len(s) + 1))) >= 0]
     return min(hits) if hits else None
