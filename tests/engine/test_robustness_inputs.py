@@ -24,13 +24,16 @@ class ByteTokenizer:
         return bytes(ids).decode("utf-8", errors="replace")
 
 
-def _stream(text_bytes: bytes, stops: list[str]):
-    """Feed ``text_bytes`` one byte-token at a time; (tokens seen when it stopped or None,
-    the Finish's stop string, the final text)."""
+def _stream(text_bytes: bytes, stops: list[str], max_tokens: int = 64):
+    """Feed ``text_bytes`` one byte-token at a time (the last of ``max_tokens`` finishes the
+    request by length first, as ``Scheduler.update`` does); (tokens seen when it stopped or
+    None, the Finish's stop string, the final text)."""
     proc = OutputProcessor(ByteTokenizer())
-    r = Request("r", [1], SamplingParams(stop=stops, max_tokens=64), arrival_time=0.0, parent_id="r")
+    r = Request("r", [1], SamplingParams(stop=stops, max_tokens=max_tokens), arrival_time=0.0, parent_id="r")
     for i, t in enumerate(text_bytes):
         r.append_output_token(t)
+        if r.num_output_tokens == max_tokens:
+            r.status = RequestStatus.FINISHED_LENGTH
         fin = proc.detokenize(r)
         if fin is not None:
             assert fin.status is RequestStatus.FINISHED_STOPPED
@@ -53,10 +56,16 @@ def test_a_real_replacement_char_inside_the_text_still_matches():
     assert _stream(b"a\xffb", ["\ufffd"]) == (3, "\ufffd", "a")
 
 
+def test_a_request_that_ends_on_a_half_character_matches_its_final_replacement_char():
+    # max_tokens cuts "日" after 2 of its 3 bytes: the U+FFFD is final text, the stop string ends it
+    assert _stream("日".encode()[:2], ["\ufffd"], max_tokens=2) == (2, "\ufffd", "")
+
+
 def test_find_stop_string_ignores_only_trailing_replacement_chars():
     assert find_stop_string("ab\ufffd\ufffd", ["\ufffd"], 0) is None
     assert find_stop_string("ab\ufffd\ufffd", ["b"], 0) == (1, "b")
     assert find_stop_string("a\ufffdb", ["\ufffd"], 0) == (1, "\ufffd")
+    assert find_stop_string("ab\ufffd", ["\ufffd"], 0, partial=False) == (2, "\ufffd")
 
 
 def test_ignore_eos_must_be_a_bool():
