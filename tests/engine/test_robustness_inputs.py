@@ -122,3 +122,29 @@ def test_engine_still_serves_after_the_bad_requests(engine):
         outs += engine.step()
     assert outs[-1].request_id == rid and len(outs[-1].outputs[0].token_ids) == 3
     _untouched(engine, free0)
+
+
+def test_a_failed_generate_call_leaves_no_request_behind(loaded_model):
+    """A step that raises inside ``LLM.generate`` aborts that call's requests: the next call
+    runs only its own (before: the stale requests ran on, 50 tokens each, holding blocks)."""
+    from pagedkv import LLM
+
+    llm = LLM(loaded_model, num_blocks=32, block_size=16, max_model_len=256)
+    real, calls = llm.engine.executor.execute, []
+
+    def flaky(inp):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        return real(inp)
+
+    llm.engine.executor.execute = flaky
+    with pytest.raises(RuntimeError, match="boom"):
+        llm.generate(["Hello", "Once upon a time"], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
+                     use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    out = llm.generate(["Hello"], params, use_tqdm=False)
+    fresh = LLM(loaded_model, num_blocks=32, block_size=16, max_model_len=256).generate(["Hello"], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [fresh[0].outputs[0].token_ids]
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.kv.num_free_blocks == 32 and all(b.ref_cnt == 0 for b in llm.engine.kv.pool.blocks)
