@@ -123,9 +123,10 @@ class InputProcessor:
     ) -> ProcessedRequest:
         """Check and tokenise one request (arguments: ``LLMEngine.add_request``'s; ``tokenize``
         replaces :meth:`tokenize` for text prompts). Raises ``InvalidRequestError`` for a bad
-        option type, an empty prompt, a text prompt that is not valid Unicode (a lone surrogate), token ids outside the vocabulary, a prompt with no room
-        for one output token within max_model_len, bad sampling params or grammar, or a
-        request that could never fit the whole KV pool."""
+        option type, an empty prompt, a text prompt that is not valid Unicode (a lone
+        surrogate), token ids outside the vocabulary, a prompt with no room for one output
+        token within max_model_len, bad sampling params or grammar, or a request that could
+        never fit the whole KV pool."""
         lim = self.limits
         if tenant is not None and not isinstance(tenant, str):
             raise InvalidRequestError(f"tenant must be a string or None, got {type(tenant).__name__}")

@@ -144,7 +144,8 @@ def test_a_failed_generate_call_leaves_no_request_behind(loaded_model):
                      use_tqdm=False)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     out = llm.generate(["Hello"], params, use_tqdm=False)
-    fresh = LLM(loaded_model, num_blocks=32, block_size=16, max_model_len=256).generate(["Hello"], params, use_tqdm=False)
+    fresh = LLM(loaded_model, num_blocks=32, block_size=16, max_model_len=256)
+    fresh = fresh.generate(["Hello"], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in out] == [fresh[0].outputs[0].token_ids]
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.kv.num_free_blocks == 32 and all(b.ref_cnt == 0 for b in llm.engine.kv.pool.blocks)
