@@ -12,6 +12,7 @@ need. :meth:`InputProcessor.process` raises before anything is admitted or alloc
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -95,9 +96,15 @@ class InputProcessor:
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
                             continue_final_message: bool = False) -> list[int]:
         """Token ids of a conversation (``pagedkv.model.tokenizer.apply_chat``: flags as there);
-        ``InvalidRequestError``: bad messages or flags, no template."""
-        return apply_chat(self.tokenizer, messages, add_generation_prompt, self.chat_template, self.model_id,
-                          continue_final_message=continue_final_message)
+        ``InvalidRequestError``: bad messages or flags, no template, or a conversation the
+        template or tokenizer cannot render (a ``content`` that is no string, a lone surrogate)."""
+        try:
+            return apply_chat(self.tokenizer, messages, add_generation_prompt, self.chat_template, self.model_id,
+                              continue_final_message=continue_final_message)
+        except InvalidRequestError:
+            raise
+        except Exception as e:  # the template or tokenizer refused this conversation (content None, a list, ...)
+            raise InvalidRequestError(f"cannot apply the chat template: {type(e).__name__}: {e}") from None
 
     # ---- requests ------------------------------------------------------------------------
     def process(
@@ -116,9 +123,10 @@ class InputProcessor:
     ) -> ProcessedRequest:
         """Check and tokenise one request (arguments: ``LLMEngine.add_request``'s; ``tokenize``
         replaces :meth:`tokenize` for text prompts). Raises ``InvalidRequestError`` for a bad
-        option type, an empty prompt, token ids outside the vocabulary, a prompt with no room
-        for one output token within max_model_len, bad sampling params or grammar, or a
-        request that could never fit the whole KV pool."""
+        option type, an empty prompt, a text prompt that is not valid Unicode (a lone
+        surrogate), token ids outside the vocabulary, a prompt with no room for one output
+        token within max_model_len, bad sampling params or grammar, or a request that could
+        never fit the whole KV pool."""
         lim = self.limits
         if tenant is not None and not isinstance(tenant, str):
             raise InvalidRequestError(f"tenant must be a string or None, got {type(tenant).__name__}")
@@ -132,6 +140,7 @@ class InputProcessor:
             self.compile_grammar(params.structured)
         _check_options(arrival_time, priority, cache_salt, adapter_id, mm_hashes)
         if isinstance(prompt, str):
+            _check_unicode(prompt, "prompt")
             text: Optional[str] = prompt
             token_ids = (tokenize or self.tokenize)(prompt)
         else:
@@ -188,14 +197,14 @@ class InputProcessor:
 
 
 def _check_options(arrival_time: Any, priority: Any, cache_salt: Any, adapter_id: Any, mm_hashes: Any) -> None:
-    """``InvalidRequestError`` for an ``arrival_time`` that is no number (or NaN), a
+    """``InvalidRequestError`` for an ``arrival_time`` that is no finite number, a
     ``priority`` that is no integer, a ``cache_salt`` / ``adapter_id`` that is no string, or
     ``mm_hashes`` that are not ``(content_hash: str, offset >= 0, length >= 0)`` tuples."""
     if arrival_time is not None and (
         isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float))
-        or arrival_time != arrival_time
+        or not math.isfinite(arrival_time)
     ):
-        raise InvalidRequestError(f"arrival_time must be seconds (a number), got {arrival_time!r}")
+        raise InvalidRequestError(f"arrival_time must be seconds (a finite number), got {arrival_time!r}")
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
     for name, v in (("cache_salt", cache_salt), ("adapter_id", adapter_id)):
@@ -206,3 +215,14 @@ def _check_options(arrival_time: Any, priority: Any, cache_salt: Any, adapter_id
         and all(type(x) is int and x >= 0 for x in m[1:]) for m in mm_hashes
     ):
         raise InvalidRequestError("mm_hashes must be a list of (content_hash: str, offset, length) tuples")
+
+
+def _check_unicode(text: str, name: str) -> None:
+    """``InvalidRequestError`` when ``text`` cannot be encoded as UTF-8 (a lone surrogate such
+    as ``"\\ud800"``): the tokenizer would raise a bare ``TypeError`` deep inside."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(
+            f"{name} is not valid Unicode: {e.object[e.start:e.end]!a} at character {e.start} (a lone surrogate)"
+        ) from None

@@ -36,7 +36,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for each prompt (text or token ids); returns outputs in prompt order.
         ``sampling_params`` is one for all or one per prompt. Every prompt is validated
-        before any is queued: a bad one raises ``InvalidRequestError`` and nothing runs."""
+        before any is queued: a bad one raises ``InvalidRequestError`` and nothing runs. When
+        a step raises (or the call is interrupted), this call's unfinished requests are
+        aborted before the error propagates: a later call does not run them."""
         if isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
@@ -106,6 +108,9 @@ class LLM:
                         bar.update(1)
                 if not self.engine.has_unfinished_requests() and len(results) < len(want):
                     break
+        except BaseException:  # a failed step or Ctrl-C: this call's requests must not outlive it
+            self.engine.abort_request([i for i in ids if i not in results])  # blocks freed at the next step
+            raise
         finally:
             bar.close()
         return [results[i] for i in ids if i in results]

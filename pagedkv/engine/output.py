@@ -83,7 +83,8 @@ class OutputProcessor:
         st.num_tokens = req.num_output_tokens
         finish = None
         if p.stop and not req.stopped_by_token:
-            hit = find_stop_string(text, p.stop, self.stop_text_floor(req, req.output_token_ids))
+            hit = find_stop_string(text, p.stop, self.stop_text_floor(req, req.output_token_ids),
+                                   partial=not req.status.finished)
             if hit is not None:
                 pos, s = hit
                 text = text[:pos + len(s)] if p.include_stop_str_in_output else text[:pos]
@@ -189,10 +190,16 @@ class OutputProcessor:
         )
 
 
-def find_stop_string(text: str, stops: Sequence[str], floor: Optional[int]) -> Optional[tuple[int, str]]:
+def find_stop_string(text: str, stops: Sequence[str], floor: Optional[int],
+                     partial: bool = True) -> Optional[tuple[int, str]]:
     """The first stop string of ``stops`` in ``text`` that ends after character ``floor``
-    (``None``: no stop string may end the text yet) as ``(position, string)``, else None."""
+    (``None``: no stop string may end the text yet) as ``(position, string)``, else None.
+    ``partial`` (the sequence goes on): trailing U+FFFD characters are left out of the
+    search, as they stand for the bytes of a character whose remaining bytes are still to
+    come (a stop string holding U+FFFD must not match a half-generated character)."""
     if floor is None:
         return None
+    if partial:
+        text = text.rstrip("\ufffd")
     hits = [(pos, s) for s in stops if (pos := text.find(s, max(0, floor - len(s) + 1))) >= 0]
     return min(hits) if hits else None

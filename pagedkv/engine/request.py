@@ -183,8 +183,9 @@ class SamplingParams:
             bad("beam_width", f"must be <= {max_n}, got {self.beam_width}")
         if not _is_finite(self.length_penalty) or abs(self.length_penalty) > 100:
             bad("length_penalty", f"must be a number in [-100, 100], got {self.length_penalty!r}")
-        if not isinstance(self.skip_special_tokens, bool):
-            bad("skip_special_tokens", f"must be a bool, got {self.skip_special_tokens!r}")
+        for name in ("skip_special_tokens", "ignore_eos"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, f"must be a bool, got {getattr(self, name)!r}")
         if not (self.early_stopping is False or self.early_stopping is True or self.early_stopping == "never"):
             bad("early_stopping", f"must be False, True or 'never', got {self.early_stopping!r}")
         if self.structured is not None:

@@ -356,7 +356,9 @@ def known_config(name: str) -> dict[str, Any]:
 
 
 def load_hf_config(cfg: dict | str | Path) -> dict[str, Any]:
-    """A config dict from a dict, a config.json path/folder, or a shipped config name."""
+    """A config dict from a dict, a config.json path/folder, or a shipped config name.
+    Raises ``ConfigError`` for an unreadable file, one that is not a JSON object (a list,
+    ``null``), or a name that is neither."""
     if isinstance(cfg, dict):
         return cfg
     path = Path(cfg)
@@ -364,9 +366,13 @@ def load_hf_config(cfg: dict | str | Path) -> dict[str, Any]:
         path = path / "config.json"
     if path.is_file():
         try:
-            return json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+            loaded = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ConfigError(f"{path}: not a readable config.json ({exc})") from exc
+        if not isinstance(loaded, dict):
+            kind = {list: "array", str: "string", bool: "boolean", type(None): "null"}.get(type(loaded), "number")
+            raise ConfigError(f"{path}: not a config.json (a JSON object), got a JSON {kind}")
+        return loaded
     if isinstance(cfg, str) and "/" not in cfg and not cfg.endswith(".json"):
         return known_config(cfg)
     raise ConfigError(f"model: {cfg} is neither a config.json nor a known config name")

@@ -65,8 +65,9 @@ def test_a_given_tokenize_replaces_the_processors_own():
     (dict(sampling_params=SamplingParams(n=5)), "SamplingParams.n: must be <= 4, got 5"),
     (dict(sampling_params=SamplingParams(logit_bias={100: 1.0})), "SamplingParams.logit_bias: token ids must be "
                                                                    "integers in [0, 100), got 100"),
-    (dict(arrival_time=math.nan), "arrival_time must be seconds (a number), got nan"),
-    (dict(arrival_time=True), "arrival_time must be seconds (a number), got True"),
+    (dict(arrival_time=math.nan), "arrival_time must be seconds (a finite number), got nan"),
+    (dict(arrival_time=math.inf), "arrival_time must be seconds (a finite number), got inf"),
+    (dict(arrival_time=True), "arrival_time must be seconds (a finite number), got True"),
     (dict(priority=1.5), "priority must be an integer, got 1.5"),
     (dict(cache_salt=7), "cache_salt must be a string or None, got int"),
     (dict(adapter_id=b"a"), "adapter_id must be a string or None, got bytes"),
