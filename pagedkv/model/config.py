@@ -145,7 +145,7 @@ class ModelConfig:
             raise ConfigError(
                 f"num_kv_heads: {self.num_kv_heads} does not divide num_heads {self.num_heads}"
             )
-        if self.head_dim % 2:
+        if self.head_dim % 2 and not self.is_mla:  # MLA: qk_rope_head_dim is checked (check_mla)
             raise ConfigError(f"head_dim: must be even for RoPE, got {self.head_dim}")
         if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
             raise ConfigError(f"rope_theta: must be a positive number, got {self.rope_theta!r}")
@@ -400,16 +400,11 @@ class ModelConfig:
         if config.get("mlp_bias"):
             raise ConfigError("mlp_bias: MLP biases are not supported")
 
-        num_heads = _as_int(req("num_attention_heads"), "num_attention_heads")
-        hidden = _as_int(req("hidden_size"), "hidden_size")
-        head_dim = config.get("head_dim") or hidden // num_heads
-        if model_type in families.MLA_ARCHITECTURES:  # a query/key head is nope + rope elements
-            head_dim = _as_int(req("qk_nope_head_dim"), "qk_nope_head_dim") + _as_int(req("qk_rope_head_dim"),
-                                                                                      "qk_rope_head_dim")
-
+        hf_int = families.hf_int
+        hidden = hf_int(config, "hidden_size")
+        num_heads, num_kv_heads, head_dim = families.hf_heads(model_type, config, hidden)
         theta, scaling, local_theta = families.hf_rope(config)
-        num_layers = _as_int(req("num_hidden_layers"), "num_hidden_layers")
-        max_pos = _as_int(req("max_position_embeddings"), "max_position_embeddings")
+        num_layers, max_pos = hf_int(config, "num_hidden_layers"), hf_int(config, "max_position_embeddings")
 
         eos: list[int] = []
         for src in (config, generation_config or {}):
@@ -425,13 +420,13 @@ class ModelConfig:
 
         return cls(
             architecture=model_type,
-            vocab_size=_as_int(req("vocab_size"), "vocab_size"),
+            vocab_size=hf_int(config, "vocab_size"),
             hidden_size=hidden,
-            intermediate_size=_as_int(req("intermediate_size"), "intermediate_size"),
+            intermediate_size=hf_int(config, "intermediate_size"),
             num_layers=num_layers,
             num_heads=num_heads,
-            num_kv_heads=_as_int(config.get("num_key_value_heads") or num_heads, "num_key_value_heads"),
-            head_dim=_as_int(head_dim, "head_dim"),
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
             rope_theta=_as_float(theta, "rope_theta"),
             rope_scaling=scaling,
             rms_norm_eps=_as_float(req("rms_norm_eps"), "rms_norm_eps"),

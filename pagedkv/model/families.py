@@ -72,7 +72,10 @@ _NEEDS = {"gpt_oss": "attention sinks and biased experts with a clamped SwiGLU"}
 
 def hf_model_type(config: Mapping[str, Any]) -> str:
     """Our architecture name for a config.json. Raises ``ConfigError`` for an unsupported one
-    (a multimodal Gemma-3 checkpoint is named as such: load its text model)."""
+    (a multimodal Gemma-3 checkpoint is named as such: load its text model), or for a
+    config.json that is not a JSON object."""
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"config.json: not a config (a JSON object), got {type(config).__name__} {config!r:.40}")
     model_type = config.get("model_type")
     if model_type is None:
         archs = config.get("architectures") or []
@@ -113,27 +116,104 @@ def hf_family_fields(arch: str, config: Mapping[str, Any], num_layers: int) -> d
     return out
 
 
+#: transformers 5.24's config-class defaults of the MLA keys (a key missing from config.json);
+#: MiniCPM3's ``v_head_dim`` default is ``hidden_size // num_attention_heads`` (``None`` here).
+MLA_DEFAULTS: dict[str, dict[str, Any]] = {
+    "minicpm3": {"kv_lora_rank": 256, "q_lora_rank": 768, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32,
+                 "v_head_dim": None},
+    **{a: {"kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+           "v_head_dim": 128} for a in ("deepseek_v2", "deepseek_v3")},
+}
+_NO: Any = object()
+
+
+def hf_int(config: Mapping[str, Any], key: str, default: Any = _NO, *, low: int = 1) -> Any:
+    """``config[key]`` as an integer ``>= low`` (integral floats accepted); ``default`` when the
+    key is missing or null. Raises ``ConfigError`` naming ``key`` when it is missing without a
+    default or is not such an integer."""
+    v = config.get(key)
+    if v is None:
+        if default is _NO:
+            raise ConfigError(f"{key}: missing from config.json")
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v) or v < low:
+        what = "a positive integer" if low == 1 else f"an integer >= {low}"
+        raise ConfigError(f"{key}: must be {what}, got {v!r}")
+    return int(v)
+
+
+def hf_number(config: Mapping[str, Any], key: str, default: float) -> float:
+    """``config[key]`` as a positive finite number (``default`` when missing or null). Raises
+    ``ConfigError`` naming ``key`` otherwise."""
+    v = config.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
+        raise ConfigError(f"{key}: must be a positive number, got {v!r}")
+    return float(v)
+
+
+def hf_heads(arch: str, config: Mapping[str, Any], hidden: int) -> tuple[int, int, int]:
+    """``(num_heads, num_kv_heads, head_dim)`` from a config.json: ``num_attention_heads``,
+    ``num_key_value_heads`` (default: as many), and the elements of a query/key head,
+    ``head_dim`` (default ``hidden // num_heads``) or for MLA ``qk_nope_head_dim +
+    qk_rope_head_dim`` (the config class's defaults for missing keys). Raises ``ConfigError``
+    naming the key for a non-positive size, KV heads that do not divide the heads, or an odd
+    ``qk_rope_head_dim`` (RoPE rotates pairs)."""
+    num_heads = hf_int(config, "num_attention_heads")
+    num_kv = hf_int(config, "num_key_value_heads", num_heads)
+    if num_heads % num_kv:
+        raise ConfigError(f"num_key_value_heads: {num_kv} does not divide num_attention_heads {num_heads}")
+    return num_heads, num_kv, _hf_head_dim(arch, config, hidden // num_heads)
+
+
+def _hf_head_dim(arch: str, config: Mapping[str, Any], default: int) -> int:
+    if arch not in MLA_ARCHITECTURES:
+        return hf_int(config, "head_dim", default)
+    d = MLA_DEFAULTS[arch]
+    nope, rope = hf_int(config, "qk_nope_head_dim", d["qk_nope_head_dim"]), hf_int(config, "qk_rope_head_dim",
+                                                                                    d["qk_rope_head_dim"])
+    if rope % 2:
+        raise ConfigError(f"qk_rope_head_dim: must be even for RoPE, got {rope}")
+    return nope + rope
+
+
 def hf_mla_fields(arch: str, config: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
-    """The multi-head latent attention fields of ``ModelConfig`` (``{}`` for other families).
-    Raises ``ConfigError`` naming ``attention_bias`` for biased MLA projections."""
+    """The multi-head latent attention fields of ``ModelConfig`` (``{}`` for other families),
+    with the config class's defaults (``MLA_DEFAULTS``) for missing keys. Raises ``ConfigError``
+    naming ``attention_bias`` for biased MLA projections, and the key for a null
+    ``kv_lora_rank`` (or DeepSeek ``v_head_dim``), a non-positive size, a non-bool
+    ``rope_interleave`` or a non-positive MiniCPM3 ``scale_emb`` / ``dim_model_base``."""
     if arch not in MLA_ARCHITECTURES:
         return {}
     if config.get("attention_bias"):
         raise ConfigError("attention_bias: biased MLA projections are not supported")
-    nope, rope = int(config["qk_nope_head_dim"]), int(config["qk_rope_head_dim"])
-    hidden = int(config["hidden_size"])
+    d = MLA_DEFAULTS[arch]
+    hidden = hf_int(config, "hidden_size")
+    for key in ("kv_lora_rank",) + (("v_head_dim",) if arch != "minicpm3" else ()):
+        if key in config and config[key] is None:
+            raise ConfigError(f"{key}: missing (null) in a {arch} config; multi-head latent attention needs it")
+    q_rank = config["q_lora_rank"] if "q_lora_rank" in config else d["q_lora_rank"]
+    interleave = config.get("rope_interleave", True)
+    if interleave is not None and not isinstance(interleave, bool):
+        raise ConfigError(f"rope_interleave: must be true or false, got {interleave!r}")
     out: dict[str, Any] = {
-        "kv_lora_rank": config.get("kv_lora_rank"), "q_lora_rank": config.get("q_lora_rank"),
-        "qk_nope_head_dim": nope, "qk_rope_head_dim": rope,
-        "v_head_dim": config.get("v_head_dim") or hidden // int(config["num_attention_heads"]),
-        "rope_interleave": arch == "deepseek_v2" or (arch == "deepseek_v3" and config.get("rope_interleave", True)),
+        "kv_lora_rank": hf_int(config, "kv_lora_rank", d["kv_lora_rank"]),
+        "q_lora_rank": None if q_rank is None else hf_int({"q_lora_rank": q_rank}, "q_lora_rank"),
+        "qk_nope_head_dim": hf_int(config, "qk_nope_head_dim", d["qk_nope_head_dim"]),
+        "qk_rope_head_dim": hf_int(config, "qk_rope_head_dim", d["qk_rope_head_dim"]),
+        "v_head_dim": hf_int(config, "v_head_dim", d["v_head_dim"] or hidden // hf_int(config, "num_attention_heads")),
+        "rope_interleave": arch == "deepseek_v2" or (arch == "deepseek_v3" and bool(interleave)),
     }
     if arch == "minicpm3":
         depth = config.get("scale_depth")
-        depth = math.sqrt(num_layers) if depth is None else float(depth)
-        base = config.get("dim_model_base") or hidden
-        out.update(embed_scale=float(config.get("scale_emb", 12) or 1.0), residual_scale=depth / math.sqrt(num_layers),
-                   logits_scaling=hidden / float(base))
+        depth = math.sqrt(num_layers) if depth is None else hf_number(config, "scale_depth", 1.0)
+        if "dim_model_base" in config and config["dim_model_base"] is None:
+            base = float(hidden)  # transformers: null means hidden_size
+        else:
+            base = hf_number(config, "dim_model_base", 256.0)
+        scale_emb = 1.0 if "scale_emb" in config and config["scale_emb"] is None else hf_number(config, "scale_emb", 12.0)
+        out.update(embed_scale=scale_emb, residual_scale=depth / math.sqrt(num_layers), logits_scaling=hidden / base)
     return out
 
 
@@ -163,7 +243,9 @@ def check_mla(c: Any) -> None:
 def hf_moe_fields(arch: str, config: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
     """The mixture-of-experts fields of ``ModelConfig`` (``{}`` for a dense family), with the
     config classes' defaults for missing keys (transformers 5.24 ``Qwen3MoeConfig``,
-    ``MixtralConfig``; both spell the expert count ``num_experts`` or ``num_local_experts``)."""
+    ``MixtralConfig``; both spell the expert count ``num_experts`` or ``num_local_experts``).
+    Raises ``ConfigError`` naming the config.json key (as the family spells it) for a count or
+    size that is not a positive integer (an expert count of 0 means a dense model)."""
     def get(key: str, default: Any) -> Any:
         v = config.get(key)
         return default if v is None else v
@@ -171,20 +253,20 @@ def hf_moe_fields(arch: str, config: Mapping[str, Any], num_layers: int) -> dict
     if arch in ("deepseek_v2", "deepseek_v3"):
         return _deepseek_moe_fields(arch, config, num_layers, get)
     if arch == "mixtral":
-        return {"num_experts": get("num_local_experts", get("num_experts", 8)),
-                "num_experts_per_tok": get("num_experts_per_tok", 2),
+        return {"num_experts": _hf_count(config, ("num_local_experts", "num_experts"), 8),
+                "num_experts_per_tok": hf_int(config, "num_experts_per_tok", 2),
                 "moe_intermediate_size": config.get("intermediate_size"), "norm_topk_prob": True}
     if arch != "qwen3_moe":
         return {}
     from pagedkv.model.moe import moe_layer_indices
 
-    experts = get("num_experts", get("num_local_experts", 128))
-    layers = moe_layer_indices(num_layers, decoder_sparse_step=get("decoder_sparse_step", 1),
+    experts = _hf_count(config, ("num_experts", "num_local_experts"), 128)
+    layers = moe_layer_indices(num_layers, decoder_sparse_step=hf_int(config, "decoder_sparse_step", 1),
                                mlp_only_layers=get("mlp_only_layers", []))
     if not experts or not layers:
         return {}
-    return {"num_experts": experts, "num_experts_per_tok": get("num_experts_per_tok", 8),
-            "moe_intermediate_size": get("moe_intermediate_size", 768),
+    return {"num_experts": experts, "num_experts_per_tok": hf_int(config, "num_experts_per_tok", 8),
+            "moe_intermediate_size": hf_int(config, "moe_intermediate_size", 768),
             "norm_topk_prob": bool(get("norm_topk_prob", False)),
             "moe_layers": None if len(layers) == num_layers else layers}
 
@@ -202,8 +284,8 @@ def _deepseek_moe_fields(arch: str, config: Mapping[str, Any], num_layers: int, 
     from pagedkv.model.moe import moe_layer_indices
 
     v3 = arch == "deepseek_v3"
-    experts = get("n_routed_experts", get("num_local_experts", 256 if v3 else 64))
-    first_dense = get("first_k_dense_replace", 3 if v3 else 0)
+    experts = _hf_count(config, ("n_routed_experts", "num_local_experts"), 256 if v3 else 64)
+    first_dense = hf_int(config, "first_k_dense_replace", 3 if v3 else 0, low=0)
     layers = moe_layer_indices(num_layers, first_k_dense_replace=first_dense)
     if not experts or not layers:
         return {}
@@ -215,21 +297,26 @@ def _deepseek_moe_fields(arch: str, config: Mapping[str, Any], num_layers: int, 
     if scoring != ("sigmoid" if v3 else "softmax"):
         raise ConfigError(f"scoring_func: {scoring!r} is not {arch}'s ({'sigmoid' if v3 else 'softmax'}) router score")
     grouped = method != "greedy"
-    n_group, topk_group = (get("n_group", 8), get("topk_group", 4)) if v3 else (config.get("n_group"),
-                                                                                   config.get("topk_group"))
+    n_group, topk_group = (hf_int(config, "n_group", 8 if v3 else None), hf_int(config, "topk_group", 4 if v3 else None))
     if grouped and (n_group is None or topk_group is None):
         raise ConfigError(f"n_group: topk_method {method!r} needs n_group and topk_group, got {n_group!r} / {topk_group!r}")
     top_k = config.get("num_experts_per_tok")
     if top_k is None and not v3:
         raise ConfigError("num_experts_per_tok: missing from a DeepSeek-V2 config with mixture-of-experts layers")
-    return {"num_experts": experts, "num_experts_per_tok": get("num_experts_per_tok", 8),
-            "moe_intermediate_size": get("moe_intermediate_size", 2048 if v3 else 1407),
-            "num_shared_experts": get("n_shared_experts", 1 if v3 else 2),
+    return {"num_experts": experts, "num_experts_per_tok": hf_int(config, "num_experts_per_tok", 8),
+            "moe_intermediate_size": hf_int(config, "moe_intermediate_size", 2048 if v3 else 1407),
+            "num_shared_experts": hf_int(config, "n_shared_experts", 1 if v3 else 2, low=0),
             "moe_routing": "sigmoid" if v3 else "softmax",
             "norm_topk_prob": bool(get("norm_topk_prob", True)) if v3 else False,
             "moe_n_group": n_group if grouped else 1, "moe_topk_group": topk_group if grouped else 1,
             "routed_scaling_factor": float(get("routed_scaling_factor", 2.5 if v3 else 1.0)),
             "moe_layers": None if len(layers) == num_layers else layers}
+
+
+def _hf_count(config: Mapping[str, Any], keys: tuple[str, ...], default: int) -> int:
+    """An expert count (0: dense) spelled by the first of ``keys`` present (``hf_int``)."""
+    key = next((k for k in keys if config.get(k) is not None), None)
+    return default if key is None else hf_int(config, key, low=0)
 
 
 def _cap(config: Mapping[str, Any], key: str) -> float | None:
@@ -247,6 +334,9 @@ def hf_rope(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None, fl
     spelling. ``rope_scaling`` applies to the full-attention layers; the sliding layers of a
     Gemma-3 use plain RoPE with base ``rope_local_theta``. Raises ``ConfigError`` for partial
     RoPE or scaling on the sliding layers."""
+    for key in ("rope_parameters", "rope_scaling"):
+        if config.get(key) is not None and not isinstance(config[key], Mapping):
+            raise ConfigError(f"{key}: must be a JSON object or null, got {config[key]!r}")
     params = dict(config.get("rope_parameters") or {})
     local_theta = None
     if "full_attention" in params or "sliding_attention" in params:

@@ -316,7 +316,8 @@ def build_gguf_model(path: Path, header: GGUFHeader, config: ModelConfig, route:
     tensor by tensor (module doc). ``progress``: a tqdm bar over the bytes read (``None``: on a
     terminal only). ``lazy_experts`` (``None``: ``PAGEDKV_LAZY_EXPERTS=1``): a mixture of
     experts' matrices are read at their first use (``gguf_moe.LazyExpertLinear``). Returns ``(model in eval mode, LoadReport)``. Raises ``ConfigError`` for an
-    unsupported type (``supported``), a missing or unexpected tensor, or a truncated file."""
+    unsupported type (``supported``), a missing or unexpected tensor, a truncated file, or a
+    ``PAGEDKV_LAZY_EXPERTS`` other than ``0`` / ``1``."""
     from tqdm.auto import tqdm
 
     from pagedkv.model.llama import LlamaForCausalLM
@@ -332,7 +333,10 @@ def build_gguf_model(path: Path, header: GGUFHeader, config: ModelConfig, route:
                desc=f"loading {path.name}", disable=(None if progress is None else not progress), leave=False)
     reader, floats = _Reader(path, bar), {}
     if lazy_experts is None:
-        lazy_experts = os.environ.get("PAGEDKV_LAZY_EXPERTS", "0") == "1"
+        flag = os.environ.get("PAGEDKV_LAZY_EXPERTS", "0")
+        if flag not in ("0", "1"):
+            raise ConfigError(f"PAGEDKV_LAZY_EXPERTS: must be '0' or '1' (or unset), got {flag!r}")
+        lazy_experts = flag == "1"
     lazy_reader = None
     if lazy_experts and config.num_experts:  # the experts' own reader, open while the model lives
         lazy_reader = _Reader(path)

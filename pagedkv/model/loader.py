@@ -127,7 +127,7 @@ def auto_weights(model: str | Path | None, fmt: str, why: str, dtype: Any = "fp3
 
     try:
         torch_dtype_name = str(json.loads((path / "config.json").read_text()).get("torch_dtype") or "float32")
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):  # not a JSON object: hf_config names it
         torch_dtype_name = "float32"
     from pagedkv.model.quant import cpu_features
 

@@ -308,11 +308,34 @@ def _fuse_layers(state: StateDict, parts: _Parts, config: ModelConfig, names: tu
             state[f"layers.{i}.qkv_proj.bias"] = cat(i, f"{q}.bias", f"{k}.bias", f"{v}.bias")
         if f"layers.{i}.gate_up_proj.weight" not in state and not config.is_moe_layer(i):
             state[f"layers.{i}.gate_up_proj.weight"] = cat(i, f"{gate}.weight", f"{up}.weight")
-    if parts:
-        raise ConfigError(f"weights: tensors of layers beyond num_layers: {sorted(parts)[:3]}")
+    _check_leftovers(parts, config)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     return state
+
+
+#: the config.json key of the routed-expert count, by family
+_EXPERTS_KEY = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts", "deepseek_v2": "n_routed_experts",
+                "deepseek_v3": "n_routed_experts"}
+
+
+def _check_leftovers(parts: _Parts, config: ModelConfig) -> None:
+    """Raise ``ConfigError`` for checkpoint parts no fused tensor took, naming the config key
+    that left them out: experts beyond the expert count, shared experts the config lacks,
+    layers beyond the layer count."""
+    if not parts:
+        return
+    left = sorted(parts)
+    experts = [p for p in left if p[1].startswith("experts.") and p[0] < config.num_layers]
+    if experts and config.is_moe_layer(experts[0][0]):
+        key = _EXPERTS_KEY.get(config.architecture, "num_experts")
+        raise ConfigError(f"{key}: the checkpoint has experts beyond {key}={config.num_experts}: {experts[:3]}")
+    if experts:
+        raise ConfigError(f"weights: expert tensors in layer {experts[0][0]}, a dense layer by the config: {experts[:3]}")
+    shared = [p for p in left if p[1].startswith("shared.") and p[0] < config.num_layers]
+    if shared:
+        raise ConfigError(f"n_shared_experts: the checkpoint has shared experts the config lacks: {shared[:3]}")
+    raise ConfigError(f"weights: tensors of layers beyond num_layers: {left[:3]}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,12 +378,16 @@ def hf_config(path: Path) -> ModelConfig:
         raise ConfigError(f"model: directory {str(path)!r} has no config.json") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"config.json: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"config.json: {str(path / 'config.json')!r} is not a config (a JSON object), got {cfg!r:.40}")
     gen = None
     if (path / "generation_config.json").is_file():
         try:
             gen = json.loads((path / "generation_config.json").read_text())
         except json.JSONDecodeError as e:
             raise ConfigError(f"generation_config.json: not valid JSON ({e})") from None
+        if not isinstance(gen, dict):
+            raise ConfigError(f"generation_config.json: not a JSON object, got {gen!r:.40}")
     return ModelConfig.from_hf_config(cfg, gen, model_id=path.name, revision=_hf_revision(path))
 
 
