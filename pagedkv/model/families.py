@@ -240,7 +240,25 @@ def check_mla(c: Any) -> None:
             raise ConfigError(f"{name}: must be a positive number, got {v!r}")
 
 
+#: the config.json spellings of the routed-expert count, by family (the first is transformers')
+EXPERT_KEYS = {"qwen3_moe": ("num_experts", "num_local_experts"), "mixtral": ("num_local_experts", "num_experts"),
+               "deepseek_v2": ("n_routed_experts", "num_local_experts"),
+               "deepseek_v3": ("n_routed_experts", "num_local_experts")}
+
+
 def hf_moe_fields(arch: str, config: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    """``_hf_moe_fields``, with ``num_experts_per_tok`` above the expert count (or a non-bool
+    ``norm_topk_prob``) a ``ConfigError`` naming the config.json keys."""
+    out = _hf_moe_fields(arch, config, num_layers)
+    if out.get("num_experts") and out["num_experts_per_tok"] > out["num_experts"]:
+        key = next((k for k in EXPERT_KEYS[arch] if config.get(k) is not None), EXPERT_KEYS[arch][0])
+        raise ConfigError(f"num_experts_per_tok: {out['num_experts_per_tok']} > {key} {out['num_experts']}")
+    if out and not isinstance(config.get("norm_topk_prob", False), (bool, type(None))):
+        raise ConfigError(f"norm_topk_prob: must be true or false, got {config['norm_topk_prob']!r}")
+    return out
+
+
+def _hf_moe_fields(arch: str, config: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
     """The mixture-of-experts fields of ``ModelConfig`` (``{}`` for a dense family), with the
     config classes' defaults for missing keys (transformers 5.24 ``Qwen3MoeConfig``,
     ``MixtralConfig``; both spell the expert count ``num_experts`` or ``num_local_experts``).
@@ -253,14 +271,14 @@ def hf_moe_fields(arch: str, config: Mapping[str, Any], num_layers: int) -> dict
     if arch in ("deepseek_v2", "deepseek_v3"):
         return _deepseek_moe_fields(arch, config, num_layers, get)
     if arch == "mixtral":
-        return {"num_experts": _hf_count(config, ("num_local_experts", "num_experts"), 8),
+        return {"num_experts": _hf_count(config, EXPERT_KEYS[arch], 8),
                 "num_experts_per_tok": hf_int(config, "num_experts_per_tok", 2),
                 "moe_intermediate_size": config.get("intermediate_size"), "norm_topk_prob": True}
     if arch != "qwen3_moe":
         return {}
     from pagedkv.model.moe import moe_layer_indices
 
-    experts = _hf_count(config, ("num_experts", "num_local_experts"), 128)
+    experts = _hf_count(config, EXPERT_KEYS[arch], 128)
     layers = moe_layer_indices(num_layers, decoder_sparse_step=hf_int(config, "decoder_sparse_step", 1),
                                mlp_only_layers=get("mlp_only_layers", []))
     if not experts or not layers:
@@ -284,7 +302,7 @@ def _deepseek_moe_fields(arch: str, config: Mapping[str, Any], num_layers: int, 
     from pagedkv.model.moe import moe_layer_indices
 
     v3 = arch == "deepseek_v3"
-    experts = _hf_count(config, ("n_routed_experts", "num_local_experts"), 256 if v3 else 64)
+    experts = _hf_count(config, EXPERT_KEYS[arch], 256 if v3 else 64)
     first_dense = hf_int(config, "first_k_dense_replace", 3 if v3 else 0, low=0)
     layers = moe_layer_indices(num_layers, first_k_dense_replace=first_dense)
     if not experts or not layers:

@@ -39,7 +39,7 @@ from pagedkv._bundled import BUNDLED_MODEL_ID, bundled_model_path
 from pagedkv.errors import ConfigError
 from pagedkv.gguf_header import GGUFHeader, GGUFTensorInfo
 from pagedkv.model.config import ModelConfig
-from pagedkv.model.families import GGUF_CONVENTIONS
+from pagedkv.model.families import EXPERT_KEYS, GGUF_CONVENTIONS
 
 StateDict = dict[str, torch.Tensor]
 # Tensors that are fused per layer, keyed by (layer index, part name) until fused.
@@ -314,11 +314,6 @@ def _fuse_layers(state: StateDict, parts: _Parts, config: ModelConfig, names: tu
     return state
 
 
-#: the config.json key of the routed-expert count, by family
-_EXPERTS_KEY = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts", "deepseek_v2": "n_routed_experts",
-                "deepseek_v3": "n_routed_experts"}
-
-
 def _check_leftovers(parts: _Parts, config: ModelConfig) -> None:
     """Raise ``ConfigError`` for checkpoint parts no fused tensor took, naming the config key
     that left them out: experts beyond the expert count, shared experts the config lacks,
@@ -328,7 +323,7 @@ def _check_leftovers(parts: _Parts, config: ModelConfig) -> None:
     left = sorted(parts)
     experts = [p for p in left if p[1].startswith("experts.") and p[0] < config.num_layers]
     if experts and config.is_moe_layer(experts[0][0]):
-        key = _EXPERTS_KEY.get(config.architecture, "num_experts")
+        key = EXPERT_KEYS.get(config.architecture, ("num_experts",))[0]
         raise ConfigError(f"{key}: the checkpoint has experts beyond {key}={config.num_experts}: {experts[:3]}")
     if experts:
         raise ConfigError(f"weights: expert tensors in layer {experts[0][0]}, a dense layer by the config: {experts[:3]}")

@@ -67,6 +67,13 @@ def _cfg(kind: str, **kw) -> ModelConfig:
     ("mixtral", dict(num_experts_per_tok=0), "num_experts_per_tok: must be a positive integer, got 0"),
     ("deepseek_v3", dict(first_k_dense_replace=1, n_routed_experts=-1),
      "n_routed_experts: must be an integer >= 0, got -1"),
+    ("mixtral", dict(num_experts_per_tok=9), "num_experts_per_tok: 9 > num_local_experts 8"),
+    ("qwen3_moe", dict(num_experts_per_tok=9), "num_experts_per_tok: 9 > num_local_experts 8"),  # 5.24's spelling
+    ("qwen3_moe", dict(num_local_experts=DEL, num_experts=8, num_experts_per_tok=9),
+     "num_experts_per_tok: 9 > num_experts 8"),
+    ("deepseek_v3", dict(first_k_dense_replace=1, num_experts_per_tok=DEL),
+     "num_experts_per_tok: 8 > n_routed_experts 4"),  # transformers' default top-k 8
+    ("qwen3_moe", dict(norm_topk_prob="x"), "norm_topk_prob: must be true or false, got 'x'"),
     # 10: HF keys, not ModelConfig's names
     ("deepseek_v3", dict(num_attention_heads=0), "num_attention_heads: must be a positive integer, got 0"),
     ("deepseek_v3", dict(num_hidden_layers=-1), "num_hidden_layers: must be a positive integer, got -1"),
