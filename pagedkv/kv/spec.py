@@ -59,6 +59,9 @@ CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
 _MHA_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral", "phi3", "gemma", "gemma2", "gemma3",
                "gemma3_text")
 _MLA_TYPES = ("deepseek_v2", "deepseek_v3", "minicpm3")
+#: transformers 5.24's defaults of (kv_lora_rank, qk_rope_head_dim) for a key missing from the
+#: config.json (as ``pagedkv.model.families.MLA_DEFAULTS``, which the model reads)
+_MLA_DEFAULTS = {"deepseek_v2": (512, 64), "deepseek_v3": (512, 64), "minicpm3": (256, 32)}
 
 
 def check_group_size(group_size: int | None, head_dim: int) -> int:
@@ -246,7 +249,8 @@ class KVCacheSpec:
         Sliding-window layers (``pagedkv.model_config.hf_layer_windows``, the rules the model
         reads too) get their own layer group, sized by their window.
 
-        Raises ``ConfigError`` on an unknown ``model_type`` or a missing field (named).
+        Raises ``ConfigError`` on an unknown ``model_type`` or a missing field (named; an MLA
+        config's missing ``kv_lora_rank`` / ``qk_rope_head_dim`` take transformers' defaults).
         """
         cfg = load_hf_config(cfg)
         # Multimodal wrappers keep the language model under text_config.
@@ -262,7 +266,8 @@ class KVCacheSpec:
             return cfg[key]
 
         if model_type in _MLA_TYPES:
-            r, rope = need("kv_lora_rank"), need("qk_rope_head_dim")
+            r, rope = (need(k) if k in cfg else d for k, d in zip(("kv_lora_rank", "qk_rope_head_dim"),
+                                                                 _MLA_DEFAULTS[model_type]))
             return cls(num_layers=need("num_hidden_layers"), num_kv_heads=1,
                        head_dim=r + rope, dtype=dtype, tp_size=tp_size,
                        kv_lora_rank=r, qk_rope_head_dim=rope, **kw)

@@ -123,7 +123,7 @@ def test_bad_input_is_typed_and_names_the_field():
     with pytest.raises(ConfigError, match="num_attention_heads"):
         KVCacheSpec.from_hf_config({"model_type": "llama", "num_hidden_layers": 2})
     with pytest.raises(ConfigError, match="kv_lora_rank"):
-        KVCacheSpec.from_hf_config({"model_type": "deepseek_v3", "num_hidden_layers": 2})
+        KVCacheSpec.from_hf_config({"model_type": "deepseek_v3", "num_hidden_layers": 2, "kv_lora_rank": None})
     with pytest.raises(ConfigError, match="dtype"):
         KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=8, dtype="fp12")
     with pytest.raises(ConfigError, match="num_layers"):

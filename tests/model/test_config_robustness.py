@@ -153,3 +153,19 @@ def test_lazy_experts_variable_takes_only_0_or_1(moe_gguf, monkeypatch, value):
     with pytest.raises(ConfigError) as e:
         load_model(path, weights="gguf")
     assert str(e.value) == f"PAGEDKV_LAZY_EXPERTS: must be '0' or '1' (or unset), got {value!r}"
+
+
+@pytest.mark.parametrize("kind, rank, rope", [("deepseek_v3", 512, 64), ("minicpm3", 256, 32)])
+def test_planner_reads_the_same_mla_defaults_as_the_model(kind, rank, rope):
+    """The KV planner (``KVCacheSpec.from_hf_config``) sizes a config.json without
+    ``kv_lora_rank`` / ``qk_rope_head_dim`` as the model reads it; a null ``kv_lora_rank`` is
+    refused by both."""
+    from pagedkv.kv.spec import KVCacheSpec
+
+    d = _hf(kind, kv_lora_rank=DEL, qk_rope_head_dim=DEL)
+    spec, model = KVCacheSpec.from_hf_config(d, dtype="float32"), ModelConfig.from_hf_config(d)
+    assert (spec.kv_lora_rank, spec.qk_rope_head_dim, spec.head_dim, spec.num_kv_heads) == (rank, rope, rank + rope, 1)
+    assert (model.kv_lora_rank, model.qk_rope_head_dim, model.cache_head_dim, model.cache_kv_heads) == (
+        rank, rope, rank + rope, 1)
+    with pytest.raises(ConfigError, match="missing field 'kv_lora_rank'"):
+        KVCacheSpec.from_hf_config({**d, "kv_lora_rank": None})
