@@ -360,6 +360,15 @@ def known_config(name: str) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+def json_object(loaded: Any, path: Path | str) -> dict[str, Any]:
+    """``loaded`` (a parsed config.json read from ``path``) if it is a JSON object. Raises
+    ``ConfigError`` naming the file and what it holds instead (an array, ``null``, ...)."""
+    if not isinstance(loaded, dict):
+        kind = {list: "array", str: "string", bool: "boolean", type(None): "null"}.get(type(loaded), "number")
+        raise ConfigError(f"{path}: not a config.json (a JSON object), got a JSON {kind}")
+    return loaded
+
+
 def load_hf_config(cfg: dict | str | Path) -> dict[str, Any]:
     """A config dict from a dict, a config.json path/folder, or a shipped config name.
     Raises ``ConfigError`` for an unreadable file, one that is not a JSON object (a list,
@@ -374,10 +383,7 @@ def load_hf_config(cfg: dict | str | Path) -> dict[str, Any]:
             loaded = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ConfigError(f"{path}: not a readable config.json ({exc})") from exc
-        if not isinstance(loaded, dict):
-            kind = {list: "array", str: "string", bool: "boolean", type(None): "null"}.get(type(loaded), "number")
-            raise ConfigError(f"{path}: not a config.json (a JSON object), got a JSON {kind}")
-        return loaded
+        return json_object(loaded, path)
     if isinstance(cfg, str) and "/" not in cfg and not cfg.endswith(".json"):
         return known_config(cfg)
     raise ConfigError(f"model: {cfg} is neither a config.json nor a known config name")

@@ -240,7 +240,7 @@ def check_mla(c: Any) -> None:
             raise ConfigError(f"{name}: must be a positive number, got {v!r}")
 
 
-#: the config.json spellings of the routed-expert count, by family (the first is transformers')
+#: the config.json spellings of the routed-expert count, by family (errors name the first when none is set)
 EXPERT_KEYS = {"qwen3_moe": ("num_experts", "num_local_experts"), "mixtral": ("num_local_experts", "num_experts"),
                "deepseek_v2": ("n_routed_experts", "num_local_experts"),
                "deepseek_v3": ("n_routed_experts", "num_local_experts")}

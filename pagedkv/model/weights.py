@@ -38,6 +38,7 @@ import torch
 from pagedkv._bundled import BUNDLED_MODEL_ID, bundled_model_path
 from pagedkv.errors import ConfigError
 from pagedkv.gguf_header import GGUFHeader, GGUFTensorInfo
+from pagedkv.kv.spec import json_object
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.families import EXPERT_KEYS, GGUF_CONVENTIONS
 
@@ -373,16 +374,14 @@ def hf_config(path: Path) -> ModelConfig:
         raise ConfigError(f"model: directory {str(path)!r} has no config.json") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"config.json: not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise ConfigError(f"config.json: {str(path / 'config.json')!r} is not a config (a JSON object), got {cfg!r:.40}")
+    cfg = json_object(cfg, path / "config.json")
     gen = None
     if (path / "generation_config.json").is_file():
         try:
             gen = json.loads((path / "generation_config.json").read_text())
         except json.JSONDecodeError as e:
             raise ConfigError(f"generation_config.json: not valid JSON ({e})") from None
-        if not isinstance(gen, dict):
-            raise ConfigError(f"generation_config.json: not a JSON object, got {gen!r:.40}")
+        gen = json_object(gen, path / "generation_config.json")
     return ModelConfig.from_hf_config(cfg, gen, model_id=path.name, revision=_hf_revision(path))
 
 

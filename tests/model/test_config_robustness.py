@@ -101,11 +101,17 @@ def test_missing_mla_keys_take_the_config_class_defaults():
     assert _cfg("deepseek_v3", rope_interleave=False).rope_interleave is False
 
 
-@pytest.mark.parametrize("text", ["[1]", "null", '"x"'])
-def test_config_json_that_is_not_an_object(tmp_path, text):
+@pytest.mark.parametrize("text, kind", [("[1]", "array"), ("null", "null"), ('"x"', "string")])
+def test_config_json_that_is_not_an_object(tmp_path, text, kind):
+    """The same message as the KV planner's (``pagedkv.kv.spec.load_hf_config``)."""
+    from pagedkv.kv.spec import KVCacheSpec
+
     (tmp_path / "config.json").write_text(text)
-    with pytest.raises(ConfigError, match=r"^config\.json: .* is not a config \(a JSON object\)"):
-        load_model(tmp_path)
+    message = f"{tmp_path / 'config.json'}: not a config.json (a JSON object), got a JSON {kind}"
+    for load in (load_model, KVCacheSpec.from_hf_config):
+        with pytest.raises(ConfigError) as e:
+            load(tmp_path)
+        assert str(e.value) == message
     with pytest.raises(ConfigError, match=r"^config\.json: not a config \(a JSON object\)"):
         ModelConfig.from_hf_config(json.loads(text))
 
