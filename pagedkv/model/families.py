@@ -271,7 +271,7 @@ def _hf_moe_fields(arch: str, config: Mapping[str, Any], num_layers: int) -> dic
     if arch in ("deepseek_v2", "deepseek_v3"):
         return _deepseek_moe_fields(arch, config, num_layers, get)
     if arch == "mixtral":
-        return {"num_experts": _hf_count(config, EXPERT_KEYS[arch], 8),
+        return {"num_experts": _hf_count(config, EXPERT_KEYS[arch], 8, low=1),  # transformers: no dense Mixtral
                 "num_experts_per_tok": hf_int(config, "num_experts_per_tok", 2),
                 "moe_intermediate_size": config.get("intermediate_size"), "norm_topk_prob": True}
     if arch != "qwen3_moe":
@@ -305,8 +305,12 @@ def _deepseek_moe_fields(arch: str, config: Mapping[str, Any], num_layers: int, 
     experts = _hf_count(config, EXPERT_KEYS[arch], 256 if v3 else 64)
     first_dense = hf_int(config, "first_k_dense_replace", 3 if v3 else 0, low=0)
     layers = moe_layer_indices(num_layers, first_k_dense_replace=first_dense)
-    if not experts or not layers:
+    if not layers:
         return {}
+    if not experts:  # transformers builds an expert block on these layers: 0 experts is no model
+        key = next((k for k in EXPERT_KEYS[arch] if config.get(k) is not None), EXPERT_KEYS[arch][0])
+        raise ConfigError(f"{key}: 0 experts, but layers {layers[0]}.. are mixture-of-experts (first_k_dense_replace "
+                          f"{first_dense})")
     method = get("topk_method", "noaux_tc" if v3 else "greedy")
     scoring = get("scoring_func", "sigmoid" if v3 else "softmax")
     methods = ("noaux_tc",) if v3 else ("greedy", "group_limited_greedy")
@@ -331,10 +335,11 @@ def _deepseek_moe_fields(arch: str, config: Mapping[str, Any], num_layers: int, 
             "moe_layers": None if len(layers) == num_layers else layers}
 
 
-def _hf_count(config: Mapping[str, Any], keys: tuple[str, ...], default: int) -> int:
-    """An expert count (0: dense) spelled by the first of ``keys`` present (``hf_int``)."""
+def _hf_count(config: Mapping[str, Any], keys: tuple[str, ...], default: int, low: int = 0) -> int:
+    """An expert count (0: dense where ``low`` is 0) spelled by the first of ``keys`` present
+    (``hf_int``)."""
     key = next((k for k in keys if config.get(k) is not None), None)
-    return default if key is None else hf_int(config, key, low=0)
+    return default if key is None else hf_int(config, key, low=low)
 
 
 def _cap(config: Mapping[str, Any], key: str) -> float | None:

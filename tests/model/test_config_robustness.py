@@ -63,7 +63,7 @@ def _cfg(kind: str, **kw) -> ModelConfig:
     ("qwen3_moe", dict(num_experts_per_tok="2"), "num_experts_per_tok: must be a positive integer, got '2'"),
     ("qwen3_moe", dict(moe_intermediate_size=0), "moe_intermediate_size: must be a positive integer, got 0"),
     ("qwen3_moe", dict(num_experts=2.5), "num_experts: must be an integer >= 0, got 2.5"),
-    ("mixtral", dict(num_local_experts=-3), "num_local_experts: must be an integer >= 0, got -3"),
+    ("mixtral", dict(num_local_experts=-3), "num_local_experts: must be a positive integer, got -3"),
     ("mixtral", dict(num_experts_per_tok=0), "num_experts_per_tok: must be a positive integer, got 0"),
     ("deepseek_v3", dict(first_k_dense_replace=1, n_routed_experts=-1),
      "n_routed_experts: must be an integer >= 0, got -1"),
@@ -74,6 +74,9 @@ def _cfg(kind: str, **kw) -> ModelConfig:
     ("deepseek_v3", dict(first_k_dense_replace=1, num_experts_per_tok=DEL),
      "num_experts_per_tok: 8 > n_routed_experts 4"),  # transformers' default top-k 8
     ("qwen3_moe", dict(norm_topk_prob="x"), "norm_topk_prob: must be true or false, got 'x'"),
+    ("mixtral", dict(num_local_experts=0), "num_local_experts: must be a positive integer, got 0"),
+    ("deepseek_v3", dict(first_k_dense_replace=1, n_routed_experts=0),
+     "n_routed_experts: 0 experts, but layers 1.. are mixture-of-experts (first_k_dense_replace 1)"),
     # 10: HF keys, not ModelConfig's names
     ("deepseek_v3", dict(num_attention_heads=0), "num_attention_heads: must be a positive integer, got 0"),
     ("deepseek_v3", dict(num_hidden_layers=-1), "num_hidden_layers: must be a positive integer, got -1"),
@@ -99,6 +102,8 @@ def test_missing_mla_keys_take_the_config_class_defaults():
     assert _cfg("minicpm3", dim_model_base=None).logits_scaling == 1.0
     assert _cfg("deepseek_v3", q_lora_rank=None).q_lora_rank is None  # explicit null: one q_proj
     assert _cfg("deepseek_v3", rope_interleave=False).rope_interleave is False
+    assert _cfg("deepseek_v3", n_routed_experts=0).num_experts == 0  # every layer dense (first_k_dense_replace 3)
+    assert _cfg("qwen3_moe", num_local_experts=0).num_experts == 0  # transformers: a dense Qwen3-MoE
 
 
 @pytest.mark.parametrize("text, kind", [("[1]", "array"), ("null", "null"), ('"x"', "string")])
