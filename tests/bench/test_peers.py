@@ -67,16 +67,9 @@ def test_bench_peers_tiny(loaded_model, hf_model, tmp_path):
     # greedy fp32: pagedkv and transformers agree token for token on these tiny requests
     agree = data["greedy_agreement_with_pagedkv"][peers.HF_GENERATE.format(bs=2)]
     assert agree["requests"] == 4 and agree["identical_requests"] >= 3  # padding may flip a rare near-tie
-    # one at a time: the same greedy tokens as the batched run; the batch-1 pair compared
-    b1 = data["greedy_agreement_with_pagedkv"][peers.PAGEDKV_B1]
-    assert b1["requests"] == 4 and b1["identical_requests"] >= 3
-    assert by[peers.PAGEDKV_B1]["decode_tokens"] == data["workload"]["output_tokens"] - 4  # all but each first
-    assert data["batch1"]["pagedkv"]["decode_tokens_per_s"] > 0
-    if by[peers.LLAMA_CPP]["status"] == "ok":
-        assert math.isfinite(data["batch1"]["decode_ratio"]) and isinstance(data["batch1"]["met"], bool)
-        assert by[peers.LLAMA_CPP]["completed"] == 4
-    else:
-        assert data["batch1"]["decode_ratio"] is None
+    # the batch-1 comparison with llama.cpp is its own protocol now (--systems pagedkv-b1,llama.cpp,
+    # tests/bench/test_peers_native.py): no one-at-a-time row or batch1 block here
+    assert "batch1" not in data and "llama.cpp" not in by
     assert (tmp_path / "peers.md").read_text().startswith("# Peers")
     assert (tmp_path / "peers.png").stat().st_size > 1000
 
@@ -87,14 +80,14 @@ def test_bench_peers_weights_int4(tmp_path):
     results go to peers_int4.* with the format recorded."""
     from pagedkv.cli import build_parser
 
-    args = build_parser().parse_args(["bench", "peers", "--tiny", "--weights", "int4", "--systems", "pagedkv-b1",
-                                      "--out-dir", str(tmp_path), "--no-plot"])
+    args = build_parser().parse_args(["bench", "peers", "--tiny", "--weights", "int4", "--systems", "pagedkv",
+                                      "--no-repeat", "--out-dir", str(tmp_path), "--no-plot"])
     assert peers.run(args) == 0
     data = json.loads((tmp_path / "peers_int4.json").read_text())
     assert data["config"]["pagedkv_weights"] == "int4"
-    assert data["config"]["command"].endswith("--weights int4")
+    assert data["config"]["command"].endswith("--systems pagedkv --weights int4 --no-repeat")
     (row,) = data["systems"]
-    assert row["name"] == peers.PAGEDKV_B1 and row["status"] == "ok" and row["completed"] == 4
+    assert row["name"] == peers.PAGEDKV and row["status"] == "ok" and row["completed"] == 4
     assert "pagedkv weights int4" in (tmp_path / "peers_int4.md").read_text()
     assert not (tmp_path / "peers.json").exists()
 
@@ -146,12 +139,12 @@ def test_resolve_peer_model_default_by_path(bundled_gguf, tmp_path):
 
 @pytest.mark.slow
 def test_bench_peers_tiny_on_gemma3(gemma3_gguf, tmp_path):
-    """--model gemma-3-270m: pagedkv and llama.cpp run that GGUF (a base model, BOS-first
-    prompts); the results record it and go to peers_gemma-3-270m.*, never peers.*."""
+    """--model gemma-3-270m: pagedkv runs that GGUF (a base model, BOS-first prompts); the
+    results record it and go to peers_gemma-3-270m.*, never peers.*."""
     from pagedkv.cli import build_parser
 
     args = build_parser().parse_args(["bench", "peers", "--tiny", "--model", "gemma-3-270m", "--systems",
-                                      "pagedkv-b1,llama.cpp", "--out-dir", str(tmp_path), "--no-plot"])
+                                      "pagedkv", "--no-repeat", "--out-dir", str(tmp_path), "--no-plot"])
     assert peers.run(args) == 0
     data = json.loads((tmp_path / "peers_gemma-3-270m.json").read_text())
     c = data["config"]
@@ -161,12 +154,7 @@ def test_bench_peers_tiny_on_gemma3(gemma3_gguf, tmp_path):
     assert c["prompts_start_with_bos"] == 2 and "BOS (id 2)" in c["notes"]
     assert c["command"].startswith("pagedkv bench peers --model gemma-3-270m ")
     by = {r["name"]: r for r in data["systems"]}
-    assert by[peers.PAGEDKV_B1]["status"] == "ok" and by[peers.PAGEDKV_B1]["completed"] == 4
-    if by[peers.LLAMA_CPP]["status"] == "ok":  # llama.cpp is optional: absent, it says so
-        assert by[peers.LLAMA_CPP]["weights"] == "Q4_K_M (as stored in the GGUF)"
-        assert by[peers.LLAMA_CPP]["completed"] == 4
-        agree = data["greedy_agreement_with_pagedkv"][peers.LLAMA_CPP]
-        assert agree["requests"] == 4 and agree["mean_common_prefix_fraction"] > 0.5  # the same model
+    assert set(by) == {peers.PAGEDKV} and by[peers.PAGEDKV]["status"] == "ok" and by[peers.PAGEDKV]["completed"] == 4
     md = (tmp_path / "peers_gemma-3-270m.md").read_text()
     assert "Model: gemma-3-270m-q4_k_m (`gemma-3-270m-q4_k_m.gguf`, Q4_K_M as stored)" in md
     assert not (tmp_path / "peers.json").exists()
