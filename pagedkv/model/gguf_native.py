@@ -40,7 +40,7 @@ import mmap
 import os
 import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -58,6 +58,7 @@ from pagedkv.model.gguf_read import Reader as _Reader
 from pagedkv.model.gguf_read import qtype_name as _qtype
 from pagedkv.model.gguf_read import stored_bytes as _nbytes
 from pagedkv.model.gguf_read import tensor_rows as _rows
+from pagedkv.model.packed_cache import PackedCache
 from pagedkv.model.quant import QuantLinear
 from pagedkv.model.weights import _gguf_layer_name, _unpermute_rope_rows
 
@@ -228,12 +229,15 @@ class LoadReport:
     weight_bytes: int
     seconds: float
     types: dict[str, int]
+    packed_from_cache: int = 0
 
     def summary(self) -> str:
         rate = self.bytes_read / max(self.seconds, 1e-9) / 1e9
         kinds = ", ".join(f"{k} x{v}" for k, v in sorted(self.types.items()))
         return (f"{self.tensors} tensors, {self.bytes_read / 1e9:.2f} GB read in {self.seconds:.1f} s "
-                f"({rate:.2f} GB/s); weights in memory {self.weight_bytes / 1e9:.2f} GB ({kinds})")
+                f"({rate:.2f} GB/s); weights in memory {self.weight_bytes / 1e9:.2f} GB ({kinds})"
+                + (f"; {self.packed_from_cache} matrices memory-mapped from the packed cache"
+                   if self.packed_from_cache else ""))
 
 
 def _unpermute_into(raw: np.ndarray, n_heads: int, out: np.ndarray) -> None:
@@ -310,12 +314,16 @@ def _layer_tensors(header: GGUFHeader) -> dict[int, list[GGUFTensorInfo]]:
 
 
 def build_gguf_model(path: Path, header: GGUFHeader, config: ModelConfig, route: str | None = None,
-                     progress: bool | None = None, lazy_experts: bool | None = None) -> tuple[nn.Module, LoadReport]:
+                     progress: bool | None = None, lazy_experts: bool | None = None,
+                     packed_cache: PackedCache | None = None) -> tuple[nn.Module, LoadReport]:
     """A float32 ``LlamaForCausalLM`` for the GGUF at ``path`` whose linear layers are
     ``GGUFLinear`` on the stored blocks and whose embedding is a ``GGUFEmbedding``, streamed
     tensor by tensor (module doc). ``progress``: a tqdm bar over the bytes read (``None``: on a
     terminal only). ``lazy_experts`` (``None``: ``PAGEDKV_LAZY_EXPERTS=1``): a mixture of
-    experts' matrices are read at their first use (``gguf_moe.LazyExpertLinear``). Returns ``(model in eval mode, LoadReport)``. Raises ``ConfigError`` for an
+    experts' matrices are read at their first use (``gguf_moe.LazyExpertLinear``).
+    ``packed_cache`` (``pagedkv.model.packed_cache``, opened): matrices it holds are mapped from
+    it instead of read and packed; when it did not hold them all, the packed matrices are stored
+    in it (a background thread) for the next load. Returns ``(model in eval mode, LoadReport)``. Raises ``ConfigError`` for an
     unsupported type (``supported``), a missing or unexpected tensor, a truncated file, or a
     ``PAGEDKV_LAZY_EXPERTS`` other than ``0`` / ``1``."""
     from tqdm.auto import tqdm
@@ -348,11 +356,20 @@ def build_gguf_model(path: Path, header: GGUFHeader, config: ModelConfig, route:
     # (module, attribute, future of _packed): every matrix is read and packed on two threads
     # (positioned reads and the C packers release the GIL, so one thread reads while the other
     # packs); the modules are made and prepared here, in file order
-    jobs: list[tuple[nn.Module, str, Any]] = []
+    jobs: list[tuple[nn.Module, str, str, Any]] = []
     pool = ThreadPoolExecutor(2, thread_name_prefix="pagedkv-load")
 
+    def submit(name: str, k: int, types: tuple[str, ...] | None, fn: Any, *args: Any) -> Any:
+        hit = packed_cache.get(name, k, types) if packed_cache is not None else None
+        if hit is None:
+            return pool.submit(fn, *args)
+        done: Future = Future()
+        done.set_result(hit)
+        return done
+
     def later(owner: nn.Module, attr: str, parts: list, what: str) -> None:
-        jobs.append((owner, attr, pool.submit(_packed, reader, parts, what)))
+        k, types = parts[0][0].shape[-1], tuple(_qtype(w) for w, _, _ in parts)
+        jobs.append((owner, attr, what, submit(what, k, types, _packed, reader, parts, what)))
 
     try:
         for i, infos in sorted(_layer_tensors(header).items()):
@@ -396,7 +413,8 @@ def build_gguf_model(path: Path, header: GGUFHeader, config: ModelConfig, route:
                     make = functools.partial(_made, fn, lazy_reader, args, route)
                     setattr(owner, attr, gguf_moe.LazyExpertLinear(make, old.in_features, old.out_features))
                 else:
-                    jobs.append((owner, attr, pool.submit(fn, reader, *args)))
+                    jobs.append((owner, attr, args[-1], submit(args[-1], getattr(owner, attr).in_features, None,
+                                                               fn, reader, *args)))
             for module, parts in groups.items():
                 want = 3 if module == "qkv_proj" else 2
                 if sorted(parts) != list(range(want)):
@@ -412,20 +430,27 @@ def build_gguf_model(path: Path, header: GGUFHeader, config: ModelConfig, route:
             raise ConfigError("weights: token_embd.weight is missing")
         head = (by_name.get("output.weight") if not config.tie_word_embeddings else None) or embd
         later(net, "lm_head", [(head, None, None)], head.name)
-        for owner, attr, fut in jobs:
-            setattr(owner, attr, GGUFLinear(*fut.result()).prepare(route))
+        made: dict[str, Any] = {}
+        for owner, attr, name, fut in jobs:
+            if name in made:  # two matrices of one name: the store could not tell them apart
+                packed_cache = None
+            made[name] = fut.result()
+            setattr(owner, attr, GGUFLinear(*made[name]).prepare(route))
         net.embed_tokens = GGUFEmbedding(path, embd)
         known = {"rope_freqs.weight", "output_norm.weight", "token_embd.weight", "output.weight"}
         stray = [t.name for t in header.tensors if not t.name.startswith("blk.") and t.name not in known]
         if stray:
             raise ConfigError(f"weights: unexpected GGUF tensor {stray[0]!r}")
         _assign_floats(net, floats)
+        if packed_cache is not None and packed_cache.hits < len(made):
+            packed_cache.write(made)  # a first load (or a store that did not match): for the next one
     finally:
         pool.shutdown(wait=True, cancel_futures=True)  # no thread reads a closed file
         reader.close()
         bar.close()
     report = LoadReport(tensors=len(header.tensors), bytes_read=reader.read, weight_bytes=held_bytes(net),
-                        seconds=time.perf_counter() - t0, types=linear_types(header))
+                        seconds=time.perf_counter() - t0, types=linear_types(header),
+                        packed_from_cache=0 if packed_cache is None else packed_cache.hits)
     return net.eval().requires_grad_(False), report
 
 

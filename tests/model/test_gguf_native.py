@@ -1,6 +1,7 @@
 """``weights="gguf"`` (what ``auto`` picks for a GGUF): the streaming loader keeps every weight
 matrix in its stored blocks, fused and un-permuted exactly like the fp32 path's values, holds
-no other copy, writes no weight cache, checks memory before loading, and ``auto`` never
+no other copy, writes no fp32 weight cache (only the packed matrices, mapped back by the next
+load: ``test_packed_cache``), checks memory before loading, and ``auto`` never
 changes a model's numbers (an fp32 HF checkpoint stays fp32)."""
 
 from __future__ import annotations
@@ -65,13 +66,23 @@ def test_norms_and_the_first_step_agree_with_the_fp32_model(smol_gguf, loaded_mo
         assert torch.equal(v, ref[k])
 
 
-def test_no_weight_cache_only_the_tokenizer_and_the_identity(smol_gguf, bundled_gguf):
+def test_no_weight_cache_only_the_tokenizer_the_identity_and_the_packed_matrices(smol_gguf, bundled_gguf):
+    from pagedkv.model import packed_cache
+
     lm, root = smol_gguf
+    packed_cache.wait_for_writes()
     assert lm.cache_dir is not None and lm.cache_dir.name.endswith("-tokenizer")
     files = [p for p in root.rglob("*") if p.is_file()]
     assert not [p for p in files if p.name == "model.safetensors" and p.stat().st_size > 1024]
-    total = sum(p.stat().st_size for p in files)
+    packed = [p for p in files if p.parent.name == "packed"]
+    assert sorted(p.suffix for p in packed) == [".bin", ".json"]
+    total = sum(p.stat().st_size for p in files if p not in packed)
     assert total < 0.1 * bundled_gguf.stat().st_size  # the tokenizer's files and a few JSON
+    # the matrices as the kernels read them: the file's matrix bytes (the embedding is the tied head)
+    held = sum(m.packed.nbytes for m in gguf_native.iter_linears(lm.model))
+    (bin_,) = [p for p in packed if p.suffix == ".bin"]
+    assert held <= bin_.stat().st_size <= 1.01 * held
+    assert held <= 1.0 * bundled_gguf.stat().st_size
     ids = list((root / "ids").glob("*.json"))
     assert len(ids) == 1 and json.loads(ids[0].read_text())["sha256"] == weight_cache.file_sha256(bundled_gguf)
     again = load_model(bundled_gguf, weights="gguf", cache_dir=root)
