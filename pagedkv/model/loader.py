@@ -3,9 +3,11 @@
 ``load_model(None)`` loads the bundled SmolLM2-135M-Instruct Q4_1 GGUF. A GGUF's weights are
 read from the file on every load, tensor by tensor, in any format: its stored blocks
 (``weights="gguf"``, ``pagedkv.model.gguf_native``) or converted as they stream in (fp32, bf16,
-int8, int4, the model dtype: ``pagedkv.model.gguf_formats``); no weight cache is kept. Only the
-tokenizer (building it from the file's vocabulary takes seconds) and the file's sha256 are
-cached (``pagedkv.model.weight_cache``: ``$PAGEDKV_CACHE_DIR``, default ``~/.cache/pagedkv``);
+int8, int4, the model dtype: ``pagedkv.model.gguf_formats``); no fp32 weight cache is kept. Cached:
+the tokenizer (building it from the file's vocabulary takes seconds), the file's sha256, and for
+``gguf`` the matrices in the kernels' layout, memory-mapped back by the next load
+(``pagedkv.model.packed_cache``), all under ``$PAGEDKV_CACHE_DIR`` (default ``~/.cache/pagedkv``,
+``pagedkv.model.weight_cache``);
 an entry that fails to load is rebuilt. Where the pieces live: the GGUF header reader
 ``pagedkv.gguf_header``; the GGUF naming and fusion rules and HF safetensors
 ``pagedkv.model.weights``; the tokenizer ``pagedkv.model.tokenizer``.
@@ -50,7 +52,7 @@ class LoadedModel:
     ``ModelConfig``; ``tokenizer``: a transformers tokenizer (with the chat template when the
     source has one); ``path``: the GGUF file or HF directory loaded; ``cache_dir``: a GGUF's
     tokenizer cache entry used or written (``<sha16>-tokenizer``; ``None`` for HF directories or
-    when caching was off or failed; there is no weight cache); ``from_cache``: whether the
+    when caching was off or failed; the packed matrices of ``gguf`` are ``packed_cache``'s); ``from_cache``: whether the
     tokenizer came from it; ``load_seconds``: wall time; ``weights``: the linear layers' weight
     format (``pagedkv.model.quant``) and ``weights_reason`` why it was chosen; ``report`` for a
     GGUF: a ``gguf_native.LoadReport`` (weights ``gguf``) or ``gguf_formats.StreamReport`` (the
