@@ -90,6 +90,11 @@ class LayerGroups:
         """True when some group has a sliding window (the manager then reserves block 0)."""
         return any(w is not None for w in self.windows)
 
+    def kind(self, g: int) -> str:
+        """Group ``g``'s kind: ``"full"`` or ``"sliding_window"`` (the key of the class that
+        manages its block tables in ``pagedkv.kv.manager.GROUP_TYPES``)."""
+        return "full" if self.windows[g] is None else "sliding_window"
+
     def layers_of(self, g: int) -> list[int]:
         return [i for i, x in enumerate(self.layer_group) if x == g]
 
