@@ -708,3 +708,12 @@ def test_foreign_private_read_check_is_not_vacuous():
         "    def key(self):\n        return self._base, other._secret\n"
     )
     assert _foreign_private_reads(planted) == ["line 3: Lookup reads self._gtables", "line 12: Manager reads self._tags"]
+
+
+def test_the_kv_worker_and_testing_packages_count_blocks_through_blocks_needed():
+    """Like the engine: outside ``kv/block_table.py`` (where ``blocks_needed`` and the per-request
+    ``request_blocks_needed`` live) the KV core, the worker and the conformance kit never round
+    tokens up to blocks by hand."""
+    hits = {str(p.relative_to(PKG)): h for d in ("kv", "worker", "testing") for p in sorted((PKG / d).rglob("*.py"))
+            if p != PKG / "kv" / "block_table.py" and (h := _block_ceil_divisions(p.read_text()))}
+    assert hits == {}

@@ -55,6 +55,18 @@ def blocks_needed(num_tokens: Any, block_size: int, window: int | None = None, c
     return min(full, cdiv(window - 1 + chunk, block_size) + 1)
 
 
+def request_blocks_needed(num_tokens: int, block_size: int, windows: Sequence[int | None] = (None,),
+                          chunk: int | None = None) -> int:
+    """THE count of block ids one request of ``num_tokens`` tokens holds, summed over its
+    layer groups (``windows``: per group its sliding window in tokens, ``None`` = full; the
+    default is one full group): :func:`blocks_needed` per group, after its last (decode) step,
+    or with ``chunk`` tokens per step the most it holds at any step. Used by the capacity
+    planner (``KVCacheSpec.blocks_per_request``) and the admission check
+    (``pagedkv.engine.sequence_group.request_blocks``). Raises ``ConfigError`` as
+    :func:`blocks_needed` does."""
+    return sum(blocks_needed(num_tokens, block_size, w, chunk) for w in windows)
+
+
 @dataclass
 class BatchSlots:
     """Flat-batch addressing of one step (numpy; the model runner moves it to the device).

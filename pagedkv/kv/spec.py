@@ -45,7 +45,7 @@ from typing import Any
 
 from pagedkv.errors import ConfigError
 from pagedkv.gguf_header import read_gguf_metadata
-from pagedkv.kv.block_table import blocks_needed
+from pagedkv.kv.block_table import request_blocks_needed
 from pagedkv.kv.groups import LayerGroups
 from pagedkv.model_config import gguf_layer_windows, hf_layer_windows
 from pagedkv.utils import canonical_dtype, cdiv, dtype_bytes
@@ -200,7 +200,7 @@ class KVCacheSpec:
         """Block ids a request of ``num_tokens`` tokens holds, all groups together: after its
         last (decode) step, or with ``chunk`` (tokens per step, e.g. the prefill chunk) the
         most it can hold at any step (a window group: ``ceil((W - 1 + chunk) / bs) + 1``)."""
-        return sum(blocks_needed(num_tokens, block_size, w, chunk) for w in self.groups.windows)
+        return request_blocks_needed(num_tokens, block_size, self.groups.windows, chunk)
 
     def bytes_per_request(self, num_tokens: int, block_size: int) -> int:
         """KV bytes (one rank) a request of ``num_tokens`` tokens holds after its last step."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pagedkv.errors import InvalidRequestError
+from pagedkv.errors import ConfigError, InvalidRequestError
 from pagedkv.kv import BlockPool
 from pagedkv.kv.block_table import BlockTable, build_slots, slot_mapping
 
@@ -69,3 +69,14 @@ def test_empty_batch():
     s = build_slots([], [], [], BS)
     assert s.slot_mapping.tolist() == [] and s.query_start_loc.tolist() == [0]
     assert s.block_tables.shape == (0, 1)
+
+
+def test_request_blocks_needed_sums_blocks_needed_over_the_layer_groups():
+    from pagedkv.kv.block_table import request_blocks_needed
+
+    assert request_blocks_needed(20, 4) == 5  # one full group
+    assert request_blocks_needed(20, 4, (None, 8)) == 5 + 2  # window 8: blocks of positions 12..19
+    assert request_blocks_needed(20, 4, (None, 8), chunk=8) == 5 + 5  # min(5, ceil(15 / 4) + 1)
+    assert request_blocks_needed(0, 4, (None, 8, 8)) == 0
+    with pytest.raises(ConfigError, match="window"):
+        request_blocks_needed(20, 4, (None, 0))
