@@ -13,7 +13,7 @@ PKG = Path(__file__).resolve().parents[1] / "pagedkv"
 
 #: lowest first; a module may import its own package and anything of a lower or equal layer.
 LAYERS = {
-    "errors": 0, "cpu_isa": 1, "csrc": 1, "utils": 1, "_bundled": 1, "gguf_header": 1, "model_config": 1, "kv": 2, "attention": 3, "model": 4,
+    "errors": 0, "cpu_isa": 1, "csrc": 1, "utils": 1, "_bundled": 1, "gguf_header": 1, "attn_layout": 1, "kv": 2, "attention": 3, "model": 4,
     "testing": 4,
     "worker": 5, "distributed": 6, "engine": 7, "native": 7, "server": 8, "serving": 9, "bench": 10, "cli": 11, "__init__": 11,
 }
@@ -257,7 +257,7 @@ def test_scheduler_imports_no_decider():
     assert not any(d.startswith(("pagedkv.model", "pagedkv.worker", "pagedkv.attention")) for d in deps)
 
 
-#: config keys that decide which layers slide: read by pagedkv/model_config.py alone.
+#: config keys that decide which layers slide: read by pagedkv/attn_layout.py alone.
 WINDOW_KEYS = ("sliding_window", "use_sliding_window", "max_window_layers", "layer_types", "sliding_window_pattern")
 
 
@@ -282,7 +282,7 @@ def _window_key_reads(source: str) -> list[str]:
 
 def test_only_the_model_config_reader_reads_window_keys():
     reads = {str(p.relative_to(PKG)): r for p in PKG.rglob("*.py")
-             if p != PKG / "model_config.py" and (r := _window_key_reads(p.read_text()))}
+             if p != PKG / "attn_layout.py" and (r := _window_key_reads(p.read_text()))}
     assert reads == {}
     assert _window_key_reads(
         'w = cfg.get("sliding_window")\nn = cfg["max_window_layers"]\nif "layer_types" in cfg: pass\n'
@@ -290,7 +290,7 @@ def test_only_the_model_config_reader_reads_window_keys():
         'w = layer.attn_options.get("sliding_window")'
     ) == ['line 1: cfg.get(\'sliding_window\')', "line 2: cfg['max_window_layers']",
           "line 3: 'layer_types' in cfg", "line 4: key('attention.sliding_window')"]
-    assert _window_key_reads((PKG / "model_config.py").read_text())  # the reader does read them
+    assert _window_key_reads((PKG / "attn_layout.py").read_text())  # the reader does read them
 
 
 #: the device side: only the worker (and a tensor-parallel rank's shard builder) calls these

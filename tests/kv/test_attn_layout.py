@@ -1,4 +1,4 @@
-"""One reader of a model config's window rules (``pagedkv.model_config``): the KV cache spec a
+"""One reader of a model config's layout and window rules (``pagedkv.attn_layout``): the KV cache spec a
 plan sizes (``KVCacheSpec.from_hf_config`` / ``from_gguf``) has the windows of the model the
 engine runs (``ModelConfig.layer_windows``), and both are transformers' windows; and one
 ``blocks_needed`` for the blocks a request holds."""
@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from pagedkv.attn_layout import hf_layer_windows
 from pagedkv.engine.request import SamplingParams
 from pagedkv.engine.sequence_group import request_blocks
 from pagedkv.errors import ConfigError
@@ -17,7 +18,6 @@ from pagedkv.kv.example import grouped_blocks
 from pagedkv.kv.groups import LayerGroups
 from pagedkv.kv.spec import KVCacheSpec, known_config, known_configs
 from pagedkv.model.config import ModelConfig
-from pagedkv.model_config import hf_layer_windows
 from tests.model.test_families import FAMILIES, _hf_config
 
 BASE = {"vocab_size": 100, "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
