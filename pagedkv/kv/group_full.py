@@ -20,6 +20,7 @@ from typing import Any, Sequence
 from pagedkv.errors import InvalidRequestError
 from pagedkv.kv.block_pool import BlockPool, KVCacheBlock
 from pagedkv.kv.block_table import BlockTable, blocks_needed
+from pagedkv.kv.copy_on_write import copy_on_write, cow_indices
 from pagedkv.kv.prefix_cache import NO_KEYS, CacheKeys, HashFn, iter_block_hashes
 from pagedkv.kv.tiers.index import TierHit
 
@@ -108,13 +109,7 @@ class FullAttentionGroup:
             n_have = n_table
         n_need = max(blocks_needed(total, bs), reserve_blocks)  # logical entries (placeholders too)
         n_fresh = n_need - n_have if n_need > n_have else 0
-        cow: list[int] = []
-        if n_table and num_new_tokens:
-            blocks = table.blocks
-            for i in range(num_computed_tokens // bs, min(n_table, blocks_needed(total, bs))):
-                b = blocks[i]
-                if b.ref_cnt > 1 or b.block_hash is not None:
-                    cow.append(i)
+        cow = cow_indices(table, num_computed_tokens, total) if n_table and num_new_tokens else []
         return table, n_fresh, cow, revived
 
     def open_table(self, req_id: str, hits: Sequence[KVCacheBlock]) -> BlockTable:
@@ -143,17 +138,9 @@ class FullAttentionGroup:
 
     def copy_on_write(self, table: BlockTable, cow: list[int],
                       num_computed_tokens: int) -> tuple[list[tuple[int, int]], list[KVCacheBlock]]:
-        """Give entries ``cow`` of ``table`` fresh private blocks before their first write.
-        Returns ``(copies, dropped)``: ``(src, dst)`` for each replaced block with written
-        slots (the runner copies it), and the replaced blocks (the caller drops them)."""
-        bs = self.block_size
-        copies, dropped = [], []
-        for i, dst in zip(cow, self.pool.allocate(len(cow))):
-            src = table.replace(i, dst)
-            dropped.append(src)
-            if i * bs < num_computed_tokens:
-                copies.append((src.block_id, dst.block_id))
-        return copies, dropped
+        """Private copies of entries ``cow`` of ``table`` (``pagedkv.kv.copy_on_write``):
+        ``(copies, dropped)``; the caller drops the replaced blocks."""
+        return copy_on_write(self.pool, table, cow, num_computed_tokens)
 
     def extend(self, table: BlockTable, n_fresh: int, total: int) -> None:
         """Append ``n_fresh`` blocks to ``table`` and cover ``total`` tokens."""
