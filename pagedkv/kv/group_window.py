@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pagedkv.kv.block_pool import KVCacheBlock
 from pagedkv.kv.group_full import FullAttentionGroup
+from pagedkv.kv.groups import first_live_block
 
 
 class SlidingWindowGroup(FullAttentionGroup):
@@ -22,8 +23,9 @@ class SlidingWindowGroup(FullAttentionGroup):
     needs_whole_prefix = False
 
     def first_live_block(self, num_computed: int) -> int:
-        """First logical block a step computing from position ``num_computed`` reads."""
-        return max(0, num_computed - self.window + 1) // self.block_size
+        """First logical block a step computing from position ``num_computed`` reads
+        (``pagedkv.kv.groups.first_live_block``, the one window rule)."""
+        return first_live_block(self.window, num_computed, self.block_size)
 
     def slide(self, req_id: str, num_computed_tokens: int) -> list[KVCacheBlock]:
         """Replace the request's blocks before the window of a step computing from
