@@ -135,7 +135,7 @@ class KVCacheManager:
         self.num_blocks = num_blocks
         # a contiguous reservation: the least a table holds (0 when paged)
         self._reserve_blocks = 0 if enable_paging else blocks_needed(max_model_len, block_size)
-        #: one KV group manager per layer group (``pagedkv.kv.groups.GROUP_TYPES``)
+        #: one KV group manager per layer group (its class from ``GROUP_TYPES``)
         self.kv_groups: list[FullAttentionGroup] = [
             GROUP_TYPES[groups.kind(g)](g, w, block_size, self.pool, tiers) for g, w in enumerate(groups.windows)]
         self._tables = self.kv_groups[0].tables
