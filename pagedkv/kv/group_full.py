@@ -17,7 +17,7 @@ from dataclasses import replace
 from functools import lru_cache
 from typing import Any, Sequence
 
-from pagedkv.errors import InvalidRequestError
+from pagedkv.errors import InvalidRequestError, NoFreeBlocksError
 from pagedkv.kv.block_pool import BlockPool, KVCacheBlock
 from pagedkv.kv.block_table import BlockTable, blocks_needed
 from pagedkv.kv.copy_on_write import copy_on_write, cow_indices
@@ -111,6 +111,35 @@ class FullAttentionGroup:
         n_fresh = n_need - n_have if n_need > n_have else 0
         cow = cow_indices(table, num_computed_tokens, total) if n_table and num_new_tokens else []
         return table, n_fresh, cow, revived
+
+    def append_in_place(self, req_id: str, num_new_tokens: int, num_computed_tokens: int, paged: bool) -> bool:
+        """The decode fast path of a request with a table: True when positions
+        ``num_computed_tokens .. +num_new_tokens-1`` were given slots without a plan, because
+        they land in one existing private, unpublished block, or (``paged``) start a new
+        logical block (nothing existing is written: no copy-on-write, just append). False:
+        nothing changed, take the general path. Raises ``NoFreeBlocksError`` (nothing taken)."""
+        table = self.tables.get(req_id)
+        if table is None:
+            return False
+        bs = self.block_size
+        total = num_computed_tokens + num_new_tokens
+        first = num_computed_tokens // bs
+        n_table = len(table.blocks)
+        if first == (total - 1) // bs and first < n_table:
+            b = table.blocks[first]
+            if b.ref_cnt != 1 or b.block_hash is not None:
+                return False
+            if total > table.num_tokens:
+                table.num_tokens = total
+            return True
+        if num_computed_tokens != n_table * bs or not paged:
+            return False
+        n_fresh = blocks_needed(total, bs) - n_table
+        if n_fresh > self.pool.num_free:
+            raise NoFreeBlocksError(f"{req_id}: needs {n_fresh} new blocks, {self.pool.num_free} free")
+        table.append(self.pool.allocate(n_fresh))
+        table.num_tokens = total
+        return True
 
     def open_table(self, req_id: str, hits: Sequence[KVCacheBlock]) -> BlockTable:
         """The request's table, created (starting with its prefix hits: references taken,

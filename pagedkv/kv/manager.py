@@ -407,31 +407,10 @@ class KVCacheManager:
         """
         if self._windowed and num_computed_tokens > 0:
             self.slide_windows(req_id, num_computed_tokens)
-        table = self._tables.get(req_id)
-        if (table is not None and self._single and not new_computed_blocks
-                and num_new_tokens > 0 and num_computed_tokens >= 0):
-            # Fast path (decode): the new tokens land in one existing, private, unpublished block.
-            bs = self.block_size
-            total = num_computed_tokens + num_new_tokens
-            first = num_computed_tokens // bs
-            n_table = len(table.blocks)
-            if self.max_model_len is None or total <= self.max_model_len:
-                if first == (total - 1) // bs and first < n_table:
-                    b = table.blocks[first]
-                    if b.ref_cnt == 1 and b.block_hash is None:
-                        if total > table.num_tokens:
-                            table.num_tokens = total
-                        return []
-                elif num_computed_tokens == n_table * bs and self.enable_paging:
-                    # The writes start in a new logical block: nothing existing is written,
-                    # so no copy-on-write; just append the blocks they need.
-                    n_fresh = blocks_needed(total, bs) - n_table
-                    if n_fresh > self.pool.num_free:
-                        raise NoFreeBlocksError(
-                            f"{req_id}: needs {n_fresh} new blocks, {self.pool.num_free} free")
-                    table.append(self.pool.allocate(n_fresh))
-                    table.num_tokens = total
-                    return []
+        if (self._single and not new_computed_blocks and num_new_tokens > 0 and num_computed_tokens >= 0
+                and (self.max_model_len is None or num_computed_tokens + num_new_tokens <= self.max_model_len)
+                and self.kv_groups[0].append_in_place(req_id, num_new_tokens, num_computed_tokens, self.enable_paging)):
+            return []  # the decode fast path
         hits = self._group_hits(new_computed_blocks)
         plans = self._plan(req_id, num_new_tokens, num_computed_tokens, hits)
         if req_id not in self._tables:

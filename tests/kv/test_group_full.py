@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedkv.errors import InvalidRequestError
+from pagedkv.errors import InvalidRequestError, NoFreeBlocksError
 from pagedkv.kv.block_pool import BlockPool
 from pagedkv.kv.group_full import FullAttentionGroup
 from pagedkv.kv.manager import GROUP_TYPES
@@ -84,3 +84,20 @@ def test_the_registry_names_each_group_type_by_its_kind():
     assert {k: c.__name__ for k, c in GROUP_TYPES.items()} == {
         "full": "FullAttentionGroup", "sliding_window": "SlidingWindowGroup"}
     assert all(c.kind == k for k, c in GROUP_TYPES.items())
+
+
+def test_append_in_place_is_the_decode_fast_path_and_declines_what_needs_a_plan():
+    pool = BlockPool(4)
+    g = FullAttentionGroup(0, None, 4, pool)
+    assert g.append_in_place("a", 1, 0, True) is False  # no table yet
+    _admit(g, "a", 6)  # blocks 0, 1
+    assert g.append_in_place("a", 1, 6, True) and g.tables["a"].num_tokens == 7  # into private block 1
+    assert g.append_in_place("a", 1, 7, True) and g.tables["a"].ids == [0, 1]
+    assert g.append_in_place("a", 2, 8, True) and g.tables["a"].ids == [0, 1, 2]  # a new logical block
+    assert g.append_in_place("a", 1, 12, False) is False  # unpaged: the plan decides
+    g.fork("a", "b")
+    assert g.append_in_place("b", 1, 10, True) is False  # block 2 is shared: copy-on-write first
+    assert g.tables["b"].num_tokens == 10
+    with pytest.raises(NoFreeBlocksError, match="needs 2 new blocks, 1 free"):
+        g.append_in_place("a", 5, 12, True)
+    assert g.tables["a"].ids == [0, 1, 2] and pool.num_free == 1
