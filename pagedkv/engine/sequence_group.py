@@ -27,7 +27,7 @@ import torch
 from pagedkv.engine.beam import BeamSearch, beam_stop_ids
 from pagedkv.engine.decisions import Decisions, Finish, Fork
 from pagedkv.engine.request import Request, RequestMetrics, RequestStatus, SamplingParams, now
-from pagedkv.kv.block_table import blocks_needed
+from pagedkv.kv.block_table import blocks_needed, request_blocks_needed
 
 
 @dataclass
@@ -272,13 +272,13 @@ def request_blocks(num_prompt_tokens: int, total_tokens: int, params: SamplingPa
     sequence. A window group holds at most what ``pagedkv.kv.block_table.blocks_needed``
     gives for ``chunk`` tokens per step, per sequence. A request needing more than the pool
     could never run."""
-    if not enable_paging:
-        need = blocks_needed(max_model_len, block_size) * (params.beam_width if params.use_beam_search else 1)
-    elif params.use_beam_search:
+    if enable_paging and not params.use_beam_search:  # its own tokens, per group
+        return request_blocks_needed(total_tokens, block_size, windows, chunk)
+    if enable_paging:  # a beam search
         per_beam = blocks_needed(total_tokens - num_prompt_tokens, block_size) + 1
         need = blocks_needed(num_prompt_tokens, block_size) + params.beam_width * per_beam
     else:
-        need = blocks_needed(total_tokens, block_size)
+        need = blocks_needed(max_model_len, block_size) * (params.beam_width if params.use_beam_search else 1)
     per_seq = params.beam_width + 1 if params.use_beam_search else 1
     return sum(need if w is None else min(need, per_seq * blocks_needed(total_tokens, block_size, w, chunk))
                for w in windows)

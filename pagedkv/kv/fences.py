@@ -29,14 +29,14 @@ class _Hold:
 
 
 class StepFences:
-    """The fence half of ``KVCacheManager``: open steps, holds, and ``_drop`` (release now,
-    or hold until the steps that used the request end). ``pool`` is the ``BlockPool``;
-    ``tiers`` (or ``None``) hears of every ended step; ``on_hold()`` counts deferred drops."""
+    """Open steps, their holds, and ``drop`` (release now, or hold until the steps that used
+    the request end). A collaborator of ``KVCacheManager``, given what it needs: ``pool`` (the
+    ``BlockPool`` held references go back to) and ``tiers`` (a ``KVTiers`` that hears of every
+    ended step, or ``None``). ``num_deferred_frees`` counts the drops that were held."""
 
-    pool: BlockPool
-    tiers: Any
-
-    def _init_fences(self) -> None:
+    def __init__(self, pool: BlockPool, tiers: Any = None) -> None:
+        self.pool = pool
+        self.tiers = tiers
         self._step_ids = itertools.count(1)
         self._last_step = 0
         self._open_steps: dict[int, set[str]] = {}
@@ -52,9 +52,12 @@ class StepFences:
 
     @property
     def open_steps(self) -> dict[int, set[str]]:
+        """Open steps: step id -> the request ids it uses (do not mutate)."""
         return self._open_steps
 
-    def _drop(self, req_id: str, blocks: list[KVCacheBlock]) -> None:
+    def drop(self, req_id: str, blocks: list[KVCacheBlock]) -> None:
+        """Release ``req_id``'s references on ``blocks`` (in that order), or, while an open
+        step uses the request, hold them until every such step has ended."""
         # Open steps are few (1-2 in flight), so scanning them is cheaper than keeping a
         # per-request index up to date on every begin/end_step.
         if not blocks:

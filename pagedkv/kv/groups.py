@@ -45,6 +45,15 @@ NULL_BLOCK_ID = 0
 MAX_GROUPS = 8
 
 
+def first_live_block(window: int | None, num_computed: int, block_size: int) -> int:
+    """THE window rule: the first logical block a step computing from position ``num_computed``
+    reads with a sliding window of ``window`` tokens, ``max(0, num_computed - window + 1) //
+    block_size`` (0 for full attention, ``window=None``)."""
+    if window is None:
+        return 0
+    return max(0, num_computed - window + 1) // block_size
+
+
 @dataclass(frozen=True)
 class LayerGroups:
     """``windows[g]``: group ``g``'s window in tokens (``None`` = full attention);
@@ -90,6 +99,11 @@ class LayerGroups:
         """True when some group has a sliding window (the manager then reserves block 0)."""
         return any(w is not None for w in self.windows)
 
+    def kind(self, g: int) -> str:
+        """Group ``g``'s kind: ``"full"`` or ``"sliding_window"`` (the key of the class that
+        manages its block tables in ``pagedkv.kv.manager.GROUP_TYPES``)."""
+        return "full" if self.windows[g] is None else "sliding_window"
+
     def layers_of(self, g: int) -> list[int]:
         return [i for i, x in enumerate(self.layer_group) if x == g]
 
@@ -117,11 +131,8 @@ class LayerGroups:
 
     def first_live_block(self, g: int, num_computed: int, block_size: int) -> int:
         """First logical block group ``g`` still needs when the next step computes from
-        position ``num_computed`` (0 for a full group)."""
-        w = self.windows[g]
-        if w is None:
-            return 0
-        return max(0, num_computed - w + 1) // block_size
+        position ``num_computed`` (0 for a full group; :func:`first_live_block`)."""
+        return first_live_block(self.windows[g], num_computed, block_size)
 
     def blocks_held(self, g: int, num_tokens: int, block_size: int) -> int:
         """Blocks of group ``g`` a request holds after its last step, which computed

@@ -4,9 +4,12 @@ It owns the block pool, one block table per request *per layer group*, copy-on-w
 forked requests, prefix-cache lookup/publish, and step fences. Unit of every count is
 *tokens* unless the name says blocks; block ids are physical indices into the device cache.
 
-Layer groups (``pagedkv.kv.groups``): layers of one attention kind (full, or a sliding
-window of ``W`` tokens) share block tables; every group has its own table per request, all
-drawing from one pool. A window group's blocks wholly before its window are replaced by the
+Composition: the manager is a coordinator over collaborators it holds, each given what it
+needs: the ``BlockPool``, one KV group manager per layer group (``pagedkv.kv.group_full`` /
+``group_window``, chosen by ``pagedkv.kv.groups.GROUP_TYPES``), the ``PrefixLookup`` and the
+``StepFences``. Layer groups (``pagedkv.kv.groups``): layers of one attention kind (full, or
+a sliding window of ``W`` tokens) share block tables; every group has its own table per
+request, all drawing from one pool. A window group's blocks wholly before its window are replaced by the
 null block (id 0) and freed when the request's next allocation starts past them. Without
 ``layer_windows`` there is one full group and everything is as before (block 0 is a block
 like any other). The single-group accessors (``get_block_ids``, ``tables``, ...) read group
@@ -22,18 +25,26 @@ land in them mid-step. A held reference counts in ``ref_cnt`` exactly like a tab
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from pagedkv.errors import ConfigError, InvalidRequestError, NoFreeBlocksError
 from pagedkv.kv.block_pool import BlockPool, KVCacheBlock
 from pagedkv.kv.block_table import BlockTable, blocks_needed
 from pagedkv.kv.fences import StepFences
+from pagedkv.kv.group_full import FullAttentionGroup
+from pagedkv.kv.group_window import SlidingWindowGroup
 from pagedkv.kv.groups import LayerGroups
 from pagedkv.kv.invariants import check_invariants
-from pagedkv.kv.prefix_cache import HashFn, sha256_block_hash
+from pagedkv.kv.prefix_cache import CacheKeys, HashFn, sha256_block_hash
 from pagedkv.kv.prefix_lookup import PrefixLookup
 from pagedkv.kv.snapshot import manager_snapshot
-from pagedkv.kv.tiers.index import TierHit
+
+#: The KV group manager class of each layer-group kind (``LayerGroups.kind``). A new kind of
+#: KV group is one module with a ``FullAttentionGroup`` subclass plus its entry here.
+GROUP_TYPES: dict[str, type[FullAttentionGroup]] = {
+    FullAttentionGroup.kind: FullAttentionGroup,
+    SlidingWindowGroup.kind: SlidingWindowGroup,
+}
 
 
 @dataclass
@@ -66,7 +77,7 @@ class KVCacheStats:
         return {**asdict(self), "prefix_hit_rate": self.prefix_hit_rate}
 
 
-class KVCacheManager(PrefixLookup, StepFences):
+class KVCacheManager:
     """Paged KV bookkeeping for ``num_blocks`` blocks of ``block_size`` tokens.
 
     ``enable_prefix_caching``: look up / publish full blocks by chained hash.
@@ -122,13 +133,16 @@ class KVCacheManager(PrefixLookup, StepFences):
         self.tiers = tiers
         self.pool.listener = tiers
         self.num_blocks = num_blocks
-        self._reserve_blocks = blocks_needed(max_model_len, block_size) if max_model_len else 0
-        self._gtables: list[dict[str, BlockTable]] = [{} for _ in groups.windows]
-        self._tables = self._gtables[0]
-        self._gtags = [None] + [f"group={g},window={w}" for g, w in enumerate(groups.windows)][1:]
+        # a contiguous reservation: the least a table holds (0 when paged)
+        self._reserve_blocks = 0 if enable_paging else blocks_needed(max_model_len, block_size)
+        #: one KV group manager per layer group (its class from ``GROUP_TYPES``)
+        self.kv_groups: list[FullAttentionGroup] = [
+            GROUP_TYPES[groups.kind(g)](g, w, block_size, self.pool, tiers) for g, w in enumerate(groups.windows)]
+        self._tables = self.kv_groups[0].tables
+        self.prefix = PrefixLookup(groups, self.kv_groups, block_size, hash_fn, tiers)
+        self.fences = StepFences(self.pool, tiers)
         self._stats = KVCacheStats()
         self._pending_query: dict[str, tuple[int, int]] = {}
-        self._init_fences()
 
     # ------------------------------------------------------------------ read-only state
     @property
@@ -156,7 +170,7 @@ class KVCacheManager(PrefixLookup, StepFences):
         s = self._stats
         s.evictions = self.pool.num_evictions
         s.allocated_blocks = self.pool.num_allocated
-        s.deferred_frees = self.num_deferred_frees
+        s.deferred_frees = self.fences.num_deferred_frees
         return s
 
     @property
@@ -167,7 +181,32 @@ class KVCacheManager(PrefixLookup, StepFences):
     @property
     def group_tables(self) -> list[dict[str, BlockTable]]:
         """Per layer group, the live block tables by request id (do not mutate)."""
-        return self._gtables
+        return [g.tables for g in self.kv_groups]
+
+    @property
+    def num_deferred_frees(self) -> int:
+        """Drops held by a step fence so far."""
+        return self.fences.num_deferred_frees
+
+    @property
+    def holds(self) -> list[tuple[str, list[KVCacheBlock], set[int]]]:
+        """Fence holds: ``(req_id, blocks, steps still open)`` (do not mutate)."""
+        return self.fences.holds
+
+    @property
+    def open_steps(self) -> dict[int, set[str]]:
+        """Open steps: step id -> the request ids it uses (do not mutate)."""
+        return self.fences.open_steps
+
+    def begin_step(self, req_ids: Iterable[str]) -> int:
+        """Open a step fence over the requests whose blocks the step reads or writes
+        (``StepFences.begin_step``). Returns its step id (increasing ints)."""
+        return self.fences.begin_step(req_ids)
+
+    def end_step(self, step_id: int) -> None:
+        """Confirm the device finished ``step_id``: references held for it are released
+        (``StepFences.end_step``; an unknown id raises ``InvalidRequestError``)."""
+        self.fences.end_step(step_id)
 
     def has_request(self, req_id: str) -> bool:
         return req_id in self._tables
@@ -175,22 +214,22 @@ class KVCacheManager(PrefixLookup, StepFences):
     def get_block_ids(self, req_id: str) -> list[int]:
         """The request's group-0 block table: physical ids in logical order ([] if unknown)."""
         table = self._tables.get(req_id)
-        return list(table._ids) if table is not None else []
+        return table.ids if table is not None else []
 
     def get_group_block_ids(self, req_id: str) -> list[list[int]]:
         """Per layer group, the request's block table (null placeholders are id 0);
         ``[[]] * num_groups`` if unknown."""
-        return [list(t[req_id]._ids) if req_id in t else [] for t in self._gtables]
+        return [t[req_id].ids if req_id in t else [] for t in self.group_tables]
 
     def held_blocks(self, req_id: str) -> list[int]:
         """Per layer group, the real blocks the request's table holds (placeholders not
         counted; shared blocks counted in every table holding them)."""
-        return [len(t[req_id].blocks) - t[req_id].num_null if req_id in t else 0 for t in self._gtables]
+        return [len(t[req_id].blocks) - t[req_id].num_null if req_id in t else 0 for t in self.group_tables]
 
     def get_block_table(self, req_id: str, group: int = 0) -> BlockTable:
         """The request's ``BlockTable`` of layer group ``group``. Raises
         ``InvalidRequestError`` if unknown."""
-        table = self._gtables[group].get(req_id)
+        table = self.kv_groups[group].tables.get(req_id)
         if table is None:
             raise InvalidRequestError(f"unknown request {req_id!r}")
         return table
@@ -224,6 +263,57 @@ class KVCacheManager(PrefixLookup, StepFences):
         """Per tier blocks / hits / stores and bytes moved (``{}`` without tiers)."""
         return self.tiers.stats() if self.tiers is not None and self.tiers.indexes else {}
 
+    # ------------------------------------------------------------------ prefix cache
+    def get_computed_blocks(
+        self, req_id: str, token_ids: Sequence[int], cache_keys: CacheKeys | None = None,
+        max_cached_tokens: int | None = None, record: bool = True,
+    ) -> tuple[Any, int]:
+        """Longest cached prefix of ``token_ids`` in whole blocks, never the whole prompt
+        (at least the last token is left to compute), nor more than ``max_cached_tokens``.
+        Pure: no ``ref_cnt`` changes; pass the hits to ``allocate_slots(new_computed_blocks=
+        ...)`` before anything else allocates. Returns ``(hits, num_cached_tokens)``; ``([],
+        0)`` when disabled. With one layer group ``hits`` is a list of blocks; with several,
+        a tuple of such lists, one per group. A full group needs every block of the prefix
+        cached; a window group only the blocks covering the last ``W`` tokens before the hit
+        point (its earlier entries are the null block): the hit is the longest prefix valid
+        in every group (``PrefixLookup.find``). With tiers, a block found in a tier is a
+        ``TierHit`` (loaded into a fresh pool block at admission). ``record``: count this
+        lookup in the ``prefix_queries`` / ``prefix_hits`` stats when ``allocate_slots``
+        admits the request (the scheduler passes False for a preempted request's recompute:
+        vLLM counts a request's first computation only)."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        hits, num_cached = self.prefix.find(token_ids, cache_keys, max_cached_tokens)
+        if record:
+            self._pending_query[req_id] = (len(token_ids), num_cached)
+        else:
+            self._pending_query.pop(req_id, None)
+        return (hits[0] if len(hits) == 1 else tuple(hits)), num_cached
+
+    def cache_blocks(
+        self, req_id: str, token_ids: Sequence[int], num_computed_tokens: int,
+        cache_keys: CacheKeys | None = None,
+    ) -> int:
+        """Publish the request's full blocks whose every slot is written (the first
+        ``num_computed_tokens // block_size`` blocks; ``token_ids`` are the request's tokens
+        from position 0), in every layer group (placeholders are skipped). Incremental: each
+        block is hashed once. Returns how many blocks were newly published (0 when disabled
+        or the request is unknown)."""
+        if not self.enable_prefix_caching:
+            return 0
+        return self.prefix.publish(req_id, token_ids, num_computed_tokens, cache_keys)
+
+    def _group_hits(self, hits: Any) -> list[Sequence[KVCacheBlock]]:
+        """``get_computed_blocks``' hits as one list per group (``[]`` each when none)."""
+        n = len(self.kv_groups)
+        if not hits:
+            return [()] * n
+        if n == 1:
+            return [hits]
+        if len(hits) != n:
+            raise InvalidRequestError(f"new_computed_blocks: expected {n} per-group lists, got {len(hits)}")
+        return list(hits)
+
     # ------------------------------------------------------------------ allocation
     def _plan(
         self, req_id: str, num_new_tokens: int, num_computed_tokens: int,
@@ -237,39 +327,15 @@ class KVCacheManager(PrefixLookup, StepFences):
                 f"{req_id}: num_new_tokens ({num_new_tokens}) and num_computed_tokens "
                 f"({num_computed_tokens}) must be >= 0"
             )
-        bs = self.block_size
         total = num_computed_tokens + num_new_tokens
         if self.max_model_len is not None and total > self.max_model_len:
             raise InvalidRequestError(f"{req_id}: {total} tokens exceed max_model_len {self.max_model_len}")
         plans = []
         need = revived = 0
-        for tables, gh in zip(self._gtables, hits):
-            table = tables.get(req_id)
-            n_table = len(table.blocks) if table is not None else 0
-            if gh:
-                if n_table:
-                    raise InvalidRequestError(f"{req_id}: new_computed_blocks given for a request that has blocks")
-                if num_computed_tokens != len(gh) * bs:
-                    raise InvalidRequestError(
-                        f"{req_id}: num_computed_tokens {num_computed_tokens} != {len(gh)} hit blocks x {bs}")
-                revived += self._check_hits(req_id, gh)
-                n_have = len(gh)
-            else:
-                if num_computed_tokens > n_table * bs:
-                    raise InvalidRequestError(
-                        f"{req_id}: {num_computed_tokens} computed tokens but only {n_table * bs} slots")
-                n_have = n_table
-            n_need = blocks_needed(total, bs)
-            if not self.enable_paging and n_need < self._reserve_blocks:
-                n_need = self._reserve_blocks
-            n_fresh = n_need - n_have if n_need > n_have else 0
-            cow: list[int] = []
-            if n_table and num_new_tokens:
-                blocks = table.blocks
-                for i in range(num_computed_tokens // bs, min(n_table, blocks_needed(total, bs))):
-                    b = blocks[i]
-                    if b.ref_cnt > 1 or b.block_hash is not None:
-                        cow.append(i)
+        for group, gh in zip(self.kv_groups, hits):
+            table, n_fresh, cow, n_revived = group.plan(
+                req_id, num_new_tokens, num_computed_tokens, gh, self._reserve_blocks)
+            revived += n_revived
             need += n_fresh + len(cow)
             plans.append((table, n_fresh, cow))
         if need + revived > self.pool.num_free:
@@ -279,35 +345,15 @@ class KVCacheManager(PrefixLookup, StepFences):
             )
         return plans
 
-    def _check_hits(self, req_id: str, hits: Sequence[KVCacheBlock]) -> int:
-        """Raise ``InvalidRequestError`` if a hit was evicted since the lookup; returns how
-        many hits are free cached blocks (they leave the free queue)."""
-        cached = self.pool.cached
-        revived = 0
-        for b in hits:
-            if b is self.null_block:
-                continue
-            if (not self.tiers.holds(b) if isinstance(b, TierHit)
-                    else b.block_hash is None or cached.get(b.block_hash) is not b):
-                raise InvalidRequestError(
-                    f"{req_id}: prefix hit on block {b.block_id} is stale (evicted since "
-                    "get_computed_blocks); look it up again"
-                )
-            if b.ref_cnt == 0:
-                revived += 1
-        return revived
-
     def num_blocks_needed(self, num_tokens_after: int, hits: Any = ()) -> int:
         """Blocks a new request takes from the free queue (all layer groups) to hold
         positions ``0 .. num_tokens_after - 1`` after admission with prefix hits ``hits``
         (as ``get_computed_blocks`` returned them): fresh blocks plus free cached hits."""
-        bs = self.block_size
-        n = blocks_needed(num_tokens_after, bs)
-        if not self.enable_paging:
-            n = max(n, self._reserve_blocks)
+        n = max(blocks_needed(num_tokens_after, self.block_size), self._reserve_blocks)
         need = 0
+        null = self.null_block
         for gh in self._group_hits(hits):
-            need += n - len(gh) + sum(1 for b in gh if b.ref_cnt == 0 and b is not self.null_block)
+            need += n - len(gh) + sum(1 for b in gh if b.ref_cnt == 0 and b is not null)
         return need
 
     def can_allocate(
@@ -326,22 +372,17 @@ class KVCacheManager(PrefixLookup, StepFences):
         that computes from ``num_computed_tokens`` with the null block, and drop them
         (behind the step fence while an open step used the request). Returns per group the
         dropped block ids (``allocate_slots`` calls this; a no-op for full groups)."""
-        out: list[list[int]] = [[] for _ in self._gtables]
+        out: list[list[int]] = [[] for _ in self.kv_groups]
         if not self._windowed:
             return out
-        bs = self.block_size
         dropped: list[KVCacheBlock] = []
-        for g, tables in enumerate(self._gtables):
-            table = tables.get(req_id)
-            if table is None or self.groups.windows[g] is None:
-                continue
-            lo = min(self.groups.first_live_block(g, num_computed_tokens, bs), len(table.blocks))
-            gone = table.nullify(lo, self.null_block)
+        for g, group in enumerate(self.kv_groups):
+            gone = group.slide(req_id, num_computed_tokens)
             out[g] = [b.block_id for b in gone]
             dropped += gone[::-1]
         if dropped:
             self._stats.window_freed_blocks += len(dropped)
-            self._drop(req_id, dropped)
+            self.fences.drop(req_id, dropped)
         return out
 
     def allocate_slots(
@@ -366,31 +407,10 @@ class KVCacheManager(PrefixLookup, StepFences):
         """
         if self._windowed and num_computed_tokens > 0:
             self.slide_windows(req_id, num_computed_tokens)
-        table = self._tables.get(req_id)
-        if (table is not None and self._single and not new_computed_blocks
-                and num_new_tokens > 0 and num_computed_tokens >= 0):
-            # Fast path (decode): the new tokens land in one existing, private, unpublished block.
-            bs = self.block_size
-            total = num_computed_tokens + num_new_tokens
-            first = num_computed_tokens // bs
-            n_table = len(table.blocks)
-            if self.max_model_len is None or total <= self.max_model_len:
-                if first == (total - 1) // bs and first < n_table:
-                    b = table.blocks[first]
-                    if b.ref_cnt == 1 and b.block_hash is None:
-                        if total > table.num_tokens:
-                            table.num_tokens = total
-                        return []
-                elif num_computed_tokens == n_table * bs and self.enable_paging:
-                    # The writes start in a new logical block: nothing existing is written,
-                    # so no copy-on-write; just append the blocks they need.
-                    n_fresh = blocks_needed(total, bs) - n_table
-                    if n_fresh > self.pool.num_free:
-                        raise NoFreeBlocksError(
-                            f"{req_id}: needs {n_fresh} new blocks, {self.pool.num_free} free")
-                    table.append(self.pool.allocate(n_fresh))
-                    table.num_tokens = total
-                    return []
+        if (self._single and not new_computed_blocks and num_new_tokens > 0 and num_computed_tokens >= 0
+                and (self.max_model_len is None or num_computed_tokens + num_new_tokens <= self.max_model_len)
+                and self.kv_groups[0].append_in_place(req_id, num_new_tokens, num_computed_tokens, self.enable_paging)):
+            return []  # the decode fast path
         hits = self._group_hits(new_computed_blocks)
         plans = self._plan(req_id, num_new_tokens, num_computed_tokens, hits)
         if req_id not in self._tables:
@@ -398,50 +418,18 @@ class KVCacheManager(PrefixLookup, StepFences):
             if q is not None:
                 self._stats.prefix_queries += q[0]
                 self._stats.prefix_hits += q[1]
+        # every group's hits leave the free queue before any group allocates
+        # (an allocation could evict another group's hit)
+        tabs = [group.open_table(req_id, gh) for group, gh in zip(self.kv_groups, hits)]
         copies: list[tuple[int, int]] = []
         total = num_computed_tokens + num_new_tokens
-        tabs = []
-        for tables, (table, _n, _c), gh in zip(self._gtables, plans, hits):
-            if table is None:
-                table = tables[req_id] = BlockTable(self.block_size)
-            if gh:  # every group's hits leave the free queue before any group allocates
-                self._place_hits(table, gh)  # (an allocation could evict another group's hit)
-            tabs.append(table)
-        for table, (_t, n_fresh, cow) in zip(tabs, plans):
+        for group, table, (_t, n_fresh, cow) in zip(self.kv_groups, tabs, plans):
             if cow:
-                copies += self._copy_on_write(req_id, table, cow, num_computed_tokens)
-            if n_fresh:
-                table.append(self.pool.allocate(n_fresh))
-            if total > table.num_tokens:
-                table.num_tokens = total
-        return copies
-
-    def _place_hits(self, table: BlockTable, hits: Sequence[KVCacheBlock]) -> None:
-        """A new table starts with its prefix hits (references taken; tier hits loaded)."""
-        lead = 0
-        while lead < len(hits) and hits[lead] is self.null_block:
-            lead += 1
-        live = hits[lead:]
-        if self.tiers is not None:  # tier hits get fresh blocks and a load
-            live = self.tiers.place_hits(self.pool, live)
-        else:
-            self.pool.touch(live)
-        table.append(list(hits[:lead]) + list(live))
-        table.num_null = lead
-        table.num_hashed = len(hits)
-        table.last_hash = live[-1].block_hash
-
-    def _copy_on_write(self, req_id: str, table: BlockTable, cow: list[int],
-                       num_computed_tokens: int) -> list[tuple[int, int]]:
-        bs = self.block_size
-        copies, dropped = [], []
-        for i, dst in zip(cow, self.pool.allocate(len(cow))):
-            src = table.replace(i, dst)
-            dropped.append(src)
-            if i * bs < num_computed_tokens:
-                copies.append((src.block_id, dst.block_id))
-        self._drop(req_id, dropped)
-        self._stats.cow_copies += len(copies)
+                c, dropped = group.copy_on_write(table, cow, num_computed_tokens)
+                self.fences.drop(req_id, dropped)
+                self._stats.cow_copies += len(c)
+                copies += c
+            group.extend(table, n_fresh, total)
         return copies
 
     def fork(self, parent_id: str, child_id: str) -> None:
@@ -453,13 +441,8 @@ class KVCacheManager(PrefixLookup, StepFences):
             raise InvalidRequestError(f"fork: unknown parent request {parent_id!r}")
         if child_id in self._tables:
             raise InvalidRequestError(f"fork: request {child_id!r} already has blocks")
-        for tables in self._gtables:
-            parent = tables[parent_id]
-            self.pool.touch(parent.live_blocks)
-            child = BlockTable(self.block_size, parent.blocks, parent.num_tokens)
-            child.num_hashed, child.last_hash = parent.num_hashed, parent.last_hash
-            child.num_null = parent.num_null
-            tables[child_id] = child
+        for group in self.kv_groups:
+            group.fork(parent_id, child_id)
 
     # ------------------------------------------------------------------ free
     def free(self, req_id: str) -> None:
@@ -469,24 +452,18 @@ class KVCacheManager(PrefixLookup, StepFences):
         Idempotent: an unknown or already freed request is a no-op."""
         self._pending_query.pop(req_id, None)
         dropped: list[KVCacheBlock] = []
-        for tables in self._gtables:
-            table = tables.pop(req_id, None)
-            if table is not None:
-                dropped += table.live_blocks[::-1]
-        self._drop(req_id, dropped)
+        for group in self.kv_groups:
+            dropped += group.pop(req_id)
+        self.fences.drop(req_id, dropped)
 
     def trim(self, req_id: str, num_tokens: int) -> None:
         """Shrink ``req_id``'s tables to ``num_tokens`` positions (rejected speculative
         tokens): the blocks past them are released behind the step fence. Raises
         ``InvalidRequestError`` for an unknown request or a length beyond its slots."""
         dropped: list[KVCacheBlock] = []
-        for tables in self._gtables:
-            table = tables.get(req_id)
-            if table is None or not 0 <= num_tokens <= table.num_tokens:
-                raise InvalidRequestError(f"trim: {req_id!r} has no {num_tokens} token slots")
-            dropped += table.truncate(max(blocks_needed(num_tokens, self.block_size), table.num_null))[::-1]
-            table.num_tokens = num_tokens
-        self._drop(req_id, dropped)
+        for group in self.kv_groups:
+            dropped += group.trim(req_id, num_tokens)
+        self.fences.drop(req_id, dropped)
 
     # ------------------------------------------------------------------ introspection
     def snapshot(self) -> dict[str, Any]:

@@ -31,10 +31,10 @@ def manager_snapshot(mgr: Any) -> dict[str, Any]:
              "is_free": b in free_q, "owners": owners.get(b.block_id, [])}
             for b in mgr.pool.blocks
         ],
-        "tables": {rid: {"block_ids": t.ids, "num_tokens": t.num_tokens} for rid, t in mgr._tables.items()},
-        "holds": [{"req_id": h.req_id, "block_ids": [b.block_id for b in h.blocks],
-                   "steps": sorted(h.waiting)} for h in mgr._holds.values()],
-        "open_steps": {sid: sorted(r) for sid, r in mgr._open_steps.items()},
+        "tables": {rid: {"block_ids": t.ids, "num_tokens": t.num_tokens} for rid, t in mgr.tables.items()},
+        "holds": [{"req_id": rid, "block_ids": [b.block_id for b in blocks], "steps": sorted(waiting)}
+                  for rid, blocks, waiting in mgr.holds],
+        "open_steps": {sid: sorted(r) for sid, r in mgr.open_steps.items()},
         "stats": mgr.stats.as_dict(),
         "tiers": mgr.tier_stats(),
         "groups": mgr.groups.describe(),

@@ -45,9 +45,10 @@ from typing import Any
 
 from pagedkv.errors import ConfigError
 from pagedkv.gguf_header import read_gguf_metadata
-from pagedkv.kv.block_table import blocks_needed
+from pagedkv.kv.block_table import request_blocks_needed
 from pagedkv.kv.groups import LayerGroups
-from pagedkv.model_config import gguf_layer_windows, hf_layer_windows
+from pagedkv.attn_layout import (MLA_ARCHITECTURES, gguf_heads, gguf_layer_windows, gguf_mla_ranks, gguf_num_layers,
+                                 hf_heads, hf_layer_windows, hf_mla_ranks, hf_num_layers)
 from pagedkv.utils import canonical_dtype, cdiv, dtype_bytes
 
 #: dtypes that carry per-group scales counted per token.
@@ -58,10 +59,7 @@ CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
 # HF ``model_type`` values from_hf_config understands.
 _MHA_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral", "phi3", "gemma", "gemma2", "gemma3",
                "gemma3_text")
-_MLA_TYPES = ("deepseek_v2", "deepseek_v3", "minicpm3")
-#: transformers 5.24's defaults of (kv_lora_rank, qk_rope_head_dim) for a key missing from the
-#: config.json (as ``pagedkv.model.families.MLA_DEFAULTS``, which the model reads)
-_MLA_DEFAULTS = {"deepseek_v2": (512, 64), "deepseek_v3": (512, 64), "minicpm3": (256, 32)}
+_MLA_TYPES = MLA_ARCHITECTURES
 
 
 def check_group_size(group_size: int | None, head_dim: int) -> int:
@@ -200,7 +198,7 @@ class KVCacheSpec:
         """Block ids a request of ``num_tokens`` tokens holds, all groups together: after its
         last (decode) step, or with ``chunk`` (tokens per step, e.g. the prefill chunk) the
         most it can hold at any step (a window group: ``ceil((W - 1 + chunk) / bs) + 1``)."""
-        return sum(blocks_needed(num_tokens, block_size, w, chunk) for w in self.groups.windows)
+        return request_blocks_needed(num_tokens, block_size, self.groups.windows, chunk)
 
     def bytes_per_request(self, num_tokens: int, block_size: int) -> int:
         """KV bytes (one rank) a request of ``num_tokens`` tokens holds after its last step."""
@@ -246,7 +244,7 @@ class KVCacheSpec:
         shipped config (see ``known_configs()``, e.g. ``"llama-3-8b"``). ``dtype=None``
         uses the config's ``torch_dtype``/``dtype`` (bf16 if absent). Architectures:
         llama, qwen2/qwen3/qwen3_moe, mistral/mixtral, phi3, gemma/gemma2/gemma3, deepseek_v2/v3 and minicpm3 (MLA).
-        Sliding-window layers (``pagedkv.model_config.hf_layer_windows``, the rules the model
+        Sliding-window layers (``pagedkv.attn_layout.hf_layer_windows``, the rules the model
         reads too) get their own layer group, sized by their window.
 
         Raises ``ConfigError`` on an unknown ``model_type`` or a missing field (named; an MLA
@@ -260,22 +258,15 @@ class KVCacheSpec:
         if dtype is None:
             dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bf16"
 
-        def need(key: str) -> Any:
-            if cfg.get(key) is None:
-                raise ConfigError(f"config.json ({model_type}): missing field {key!r}")
-            return cfg[key]
-
+        # layers, heads and head sizes: pagedkv.attn_layout, the reader the model uses too
         if model_type in _MLA_TYPES:
-            r, rope = (need(k) if k in cfg else d for k, d in zip(("kv_lora_rank", "qk_rope_head_dim"),
-                                                                 _MLA_DEFAULTS[model_type]))
-            return cls(num_layers=need("num_hidden_layers"), num_kv_heads=1,
-                       head_dim=r + rope, dtype=dtype, tp_size=tp_size,
+            layers = hf_num_layers(cfg)
+            r, rope = hf_mla_ranks(model_type, cfg)
+            return cls(num_layers=layers, num_kv_heads=1, head_dim=r + rope, dtype=dtype, tp_size=tp_size,
                        kv_lora_rank=r, qk_rope_head_dim=rope, **kw)
         if model_type in _MHA_TYPES:
-            heads = need("num_attention_heads")
-            kv_heads = cfg.get("num_key_value_heads") or heads
-            head_dim = cfg.get("head_dim") or need("hidden_size") // heads
-            layers = need("num_hidden_layers")
+            _, kv_heads, head_dim = hf_heads(model_type, cfg)
+            layers = hf_num_layers(cfg)
             return cls(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
                        tp_size=tp_size, layer_windows=_windowed(hf_layer_windows(cfg, layers)), **kw)
         raise ConfigError(
@@ -294,7 +285,7 @@ class KVCacheSpec:
         ``A.attention.key_length`` or ``A.embedding_length / head_count``; for
         ``deepseek2``: ``A.attention.kv_lora_rank`` and ``A.rope.dimension_count``.
         ``dtype`` is the cache dtype (default fp32: the CPU engine caches in fp32). Sliding
-        layers: ``pagedkv.model_config.gguf_layer_windows`` (``A.attention.sliding_window``).
+        layers: ``pagedkv.attn_layout.gguf_layer_windows`` (``A.attention.sliding_window``).
 
         Raises ``ConfigError`` naming the missing key, or if the file is not GGUF.
         """
@@ -303,32 +294,24 @@ class KVCacheSpec:
         if not isinstance(arch, str):
             raise ConfigError(f"{path}: GGUF lacks 'general.architecture'")
 
-        def need(suffix: str) -> Any:
-            key = f"{arch}.{suffix}"
-            if key not in meta:
-                raise ConfigError(f"{path}: GGUF lacks {key!r}")
-            return meta[key]
-
-        layers = need("block_count")
-        if arch == "deepseek2":
-            r, rope = need("attention.kv_lora_rank"), need("rope.dimension_count")
-            return cls(num_layers=layers, num_kv_heads=1, head_dim=r + rope, dtype=dtype,
-                       tp_size=tp_size, kv_lora_rank=r, qk_rope_head_dim=rope, **kw)
-        heads = need("attention.head_count")
-        kv_heads = meta.get(f"{arch}.attention.head_count_kv", heads)
-        if not (isinstance(heads, int) and isinstance(kv_heads, int)):
-            raise ConfigError(f"{path}: per-layer head counts are not supported")
-        head_dim = meta.get(f"{arch}.attention.key_length")
-        if head_dim is None:
-            head_dim = need("embedding_length") // heads
+        try:  # layers, heads and head sizes: pagedkv.attn_layout, the reader the model uses too
+            layers = gguf_num_layers(arch, meta)
+            if arch == "deepseek2":
+                r, rope = gguf_mla_ranks(arch, meta)
+                return cls(num_layers=layers, num_kv_heads=1, head_dim=r + rope, dtype=dtype,
+                           tp_size=tp_size, kv_lora_rank=r, qk_rope_head_dim=rope, **kw)
+            _, kv_heads, head_dim = gguf_heads(arch, meta)
+            windows = _windowed(gguf_layer_windows(arch, meta, layers))
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from exc
         return cls(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, tp_size=tp_size,
-                   layer_windows=_windowed(gguf_layer_windows(arch, meta, layers)), **kw)
+                   layer_windows=windows, **kw)
 
     @classmethod
     def from_model_config(cls, mc: Any, dtype: str, tp_size: int = 1, **kw: Any) -> "KVCacheSpec":
         """Spec of the cache the engine allocates for a loaded model: ``mc`` is a
         ``pagedkv.model.config.ModelConfig`` (read for ``num_layers``, ``num_kv_heads``,
-        ``head_dim`` and ``layer_windows()``, whose rules are ``pagedkv.model_config``'s, as
+        ``head_dim`` and ``layer_windows()``, whose rules are ``pagedkv.attn_layout``'s, as
         ``from_hf_config``'s and ``from_gguf``'s are; an MLA model, ``kv_lora_rank`` set, gives
         an MLA spec as ``from_hf_config`` does). ``dtype``: the cache dtype; ``kw``: the
         other fields (``quant_group_size``, ...). Raises ``ConfigError`` on a bad field."""

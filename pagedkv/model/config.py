@@ -22,7 +22,8 @@ from typing import Any, Mapping, Sequence
 
 from pagedkv.errors import ConfigError
 from pagedkv.model import families
-from pagedkv.model_config import LAYER_TYPES, layer_windows
+from pagedkv.attn_layout import LAYER_TYPES, as_int as _as_int, gguf_heads, gguf_num_layers, hf_heads, hf_int
+from pagedkv.attn_layout import hf_num_layers, layer_windows
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3",
                            "minicpm3", "deepseek_v2", "deepseek_v3", "qwen3_moe", "mixtral")
@@ -200,7 +201,7 @@ class ModelConfig:
 
     def layer_windows(self) -> list[int | None]:
         """``layer_window(i)`` of every layer (what a hybrid KV manager groups layers by), by
-        ``pagedkv.model_config.layer_windows``, the rule the KV cache sizing uses too."""
+        ``pagedkv.attn_layout.layer_windows``, the rule the KV cache sizing uses too."""
         return layer_windows(self.sliding_window, self.layer_types, self.num_layers)
 
     # ---- derived sizes -------------------------------------------------------------------
@@ -292,24 +293,8 @@ class ModelConfig:
                 raise ConfigError(f"{full}: missing from GGUF metadata")
             return default
 
-        num_heads = _as_int(get("attention.head_count"), f"{arch}.attention.head_count")
-        num_kv_heads = get("attention.head_count_kv", num_heads)
-        if isinstance(num_kv_heads, (list, tuple)):
-            if len(set(num_kv_heads)) != 1:
-                raise ConfigError(
-                    f"{arch}.attention.head_count_kv: per-layer KV head counts {sorted(set(num_kv_heads))} "
-                    "are not supported"
-                )
-            num_kv_heads = num_kv_heads[0]
+        num_heads, num_kv_heads, head_dim = gguf_heads(arch, metadata)  # pagedkv.attn_layout
         hidden = _as_int(get("embedding_length"), f"{arch}.embedding_length")
-        head_dim = get("attention.key_length", None)
-        if head_dim is None:
-            if hidden % num_heads:
-                raise ConfigError(
-                    f"{arch}.attention.key_length: missing and embedding_length {hidden} is not "
-                    f"a multiple of head_count {num_heads}"
-                )
-            head_dim = hidden // num_heads
         value_dim = get("attention.value_length", head_dim)
         if value_dim != head_dim:
             raise ConfigError(
@@ -345,8 +330,7 @@ class ModelConfig:
             raise ConfigError("tokenizer.ggml.eos_token_id: missing from GGUF metadata")
         bos = metadata.get("tokenizer.ggml.bos_token_id")
 
-        num_layers = _as_int(get("block_count"), f"{arch}.block_count")
-        head_dim = _as_int(head_dim, f"{arch}.attention.key_length")
+        num_layers = gguf_num_layers(arch, metadata)
         return cls(
             architecture=families.GGUF_ARCH_NAMES.get(arch, arch),
             vocab_size=_as_int(vocab, f"{arch}.vocab_size"),
@@ -354,7 +338,7 @@ class ModelConfig:
             intermediate_size=_as_int(get("feed_forward_length"), f"{arch}.feed_forward_length"),
             num_layers=num_layers,
             num_heads=num_heads,
-            num_kv_heads=_as_int(num_kv_heads, f"{arch}.attention.head_count_kv"),
+            num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             rope_theta=_as_float(get("rope.freq_base", 10000.0), f"{arch}.rope.freq_base"),
             rope_scaling=rope_scaling,
@@ -400,11 +384,10 @@ class ModelConfig:
         if config.get("mlp_bias"):
             raise ConfigError("mlp_bias: MLP biases are not supported")
 
-        hf_int = families.hf_int
         hidden = hf_int(config, "hidden_size")
-        num_heads, num_kv_heads, head_dim = families.hf_heads(model_type, config, hidden)
+        num_heads, num_kv_heads, head_dim = hf_heads(model_type, config, hidden)  # pagedkv.attn_layout
         theta, scaling, local_theta = families.hf_rope(config)
-        num_layers, max_pos = hf_int(config, "num_hidden_layers"), hf_int(config, "max_position_embeddings")
+        num_layers, max_pos = hf_num_layers(config), hf_int(config, "max_position_embeddings")
 
         eos: list[int] = []
         for src in (config, generation_config or {}):
@@ -441,18 +424,6 @@ class ModelConfig:
             **families.hf_family_fields(model_type, config, num_layers),
             **families.hf_mla_fields(model_type, config, num_layers),
         )
-
-
-def _as_int(value: Any, name: str) -> int:
-    if isinstance(value, bool):
-        raise ConfigError(f"{name}: expected an integer, got {value!r}")
-    try:
-        as_int = int(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{name}: expected an integer, got {value!r}") from None
-    if as_int != value:
-        raise ConfigError(f"{name}: expected an integer, got {value!r}")
-    return as_int
 
 
 def _as_float(value: Any, name: str) -> float:

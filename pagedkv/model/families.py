@@ -36,8 +36,8 @@ mixtral    mixture-of-experts MLPs on every layer (``num_local_experts``, width
            ``intermediate_size``, top-k weights renormalised); ``sliding_window`` on every layer
 =========  =====================================================================================
 
-Which layers slide, and by how much, is read by ``pagedkv.model_config`` (the one reader the KV
-cache sizing uses too); the window's semantics are transformers': the query at position ``p``
+Layers, heads, head sizes and which layers slide, and by how much, are read by
+``pagedkv.attn_layout`` (the one reader the KV cache sizing uses too); the window's semantics are transformers': the query at position ``p``
 sees ``p - W < k <= p``.
 Raises ``ConfigError`` naming the field for what the decoder does not implement (LongRoPE,
 partial RoPE, bidirectional Gemma-3, unknown activations).
@@ -49,7 +49,7 @@ import math
 from typing import Any, Mapping
 
 from pagedkv.errors import ConfigError
-from pagedkv.model_config import gguf_layout, hf_layout
+from pagedkv.attn_layout import MLA_ARCHITECTURES, MLA_DEFAULTS, gguf_layout, hf_int, hf_layout, hf_mla_ranks
 
 #: HF ``model_type`` values -> our architecture names.
 HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
@@ -62,8 +62,6 @@ HF_ARCH_CLASSES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                    "Gemma3ForCausalLM": "gemma3", "MiniCPM3ForCausalLM": "minicpm3",
                    "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3",
                    "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
-#: families with multi-head latent attention (``pagedkv.model.mla``).
-MLA_ARCHITECTURES = ("minicpm3", "deepseek_v2", "deepseek_v3")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 _GEMMA = ("gemma2", "gemma3")
 #: families that are refused, and what the decoder lacks for them
@@ -116,32 +114,6 @@ def hf_family_fields(arch: str, config: Mapping[str, Any], num_layers: int) -> d
     return out
 
 
-#: transformers 5.24's config-class defaults of the MLA keys (a key missing from config.json);
-#: MiniCPM3's ``v_head_dim`` default is ``hidden_size // num_attention_heads`` (``None`` here).
-MLA_DEFAULTS: dict[str, dict[str, Any]] = {
-    "minicpm3": {"kv_lora_rank": 256, "q_lora_rank": 768, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32,
-                 "v_head_dim": None},
-    **{a: {"kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-           "v_head_dim": 128} for a in ("deepseek_v2", "deepseek_v3")},
-}
-_NO: Any = object()
-
-
-def hf_int(config: Mapping[str, Any], key: str, default: Any = _NO, *, low: int = 1) -> Any:
-    """``config[key]`` as an integer ``>= low`` (integral floats accepted); ``default`` when the
-    key is missing or null. Raises ``ConfigError`` naming ``key`` when it is missing without a
-    default or is not such an integer."""
-    v = config.get(key)
-    if v is None:
-        if default is _NO:
-            raise ConfigError(f"{key}: missing from config.json")
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v) or v < low:
-        what = "a positive integer" if low == 1 else f"an integer >= {low}"
-        raise ConfigError(f"{key}: must be {what}, got {v!r}")
-    return int(v)
-
-
 def hf_number(config: Mapping[str, Any], key: str, default: float) -> float:
     """``config[key]`` as a positive finite number (``default`` when missing or null). Raises
     ``ConfigError`` naming ``key`` otherwise."""
@@ -151,31 +123,6 @@ def hf_number(config: Mapping[str, Any], key: str, default: float) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
         raise ConfigError(f"{key}: must be a positive number, got {v!r}")
     return float(v)
-
-
-def hf_heads(arch: str, config: Mapping[str, Any], hidden: int) -> tuple[int, int, int]:
-    """``(num_heads, num_kv_heads, head_dim)`` from a config.json: ``num_attention_heads``,
-    ``num_key_value_heads`` (default: as many), and the elements of a query/key head,
-    ``head_dim`` (default ``hidden // num_heads``) or for MLA ``qk_nope_head_dim +
-    qk_rope_head_dim`` (the config class's defaults for missing keys). Raises ``ConfigError``
-    naming the key for a non-positive size, KV heads that do not divide the heads, or an odd
-    ``qk_rope_head_dim`` (RoPE rotates pairs)."""
-    num_heads = hf_int(config, "num_attention_heads")
-    num_kv = hf_int(config, "num_key_value_heads", num_heads)
-    if num_heads % num_kv:
-        raise ConfigError(f"num_key_value_heads: {num_kv} does not divide num_attention_heads {num_heads}")
-    return num_heads, num_kv, _hf_head_dim(arch, config, hidden // num_heads)
-
-
-def _hf_head_dim(arch: str, config: Mapping[str, Any], default: int) -> int:
-    if arch not in MLA_ARCHITECTURES:
-        return hf_int(config, "head_dim", default)
-    d = MLA_DEFAULTS[arch]
-    nope, rope = hf_int(config, "qk_nope_head_dim", d["qk_nope_head_dim"]), hf_int(config, "qk_rope_head_dim",
-                                                                                    d["qk_rope_head_dim"])
-    if rope % 2:
-        raise ConfigError(f"qk_rope_head_dim: must be even for RoPE, got {rope}")
-    return nope + rope
 
 
 def hf_mla_fields(arch: str, config: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
@@ -197,11 +144,12 @@ def hf_mla_fields(arch: str, config: Mapping[str, Any], num_layers: int) -> dict
     interleave = config.get("rope_interleave", True)
     if interleave is not None and not isinstance(interleave, bool):
         raise ConfigError(f"rope_interleave: must be true or false, got {interleave!r}")
+    rank, rope = hf_mla_ranks(arch, config)
     out: dict[str, Any] = {
-        "kv_lora_rank": hf_int(config, "kv_lora_rank", d["kv_lora_rank"]),
+        "kv_lora_rank": rank,
         "q_lora_rank": None if q_rank is None else hf_int({"q_lora_rank": q_rank}, "q_lora_rank"),
         "qk_nope_head_dim": hf_int(config, "qk_nope_head_dim", d["qk_nope_head_dim"]),
-        "qk_rope_head_dim": hf_int(config, "qk_rope_head_dim", d["qk_rope_head_dim"]),
+        "qk_rope_head_dim": rope,
         "v_head_dim": hf_int(config, "v_head_dim", d["v_head_dim"] or hidden // hf_int(config, "num_attention_heads")),
         "rope_interleave": arch == "deepseek_v2" or (arch == "deepseek_v3" and bool(interleave)),
     }

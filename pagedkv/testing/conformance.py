@@ -48,9 +48,8 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from pagedkv.attention.base import AttentionBackend, AttentionMetadata
-from pagedkv.kv.block_table import slot_mapping
+from pagedkv.kv.block_table import blocks_needed, slot_mapping
 from pagedkv.testing.cases import Case, conformance_cases, quantized_cases, window_cases  # noqa: F401 - re-exported
-from pagedkv.utils import cdiv
 
 # max |out - expected| allowed: atol + rtol * |expected|. float32: a correct backend lands near
 # 3e-7 on the kit's cases here, but the BLAS picks its own kernels and summation order per CPU
@@ -146,7 +145,7 @@ def run_case(backend: AttentionBackend, case: Case, dtype: torch.dtype = torch.f
 def _layout_blocks(case: Case, rng: random.Random) -> tuple[list[list[int]], int]:
     """Shuffled physical block ids per sequence (shared prefix blocks first), padded tables."""
     bs = case.block_size
-    need = [cdiv(sl, bs) for sl in case.seq_lens]
+    need = [blocks_needed(sl, bs) for sl in case.seq_lens]
     p = case.shared_prefix_blocks
     if any(sl < p * bs for sl in case.seq_lens):
         raise ValueError(f"case {case.name}: a sequence is shorter than the shared prefix")
@@ -283,7 +282,7 @@ def _run(backend: AttentionBackend, case: Case, dtype: torch.dtype, device: torc
         raise ConformanceError("gather_kv(slot_mapping) differs from what write_kv wrote")
 
     # 6. copy_blocks: copy sequence 0's first block onto an unused block, read it back
-    used = {b for t, sl in zip(tables, case.seq_lens) for b in t[: -(-sl // bs)]}
+    used = {b for t, sl in zip(tables, case.seq_lens) for b in t[: blocks_needed(sl, bs)]}
     spare = sorted(set(range(num_blocks)) - used)
     if spare:
         first = los[0] // bs  # sequence 0's first real block

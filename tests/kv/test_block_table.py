@@ -1,14 +1,13 @@
-"""BlockTable and the one slot-mapping builder (``build_slots``) at block_size 4: slots are
-``physical_block * block_size + offset``, with exact arrays."""
+"""BlockTable at block_size 4 (its slots are ``physical_block * block_size + offset``; the batch
+builder is tested in test_slot_mapping.py) and the per-request block count."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
-from pagedkv.errors import InvalidRequestError
+from pagedkv.errors import ConfigError
 from pagedkv.kv import BlockPool
-from pagedkv.kv.block_table import BlockTable, build_slots, slot_mapping
+from pagedkv.kv.block_table import BlockTable
 
 BS = 4
 
@@ -47,25 +46,12 @@ def test_nullify_swaps_the_front_for_the_placeholder_once():
     assert [b.block_id for b in t.nullify(3, pool.null_block)] == [5] and t.ids == [0, 0, 0, 6]
 
 
-def test_build_slots_flattens_a_mixed_batch():
-    # seq 0 decodes position 5 in [1, 6]; seq 1 prefills positions 0..2 in [3]
-    s = build_slots([[1, 6], [3]], num_computed=[5, 0], query_lens=[1, 3], block_size=BS)
-    assert s.block_tables.tolist() == [[1, 6], [3, 0]] and s.block_tables.dtype == np.int32
-    assert s.positions.tolist() == [5, 0, 1, 2]
-    assert s.slot_mapping.tolist() == [25, 12, 13, 14] and s.slot_mapping.dtype == np.int64
-    assert s.query_start_loc.tolist() == [0, 1, 4] and s.seq_lens.tolist() == [6, 3]
+def test_request_blocks_needed_sums_blocks_needed_over_the_layer_groups():
+    from pagedkv.kv.block_table import request_blocks_needed
 
-
-def test_build_slots_refuses_a_position_without_a_block():
-    with pytest.raises(InvalidRequestError, match="sequence 1: position 4 needs logical block 1"):
-        build_slots([[0, 1], [2]], [0, 4], [8, 1], BS)
-    with pytest.raises(InvalidRequestError, match=">= 0"):
-        build_slots([[0]], [0], [-1], BS)
-    with pytest.raises(InvalidRequestError, match="bad position range"):
-        slot_mapping([0], BS, 3, 2)
-
-
-def test_empty_batch():
-    s = build_slots([], [], [], BS)
-    assert s.slot_mapping.tolist() == [] and s.query_start_loc.tolist() == [0]
-    assert s.block_tables.shape == (0, 1)
+    assert request_blocks_needed(20, 4) == 5  # one full group
+    assert request_blocks_needed(20, 4, (None, 8)) == 5 + 2  # window 8: blocks of positions 12..19
+    assert request_blocks_needed(20, 4, (None, 8), chunk=8) == 5 + 5  # min(5, ceil(15 / 4) + 1)
+    assert request_blocks_needed(0, 4, (None, 8, 8)) == 0
+    with pytest.raises(ConfigError, match="window"):
+        request_blocks_needed(20, 4, (None, 0))

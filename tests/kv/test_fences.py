@@ -10,14 +10,11 @@ from pagedkv.kv.block_pool import BlockPool
 from pagedkv.kv.fences import StepFences
 
 
-class Fences(StepFences):
-    def __init__(self, num_blocks: int) -> None:
-        self.pool = BlockPool(num_blocks)
-        self.tiers = None
-        self._init_fences()
+def Fences(num_blocks: int) -> StepFences:
+    return StepFences(BlockPool(num_blocks), tiers=None)
 
 
-def refs(f: Fences) -> list[int]:
+def refs(f: StepFences) -> list[int]:
     return [b.ref_cnt for b in f.pool.blocks]
 
 
@@ -26,7 +23,7 @@ def test_a_drop_outside_any_step_releases_at_once():
     a = f.pool.allocate(2)
     assert [b.block_id for b in a] == [0, 1]
     other = f.begin_step(["b"])
-    f._drop("a", a)  # "a" is not in the open step
+    f.drop("a", a)  # "a" is not in the open step
     assert refs(f) == [0, 0, 0, 0] and f.pool.free_queue.ids() == [2, 3, 0, 1]
     assert f.holds == [] and f.num_deferred_frees == 0
     f.end_step(other)
@@ -36,7 +33,7 @@ def test_a_drop_for_a_request_in_flight_is_held_until_its_step_ends():
     f = Fences(4)
     a = f.pool.allocate(2)  # blocks 0, 1
     s = f.begin_step(["a", "b"])
-    f._drop("a", a)
+    f.drop("a", a)
     assert refs(f) == [1, 1, 0, 0] and f.pool.free_queue.ids() == [2, 3]
     assert [(rid, [b.block_id for b in bl], w) for rid, bl, w in f.holds] == [("a", [0, 1], {s})]
     assert f.num_deferred_frees == 1
@@ -52,7 +49,7 @@ def test_a_hold_waits_for_every_open_step_that_used_the_request():
     s1 = f.begin_step(["a"])
     s2 = f.begin_step(["a", "c"])
     assert (s1, s2) == (1, 2)
-    f._drop("a", blocks)
+    f.drop("a", blocks)
     f.end_step(s2)  # the later step ends first: s1 may still read block 0
     assert refs(f) == [1, 0, 0] and [w for _, _, w in f.holds] == [{s1}]
     f.end_step(s1)

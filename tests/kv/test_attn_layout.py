@@ -1,4 +1,4 @@
-"""One reader of a model config's window rules (``pagedkv.model_config``): the KV cache spec a
+"""One reader of a model config's layout and window rules (``pagedkv.attn_layout``): the KV cache spec a
 plan sizes (``KVCacheSpec.from_hf_config`` / ``from_gguf``) has the windows of the model the
 engine runs (``ModelConfig.layer_windows``), and both are transformers' windows; and one
 ``blocks_needed`` for the blocks a request holds."""
@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from pagedkv.attn_layout import hf_layer_windows
 from pagedkv.engine.request import SamplingParams
 from pagedkv.engine.sequence_group import request_blocks
 from pagedkv.errors import ConfigError
@@ -17,7 +18,6 @@ from pagedkv.kv.example import grouped_blocks
 from pagedkv.kv.groups import LayerGroups
 from pagedkv.kv.spec import KVCacheSpec, known_config, known_configs
 from pagedkv.model.config import ModelConfig
-from pagedkv.model_config import hf_layer_windows
 from tests.model.test_families import FAMILIES, _hf_config
 
 BASE = {"vocab_size": 100, "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
@@ -225,3 +225,26 @@ def test_request_blocks_per_group_beams_and_reservation():
     # shared prompt (3 blocks) + per beam its 90 output tokens (23 blocks) and one partly filled copy
     assert request_blocks(10, 100, beam, 4, True, 256) == 3 + 3 * 24
     assert request_blocks(10, 100, beam, 4, True, 256, (None, 8), chunk=4) == 75 + 4 * 4
+
+
+def test_one_reader_of_layers_heads_and_head_dim_for_hf_and_gguf():
+    from pagedkv.attn_layout import gguf_heads, gguf_mla_ranks, gguf_num_layers, hf_heads, hf_mla_ranks, hf_num_layers
+
+    cfg = {"num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 512}
+    assert (hf_num_layers(cfg), hf_heads("llama", cfg)) == (3, (8, 2, 64))
+    assert hf_heads("llama", {**cfg, "head_dim": 80}) == (8, 2, 80)
+    assert hf_heads("deepseek_v3", cfg) == (8, 2, 128 + 64)  # MLA: qk_nope + qk_rope defaults
+    assert hf_mla_ranks("minicpm3", {}) == (256, 32) and hf_mla_ranks("deepseek_v2", {"kv_lora_rank": 16}) == (16, 64)
+    with pytest.raises(ConfigError, match="num_key_value_heads: 3 does not divide"):
+        hf_heads("llama", {**cfg, "num_key_value_heads": 3})
+    with pytest.raises(ConfigError, match="kv_lora_rank: missing"):
+        hf_mla_ranks("deepseek_v3", {"kv_lora_rank": None})
+    meta = {"llama.block_count": 4, "llama.attention.head_count": 8, "llama.attention.head_count_kv": [2, 2, 2, 2],
+            "llama.embedding_length": 256}
+    assert (gguf_num_layers("llama", meta), gguf_heads("llama", meta)) == (4, (8, 2, 32))
+    assert gguf_heads("llama", {**meta, "llama.attention.key_length": 48}) == (8, 2, 48)
+    assert gguf_mla_ranks("deepseek2", {"deepseek2.attention.kv_lora_rank": 512, "deepseek2.rope.dimension_count": 64}) == (512, 64)
+    with pytest.raises(ConfigError, match="per-layer KV head counts"):
+        gguf_heads("llama", {**meta, "llama.attention.head_count_kv": [2, 4, 2, 2]})
+    with pytest.raises(ConfigError, match="llama.attention.head_count: missing"):
+        gguf_heads("llama", {"llama.block_count": 4})
