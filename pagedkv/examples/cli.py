@@ -16,7 +16,7 @@ def _int_list(field: str, text: str) -> list[int]:
 
 
 def run_example(args: argparse.Namespace) -> int:
-    from pagedkv.kv.example import example_json, format_example, worked_example
+    from pagedkv.examples.seed_example import example_json, format_example, worked_example
 
     lengths = _int_list("lengths", args.lengths)
     sizes = _int_list("block_size", args.block_size)
@@ -28,7 +28,7 @@ def run_example(args: argparse.Namespace) -> int:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from pagedkv.kv.example import format_plan, plan
+    from pagedkv.examples.capacity_plan import format_plan, plan
 
     p = plan(model=args.model, kv_budget=args.kv_budget, dtype=args.dtype,
              block_size=args.block_size, tp_size=args.tp, max_model_len=args.max_model_len,
@@ -39,7 +39,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from pagedkv.kv.example import EXAMPLE_SHUFFLE_SEED
+    from pagedkv.examples.seed_example import EXAMPLE_SHUFFLE_SEED
 
     p = subparsers.add_parser("example", help="the seed's worked example: paged vs contiguous block tables")
     p.add_argument("--lengths", default="17,33,8", help="request lengths in tokens (default 17,33,8)")

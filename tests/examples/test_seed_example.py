@@ -8,8 +8,8 @@ import pytest
 
 from pagedkv.cli import main
 from pagedkv.errors import ConfigError
+from pagedkv.examples.seed_example import EXAMPLE_SHUFFLE_SEED, worked_example
 from pagedkv.kv import KVCacheManager, check_invariants
-from pagedkv.kv.example import EXAMPLE_SHUFFLE_SEED, worked_example
 
 
 def _seed_manager():
