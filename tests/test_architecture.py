@@ -15,7 +15,7 @@ PKG = Path(__file__).resolve().parents[1] / "pagedkv"
 LAYERS = {
     "errors": 0, "cpu_isa": 1, "csrc": 1, "utils": 1, "_bundled": 1, "gguf_header": 1, "model_config": 1, "kv": 2, "attention": 3, "model": 4,
     "testing": 4,
-    "worker": 5, "distributed": 6, "engine": 7, "native": 7, "server": 8, "serving": 9, "examples": 10, "bench": 10, "cli": 11, "__init__": 11,
+    "worker": 5, "distributed": 6, "engine": 7, "native": 7, "serving": 8, "examples": 10, "bench": 10, "cli": 11, "__init__": 11,
 }
 
 
@@ -81,6 +81,31 @@ def test_imports_point_down_the_layers():
             elif dtop != top and dlvl > lvl:
                 upward.append(f"{mod} -> {dep}")
     assert not upward, "upward imports:\n" + "\n".join(sorted(upward))
+
+
+def _server_imports_of_replicas(graph: dict[str, set[str]]) -> list[str]:
+    """Arrows from the one-engine server (``pagedkv.serving.*`` outside ``replicas`` and
+    ``cli``) into ``pagedkv.serving.replicas``: the replicas sit on top of the server (each
+    replica runs it), never under it."""
+    return sorted(f"{m} -> {d}" for m, deps in graph.items()
+                  if (m == "pagedkv.serving" or m.startswith("pagedkv.serving."))
+                  and not m.startswith("pagedkv.serving.replicas")
+                  and m != "pagedkv.serving.cli"
+                  for d in deps if d == "pagedkv.serving.replicas" or d.startswith("pagedkv.serving.replicas."))
+
+
+def test_the_server_imports_nothing_of_the_replicas():
+    assert _server_imports_of_replicas(_graph()) == []
+    assert "pagedkv.serving.replicas.replica" in _graph()  # the package the rule names exists
+
+
+def test_server_replica_check_is_not_vacuous():
+    planted = {"pagedkv.serving.routes": {"pagedkv.serving.replicas.router", "pagedkv.serving.schemas"},
+               "pagedkv.serving.cli": {"pagedkv.serving.replicas.launch"},
+               "pagedkv.serving.replicas.ingress": {"pagedkv.serving.replicas.router", "pagedkv.serving.schemas"},
+               "pagedkv.serving": {"pagedkv.serving.replicas"}}
+    assert _server_imports_of_replicas(planted) == ["pagedkv.serving -> pagedkv.serving.replicas",
+                                                    "pagedkv.serving.routes -> pagedkv.serving.replicas.router"]
 
 
 def test_no_import_cycle_between_modules():
