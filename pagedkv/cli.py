@@ -12,7 +12,7 @@ import sys
 
 # Modules that define ``register(subparsers)``; each adds its sub-commands.
 COMMAND_MODULES = [
-    "pagedkv.kv.cli",
+    "pagedkv.examples.cli",  # example | plan
     "pagedkv.engine.cli",
     "pagedkv.bench.cli",
     "pagedkv.serving.cli",  # serve (one engine, or --data-parallel-size N replicas)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set-up for the /ui browser test (tests/server/test_ui.py): Debian's chromium and its
+# Set-up for the /ui browser test (tests/serving/test_ui.py): Debian's chromium and its
 # chromedriver (apt), and selenium (PyPI) into the venv that runs the tests. Never downloads
 # a browser from anywhere else. Idempotent: does nothing when everything is present.
 # Usage: scripts/install_browser.sh [PYTHON]   (default: .venv/bin/python, else python3)

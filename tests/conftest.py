@@ -164,7 +164,7 @@ def agreement():
     return _agreement
 
 
-# ---- the /ui pages in headless Chromium (tests/server/test_ui.py, tests/serving) ----------------
+# ---- the /ui pages in headless Chromium (tests/serving/test_ui.py, tests/serving/replicas) ----------------
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 

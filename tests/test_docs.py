@@ -91,7 +91,8 @@ def test_every_benchmark_file_is_listed_in_the_index():
     # every listed result set has its JSON and Markdown
     missing = [s for s in sorted(listed) if not (BENCH / f"{s}.json").is_file() and not (BENCH / f"{s}.png").is_file()]
     assert missing == []
-    assert len(files) >= 60
+    # one current result per benchmark: superseded runs live in git history, so this bound only goes down
+    assert 20 <= len(files) <= 90
 
 
 def test_each_results_row_links_an_existing_benchmark_file():

@@ -5,7 +5,7 @@ Ways to start a server:
 * :func:`serve_subprocess`: ``python -m pagedkv.cli serve`` in a child process (what a user
   runs; the benchmark process and the server do not share the GIL or torch threads);
 * :func:`serve_in_thread`: uvicorn in a thread of this process over an engine built here
-  (:class:`pagedkv.server.threaded.ThreadedServer`; faster to start, used by the tests);
+  (:class:`pagedkv.serving.threaded.ThreadedServer`; faster to start, used by the tests);
 * :func:`serve_llama_server`: llama.cpp's ``llama-server`` (the peer of
   ``pagedkv bench serve --peer llama-server``) in a child process.
 
@@ -39,8 +39,8 @@ HOST = "127.0.0.1"
 @contextmanager
 def serve_in_thread(engine: Any, port: int = 0) -> Iterator[str]:
     """Serve ``engine`` with uvicorn in a thread of this process; yields the base URL."""
-    from pagedkv.server.app import build_app
-    from pagedkv.server.threaded import ThreadedServer
+    from pagedkv.serving.app import build_app
+    from pagedkv.serving.threaded import ThreadedServer
 
     srv = ThreadedServer(build_app(engine), host=HOST, port=port)
     try:

@@ -87,6 +87,7 @@ def perplexity(model: Any, token_ids: list[int], window: int, backend_name: str 
 
     from pagedkv.attention import get_backend
     from pagedkv.attention.base import AttentionMetadata
+    from pagedkv.testing.caches import allocate_kv_caches
 
     if window < 2 or len(token_ids) < 2:
         raise ValueError(f"perplexity needs a window of >= 2 tokens and a text of >= 2 tokens "
@@ -95,7 +96,7 @@ def perplexity(model: Any, token_ids: list[int], window: int, backend_name: str 
     block = 16
     nll, count = 0.0, 0
     span = min(window, len(token_ids))  # the cache holds one window, never more than the text
-    caches = model.allocate_kv_caches(backend, num_blocks=math.ceil(span / block), block_size=block)
+    caches = allocate_kv_caches(model, backend, num_blocks=math.ceil(span / block), block_size=block)
     with torch.inference_mode():
         for start in range(0, len(token_ids) - 1, window):
             ids = token_ids[start:start + window]

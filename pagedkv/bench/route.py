@@ -120,7 +120,7 @@ class LoadSampler:
 
 def _run_policy(svc: Any, policy: str, reqs: list[BenchRequest], concurrency: int, max_run_s: float,
                 sample: bool = False) -> dict[str, Any]:
-    from pagedkv.server.threaded import ThreadedServer
+    from pagedkv.serving.threaded import ThreadedServer
 
     svc.reset_prefix_caches()
     app = svc.build_ingress(policy)
@@ -155,7 +155,7 @@ def _pool(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     from pagedkv.model.loader import load_config
-    from pagedkv.serving.launch import ReplicaService
+    from pagedkv.serving.replicas.launch import ReplicaService
 
     if args.tiny:
         _apply_tiny(args)

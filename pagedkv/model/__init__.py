@@ -2,11 +2,10 @@
 (GGUF / HF safetensors, tokenizer, weight cache)."""
 
 from pagedkv.model.config import ModelConfig
-from pagedkv.model.llama import KVCacheShape, LlamaForCausalLM
+from pagedkv.model.llama import LlamaForCausalLM
 from pagedkv.model.loader import LoadedModel, load_config, load_model, resolve_model_path
 
 __all__ = [
-    "KVCacheShape",
     "LlamaForCausalLM",
     "LoadedModel",
     "ModelConfig",

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -51,15 +51,6 @@ from pagedkv.model import invariant
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.moe import MoE, MoESpec
 from pagedkv.utils import profile_scope, torch_dtype
-
-
-class KVCacheShape(NamedTuple):
-    """What the engine needs to size and allocate the KV cache for this model."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -388,34 +379,6 @@ class LlamaForCausalLM(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.norm.weight.device
-
-    def kv_cache_shape(self) -> KVCacheShape:
-        """``(num_layers, num_kv_heads, head_dim, dtype)``: one K and one V cache per layer,
-        each token taking ``num_kv_heads * head_dim`` elements of ``dtype`` (MLA: one head of
-        ``kv_lora_rank + qk_rope_head_dim`` elements in K and no V)."""
-        c = self.config
-        return KVCacheShape(c.num_layers, c.cache_kv_heads, c.cache_head_dim, self.dtype)
-
-    def allocate_kv_caches(
-        self,
-        backend: AttentionBackend,
-        num_blocks: int,
-        block_size: int,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-    ) -> list[Any]:
-        """One ``backend.allocate_kv_cache(...)`` per layer (zeros; MLA:
-        ``pagedkv.model.mla.allocate_latent_cache``), in the model's dtype and device unless
-        given. Returns the list ``forward`` takes as ``kv_caches``."""
-        c = self.config
-        alloc = backend.allocate_kv_cache
-        if c.is_mla:
-            from pagedkv.model.mla import allocate_latent_cache
-
-            def alloc(*args: Any) -> Any:
-                return allocate_latent_cache(backend, *args)
-        return [alloc(num_blocks, block_size, c.cache_kv_heads, c.cache_head_dim, dtype or self.dtype, device or self.device)
-                for _ in range(c.num_layers)]
 
     # ---- compute ---------------------------------------------------------------------------
     def forward(

@@ -1,11 +1,12 @@
-"""Data-parallel replicas on Ray Serve behind one OpenAI-compatible ingress (docs/replicas.md).
+"""Serving (``pagedkv serve``): the OpenAI-compatible HTTP server over one engine (this
+package's modules: the FastAPI app (``app``), its routes, OpenAI mapping (``protocol``),
+streaming, auth and body limits as dependencies, metrics, the engine loop and the live
+``/ui`` page of the KV cache) and data-parallel replicas behind one routing ingress
+(:mod:`pagedkv.serving.replicas`). The server's modules import nothing of the replicas."""
 
-``pagedkv serve --data-parallel-size N`` runs N engine replicas as Ray Serve deployments
-(:mod:`pagedkv.serving.replica`) and one ingress (:mod:`pagedkv.serving.ingress`) that routes
-each request with a policy of :mod:`pagedkv.serving.router` (``round-robin``,
-``least-loaded``, ``prefix-aware``) over per-replica prefix indexes
-(:mod:`pagedkv.serving.index`, fed by KV events: :mod:`pagedkv.serving.events`).
+from pagedkv.serving.api_keys import load_api_keys
+from pagedkv.serving.app import build_app
+from pagedkv.serving.engine_loop import EngineLoop, PromptSpec
+from pagedkv.serving.errors import APIError
 
-Importing this package imports no Ray: only :mod:`pagedkv.serving.replica` and
-:mod:`pagedkv.serving.launch` do, and only ``serve --data-parallel-size N`` (N > 1) loads them.
-"""
+__all__ = ["APIError", "EngineLoop", "PromptSpec", "build_app", "load_api_keys"]

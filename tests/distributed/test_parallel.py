@@ -26,6 +26,7 @@ from pagedkv.distributed.parallel import (
 from pagedkv.errors import ConfigError
 from pagedkv.kv import KVCacheSpec
 from pagedkv.model.config import ModelConfig
+from pagedkv.testing.caches import allocate_kv_caches
 
 
 def _children() -> set[int]:
@@ -168,8 +169,8 @@ def test_sharded_model_in_threads_matches_the_whole_model(loaded_model, tp):
     group = _ThreadAllReduce(tp)
     shards = [shard_plan(cfg, r, tp) for r in range(tp)]
     models = [build_shard_model(cfg, state, s, group.for_rank(s.rank)) for s in shards]
-    caches = [m.allocate_kv_caches(backend, 8, 8) for m in models]
-    full_caches = full.allocate_kv_caches(backend, 8, 8)
+    caches = [allocate_kv_caches(m, backend, 8, 8) for m in models]
+    full_caches = allocate_kv_caches(full, backend, 8, 8)
     assert caches[0][0].num_kv_heads == 1 and full_caches[0].num_kv_heads == 3
     table = [[5, 2, 7, 0]]
     ids = torch.tensor([1, 504, 3458, 282, 9529, 314, 260, 3213, 282, 4224, 28, 216, 5, 28, 3458,

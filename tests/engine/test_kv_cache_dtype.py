@@ -15,8 +15,8 @@ from pagedkv.cli import main
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.engine import LLMEngine
 from pagedkv.errors import ConfigError
+from pagedkv.examples.capacity_plan import plan
 from pagedkv.kv import CacheKeys, check_invariants, hash_blocks
-from pagedkv.kv.example import plan
 
 TEXT = (
     "The history of computing is a story of memory. Early machines stored programs on punched "

@@ -93,7 +93,7 @@ def test_stop_strings_logprobs_and_seeded_sampling(loaded_model, prompt_ids):
 
 def test_spec_counters_on_metrics(loaded_model, prompt_ids):
     """The four pagedkv_spec_decode_* families /metrics exports equal the engine's stats."""
-    from pagedkv.server.metrics import _EngineCollector
+    from pagedkv.serving.metrics import _EngineCollector
 
     _, st, eng = run(loaded_model, [prompt_ids], greedy(24), speculative="ngram")
     got = {m.name: m.samples[0].value for m in _EngineCollector(eng, "m").collect()

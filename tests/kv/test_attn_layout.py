@@ -12,9 +12,9 @@ from pagedkv.attn_layout import hf_layer_windows
 from pagedkv.engine.request import SamplingParams
 from pagedkv.engine.sequence_group import request_blocks
 from pagedkv.errors import ConfigError
+from pagedkv.examples.capacity_plan import grouped_blocks
 from pagedkv.gguf_header import read_gguf_metadata
 from pagedkv.kv.block_table import blocks_needed
-from pagedkv.kv.example import grouped_blocks
 from pagedkv.kv.groups import LayerGroups
 from pagedkv.kv.spec import KVCacheSpec, known_config, known_configs
 from pagedkv.model.config import ModelConfig
@@ -191,7 +191,7 @@ def test_blocks_needed_equals_the_live_positions_blocks():
 
 
 def test_blocks_needed_of_an_array_is_the_scalar_count_per_element():
-    """Capacity simulations (kv/example.py, bench/capacity_sim.py) count many requests at once
+    """Capacity simulations (examples/capacity_plan.py, bench/capacity_sim.py) count many requests at once
     through the same function; each element equals the scalar count."""
     t = np.arange(0, 70, dtype=np.int64)
     for bs, w, c in ((4, None, None), (4, 8, None), (3, 13, None), (4, 8, 4), (16, 4096, 512)):

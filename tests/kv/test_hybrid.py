@@ -53,7 +53,7 @@ def test_gemma3_12b_groups_and_plan():
     """The shipped Gemma-3-12B config: 8 full + 40 window-1024 layers -> one full group and five
     window groups of 8 layers; a 32k request holds 2048 + 5 x 64 block ids of 8 layers each =
     0.1927x the all-full bytes (one 40-layer group would have been 0.8594x)."""
-    from pagedkv.kv.example import group_plan
+    from pagedkv.examples.capacity_plan import group_plan
 
     spec = KVCacheSpec.from_hf_config("gemma-3-12b", dtype="bf16")
     g = spec.groups

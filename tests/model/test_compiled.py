@@ -12,6 +12,7 @@ from pagedkv.engine.request import SamplingParams
 from pagedkv.errors import ConfigError
 from pagedkv.model import compiled as C
 from pagedkv.testing.tiny import tiny_random_model
+from pagedkv.testing.caches import allocate_kv_caches
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,7 @@ def test_compiled_decode_gives_the_eager_tokens(tiny):
     ids, pos = torch.tensor([11, 12, 13]), torch.tensor([8, 18, 19])
     outs, before = [], cd.steps
     for forward in (cd, tiny.model):  # the compiled step, then the model's own forward
-        caches = tiny.model.allocate_kv_caches(backend, num_blocks=8, block_size=16)
+        caches = allocate_kv_caches(tiny.model, backend, num_blocks=8, block_size=16)
         gen = torch.Generator().manual_seed(0)
         for c in caches:  # the context before this step
             c.key.copy_(torch.randn(c.key.shape, generator=gen))
@@ -200,7 +201,7 @@ def test_a_backend_error_inside_a_compiled_step_keeps_its_type(tiny):
     cd = LLMEngine(tiny, dtype="float32", block_size=16, num_blocks=64, compile_decode=True).runner.compiled
     assert isinstance(cd, C.CompiledDecode) and cd.failed is None
     backend = get_backend("cpu")
-    caches = tiny.model.allocate_kv_caches(backend, num_blocks=2, block_size=16)
+    caches = allocate_kv_caches(tiny.model, backend, num_blocks=2, block_size=16)
     md = AttentionMetadata.build([9], [1], [[1]], 16)
     md.slot_mapping[0] = 2 * 16  # one past the cache
     before = cd.steps
@@ -232,7 +233,7 @@ def test_compiled_int4_steps_give_the_eager_hidden_states(loaded_model):
         ids, pos = torch.arange(n) * 7 + 3, torch.tensor([4 + i for i in range(n)])
         outs = []
         for forward in (cd, lm.model):
-            caches = lm.model.allocate_kv_caches(backend, num_blocks=16, block_size=16)
+            caches = allocate_kv_caches(lm.model, backend, num_blocks=16, block_size=16)
             gen = torch.Generator().manual_seed(n)
             for c in caches:
                 c.key.copy_(torch.randn(c.key.shape, generator=gen))
@@ -301,6 +302,7 @@ from pagedkv.attention.base import AttentionMetadata
 from pagedkv.engine.engine import LLMEngine
 from pagedkv.model.loader import load_model
 from pagedkv.testing.tiny import tiny_random_model
+from pagedkv.testing.caches import allocate_kv_caches
 
 tiny = tiny_random_model(load_model(bundled_model_path(), dtype=torch.float32), seed=5)
 eng = LLMEngine(tiny, dtype="float32", block_size=16, num_blocks=64, max_num_seqs=4, compile_decode=True)
@@ -308,7 +310,7 @@ cd, backend = eng.runner.compiled, get_backend("cpu")
 md = AttentionMetadata.build([9, 20], [1, 2], [[3], [5, 1]], 16)
 outs = []
 for forward in (cd, tiny.model):
-    caches = tiny.model.allocate_kv_caches(backend, num_blocks=8, block_size=16)
+    caches = allocate_kv_caches(tiny.model, backend, num_blocks=8, block_size=16)
     gen = torch.Generator().manual_seed(0)
     for c in caches:
         c.key.copy_(torch.randn(c.key.shape, generator=gen))

@@ -28,6 +28,7 @@ from pagedkv.errors import ConfigError
 from pagedkv.kv.spec import KVCacheSpec
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.loader import load_model
+from pagedkv.testing.caches import allocate_kv_caches
 
 FAMILIES = ["deepseek_v2", "deepseek_v3"]
 VOCAB = 97
@@ -142,7 +143,7 @@ def test_logits_equal_transformers(family, block):
         ref = hf(torch.tensor([ids])).logits[0].float()
     backend = get_backend("cpu")
     blocks = -(-40 // block)
-    caches = lm.model.allocate_kv_caches(backend, num_blocks=blocks + 3, block_size=block)
+    caches = allocate_kv_caches(lm.model, backend, num_blocks=blocks + 3, block_size=block)
     table = list(range(blocks + 3))[::-1][:blocks]  # reversed physical blocks
     got = []
     for start, end in ((0, 13), (13, 24), (24, 37), (37, 38), (38, 39), (39, 40)):
@@ -186,7 +187,7 @@ def test_decode_step_runs_only_routed_experts_and_the_shared_one(family):
     kind, _, _, lm = family
     net = lm.model
     backend = get_backend("cpu")
-    caches = net.allocate_kv_caches(backend, num_blocks=4, block_size=16)
+    caches = allocate_kv_caches(net, backend, num_blocks=4, block_size=16)
     calls: dict[int, list] = {1: [], 2: []}
     routed: dict[int, list[int]] = {}
     handles = []
@@ -243,7 +244,7 @@ def test_quantised_experts_and_shared_mlp(family, weights, cls, tol):
     backend = get_backend("cpu")
     logits = []
     for net in (lm.model, q.model):
-        caches = net.allocate_kv_caches(backend, num_blocks=2, block_size=16)
+        caches = allocate_kv_caches(net, backend, num_blocks=2, block_size=16)
         with torch.inference_mode():
             logits.append(net.compute_logits(net(ids, torch.arange(20), caches,
                                                  AttentionMetadata.build([20], [20], [[0, 1]], 16), backend)))

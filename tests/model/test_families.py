@@ -26,6 +26,7 @@ from pagedkv import LLM, SamplingParams
 from pagedkv.attention import get_backend
 from pagedkv.attention.base import AttentionMetadata
 from pagedkv.model.loader import load_model
+from pagedkv.testing.caches import allocate_kv_caches
 
 FAMILIES = ["qwen3", "mistral", "phi3", "gemma2", "gemma3"]
 VOCAB = 97
@@ -109,7 +110,7 @@ def test_logits_equal_transformers_across_blocks_and_windows(family, backend_nam
     with torch.inference_mode():
         ref = hf(torch.tensor([ids])).logits[0].float()
     backend = get_backend(backend_name)
-    caches = lm.model.allocate_kv_caches(backend, num_blocks=16, block_size=BLOCK)
+    caches = allocate_kv_caches(lm.model, backend, num_blocks=16, block_size=BLOCK)
     table = [9, 2, 14, 0, 7, 11, 3, 5, 12, 1]  # shuffled physical blocks, 10 x 4 tokens
     got = []
     # chunks of 13, 11 and 13 tokens (each crossing blocks and every window), then 3 decodes

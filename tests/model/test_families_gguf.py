@@ -22,6 +22,7 @@ from pagedkv.errors import ConfigError
 from pagedkv.gguf_header import read_gguf_header
 from pagedkv.model.loader import build_model
 from pagedkv.model.weights import gguf_config, gguf_state_dict
+from pagedkv.testing.caches import allocate_kv_caches
 from tests.model.test_families import _hf_config
 
 _LAYER = {  # HF layer tensor -> llama.cpp's GGUF name
@@ -113,7 +114,7 @@ def test_gguf_families_equal_transformers(tmp_path, kind):
     with torch.inference_mode():
         ref = hf(torch.tensor([ids])).logits[0].float()
     backend = get_backend("cpu")
-    caches = model.allocate_kv_caches(backend, num_blocks=10, block_size=4)
+    caches = allocate_kv_caches(model, backend, num_blocks=10, block_size=4)
     table = [3, 7, 0, 9, 5, 1, 8, 2]
     got = []
     for start, end in ((0, 11), (11, 29), (29, 30)):

@@ -29,6 +29,7 @@ from pagedkv.attention.base import AttentionMetadata
 from pagedkv.errors import ConfigError
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.loader import load_model
+from pagedkv.testing.caches import allocate_kv_caches
 
 FAMILIES = ["qwen3_moe", "mixtral"]
 VOCAB = 97
@@ -101,7 +102,7 @@ def test_logits_equal_transformers(family, block):
         ref = hf(torch.tensor([ids])).logits[0].float()
     backend = get_backend("cpu")
     blocks = -(-40 // block)
-    caches = lm.model.allocate_kv_caches(backend, num_blocks=blocks + 3, block_size=block)
+    caches = allocate_kv_caches(lm.model, backend, num_blocks=blocks + 3, block_size=block)
     table = list(range(blocks + 3))[::-1][:blocks]  # reversed physical blocks
     got = []
     for start, end in ((0, 13), (13, 24), (24, 37), (37, 38), (38, 39), (39, 40)):
@@ -158,7 +159,7 @@ def test_moe_layers_run_eager_and_only_routed_experts_at_decode(family):
     kind, _, _, lm = family
     net = lm.model
     backend = get_backend("cpu")
-    caches = net.allocate_kv_caches(backend, num_blocks=4, block_size=16)
+    caches = allocate_kv_caches(net, backend, num_blocks=4, block_size=16)
     calls: dict[int, list[int]] = {}
     handles = []
     for i, layer in enumerate(net.layers):
@@ -235,7 +236,7 @@ def test_quantised_experts_use_the_quantised_linear_modules(family, weights, cls
     backend = get_backend("cpu")
     logits = []
     for net in (lm.model, q.model):
-        caches = net.allocate_kv_caches(backend, num_blocks=2, block_size=16)
+        caches = allocate_kv_caches(net, backend, num_blocks=2, block_size=16)
         with torch.inference_mode():
             h = net(ids, torch.arange(20), caches, AttentionMetadata.build([20], [20], [[0, 1]], 16), backend)
             logits.append(net.compute_logits(h))
@@ -250,7 +251,7 @@ def test_planner_and_engine_agree_on_kv_bytes_per_token(family):
 
     _, _, out, lm = family
     spec = KVCacheSpec.from_hf_config(out / "config.json", dtype="fp32")
-    caches = lm.model.allocate_kv_caches(get_backend("cpu"), num_blocks=4, block_size=16)
+    caches = allocate_kv_caches(lm.model, get_backend("cpu"), num_blocks=4, block_size=16)
     held = sum(t.numel() * t.element_size() for c in caches for t in (c.key, c.value))
     assert spec.bytes_per_token == held // 64 == 3 * 2 * (2 * 16) * 4  # layers x K,V x kv heads x d x fp32
 

@@ -30,6 +30,7 @@ from pagedkv.attention.base import AttentionMetadata
 from pagedkv.errors import ConfigError
 from pagedkv.model.gguf_native import GGUFLinear, iter_linears
 from pagedkv.model.loader import load_config, load_model
+from pagedkv.testing.caches import allocate_kv_caches
 from tests.model.test_gguf_types import _vocab
 
 E, K, RANK, ROPE, NOPE, VDIM, MOE_I, QLORA = 8, 2, 32, 8, 16, 24, 32, 64
@@ -243,7 +244,7 @@ def test_logits_close_and_greedy_tokens_equal_transformers(case):
     backend = get_backend("cpu")
 
     def logits() -> torch.Tensor:
-        caches = lm.model.allocate_kv_caches(backend, num_blocks=4, block_size=16)
+        caches = allocate_kv_caches(lm.model, backend, num_blocks=4, block_size=16)
         got = []
         for start, end in ((0, 13), (13, 29), (29, 30)):
             md = AttentionMetadata.build([end], [end - start], [[2, 0]], 16)
@@ -340,7 +341,7 @@ def test_yarn_scaling_reads_as_transformers(tmp_path):
     with torch.inference_mode():
         want = hf(torch.tensor([ids])).logits[0].float()
     backend = get_backend("cpu")
-    caches = lm.model.allocate_kv_caches(backend, num_blocks=8, block_size=16)
+    caches = allocate_kv_caches(lm.model, backend, num_blocks=8, block_size=16)
     md = AttentionMetadata.build([100], [100], [list(range(7))], 16)
     with torch.inference_mode():
         got = lm.model.compute_logits(lm.model(torch.tensor(ids), torch.arange(100), caches, md, backend))

@@ -25,6 +25,7 @@ from pagedkv.attention.base import AttentionMetadata
 from pagedkv.errors import ConfigError
 from pagedkv.model.gguf_native import GGUFLinear
 from pagedkv.model.loader import load_config, load_model
+from pagedkv.testing.caches import allocate_kv_caches
 from tests.model.test_gguf_types import _vocab
 
 E, K, I_EXP = 8, 2, 32
@@ -167,7 +168,7 @@ def test_logits_close_and_greedy_tokens_equal_transformers(case):
     with torch.inference_mode():
         ref = hf(torch.tensor([ids])).logits[0].float()
     backend = get_backend("cpu")
-    caches = lm.model.allocate_kv_caches(backend, num_blocks=4, block_size=16)
+    caches = allocate_kv_caches(lm.model, backend, num_blocks=4, block_size=16)
     got = []
     for start, end in ((0, 13), (13, 29), (29, 30)):
         md = AttentionMetadata.build([end], [end - start], [[2, 0]], 16)
@@ -214,7 +215,7 @@ def test_a_decode_step_multiplies_only_the_routed_experts(case):
             for lin in (expert.gate_up_proj, expert.down_proj):
                 handles.append(lin.register_forward_hook(lambda m, inp, out, i=i, e=e: calls.append((i, e))))
     backend = get_backend("cpu")
-    caches = net.allocate_kv_caches(backend, num_blocks=2, block_size=16)
+    caches = allocate_kv_caches(net, backend, num_blocks=2, block_size=16)
     saved, net._native = net._native, None  # the torch ops, whose modules the hooks see (native: test_native_qk_moe)
     try:
         with torch.inference_mode():
@@ -260,7 +261,7 @@ def test_lazy_experts_read_only_the_experts_a_token_is_routed_to(case):
         layer.mlp.register_forward_pre_hook(
             lambda m, args, i=i: routed.__setitem__(i, sorted(m.route(args[0])[1].flatten().tolist())))
     for model in (lm.model, net):
-        caches = model.allocate_kv_caches(backend, num_blocks=1, block_size=16)
+        caches = allocate_kv_caches(model, backend, num_blocks=1, block_size=16)
         with torch.inference_mode():
             h = model(torch.tensor([77]), torch.tensor([0]), caches, AttentionMetadata.build([1], [1], [[0]], 16), backend)
             logits.append(model.compute_logits(h))

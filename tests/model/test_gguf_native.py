@@ -21,6 +21,7 @@ from pagedkv.model import gguf_native, loader, qmm, weight_cache
 from pagedkv.model.gguf_native import GGUFEmbedding, GGUFLinear
 from pagedkv.model.loader import load_model
 from pagedkv.model.quantize import linear_prefixes
+from pagedkv.testing.caches import allocate_kv_caches
 
 
 def _stored_bytes(header, names) -> int:
@@ -235,7 +236,7 @@ def test_each_kernel_type_loads_as_stored_and_runs_within_the_int8_activation_er
     backend = get_backend("reference")
     outs = []
     for m in (fp32.model, lm.model):
-        caches = m.allocate_kv_caches(backend, num_blocks=4, block_size=8)
+        caches = allocate_kv_caches(m, backend, num_blocks=4, block_size=8)
         outs.append(_run(m, backend, caches, ids, [len(ids)], [len(ids)], [[2, 0]], block=8))
     want, got = outs
     # 8-bit activation blocks at each of the 15 matmuls: 1.6% (Q8_0) to 4.5% (Q4_1) measured

@@ -32,6 +32,7 @@ import torch
 from pagedkv.errors import ConfigError
 from pagedkv.model import loader
 from pagedkv.model.quant import GROUP_SIZE, Int4Linear, Int8Linear
+from pagedkv.testing.caches import allocate_kv_caches
 
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 #: types transformers refuses to load (our side is then checked alone); none at present
@@ -274,7 +275,7 @@ def _greedy_reference(net, prompt: list[int]) -> list[int]:
     backend = get_backend("cpu")
     ids = list(prompt)
     for _ in range(8):
-        caches = net.allocate_kv_caches(backend, num_blocks=8, block_size=4)
+        caches = allocate_kv_caches(net, backend, num_blocks=8, block_size=4)
         md = AttentionMetadata.build([len(ids)], [len(ids)], [list(range(8))], 4)
         with torch.inference_mode():
             logits = net.compute_logits(net(torch.tensor(ids), torch.arange(len(ids)), caches, md, backend))

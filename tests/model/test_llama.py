@@ -13,6 +13,7 @@ import torch
 from pagedkv.attention import get_backend
 from pagedkv.attention.base import AttentionMetadata
 from pagedkv.model.llama import LlamaForCausalLM, rope_inv_freq
+from pagedkv.testing.caches import allocate_kv_caches
 
 PROMPT = (
     "The paged KV cache splits every sequence into fixed-size blocks, much like the pages of "
@@ -52,7 +53,7 @@ def hf_logits(hf_model, token_ids):
 @pytest.mark.parametrize("backend_name", ["reference", "cpu"])
 def test_prefill_matches_transformers(loaded_model, hf_logits, token_ids, backend_name):
     model, backend = loaded_model.model, get_backend(backend_name)
-    caches = model.allocate_kv_caches(backend, num_blocks=10, block_size=BLOCK)
+    caches = allocate_kv_caches(model, backend, num_blocks=10, block_size=BLOCK)
     logits = _run(model, backend, caches, token_ids[:20], [20], [20], [TABLE])
     ref = hf_logits[:20]
     assert logits.dtype == torch.float32 and logits.shape == (20, loaded_model.config.vocab_size)
@@ -64,7 +65,7 @@ def test_prefill_matches_transformers(loaded_model, hf_logits, token_ids, backen
 @pytest.mark.slow
 def test_decode_through_paged_cache_matches_transformers(loaded_model, hf_logits, token_ids):
     model, backend = loaded_model.model, get_backend("reference")
-    caches = model.allocate_kv_caches(backend, num_blocks=10, block_size=BLOCK)
+    caches = allocate_kv_caches(model, backend, num_blocks=10, block_size=BLOCK)
     _run(model, backend, caches, token_ids[:20], [20], [20], [TABLE])
     for pos in (20, 21, 22):  # one token per step, read back through both physical blocks
         logits = _run(model, backend, caches, [token_ids[pos]], [pos + 1], [1], [TABLE])
@@ -73,7 +74,7 @@ def test_decode_through_paged_cache_matches_transformers(loaded_model, hf_logits
         assert diff < _tol(ref), (pos, diff)
         assert logits.argmax(-1).item() == ref.argmax(-1).item()
     # The cache holds exactly what a fresh prefill of all 23 tokens writes.
-    fresh = model.allocate_kv_caches(backend, num_blocks=10, block_size=BLOCK)
+    fresh = allocate_kv_caches(model, backend, num_blocks=10, block_size=BLOCK)
     _run(model, backend, fresh, token_ids, [23], [23], [TABLE])
     slots = AttentionMetadata.build([23], [23], [TABLE], BLOCK).slot_mapping
     for layer in (0, 29):
@@ -86,7 +87,7 @@ def test_chunked_prefill_and_mixed_batch(loaded_model, hf_logits, token_ids):
     """Prefill in chunks 9 + 11 crossing a block edge, then one flat batch mixing a decode
     token of sequence A with an 8-token prefill of sequence B (other blocks)."""
     model, backend = loaded_model.model, get_backend("reference")
-    caches = model.allocate_kv_caches(backend, num_blocks=12, block_size=BLOCK)
+    caches = allocate_kv_caches(model, backend, num_blocks=12, block_size=BLOCK)
     first = _run(model, backend, caches, token_ids[:9], [9], [9], [TABLE])
     second = _run(model, backend, caches, token_ids[9:20], [20], [11], [TABLE])
     got = torch.cat([first, second])
@@ -95,7 +96,7 @@ def test_chunked_prefill_and_mixed_batch(loaded_model, hf_logits, token_ids):
     mixed = _run(model, backend, caches, [token_ids[20]] + ids_b, [21, 8], [1, 8], [TABLE, [11]])
     ref_a = hf_logits[20:21]
     assert (mixed[:1] - ref_a).abs().max().item() < _tol(ref_a)
-    alone = model.allocate_kv_caches(backend, num_blocks=2, block_size=BLOCK)
+    alone = allocate_kv_caches(model, backend, num_blocks=2, block_size=BLOCK)
     ref_b = _run(model, backend, alone, ids_b, [8], [8], [[1]])
     assert (mixed[1:] - ref_b).abs().max().item() < 1e-4 * max(1.0, ref_b.abs().max().item())
 
@@ -103,7 +104,7 @@ def test_chunked_prefill_and_mixed_batch(loaded_model, hf_logits, token_ids):
 @pytest.mark.slow
 def test_forward_rejects_bad_shapes(loaded_model):
     model, backend = loaded_model.model, get_backend("reference")
-    caches = model.allocate_kv_caches(backend, num_blocks=2, block_size=BLOCK)
+    caches = allocate_kv_caches(model, backend, num_blocks=2, block_size=BLOCK)
     md = AttentionMetadata.build([2], [2], [[0]], BLOCK)
     with pytest.raises(ValueError):
         model(torch.tensor([1, 2]), torch.tensor([0]), caches, md, backend)
@@ -112,10 +113,15 @@ def test_forward_rejects_bad_shapes(loaded_model):
 
 
 @pytest.mark.slow
-def test_kv_cache_shape(loaded_model):
-    shape = loaded_model.model.kv_cache_shape()
-    assert tuple(shape) == (30, 3, 64, torch.float32)
-    assert shape.num_layers == 30 and shape.num_kv_heads == 3 and shape.head_dim == 64
+def test_kv_caches_have_the_model_shape(loaded_model):
+    model = loaded_model.model
+    c = model.config
+    assert (c.num_layers, c.cache_kv_heads, c.cache_head_dim, model.dtype) == (30, 3, 64, torch.float32)
+    caches = allocate_kv_caches(model, get_backend("reference"), num_blocks=2, block_size=BLOCK)
+    assert len(caches) == 30
+    assert {(c.num_blocks, c.block_size, c.num_kv_heads, c.head_dim, c.dtype) for c in caches} == {
+        (2, BLOCK, 3, 64, torch.float32)}
+    assert all(c.key.numel() == c.value.numel() == 2 * BLOCK * 3 * 64 for c in caches)
 
 
 # ---- tiny random HF models through the safetensors-directory loader ---------------------------
@@ -186,7 +192,7 @@ def test_tiny_hf_models_match_transformers(tmp_path, kind):
     with torch.inference_mode():
         ref = hf(ids).logits[0].float()
     backend = get_backend("reference")
-    caches = lm.model.allocate_kv_caches(backend, num_blocks=8, block_size=8)
+    caches = allocate_kv_caches(lm.model, backend, num_blocks=8, block_size=8)
     table = [5, 0, 3, 7, 1]
     pre = _run(lm.model, backend, caches, ids[0, :37].tolist(), [37], [37], [table], block=8)
     dec = [_run(lm.model, backend, caches, [ids[0, p].item()], [p + 1], [1], [table], block=8) for p in (37, 38, 39)]
@@ -216,9 +222,9 @@ def test_bf16_model_runs_and_mostly_agrees(bundled_gguf, loaded_model, hf_logits
     from pagedkv.model.loader import load_model
 
     lm = load_model(bundled_gguf, dtype=torch.bfloat16)
-    assert lm.model.dtype == torch.bfloat16 and lm.model.kv_cache_shape().dtype == torch.bfloat16
+    assert lm.model.dtype == torch.bfloat16
     backend = get_backend("reference")
-    caches = lm.model.allocate_kv_caches(backend, num_blocks=10, block_size=BLOCK)
+    caches = allocate_kv_caches(lm.model, backend, num_blocks=10, block_size=BLOCK)
     logits = _run(lm.model, backend, caches, token_ids[:20], [20], [20], [TABLE])
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
     agree = (logits.argmax(-1) == hf_logits[:20].argmax(-1)).float().mean().item()

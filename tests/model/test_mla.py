@@ -29,6 +29,7 @@ from pagedkv.attention.base import AttentionMetadata
 from pagedkv.errors import ConfigError
 from pagedkv.kv.spec import KVCacheSpec
 from pagedkv.model.loader import load_model
+from pagedkv.testing.caches import allocate_kv_caches
 
 FAMILIES = ["minicpm3", "deepseek_v2", "deepseek_v3"]
 VOCAB = 97
@@ -113,7 +114,7 @@ def test_logits_equal_transformers_over_paged_latents(family):
     with torch.inference_mode():
         ref = hf(torch.tensor([ids])).logits[0].float()
     backend = get_backend("cpu")
-    caches = lm.model.allocate_kv_caches(backend, num_blocks=16, block_size=4)
+    caches = allocate_kv_caches(lm.model, backend, num_blocks=16, block_size=4)
     assert all(c.value.numel() == 0 and tuple(c.key.shape) == (16, 4, 1, RANK + ROPE) for c in caches)
     table = [9, 2, 14, 0, 7, 11, 3, 5, 12, 1]
     got, rows = [], []
@@ -158,7 +159,7 @@ def test_deepseek_v3_rotate_half_rope(tmp_path):
     with torch.inference_mode():
         ref = hf(torch.tensor([ids])).logits[0].float()
         backend = get_backend("cpu")
-        caches = lm.model.allocate_kv_caches(backend, num_blocks=8, block_size=4)
+        caches = allocate_kv_caches(lm.model, backend, num_blocks=8, block_size=4)
         got = []
         for start, end in ((0, 20), (20, 21), (21, 24)):
             md = AttentionMetadata.build([end], [end - start], [list(range(6))], 4)
@@ -220,7 +221,7 @@ def test_quantised_latent_cache(family, kv_dtype, group, bound):
     with torch.inference_mode():
         ref = hf(torch.tensor([ids])).logits[0].float()
     backend = get_backend("cpu")
-    exact = lm.model.allocate_kv_caches(backend, num_blocks=10, block_size=4)
+    exact = allocate_kv_caches(lm.model, backend, num_blocks=10, block_size=4)
     quant = [allocate_latent_cache(backend, 10, 4, 1, RANK + ROPE, kv_dtype, "cpu", group) for _ in range(3)]
     assert quant[0].group_size == (group or RANK + ROPE) and quant[0].value.numel() == 0
     got = []
@@ -346,7 +347,7 @@ def test_quantised_weights_keep_kv_b_proj_a_tensor(family, weights, bound):
 
     def logits(model):
         backend = get_backend("cpu")
-        caches = model.allocate_kv_caches(backend, num_blocks=10, block_size=4)
+        caches = allocate_kv_caches(model, backend, num_blocks=10, block_size=4)
         md = AttentionMetadata.build([40], [40], [list(range(10))], 4)
         with torch.inference_mode():
             return model.compute_logits(model(torch.tensor(ids), torch.arange(40), caches, md, backend))

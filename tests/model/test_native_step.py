@@ -9,6 +9,7 @@ import torch
 
 from pagedkv.attention import get_backend
 from pagedkv.attention.base import AttentionMetadata, BackendError
+from pagedkv.testing.caches import allocate_kv_caches
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def _step(lm, caches, ids: list[list[int]], starts: list[int], tables: list[list
 
 
 def _caches(lm):
-    return lm.model.allocate_kv_caches(get_backend("cpu"), num_blocks=24, block_size=16)
+    return allocate_kv_caches(lm.model, get_backend("cpu"), num_blocks=24, block_size=16)
 
 
 def test_native_step_is_on_for_the_bundled_int4_model_and_rebuilt_after_a_re_prepare(int4_model):

@@ -15,6 +15,7 @@ from pagedkv.model.quant import (
     BF16Linear, CpuFeatures, Int4Linear, Int8Linear, auto_route, check_weights, dynamic_int8_mm, int8_rows,
     resolve_weights, route_boundaries,
 )
+from pagedkv.testing.caches import allocate_kv_caches
 
 AVX512_AMX = CpuFeatures("AVX512", avx512_bf16=True, amx=True, vnni=True)
 AVX512_PLAIN = CpuFeatures("AVX512", avx512_bf16=False, amx=False, vnni=False)
@@ -410,7 +411,7 @@ def _logits(lm, text: str) -> torch.Tensor:
 
     ids = lm.tokenizer(text)["input_ids"]
     backend = get_backend("cpu")
-    caches = lm.model.allocate_kv_caches(backend, num_blocks=8, block_size=16)
+    caches = allocate_kv_caches(lm.model, backend, num_blocks=8, block_size=16)
     md = AttentionMetadata.build([len(ids)], [len(ids)], [list(range(8))], 16)
     with torch.inference_mode():
         return lm.model.compute_logits(lm.model(torch.tensor(ids), torch.arange(len(ids)), caches, md, backend))
