@@ -71,7 +71,7 @@ def _layer_op(name: str, what: str, call: str) -> None:
 
 _layer_op("int8_linear", "int8 weights", "int8_matmul")
 
-# ``pagedkv::qmm_linear``: the integer kernels of ``pagedkv.model.qmm`` on a layer's packed
+# ``pagedkv::qmm_linear``: the integer kernels of ``pagedkv.ops.qmm`` on a layer's packed
 # weights (``QuantLinear.qmm_forward``), opaque to compiled steps in the same way
 _LIB.define("qmm_linear(Tensor x, int key, int out_features) -> Tensor")
 _layer_op("qmm_linear", "layer", "qmm_forward")

@@ -34,7 +34,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from pagedkv.csrc import BuiltOnce, compile_c, source
+from pagedkv.ops.build import BuiltOnce, compile_c, source
 from pagedkv.cpu_isa import march_flags
 
 _FLAGS = ["-O3", *march_flags(), "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math", "-fopenmp",
