@@ -148,7 +148,7 @@ class GGUFLinear(QuantLinear):
         """Every row count runs the integer kernels on the fast route (there is no other
         kernel of this format to hand large inputs to)."""
         from pagedkv.model import quant
-        from pagedkv.model.int8_mm import register_int8
+        from pagedkv.ops.int8_mm import register_int8
 
         ops = qmm.get() if self.route == "fast" else None
         self._qmm, self.qmm_rows = (self.packed, qmm.ALL_ROWS) if ops is not None else (None, 0)

@@ -43,7 +43,7 @@ from torch import nn
 from pagedkv.errors import ConfigError
 from pagedkv.model import invariant
 from pagedkv.ops import qmm
-from pagedkv.model.int8_mm import dynamic_int8_mm, onednn_int8, register_int8
+from pagedkv.ops.int8_mm import dynamic_int8_mm, onednn_int8, register_int8
 from pagedkv.model.weight_choice import (  # noqa: F401 - part of this module's interface
     ROUTE_ENV, ROUTES, WEIGHT_CHOICES, WEIGHT_FORMATS, CpuFeatures, auto_route, check_weights, cpu_features,
     resolve_weights,

@@ -11,6 +11,8 @@ module outside it builds or loads a C library.
 * :mod:`pagedkv.ops.qmm`: integer matmuls of int4/int8 and GGUF weights (``qmm.c``)
 * :mod:`pagedkv.ops.decoder`: the native step loop over the decoder layers (``decoder.c``)
 * :mod:`pagedkv.ops.sample_ops`: greedy and inverse-CDF picks (``sample_ops.c``)
+* :mod:`pagedkv.ops.int8_mm`: the torch ops ``pagedkv::int8_linear`` (oneDNN's prepacked
+  u8s8 linear) and ``pagedkv::qmm_linear`` (``qmm.c``) that compiled steps call
 * :mod:`pagedkv.ops.native`: builds them all at start and says which are in use
   (``python -m pagedkv.ops.native``)
 """
