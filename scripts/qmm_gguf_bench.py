@@ -1,4 +1,4 @@
-"""Time the integer matmul kernels on GGUF blocks (``pagedkv.model.qmm.pack_gguf``) beside the
+"""Time the integer matmul kernels on GGUF blocks (``pagedkv.ops.qmm.pack_gguf``) beside the
 int4 (fmt 4) and int8 (fmt 8) ones, at one input row (a batch-1 decode step's matmul) on an
 8B-layer-like shape, and the packing throughput of ``pack_gguf``.
 
@@ -27,7 +27,7 @@ import time
 import numpy as np
 import torch
 
-from pagedkv.model import qmm
+from pagedkv.ops import qmm
 
 
 def _raw(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:

@@ -5,6 +5,7 @@ manager (the scheduler alone does). Every import counts, also one inside a funct
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,8 @@ PKG = Path(__file__).resolve().parents[1] / "pagedkv"
 LAYERS = {
     "errors": 0, "cpu_isa": 1, "csrc": 1, "utils": 1, "_bundled": 1, "gguf_header": 1, "attn_layout": 1, "kv": 2, "attention": 3, "model": 4,
     "testing": 4,
-    "worker": 5, "distributed": 6, "engine": 7, "native": 7, "serving": 8, "examples": 10, "bench": 10, "cli": 11, "__init__": 11,
+    "ops": 2,  # every binding of csrc/: below attention and model (docs/architecture.md)
+    "worker": 5, "distributed": 6, "engine": 7, "serving": 8, "examples": 10, "bench": 10, "cli": 11, "__init__": 11,
 }
 
 
@@ -216,12 +218,12 @@ def test_one_declared_step_context():
     path is scratch memory, listed here with its reason."""
     allowed = {
         "pagedkv.model.compiled": "STEP_CONTEXT: the compiled step's attend/error",
-        "pagedkv.attention.step_op": "StepTable: the C++ half of the step context (prepared LayerArgs)",
+        "pagedkv.ops.step_op": "StepTable: the C++ half of the step context (prepared LayerArgs)",
         "pagedkv.attention.cpu": "per-thread scratch buffers of the CPU kernel (no state between steps)",
     }
     found = {}
     for mod, path in _modules().items():
-        if not mod.startswith(("pagedkv.model", "pagedkv.attention", "pagedkv.worker", "pagedkv.engine")):
+        if not mod.startswith(("pagedkv.model", "pagedkv.attention", "pagedkv.ops", "pagedkv.worker", "pagedkv.engine")):
             continue
         src = path.read_text()
         if "threading.local" in src:
@@ -741,3 +743,94 @@ def test_the_kv_worker_and_testing_packages_count_blocks_through_blocks_needed()
     hits = {str(p.relative_to(PKG)): h for d in ("kv", "worker", "testing") for p in sorted((PKG / d).rglob("*.py"))
             if p != PKG / "kv" / "block_table.py" and (h := _block_ceil_divisions(p.read_text()))}
     assert hits == {}
+
+
+# ---- native bindings live in pagedkv.ops; the model reads backend capabilities ------------
+
+#: modules outside pagedkv.ops that may import ctypes and load a system library, with why (they
+#: are still checked for csrc sources and the builder)
+CTYPES_ELSEWHERE = {"pagedkv.utils": "omp_pause_resource_all of the system's libgomp (not a csrc source)"}
+
+
+def _native_binding_uses(source: str, ctypes_ok: bool = False) -> list[str]:
+    """What in ``source`` builds or loads a native library: an import of ``ctypes`` (unless
+    ``ctypes_ok``), of ``pagedkv.csrc``, ``pagedkv.ops.build`` or ``torch.utils.cpp_extension``;
+    a call of ``compile_c``/``CDLL``/``load_inline``/``cdll.*``/``BuiltOnce``; a ``source("x.c")``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [f"{node.module}.{a.name}" for a in node.names] + [node.module or ""]
+            for name in names:
+                if (name == "ctypes" or name.startswith("ctypes.")) and not ctypes_ok \
+                        or name.startswith(("pagedkv.csrc", "pagedkv.ops.build", "torch.utils.cpp_extension")):
+                    found.append(f"line {node.lineno}: import {name}")
+                    break
+        elif isinstance(node, ast.Call):
+            fn = node.func
+            name = fn.id if isinstance(fn, ast.Name) else fn.attr if isinstance(fn, ast.Attribute) else ""
+            owner = ast.unparse(fn.value).rsplit(".", 1)[-1] if isinstance(fn, ast.Attribute) else ""
+            src = node.args[0].value if node.args and isinstance(node.args[0], ast.Constant) else None
+            if name in ("compile_c", "load_inline", "BuiltOnce") or (name == "CDLL" or owner == "cdll") and not ctypes_ok \
+                    or (name == "source" and isinstance(src, str) and src.endswith((".c", ".cpp"))):
+                found.append(f"line {node.lineno}: {ast.unparse(fn)}()")
+    return sorted(found, key=lambda f: int(f.split(":")[0].split()[1]))
+
+
+def test_every_native_binding_lives_in_ops():
+    """No module outside ``pagedkv.ops`` builds, loads or calls into a ``csrc`` library: the
+    callers in attention/, model/, engine/ go through ``pagedkv.ops.<library>``."""
+    offenders = []
+    for mod, path in _modules().items():
+        if mod == "pagedkv.ops" or mod.startswith("pagedkv.ops."):
+            continue
+        offenders += [f"{mod}: {u}" for u in _native_binding_uses(path.read_text(), ctypes_ok=mod in CTYPES_ELSEWHERE)]
+    assert offenders == []
+
+
+def test_native_binding_check_is_not_vacuous():
+    planted = ("import ctypes\nfrom pagedkv.ops.build import compile_c, source\nfrom pagedkv import csrc\n"
+               "lib = compile_c(source('qmm.c'), 'x', [])\nctypes.CDLL('x.so')\nctypes.cdll.LoadLibrary('y')\n"
+               "from torch.utils.cpp_extension import load_inline\nsource('notes.txt')\n")
+    assert _native_binding_uses(planted) == [
+        "line 1: import ctypes", "line 2: import pagedkv.ops.build.compile_c", "line 3: import pagedkv.csrc",
+        "line 4: compile_c()", "line 4: source()", "line 5: ctypes.CDLL()", "line 6: ctypes.cdll.LoadLibrary()",
+        "line 7: import torch.utils.cpp_extension.load_inline"]
+    assert _native_binding_uses("import ctypes\nctypes.CDLL('libgomp.so.1')\ncompile_c(p, 's', [])\n",
+                                ctypes_ok=True) == ["line 3: compile_c()"]
+
+
+def test_each_csrc_library_has_one_binding_module_in_ops():
+    """``pagedkv/csrc/<stem>.c|.cpp`` is built by ``pagedkv/ops/<stem>.py`` and by no other module."""
+    builders: dict[str, list[str]] = {}
+    for mod, path in _modules().items():
+        for name in re.findall(r"\bsource\(\"([^\"]+)\"\)", path.read_text()):
+            if mod not in builders.setdefault(name, []):  # a module may name its source twice
+                builders[name].append(mod)
+    sources = sorted(p.name for p in (PKG / "csrc").iterdir() if p.suffix in (".c", ".cpp"))
+    assert sources and {s: builders.get(s) for s in sources} == {s: [f"pagedkv.ops.{Path(s).stem}"] for s in sources}
+
+
+def _backend_probes(source: str) -> list[str]:
+    """``getattr``/``hasattr`` calls on an attention backend (a name or attribute ``backend``)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr") \
+                and node.args and "backend" in ast.unparse(node.args[0]).lower():
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_model_reads_backend_capabilities_not_probes():
+    """The model side takes a backend's optional paths from its declared ``capabilities``
+    (``pagedkv.attention.base.BackendCapabilities``), never by ``getattr``/``hasattr`` on it."""
+    offenders = [f"{mod}: {p}" for mod, path in _modules().items()
+                 if mod.startswith("pagedkv.model.") for p in _backend_probes(path.read_text())]
+    assert offenders == []
+
+
+def test_backend_probe_check_is_not_vacuous():
+    planted = ("f = getattr(backend, 'write_and_forward', None)\nok = hasattr(self.backend, 'step_table')\n"
+               "n = getattr(layer, 'mlp', None)\n")
+    assert _backend_probes(planted) == ["line 1: getattr(backend, 'write_and_forward', None)",
+                                        "line 2: hasattr(self.backend, 'step_table')"]

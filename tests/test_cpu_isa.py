@@ -117,7 +117,7 @@ def test_march_follows_the_cap(monkeypatch):
 
 def test_this_process_runs_its_profile():
     # under the CI's second pass (PAGEDKV_CPU_ISA=avx2) this is the AVX2 profile on any host
-    from pagedkv.attention import cpu_kernel
+    from pagedkv.ops import cpu_kernel
     from pagedkv.model import quant
 
     p = cpu_isa.profile()

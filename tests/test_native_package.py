@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedkv import csrc, native
+from pagedkv.ops import build as csrc, native
 
 REPO = Path(__file__).resolve().parents[1]
 NATIVE_EXTS = (".c", ".cc", ".cpp", ".cxx", ".h", ".hpp", ".cu")
@@ -67,7 +67,7 @@ def test_source_names_a_missing_file():
 
 
 def test_status_says_in_use_or_off_with_the_reason(monkeypatch):
-    from pagedkv.model import qmm
+    from pagedkv.ops import qmm
 
     if csrc.compiler() is None:
         pytest.skip("no C compiler here")
@@ -85,7 +85,8 @@ def test_status_says_in_use_or_off_with_the_reason(monkeypatch):
 _IN_WHEEL = r"""
 import io, json, logging, sys
 import pagedkv
-from pagedkv import LLM, SamplingParams, csrc, native
+from pagedkv import LLM, SamplingParams
+from pagedkv.ops import build as csrc, native
 from pagedkv.testing.tiny import tiny_random_model
 
 buf = io.StringIO()

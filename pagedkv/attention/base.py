@@ -132,6 +132,41 @@ def window_start(pos: int, window: int) -> int:
     return max(0, pos - window + 1) if window else 0
 
 
+@dataclass(frozen=True)
+class BackendCapabilities:
+    """What a backend offers beyond :class:`AttentionBackend`, declared by the backend as its
+    class attribute ``capabilities`` (the step strategy, ``pagedkv.model.step_strategy``, is
+    chosen from it once at start). Each field true means the backend has that method:
+
+    * ``write_and_forward``: K/V write and attention in one call (the fused eager layer)
+    * ``native_step``: ``native_step_args``, kernel arguments for ``decoder.c``'s whole step
+    * ``step_attention``: one prepared attention table for a compiled step's layers
+    * ``step_table``: ``step_attention`` takes the C++ op's ``table=`` (``pagedkv.ops.step_op``)
+    """
+
+    write_and_forward: bool = False
+    native_step: bool = False
+    step_attention: bool = False
+    step_table: bool = False
+
+    def fast_path(self) -> str:
+        """The backend's one fast path in words: ``"native step"``, ``"fused layer"`` or
+        ``"none"`` (the eager reference path only)."""
+        return "native step" if self.native_step else "fused layer" if self.write_and_forward else "none"
+
+
+#: the record of a backend that declares none: the eager reference path only
+EAGER_ONLY = BackendCapabilities()
+
+
+def backend_capabilities(backend: Any) -> BackendCapabilities:
+    """``backend.capabilities`` when it is a :class:`BackendCapabilities`, else
+    :data:`EAGER_ONLY` (a backend registered from outside that declares nothing runs the
+    protocol's ``write_kv`` and ``forward`` only). Never raises."""
+    caps = getattr(backend, "capabilities", None)
+    return caps if isinstance(caps, BackendCapabilities) else EAGER_ONLY
+
+
 @runtime_checkable
 class AttentionBackend(Protocol):
     """What every backend implements. A backend owns its KV layout; callers never index the
@@ -139,14 +174,16 @@ class AttentionBackend(Protocol):
 
     One cache object per layer. ``copy_blocks`` applies copy-on-write copies decided by the
     memory system before the step's writes (codes and scales alike for a quantised cache).
-    Optional, not part of the protocol: ``write_and_forward(query, key, value, kv_cache,
-    metadata, scale, sliding_window=None, logits_soft_cap=None)``, ``write_kv`` then ``forward``
-    in one call (same results and errors); ``DecoderLayer.attention`` uses it when present.
+    Optional, not part of the protocol, and used only where the backend declares them in its
+    ``capabilities`` (a :class:`BackendCapabilities`; read with :func:`backend_capabilities`,
+    never probed for): ``write_and_forward(query, key, value, kv_cache, metadata, scale,
+    sliding_window=None, logits_soft_cap=None)``, ``write_kv`` then ``forward`` in one call
+    (same results and errors); ``native_step_args(query, key, value, kv_caches, metadata)``,
+    the attention kernel's prepared arguments for ``pagedkv.model.native_step``;
     ``step_attention(kv_caches, metadata, options)`` -> ``attend(i, q, k, v)`` or ``None``:
     every layer's ``write_and_forward`` for one step whose layers share ``metadata``
-    (``pagedkv.model.compiled`` uses it when present; ``None``: call layer by layer). A backend
-    whose ``step_table`` is true also takes ``table=`` (a ``step_op.StepTable``) and registers
-    its prepared kernel arguments there (the CPU backend).
+    (``pagedkv.model.compiled``; ``None``: call layer by layer), with ``table=`` (a
+    ``pagedkv.ops.step_op.StepTable``) where ``step_table`` is declared.
     """
 
     name: str

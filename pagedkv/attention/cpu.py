@@ -2,7 +2,7 @@
 buffers.
 
 Every query row goes to one small C kernel (``pagedkv/csrc/cpu_kernel.c``, built once with the
-system C compiler and loaded with ``ctypes``): prefill chunks, decode rows, speculative verify
+system C compiler and loaded with ``ctypes`` by ``pagedkv.ops.cpu_kernel``): prefill chunks, decode rows, speculative verify
 rows and recomputes alike. It walks the block table in 16-token tiles and reads each K/V element
 of a work item's context once for up to 4 consecutive query rows and all query heads of a
 KV-head group, with an online softmax in float32 (bf16/fp16 caches are widened on load).
@@ -27,7 +27,6 @@ float32 tile and merges the tiles with an online softmax. Neither ever expands a
 
 from __future__ import annotations
 
-import ctypes
 import math
 import threading
 import weakref
@@ -40,7 +39,7 @@ import torch.nn.functional as F
 
 from pagedkv.attention import layouts as L
 from pagedkv.attention import quant as Q
-from pagedkv.attention.base import AttentionMetadata, check_window, window_start
+from pagedkv.attention.base import AttentionMetadata, BackendCapabilities, check_window, window_start
 from pagedkv.errors import BackendError
 from pagedkv.attention.reference import LayoutMemory, check_inputs, lists_of
 
@@ -72,7 +71,10 @@ class CPUBackend(LayoutMemory):
     """Fast CPU paged attention (see module doc). ``layout``: ``nhd`` | ``hnd`` | ``ascend``.
     ``use_kernel=False`` forces the pure-torch path (used by tests and the benchmark)."""
 
-    step_table = True  # step_attention takes a step_op.StepTable (pagedkv.model.compiled)
+    #: every optional method (pagedkv.attention.base): the fused layer, decoder.c's native step,
+    #: and compiled steps' attention through the C++ op's StepTable (pagedkv.model.compiled)
+    capabilities = BackendCapabilities(write_and_forward=True, native_step=True, step_attention=True,
+                                       step_table=True)
 
     def __init__(self, layout: str = "nhd", name: str | None = None, use_kernel: bool = True) -> None:
         self.layout = L.get_layout(layout)
@@ -113,7 +115,7 @@ class CPUBackend(LayoutMemory):
         n, hq, d = check_inputs(query, kv_cache, metadata)
         window, cap = check_window(sliding_window, logits_soft_cap)
         kernel = _kernel() if self.use_kernel and query.device.type == "cpu" else None
-        if kernel is not None and not kernel.supports(query, kv_cache):
+        if kernel is not None and not (isinstance(kv_cache, L.PagedKVCache) and kernel.supports(query, kv_cache)):
             kernel = None
         plan = self._plan(metadata, kernel)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -198,7 +200,7 @@ class CPUBackend(LayoutMemory):
         array is kept while the same cache objects, with the same key/value tensors, and the
         same options come back; held weakly, so it keeps no cache alive); returns the
         geometry -> group index map."""
-        from pagedkv.attention import step_op
+        from pagedkv.ops import step_op
 
         memo = self.__dict__.get("_step_entries")
         objs = [o for c in kv_caches for o in (c, c.key, c.value)]
@@ -240,8 +242,8 @@ class CPUBackend(LayoutMemory):
             plan.fused_slots, plan.fused = slots, {}
         hit = plan.fused.get(gk)
         if hit is None:
-            la = kernel.layer_args(query, cache, plan, slots)
-            hit = plan.fused[gk] = (kernel, ctypes.byref(la), la) if la is not None else ()
+            la = kernel.layer_args(query, cache, plan, slots) if isinstance(cache, L.PagedKVCache) else None
+            hit = plan.fused[gk] = (kernel, la.ref(), la) if la is not None else ()
         if not hit:
             return None
         md.__dict__["_pagedkv_cpu_fused_last"] = (sig, slots, hit, plan)
@@ -383,7 +385,7 @@ class _Plan:
         self.kernel_seqs = live if kernel is not None else []
         self.torch_seqs = [] if kernel is not None else live
         if self.kernel_seqs:
-            from pagedkv.attention.cpu_kernel import KernelInputs
+            from pagedkv.ops.cpu_kernel import KernelInputs
 
             self.kernel_inputs = KernelInputs(md, self.kernel_seqs, [self.q_lens[i] for i in self.kernel_seqs])
 
@@ -419,6 +421,6 @@ def _geometry(cache: L.PagedKVCache) -> tuple:
 
 def _kernel():
     """The compiled decode kernel, or ``None`` when it cannot be built here."""
-    from pagedkv.attention import cpu_kernel
+    from pagedkv.ops import cpu_kernel
 
     return cpu_kernel.get()

@@ -109,6 +109,14 @@ def get_layout(name: str) -> Layout:
         raise ConfigError(f"unknown KV layout {name!r}; valid: {', '.join(LAYOUTS)}") from None
 
 
+def backend_layout(backend: object) -> tuple[Layout | None, str]:
+    """``(layout, name)``: the :class:`Layout` of ``backend``'s ``PagedKVCache`` caches (its
+    ``layout`` attribute; ``None`` for a backend that keeps its caches otherwise) and its
+    ``name`` (the object itself as text when it has none), for messages. Never raises."""
+    layout = getattr(backend, "layout", None)
+    return (layout if isinstance(layout, Layout) else None), repr(getattr(backend, "name", backend))
+
+
 @dataclass
 class PagedKVCache:
     """One layer's paged K and V cache, in a backend's layout.

@@ -1,6 +1,6 @@
 /* pagedkv CPU paged-attention kernel: every query row (prefill chunks, decode rows, verify rows).
  *
- * Built at first use by pagedkv/attention/cpu_kernel.py with the system C compiler and called
+ * Built at first use by pagedkv/ops/cpu_kernel.py with the system C compiler and called
  * through ctypes; no Python or torch headers.
  *
  * One work item = (sequence, up to RB consecutive query rows of it, context segment, range of

@@ -1,5 +1,5 @@
-/* The decoder layers of one step in one native call (built and called by
- * pagedkv/model/native_step.py).
+/* The decoder layers of one step in one native call (built and loaded by
+ * pagedkv/ops/decoder.py, driven by pagedkv/model/native_step.py).
  *
  * For each layer it runs what DecoderLayer._forward_fused runs, in the same order and with the
  * same kernels: RMSNorm, the fused q/k/v matmul, the per-head q/k RMSNorms (Qwen3; when the layer

@@ -1,7 +1,7 @@
-/* Fused element-wise ops of the decoder layer (pagedkv.model.fused), for a float32 model on the
+/* Fused element-wise ops of the decoder layer (pagedkv.ops.fused_ops), for a float32 model on the
  * CPU. Each replaces several torch calls (and their dtype conversions) by one pass over the
  * rows; the matmuls and attention stay where they are. No Python or torch headers: built with
- * the system C compiler through pagedkv.csrc.compile_c.
+ * the system C compiler through pagedkv.ops.build.compile_c.
  *
  * Activations are float32 (dt 0) or bfloat16 (dt 1, stored as uint16, rounded to nearest even
  * as torch rounds): a weight format whose kernels take and return bfloat16 (int4, int8, bf16)

@@ -1,5 +1,5 @@
 /* Quantised matmuls of the linear layers on the CPU: 4-bit or 8-bit weights times 8-bit
- * activations, with integer dot products (built and called by pagedkv/model/qmm.py).
+ * activations, with integer dot products (built and called by pagedkv/ops/qmm.py).
  *
  * Activations: each row of x (float32) is cut into blocks of 32 values; a block becomes 32
  * int8 codes q = round(x / d), d = max|x| / 127, with d and the exact float sum of the block

@@ -1,4 +1,4 @@
-/* The sampler's two picks in C (pagedkv.engine.sample_ops), one row per thread (OpenMP from
+/* The sampler's two picks in C (pagedkv.ops.sample_ops), one row per thread (OpenMP from
  * PAR_ROWS rows on; below that one thread is faster than waking the pool): at
  * batch 1 a torch reduction over the 49,152-token vocabulary costs 0.1-0.5 ms in op and
  * thread-pool overhead, ten times the work itself. The results of the torch code they replace
@@ -6,7 +6,7 @@
  * two-level fp64 search. The pick's fp64 block sums add in another order than torch's sum, so
  * where a target falls within an fp64 rounding (~1e-16 of the row's mass) of a token boundary
  * the two may pick neighbouring tokens: about one draw in 2^52, never a zero-probability token. No Python or torch headers: built with the system C compiler through
- * pagedkv.csrc.compile_c.
+ * pagedkv.ops.build.compile_c.
  */
 #include <math.h>
 #include <stdint.h>

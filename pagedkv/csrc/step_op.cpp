@@ -1,5 +1,5 @@
 // pagedkv::step_layer_attention: a compiled decode step's per-layer paged attention without a
-// trip through Python (built and loaded by pagedkv/attention/step_op.py).
+// trip through Python (built and loaded by pagedkv/ops/step_op.py).
 //
 // A compiled step (pagedkv/model/compiled.py) calls this op once per layer from inductor's
 // generated C++. For the layers whose kernel arguments the CPU backend has prepared for this

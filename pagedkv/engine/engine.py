@@ -41,7 +41,8 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from pagedkv import cpu_isa, native
+from pagedkv import cpu_isa
+from pagedkv.ops import native
 from pagedkv.distributed import check_tp_size, make_executor
 from pagedkv.engine.builder import make_grammar_compiler, make_proposer
 from pagedkv.engine.config import EngineConfig
@@ -57,6 +58,7 @@ from pagedkv.errors import ConfigError, InvalidRequestError
 from pagedkv.kv import KVCacheSpec, parse_size
 from pagedkv.kv.tiers import StoreIdentity, ZmqEventPublisher, open_tiers, parse_tier_specs, replay_endpoint_for
 from pagedkv.model.weight_cache import model_digest
+from pagedkv.model.step_strategy import choose_step_strategy
 from pagedkv.attention.quant import FORMATS, check_group_size
 from pagedkv.utils import canonical_dtype, kv_cache_dtype, passive_wait_warning, profile_scope, torch_dtype
 from pagedkv.worker.worker import Worker
@@ -140,6 +142,8 @@ class LLMEngine:
         )
         self.executor.attach_proposer(proposer)
         self.runner = self.executor.runner  # (rank 0's) ModelRunner: its KV caches, model, compiled step
+        self.step_strategy = choose_step_strategy(self.runner.model, self.backend, self.runner.compiled)
+        logger.info("step strategy: %s", self.step_strategy)
         self.kv_tiers, self.kv_stores, self.kv_events = self._open_kv_tiers(mc, dtype)
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=num_blocks, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,

@@ -5,7 +5,7 @@ Greedy rows take the first maximum of their row. Random rows draw from each requ
 request samples the same tokens alone or in any batch. Sampling inverts each row's
 cumulative distribution (:func:`_inverse_cdf_pick`): one uniform number per token from the
 request's generator, whatever the vocabulary size and the filters. On the CPU both picks run in C
-(:mod:`pagedkv.engine.sample_ops`, the same tokens but for fp64 rounding ties) when it builds,
+(:mod:`pagedkv.ops.sample_ops`, the same tokens but for fp64 rounding ties) when it builds,
 else in torch.
 
 Logits are adjusted per request before any pick: penalties (:func:`apply_penalties`), then
@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from pagedkv.engine import sample_ops
+from pagedkv.ops import sample_ops
 from pagedkv.engine.request import Request, SamplingParams
 from pagedkv.engine.structured import apply_grammar_masks, constrained_rows
 from pagedkv.errors import PagedKVError

@@ -9,7 +9,7 @@ element-wise ops between them, and calls one attention op per layer: ``pagedkv::
 the engine's backend (``backend.write_kv`` + ``backend.forward``), exactly as the eager path
 does. A backend with ``step_attention`` (the CPU one) gives each step one callback that does
 the per-step checks once and sends later layers straight to its kernel; where the C++ op
-``pagedkv::step_layer_attention`` builds (``pagedkv.attention.step_op``) the graph calls that
+``pagedkv::step_layer_attention`` builds (``pagedkv.ops.step_op``) the graph calls that
 instead, and the layers whose kernel arguments the step has prepared reach the C kernel
 without Python (the rest go on to the Python op).
 The graph never sees the KV cache or the metadata, so one graph serves every batch
@@ -39,7 +39,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from pagedkv import cpu_isa
-from pagedkv.attention.base import AttentionBackend, AttentionMetadata
+from pagedkv.attention.base import AttentionBackend, AttentionMetadata, backend_capabilities
 from pagedkv.errors import BackendError
 
 logger = logging.getLogger(__name__)
@@ -150,9 +150,9 @@ class CompiledDecode:
         self.steps = 0  # steps run compiled
         self._options: list[tuple[float, int | None, float | None]] | None = None  # per layer, for step_attention
         self.cache_dir = inductor_cache_dir()
-        # the graph's attention op: the C++ one (pagedkv.attention.step_op) where it builds,
+        # the graph's attention op: the C++ one (pagedkv.ops.step_op) where it builds,
         # which runs prepared layers without Python and hands the rest to the Python op
-        from pagedkv.attention import step_op
+        from pagedkv.ops import step_op
 
         self._table = step_op.get()
         self._op = self._table.op if self._table is not None else torch.ops.pagedkv.layer_attention
@@ -207,13 +207,14 @@ class CompiledDecode:
         compiler failed; the failure is logged once and kept in ``failed``."""
         per_layer = not isinstance(attn_metadata, AttentionMetadata)
         layers = self.model.layers
-        step_attention = getattr(backend, "step_attention", None)  # optional: per-step fast path
+        caps = backend_capabilities(backend)  # declared: the per-step fast path, the C++ table
+        step_attention = backend.step_attention if caps.step_attention else None
         if step_attention is not None and not per_layer and not torch._C._autograd._profiler_enabled():
             if self._options is None:  # constants of the model (not modified after compile_decode)
                 self._options = [] if any(set(layer.attn_options) - _STEP_OPTIONS for layer in layers) else [
                     (layer.scale, layer.attn_options.get("sliding_window"), layer.attn_options.get("logits_soft_cap"))
                     for layer in layers]  # [] (an option step_attention does not take): per-layer calls
-            table = self._table if getattr(backend, "step_table", False) else None
+            table = self._table if caps.step_table else None
             try:
                 if not self._options:
                     fast = None

@@ -30,7 +30,7 @@ from torch import nn
 
 from pagedkv.errors import ConfigError
 from pagedkv.gguf_header import GGUFTensorInfo
-from pagedkv.model import qmm
+from pagedkv.ops import qmm
 from pagedkv.model.gguf_read import Reader
 from pagedkv.model.gguf_read import qtype_name as _qtype
 from pagedkv.model.gguf_read import tensor_rows as _rows

@@ -4,7 +4,7 @@ picks for a GGUF): the streaming loader and its two modules.
 The loader never holds the model in another precision. Each linear tensor is read once from the
 file (``os.preadv``), its rows permuted where llama.cpp's converter permuted them (Q/K of
 ``llama``/``mistral`` files), stacked with its siblings (q/k/v, gate/up: read straight into one
-buffer) and repacked by ``pagedkv.model.qmm.pack_gguf`` into the integer kernels' interleaved
+buffer) and repacked by ``pagedkv.ops.qmm.pack_gguf`` into the integer kernels' interleaved
 layout, whose size is the file's bytes for that tensor; a single matrix (the LM head,
 ``ffn_down``) is read and packed 4096 rows at a time (``qmm.pack_gguf_rows``). So the peak
 resident memory of a load is the packed weights (= the file's matrices) plus one fused group,
@@ -51,7 +51,8 @@ from torch import nn
 
 from pagedkv.errors import ConfigError
 from pagedkv.gguf_header import GGUFHeader, GGUFTensorInfo
-from pagedkv.model import gguf_mla, gguf_moe, qmm
+from pagedkv.model import gguf_mla, gguf_moe
+from pagedkv.ops import qmm
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.families import GGUF_CONVENTIONS
 from pagedkv.model.gguf_read import Reader as _Reader
@@ -148,7 +149,7 @@ class GGUFLinear(QuantLinear):
         """Every row count runs the integer kernels on the fast route (there is no other
         kernel of this format to hand large inputs to)."""
         from pagedkv.model import quant
-        from pagedkv.model.int8_mm import register_int8
+        from pagedkv.ops.int8_mm import register_int8
 
         ops = qmm.get() if self.route == "fast" else None
         self._qmm, self.qmm_rows = (self.packed, qmm.ALL_ROWS) if ops is not None else (None, 0)

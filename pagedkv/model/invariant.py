@@ -54,7 +54,7 @@ class RowFloorLinear(nn.Linear):
 def batch_invariant(model: nn.Module) -> tuple[bool, str]:
     """``(True, "")`` when every linear layer of ``model`` is batch-invariant as prepared:
     ``qmm`` at every row count, or padded dense layers; else ``(False, what is not)``."""
-    from pagedkv.model.qmm import ALL_ROWS
+    from pagedkv.ops.qmm import ALL_ROWS
 
     bad: list[str] = []
     for m in model.modules():

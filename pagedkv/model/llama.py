@@ -45,11 +45,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedkv.attention.base import AttentionBackend, AttentionMetadata
+from pagedkv.attention.base import AttentionBackend, AttentionMetadata, backend_capabilities
 from pagedkv.errors import ConfigError
 from pagedkv.model import invariant
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.moe import MoE, MoESpec
+from pagedkv.model.step_strategy import EAGER_STEP
 from pagedkv.utils import profile_scope, torch_dtype
 
 
@@ -143,7 +144,7 @@ class DecoderLayer(nn.Module):
         # Tensor parallel (pagedkv.distributed): o_proj and down_proj are row-parallel shards and
         # this sums their partial outputs [T, H] over the ranks, in place. None = one device.
         self.all_reduce: Callable[[torch.Tensor], None] | None = None
-        # pagedkv.model.fused ops, set by LlamaForCausalLM for a float32 model on the CPU when
+        # the pagedkv.ops.fused_ops library, set by LlamaForCausalLM for a float32 model on the CPU when
         # this layer's shape allows them (no sandwich norms, no MLA; an MoE MLP only with softmax
         # routing and no shared experts, which decoder.c runs); None = torch ops.
         self.fusable = not config.sandwich_norms and not config.is_mla and (dense or self.mlp.native_ok)
@@ -175,9 +176,8 @@ class DecoderLayer(nn.Module):
         """Write ``k``/``v`` ``[T, Hkv, d]`` at ``md.slot_mapping`` and attend ``q`` ``[T, Hq, d]``
         over each sequence's paged context with this layer's window / soft-cap -> ``[T, Hq, d]``."""
         with profile_scope("pagedkv.attention"):
-            fused = getattr(backend, "write_and_forward", None)  # optional: one call for both
-            if fused is not None:
-                return fused(q, k, v, kv_cache, md, self.scale, **self.attn_options)
+            if backend_capabilities(backend).write_and_forward:  # declared: one call for both
+                return backend.write_and_forward(q, k, v, kv_cache, md, self.scale, **self.attn_options)
             backend.write_kv(kv_cache, k, v, md.slot_mapping)
             return backend.forward(q, kv_cache, md, self.scale, **self.attn_options)
 
@@ -227,7 +227,7 @@ class DecoderLayer(nn.Module):
 
     def _forward_fused(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: Any,
                        md: AttentionMetadata, backend: AttentionBackend) -> None:
-        """``forward`` with the element-wise groups fused (``pagedkv.model.fused``): norm (and
+        """``forward`` with the element-wise groups fused (``pagedkv.ops.fused_ops``): norm (and
         the residual add before it), q/k norms, RoPE + q/k/v split, activation x up (an MoE
         layer's MLP is ``pagedkv.model.moe.MoE``'s torch ops). Activations enter a
         quantised matmul already in the bf16 its kernel rounds them to, and leave it in bf16."""
@@ -342,33 +342,35 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_sin_local", local[1] if local else None, persistent=False)
         # sqrt(hidden) for Gemma, rounded to the model dtype as transformers does
         self.embed_scale = float(torch.tensor(config.embed_scale, dtype=dtype))
-        self._fused_state: str | None = None  # "on" / "off (why)" once the first forward ran
+        self.fused_state: str | None = None  # "on" / "off (why)" once the first forward ran
         self._native: Any = None  # a pagedkv.model.native_step.NativeDecoder, set with the fused ops
         self.native_state: str | None = None  # "on" / "off (why)" once the first forward ran
 
-    def _attach_fused(self) -> None:
-        """Give the fusable layers the fused CPU ops (float32 model on the CPU and the ops
-        built; ``PAGEDKV_FUSED=0`` keeps torch ops). Runs once, at the first forward."""
-        from pagedkv.model import fused
-
-        if self.config.is_mla:  # pagedkv.model.mla has no fused or native form
-            self._fused_state = self.native_state = "off (MLA layers run eager)"
+    def prepare_step(self, eager: bool = False, again: bool = False) -> None:
+        """Give the fusable layers the fused CPU ops (float32 model on the CPU and the ops built;
+        ``PAGEDKV_FUSED=0`` keeps torch ops) and the model its native step: once (at start, by
+        ``pagedkv.model.step_strategy``, else at the first forward) or ``again``; ``eager``: neither."""
+        if not (eager or again or self.fused_state in (None, EAGER_STEP)):
             return
-        ops = fused.get() if self.device.type == "cpu" and self.dtype == torch.float32 else None
+        from pagedkv.model.native_step import NativeDecoder
+        from pagedkv.ops import fused_ops
+
+        plain = not eager and not self.config.is_mla  # pagedkv.model.mla has no fused or native form
+        ops = fused_ops.get() if plain and self.device.type == "cpu" and self.dtype == torch.float32 else None
         for layer in self.layers:
             layer.fused = ops if layer.fusable else None
-        self._fused_state = "on" if ops is not None else f"off ({fused.build_error() or 'not a float32 CPU model'})"
-        from pagedkv.model.native_step import NativeDecoder
-
-        self._native, self.native_state = NativeDecoder.create(self) if ops is not None else (None, "off (no fused ops)")
+        if plain:
+            self.fused_state = "on" if ops is not None else f"off ({fused_ops.build_error() or 'not a float32 CPU model'})"
+            self._native, self.native_state = NativeDecoder.create(self) if ops is not None else (None, "off (no fused ops)")
+        else:
+            why = EAGER_STEP if eager else "off (MLA layers run eager)"
+            self._native, self.fused_state, self.native_state = None, why, why
 
     def _native_decoder(self) -> Any:
         """The native step loop (``pagedkv.model.native_step``), rebuilt when a quantised layer
         was prepared again since; ``None`` when the model cannot use it."""
         if self._native is not None and self._native.stale():
-            from pagedkv.model.native_step import NativeDecoder
-
-            self._native, self.native_state = NativeDecoder.create(self)
+            self._native, self.native_state = type(self._native).create(self)
         return self._native
 
     # ---- info for the engine -------------------------------------------------------------
@@ -409,8 +411,8 @@ class LlamaForCausalLM(nn.Module):
         per_layer = not isinstance(attn_metadata, AttentionMetadata)
         if per_layer and len(attn_metadata) != len(self.layers):
             raise ValueError(f"got {len(attn_metadata)} attention metadata for {len(self.layers)} layers")
-        if self._fused_state is None:
-            self._attach_fused()
+        if self.fused_state is None:
+            self.prepare_step()
         rope, residual = self._rope_rows(positions), self._embed(input_ids)
         native = self._native_decoder()
         if not per_layer and native is not None and native.run(residual, *rope[0], kv_caches, attn_metadata, backend):

@@ -124,9 +124,9 @@ def allocate_latent_cache(backend: Any, num_blocks: int, block_size: int, num_kv
     ``dtype``: a floating torch dtype or ``"int8"`` / ``"fp8_e4m3"`` / ``"fp8_e5m2"`` (codes plus
     bf16 scales per ``quant_group_size`` elements, default the whole latent). Raises
     ``ConfigError`` for ``num_kv_heads != 1``, a backend without a ``layout``, bad sizes."""
-    layout = getattr(backend, "layout", None)
-    if not isinstance(layout, L.Layout):
-        raise ConfigError(f"attention_backend {getattr(backend, 'name', backend)!r}: MLA models need a backend "
+    layout, name = L.backend_layout(backend)
+    if layout is None:
+        raise ConfigError(f"attention_backend {name}: MLA models need a backend "
                           "with a PagedKVCache layout (cpu, reference)")
     if num_kv_heads != 1:
         raise ConfigError(f"num_kv_heads: an MLA cache holds one latent per token, got {num_kv_heads} heads")

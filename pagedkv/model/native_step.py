@@ -3,8 +3,8 @@
 ``DecoderLayer._forward_fused`` runs each layer as about nine kernel calls (norms, the
 quantised matmuls, RoPE, attention, activation), each reached from Python through ctypes: at
 batch 1 that interpreter work, ~10 us a call, was about a third of the step on an AVX2 host.
-``NativeDecoder`` hands ``decoder.c`` the same kernels' addresses (``pagedkv.model.qmm``,
-``pagedkv.model.fused`` and the CPU attention kernel) and each layer's weights and caches once;
+``NativeDecoder`` hands ``decoder.c`` the same kernels' addresses (``pagedkv.ops.qmm``,
+``pagedkv.ops.fused_ops`` and the CPU attention kernel) and each layer's weights and caches once;
 a step is then one call. Same kernels in the same order as the fused Python path, so the
 same results bit for bit (tests/model/test_native_step.py).
 
@@ -14,74 +14,22 @@ an MoE layer with softmax routing and no shared experts, ``MoE.native_ok``, whos
 runs: router, top-k, each routed expert's matmuls, in ``pagedkv.model.moe``'s order; every expert
 read, so lazy experts not yet read keep it off) with every linear on the
 integer kernels (``QuantLinear.qmm_rows`` above the step's rows), one attention metadata for
-all layers, a backend with ``native_step_args`` (``pagedkv.attention.cpu.CPUBackend``) that
-gives kernel arguments for the step, and no profiler running (profiles keep the per-layer
+all layers, a backend that declares ``native_step`` in its capabilities
+(``pagedkv.attention.cpu.CPUBackend``) and gives kernel arguments for the step, and no profiler running (profiles keep the per-layer
 regions). Otherwise ``run`` returns ``False`` and the model takes its Python path.
 ``PAGEDKV_NATIVE_STEP=0`` turns it off.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
 from typing import Any, Sequence
 
 import torch
 
-from pagedkv.attention.base import BackendError, check_window
-from pagedkv.csrc import BuiltOnce, compile_c, source
-from pagedkv.cpu_isa import march_flags
-
-_FLAGS = ["-O3", *march_flags(), "-fno-math-errno", "-fPIC", "-shared", "-std=c11"]
-
-
-class _MoE(ctypes.Structure):
-    _fields_ = [("router", ctypes.c_void_p), ("gate_up", ctypes.POINTER(ctypes.c_void_p)),
-                ("down", ctypes.POINTER(ctypes.c_void_p)), ("inter", ctypes.c_int64), ("num_experts", ctypes.c_int32),
-                ("top_k", ctypes.c_int32), ("norm_topk", ctypes.c_int32), ("gelu", ctypes.c_int32),
-                ("scaling", ctypes.c_float)]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [("qkv", ctypes.c_void_p), ("o", ctypes.c_void_p), ("gate_up", ctypes.c_void_p),
-                ("down", ctypes.c_void_p), ("w_in", ctypes.c_void_p), ("w_post", ctypes.c_void_p),
-                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("scale", ctypes.c_float),
-                ("softcap", ctypes.c_float), ("window", ctypes.c_int32),
-                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("moe", ctypes.POINTER(_MoE))]
-
-
-class _Decoder(ctypes.Structure):
-    _fields_ = [("qmm", ctypes.c_void_p), ("norm", ctypes.c_void_p), ("rope", ctypes.c_void_p),
-                ("act", ctypes.c_void_p), ("attend", ctypes.c_void_p), ("hidden", ctypes.c_int64),
-                ("inter", ctypes.c_int64), ("hq", ctypes.c_int32), ("hkv", ctypes.c_int32), ("d", ctypes.c_int32),
-                ("gelu", ctypes.c_int32), ("num_layers", ctypes.c_int32), ("nthreads", ctypes.c_int32), ("eps", ctypes.c_float),
-                ("offset", ctypes.c_float), ("layers", ctypes.POINTER(_Layer)), ("head_norm", ctypes.c_void_p)]
-
-
-def _build() -> Any:
-    lib = compile_c(source("decoder.c"), "pagedkv_decoder", _FLAGS)
-    fn = lib.pagedkv_decoder_forward
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32)]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_LIB = BuiltOnce("PAGEDKV_NATIVE_STEP", _build)
-
-
-def get():
-    """The compiled entry point, or ``None`` (no compiler, a failed build, ``PAGEDKV_NATIVE_STEP=0``)."""
-    return _LIB.get()
-
-
-def build_error() -> str | None:
-    return _LIB.error()
-
-
-def _addr(fn: Any) -> int:
-    return ctypes.cast(fn, ctypes.c_void_p).value
+from pagedkv.attention.base import BackendError, backend_capabilities, check_window
+from pagedkv.ops import decoder
 
 
 class NativeDecoder:
@@ -103,44 +51,17 @@ class NativeDecoder:
         self._options = [(float(layer.scale), *check_window(layer.attn_options.get("sliding_window"),
                                                             layer.attn_options.get("logits_soft_cap")))
                          for layer in layers]
-        self._layers = (_Layer * len(layers))()
-        self.experts: dict[int, Any] = {}
-        self._keep: list[_MoE] = []
-        for idx, (s, layer, (scale, window, cap)) in enumerate(zip(self._layers, layers, self._options)):
-            lin = [ctypes.addressof(m._qmm.struct) for m in _linears(layer)]
-            s.qkv, s.o, s.gate_up, s.down = lin if len(lin) == 4 else (*lin, None, None)
-            s.w_in, s.w_post = layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr()
-            s.scale, s.softcap, s.window = scale, cap, window
-            if layer.q_norm is not None:
-                s.q_norm, s.k_norm = layer.q_norm.weight.data_ptr(), layer.k_norm.weight.data_ptr()
-            if layer.mlp is not None:
-                s.moe = ctypes.pointer(self._moe(layer, idx))
-        self._struct = _Decoder(
-            _addr(qmm_ops._qmm), _addr(fused_ops._norm), _addr(fused_ops._rope), _addr(fused_ops._act), attend,
-            first.input_layernorm.weight.shape[0], first.intermediate_size, self.hq, self.hkv, self.d, int(first.gelu), len(layers),
-            torch.get_num_threads(), first.eps, first.norm_offset, self._layers, _addr(fused_ops._head_norm))
-        self._ref = ctypes.byref(self._struct)
+        specs = [_layer_spec(layer, *opts) for layer, opts in zip(layers, self._options)]
+        self._step = decoder.DecoderStep(
+            fn, qmm_ops, fused_ops, attend, specs, first.input_layernorm.weight.shape[0], first.intermediate_size,
+            self.hq, self.hkv, self.d, first.gelu, first.eps, first.norm_offset, torch.get_num_threads())
+        self.experts = self._step.experts  # index of an MoE layer -> its expert pointer arrays
         self._caches: list[int] = []
-        self._failed = ctypes.c_int32(0)
-
-    def _moe(self, layer: Any, idx: int) -> _MoE:
-        """The C description of ``layer``'s MoE FFN; its expert pointer arrays are kept in
-        ``self.experts`` (index of the layer -> (gate_up array, down array))."""
-        mlp, spec = layer.mlp, layer.mlp.spec
-        ex = _experts(layer)
-        n = spec.num_experts
-        gate_up = (ctypes.c_void_p * n)(*(ctypes.addressof(m._qmm.struct) for m in ex[0::2]))
-        down = (ctypes.c_void_p * n)(*(ctypes.addressof(m._qmm.struct) for m in ex[1::2]))
-        self.experts[idx] = (gate_up, down)
-        self._keep.append(_MoE(mlp.router.weight.data_ptr(), gate_up, down, spec.intermediate_size, n, spec.top_k,
-                    int(spec.norm_topk_prob), int(spec.hidden_act == "gelu_pytorch_tanh"), spec.routed_scaling_factor))
-        return self._keep[-1]
 
     @classmethod
     def create(cls, model: Any) -> "tuple[NativeDecoder | None, str]":
         """``(decoder, "on")``, or ``(None, why not)``."""
-        from pagedkv.attention import cpu_kernel
-        from pagedkv.model import qmm
+        from pagedkv.ops import cpu_kernel, qmm
         from pagedkv.model.quant import QuantLinear
 
         if os.environ.get("PAGEDKV_NATIVE_STEP", "1") == "0":
@@ -164,10 +85,10 @@ class NativeDecoder:
                 return None, "off (a linear layer without integer-kernel weights)"
             if not _shapes_fit(layer):
                 return None, "off (weights of other shapes than the layer's config)"
-        fn, ops, kernel = get(), qmm.get(), cpu_kernel.get()
+        fn, ops, kernel = decoder.get(), qmm.get(), cpu_kernel.get()
         if fn is None or ops is None or kernel is None:
-            return None, f"off ({build_error() or qmm.build_error() or cpu_kernel.build_error() or 'no kernel'})"
-        return cls(model, fn, ops, layers[0].fused, _addr(kernel._write_attend)), "on"
+            return None, f"off ({decoder.build_error() or qmm.build_error() or cpu_kernel.build_error() or 'no kernel'})"
+        return cls(model, fn, ops, layers[0].fused, decoder.addr(kernel._write_attend)), "on"
 
     def stale(self) -> bool:
         """Whether some quantised layer was prepared again since this was built (its packed
@@ -186,7 +107,7 @@ class NativeDecoder:
         failing layer written, as the Python path), ``MemoryError`` when scratch fails,
         ``RuntimeError`` for a kernel error or a routed expert whose weight pointer is NULL."""
         t = residual.shape[0]
-        args_of = getattr(backend, "native_step_args", None)
+        args_of = backend.native_step_args if backend_capabilities(backend).native_step else None
         if (t >= self.rows or args_of is None or torch.autograd._profiler_enabled() or not residual.is_contiguous()
                 or residual.dtype != torch.float32):
             return False
@@ -199,13 +120,10 @@ class NativeDecoder:
         cos, sin = cos.contiguous(), sin.contiguous()
         with self._lock:
             if ptrs != self._caches:
-                for s, i in zip(self._layers, range(0, len(ptrs), 2)):
-                    s.k_cache, s.v_cache = ptrs[i], ptrs[i + 1]
+                self._step.set_caches(ptrs)
                 self._caches = ptrs
-            self._struct.nthreads = torch.get_num_threads()
-            rc = self._fn(self._ref, ctypes.addressof(args[2]), t, residual.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                          ctypes.byref(self._failed))
-            failed = self._failed.value
+            rc, failed = self._step(args[2], t, residual.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                    torch.get_num_threads())
         if rc == -104:
             cache = kv_caches[failed]
             raise BackendError(f"slot_mapping has a slot >= the cache's {cache.num_blocks * cache.block_size} "
@@ -219,6 +137,21 @@ class NativeDecoder:
             raise RuntimeError(f"native decoder step failed at layer {failed}: {kind}")
         return True
 
+
+
+def _layer_spec(layer: Any, scale: float, window: int, cap: float) -> decoder.LayerSpec:
+    """``layer``'s weights and options as ``decoder.c`` takes them (checked by ``create``)."""
+    moe = None
+    if layer.mlp is not None:
+        mlp, spec, ex = layer.mlp, layer.mlp.spec, _experts(layer)
+        moe = decoder.MoESpec(mlp.router.weight.data_ptr(), [m._qmm for m in ex[0::2]], [m._qmm for m in ex[1::2]],
+                              spec.intermediate_size, spec.top_k, bool(spec.norm_topk_prob),
+                              spec.hidden_act == "gelu_pytorch_tanh", spec.routed_scaling_factor)
+    lin = [m._qmm for m in _linears(layer)]
+    gate_up, down = lin[2:] if len(lin) == 4 else (None, None)
+    qn, kn = (layer.q_norm.weight.data_ptr(), layer.k_norm.weight.data_ptr()) if layer.q_norm is not None else (None, None)
+    return decoder.LayerSpec(lin[0], lin[1], gate_up, down, layer.input_layernorm.weight.data_ptr(),
+                             layer.post_attention_layernorm.weight.data_ptr(), scale, cap, window, qn, kn, moe)
 
 
 def _linears(layer: Any) -> list[Any]:

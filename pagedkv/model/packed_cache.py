@@ -28,7 +28,6 @@ codes, a layout change cached on disk at most once and memory-mapped back).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import mmap
@@ -41,8 +40,7 @@ from typing import Any
 
 import torch
 
-from pagedkv.csrc import source
-from pagedkv.model import qmm
+from pagedkv.ops import qmm
 
 __all__ = ["PackedCache", "FORMAT_VERSION", "layout_tag", "wait_for_writes"]
 
@@ -71,8 +69,9 @@ def wait_for_writes() -> None:
 
 
 def layout_tag() -> str:
-    """12 hex digits of the sha256 of ``csrc/qmm.c`` (the packers define the layout)."""
-    return hashlib.sha256(source("qmm.c").read_bytes()).hexdigest()[:12]
+    """12 hex digits of the sha256 of ``csrc/qmm.c`` (the packers define the layout):
+    ``pagedkv.ops.qmm.layout_tag``."""
+    return qmm.layout_tag()
 
 
 def _arrays(p: qmm.Packed) -> list[torch.Tensor]:

@@ -16,7 +16,7 @@ model dtype -> ``[T, out]`` in the same dtype.
   keeps its stored codes; ``torch._weight_int4pack_mm_for_cpu`` on bf16 activations. A tied
   LM head whose source is 8-bit (the bundled Q8_0 embeddings) is int8 in this format.
 
-Routes: ``fast`` runs ``pagedkv.model.qmm`` (kernel ``"q8"``) for int8/int4 at every row
+Routes: ``fast`` runs ``pagedkv.ops.qmm`` (kernel ``"q8"``) for int8/int4 at every row
 count on CPUs without AMX: activations quantised on the fly to int8 blocks of 32, integer
 dot products with exact block sums on AVX2 (``vpmaddubsw``) or VNNI, weights packed once at
 load (docs/weights.md). On AMX hosts ``qmm`` takes inputs below ``int8_rows()`` rows and
@@ -41,8 +41,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.errors import ConfigError
-from pagedkv.model import invariant, qmm
-from pagedkv.model.int8_mm import dynamic_int8_mm, onednn_int8, register_int8
+from pagedkv.model import invariant
+from pagedkv.ops import qmm
+from pagedkv.ops.int8_mm import dynamic_int8_mm, onednn_int8, register_int8
 from pagedkv.model.weight_choice import (  # noqa: F401 - part of this module's interface
     ROUTE_ENV, ROUTES, WEIGHT_CHOICES, WEIGHT_FORMATS, CpuFeatures, auto_route, check_weights, cpu_features,
     resolve_weights,
@@ -141,7 +142,7 @@ class QuantLinear(nn.Module):
         return self
 
     def _pack_qmm(self) -> qmm.Packed:
-        """The weights in the integer kernels' layout (``pagedkv.model.qmm``); ``ValueError``
+        """The weights in the integer kernels' layout (``pagedkv.ops.qmm``); ``ValueError``
         for shapes they do not take."""
         raise ValueError("no integer kernel for this format")
 
@@ -246,7 +247,7 @@ class QuantLinear(nn.Module):
         return True
 
     def kernel(self, rows: int) -> str:
-        """Which kernel a ``rows``-row input runs: ``"q8"`` (``pagedkv.model.qmm``'s integer
+        """Which kernel a ``rows``-row input runs: ``"q8"`` (``pagedkv.ops.qmm``'s integer
         kernels), ``"int8"`` (``dynamic_int8_mm``), ``"bf16"`` (the format's bf16 kernel),
         ``"wide"`` (dequantise, one wide matmul) or ``"fallback"``."""
         if rows < self.qmm_rows:

@@ -131,8 +131,8 @@ def _token_kind(tokenizer: Any) -> tuple[str, frozenset[int]]:
         return _TOKEN_KINDS[tokenizer]
     except (KeyError, TypeError):
         pass
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    decoder = str(getattr(backend, "decoder", "")) if backend is not None else ""
+    fast = getattr(tokenizer, "backend_tokenizer", None)  # the Rust tokenizer (tokenizers)
+    decoder = str(getattr(fast, "decoder", "")) if fast is not None else ""
     if "ByteLevel" in decoder:
         kind = "byte_level"
     elif "ByteFallback" in decoder or "\u2581" in decoder:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pagedkv.attention import AttentionMetadata
-from pagedkv.attention import cpu_kernel
+from pagedkv.ops import cpu_kernel
 from pagedkv.attention.cpu import CPUBackend
 from pagedkv.attention import quant as Q
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pagedkv.attention import AttentionMetadata, get_backend
-from pagedkv.attention import cpu_kernel
+from pagedkv.ops import cpu_kernel
 from pagedkv.attention.cpu import CPUBackend
 from pagedkv.testing import Case, check_backend, conformance_cases, run_case
 

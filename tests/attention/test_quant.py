@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedkv.attention import cpu_kernel
+from pagedkv.ops import cpu_kernel
 from pagedkv.attention import layouts
 from pagedkv.attention.cpu import CPUBackend
 from pagedkv.attention.quant import FORMATS, dequantize, error_bound, quantize
 from pagedkv.attention.reference import ReferenceBackend
-from pagedkv import csrc
+from pagedkv.ops import build as csrc
 from pagedkv.testing import check_backend, quantized_cases
 
 

@@ -1,4 +1,4 @@
-"""pagedkv::step_layer_attention (pagedkv.attention.step_op): a compiled step's attention op in
+"""pagedkv::step_layer_attention (pagedkv.ops.step_op): a compiled step's attention op in
 C++. Layers whose kernel arguments the CPU backend prepared for the step run without Python,
 with the same outputs and cache writes as ``write_and_forward``; everything else, and every
 call outside a step, goes to the Python op and its checks."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedkv.attention import cpu_kernel, step_op
+from pagedkv.ops import cpu_kernel, step_op
 from pagedkv.errors import BackendError
 from pagedkv.model import compiled as C  # defines the Python op the C++ one hands over to
 

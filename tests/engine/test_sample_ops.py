@@ -1,11 +1,11 @@
-"""The compiled sampler picks (pagedkv/engine/sample_ops.py) on hand-made rows: first maximum
+"""The compiled sampler picks (pagedkv/ops/sample_ops.py) on hand-made rows: first maximum
 with ties and strided rows, the two-level inverse-CDF pick at every block size, the input
 checks, and the PAGEDKV_FUSED switch."""
 
 import pytest
 import torch
 
-from pagedkv.engine import sample_ops
+from pagedkv.ops import sample_ops
 
 
 @pytest.fixture(scope="module")

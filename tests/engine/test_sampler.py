@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedkv.engine import sample_ops
+from pagedkv.ops import sample_ops
 from pagedkv.engine.request import Request, SamplingParams
 from pagedkv.engine.sampler import (_PICK_BLOCK, Sampler, SamplingError, _filter_probs, _inverse_cdf_pick, _uniforms,
                                     apply_logit_bias, apply_penalties)

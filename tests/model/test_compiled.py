@@ -41,7 +41,7 @@ def _greedy(loaded, **kw):
 def test_compiled_decode_gives_the_eager_tokens(tiny):
     eager_eng, eager = _greedy(tiny)
     assert eager_eng.runner.compiled is None and not hasattr(tiny.model, "compiled")  # the runner owns it
-    from pagedkv.attention import step_op
+    from pagedkv.ops import step_op
 
     table = step_op.get()
     assert table is not None, step_op.build_error()
@@ -104,7 +104,7 @@ def test_compiler_failure_falls_back_to_eager(tiny, monkeypatch):
 
 
 def test_without_the_cpp_op_the_graph_calls_the_python_op(tiny, monkeypatch):
-    from pagedkv.attention import step_op
+    from pagedkv.ops import step_op
 
     monkeypatch.setattr(step_op, "get", lambda: None)  # no C++ compiler, say
     cd = C.CompiledDecode(tiny.model)  # (compiles nothing before its first call)

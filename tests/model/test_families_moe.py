@@ -188,7 +188,7 @@ def test_moe_layers_run_eager_and_only_routed_experts_at_decode(family):
         assert sorted(experts) == routed[i] and len(experts) == 2  # the k routed experts, once each
     # which path ran: softmax-routed MoE layers are fusable (the fused ops around the MoE's torch
     # ops); fp32 nn.Linear weights keep the native step loop off; no compiled step
-    assert net._fused_state is not None  # the first forward decided
+    assert net.fused_state is not None  # the first forward decided
     assert all(layer.fusable for layer in net.layers)
     assert net._native is None
     assert net.native_state.startswith("off (")

@@ -1,4 +1,4 @@
-"""The fused CPU element-wise ops (pagedkv.model.fused) against the torch ops they replace, and
+"""The fused CPU element-wise ops (pagedkv.ops.fused_ops) against the torch ops they replace, and
 a model with them against the same model without (same logits, same greedy tokens)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedkv.model import fused
+from pagedkv.ops import fused_ops as fused
 from pagedkv.model.llama import _apply_rope, _rms_norm
 
 OPS = fused.get()
@@ -156,11 +156,11 @@ def test_model_with_and_without_fused_ops_agree(loaded_model, monkeypatch):
     tiny = tiny_random_model(loaded_model, seed=3)
     prompt = [(i * 97 + 11) % 4000 + 10 for i in range(40)]
     on = _greedy(tiny, prompt, 24)
-    assert tiny.model._fused_state == "on"
+    assert tiny.model.fused_state == "on"
     assert all(layer.fused is OPS for layer in tiny.model.layers)
     monkeypatch.setattr(fused, "get", lambda: None)
-    tiny.model._attach_fused()
-    assert tiny.model._fused_state.startswith("off") and all(layer.fused is None for layer in tiny.model.layers)
+    tiny.model.prepare_step(again=True)
+    assert tiny.model.fused_state.startswith("off") and all(layer.fused is None for layer in tiny.model.layers)
     off = _greedy(tiny, prompt, 24)
     assert on == off and len(on["a"]) == 24
 
@@ -173,11 +173,11 @@ def test_fused_ops_only_for_float32_cpu_models_and_plain_layers(loaded_model):
     cfg = dataclasses.replace(loaded_model.config, num_layers=1, hidden_size=64, intermediate_size=128,
                               num_heads=4, num_kv_heads=2, head_dim=16)
     bf = LlamaForCausalLM(cfg, dtype=torch.bfloat16)
-    bf._attach_fused()
-    assert bf._fused_state == "off (not a float32 CPU model)" and bf.layers[0].fused is None
+    bf.prepare_step(again=True)
+    assert bf.fused_state == "off (not a float32 CPU model)" and bf.layers[0].fused is None
     gemma = LlamaForCausalLM(dataclasses.replace(cfg, sandwich_norms=True, norm_offset=1.0))
-    gemma._attach_fused()
-    assert gemma._fused_state == "on" and gemma.layers[0].fused is None  # sandwich norms: torch path
+    gemma.prepare_step(again=True)
+    assert gemma.fused_state == "on" and gemma.layers[0].fused is None  # sandwich norms: torch path
     qwen3 = LlamaForCausalLM(dataclasses.replace(cfg, qk_norm=True))
-    qwen3._attach_fused()
+    qwen3.prepare_step(again=True)
     assert qwen3.layers[0].fusable and qwen3.layers[0].fused is not None  # q/k norms: fused (head_rms_norm)

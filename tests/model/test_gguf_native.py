@@ -17,7 +17,8 @@ import torch
 
 from pagedkv.errors import ConfigError
 from pagedkv.gguf_header import read_gguf_header
-from pagedkv.model import gguf_native, loader, qmm, weight_cache
+from pagedkv.model import gguf_native, loader, weight_cache
+from pagedkv.ops import qmm
 from pagedkv.model.gguf_native import GGUFEmbedding, GGUFLinear
 from pagedkv.model.loader import load_model
 from pagedkv.model.quantize import linear_prefixes
@@ -171,7 +172,8 @@ def test_auto_on_an_fp32_checkpoint_gives_that_checkpoint_s_greedy_tokens(tmp_pa
 _RSS_CHILD = textwrap.dedent("""
     import json, pathlib, sys, torch
     from pagedkv.gguf_header import read_gguf_header
-    from pagedkv.model import gguf_native, qmm
+    from pagedkv.model import gguf_native
+    from pagedkv.ops import qmm
     from pagedkv.model.loader import load_config
     assert qmm.get() is not None  # build the kernels before the baseline
     path = pathlib.Path(sys.argv[1])

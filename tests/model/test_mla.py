@@ -128,7 +128,7 @@ def test_logits_equal_transformers_over_paged_latents(family):
     # the first chunk (13 rows over 13 tokens) is cheaper expanded, later chunks and decode rows absorbed
     assert rows == [{"absorbed": 0, "expanded": 13}, {"absorbed": 11, "expanded": 0}, {"absorbed": 13, "expanded": 0}] \
         + [{"absorbed": 1, "expanded": 0}] * 3
-    assert lm.model._fused_state == lm.model.native_state == "off (MLA layers run eager)"
+    assert lm.model.fused_state == lm.model.native_state == "off (MLA layers run eager)"
 
 
 def _reference(hf, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
@@ -252,7 +252,7 @@ def test_fast_paths_are_not_selected_for_mla(family):
     assert out[0].outputs[0].token_ids == ref[0][0]
     compiled = llm.engine.runner.compiled
     assert compiled.failed == "MLA layers run eager" and compiled.steps == 0
-    assert lm.model._fused_state == lm.model.native_state == "off (MLA layers run eager)"
+    assert lm.model.fused_state == lm.model.native_state == "off (MLA layers run eager)"
     assert lm.model._native is None and all(layer.fused is None for layer in lm.model.layers)
 
 

@@ -1,5 +1,5 @@
 """Qwen3's q/k norms and mixture-of-experts layers on the fused and native CPU paths
-(``pagedkv.model.fused.head_rms_norm``, ``pagedkv/csrc/decoder.c``).
+(``pagedkv.ops.fused_ops.head_rms_norm``, ``pagedkv/csrc/decoder.c``).
 
 A tiny Qwen3 (3 layers, hidden 64, q/k norms with non-trivial weights) loaded with int8 weights
 runs natively: its steps must equal the fused Python path bit for bit (same kernels, same
@@ -103,7 +103,7 @@ def test_qwen3_native_engine_tokens_equal_the_eager_path(qwen3_int8):
 
 
 def test_head_rms_norm_normalises_each_head_in_place_as_torch():
-    from pagedkv.model import fused
+    from pagedkv.ops import fused_ops as fused
     from pagedkv.model.llama import _rms_norm
 
     ops = fused.get()

@@ -133,6 +133,6 @@ def test_off_switch_and_ineligible_models(monkeypatch, int4_model, loaded_model)
     monkeypatch.setenv("PAGEDKV_NATIVE_STEP", "0")
     assert NativeDecoder.create(int4_model.model) == (None, "off (PAGEDKV_NATIVE_STEP=0)")
     monkeypatch.delenv("PAGEDKV_NATIVE_STEP")
-    loaded_model.model._attach_fused()
+    loaded_model.model.prepare_step(again=True)
     decoder, why = NativeDecoder.create(loaded_model.model)  # fp32 weights: plain nn.Linear layers
     assert decoder is None and "integer-kernel" in why

@@ -116,6 +116,6 @@ def test_the_layout_tag_follows_the_packers_source():
     assert len(tag) == 12 and int(tag, 16) >= 0
     import hashlib
 
-    from pagedkv.csrc import source
+    from pagedkv.ops.build import source
 
     assert tag == hashlib.sha256(source("qmm.c").read_bytes()).hexdigest()[:12]

@@ -1,4 +1,4 @@
-"""The integer matmul kernels (``pagedkv.model.qmm``): int4 / int8 weights times activations
+"""The integer matmul kernels (``pagedkv.ops.qmm``): int4 / int8 weights times activations
 quantised to int8 blocks of 32, and the ``"q8"`` route of the quantised linear layers.
 
 The kernels' sums are checked against the same arithmetic done in float64 by torch (the
@@ -14,7 +14,7 @@ import platform
 import pytest
 import torch
 
-from pagedkv.model import qmm
+from pagedkv.ops import qmm
 from pagedkv.model.quant import CpuFeatures, Int4Linear, Int8Linear
 from pagedkv.model import quant
 

@@ -1,4 +1,4 @@
-"""The integer matmul kernels on GGUF blocks as stored (``pagedkv.model.qmm.pack_gguf``):
+"""The integer matmul kernels on GGUF blocks as stored (``pagedkv.ops.qmm.pack_gguf``):
 Q4_0 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K in their own layouts (the file's bytes), Q4_1
 in the int4 one (its bytes too), and the concat format whose parts are of different types.
 
@@ -22,7 +22,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagedkv.model import qmm
+from pagedkv.ops import qmm
 
 from tests.model.test_qmm import _emulated as emulated  # noqa: E402  (the kernels' activations)
 from tests.model.test_qmm import ops  # noqa: F401,E402  (the fixture: each build the host runs)

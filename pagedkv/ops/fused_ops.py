@@ -21,7 +21,7 @@ import ctypes
 
 import torch
 
-from pagedkv.csrc import BuiltOnce, compile_c, source
+from pagedkv.ops.build import BuiltOnce, compile_c, source
 from pagedkv.cpu_isa import march_flags
 
 # unlike the attention kernel's flags, no -ffp-contract=fast / -fassociative-math: the float32

@@ -29,8 +29,8 @@ from typing import Sequence
 
 import torch
 
-from pagedkv.attention import cpu_kernel
-from pagedkv.csrc import BuiltOnce, compile_c, compiler, source
+from pagedkv.ops import cpu_kernel
+from pagedkv.ops.build import BuiltOnce, compile_c, compiler, source
 
 
 class LayerEntry(ctypes.Structure):

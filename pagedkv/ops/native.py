@@ -2,18 +2,18 @@
 them are in use.
 
 Their sources live in ``pagedkv/csrc`` (shipped in the wheel) and are compiled on first use
-with the system compiler by ``pagedkv.csrc.compile_c``, cached under ``$PAGEDKV_CACHE_DIR``
+with the system compiler by ``pagedkv.ops.build.compile_c``, cached under ``$PAGEDKV_CACHE_DIR``
 (default ``~/.cache/pagedkv``), keyed by source, flags and CPU; a missing compiler leaves the
 torch code paths. Building them lazily put 10-17 s of compiling into a fresh install's first
-request, so ``make run`` / ``make test`` set-up runs ``python -m pagedkv.native`` once and the
+request, so ``make run`` / ``make test`` set-up runs ``python -m pagedkv.ops.native`` once and the
 engine calls :func:`status` at start (a cache hit only loads the libraries) and logs it.
 
-* ``attention``: paged attention and K/V writes (``pagedkv.attention.cpu_kernel``)
-* ``fused``: RMSNorm, RoPE and activation passes of the decoder layer (``pagedkv.model.fused``)
-* ``sampler``: greedy and inverse-CDF picks (``pagedkv.engine.sample_ops``)
-* ``qmm``: integer matmuls of the int4/int8 weights (``pagedkv.model.qmm``)
-* ``decoder``: the native step loop over the decoder layers (``pagedkv.model.native_step``)
-* ``step_op``: a compiled step's attention op in C++ (``pagedkv.attention.step_op``; used by
+* ``attention``: paged attention and K/V writes (``pagedkv.ops.cpu_kernel``)
+* ``fused``: RMSNorm, RoPE and activation passes of the decoder layer (``pagedkv.ops.fused_ops``)
+* ``sampler``: greedy and inverse-CDF picks (``pagedkv.ops.sample_ops``)
+* ``qmm``: integer matmuls of the int4/int8 weights (``pagedkv.ops.qmm``)
+* ``decoder``: the native step loop over the decoder layers (``pagedkv.ops.decoder``)
+* ``step_op``: a compiled step's attention op in C++ (``pagedkv.ops.step_op``; used by
   ``compile_decode`` engines only, so built only when asked for: about 15 s the first time)
 """
 
@@ -32,11 +32,9 @@ KERNELS = ("attention", "fused", "sampler", "qmm", "decoder", "step_op")
 
 
 def _kernels(compiled: bool) -> dict[str, Any]:
-    from pagedkv.attention import cpu_kernel, step_op
-    from pagedkv.engine import sample_ops
-    from pagedkv.model import fused, native_step, qmm
+    from pagedkv.ops import cpu_kernel, decoder, fused_ops, qmm, sample_ops, step_op
 
-    mods = {"attention": cpu_kernel, "fused": fused, "sampler": sample_ops, "qmm": qmm, "decoder": native_step}
+    mods = {"attention": cpu_kernel, "fused": fused_ops, "sampler": sample_ops, "qmm": qmm, "decoder": decoder}
     return {**mods, "step_op": step_op} if compiled else mods
 
 
@@ -69,10 +67,10 @@ def summary(compiled: bool = False) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m pagedkv.native``: build every kernel now (set-up step; ``step_op``
+    """``python -m pagedkv.ops.native``: build every kernel now (set-up step; ``step_op``
     included, so a first ``compile_decode`` start does not compile it), print one line each;
     exit status 0 even when some cannot build (the torch paths still work)."""
-    from pagedkv.model import qmm
+    from pagedkv.ops import qmm
 
     t0 = time.perf_counter()
     built = build_all(compiled=True)

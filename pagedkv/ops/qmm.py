@@ -34,7 +34,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from pagedkv.csrc import BuiltOnce, compile_c, source
+from pagedkv.ops.build import BuiltOnce, compile_c, source
 from pagedkv.cpu_isa import march_flags
 
 _FLAGS = ["-O3", *march_flags(), "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math", "-fopenmp",
@@ -350,3 +350,12 @@ def get() -> QmmOps | None:
 def build_error() -> str | None:
     """Why ``get()`` returned ``None`` (``None`` if it did not, or was not called yet)."""
     return _OPS.error()
+
+
+def layout_tag() -> str:
+    """12 hex digits of the sha256 of ``csrc/qmm.c``, whose packers (``pack_gguf``) define the
+    packed layout: a key under which packed weights stored on disk stay valid
+    (``pagedkv.model.packed_cache``)."""
+    import hashlib
+
+    return hashlib.sha256(source("qmm.c").read_bytes()).hexdigest()[:12]

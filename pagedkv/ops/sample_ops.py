@@ -18,7 +18,7 @@ import ctypes
 
 import torch
 
-from pagedkv.csrc import BuiltOnce, compile_c, source
+from pagedkv.ops.build import BuiltOnce, compile_c, source
 from pagedkv.cpu_isa import march_flags
 
 _ARGMAX_BLOCK = 1024  # tokens per block maximum of the greedy pick

@@ -19,9 +19,8 @@ from typing import Sequence
 
 import torch
 
-from pagedkv.attention.layouts import PagedKVCache
 from pagedkv.cpu_isa import march_flags
-from pagedkv.csrc import BuiltOnce, compile_c, source
+from pagedkv.ops.build import BuiltOnce, compile_c, source
 
 _FLAGS = ["-O3", *march_flags(), "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
           "-fassociative-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
@@ -65,6 +64,10 @@ class LayerArgs(ctypes.Structure):
         ("slots", ctypes.c_void_p), ("n_tokens", ctypes.c_int32), ("n_real", ctypes.c_int32),
         ("nthreads", ctypes.c_int32), ("min_split_len", ctypes.c_int32), ("prefetch", ctypes.c_int32)]
 
+    def ref(self):
+        """``ctypes.byref`` of these arguments: what :meth:`CPUKernel.write_attend` takes."""
+        return ctypes.byref(self)
+
 
 class CPUKernel:
     """Callable wrapper of the compiled kernel."""
@@ -80,9 +83,8 @@ class CPUKernel:
 
     def supports(self, query: torch.Tensor, cache) -> bool:
         """Whether this call can run here (dtypes, head dim, GQA group, strides; a quantised
-        cache needs a group size that is a multiple of 8)."""
-        if not isinstance(cache, PagedKVCache):
-            return False
+        cache needs a group size that is a multiple of 8). ``cache``: a
+        ``pagedkv.attention.layouts.PagedKVCache`` (the caller checks that)."""
         if cache.quant is not None:
             cache_ok = cache.group_size % 8 == 0
         else:
@@ -121,7 +123,7 @@ class CPUKernel:
             raise RuntimeError(f"pagedkv CPU kernel failed with code {rc}")
 
 
-    def layer_args(self, query: torch.Tensor, cache: PagedKVCache, plan, slots: torch.Tensor) -> LayerArgs | None:
+    def layer_args(self, query: torch.Tensor, cache, plan, slots: torch.Tensor) -> LayerArgs | None:
         """The per-step inputs of :meth:`write_attend` for queries like ``query`` over caches
         like ``cache``, or ``None`` when the fused call does not apply (a quantised or
         float16 cache, unsupported shapes, a chunk for the torch path). ``slots``: int64
@@ -144,7 +146,7 @@ class CPUKernel:
         return a
 
     def write_attend(self, args_ref, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     cache: PagedKVCache, out: torch.Tensor, scale: float, window: int, soft_cap: float) -> int:
+                     cache, out: torch.Tensor, scale: float, window: int, soft_cap: float) -> int:
         """One layer through ``pagedkv_write_attend``: ``key``/``value`` ``[T, Hkv, d]`` written
         at the step's slots, then ``query`` ``[T, Hq, d]`` attends into ``out``; all contiguous
         in the query dtype. ``args_ref``: ``ctypes.byref`` of :meth:`layer_args`. Returns the C

@@ -3,7 +3,9 @@ rows quantised on the fly to two int8 rows, one int8 x int8 matmul with exact in
 
 The matmul is oneDNN's u8s8 linear on weights prepacked once per layer, reached through one
 opaque op, ``pagedkv::int8_linear(qx, key, out_features)``, that finds the layer by key, so
-that compiled steps call it too (measured in docs/performance.md, "Prepacked int8").
+that compiled steps call it too (measured in docs/performance.md, "Prepacked int8"). The
+same registry gives ``pagedkv::qmm_linear``, the integer kernels of ``pagedkv.ops.qmm`` as one
+op. The layers register themselves (``register_int8``); this module imports none of them.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ def _layer_op(name: str, what: str, call: str) -> None:
 
 _layer_op("int8_linear", "int8 weights", "int8_matmul")
 
-# ``pagedkv::qmm_linear``: the integer kernels of ``pagedkv.model.qmm`` on a layer's packed
+# ``pagedkv::qmm_linear``: the integer kernels of ``pagedkv.ops.qmm`` on a layer's packed
 # weights (``QuantLinear.qmm_forward``), opaque to compiled steps in the same way
 _LIB.define("qmm_linear(Tensor x, int key, int out_features) -> Tensor")
 _layer_op("qmm_linear", "layer", "qmm_forward")
