@@ -18,7 +18,17 @@ def load_tokenizer(directory: str | Path, gguf_file: str | None = None) -> Any:
     ``directory``, or built from ``directory/gguf_file``: by ``AutoTokenizer``, or, for a GGUF
     architecture whose config transformers does not read (``deepseek2``), by
     ``PreTrainedTokenizerFast`` from the file's ``tokenizer.*`` metadata alone (the same
-    converter). Raises ``ConfigError``."""
+    converter). A directory whose ``tokenizer_config.json`` names the generic fast class
+    (``TokenizersBackend`` / ``PreTrainedTokenizerFast``, e.g. the weight cache's SmolLM2 entry)
+    is loaded by that class directly: the same tokenizer, without importing ``AutoTokenizer``'s
+    model registry (~0.3 s of a warm start). Raises ``ConfigError``."""
+    if gguf_file is None and _generic_fast_class(Path(directory)):
+        from transformers import PreTrainedTokenizerFast
+
+        try:
+            return PreTrainedTokenizerFast.from_pretrained(str(directory))
+        except (OSError, ValueError, KeyError) as e:
+            raise ConfigError(f"tokenizer: cannot load from {str(directory)!r} ({e})") from None
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
@@ -31,6 +41,23 @@ def load_tokenizer(directory: str | Path, gguf_file: str | None = None) -> Any:
             return PreTrainedTokenizerFast.from_pretrained(str(directory), **kwargs)
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(f"tokenizer: cannot load from {str(directory)!r} ({e})") from None
+
+
+#: ``tokenizer_class`` values that are transformers' generic fast tokenizer itself
+GENERIC_FAST_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _generic_fast_class(directory: Path) -> bool:
+    """Whether ``directory`` holds a ``tokenizer.json`` and a ``tokenizer_config.json`` whose
+    ``tokenizer_class`` is one of ``GENERIC_FAST_CLASSES`` (and no ``auto_map`` to custom code)."""
+    import json
+
+    try:
+        cfg = json.loads((directory / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (isinstance(cfg, dict) and cfg.get("tokenizer_class") in GENERIC_FAST_CLASSES
+            and "auto_map" not in cfg and (directory / "tokenizer.json").is_file())
 
 
 def encode_prompt(tokenizer: Any, text: str) -> list[int]:

@@ -179,6 +179,32 @@ def test_tokenizer_matches_transformers_gguf_tokenizer(loaded_model, hf_tokenize
 
 
 @pytest.mark.slow
+def test_a_generic_fast_tokenizer_entry_loads_without_auto_tokenizer(loaded_model, tmp_path, monkeypatch):
+    """The cached SmolLM2 entry (``tokenizer_class`` ``TokenizersBackend``) is loaded by that
+    class directly, equal to ``AutoTokenizer``'s; a model-specific class still goes through
+    ``AutoTokenizer``."""
+    import transformers
+
+    from pagedkv.model.tokenizer import load_tokenizer
+
+    loaded_model.tokenizer.save_pretrained(str(tmp_path / "tok"))
+    auto = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: pytest.fail("AutoTokenizer"))
+    direct = load_tokenizer(tmp_path / "tok")
+    assert type(direct) is type(auto) and direct.all_special_ids == auto.all_special_ids
+    for text in ["The quick brown fox", "<|im_start|>user\nhi<|im_end|>", "数字 123 émoji 🙂"]:
+        assert direct(text)["input_ids"] == auto(text)["input_ids"]
+        assert direct.decode(direct(text)["input_ids"]) == auto.decode(auto(text)["input_ids"])
+    msgs = [{"role": "user", "content": "What is a KV cache?"}]
+    assert direct.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == \
+        auto.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    cfg = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({**cfg, "tokenizer_class": "GemmaTokenizer"}))
+    with pytest.raises(pytest.fail.Exception, match="AutoTokenizer"):
+        load_tokenizer(tmp_path / "tok")
+
+
+@pytest.mark.slow
 def test_hf_directory_gives_the_same_model(tmp_path, hf_model, hf_tokenizer, loaded_model):
     """transformers' own GGUF reader (its Q/K un-permutation) saved as safetensors, loaded by
     our HF path: bit-identical to our GGUF path."""
