@@ -23,12 +23,11 @@ from typing import Any, Mapping, Sequence
 from pagedkv.errors import ConfigError
 from pagedkv.model import families
 from pagedkv.attn_layout import LAYER_TYPES, as_int as _as_int, gguf_heads, gguf_num_layers, hf_heads, hf_int
-from pagedkv.attn_layout import hf_num_layers, layer_windows
+from pagedkv.attn_layout import gguf_get, hf_num_layers, layer_windows
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3",
                            "minicpm3", "deepseek_v2", "deepseek_v3", "qwen3_moe", "mixtral")
 
-_MISSING: Any = object()  # "no default" sentinel of the builders' key lookups
 
 # RoPE variants implemented by ``pagedkv.model.llama.rope_inv_freq``.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "yarn")
@@ -285,13 +284,8 @@ class ModelConfig:
             from pagedkv.model.gguf_mla import config_fields
             return cls(**config_fields(metadata, tensor_names), model_id=model_id, revision=revision)
 
-        def get(key: str, default: Any = _MISSING) -> Any:
-            full = f"{arch}.{key}"
-            if full in metadata:
-                return metadata[full]
-            if default is _MISSING:
-                raise ConfigError(f"{full}: missing from GGUF metadata")
-            return default
+        def get(key: str, *default: Any) -> Any:
+            return gguf_get(arch, metadata, key, *default)
 
         num_heads, num_kv_heads, head_dim = gguf_heads(arch, metadata)  # pagedkv.attn_layout
         hidden = _as_int(get("embedding_length"), f"{arch}.embedding_length")

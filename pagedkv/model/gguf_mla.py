@@ -49,6 +49,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from pagedkv.attn_layout import gguf_get
 from pagedkv.errors import ConfigError
 from pagedkv.gguf_header import GGUFTensorInfo
 
@@ -75,16 +76,11 @@ def config_fields(metadata: Mapping[str, Any], tensor_names: Sequence[str]) -> d
     names (module doc), all but ``model_id`` and ``revision``; the token ids as
     ``ModelConfig.from_gguf_metadata`` reads them for every family. Raises ``ConfigError``
     naming the key."""
-    def get(key: str, default: Any = ConfigError) -> Any:
-        full = f"{ARCH}.{key}"
-        if full in metadata:
-            return metadata[full]
-        if default is ConfigError:
-            raise ConfigError(f"{full}: missing from GGUF metadata")
-        return default
+    def get(key: str, *default: Any) -> Any:
+        return gguf_get(ARCH, metadata, key, *default)
 
-    def num(key: str, default: Any = ConfigError) -> int:
-        return _int(get(key, default), f"{ARCH}.{key}")
+    def num(key: str, *default: Any) -> int:
+        return _int(get(key, *default), f"{ARCH}.{key}")
 
     names = set(tensor_names)
     layers, heads, hidden = num("block_count"), num("attention.head_count"), num("embedding_length")
