@@ -834,3 +834,33 @@ def test_backend_probe_check_is_not_vacuous():
                "n = getattr(layer, 'mlp', None)\n")
     assert _backend_probes(planted) == ["line 1: getattr(backend, 'write_and_forward', None)",
                                         "line 2: hasattr(self.backend, 'step_table')"]
+
+
+def _bench_files_outside_their_package(bench: Path, benches: dict[str, str]) -> list[str]:
+    """Breaches of "a benchmark's files live in its package" in ``bench`` (pagedkv/bench):
+    a module directly in ``bench`` named after a benchmark package (``serve.py`` or
+    ``serve_peer.py`` beside ``serve/``), and a benchmark package whose runner is not its
+    ``run.py`` as registered in ``benches`` (:data:`pagedkv.bench.cli.BENCHES`)."""
+    packages = sorted(p.name for p in bench.iterdir() if (p / "__init__.py").is_file())
+    out = [f"{path.name} beside {pkg}/" for path in sorted(bench.glob("*.py")) for pkg in packages
+           if path.stem == pkg or path.stem.startswith(pkg + "_")]
+    out += [f"{pkg}/: runner {benches.get(pkg)!r}" for pkg in packages
+            if benches.get(pkg) != f"pagedkv.bench.{pkg}.run" or not (bench / pkg / "run.py").is_file()]
+    return out
+
+
+def test_a_benchmarks_files_live_in_its_package():
+    from pagedkv.bench.cli import BENCHES
+
+    assert _bench_files_outside_their_package(PKG / "bench", BENCHES) == []
+    assert (PKG / "bench" / "serve" / "peer.py").is_file()  # the packages the rule reads exist
+
+
+def test_bench_package_check_is_not_vacuous(tmp_path):
+    for rel in ("serve/__init__.py", "serve/run.py", "serve_peer.py", "serve.py", "servers.py", "common.py",
+                "quality.py", "spec/__init__.py", "spec/peer.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("")
+    benches = {"serve": "pagedkv.bench.serve.run", "spec": "pagedkv.bench.spec", "quality": "pagedkv.bench.quality"}
+    assert _bench_files_outside_their_package(tmp_path, benches) == [
+        "serve.py beside serve/", "serve_peer.py beside serve/", "spec/: runner 'pagedkv.bench.spec'"]

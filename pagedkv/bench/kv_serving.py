@@ -18,7 +18,7 @@ import argparse
 import time
 from typing import Any
 
-from pagedkv.bench import serve
+from pagedkv.bench.serve import run as serve
 from pagedkv.bench.common import RunFacts, engine_from_args, json_clean, load_fp32_model, log, warm_up
 from pagedkv.bench.report import closing_lines, markdown_table, publish, pyplot, save_figure, single_plot
 from pagedkv.bench.workload import meets_target, poisson_arrivals, requests_from_args, summarize_run

@@ -3,9 +3,9 @@ estimator (the median) with its spread (the interquartile range), a goal "met" o
 unfavourable quartile meets it, every run kept with the load it ran under, and the facts a
 skeptic asks for (CPU model, ISA, threads, commit, dirty tree, llama.cpp's build).
 
-Used by ``pagedkv bench models`` (:mod:`pagedkv.bench.models`), the llama.cpp batch-1
-comparison of ``pagedkv bench peers`` (:mod:`pagedkv.bench.peers_native`) and ``pagedkv bench
-serve --peer`` (:mod:`pagedkv.bench.serve_peer`).
+Used by ``pagedkv bench models`` (:mod:`pagedkv.bench.models.run`), the llama.cpp batch-1
+comparison of ``pagedkv bench peers`` (:mod:`pagedkv.bench.peers.native`) and ``pagedkv bench
+serve --peer`` (:mod:`pagedkv.bench.serve.peer`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from pagedkv.bench.common import REPO_ROOT, load_average
-from pagedkv.bench.models_guard import GB, run_guarded
-from pagedkv.bench.models_make import peers_bin
+from pagedkv.bench.models.guard import GB, run_guarded
+from pagedkv.bench.models.make import peers_bin
 
 
 # ---- the estimator ---------------------------------------------------------------------------

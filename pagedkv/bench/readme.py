@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from pagedkv.bench.common import REPO_ROOT, RESULTS_DIR
-from pagedkv.bench.peers_native_report import isa_class
+from pagedkv.bench.peers.native_report import isa_class
 
 LINK = re.compile(r"\]\((docs/benchmarks/[^)\s]+\.md)\)")
 

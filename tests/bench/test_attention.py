@@ -3,7 +3,7 @@
 import argparse
 import json
 
-from pagedkv.bench import attention
+from pagedkv.bench.attention import run as attention
 
 
 def test_attention_bench_tiny(tmp_path):
@@ -31,4 +31,4 @@ def test_attention_bench_tiny(tmp_path):
 def test_bench_is_registered():
     from pagedkv.bench.cli import BENCHES
 
-    assert BENCHES["attention"] == "pagedkv.bench.attention"
+    assert BENCHES["attention"] == "pagedkv.bench.attention.run"

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pagedkv.bench.capacity_sim import simulate
+from pagedkv.bench.capacity.sim import simulate
 from pagedkv.bench.common import default_workload
 from pagedkv.bench.workload import load_trace
 from pagedkv.cli import main
@@ -170,7 +170,7 @@ def test_cli_tiny_run_writes_well_formed_results(tmp_path, capsys):
 
 
 def test_bundled_model_sizing():
-    from pagedkv.bench.capacity import load_spec
+    from pagedkv.bench.capacity.run import load_spec
     from pagedkv.errors import ConfigError
 
     try:
@@ -183,7 +183,7 @@ def test_bundled_model_sizing():
 
 # ---- hybrid KV (sliding-window layer groups) ---------------------------------------------------
 def test_hybrid_groups_closed_forms_match_brute_force():
-    from pagedkv.bench.capacity_sim import _Groups
+    from pagedkv.bench.capacity.sim import _Groups
     from pagedkv.kv.groups import LayerGroups
 
     g = _Groups((None, 8), 4)
@@ -218,7 +218,7 @@ def test_hybrid_simulation_holds_fewer_blocks_than_all_full():
 def test_bench_capacity_hybrid_model(tmp_path):
     import argparse
 
-    from pagedkv.bench import capacity
+    from pagedkv.bench.capacity import run as capacity
 
     p = argparse.ArgumentParser()
     capacity.add_arguments(p)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedkv.bench import serve_peer
+from pagedkv.bench.serve import peer as serve_peer
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "install_peers.py"
 

@@ -4,7 +4,8 @@
 import argparse
 import json
 
-from pagedkv.bench import attention, kv_quality, kv_serving
+from pagedkv.bench import kv_quality, kv_serving
+from pagedkv.bench.attention import run as attention
 
 
 def _args(module, argv):

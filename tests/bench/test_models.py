@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pagedkv.bench import models as bench_models
-from pagedkv.bench import models_make as mm
-from pagedkv.bench.models_guard import run_guarded
-from pagedkv.bench.models_report import render_markdown, spread, summarize_model
+from pagedkv.bench.models import run as bench_models
+from pagedkv.bench.models import make as mm
+from pagedkv.bench.models.guard import run_guarded
+from pagedkv.bench.models.report import render_markdown, spread, summarize_model
 from pagedkv.gguf_header import read_gguf_header
 
 TINY = mm.SHAPES["tiny"]  # hidden 64, 2 layers, 4 heads, 2 KV heads, ffn 128, vocab 49,152 + 16

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from pagedkv.bench import offload as bench_offload
+from pagedkv.bench.offload import run as bench_offload
 
 
 def test_bench_offload_small(loaded_model, tmp_path):

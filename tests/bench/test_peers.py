@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from pagedkv.bench import peers, peers_systems
+from pagedkv.bench.peers import run as peers
+from pagedkv.bench.peers import systems as peers_systems
 from pagedkv.bench.workload import BenchRequest
 
 

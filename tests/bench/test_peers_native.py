@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from pagedkv.bench import peers, peers_native
-from pagedkv.bench.peers_native_report import summarize
+from pagedkv.bench.peers import run as peers
+from pagedkv.bench.peers import native as peers_native
+from pagedkv.bench.peers.native_report import summarize
 
 
 def _script(path: Path, body: str) -> str:
@@ -98,7 +99,7 @@ def test_native_run_makes_the_formats_interleaves_and_keeps_every_run(tmp_path, 
 
 
 def test_formats_without_llama_quantize_say_why(tmp_path, monkeypatch):
-    from pagedkv.bench.peers_systems import resolve_peer_model
+    from pagedkv.bench.peers.systems import resolve_peer_model
 
     monkeypatch.setattr(peers_native, "find_tool", lambda name, bin_dir=None: None)
     files = peers_native.ensure_formats(resolve_peer_model(None), ["q4_1", "q4_0"], 2, root=tmp_path, log_fn=lambda m: None)

@@ -11,7 +11,8 @@ import types
 
 import pytest
 
-from pagedkv.bench import peer_worker, peers_trace
+from pagedkv.bench.peers import worker as peer_worker
+from pagedkv.bench.peers import trace as peers_trace
 from pagedkv.bench.workload import BenchRequest
 
 
@@ -103,7 +104,7 @@ def test_run_trace_peer_lifts_the_trace_result(tmp_path):
                         "output_tokens_per_s": 20.0, "total_tokens_per_s": 44.0, "max_num_seqs": 64}}
     py.write_text(f"#!/bin/sh\necho 'compiling'\necho '{json.dumps(result)}'\n")
     py.chmod(0o755)
-    from pagedkv.bench.peers_venv import model_dir
+    from pagedkv.bench.peers.venv import model_dir
 
     model_dir("openvino", tmp_path).mkdir(parents=True)
     row = peers_trace.run_trace_peer("openvino", peers_trace.trace_spec(_reqs(), 2, 49152), root=tmp_path)
@@ -217,7 +218,7 @@ def test_pagedkv_trace_side_on_the_tiny_model(loaded_model):
 def test_bench_peers_venv_section_with_no_peer_installed(loaded_model, tmp_path, monkeypatch):
     """``bench peers --systems vllm,openvino --tiny`` with no peer venv: pagedkv's own trace
     row (4 requests), both peers "not installed" with the reason, in the JSON and Markdown."""
-    from pagedkv.bench import peers
+    from pagedkv.bench.peers import run as peers
     from pagedkv.cli import build_parser
 
     monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "cache"))

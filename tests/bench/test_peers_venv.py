@@ -10,7 +10,9 @@ import sys
 
 import pytest
 
-from pagedkv.bench import peer_worker, peers_venv, serve_peer
+from pagedkv.bench.peers import worker as peer_worker
+from pagedkv.bench.peers import venv as peers_venv
+from pagedkv.bench.serve import peer as serve_peer
 from pagedkv.errors import ConfigError
 
 

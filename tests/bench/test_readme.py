@@ -7,9 +7,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pagedkv.bench import readme, serve_peer
+from pagedkv.bench import readme
+from pagedkv.bench.serve import peer as serve_peer
 from pagedkv.bench.common import REPO_ROOT
-from pagedkv.bench.peers_native_report import summarize
+from pagedkv.bench.peers.native_report import summarize
 
 AVX512 = {"isa": "avx512", "native_isa": "avx512", "vnni": True, "amx": False}
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from pagedkv.bench.route import LoadSampler, _pool, conversation_requests
-from pagedkv.bench.route_report import render_markdown
+from pagedkv.bench.route.run import LoadSampler, _pool, conversation_requests
+from pagedkv.bench.route.report import render_markdown
 
 
 def _args(**kw) -> argparse.Namespace:

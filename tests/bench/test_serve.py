@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from pagedkv.bench import serve
+from pagedkv.bench.serve import run as serve
 from pagedkv.bench.workload import (
     LengthScaling,
     RequestRecord,

@@ -10,7 +10,10 @@ import json
 
 import pytest
 
-from pagedkv.bench import peer_worker, peers_venv, serve_offline, serve_peer
+from pagedkv.bench.peers import worker as peer_worker
+from pagedkv.bench.peers import venv as peers_venv
+from pagedkv.bench.serve import offline as serve_offline
+from pagedkv.bench.serve import peer as serve_peer
 
 SPEC = {"vocab_size": 1000, "prompt_tokens": 16, "output_tokens": 8, "min_requests": 8, "requests_per_stream": 2,
         "concurrency": [1, 4, 16], "threads": 2}
@@ -119,7 +122,7 @@ def test_run_offline_with_a_fake_openvino_venv(tmp_path, monkeypatch):
 
 
 def test_bench_serve_openvino_dispatches_offline(monkeypatch):
-    from pagedkv.bench import serve
+    from pagedkv.bench.serve import run as serve
 
     got = {}
     monkeypatch.setattr(serve_offline, "run", lambda args: got.setdefault("peer", args.peer) and 0)

@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-from pagedkv.bench import http, serve_peer
+from pagedkv.bench import http
+from pagedkv.bench.serve import peer as serve_peer
 from pagedkv.bench.workload import RunStats
 
 
@@ -290,7 +291,7 @@ def test_bench_serve_peer_tiny_on_another_gguf(bundled_gguf, tmp_path):
 
 
 def test_report_side_by_side_and_goals():
-    from pagedkv.bench.serve_peer_report import render_markdown
+    from pagedkv.bench.serve.peer_report import render_markdown
 
     def run(server, c, tok_s, itl, ttft, incomplete=0):
         return {"server": server, "concurrency": c, "requests": 8, "completed": 8 - incomplete,
@@ -316,7 +317,7 @@ def test_report_side_by_side_and_goals():
 
 
 def test_report_header_says_each_servers_threads_as_run():
-    from pagedkv.bench.serve_peer_report import _threads
+    from pagedkv.bench.serve.peer_report import _threads
 
     base = {"threads": 2, "pagedkv_serve": ["pagedkv", "serve", "--threads", "2"]}
     assert _threads(base) == "2 threads each"

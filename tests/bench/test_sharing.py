@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pagedkv.bench import ablation
+from pagedkv.bench.ablation import run as ablation
 
 
 def _strict_json(text: str):

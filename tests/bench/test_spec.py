@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from pagedkv.bench import spec as bench_spec
+from pagedkv.bench.spec import run as bench_spec
 
 
 def test_bench_spec_tiny(loaded_model, tmp_path):

@@ -1,4 +1,4 @@
-"""``pagedkv bench spec``'s llama.cpp side (``pagedkv.bench.spec_peer``): the lookup flags, the
+"""``pagedkv bench spec``'s llama.cpp side (``pagedkv.bench.spec.peer``): the lookup flags, the
 arithmetic on the server's timings, and a run against a stand-in ``llama-server`` (a stdlib HTTP
 script taking llama-server's flags and answering ``/completion`` with fixed timings: the real
 one is a benchmark peer, never a test dependency)."""
@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from pagedkv.bench import spec as bench_spec
-from pagedkv.bench.spec_peer import LookupPeer, lookup_flags
+from pagedkv.bench.spec import run as bench_spec
+from pagedkv.bench.spec.peer import LookupPeer, lookup_flags
 
 # plain: 9 tokens in 80 ms after the first; lookup (--spec-type given): 9 tokens in 40 ms, 8
 # drafted and 6 accepted; both generate the same ids, unless the prompt starts with 999

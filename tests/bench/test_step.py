@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from pagedkv.bench import step as bench_step
-from pagedkv.bench.step_profile import CATEGORIES, breakdown, is_linear_op, profile_steps, step_limit, weight_bytes
+from pagedkv.bench.step import run as bench_step
+from pagedkv.bench.step.profile import CATEGORIES, breakdown, is_linear_op, profile_steps, step_limit, weight_bytes
 
 
 def test_weight_bytes_per_format():

@@ -191,7 +191,7 @@ def test_blocks_needed_equals_the_live_positions_blocks():
 
 
 def test_blocks_needed_of_an_array_is_the_scalar_count_per_element():
-    """Capacity simulations (examples/capacity_plan.py, bench/capacity_sim.py) count many requests at once
+    """Capacity simulations (examples/capacity_plan.py, bench/capacity/sim.py) count many requests at once
     through the same function; each element equals the scalar count."""
     t = np.arange(0, 70, dtype=np.int64)
     for bs, w, c in ((4, None, None), (4, 8, None), (3, 13, None), (4, 8, 4), (16, 4096, 512)):

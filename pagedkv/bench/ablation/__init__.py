@@ -1,0 +1,1 @@
+"""``pagedkv bench ablation``: the runner, the prefix-sharing run, the report."""

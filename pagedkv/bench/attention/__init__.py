@@ -1,0 +1,1 @@
+"""``pagedkv bench attention``: the runner and the KV-format kernels' timing."""

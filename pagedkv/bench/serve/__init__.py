@@ -1,0 +1,1 @@
+"""``pagedkv bench serve``: the runner, the offline comparison, the HTTP peers and their reports."""

@@ -1,0 +1,1 @@
+"""``pagedkv bench spec``: the runner and the llama.cpp lookup peer."""

@@ -1,0 +1,248 @@
+"""Speculative decoding (prompt lookup; a draft model with ``--speculative draft:MODEL``) at
+batch 1: decode tok/s with and without it.
+
+Two workloads on the bundled chat model: **repetitive** (requests whose answer repeats or
+edits text of the prompt: copy a list, fix a typo in a paragraph, copy code) and **free chat** (open questions, where proposals mostly miss). Each request runs
+alone (batch 1), greedy, up to EOS or ``--max-tokens`` tokens (both sides generate the same
+tokens); plain and speculative engines alternate
+request by request in one process (a shared host's load changes between two runs), and
+each side's decode tok/s is its generated tokens after the first / the time after the
+first token. When ``llama-server`` is built (``make peers``), llama.cpp on the same GGUF runs
+the same prompt token ids plain and with its own C++ n-gram lookup decoding, interleaved with
+pagedkv's sides request by request (``pagedkv.bench.spec.peer``); without it the llama.cpp
+columns say why they were not measured.
+Goals: >= 2x on the repetitive workload, >= 0.95x on free chat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+from typing import Any
+
+from pagedkv.bench.common import add_options, load_fp32_model, log, machine_info, pin_threads, weights_of
+from pagedkv.bench.report import markdown_table, plot_links, publish, pyplot, save_figure, single_plot
+from pagedkv.errors import ConfigError
+
+PARAGRAPH = ("Paged attention splits each request's key-value cache into fixed-size blocks, so memory is "
+             "allocated on demand and shared prefixes are stored once. The scheduler admits requests while "
+             "blocks are free and preempts the latest one when the pool runs out.")
+CODE = ("def total_price(items, tax_rate):\n    subtotal = 0\n    for item in items:\n"
+        "        subtotal += item.price * item.quantity\n    tax = subtotal * tax_rate\n"
+        "    return subtotal + tax\n")
+WORKLOADS = {
+    "repetitive": [
+        "Copy this list exactly, one item per line: red apples, green pears, ripe plums, sweet cherries, "
+        "dark grapes, sour lemons, fresh limes, dried figs, yellow bananas, orange mangos.",
+        f"Fix the spelling mistake and repeat the whole paragraph:\n\n{PARAGRAPH}",
+        f"Repeat this code exactly:\n\n{CODE}",
+        f"Repeat this text word for word:\n\n{PARAGRAPH}",
+    ],
+    "free chat": [
+        "What is the capital of France? Answer in one sentence.",
+        "Give me three tips for a good night's sleep.",
+        "Why is the sky blue?",
+        "Write a short poem about the sea.",
+    ],
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_options(p, [
+        ("--max-tokens", 128, "most tokens generated per request (default 128)"),
+        ("--num-speculative-tokens", 4, "draft tokens per step (default 4)"),
+        ("--rounds", 2, "times each prompt runs on each side (default 2)"),
+        ("--ngram-min", 2, "shortest n-gram matched (default 2, the engine's)"),
+    ])
+    p.add_argument("--weights", default="auto", help="linear-layer format (default auto: what users run)")
+    p.add_argument("--speculative", default="ngram", metavar="ngram|draft:MODEL",
+                   help="ngram (default): plain and prompt lookup; draft:MODEL (a GGUF/HF path or a bundled name, "
+                        "e.g. draft:smollm2-135m) adds a draft-model side beside them")
+    p.add_argument("--draft-weights", default="auto", help="the draft model's linear-layer format (default auto)")
+    p.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp even when built")
+    p.add_argument("--llama-server", default=None,
+                   help="llama-server binary (default: $PAGEDKV_LLAMA_SERVER, the one `make peers` built, or PATH)")
+
+
+def _timed(gen: Any) -> tuple[int, float]:
+    """(tokens after the first, seconds after the first) of a token iterator."""
+    n, t1 = 0, None
+    for _ in gen:
+        n += 1
+        if t1 is None:
+            t1 = time.perf_counter()
+    return max(0, n - 1), (time.perf_counter() - t1) if t1 is not None else 0.0
+
+
+def _pagedkv_run(eng: Any, prompt_ids: list[int], max_tokens: int):
+    """One request alone on ``eng``: yields once per generated token (up to EOS or ``max_tokens``)."""
+    from pagedkv.engine.request import SamplingParams
+
+    eng.add_request("b", prompt_ids, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    seen = 0
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            n = len(out.outputs[0].token_ids)
+            yield from range(n - seen)
+            seen = n
+
+
+def _lookup_peer(args: argparse.Namespace, loaded: Any, threads: int) -> tuple[Any, dict[str, Any]]:
+    """``(LookupPeer or None, what was run or why not)``: llama.cpp's C++ lookup decoding on the
+    same GGUF when ``llama-server`` is built and the model is a GGUF file."""
+    from pagedkv.bench.serve.peer import binary_facts, find_llama_server
+    from pagedkv.bench.spec.peer import LookupPeer, lookup_flags
+
+    path = str(getattr(loaded, "path", "") or "")
+    if args.no_llama_cpp:
+        return None, {"measured": False, "reason": "--no-llama-cpp"}
+    if not path.endswith(".gguf"):
+        return None, {"measured": False, "reason": "the model is not a GGUF file"}
+    binary = find_llama_server(getattr(args, "llama_server", None))
+    if binary is None:
+        return None, {"measured": False, "reason": "llama-server not found: run `make peers`"}
+    size_n, size_m = max(3, args.ngram_min), args.num_speculative_tokens
+    return LookupPeer(binary, path, threads, size_n, size_m), {
+        "measured": True, "server": binary_facts(binary), "lookup_flags": lookup_flags(size_n, size_m)}
+
+
+def _workload(args: argparse.Namespace, engines: dict[str, Any], peer: Any, workload: str,
+              texts: list[str]) -> dict[str, Any]:
+    """One workload's row: every prompt ``args.rounds`` times on every side, the sides
+    alternating request by request (pagedkv's engines, then llama.cpp plain and lookup)."""
+    prompts = [engines["plain"].apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+    side = {name: [0, 0.0] for name in engines}
+    if peer is not None:
+        peer.reset()
+    for _ in range(args.rounds):
+        for ids in prompts:
+            for name, eng in engines.items():
+                n, s = _timed(_pagedkv_run(eng, ids, args.max_tokens))
+                side[name][0] += n
+                side[name][1] += s
+            if peer is not None:
+                peer.run(ids, args.max_tokens)
+    log(f"[spec] {workload}: {side}" + (f" llama.cpp {peer.totals}" if peer is not None else ""))
+    tps = {name: n / s for name, (n, s) in side.items()}
+    row = {"workload": workload, "plain_tok_s": round(tps["plain"], 2), "ngram_tok_s": round(tps["ngram"], 2),
+           "speedup": round(tps["ngram"] / tps["plain"], 3)}
+    if "draft" in tps:
+        row.update(draft_tok_s=round(tps["draft"], 2), draft_speedup=round(tps["draft"] / tps["plain"], 3))
+    if peer is not None:
+        lc = peer.rates()
+        row.update(llama_cpp_tok_s=round(lc["plain"], 2), llama_cpp_lookup_tok_s=round(lc["lookup"], 2),
+                   llama_cpp_speedup=round(lc["lookup"] / lc["plain"], 3) if lc["plain"] else 0.0,
+                   llama_cpp_acceptance=round(lc["acceptance"], 4), llama_cpp_same_tokens=peer.same_tokens,
+                   ngram_vs_llama_cpp_lookup=round(tps["ngram"] / lc["lookup"], 3) if lc["lookup"] else 0.0)
+    return row
+
+
+def collect(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
+    from pagedkv.engine.engine import LLMEngine
+    from pagedkv.worker.proposer import draft_model_name
+
+    threads = pin_threads(args.threads)
+    loaded = load_fp32_model(loaded, getattr(args, "model", None), weights=args.weights)
+    sides = [("plain", None), ("ngram", "ngram")]
+    draft = getattr(args, "speculative", "ngram")
+    if draft != "ngram":
+        if draft_model_name(draft) is None:
+            raise ConfigError(f"--speculative: 'ngram' or 'draft:<model>', got {draft!r}")
+        sides.append(("draft", draft))
+    engines = {name: LLMEngine(loaded, dtype="float32", block_size=16, num_blocks=128, max_num_seqs=1,
+                               speculative=spec, num_speculative_tokens=args.num_speculative_tokens,
+                               ngram_min=args.ngram_min, ngram_max=max(3, args.ngram_min),
+                               draft_weights=getattr(args, "draft_weights", "auto"))
+               for name, spec in sides}
+    peer, peer_info = _lookup_peer(args, loaded, threads)
+    rows = []
+    with peer or contextlib.nullcontext():
+        for workload, texts in WORKLOADS.items():
+            rows.append(_workload(args, engines, peer, workload, texts))
+    st = engines["ngram"].get_stats()
+    extra: dict[str, Any] = {}
+    if "draft" in engines:
+        dst = engines["draft"].get_stats()
+        extra = {"draft_acceptance_rate": round(dst.spec_acceptance_rate, 4),
+                 "draft_mean_accepted_length": round(dst.spec_mean_accepted_length, 3)}
+    return {
+        **extra,
+        "config": {"max_tokens": args.max_tokens, "num_speculative_tokens": args.num_speculative_tokens,
+                   "ngram_min": args.ngram_min, "speculative": draft,
+                   "draft_weights": getattr(args, "draft_weights", "auto") if "draft" in engines else None,
+                   "rounds": args.rounds, "threads": threads, "weights": weights_of(loaded),
+                   "prompts": WORKLOADS, "llama_cpp": peer_info},
+        "rows": rows,
+        "acceptance_rate": round(st.spec_acceptance_rate, 4),
+        "mean_accepted_length": round(st.spec_mean_accepted_length, 3),
+        "goals": {"repetitive >= 2x": rows[0]["speedup"] >= 2.0, "free chat >= 0.95x": rows[1]["speedup"] >= 0.95},
+        "machine": machine_info(threads),
+    }
+
+
+def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
+    c = data["config"]
+    cols = ["workload", "plain_tok_s", "ngram_tok_s", "speedup"]
+    if "draft_acceptance_rate" in data:
+        cols += ["draft_tok_s", "draft_speedup"]
+    if any("llama_cpp_tok_s" in r for r in data["rows"]):
+        cols += ["llama_cpp_tok_s", "llama_cpp_lookup_tok_s", "llama_cpp_speedup", "llama_cpp_acceptance",
+                 "ngram_vs_llama_cpp_lookup"]
+    lc = c.get("llama_cpp") or {"measured": False, "reason": "not recorded"}
+    if lc.get("measured"):
+        variant = ((lc.get("server") or {}).get("build") or {}).get("variant", "unknown")
+        lc_line = (f"llama.cpp: `llama-server` ({variant} build), plain and with its C++ n-gram lookup "
+                   f"(`{' '.join(lc['lookup_flags'])}`), one slot each, the same prompt token ids, interleaved with "
+                   "pagedkv request by request; decode tok/s from the server's own timings (tokens after the first / "
+                   "time after the first). `ngram_vs_llama_cpp_lookup` = pagedkv n-gram / llama.cpp lookup.")
+    else:
+        lc_line = f"llama.cpp: not measured ({lc.get('reason')})."
+    return "\n".join([
+        f"# Speculative decoding (prompt lookup{', draft model' if 'draft_acceptance_rate' in data else ''}), batch 1",
+        "",
+        f"`pagedkv bench spec`: greedy, up to EOS or {c['max_tokens']} tokens per request, up to {c['num_speculative_tokens']} "
+        f"drafts per step, {c['weights']} weights, {c['threads']} thread(s), {c['rounds']} rounds, plain and "
+        "speculative engines alternating request by request. Decode tok/s = tokens after the first / time after "
+        "the first token.",
+        "",
+        lc_line,
+        "",
+        markdown_table(data["rows"], cols),
+        f"Acceptance rate (all workloads): {data['acceptance_rate']:.2f}; mean tokens kept per verified row: "
+        f"{data['mean_accepted_length']:.2f}."
+        + (f" Draft model `{c['speculative'][6:]}` ({c['draft_weights']} weights): acceptance "
+           f"{data['draft_acceptance_rate']:.2f}, {data['draft_mean_accepted_length']:.2f} tokens kept per verified row."
+           if "draft_acceptance_rate" in data else ""),
+        "",
+        "Goals: " + "; ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in data["goals"].items()) + ".",
+        "",
+        *plot_links(plots),
+    ])
+
+
+def _draw(data: dict[str, Any], path: Any) -> None:
+    """Grouped bars: decode tok/s of every side (plain, ngram, draft, llama.cpp) per workload."""
+    plt = pyplot()
+    rows = data["rows"]
+    sides = [k for k in ("plain_tok_s", "ngram_tok_s", "draft_tok_s", "llama_cpp_tok_s", "llama_cpp_lookup_tok_s")
+             if k in rows[0]]
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    width = 0.8 / len(sides)
+    for i, key in enumerate(sides):
+        xs = [j + i * width for j in range(len(rows))]
+        ax.bar(xs, [r[key] for r in rows], width, label=key[: -len("_tok_s")].replace("_", " "))
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))], [r["workload"] for r in rows])
+    ax.set_ylabel("batch-1 decode tok/s")
+    ax.set_title(f"speculative decoding, {data['config']['weights']} weights")
+    ax.legend(fontsize=8)
+    save_figure(fig, path)
+
+
+def run(args: argparse.Namespace, loaded: Any = None) -> int:
+    data = collect(args, loaded)
+    c = data["config"]  # a draft-model run (its own target weights) goes to its own files
+    stem = "spec" if c["speculative"] == "ngram" else f"spec_{c['weights']}_draft_{c['draft_weights']}"
+    publish(stem, data, render_markdown, args.out_dir, as_json=args.json,
+            plots=single_plot(stem, "decode tok/s per side", _draw))
+    return 0

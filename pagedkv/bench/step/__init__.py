@@ -1,0 +1,1 @@
+"""``pagedkv bench step``: the runner and the torch.profiler breakdown."""
