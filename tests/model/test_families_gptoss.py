@@ -306,3 +306,44 @@ def test_planner_and_engine_agree_on_kv_bytes_per_token(gptoss):
     caches = allocate_kv_caches(lm.model, get_backend("cpu"), num_blocks=4, block_size=16)
     held = sum(t.numel() * t.element_size() for c in caches for t in (c.key, c.value))
     assert held // 64 == 3 * 2 * (2 * 16) * 4 == spec.bytes_per_token
+
+
+def test_router_and_moe_block_equal_transformers(gptoss):
+    """``MoE.route`` (``topk_softmax``: biased logits, top-k, softmax over the chosen) picks
+    transformers' ``GptOssTopKRouter`` experts with its weights, and the whole block equals
+    ``GptOssMLP`` on 7 tokens and on 1."""
+    hf, _, lm = gptoss
+    ref, ours = hf.model.layers[1].mlp, lm.model.layers[1].mlp
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        _, scores, idx = ref.router(x)
+        weights, ids = ours.route(x)
+        order = ids.argsort(dim=-1)
+        hidx, horder = idx.sort(dim=-1)
+        assert torch.equal(ids.gather(1, order), hidx)
+        torch.testing.assert_close(weights.gather(1, order), scores.gather(1, horder), rtol=1e-6, atol=1e-6)
+        for rows in (x, x[:1]):
+            torch.testing.assert_close(ours(rows), ref(rows[None])[0][0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("weights, cls, tol", [("int8", "Int8Linear", 0.03), ("bf16", "BF16Linear", 0.01)])
+def test_quantised_weights_keep_the_biases(gptoss, weights, cls, tol):
+    """``weights="int8"`` / ``"bf16"``: attention and expert matrices become that format's
+    module with their biases (the router stays float); each module's output within the
+    format's error of the fp32 one's. (Whole-model logits are not compared: on these decisive
+    routers a rounding difference flips a token's expert choice now and then.)"""
+    _, out, lm = gptoss
+    q = load_model(out, weights=weights)
+    ref, layer = lm.model.layers[0], q.model.layers[0]
+    pairs = [(ref.qkv_proj, layer.qkv_proj), (ref.o_proj, layer.o_proj)] + [
+        (a, b) for ea, eb in zip(ref.mlp.experts, layer.mlp.experts) for a, b in ((ea.gate_up_proj, eb.gate_up_proj),
+                                                                                 (ea.down_proj, eb.down_proj))]
+    assert {type(b).__name__ for _, b in pairs} == {cls}
+    assert all(torch.equal(b.bias.float(), a.bias) for a, b in pairs)
+    assert type(layer.mlp.router) is torch.nn.Linear and torch.equal(layer.mlp.router.bias, ref.mlp.router.bias)
+    g = torch.Generator().manual_seed(13)
+    with torch.inference_mode():
+        for a, b in pairs:
+            x = torch.randn(6, a.in_features, generator=g)
+            want, got = a(x), b(x)
+            assert 0 < (got - want).abs().max() < tol * want.abs().max()
