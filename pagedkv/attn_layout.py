@@ -25,7 +25,8 @@ qwen3_moe        every layer, only with ``use_sliding_window`` (its config class
 qwen2, qwen3     only with ``use_sliding_window``; ``layer_types`` when given, else the layers
                  ``i >= max_window_layers`` (default 28, the config class's default: a
                  4-layer config without the key has no sliding layer)
-gemma2           ``layer_types`` when given, else the even layers (every 2nd layer full)
+gemma2, gpt_oss  ``layer_types`` when given, else the even layers (every 2nd layer full);
+                 gpt_oss's window defaults to 128 (its config class's) when the key is missing
 gemma3(_text)    ``layer_types`` when given, else all but every ``sliding_window_pattern``-th
                  layer (default 6)
 others           none (llama, gemma, deepseek_v2/v3, ...)
@@ -68,7 +69,7 @@ _QWEN = ("qwen2", "qwen3")
 #: families whose window applies only with ``use_sliding_window``
 _WINDOW_FLAG = (*_QWEN, "qwen3_moe")
 #: Every n-th layer is full attention when a config gives no ``layer_types``.
-_HF_PATTERN = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6}
+_HF_PATTERN = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6, "gpt_oss": 2}
 _GGUF_PATTERN = {"gemma2": 2, "gemma3": 6}
 
 Layout = tuple["int | None", "list[str] | None"]
@@ -106,7 +107,7 @@ def hf_layout(model_type: str | None, config: Mapping[str, Any], num_layers: int
     module doc). ``model_type``: the config's ``model_type`` (``"gemma3_text"`` and the
     architecture name ``"gemma3"`` read the same). Raises ``ConfigError`` on a non-positive
     window, a ``layer_types`` of the wrong length or kinds, or a bad pattern."""
-    window = check_window(config.get("sliding_window"))
+    window = check_window(config.get("sliding_window", 128 if model_type == "gpt_oss" else None))
     if model_type in _WINDOW_FLAG and not config.get("use_sliding_window"):
         window = None
     if window is None:
@@ -121,7 +122,7 @@ def hf_layout(model_type: str | None, config: Mapping[str, Any], num_layers: int
             raise ConfigError(f"max_window_layers: must be a non-negative integer, got {first!r}")
         types = [SLIDING if i >= first else FULL for i in range(num_layers)]
     elif types is None and model_type in _HF_PATTERN:
-        pattern = config.get("sliding_window_pattern") if model_type != "gemma2" else None
+        pattern = config.get("sliding_window_pattern") if model_type not in ("gemma2", "gpt_oss") else None
         types = _pattern_types(pattern or _HF_PATTERN[model_type], num_layers)
     elif model_type not in _QWEN and model_type not in _HF_PATTERN:
         return None, None  # a family without sliding layers

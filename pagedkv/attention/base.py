@@ -26,6 +26,10 @@ Per-layer options of ``forward`` (keyword arguments, the same for every sequence
   blocks wholly before that position may be a placeholder (null) block.
 * ``logits_soft_cap`` (``None`` = off): scores ``s = scale * q.k`` become
   ``cap * tanh(s / cap)`` before the mask and the softmax (Gemma-2).
+* ``sinks`` (``None`` = off; only where the backend declares ``attention_sinks``): a float
+  tensor ``[num_heads]`` of logits, one per query head, that join each softmax's denominator
+  and carry no value: ``p_k = exp(s_k) / (exp(sink_h) + sum_j exp(s_j))`` (gpt-oss; transformers'
+  ``eager_attention_forward`` with ``module.sinks``).
 
 Queries, keys and values of the flat batch are ``[num_tokens, num_heads, head_dim]`` (keys and
 values with ``num_kv_heads``); GQA/MQA map query head h to KV head ``h // (num_heads //
@@ -142,12 +146,14 @@ class BackendCapabilities:
     * ``native_step``: ``native_step_args``, kernel arguments for ``decoder.c``'s whole step
     * ``step_attention``: one prepared attention table for a compiled step's layers
     * ``step_table``: ``step_attention`` takes the C++ op's ``table=`` (``pagedkv.ops.step_op``)
+    * ``attention_sinks``: ``forward`` / ``write_and_forward`` take the ``sinks`` option (module doc)
     """
 
     write_and_forward: bool = False
     native_step: bool = False
     step_attention: bool = False
     step_table: bool = False
+    attention_sinks: bool = False
 
     def fast_path(self) -> str:
         """The backend's one fast path in words: ``"native step"``, ``"fused layer"`` or

@@ -16,6 +16,8 @@ When the kernel cannot run (no compiler, ``use_kernel=False``, a head dim over 2
 multiple of 8), the torch path gathers the sequence's blocks with ``index_select(out=...)``
 into a persistent workspace and runs one ``scaled_dot_product_attention`` per chunk (decode
 rows: float32 matmul / softmax / matmul); it is exact to float32 rounding but not batch-invariant.
+Attention sinks (the ``sinks`` option, gpt-oss) always take the torch path: one more logit per
+query head in each softmax (the quantised path starts its online softmax from it).
 
 Layouts: ``nhd`` (default), ``hnd`` and ``ascend``; the kernel takes the layout as strides.
 
@@ -41,7 +43,7 @@ from pagedkv.attention import layouts as L
 from pagedkv.attention import quant as Q
 from pagedkv.attention.base import AttentionMetadata, BackendCapabilities, check_window, window_start
 from pagedkv.errors import BackendError
-from pagedkv.attention.reference import LayoutMemory, check_inputs, lists_of
+from pagedkv.attention.reference import LayoutMemory, check_inputs, check_sinks, lists_of
 
 # Context tokens the torch path dequantises at once for a quantised cache.
 TILE_TOKENS = 256
@@ -74,7 +76,7 @@ class CPUBackend(LayoutMemory):
     #: every optional method (pagedkv.attention.base): the fused layer, decoder.c's native step,
     #: and compiled steps' attention through the C++ op's StepTable (pagedkv.model.compiled)
     capabilities = BackendCapabilities(write_and_forward=True, native_step=True, step_attention=True,
-                                       step_table=True)
+                                       step_table=True, attention_sinks=True)
 
     def __init__(self, layout: str = "nhd", name: str | None = None, use_kernel: bool = True) -> None:
         self.layout = L.get_layout(layout)
@@ -107,14 +109,15 @@ class CPUBackend(LayoutMemory):
 
     def forward(self, query: torch.Tensor, kv_cache: L.PagedKVCache, metadata: AttentionMetadata,
                 scale: float, sliding_window: int | None = None,
-                logits_soft_cap: float | None = None) -> torch.Tensor:
+                logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Causal paged attention; ``query`` ``[num_tokens, num_heads, head_dim]`` -> output of
-        the same shape and dtype; ``sliding_window`` (tokens) / ``logits_soft_cap`` as in
-        ``pagedkv.attention.base`` (out-of-window blocks are never read). Raises
-        ``BackendError`` on shape mismatches or a bad window / cap."""
+        the same shape and dtype; ``sliding_window`` (tokens) / ``logits_soft_cap`` / ``sinks``
+        (``[num_heads]``, the torch path) as in ``pagedkv.attention.base`` (out-of-window blocks
+        are never read). Raises ``BackendError`` on shape mismatches or a bad window / cap / sinks."""
         n, hq, d = check_inputs(query, kv_cache, metadata)
         window, cap = check_window(sliding_window, logits_soft_cap)
-        kernel = _kernel() if self.use_kernel and query.device.type == "cpu" else None
+        sink = check_sinks(sinks, hq)
+        kernel = _kernel() if self.use_kernel and query.device.type == "cpu" and sink is None else None
         if kernel is not None and not (isinstance(kv_cache, L.PagedKVCache) and kernel.supports(query, kv_cache)):
             kernel = None
         plan = self._plan(metadata, kernel)
@@ -126,23 +129,23 @@ class CPUBackend(LayoutMemory):
         for i in plan.torch_seqs:
             a, b = plan.starts[i], plan.starts[i + 1]
             out[a:b] = self._attend_torch(query[a:b], kv_cache, metadata.block_tables[i], plan.seq_lens[i], scale,
-                                          window, cap)
+                                          window, cap, sink)
         return out
 
     def write_and_forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           kv_cache: L.PagedKVCache, metadata: AttentionMetadata, scale: float,
                           sliding_window: int | None = None,
-                          logits_soft_cap: float | None = None) -> torch.Tensor:
+                          logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """``write_kv(kv_cache, key, value, metadata.slot_mapping)`` then ``forward(query, ...)``
         (same results, same errors): a layer's whole attention. When every sequence of the
         step goes to the C kernel over a float32/bf16 cache, it is one call into
         ``pagedkv_write_attend`` with inputs prepared once per step (a decode layer costs a
         few microseconds of Python instead of ~60); otherwise the two calls. Raises
         ``BackendError`` (shapes, options, a slot past the cache)."""
-        args = self._fused_args(query, key, value, kv_cache, metadata)
-        if args is None:
+        args = None if sinks is not None else self._fused_args(query, key, value, kv_cache, metadata)
+        if args is None:  # (sinks: the torch path of forward)
             self.write_kv(kv_cache, key, value, metadata.slot_mapping)
-            return self.forward(query, kv_cache, metadata, scale, sliding_window, logits_soft_cap)
+            return self.forward(query, kv_cache, metadata, scale, sliding_window, logits_soft_cap, sinks)
         window, cap = check_window(sliding_window, logits_soft_cap)
         return _write_attend(args, query, key, value, kv_cache, scale, window, cap)
 
@@ -272,11 +275,12 @@ class CPUBackend(LayoutMemory):
         return res[0], res[1]
 
     def _attend_torch(self, q: torch.Tensor, cache: L.PagedKVCache, table_row: torch.Tensor,
-                      seq_len: int, scale: float, window: int = 0, cap: float = 0.0) -> torch.Tensor:
+                      seq_len: int, scale: float, window: int = 0, cap: float = 0.0,
+                      sink: torch.Tensor | None = None) -> torch.Tensor:
         """One sequence: ``q`` ``[ql, hq, d]`` over its cached positions ``lo .. seq_len-1``
-        (``lo`` = the first query's window start; 0 without a window)."""
+        (``lo`` = the first query's window start; 0 without a window); ``sink`` float32 ``[hq]``."""
         if cache.quant is not None:
-            return _attend_quantized(q, cache, table_row, seq_len, scale, window, cap)
+            return _attend_quantized(q, cache, table_row, seq_len, scale, window, cap, sink)
         ql, hq, d = q.shape
         h = cache.num_kv_heads
         lo = window_start(seq_len - ql, window)
@@ -287,7 +291,7 @@ class CPUBackend(LayoutMemory):
             v32 = self._ws.get("v32", h * n * d, torch.float32, v.device).view(h, n, d)
             k = k32.copy_(k)
             v = v32.copy_(v)
-        if ql > 1 and not cap:
+        if ql > 1 and not cap and sink is None:
             # a chunk: one fused SDPA call (flash kernel) with the chunk's bottom-right causal
             # mask (query row j sits at position seq_len - ql + j)
             qh = q.float().transpose(0, 1).unsqueeze(0)  # [1, hq, ql, d]
@@ -299,7 +303,7 @@ class CPUBackend(LayoutMemory):
                                                    attn_mask=_visible(seq_len, ql, lo, window, q.device),
                                                    scale=scale, enable_gqa=True)
             return o[0].transpose(0, 1).to(q.dtype)
-        # decode rows (torch fallback) and soft-capped chunks: float32 matmuls, the GQA group
+        # decode rows (torch fallback), soft-capped chunks and sinks: float32 matmuls, the GQA group
         # and the query rows as rows of one matrix per KV head
         g = hq // h
         qh = q.float().reshape(ql, h, g, d).permute(1, 2, 0, 3).reshape(h, g * ql, d)
@@ -310,7 +314,11 @@ class CPUBackend(LayoutMemory):
         if ql > 1:
             mask = _visible(seq_len, ql, lo, window, q.device)  # [ql, n]
             scores = scores.view(h, g, ql, n).masked_fill(~mask, float("-inf")).view(h, g * ql, n)
-        torch.softmax(scores, dim=-1, out=scores)
+        if sink is not None:  # each row's head's sink as one more logit, dropped after the softmax
+            col = sink.view(h, g, 1, 1).expand(h, g, ql, 1).reshape(h, g * ql, 1)
+            scores = torch.softmax(torch.cat([scores, col], dim=-1), dim=-1)[..., :n]
+        else:
+            torch.softmax(scores, dim=-1, out=scores)
         o = torch.bmm(scores, v)  # [h, g*ql, d]
         return o.view(h, g, ql, d).permute(2, 0, 1, 3).reshape(ql, hq, d).to(q.dtype)
 
@@ -327,11 +335,12 @@ def _visible(seq_len: int, ql: int, lo: int, window: int, device: torch.device) 
 
 
 def _attend_quantized(q: torch.Tensor, cache: L.PagedKVCache, table_row: torch.Tensor, seq_len: int,
-                      scale: float, window: int = 0, cap: float = 0.0) -> torch.Tensor:
+                      scale: float, window: int = 0, cap: float = 0.0, sink: torch.Tensor | None = None) -> torch.Tensor:
     """One sequence over a quantised cache, ``q`` ``[ql, hq, d]`` -> ``[ql, hq, d]``: the
     context (from the first query's window start) is dequantised ``TILE_TOKENS`` (whole
     blocks) at a time; scores of each tile are merged with an online softmax (running max
-    ``m``, sum ``l``, accumulator ``acc``; float32)."""
+    ``m``, sum ``l``, accumulator ``acc``; float32), which starts from the sink (``m`` = sink,
+    ``l`` = 1) when ``sink`` ``[hq]`` is given."""
     ql, hq, d = q.shape
     h, bs = cache.num_kv_heads, cache.block_size
     g = hq // h
@@ -343,6 +352,9 @@ def _attend_quantized(q: torch.Tensor, cache: L.PagedKVCache, table_row: torch.T
     q_pos = torch.arange(seq_len - ql, seq_len, device=q.device).repeat(g)  # [rows]
     m = torch.full((h, rows, 1), float("-inf"), device=q.device)
     l = torch.zeros((h, rows, 1), device=q.device)
+    if sink is not None:  # the sink is a logit already seen, with no value
+        m = sink.view(h, g, 1, 1).expand(h, g, ql, 1).reshape(h, rows, 1).clone()
+        l = torch.ones_like(m)
     acc = torch.zeros((h, rows, d), device=q.device)
     views = ((cache.key_nhd(), cache.scale_nhd("key")), (cache.value_nhd(), cache.scale_nhd("value")))
     for b0 in range(lo // bs, nblk, tile):

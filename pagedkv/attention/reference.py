@@ -12,7 +12,7 @@ import torch
 from pagedkv.utils import cdiv
 
 from pagedkv.attention import layouts as L
-from pagedkv.attention.base import AttentionMetadata, check_window, window_start
+from pagedkv.attention.base import AttentionMetadata, BackendCapabilities, check_window, window_start
 from pagedkv.errors import BackendError
 
 
@@ -36,6 +36,17 @@ def check_inputs(query: torch.Tensor, cache: L.PagedKVCache, md: AttentionMetada
     if n != md.num_tokens:
         raise BackendError(f"query has {n} tokens but metadata has {md.num_tokens}")
     return n, hq, d
+
+
+def check_sinks(sinks: torch.Tensor | None, num_heads: int) -> torch.Tensor | None:
+    """``sinks`` as float32 ``[num_heads]`` (``None`` stays ``None``). Raises ``BackendError``
+    for another shape or a non-floating tensor."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point() or tuple(sinks.shape) != (num_heads,):
+        raise BackendError(f"sinks must be a float tensor [num_heads={num_heads}], got "
+                           f"{tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__}")
+    return sinks.detach().float()
 
 
 def lists_of(md: AttentionMetadata) -> tuple[list[int], list[int], list[int]]:
@@ -106,6 +117,9 @@ class ReferenceBackend(LayoutMemory):
     ``seq_len - q_len + j``) in float32, cast back to the query dtype.
     """
 
+    #: no fast path; takes the ``sinks`` option (``pagedkv.attention.base``)
+    capabilities = BackendCapabilities(attention_sinks=True)
+
     def __init__(self, layout: str = "nhd", name: str | None = None) -> None:
         self.layout = L.get_layout(layout)
         self.name = name or ("reference" if layout == "nhd" else f"reference-{layout}")
@@ -113,12 +127,14 @@ class ReferenceBackend(LayoutMemory):
     # -- attention ------------------------------------------------------------------------
     def forward(self, query: torch.Tensor, kv_cache: L.PagedKVCache, metadata: AttentionMetadata,
                 scale: float, sliding_window: int | None = None,
-                logits_soft_cap: float | None = None) -> torch.Tensor:
+                logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """``[num_tokens, num_heads, head_dim]`` output in ``query.dtype``. With a
         ``sliding_window`` only positions from the first query's window start on are gathered;
-        ``logits_soft_cap`` caps the scores before the mask (see ``base``)."""
+        ``logits_soft_cap`` caps the scores before the mask; ``sinks`` ``[num_heads]`` join the
+        softmax's denominator (see ``base``; ``BackendError`` for a wrong shape)."""
         n, hq, d = check_inputs(query, kv_cache, metadata)
         window, cap = check_window(sliding_window, logits_soft_cap)
+        sink = check_sinks(sinks, hq)
         out = torch.zeros_like(query)  # rows past query_start_loc[-1] (batch padding) stay 0
         seq_lens, q_lens, starts = lists_of(metadata)
         group = hq // kv_cache.num_kv_heads
@@ -140,6 +156,8 @@ class ReferenceBackend(LayoutMemory):
             if window:
                 hidden |= k_pos <= q_pos - window
             scores = scores.masked_fill(hidden, float("-inf"))
-            p = torch.softmax(scores, dim=-1)
+            if sink is not None:  # one more logit per head, dropped after the softmax
+                scores = torch.cat([scores, sink[:, None, None].expand(hq, ql, 1)], dim=-1)
+            p = torch.softmax(scores, dim=-1)[..., : sl - lo]
             out[starts[i] : starts[i] + ql] = torch.einsum("hqk,khd->qhd", p, v).to(query.dtype)
         return out

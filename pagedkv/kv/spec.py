@@ -58,7 +58,7 @@ CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
 
 # HF ``model_type`` values from_hf_config understands.
 _MHA_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral", "phi3", "gemma", "gemma2", "gemma3",
-               "gemma3_text")
+               "gemma3_text", "gpt_oss")
 _MLA_TYPES = MLA_ARCHITECTURES
 
 

@@ -10,7 +10,7 @@ Supported families: Llama (incl. SmolLM2, Llama 3.x with ``llama3`` RoPE scaling
 (sliding window), Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm), Phi-3 (fused checkpoints; not
 LongRoPE), Gemma-2 and Gemma-3 (text), with multi-head latent attention MiniCPM3 and
 DeepSeek-V2/V3 (HF directories; DeepSeek with its mixture-of-experts layers too), and the
-mixture-of-experts Qwen3-MoE and Mixtral: what differs
+mixture-of-experts Qwen3-MoE, Mixtral and gpt-oss (HF directories): what differs
 is a few switches, read by ``pagedkv.model.families``.
 """
 
@@ -26,7 +26,7 @@ from pagedkv.attn_layout import LAYER_TYPES, as_int as _as_int, gguf_heads, gguf
 from pagedkv.attn_layout import gguf_get, hf_num_layers, layer_windows
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3",
-                           "minicpm3", "deepseek_v2", "deepseek_v3", "qwen3_moe", "mixtral")
+                           "minicpm3", "deepseek_v2", "deepseek_v3", "qwen3_moe", "mixtral", "gpt_oss")
 
 
 # RoPE variants implemented by ``pagedkv.model.llama.rope_inv_freq``.
@@ -77,7 +77,9 @@ class ModelConfig:
     ``moe_routing`` (``softmax`` or DeepSeek-V3's ``sigmoid``), with ``norm_topk_prob``,
     group-limited choice ``moe_n_group`` / ``moe_topk_group``, ``routed_scaling_factor`` and
     ``num_shared_experts`` shared experts; the other layers keep a dense MLP of width
-    ``intermediate_size``.
+    ``intermediate_size``. gpt-oss: ``attention_sinks`` (a learned logit per query head in each
+    softmax's denominator, ``layers.{i}.sinks``), ``o_proj_bias``, ``moe_bias`` (router and
+    experts biased) and ``swiglu_limit`` / ``swiglu_alpha`` (the experts' clamped SwiGLU).
     """
 
     architecture: str
@@ -127,6 +129,11 @@ class ModelConfig:
     moe_topk_group: int = 1
     routed_scaling_factor: float = 1.0
     moe_layers: list[int] | None = None
+    attention_sinks: bool = False
+    o_proj_bias: bool = False
+    moe_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -277,6 +284,9 @@ class ModelConfig:
         if arch is None:
             raise ConfigError("general.architecture: missing from GGUF metadata")
         arch = str(arch)
+        if arch == "gpt-oss":
+            raise ConfigError("general.architecture: a gpt-oss GGUF (MXFP4 experts) is not supported; load the "
+                              "HF directory (GptOssForCausalLM) instead")
         if arch not in families.GGUF_ARCHITECTURES:
             raise ConfigError(f"general.architecture: unsupported GGUF architecture {arch!r} "
                               f"(supported: {', '.join(families.GGUF_ARCHITECTURES)})")
@@ -413,7 +423,7 @@ class ModelConfig:
             eos_token_ids=eos,
             model_id=model_id,
             revision=revision,
-            attention_bias=True if model_type == "qwen2" else bool(config.get("attention_bias", False)),
+            attention_bias=model_type == "qwen2" or bool(config.get("attention_bias", model_type == "gpt_oss")),
             rope_local_theta=local_theta,
             **families.hf_family_fields(model_type, config, num_layers),
             **families.hf_mla_fields(model_type, config, num_layers),

@@ -34,6 +34,9 @@ qwen3_moe  qwen3's ``qk_norm``; mixture-of-experts MLPs (``num_experts``, ``num_
            ``intermediate_size`` elsewhere; window on every layer with ``use_sliding_window``
 mixtral    mixture-of-experts MLPs on every layer (``num_local_experts``, width
            ``intermediate_size``, top-k weights renormalised); ``sliding_window`` on every layer
+gpt_oss    attention sinks, q/k/v/o biases, ``layer_types`` sliding / full (every 2nd layer full by
+           default), YaRN RoPE; mixture-of-experts MLPs on every layer with a biased router (top-k,
+           then softmax over the chosen) and biased clamped-SwiGLU experts (``pagedkv.model.gptoss``)
 =========  =====================================================================================
 
 Layers, heads, head sizes and which layers slide, and by how much, are read by
@@ -55,17 +58,18 @@ from pagedkv.attn_layout import MLA_ARCHITECTURES, MLA_DEFAULTS, gguf_layout, hf
 HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
                   "gemma2": "gemma2", "gemma3_text": "gemma3", "minicpm3": "minicpm3",
                   "deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3", "qwen3_moe": "qwen3_moe",
-                  "mixtral": "mixtral"}
+                  "mixtral": "mixtral", "gpt_oss": "gpt_oss"}
 #: HF ``architectures`` entries -> our architecture names (when ``model_type`` is missing).
 HF_ARCH_CLASSES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                    "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
                    "Gemma3ForCausalLM": "gemma3", "MiniCPM3ForCausalLM": "minicpm3",
                    "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3",
-                   "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
+                   "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral",
+                   "GptOssForCausalLM": "gpt_oss"}
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 _GEMMA = ("gemma2", "gemma3")
 #: families that are refused, and what the decoder lacks for them
-_NEEDS = {"gpt_oss": "attention sinks and biased experts with a clamped SwiGLU"}
+_NEEDS: dict[str, str] = {}
 
 
 def hf_model_type(config: Mapping[str, Any]) -> str:
@@ -167,8 +171,8 @@ def hf_mla_fields(arch: str, config: Mapping[str, Any], num_layers: int) -> dict
 
 def check_mla(c: Any) -> None:
     """Validate a ``ModelConfig``'s MLA fields (see its doc). Raises ``ConfigError`` naming the field."""
-    if c.rope_scaling is not None and c.rope_scaling["rope_type"] == "yarn" and not c.is_mla:
-        raise ConfigError("rope_scaling: yarn is supported for the MLA families only (minicpm3, deepseek_v2/v3)")
+    if c.rope_scaling is not None and c.rope_scaling["rope_type"] == "yarn" and not (c.is_mla or c.architecture == "gpt_oss"):
+        raise ConfigError("rope_scaling: yarn is supported for gpt_oss and the MLA families (minicpm3, deepseek_v2/v3)")
     if not c.is_mla:
         return
     for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim") + (
@@ -216,6 +220,10 @@ def _hf_moe_fields(arch: str, config: Mapping[str, Any], num_layers: int) -> dic
         v = config.get(key)
         return default if v is None else v
 
+    if arch == "gpt_oss":
+        from pagedkv.model.gptoss import hf_fields
+
+        return hf_fields(config)
     if arch in ("deepseek_v2", "deepseek_v3"):
         return _deepseek_moe_fields(arch, config, num_layers, get)
     if arch == "mixtral":

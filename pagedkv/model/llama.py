@@ -1,5 +1,5 @@
 """The decoder (Llama, SmolLM2, Mistral, Qwen2/3, Phi-3, Gemma-2/3, MiniCPM3, DeepSeek-V2/V3 dense,
-Qwen3-MoE, Mixtral) on a flat token batch.
+Qwen3-MoE, Mixtral, gpt-oss) on a flat token batch.
 
 The engine packs every scheduled token of every sequence into one flat batch of ``T`` rows
 (prefill chunks and decode tokens mixed); there is no batch dimension and no padding. Each
@@ -19,7 +19,8 @@ Weights (state-dict names, ``H`` = hidden_size, ``I`` = intermediate_size, ``d``
 * ``layers.{i}.qkv_proj.weight`` ``[(num_heads + 2 * num_kv_heads) * d, H]`` = rows of q, k, v
   (HF ``q_proj``/``k_proj``/``v_proj`` concatenated; RoPE rotate-half layout), ``.bias`` with
   ``attention_bias``
-* ``layers.{i}.o_proj.weight`` ``[H, num_heads * d]``
+* ``layers.{i}.o_proj.weight`` ``[H, num_heads * d]`` (``.bias`` ``[H]`` with ``o_proj_bias``)
+* ``attention_sinks`` (gpt-oss): ``layers.{i}.sinks`` ``[num_heads]``, the backends' ``sinks``
 * ``layers.{i}.gate_up_proj.weight`` ``[2 * I, H]`` = gate rows then up rows;
   ``layers.{i}.down_proj.weight`` ``[H, I]``
 * ``qk_norm``: ``layers.{i}.q_norm.weight`` / ``k_norm.weight`` ``[d]``
@@ -116,8 +117,10 @@ class DecoderLayer(nn.Module):
         self.gelu = config.hidden_act == "gelu_pytorch_tanh"
         window = config.layer_window(layer)
         # the backend's per-layer options, passed only when set
-        self.attn_options = {k: v for k, v in (("sliding_window", window),
-                                               ("logits_soft_cap", config.attn_logit_softcap)) if v is not None}
+        self._attn_options = {k: v for k, v in (("sliding_window", window),
+                                                ("logits_soft_cap", config.attn_logit_softcap)) if v is not None}
+        # gpt-oss's attention sinks [num_heads] (pagedkv.model.gptoss), passed as the backends' `sinks`
+        self.sinks = nn.Parameter(torch.zeros(config.num_heads, **kw)) if config.attention_sinks else None
         self.local_rope = window is not None and config.rope_local_theta is not None
         self.input_layernorm = _RMSNormWeight(h, **kw)
         # multi-head latent attention (pagedkv.model.mla) in place of qkv_proj, or None
@@ -130,7 +133,7 @@ class DecoderLayer(nn.Module):
             self.qkv_proj = None
         else:
             self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=config.attention_bias, **kw)
-        self.o_proj = nn.Linear(self.q_size, h, bias=False, **kw)
+        self.o_proj = nn.Linear(self.q_size, h, bias=config.o_proj_bias, **kw)
         self.post_attention_layernorm = _RMSNormWeight(h, **kw)
         # a mixture-of-experts layer's MLP (pagedkv.model.moe) replaces the dense one
         self.mlp = MoE(MoESpec.from_config(config), h, **kw) if config.is_moe_layer(layer) else None
@@ -149,6 +152,12 @@ class DecoderLayer(nn.Module):
         # routing and no shared experts, which decoder.c runs); None = torch ops.
         self.fusable = not config.sandwich_norms and not config.is_mla and (dense or self.mlp.native_ok)
         self.fused: Any = None
+
+    @property
+    def attn_options(self) -> dict[str, Any]:
+        """The backend's per-layer keyword options: ``sliding_window``, ``logits_soft_cap`` and
+        ``sinks`` (the layer's current parameter), those set only."""
+        return self._attn_options if self.sinks is None else {**self._attn_options, "sinks": self.sinks}
 
     def forward(
         self,
@@ -175,8 +184,12 @@ class DecoderLayer(nn.Module):
                   backend: AttentionBackend) -> torch.Tensor:
         """Write ``k``/``v`` ``[T, Hkv, d]`` at ``md.slot_mapping`` and attend ``q`` ``[T, Hq, d]``
         over each sequence's paged context with this layer's window / soft-cap -> ``[T, Hq, d]``."""
+        caps = backend_capabilities(backend)
+        if self.sinks is not None and not caps.attention_sinks:
+            raise ConfigError(f"attention backend {backend.name!r} does not implement attention sinks (gpt-oss): "
+                              "use the cpu or reference backend")
         with profile_scope("pagedkv.attention"):
-            if backend_capabilities(backend).write_and_forward:  # declared: one call for both
+            if caps.write_and_forward:  # declared: one call for both
                 return backend.write_and_forward(q, k, v, kv_cache, md, self.scale, **self.attn_options)
             backend.write_kv(kv_cache, k, v, md.slot_mapping)
             return backend.forward(q, kv_cache, md, self.scale, **self.attn_options)

@@ -15,9 +15,17 @@ Routing (``route``; ``logits = x @ router.T`` in fp32, ``[T, E]``):
   ``topk_group`` best eligible, top-k among them; the weights are the chosen ``s`` (without
   the bias), divided by ``sum + 1e-20`` when ``norm_topk_prob``, times
   ``routed_scaling_factor``.
+* ``"topk_softmax"`` (gpt-oss): top-k of the raw ``logits`` (router with a bias), the weights
+  the softmax over the ``k`` chosen logits only.
+
+gpt-oss experts (``MoESpec.bias`` / ``swiglu_limit``): every linear layer of the router and the
+experts has a bias, and the activation is the clamped SwiGLU ``g = min(gate, limit)``,
+``u = clamp(up, -limit, limit)``, ``(u + 1) * g * sigmoid(alpha * g)`` (transformers'
+``GptOssExperts._apply_gate``; transformers stores gate and up interleaved, the loader
+de-interleaves them into gate rows then up rows, ``pagedkv.model.gptoss``).
 
 Source: the routers of transformers 5.24 (``MixtralTopKRouter``, ``Qwen3MoeTopKRouter``,
-``DeepseekV2TopkRouter``, ``DeepseekV3TopkRouter``); DeepSeek-V2 (arXiv:2405.04434, sec. 2.2:
+``DeepseekV2TopkRouter``, ``DeepseekV3TopkRouter``, ``GptOssTopKRouter``); DeepSeek-V2 (arXiv:2405.04434, sec. 2.2:
 shared experts added to the routed output, group- (device-) limited routing) and DeepSeek-V3
 (arXiv:2412.19437, sec. 2.1.2: sigmoid affinities, a bias that steers only the choice, weights
 normalised over the chosen experts). Which layers are MoE: ``moe_layer_indices``.
@@ -50,7 +58,7 @@ from torch import nn
 from pagedkv.errors import ConfigError
 
 #: routing kinds of ``route``
-ROUTINGS = ("softmax", "sigmoid")
+ROUTINGS = ("softmax", "sigmoid", "topk_softmax")
 #: activations of the experts' gated MLPs
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
@@ -62,7 +70,9 @@ class MoESpec:
     ``num_experts`` E; ``top_k`` experts per token; ``intermediate_size`` I of each expert;
     ``num_shared_experts`` (0: none); ``routing`` in ``ROUTINGS``; ``norm_topk_prob``;
     ``n_group`` / ``topk_group`` (group-limited choice; ``n_group`` 1: none);
-    ``routed_scaling_factor``; ``hidden_act`` of the experts. Raises ``ConfigError`` naming the
+    ``routed_scaling_factor``; ``hidden_act`` of the experts; ``bias`` (router and experts
+    biased, gpt-oss); ``swiglu_limit`` (``None``: plain gated MLP; a number: gpt-oss's clamped
+    SwiGLU with gain ``swiglu_alpha``, module doc). Raises ``ConfigError`` naming the
     field when the values do not fit (``top_k > E``, groups that do not divide ``E``, ...)."""
 
     num_experts: int
@@ -75,6 +85,9 @@ class MoESpec:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     hidden_act: str = "silu"
+    bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k", "intermediate_size", "n_group", "topk_group"):
@@ -99,13 +112,18 @@ class MoESpec:
                               f"num_experts_per_tok {self.top_k} (sigmoid group scores need 2 per group)")
         if not (self.routed_scaling_factor > 0):
             raise ConfigError(f"routed_scaling_factor: must be positive, got {self.routed_scaling_factor!r}")
+        for name in ("swiglu_limit", "swiglu_alpha"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf")):
+                raise ConfigError(f"{name}: must be a positive number, got {v!r}")
 
     @classmethod
     def from_config(cls, config) -> "MoESpec":
         """The spec of ``config``'s (a ``ModelConfig``) MoE layers."""
         return cls(config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
                    config.num_shared_experts, config.moe_routing, config.norm_topk_prob, config.moe_n_group,
-                   config.moe_topk_group, config.routed_scaling_factor, config.hidden_act)
+                   config.moe_topk_group, config.routed_scaling_factor, config.hidden_act, config.moe_bias,
+                   config.swiglu_limit, config.swiglu_alpha)
 
 
 def moe_layer_indices(num_layers: int, *, first_k_dense_replace: int = 0, decoder_sparse_step: int = 1,
@@ -133,7 +151,10 @@ def route(logits: torch.Tensor, spec: MoESpec, bias: torch.Tensor | None = None)
     logits = logits.float()
     t, e = logits.shape
     size = e // spec.n_group
-    if spec.routing == "softmax":
+    if spec.routing == "topk_softmax":  # gpt-oss: softmax over the k chosen logits
+        values, ids = torch.topk(logits, spec.top_k, dim=-1)
+        weights = values.softmax(dim=-1)
+    elif spec.routing == "softmax":
         scores = logits.softmax(dim=-1)
         choice = scores
         if spec.n_group > 1:
@@ -166,17 +187,24 @@ def _group_mask(group_scores: torch.Tensor, topk_group: int, size: int) -> torch
 
 class Expert(nn.Module):
     """One gated MLP: ``down_proj(act(x @ gate.T) * (x @ up.T))`` with ``gate_up_proj`` ``[2 I,
-    H]`` (gate rows then up rows) and ``down_proj`` ``[H, I]``; ``x`` ``[n, H]`` -> ``[n, H]``."""
+    H]`` (gate rows then up rows) and ``down_proj`` ``[H, I]``; ``x`` ``[n, H]`` -> ``[n, H]``.
+    ``bias``: both layers biased; ``limit``: gpt-oss's clamped SwiGLU (module doc) with gain
+    ``alpha`` in place of ``act``."""
 
-    def __init__(self, hidden: int, inter: int, act: str, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, hidden: int, inter: int, act: str, dtype: torch.dtype, device: torch.device | str,
+                 bias: bool = False, limit: float | None = None, alpha: float = 1.702) -> None:
         super().__init__()
         self.intermediate_size, self.gelu = inter, act == "gelu_pytorch_tanh"
-        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False, dtype=dtype, device=device)
-        self.down_proj = nn.Linear(inter, hidden, bias=False, dtype=dtype, device=device)
+        self.limit, self.alpha = limit, alpha
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias, dtype=dtype, device=device)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size:]
+        if self.limit is not None:  # gpt-oss: (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
+            gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
+            return self.down_proj((up + 1) * (gate * torch.sigmoid(gate * self.alpha)))
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
         return self.down_proj(act * up)
 
@@ -189,11 +217,11 @@ class MoE(nn.Module):
     def __init__(self, spec: MoESpec, hidden: int, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.spec = spec
-        self.router = nn.Linear(hidden, spec.num_experts, bias=False, dtype=dtype, device=device)
+        self.router = nn.Linear(hidden, spec.num_experts, bias=spec.bias, dtype=dtype, device=device)
         self.e_score_correction_bias = (nn.Parameter(torch.zeros(spec.num_experts, dtype=torch.float32, device=device))
                                         if spec.routing == "sigmoid" else None)
-        self.experts = nn.ModuleList(Expert(hidden, spec.intermediate_size, spec.hidden_act, dtype, device)
-                                     for _ in range(spec.num_experts))
+        self.experts = nn.ModuleList(Expert(hidden, spec.intermediate_size, spec.hidden_act, dtype, device, spec.bias,
+                                            spec.swiglu_limit, spec.swiglu_alpha) for _ in range(spec.num_experts))
         self.shared = (Expert(hidden, spec.num_shared_experts * spec.intermediate_size, spec.hidden_act, dtype, device)
                        if spec.num_shared_experts else None)
 
@@ -201,12 +229,15 @@ class MoE(nn.Module):
     def native_ok(self) -> bool:
         """Whether the fused and native CPU paths (``pagedkv/csrc/decoder.c``) take this layer:
         softmax routing without expert groups and no shared experts (Qwen3-MoE, Mixtral);
-        DeepSeek's sigmoid / group routing and shared experts stay on these torch ops."""
-        return self.spec.routing == "softmax" and self.spec.n_group == 1 and self.shared is None
+        DeepSeek's sigmoid / group routing, shared experts and gpt-oss's biased, clamped experts
+        stay on these torch ops."""
+        s = self.spec
+        return s.routing == "softmax" and s.n_group == 1 and self.shared is None and not s.bias and s.swiglu_limit is None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights fp32 [T, k], ids int64 [T, k])`` of tokens ``x`` ``[T, H]`` (``route``)."""
-        logits = F.linear(x.float(), self.router.weight.float())
+        b = self.router.bias
+        logits = F.linear(x.float(), self.router.weight.float(), None if b is None else b.float())
         return route(logits, self.spec, self.e_score_correction_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

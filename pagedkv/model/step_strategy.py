@@ -16,7 +16,9 @@ One eager reference path and the fast path the attention backend declares (its
   accept run the model's own path (which the reason names).
 
 ``PAGEDKV_STEP_STRATEGY=eager`` forces the reference path for the fused and native steps
-(``auto``, the default, takes the fastest that applies). :func:`choose_step_strategy` runs at
+(``auto``, the default, takes the fastest that applies). A model with attention sinks (gpt-oss)
+needs a backend that declares ``attention_sinks`` (their fast kernels do not take sinks: its
+layers run eager, the native step and the compiled step attention decline the ``sinks`` option). :func:`choose_step_strategy` runs at
 engine start (``pagedkv.engine.engine.LLMEngine``, which logs ``step strategy: <name>
 (<reason>)``); a model used without an engine decides at its first forward.
 """
@@ -63,10 +65,14 @@ def choose_step_strategy(model: Any, backend: Any, compiled: Any = None, eager: 
     (``model.prepare_step``; with ``eager`` neither) and returns what the steps run.
     ``model``: a ``pagedkv.model.llama.LlamaForCausalLM``; ``backend``: its attention backend;
     ``compiled``: the runner's ``CompiledDecode`` or ``None``; ``eager``: ``None`` reads
-    :func:`requested_override`. Raises ``ConfigError`` for a bad ``$PAGEDKV_STEP_STRATEGY``."""
+    :func:`requested_override`. Raises ``ConfigError`` for a bad ``$PAGEDKV_STEP_STRATEGY``, or
+    a model with attention sinks on a backend that does not declare ``attention_sinks``."""
     if eager is None:
         eager = requested_override() == "eager"
     caps = backend_capabilities(backend)
+    if getattr(getattr(model, "config", None), "attention_sinks", False) and not caps.attention_sinks:
+        raise ConfigError(f"attention backend {backend.name!r} does not implement attention sinks (gpt-oss): "
+                          "use the cpu or reference backend")
     name = backend.name
     model.prepare_step(eager=eager)
     if eager:
@@ -74,11 +80,12 @@ def choose_step_strategy(model: Any, backend: Any, compiled: Any = None, eager: 
     elif model.native_state == "on" and caps.native_step:
         own = StepStrategy("native", f"decoder.c runs a step's layers in one call; backend {name} declares "
                                      "native_step; steps it declines run fused")
-    elif model.fused_state == "on":
+    elif model.fused_state == "on" and any(getattr(layer, "fused", None) is not None for layer in model.layers):
         why = f"backend {name} declares no native_step" if not caps.native_step else f"native step {model.native_state}"
         own = StepStrategy("fused", f"fused CPU ops per layer; {why}")
     else:
-        own = StepStrategy("eager", f"torch ops per layer; fused ops {model.fused_state}")
+        why = model.fused_state if model.fused_state != "on" else "on, but no layer takes them"
+        own = StepStrategy("eager", f"torch ops per layer; fused ops {why}")
     if compiled is None:
         return own
     if compiled.failed is not None:

@@ -17,7 +17,7 @@ The state dict uses the names and shapes of ``pagedkv.model.llama`` (q/k/v fused
   ``gate.e_score_correction_bias``; DeepSeek's ``mlp.shared_experts.gate_proj``/``up_proj``/
   ``down_proj`` -> ``mlp.shared.gate_up_proj`` / ``down_proj``), or stacked
   (``experts.gate_up_proj`` ``[E, 2 I, H]``, ``experts.down_proj`` ``[E, H, I]``, sliced per
-  expert without a copy).
+  expert without a copy); gpt-oss's sinks, biases and interleaved experts: ``pagedkv.model.gptoss``.
 
 Every problem raises ``ConfigError`` naming the tensor, file or field.
 """
@@ -41,6 +41,7 @@ from pagedkv.gguf_header import GGUFHeader, GGUFTensorInfo
 from pagedkv.kv.spec import json_object
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.families import EXPERT_KEYS, GGUF_CONVENTIONS
+from pagedkv.model import gptoss
 
 StateDict = dict[str, torch.Tensor]
 # Tensors that are fused per layer, keyed by (layer index, part name) until fused.
@@ -157,6 +158,8 @@ def gguf_config(path: Path, header: GGUFHeader, revision: str) -> ModelConfig:
     it has one). ``model_id`` is the bundled model's id or the file's stem. Raises
     ``ConfigError`` for a tensor whose GGML type cannot be dequantised
     (``check_gguf_tensor_types``), before reading any tensor, or for unusable metadata."""
+    if header.metadata.get("general.architecture") == "gpt-oss":  # refused by name before its MXFP4 types
+        ModelConfig.from_gguf_metadata(header.metadata)
     check_gguf_tensor_types(header)
     names = [t.name for t in header.tensors]
     factors = None
@@ -422,6 +425,8 @@ def hf_state_dict(path: Path, config: ModelConfig) -> StateDict:
             _, idx, rest = key.split(".", 2) if key.startswith("layers.") else ("", "", "")
             if idx and config.architecture == "deepseek_v3" and int(idx) >= config.num_layers:
                 continue  # DeepSeek-V3's multi-token-prediction layers (num_nextn_predict_layers): unused
+            if idx and config.architecture == "gpt_oss" and gptoss.hf_tensor(state, int(idx), rest, w):
+                continue  # sinks, o_proj bias, router and interleaved stacked experts (pagedkv.model.gptoss)
             moe = _HF_MOE.fullmatch(rest)
             if config.is_mla and rest in _HF_MLA_NAMES:
                 state[f"layers.{int(idx)}.{_HF_MLA_NAMES[rest]}"] = w

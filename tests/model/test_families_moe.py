@@ -278,7 +278,6 @@ def test_qwen3_moe_sparse_step_and_dense_layers():
 @pytest.mark.parametrize("kw, match", [
     (dict(num_experts_per_tok=9), "num_experts_per_tok"),
     (dict(decoder_sparse_step=0), "decoder_sparse_step"),
-    (dict(model_type="gpt_oss"), "attention sinks"),
     (dict(model_type="deepseek_v3", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
           n_routed_experts=4, n_group=2, topk_group=1, scoring_func="softmax"), "scoring_func"),  # V3 routes by sigmoid
 ])
