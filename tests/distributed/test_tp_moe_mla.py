@@ -52,9 +52,15 @@ def _hf(kind: str):
 def family(request, tmp_path_factory):
     """(kind, transformers model, pagedkv LoadedModel): the family tests' weights, scaled as they
     scale them (non-trivial norms, large scores, decisive routers, a V3 bias that steers)."""
-    kind = request.param
+    return _build(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def _build(kind: str, out, **changes):
     cfg, cls = _hf(kind)
+    for key, value in changes.items():
+        setattr(cfg, key, value)
     cfg._attn_implementation = "eager"
+    cfg._experts_implementation = "eager"  # the reference loops over experts (any width)
     torch.manual_seed(0)
     hf = cls(cfg).eval()
     big = ("q_proj", "k_proj") if kind in ("qwen3_moe", "mixtral") else ("q_proj", "q_b_proj", "kv_a_proj",
@@ -70,7 +76,6 @@ def family(request, tmp_path_factory):
         if kind == "deepseek_v3":
             for layer in hf.model.layers[1:]:
                 layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(8) * 0.5)
-    out = tmp_path_factory.mktemp(kind)
     hf.save_pretrained(out)
     from tests.model.test_llama import _tiny_tokenizer
 
@@ -151,7 +156,24 @@ def test_two_thread_ranks_give_transformers_logits(family):
     """Two shard models, one thread each, every row-parallel output summed over both: each
     rank's logits over a chunked prefill and three decode steps (16-token blocks, reversed
     physical order) equal transformers' at every position (1e-4)."""
-    kind, hf, lm = family
+    _, hf, lm = family
+    _check_two_thread_ranks(hf, lm)
+
+
+def test_uneven_expert_and_mlp_widths(tmp_path):
+    """DeepSeek-V2 with experts of width 33 (2 shared: 66) and a dense MLP of 97: rank 0 holds
+    17 / 34 / 49 columns, rank 1 16 / 32 / 48, and the two ranks still give transformers' logits."""
+    _, hf, lm = _build("deepseek_v2", tmp_path, moe_intermediate_size=33, intermediate_size=97)
+    shards = [shard_plan(lm.config, r, 2) for r in (0, 1)]
+    assert [(s.moe, s.mlp) for s in shards] == [((0, 17), (0, 49)), ((17, 33), (49, 97))]
+    net = build_shard_model(lm.config, lm.model.state_dict(), shards[1], None)
+    assert net.layers[1].mlp.shared.down_proj.weight.shape == (64, 32)
+    assert net.layers[1].mlp.experts[0].down_proj.weight.shape == (64, 16)
+    assert net.layers[0].down_proj.weight.shape == (64, 48)
+    _check_two_thread_ranks(hf, lm)
+
+
+def _check_two_thread_ranks(hf, lm) -> None:
     ids = _prompt(30, 1)
     with torch.inference_mode():
         ref = hf(torch.tensor([ids])).logits[0].float()
@@ -253,3 +275,24 @@ def test_moe_and_mla_gguf_under_tensor_parallelism_raise_config_error(arch, tmp_
         _write(_hf_model(arch), path)
     with pytest.raises(ConfigError, match="weights='gguf'"):
         LLM(str(path), tensor_parallel_size=2, num_blocks=8, block_size=16)
+
+
+def test_tp2_int8_latent_cache_equals_one_device(tmp_path, monkeypatch):
+    """DeepSeek-V2 (MLA + MoE) with an int8 latent cache (codes + one bf16 scale per latent):
+    two ranks' greedy tokens equal one device's with the same cache, and each rank holds the
+    planner's 126 B/token (3 layers x (40 codes + 2 scale bytes))."""
+    monkeypatch.setenv("PAGEDKV_TP_THREADS", "1")
+    monkeypatch.setenv("PAGEDKV_TP_TIMEOUT", "60")
+    _, _, lm = _build("deepseek_v2", tmp_path)
+    prompts = [_prompt(30, 2), _prompt(22, 3)]
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    opts = dict(block_size=16, num_blocks=16, kv_cache_dtype="int8", max_num_batched_tokens=8)
+    one = LLM(lm, **opts).generate(prompts, sp, use_tqdm=False)
+    tp = LLM(lm, tensor_parallel_size=2, **opts)
+    try:
+        two = tp.generate(prompts, sp, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
+        planned = KVCacheSpec.from_model_config(lm.config, "int8", tp_size=2).bytes_per_token
+        assert [r["kv_bytes_per_token"] for r in tp.engine.executor.query_workers()] == [planned] * 2 == [126] * 2
+    finally:
+        tp.engine.close()
