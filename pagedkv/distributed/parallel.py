@@ -17,6 +17,17 @@ ranks (``N`` = ``tensor_parallel_size``):
   are split by heads, ``o_proj`` row-parallel as above; the latent's projections and norms are
   **replicated**, and every rank caches the whole latent (one vector per token and layer, as
   ``KVCacheSpec(kv_lora_rank=..., tp_size=N)`` counts: replication ``N``). Valid sizes divide ``Hq``.
+* Mixture-of-experts layers (``pagedkv.model.moe``) are split **inside each expert**, not by
+  expert: every rank holds all ``E`` experts, each with its slice of the expert width
+  ``I_e`` (``moe_intermediate_size``; ``gate_up_proj`` column-parallel, ``down_proj``
+  row-parallel, slices as uneven as the MLP's), the shared experts (one MLP of width
+  ``num_shared_experts * I_e``) with ``num_shared_experts`` times that slice, and the router
+  (and DeepSeek-V3's ``e_score_correction_bias``) **replicated**: every rank routes every token
+  to the same experts (the same fp32 logits from the same replicated input), each computes its
+  partial outputs of those experts, and the layer's one ``all_reduce`` after the MLP sums them,
+  shared experts included. Reason: no all-to-all and no load imbalance (every rank does the
+  same share of every routed expert), and the whole layer stays the one-device code on
+  narrower experts. Valid sizes also need ``N <= I_e``.
 * Embedding, final norm and LM head are **replicated**, not vocab-parallel. Reason: sampling
   happens once, on the driver (rank 0); with a replicated head only rank 0 computes logits, for
   the sampled rows only, and no collective is needed for them. A vocab-parallel head would cost
@@ -41,13 +52,13 @@ from pagedkv.model.config import ModelConfig
 
 
 def valid_tp_sizes(config: ModelConfig) -> list[int]:
-    """Every ``tensor_parallel_size`` this model can be split over (ascending, 1 included);
-    only 1 for a mixture-of-experts model (its experts are not sharded)."""
-    if config.num_experts:
-        return [1]
+    """Every ``tensor_parallel_size`` this model can be split over (ascending, 1 included):
+    ``N`` divides the query heads, divides or is a multiple of the KV heads, and leaves every
+    rank at least one column of the MLP and (mixture of experts) of each expert."""
     hq, hkv = config.num_heads, config.num_kv_heads
+    widths = [config.intermediate_size] + ([config.moe_intermediate_size] if config.num_experts else [])
     return [n for n in range(1, hq + 1) if hq % n == 0 and (hkv % n == 0 or n % hkv == 0)
-            and n <= config.intermediate_size]
+            and all(n <= w for w in widths)]
 
 
 def check_tp_size(config: ModelConfig, tp_size: int) -> None:
@@ -56,14 +67,13 @@ def check_tp_size(config: ModelConfig, tp_size: int) -> None:
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ConfigError(f"tensor_parallel_size must be a positive integer, got {tp_size!r}")
     valid = valid_tp_sizes(config)
-    if tp_size not in valid and config.num_experts:
-        raise ConfigError(f"tensor_parallel_size {tp_size}: mixture-of-experts models ({config.num_experts} experts) "
-                          "run on one device; valid sizes: 1")
     if tp_size not in valid:
+        experts = (f", {config.num_experts} experts of width {config.moe_intermediate_size}"
+                   if config.num_experts else "")
         raise ConfigError(
             f"tensor_parallel_size {tp_size} does not fit {config.model_id or 'this model'} "
-            f"({config.num_heads} attention heads, {config.num_kv_heads} KV heads): each rank needs "
-            f"whole query heads and a whole share of the KV heads; valid sizes: "
+            f"({config.num_heads} attention heads, {config.num_kv_heads} KV heads{experts}): each rank needs "
+            f"whole query heads, a whole share of the KV heads and a column of every MLP; valid sizes: "
             f"{', '.join(map(str, valid))}"
         )
 
@@ -72,13 +82,16 @@ def check_tp_size(config: ModelConfig, tp_size: int) -> None:
 class TPShard:
     """What rank ``rank`` of ``tp_size`` holds. Ranges are half-open ``(start, stop)``:
     ``q_heads`` query heads, ``kv_heads`` KV heads (one head, shared with other ranks, when
-    replicated), ``mlp`` intermediate columns."""
+    replicated), ``mlp`` intermediate columns of the dense MLPs, ``moe`` columns of each
+    expert (``(0, 0)`` without experts; the shared experts' slice is ``num_shared_experts``
+    times it)."""
 
     rank: int
     tp_size: int
     q_heads: tuple[int, int]
     kv_heads: tuple[int, int]
     mlp: tuple[int, int]
+    moe: tuple[int, int] = (0, 0)
 
     @property
     def num_heads(self) -> int:
@@ -110,16 +123,23 @@ def shard_plan(config: ModelConfig, rank: int, tp_size: int) -> TPShard:
     # GQA: query head i reads KV head i // (hq/hkv); every local query head must read a local KV head
     group = hq // hkv
     assert kv[0] <= q[0] // group and (q[1] - 1) // group < kv[1], (q, kv)
-    bounds = [len(c) for c in torch.arange(config.intermediate_size).tensor_split(tp_size)]
+    moe = _split(config.moe_intermediate_size, rank, tp_size) if config.num_experts else (0, 0)
+    return TPShard(rank, tp_size, q, kv, _split(config.intermediate_size, rank, tp_size), moe)
+
+
+def _split(width: int, rank: int, tp_size: int) -> tuple[int, int]:
+    """``rank``'s half-open slice of ``width`` columns (``tensor_split``: sizes differ by <= 1)."""
+    bounds = [len(c) for c in torch.arange(width).tensor_split(tp_size)]
     start = sum(bounds[:rank])
-    return TPShard(rank, tp_size, q, kv, (start, start + bounds[rank]))
+    return start, start + bounds[rank]
 
 
 def shard_config(config: ModelConfig, shard: TPShard) -> ModelConfig:
-    """The per-rank ``ModelConfig``: local head counts and MLP width, everything else equal."""
+    """The per-rank ``ModelConfig``: local head counts, MLP and expert widths, everything else equal."""
+    moe = {"moe_intermediate_size": shard.moe[1] - shard.moe[0]} if config.num_experts else {}
     return dataclasses.replace(
         config, num_heads=shard.num_heads, num_kv_heads=shard.num_kv_heads,
-        intermediate_size=shard.intermediate_size,
+        intermediate_size=shard.intermediate_size, **moe,
     )
 
 
@@ -131,13 +151,12 @@ def shard_state_dict(
     Replicated tensors (embedding, norms, LM head) are returned as-is (no copy); sliced ones
     are new contiguous tensors. Raises ``ConfigError`` on a tensor of the wrong shape.
     """
-    d, hq, hkv, inter = config.head_dim, config.num_heads, config.num_kv_heads, config.intermediate_size
+    d, hq, hkv = config.head_dim, config.num_heads, config.num_kv_heads
     if config.is_mla:
         return _shard_mla(config, state, shard)
     q0, q1 = (h * d for h in shard.q_heads)
     k0, k1 = (hq * d + h * d for h in shard.kv_heads)
     v0, v1 = ((hq + hkv) * d + h * d for h in shard.kv_heads)
-    m0, m1 = shard.mlp
     out: dict[str, torch.Tensor] = {}
     for name, w in state.items():
         leaf = name.rsplit(".", 2)[-2] if name.startswith("layers.") else ""
@@ -147,15 +166,28 @@ def shard_state_dict(
         elif leaf == "o_proj":
             _expect(name, w, 1, hq * d)
             out[name] = w[:, q0:q1].contiguous()
-        elif leaf == "gate_up_proj":
-            _expect(name, w, 0, 2 * inter)
-            out[name] = torch.cat([w[m0:m1], w[inter + m0 : inter + m1]]).contiguous()
-        elif leaf == "down_proj":
-            _expect(name, w, 1, inter)
-            out[name] = w[:, m0:m1].contiguous()
         else:
-            out[name] = w
+            out[name] = _shard_mlp(config, name, leaf, w, shard)
     return out
+
+
+def _shard_mlp(config: ModelConfig, name: str, leaf: str, w: torch.Tensor, shard: TPShard) -> torch.Tensor:
+    """``w`` (any tensor outside attention) for ``shard``: a dense MLP's or an expert's
+    ``gate_up_proj`` rows (gate slice, then the same up slice) and ``down_proj`` columns; the
+    shared experts' by ``num_shared_experts`` times the expert slice; anything else (router,
+    correction bias, norms, embedding) as it is."""
+    if leaf not in ("gate_up_proj", "down_proj"):
+        return w
+    if ".mlp." not in name:  # a dense layer's MLP
+        inter, (m0, m1) = config.intermediate_size, shard.mlp
+    else:  # a mixture-of-experts layer: layers.{i}.mlp.experts.{e}.* or layers.{i}.mlp.shared.*
+        k = config.num_shared_experts if ".mlp.shared." in name else 1
+        inter, (m0, m1) = k * config.moe_intermediate_size, (k * shard.moe[0], k * shard.moe[1])
+    if leaf == "gate_up_proj":
+        _expect(name, w, 0, 2 * inter)
+        return torch.cat([w[m0:m1], w[inter + m0 : inter + m1]]).contiguous()
+    _expect(name, w, 1, inter)
+    return w[:, m0:m1].contiguous()
 
 
 def _shard_mla(config: ModelConfig, state: Mapping[str, torch.Tensor], shard: TPShard) -> dict[str, torch.Tensor]:
@@ -165,8 +197,7 @@ def _shard_mla(config: ModelConfig, state: Mapping[str, torch.Tensor], shard: TP
     projections and norms (``q_a_*``, ``kv_a_*``) are replicated, so every rank writes the whole
     latent into its own cache (``KVCacheSpec``: the latent is replicated on every rank)."""
     h0, h1 = shard.q_heads
-    qk, v, nope, inter = config.head_dim, config.v_head_dim, config.qk_nope_head_dim, config.intermediate_size
-    hq, (m0, m1) = config.num_heads, shard.mlp
+    qk, v, nope, hq = config.head_dim, config.v_head_dim, config.qk_nope_head_dim, config.num_heads
     rows = {"q_proj": (qk, hq * qk), "q_b_proj": (qk, hq * qk), "kv_b_proj": (nope + v, hq * (nope + v))}
     out: dict[str, torch.Tensor] = {}
     for name, w in state.items():
@@ -178,14 +209,8 @@ def _shard_mla(config: ModelConfig, state: Mapping[str, torch.Tensor], shard: TP
         elif leaf == "o_proj":
             _expect(name, w, 1, hq * v)
             out[name] = w[:, h0 * v:h1 * v].contiguous()
-        elif leaf == "gate_up_proj":
-            _expect(name, w, 0, 2 * inter)
-            out[name] = torch.cat([w[m0:m1], w[inter + m0 : inter + m1]]).contiguous()
-        elif leaf == "down_proj":
-            _expect(name, w, 1, inter)
-            out[name] = w[:, m0:m1].contiguous()
         else:
-            out[name] = w
+            out[name] = _shard_mlp(config, name, leaf, w, shard)
     return out
 
 

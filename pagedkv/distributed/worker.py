@@ -157,7 +157,7 @@ class Rank:
         return {
             "rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(), "device": str(self.device),
             "q_heads": list(self.shard.q_heads), "kv_heads": list(self.shard.kv_heads),
-            "mlp": list(self.shard.mlp), "num_kv_heads": self.shard.num_kv_heads,
+            "mlp": list(self.shard.mlp), "moe": list(self.shard.moe), "num_kv_heads": self.shard.num_kv_heads,
             "num_blocks": int(blocks), "block_size": self.block_size, "num_layers": len(self.runner.kv_caches),
             "kv_cache_bytes": nbytes, "kv_bytes_per_token": nbytes // (int(blocks) * self.block_size),
         }

@@ -313,7 +313,7 @@ def test_unsupported_deepseek_moe_configs_raise_config_error(kind, kw, match):
 
 def test_deepseek_moe_defaults_and_dense_forms():
     """Missing keys take transformers' config-class defaults; ``greedy`` has no groups; a
-    ``first_k_dense_replace`` covering every layer is a dense model; TP refuses the experts."""
+    ``first_k_dense_replace`` covering every layer is a dense model; TP sizes must divide the heads."""
     from pagedkv.distributed.parallel import check_tp_size
 
     greedy = _cfg("deepseek_v2", topk_method="greedy")
@@ -324,8 +324,9 @@ def test_deepseek_moe_defaults_and_dense_forms():
     for kind in FAMILIES:
         dense = _cfg(kind, first_k_dense_replace=3)
         assert dense.num_experts == 0 and dense.is_mla
-        with pytest.raises(ConfigError, match="mixture-of-experts"):
-            check_tp_size(_cfg(kind), 2)
+        check_tp_size(_cfg(kind), 2)  # experts split along their width (tests/distributed/test_tp_moe_mla.py)
+        with pytest.raises(ConfigError, match="8 experts of width 32.*valid sizes: 1, 2, 4"):
+            check_tp_size(_cfg(kind), 3)
 
 
 def test_shipped_deepseek_v3_config_reads_its_experts():

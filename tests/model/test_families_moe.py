@@ -286,10 +286,15 @@ def test_unsupported_moe_configs_raise_config_error(kw, match):
         _cfg(**kw)
 
 
-def test_tensor_parallel_refuses_moe():
+def test_tensor_parallel_sizes_of_moe():
+    """Experts split along their width (``pagedkv.distributed.parallel``; engine runs:
+    ``tests/distributed/test_tp_moe_mla.py``): sizes divide the heads and leave each rank a
+    column of every expert."""
     from pagedkv.distributed.parallel import check_tp_size, valid_tp_sizes
 
     c = _cfg()
-    assert valid_tp_sizes(c) == [1]
-    with pytest.raises(ConfigError, match="mixture-of-experts"):
-        check_tp_size(c, 2)
+    assert valid_tp_sizes(c) == [1, 2, 4]
+    check_tp_size(c, 2)
+    assert valid_tp_sizes(_cfg(moe_intermediate_size=2)) == [1, 2]
+    with pytest.raises(ConfigError, match="8 experts of width 2.*valid sizes: 1, 2"):
+        check_tp_size(_cfg(moe_intermediate_size=2), 4)
