@@ -66,6 +66,11 @@ def check_tp_size(config: ModelConfig, tp_size: int) -> None:
     model can be split over ``tp_size`` ranks."""
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ConfigError(f"tensor_parallel_size must be a positive integer, got {tp_size!r}")
+    unsplit = [name for name, on in (("attention sinks", config.attention_sinks), ("an o_proj bias", config.o_proj_bias),
+                                     ("expert biases", config.moe_bias)) if on]
+    if tp_size > 1 and unsplit:  # gpt-oss: the shard plan does not slice these yet
+        raise ConfigError(f"tensor_parallel_size {tp_size}: {config.model_id or 'this model'} has "
+                          f"{', '.join(unsplit)}, which tensor parallelism does not split yet; use 1")
     valid = valid_tp_sizes(config)
     if tp_size not in valid:
         experts = (f", {config.num_experts} experts of width {config.moe_intermediate_size}"

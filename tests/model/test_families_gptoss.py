@@ -347,3 +347,14 @@ def test_quantised_weights_keep_the_biases(gptoss, weights, cls, tol):
             x = torch.randn(6, a.in_features, generator=g)
             want, got = a(x), b(x)
             assert 0 < (got - want).abs().max() < tol * want.abs().max()
+
+
+def test_tensor_parallelism_refuses_what_it_does_not_split_yet(gptoss):
+    """The shard plan slices heads, MLP and expert widths, not gpt-oss's sinks and biases: a size
+    above 1 is a ConfigError naming them, before any worker starts."""
+    from pagedkv.distributed.parallel import check_tp_size
+
+    _, _, lm = gptoss
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size 2: .*attention sinks, an o_proj bias, expert biases"):
+        check_tp_size(lm.config, 2)
+    check_tp_size(lm.config, 1)
