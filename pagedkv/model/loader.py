@@ -326,7 +326,7 @@ def _load_gguf_native(path: Path, root: Path, use_cache: bool, route: str | None
     of the weights' bytes plus ``kv_bytes``, the streaming build (``gguf_native``), and the
     tokenizer from its cache entry (built from the file and written there on the first load)."""
     from pagedkv.model import gguf_native
-    from pagedkv.model.packed_cache import PackedCache
+    from pagedkv.model.packed_cache import PackedCache, packed_cache_enabled
 
     if path.is_dir():
         raise ConfigError(f"weights 'gguf': {str(path)!r} is a directory; 'gguf' keeps a GGUF file's stored blocks")
@@ -341,7 +341,7 @@ def _load_gguf_native(path: Path, root: Path, use_cache: bool, route: str | None
     with ThreadPoolExecutor(1, thread_name_prefix="pagedkv-tokenizer") as pool:
         tok = pool.submit(_gguf_tokenizer, path, root, sha, use_cache)
         packed = None
-        if use_cache:  # the matrices in the kernels' layout, stored by an earlier load of this file
+        if use_cache and packed_cache_enabled():  # the matrices in the kernels' layout, stored by an earlier load
             packed = PackedCache(root, sha)
             packed.open()
         net, report = gguf_native.build_gguf_model(path, header, config, route=route, packed_cache=packed)

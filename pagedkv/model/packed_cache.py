@@ -22,7 +22,8 @@ file's matrix bytes plus zero rows padding an output size to a multiple of 8 plu
 A manifest that does not match the model being built (another tensor list, shapes, a file of
 another size) is ignored with a warning and the matrices are packed as on a first load.
 Writing is skipped (logged) when the disk has less free space than twice the bytes to write;
-a failed write leaves no file behind. Source: issue "The models people run on CPUs" (stored
+a failed write leaves no file behind. ``PAGEDKV_PACKED_CACHE=0`` (or ``load_model(use_cache=False)``)
+turns the store off; deleting ``<root>/packed/`` is always safe (the next load writes it again). Source: issue "The models people run on CPUs" (stored
 codes, a layout change cached on disk at most once and memory-mapped back).
 """
 
@@ -40,9 +41,10 @@ from typing import Any
 
 import torch
 
+from pagedkv.errors import ConfigError
 from pagedkv.ops import qmm
 
-__all__ = ["PackedCache", "FORMAT_VERSION", "layout_tag", "wait_for_writes"]
+__all__ = ["ENV", "PackedCache", "FORMAT_VERSION", "layout_tag", "packed_cache_enabled", "wait_for_writes"]
 
 log = logging.getLogger("pagedkv")
 
@@ -53,6 +55,19 @@ _DTYPES = {"uint8": torch.uint8, "int8": torch.int8, "float32": torch.float32, "
 
 #: one matrix: (packed weights, GGML type names, output rows) as ``GGUFLinear`` takes them
 Made = tuple[qmm.Packed, tuple[str, ...], int]
+
+
+#: ``0``: no packed store is read or written (``1`` or unset: on)
+ENV = "PAGEDKV_PACKED_CACHE"
+
+
+def packed_cache_enabled() -> bool:
+    """Whether ``$PAGEDKV_PACKED_CACHE`` leaves the store on (unset or ``1``; ``0`` turns it
+    off). Raises ``ConfigError`` for another value."""
+    flag = os.environ.get(ENV, "1")
+    if flag not in ("0", "1"):
+        raise ConfigError(f"{ENV}: must be '0' or '1' (or unset), got {flag!r}")
+    return flag == "1"
 
 
 _WRITERS: list[threading.Thread] = []

@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+from pagedkv.errors import ConfigError
 from pagedkv.model import gguf_native, packed_cache
 from pagedkv.model.loader import load_model
 
@@ -99,6 +100,16 @@ def test_without_the_cache_nothing_is_stored(bundled_gguf, tmp_path):
     lm = load_model(bundled_gguf, weights="gguf", cache_dir=tmp_path, use_cache=False)
     packed_cache.wait_for_writes()
     assert lm.report.packed_from_cache == 0 and not (tmp_path / "packed").exists()
+
+
+def test_the_environment_switch(first, bundled_gguf, tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDKV_PACKED_CACHE", "0")
+    lm = load_model(bundled_gguf, weights="gguf", cache_dir=tmp_path)
+    packed_cache.wait_for_writes()
+    assert lm.report.packed_from_cache == 0 and not (tmp_path / "packed").exists()
+    monkeypatch.setenv("PAGEDKV_PACKED_CACHE", "yes")
+    with pytest.raises(ConfigError, match="PAGEDKV_PACKED_CACHE: must be '0' or '1'"):
+        load_model(bundled_gguf, weights="gguf", cache_dir=tmp_path)
 
 
 def test_a_full_disk_stores_nothing(first, bundled_gguf, tmp_path, monkeypatch, caplog):
