@@ -31,6 +31,7 @@ import json
 import os
 import shutil
 import socket
+import shlex
 import sys
 import tempfile
 import time
@@ -331,7 +332,7 @@ def _results(args: argparse.Namespace, sizes: list[str], types: list[str], measu
                    "rss_limit_gb": args.rss_limit_gb, "timeout_s": args.timeout_s, "weights": args.weights,
                    "kv_cache_memory": args.kv_cache_memory, "max_model_len": args.max_model_len,
                    "measure_spec": measure_spec, "drop_caches": bool(args.drop_caches), "note": args.note,
-                   "command": " ".join(["pagedkv bench models", *sys.argv[3:]]) if sys.argv[1:3] == ["bench", NAME]
+                   "command": " ".join(["pagedkv bench models", *map(shlex.quote, sys.argv[3:])]) if sys.argv[1:3] == ["bench", NAME]
                    else f"pagedkv bench models --sizes {','.join(sizes)} --types {','.join(types)} --rounds {args.rounds}"},
         "cpu_model": cpu_model(),
         "read_bandwidth": bandwidth,
