@@ -891,6 +891,251 @@ static void run_group(const qweights_t *w, int64_t g, const qrows_t *a, int64_t 
     }
 }
 
+/* ---- batches: each column tile decoded once per call ----------------------------------------
+ * From TILE_ROWS input rows on (VNNI builds), a thread decodes each tile of its columns (two
+ * groups, 16 columns, where AVX-512 is built; one group, 8 columns, with AVX-VNNI) once per
+ * call into a scratch tile of plain u8 codes and float scales per 32-value block, then runs
+ * one kernel over all the rows: the group kernels decode the weights again for every ROW_TILE
+ * rows, and a 16-column tile halves the activation broadcasts per multiply-add. Per block of
+ * the scratch tile (TB bytes): 8 steps of 4 TW bytes (byte 4i + j of step u: column i's code
+ * of element 4u + j, as u8), then TW floats fd, TW floats fm, 2 TW int32 sc.
+ * Each output's arithmetic is its group kernel's to the bit: the same exact integer block sum
+ * (unsigned codes, the offset taken off in int32: Q4_0 8, Q5_0 16, Q8_0 128 (the code + 128),
+ * Q6_K 32 per 16 values times its int8 scale), then the same float operations in the same
+ * order (p = float(sum); acc += (fd x d_x) p; acc += fm s_x for a format with minimums, fm
+ * the negated dmin x m of the K-quants). So a row's result does not depend on how many rows
+ * share the call (tested bit for bit). */
+#if QMM_VNNI
+#ifndef TILE_ROWS /* from this many rows (formats with minimums: 3 times as many); measured in */
+#define TILE_ROWS 16  /* docs/performance.md ("Integer matmuls") */
+#endif
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#define TW 16
+typedef __m512i vti_t;
+typedef __m512 vtf_t;
+#define T_LOADI(p) _mm512_loadu_si512((const void *)(p))
+#define T_DP(acc, a, b) _mm512_dpbusd_epi32(acc, a, b)
+#define T_SET1I(v) _mm512_set1_epi32(v)
+#define T_ZEROI() _mm512_setzero_si512()
+#define T_SUBI(a, b) _mm512_sub_epi32(a, b)
+#define T_ADDI(a, b) _mm512_add_epi32(a, b)
+#define T_MULLO(a, b) _mm512_mullo_epi32(a, b)
+#define T_CVT(a) _mm512_cvtepi32_ps(a)
+#define T_LOADF(p) _mm512_loadu_ps(p)
+#define T_SET1F(v) _mm512_set1_ps(v)
+#define T_ZEROF() _mm512_setzero_ps()
+#define T_MUL(a, b) _mm512_mul_ps(a, b)
+#define T_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define T_ADD(a, b) _mm512_add_ps(a, b)
+#define T_STOREF(p, v) _mm512_storeu_ps(p, v)
+#else
+#define TW 8
+typedef __m256i vti_t;
+typedef __m256 vtf_t;
+#define T_LOADI(p) _mm256_loadu_si256((const __m256i *)(p))
+#define T_DP(acc, a, b) madd_u8s8(acc, a, b)
+#define T_SET1I(v) _mm256_set1_epi32(v)
+#define T_ZEROI() _mm256_setzero_si256()
+#define T_SUBI(a, b) _mm256_sub_epi32(a, b)
+#define T_ADDI(a, b) _mm256_add_epi32(a, b)
+#define T_MULLO(a, b) _mm256_mullo_epi32(a, b)
+#define T_CVT(a) _mm256_cvtepi32_ps(a)
+#define T_LOADF(p) _mm256_loadu_ps(p)
+#define T_SET1F(v) _mm256_set1_ps(v)
+#define T_ZEROF() _mm256_setzero_ps()
+#define T_MUL(a, b) _mm256_mul_ps(a, b)
+#define T_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define T_ADD(a, b) _mm256_add_ps(a, b)
+#define T_STOREF(p, v) _mm256_storeu_ps(p, v)
+#endif
+#define TB (48 * TW)        /* scratch bytes per 32-value block */
+#define T_FD (32 * TW)      /* offsets inside a scratch block */
+#define T_FM (36 * TW)
+#define T_SC (40 * TW)
+
+/* the tile kind of a format: 0 none (the group kernels), 1 offset, 2 minimums, 3 Q6_K; *off */
+static int tile_kind(int32_t fmt, int *off) {
+    *off = 0;
+    switch (fmt) {
+    case FMT_Q4_0: *off = 8; return 1;
+    case FMT_Q5_0: *off = 16; return 1;
+    case FMT_Q8_0: *off = 128; return 1;
+    case FMT_Q4: case FMT_Q5_1: case FMT_Q4_K: case FMT_Q5_K: return 2;
+    case FMT_Q6_K: return 3;
+    default: return 0;
+    }
+}
+
+/* block b's step u of half h (8 columns) in the scratch tile */
+static inline void t_put(uint8_t *tile, int64_t b, int u, int h, __m256i v) {
+    _mm256_storeu_si256((__m256i *)(tile + b * TB + u * 4 * TW + 32 * h), v);
+}
+static inline void t_putf(uint8_t *tile, int64_t b, int off, int h, __m256 v) {
+    _mm256_storeu_ps((float *)(tile + b * TB + off) + 8 * h, v);
+}
+
+/* one packed group of 8 columns (wg, nb blocks of 32 values) into half h of the scratch tile */
+static void unpack_group(int32_t fmt, int64_t nb, const uint8_t *wg, uint8_t *tile, int h) {
+    const __m256i low = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10), m30 = _mm256_set1_epi8(0x30),
+                  m63 = _mm256_set1_epi8(0x3F), sign = _mm256_set1_epi8((char)0x80);
+    if (fmt == FMT_Q4 || fmt == FMT_Q4_0 || fmt == FMT_Q5_0 || fmt == FMT_Q5_1) {
+        const int KIND = fmt == FMT_Q5_0 ? 1 : fmt == FMT_Q5_1 ? 2 : 0;
+        const int BLK = fmt == FMT_Q4 ? Q4_BLOCK : KIND == 0 ? Q40_BLOCK : KIND == 1 ? Q50_BLOCK : Q51_BLOCK;
+        const int DOFF = fmt == FMT_Q4 || KIND == 0 ? 128 : 160, MOFF = fmt == FMT_Q4 ? 144 : 176;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *w = wg + b * BLK;
+            const __m256i H = KIND ? _mm256_loadu_si256((const __m256i *)(w + 128)) : _mm256_setzero_si256();
+            for (int t = 0; t < 4; t++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(w + 32 * t));
+                __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                if (KIND) {
+                    lo = _mm256_or_si256(lo, _mm256_and_si256(shift16(H, 4 - 2 * t), bit4));
+                    hi = _mm256_or_si256(hi, _mm256_and_si256(shift16(H, 3 - 2 * t), bit4));
+                }
+                t_put(tile, b, 2 * t, h, lo);
+                t_put(tile, b, 2 * t + 1, h, hi);
+            }
+            t_putf(tile, b, T_FD, h, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + DOFF))));
+            if (fmt == FMT_Q4 || KIND == 2)
+                t_putf(tile, b, T_FM, h, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + MOFF))));
+        }
+    } else if (fmt == FMT_Q8_0) {
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *w = wg + b * Q80_BLOCK;
+            for (int t = 0; t < 8; t++) /* c + 128 as u8 */
+                t_put(tile, b, t, h, _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + 32 * t)), sign));
+            t_putf(tile, b, T_FD, h, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 256))));
+        }
+    } else if (fmt == FMT_Q4_K || fmt == FMT_Q5_K) {
+        const int FIVE = fmt == FMT_Q5_K, BLK = FIVE ? Q5K_BLOCK : Q4K_BLOCK, SC = FIVE ? Q5K_SC : Q4K_SC;
+        for (int64_t sb = 0; sb < nb / 8; sb++) {
+            const uint8_t *w = wg + sb * BLK;
+            __m256i A = _mm256_loadu_si256((const __m256i *)(w + SC)), B = _mm256_loadu_si256((const __m256i *)(w + SC + 32)),
+                    C = _mm256_loadu_si256((const __m256i *)(w + SC + 64));
+            uint8_t sc[64] __attribute__((aligned(32))), mn[64] __attribute__((aligned(32)));
+            _mm256_store_si256((__m256i *)sc, _mm256_and_si256(A, m63));
+            _mm256_store_si256((__m256i *)(sc + 32), _mm256_or_si256(_mm256_and_si256(C, low),
+                                                                     _mm256_and_si256(_mm256_srli_epi16(A, 2), m30)));
+            _mm256_store_si256((__m256i *)mn, _mm256_and_si256(B, m63));
+            _mm256_store_si256((__m256i *)(mn + 32), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(C, 4), low),
+                                                                     _mm256_and_si256(_mm256_srli_epi16(B, 2), m30)));
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + SC + 96)));
+            const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + SC + 112)));
+            for (int s = 0; s < 8; s++) {
+                const int64_t b = sb * 8 + s;
+                const uint8_t *c = w + 128 * s;
+                const __m256i H = FIVE ? _mm256_loadu_si256((const __m256i *)(w + Q5K_QH + 32 * s)) : _mm256_setzero_si256();
+                for (int t = 0; t < 4; t++) {
+                    __m256i v = _mm256_loadu_si256((const __m256i *)(c + 32 * t));
+                    __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                    if (FIVE) {
+                        lo = _mm256_or_si256(lo, _mm256_and_si256(shift16(H, 4 - 2 * t), bit4));
+                        hi = _mm256_or_si256(hi, _mm256_and_si256(shift16(H, 3 - 2 * t), bit4));
+                    }
+                    t_put(tile, b, 2 * t, h, lo);
+                    t_put(tile, b, 2 * t + 1, h, hi);
+                }
+                t_putf(tile, b, T_FD, h, _mm256_mul_ps(d, u8x8_ps(sc + 8 * s)));
+                /* -(dmin m): fnmadd(dmin m, s, acc) == fmadd(-(dmin m), s, acc) bit for bit */
+                t_putf(tile, b, T_FM, h, _mm256_xor_ps(_mm256_mul_ps(dmin, u8x8_ps(mn + 8 * s)), _mm256_set1_ps(-0.0f)));
+            }
+        }
+    } else { /* FMT_Q6_K */
+        for (int64_t sb = 0; sb < nb / 8; sb++) {
+            const uint8_t *w = wg + sb * Q6K_BLOCK;
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + Q6K_D)));
+            for (int s = 0; s < 8; s++) {
+                const int64_t b = sb * 8 + s;
+                const uint8_t *c = w + 128 * s;
+                for (int t = 0; t < 4; t++) {
+                    __m256i v = _mm256_loadu_si256((const __m256i *)(c + 32 * t));
+                    __m256i H = _mm256_loadu_si256((const __m256i *)(w + Q6K_QH + 64 * s + 32 * (t >> 1)));
+                    const int u = 4 * (t & 1);
+                    t_put(tile, b, 2 * t, h, _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(shift16(H, 4 - u), m30)));
+                    t_put(tile, b, 2 * t + 1, h, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+                                                                 _mm256_and_si256(shift16(H, 2 - u), m30)));
+                }
+                t_putf(tile, b, T_FD, h, d);
+                for (int half = 0; half < 2; half++)
+                    _mm256_storeu_si256((__m256i *)((int32_t *)(tile + b * TB + T_SC) + TW * half + 8 * h),
+                                        i8x8_epi32(w + Q6K_SC + 8 * (2 * s + half)));
+            }
+        }
+    }
+}
+
+/* rows r0 .. r0 + NR - 1 of y, the tile's TW columns; KIND and OFF as tile_kind gives them */
+INLINE void tile_rows(const int NR, const int KIND, const int OFF, int64_t nb, const uint8_t *tile, const qrows_t *a,
+                      int64_t r0, float *y, int64_t ys, const float *bias) {
+    const int8_t *xq = a->q + r0 * nb * QK;
+    const float *xd = a->d + r0 * nb, *xs = a->s + r0 * nb;
+    const int32_t *q16 = a->q16 ? a->q16 + r0 * 2 * nb : NULL;
+    vtf_t acc[ROW_TILE];
+    for (int j = 0; j < NR; j++) acc[j] = T_ZEROF();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *o = tile + b * TB;
+        vti_t is[ROW_TILE], sum[ROW_TILE];
+        for (int j = 0; j < NR; j++) {
+            is[j] = KIND == 3 ? T_SET1I(-32 * q16[j * 2 * nb + 2 * b]) : T_ZEROI();
+            sum[j] = T_ZEROI();
+        }
+        #pragma GCC unroll 8
+        for (int u = 0; u < 8; u++) {
+            const vti_t v = T_LOADI(o + u * 4 * TW);
+            for (int j = 0; j < NR; j++) {
+                int32_t xv;
+                memcpy(&xv, xq + j * nb * QK + b * QK + 4 * u, 4);
+                is[j] = T_DP(is[j], v, T_SET1I(xv));
+            }
+            if (KIND == 3 && (u & 3) == 3) { /* a 16-value half done: times its int8 scale, in int32 */
+                const vti_t sc = T_LOADI(o + T_SC + 4 * TW * (u >> 2));
+                for (int j = 0; j < NR; j++) {
+                    sum[j] = T_ADDI(sum[j], T_MULLO(is[j], sc));
+                    if (u == 3) is[j] = T_SET1I(-32 * q16[j * 2 * nb + 2 * b + 1]);
+                }
+            }
+        }
+        const vtf_t fd = T_LOADF((const float *)(o + T_FD));
+        const vtf_t fm = KIND == 2 ? T_LOADF((const float *)(o + T_FM)) : T_ZEROF();
+        for (int j = 0; j < NR; j++) {
+            vti_t s32 = KIND == 3 ? sum[j] : is[j];
+            if (KIND == 1) s32 = T_SUBI(s32, T_SET1I(OFF * (q16[j * 2 * nb + 2 * b] + q16[j * 2 * nb + 2 * b + 1])));
+            acc[j] = T_FMA(T_MUL(fd, T_SET1F(xd[j * nb + b])), T_CVT(s32), acc[j]);
+            if (KIND == 2) acc[j] = T_FMA(fm, T_SET1F(xs[j * nb + b]), acc[j]);
+        }
+    }
+    const vtf_t bv = bias ? T_LOADF(bias) : T_ZEROF();
+    for (int j = 0; j < NR; j++) T_STOREF(y + (r0 + j) * ys, T_ADD(acc[j], bv));
+}
+
+/* groups g0 .. g1 - 1 of w (one format) for all rows, TW / 8 groups at a time through the
+ * scratch tile (nb * TB bytes), a last odd group by the group kernel */
+static void run_tiles(const qweights_t *w, int64_t g0, int64_t g1, const qrows_t *a, int64_t rows, float *y,
+                      int64_t ys, const float *bias, uint8_t *tile) {
+    int off;
+    const int kind = tile_kind(w->fmt, &off);
+    const int64_t nb = w->k / QK, gb = group_bytes(w), per = TW / 8;
+    int64_t g = g0;
+    for (; g + per <= g1; g += per) {
+        for (int h = 0; h < per; h++) unpack_group(w->fmt, nb, (const uint8_t *)w->codes + (g + h) * gb, tile, h);
+        const float *bg = bias ? bias + 8 * g : NULL;
+        float *yg = y + 8 * g;
+        for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
+            switch (kind) {
+            case 1:
+                if (off == 8) BY_TILE(rows - r0, tile_rows, 1, 8, nb, tile, a, r0, yg, ys, bg);
+                else if (off == 16) BY_TILE(rows - r0, tile_rows, 1, 16, nb, tile, a, r0, yg, ys, bg);
+                else BY_TILE(rows - r0, tile_rows, 1, 128, nb, tile, a, r0, yg, ys, bg);
+                break;
+            case 2: BY_TILE(rows - r0, tile_rows, 2, 0, nb, tile, a, r0, yg, ys, bg); break;
+            default: BY_TILE(rows - r0, tile_rows, 3, 0, nb, tile, a, r0, yg, ys, bg); break;
+            }
+        }
+    }
+    for (; g < g1; g++) run_group(w, g, a, rows, y, ys, bias);
+}
+#endif
+
 /* y [rows, n] (row stride n) = x [rows, k] (row stride xs, float32) times w, + bias, on
  * nthreads OpenMP threads (torch's count, passed in: a thread that never set it would get
  * OMP_NUM_THREADS or every core). Returns 0, -1 when out of memory, -2 for an unknown format
@@ -913,10 +1158,63 @@ int pagedkv_qmm(const qweights_t *w, int64_t rows, const float *x, int64_t xs, f
     int sums16 = SUMS16(w->fmt);
     for (int64_t p = 0; w->fmt == FMT_CONCAT && p < w->nparts; p++) sums16 |= SUMS16(w->parts[p]->fmt);
 #undef SUMS16
+#if QMM_VNNI
+    /* the column tiles' path (every part of a format it takes) */
+    int tiles = rows >= TILE_ROWS, toff;
+    for (int64_t p = 0; tiles && p < (w->fmt == FMT_CONCAT ? w->nparts : 1); p++) {
+        const int kind = tile_kind(w->fmt == FMT_CONCAT ? w->parts[p]->fmt : w->fmt, &toff);
+        tiles = kind != 0 && (kind != 2 || rows >= 3 * TILE_ROWS); /* minimums: the decode costs more */
+    }
+    sums16 |= tiles;
+#else
+    const int tiles = 0;
+#endif
     qrows_t a;
     if (quantize_rows(x, xs, rows, w->k, &a, nt, sums16)) return -1;
     const int64_t n = w->n;
-    if (w->fmt != FMT_CONCAT) {
+    if (tiles) {
+#if QMM_VNNI
+        /* the parts' (or the one matrix's) groups cut into one contiguous range per thread of
+         * about equal weight bytes, each thread with its own scratch tile */
+        const qweights_t *const one[1] = {w};
+        const qweights_t *const *parts = w->fmt == FMT_CONCAT ? w->parts : one;
+        const int64_t nparts = w->fmt == FMT_CONCAT ? w->nparts : 1;
+        int64_t total = 0;
+        for (int64_t p = 0; p < nparts; p++) total += parts[p]->n / 8 * group_bytes(parts[p]);
+        int failed = 0;
+        #pragma omp parallel num_threads(nt) reduction(|| : failed)
+        {
+            int64_t tid = 0, cnt = 1;
+#ifdef _OPENMP
+            tid = omp_get_thread_num();
+            cnt = omp_get_num_threads();
+#endif
+            uint8_t *tile = aligned_alloc(64, (size_t)(w->k / QK * TB));
+            if (!tile) {
+                failed = 1;
+            } else {
+                const int64_t lo = total * tid / cnt, hi = total * (tid + 1) / cnt;
+                int64_t before = 0, col = 0;
+                for (int64_t p = 0; p < nparts; p++) {
+                    const qweights_t *q = parts[p];
+                    const int64_t gb = group_bytes(q), ng = q->n / 8;
+                    int64_t g0 = lo > before ? (lo - before + gb - 1) / gb : 0, g1 = hi > before ? (hi - before + gb - 1) / gb : 0;
+                    g0 = g0 < ng ? g0 : ng;
+                    g1 = g1 < ng ? g1 : ng;
+                    const float *bias = w->fmt == FMT_CONCAT && w->bias ? w->bias + col : q->bias;
+                    if (g0 < g1) run_tiles(q, g0, g1, &a, rows, y + col, n, bias, tile);
+                    before += ng * gb;
+                    col += q->n;
+                }
+                free(tile);
+            }
+        }
+        if (failed) {
+            free(a.mem);
+            return -1;
+        }
+#endif
+    } else if (w->fmt != FMT_CONCAT) {
         #pragma omp parallel for if (rows * n * w->k >= PAR_MACS) num_threads(nt) schedule(static)
         for (int64_t g = 0; g < n / 8; g++) run_group(w, g, &a, rows, y, n, w->bias);
     } else {

@@ -164,6 +164,32 @@ def test_linear_every_row_count(ops, qtype):
 
 
 @pytest.mark.parametrize("qtype", qmm.GGUF_TYPES)
+def test_a_row_does_not_depend_on_how_many_rows_share_the_call(ops, qtype):
+    """From 16 rows (48 for formats with minimums) the VNNI builds decode each column tile once
+    per call and run another kernel over the rows; each output's arithmetic is the group
+    kernels' to the bit, so a row gives the same float32 bits alone, in any slice of a batch,
+    on 1 or 2 threads, with an odd group count (the last group through the group kernel)."""
+    k = 512
+    g = torch.Generator().manual_seed(5)
+    threads = torch.get_num_threads()
+    try:
+        for n, has_bias in ((24, True), (40, False)):
+            raw = random_blocks(qtype, n, k, seed=11 * n)
+            packed = ops.pack_gguf(qtype, raw, k, torch.randn(n, generator=g) if has_bias else None)
+            x = torch.randn(130, k, generator=g) * 2
+            x[3, 7] = 50.0  # an outlier block
+            torch.set_num_threads(1)
+            alone = torch.cat([ops.linear(x[i:i + 1], packed) for i in range(x.shape[0])])
+            for nt in (1, 2):
+                torch.set_num_threads(nt)
+                for cut in (7, 16, 47, 48, 130):
+                    got = torch.cat([ops.linear(x[i:i + cut], packed) for i in range(0, x.shape[0], cut)])
+                    assert torch.equal(got, alone), (qtype, n, nt, cut)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("qtype", qmm.GGUF_TYPES)
 @pytest.mark.parametrize("fill", [0x00, 0xFF])
 def test_extreme_codes_keep_exact_sums(ops, qtype, fill):
     """Every code byte at its extreme and activation codes of +-127 with the product's sign
