@@ -907,9 +907,10 @@ static void run_group(const qweights_t *w, int64_t g, const qrows_t *a, int64_t 
  * share the call (tested bit for bit). */
 #if QMM_VNNI
 #ifndef TILE_ROWS /* from this many rows (formats with minimums: 3 times as many); measured in */
-#define TILE_ROWS 16  /* docs/performance.md ("Integer matmuls") */
+#define TILE_ROWS 16  /* docs/performance.md ("Integer matmuls on batches") */
 #endif
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && !defined(QMM_TILE_YMM) /* tests build -DQMM_TILE_YMM: the
+                                                                           AVX-VNNI width on an AVX-512 host */
 #define TW 16
 typedef __m512i vti_t;
 typedef __m512 vtf_t;

@@ -23,7 +23,7 @@ a file stores in different types is a :func:`concat_packed`: one call, activatio
 Used by ``pagedkv.model.quant`` (``QuantLinear.kernel`` ``"q8"``) for every row count on CPUs
 without AMX (``max_rows``), and by ``pagedkv.model.native_step``. ``get()`` returns ``None``
 when there is no C compiler, the build fails, or ``PAGEDKV_QMM=0``; ``build_error()`` says
-why. Measured in docs/performance.md ("Integer matmuls").
+why. Measured in docs/performance.md ("Weight formats and routes", "Integer matmuls on batches").
 """
 
 from __future__ import annotations
@@ -331,12 +331,14 @@ class QmmOps:
         return Packed(4 if q4 else 100 + ggml_id, n, k, out, bias=bias)
 
 
-def build(march: str | None = None) -> QmmOps:
+def build(march: str | None = None, defines: Sequence[str] = ()) -> QmmOps:
     """Compile (or load from the cache) and wrap the kernels; ``march``: a ``-march=`` target
     other than the default (tests build ``x86-64-v3``, the AVX2 code, and ``x86-64``, the
-    plain C code, on any x86 host). Raises ``RuntimeError`` when the build fails."""
+    plain C code, on any x86 host); ``defines``: ``-D`` macros (tests: ``QMM_TILE_YMM``, the
+    8-column tiles of AVX-VNNI CPUs on an AVX-512 host). Raises ``RuntimeError`` when the
+    build fails."""
     flags = list(_FLAGS) if march is None else [f"-march={march}" if f.startswith("-march=") else f for f in _FLAGS]
-    return QmmOps(compile_c(source("qmm.c"), "pagedkv_qmm", flags))
+    return QmmOps(compile_c(source("qmm.c"), "pagedkv_qmm", flags + [f"-D{d}" for d in defines]))
 
 
 _OPS = BuiltOnce("PAGEDKV_QMM", build)

@@ -19,6 +19,8 @@ from pagedkv.model.quant import CpuFeatures, Int4Linear, Int8Linear
 from pagedkv.model import quant
 
 BUILDS = ["default", "x86-64-v3", "x86-64"] if platform.machine() == "x86_64" else ["default"]
+if qmm.get() is not None and qmm.get().isa == "avx512-vnni":
+    BUILDS.append("tiles-ymm")  # the 8-column tiles AVX-VNNI CPUs (no AVX-512) run, built here
 
 
 @pytest.fixture(scope="module", params=BUILDS)
@@ -27,6 +29,8 @@ def ops(request):
         got = qmm.get()
         assert got is not None, qmm.build_error()
         return got
+    if request.param == "tiles-ymm":
+        return qmm.build(None, ["QMM_TILE_YMM"])
     return qmm.build(request.param)
 
 
