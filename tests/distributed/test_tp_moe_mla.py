@@ -40,11 +40,11 @@ NEW = 12
 
 def _hf(kind: str):
     if kind in ("qwen3_moe", "mixtral"):
-        from tests.model.test_families_moe import _hf_config
+        from tests.model.builders import moe_config as _hf_config
     elif kind == "minicpm3":
         from tests.model.test_mla import _hf_config
     else:
-        from tests.model.test_deepseek import _hf_config
+        from tests.model.builders import deepseek_config as _hf_config
     return _hf_config(kind)
 
 

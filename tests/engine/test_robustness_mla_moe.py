@@ -27,7 +27,7 @@ KINDS = ["deepseek_v3", "qwen3_moe"]
 
 def _build(kind: str, out):
     if kind == "qwen3_moe":
-        from tests.model.test_families_moe import _hf_config
+        from tests.model.builders import moe_config as _hf_config
     else:
         from tests.model.test_mla import _hf_config
     from tests.model.test_llama import _tiny_tokenizer

@@ -22,7 +22,7 @@ DEL = object()
 def _hf(kind: str, **kw) -> dict:
     """The tiny config.json dict of ``kind`` with ``kw`` applied (``DEL``: key removed)."""
     if kind in ("qwen3_moe", "mixtral"):
-        from tests.model.test_families_moe import _hf_config
+        from tests.model.builders import moe_config as _hf_config
     else:
         from tests.model.test_mla import _hf_config
     d = _hf_config(kind)[0].to_dict()
@@ -126,7 +126,7 @@ def qwen3_moe_dir(tmp_path_factory):
     """A saved tiny Qwen3-MoE (8 experts, seeded random weights)."""
     import torch
 
-    from tests.model.test_families_moe import _hf_config
+    from tests.model.builders import moe_config as _hf_config
 
     cfg, cls = _hf_config("qwen3_moe")
     torch.manual_seed(0)

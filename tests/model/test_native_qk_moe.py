@@ -221,7 +221,7 @@ def test_a_native_decode_step_reads_only_the_routed_experts(moe_gguf):
 def test_int8_qwen3_moe_with_a_dense_layer_runs_natively_like_the_eager_path(tmp_path):
     """transformers' Qwen3-MoE with layer 1 dense (``mlp_only_layers``), experts quantised to
     int8 (``Int8Linear`` modules, not GGUF): dense and MoE layers mixed in one native loop."""
-    from tests.model.test_families_moe import _hf_config
+    from tests.model.builders import moe_config as _hf_config
     from tests.model.test_llama import _tiny_tokenizer
 
     cfg, cls = _hf_config("qwen3_moe")
