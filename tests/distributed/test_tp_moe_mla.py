@@ -266,13 +266,13 @@ def test_moe_and_mla_gguf_under_tensor_parallelism_raise_config_error(arch, tmp_
     before any worker starts, not a run on other numbers."""
     path = tmp_path / "tiny.gguf"
     if arch == "qwen3moe":
-        from tests.model.test_gguf_moe import _hf_model, _write
+        from tests.model.builders import moe_gguf_model, write_moe_gguf
 
-        _write(_hf_model(arch), path, arch)
+        write_moe_gguf(moe_gguf_model(arch), path, arch)
     else:
-        from tests.model.test_gguf_deepseek import _hf_model, _write
+        from tests.model.builders import deepseek_gguf_model, write_deepseek_gguf
 
-        _write(_hf_model(arch), path)
+        write_deepseek_gguf(deepseek_gguf_model(arch), path)
     with pytest.raises(ConfigError, match="weights='gguf'"):
         LLM(str(path), tensor_parallel_size=2, num_blocks=8, block_size=16)
 

@@ -150,10 +150,10 @@ def test_fewer_experts_than_the_checkpoint_names_num_experts(qwen3_moe_dir, tmp_
 @pytest.fixture(scope="module")
 def moe_gguf(tmp_path_factory):
     """The tiny qwen3moe GGUF of ``test_gguf_moe.py``."""
-    from tests.model.test_gguf_moe import _hf_model, _write
+    from tests.model.builders import moe_gguf_model, write_moe_gguf
 
     path = tmp_path_factory.mktemp("gguf") / "m.gguf"
-    _write(_hf_model(), path)
+    write_moe_gguf(moe_gguf_model(), path)
     return path
 
 

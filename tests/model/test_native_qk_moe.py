@@ -24,27 +24,17 @@ import torch
 from pagedkv import LLM, SamplingParams
 from pagedkv.attention import get_backend
 from pagedkv.model.loader import load_model
+from tests.model.builders import NORM_NOISE, match, moe_config, moe_gguf_model, save_tiny, seeded_model, write_moe_gguf
 from tests.model.test_native_step import _caches, _step
 
 
 @pytest.fixture(scope="module")
 def qwen3_int8(tmp_path_factory):
     from tests.model.test_families import _hf_config
-    from tests.model.test_llama import _tiny_tokenizer
 
-    cfg, cls = _hf_config("qwen3")
-    torch.manual_seed(0)
-    hf = cls(cfg).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.3)
-            elif any(k in name for k in ("q_proj", "k_proj", "embed_tokens")):
-                p.mul_(8.0)
-    out = tmp_path_factory.mktemp("qwen3")
-    hf.save_pretrained(out)
-    _tiny_tokenizer().save_pretrained(out)
-    return load_model(out, weights="int8")
+    rules = [NORM_NOISE, (match(has=("q_proj", "k_proj", "embed_tokens")), "mul", 8.0)]
+    hf = seeded_model(*_hf_config("qwen3"), rules, eager=False)
+    return load_model(save_tiny(hf, tmp_path_factory.mktemp("qwen3")), weights="int8")
 
 
 def _eager(model):
@@ -126,10 +116,8 @@ def test_head_rms_norm_normalises_each_head_in_place_as_torch():
 
 @pytest.fixture(scope="module", params=["qwen3moe", "llama"])
 def moe_gguf(request, tmp_path_factory):
-    from tests.model.test_gguf_moe import _hf_model, _write
-
     path = tmp_path_factory.mktemp(request.param) / "tiny-moe.gguf"
-    _write(_hf_model(request.param), path, request.param)
+    write_moe_gguf(moe_gguf_model(request.param), path, request.param)
     return load_model(path, weights="auto")
 
 
@@ -221,19 +209,8 @@ def test_a_native_decode_step_reads_only_the_routed_experts(moe_gguf):
 def test_int8_qwen3_moe_with_a_dense_layer_runs_natively_like_the_eager_path(tmp_path):
     """transformers' Qwen3-MoE with layer 1 dense (``mlp_only_layers``), experts quantised to
     int8 (``Int8Linear`` modules, not GGUF): dense and MoE layers mixed in one native loop."""
-    from tests.model.builders import moe_config as _hf_config
-    from tests.model.test_llama import _tiny_tokenizer
-
-    cfg, cls = _hf_config("qwen3_moe")
-    torch.manual_seed(0)
-    hf = cls(cfg).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("gate.weight"):
-                p.mul_(20.0)
-    hf.save_pretrained(tmp_path)
-    _tiny_tokenizer().save_pretrained(tmp_path)
-    lm = load_model(tmp_path, weights="int8")
+    hf = seeded_model(*moe_config("qwen3_moe"), [(match(ends=("gate.weight",)), "mul", 20.0)], eager=False)
+    lm = load_model(save_tiny(hf, tmp_path), weights="int8")
     (native, _), (eager, _) = _moe_steps(lm, True), _moe_steps(lm, False)
     assert lm.model.native_state == "on" and sorted(lm.model._native.experts) == [0, 2]
     assert lm.model.layers[1].mlp is None
