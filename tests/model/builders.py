@@ -284,6 +284,20 @@ def check_engine_greedy(hf, lm, block: int, pool: int, new: int) -> None:
     assert len({t for r in refs for t in r}) > 12  # not a few tokens repeated
 
 
+def check_two_greedy_completions(hf, lm, new: int) -> None:
+    """``n=2`` greedy sampling of ``prompt(30, 12)`` (4-token blocks, 16-token chunks): both
+    completions (forked from the one prefilled prompt) equal :func:`hf_greedy`'s ``new`` tokens
+    and every block is freed after. Raises ``AssertionError`` otherwise."""
+    from pagedkv import LLM, SamplingParams
+
+    p = prompt(30, 12)
+    ref = hf_greedy(hf, [p], new)[0]
+    llm = LLM(lm, block_size=4, num_blocks=64, max_num_batched_tokens=16, debug_invariants=True)
+    out = llm.generate([p], SamplingParams(n=2, temperature=0.0, max_tokens=new, ignore_eos=True), use_tqdm=False)[0]
+    assert [c.token_ids for c in out.outputs] == [ref, ref]
+    assert llm.engine.kv.num_used_blocks == 0
+
+
 # --- GGUF files --------------------------------------------------------------------------------
 
 def gguf_special() -> tuple[int, tuple[int, int, int]]:

@@ -23,15 +23,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedkv import LLM, SamplingParams
 from pagedkv.attention import get_backend
 from pagedkv.errors import ConfigError
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.loader import load_model
 from pagedkv.testing.caches import allocate_kv_caches
 from tests.model.builders import (
-    check_engine_greedy, chunked_logits, decode_expert_calls, hf_greedy, hf_logits, moe_config, moe_rules, prompt,
-    save_tiny, seeded_model,
+    check_engine_greedy, check_two_greedy_completions, chunked_logits, decode_expert_calls, hf_logits, moe_config,
+    moe_rules, prompt, save_tiny, seeded_model,
 )
 
 FAMILIES = ["qwen3_moe", "mixtral"]
@@ -80,12 +79,7 @@ def test_engine_greedy_tokens_equal_transformers(family, block):
 def test_two_completions_of_one_prompt_share_its_blocks_and_equal_transformers(family):
     """``n=2`` greedy: both completions fork from the one prefilled prompt and equal ``generate``'s."""
     _, hf, _, lm = family
-    p = prompt(30, 12)
-    ref = hf_greedy(hf, [p], NEW)[0]
-    llm = LLM(lm, block_size=4, num_blocks=64, max_num_batched_tokens=16, debug_invariants=True)
-    out = llm.generate([p], SamplingParams(n=2, temperature=0.0, max_tokens=NEW, ignore_eos=True), use_tqdm=False)[0]
-    assert [c.token_ids for c in out.outputs] == [ref, ref]
-    assert llm.engine.kv.num_used_blocks == 0
+    check_two_greedy_completions(hf, lm, NEW)
 
 
 def test_moe_layers_run_eager_and_only_routed_experts_at_decode(family):

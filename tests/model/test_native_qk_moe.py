@@ -24,7 +24,9 @@ import torch
 from pagedkv import LLM, SamplingParams
 from pagedkv.attention import get_backend
 from pagedkv.model.loader import load_model
-from tests.model.builders import NORM_NOISE, match, moe_config, moe_gguf_model, save_tiny, seeded_model, write_moe_gguf
+from tests.model.builders import (
+    NORM_NOISE, match, moe_config, moe_gguf_model, prompt, save_tiny, seeded_model, write_moe_gguf,
+)
 from tests.model.test_native_step import _caches, _step
 
 
@@ -49,6 +51,21 @@ def _eager(model):
         for layer, f in zip(model.layers, saved[1]):
             layer.fused = f
     return undo
+
+
+def _native_and_eager_tokens(lm, prompts: list[list[int]]) -> tuple[list, list]:
+    """One engine's 12 greedy tokens per prompt (4-token blocks, 16-token chunks) on the native
+    step loop (asserted on), then on the eager torch ops: ``(native, eager)``."""
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    llm = LLM(lm, block_size=4, num_blocks=64, max_num_batched_tokens=16)
+    native = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert lm.model.native_state == "on"
+    undo = _eager(lm.model)
+    try:
+        eager = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    finally:
+        undo()
+    return native, eager
 
 
 def test_qwen3_runs_natively_and_equals_the_fused_path_bit_for_bit(qwen3_int8):
@@ -78,17 +95,7 @@ def test_qwen3_runs_natively_and_equals_the_fused_path_bit_for_bit(qwen3_int8):
 
 
 def test_qwen3_native_engine_tokens_equal_the_eager_path(qwen3_int8):
-    lm = qwen3_int8
-    prompts = [torch.randint(3, 97, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (37, 9, 20)]
-    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    llm = LLM(lm, block_size=4, num_blocks=64, max_num_batched_tokens=16)
-    native = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-    assert lm.model.native_state == "on"
-    undo = _eager(lm.model)
-    try:
-        eager = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-    finally:
-        undo()
+    native, eager = _native_and_eager_tokens(qwen3_int8, [prompt(n, n) for n in (37, 9, 20)])
     assert native == eager and all(len(t) == 12 for t in native)
 
 
@@ -153,17 +160,7 @@ def test_moe_native_steps_equal_the_eager_moe_to_float_rounding(moe_gguf):
 
 
 def test_moe_native_engine_tokens_equal_the_eager_path(moe_gguf):
-    lm = moe_gguf
-    prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (30, 7, 12)]
-    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    llm = LLM(lm, block_size=4, num_blocks=64, max_num_batched_tokens=16)
-    native = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-    assert lm.model.native_state == "on"
-    undo = _eager(lm.model)
-    try:
-        eager = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-    finally:
-        undo()
+    native, eager = _native_and_eager_tokens(moe_gguf, [prompt(n, n, 0, 256) for n in (30, 7, 12)])
     assert native == eager and all(len(t) == 12 for t in native)
 
 
