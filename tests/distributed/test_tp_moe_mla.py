@@ -32,9 +32,10 @@ from pagedkv.errors import ConfigError
 from pagedkv.kv.spec import KVCacheSpec
 from pagedkv.model.loader import load_model
 from pagedkv.testing.caches import allocate_kv_caches
+from tests.model.builders import NORM_NOISE, hf_greedy, match, save_tiny, seeded_model
+from tests.model.builders import prompt as _prompt
 
 FAMILIES = ["qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "minicpm3"]
-VOCAB = 97
 NEW = 12
 
 
@@ -59,43 +60,19 @@ def _build(kind: str, out, **changes):
     cfg, cls = _hf(kind)
     for key, value in changes.items():
         setattr(cfg, key, value)
-    cfg._attn_implementation = "eager"
     cfg._experts_implementation = "eager"  # the reference loops over experts (any width)
-    torch.manual_seed(0)
-    hf = cls(cfg).eval()
-    big = ("q_proj", "k_proj") if kind in ("qwen3_moe", "mixtral") else ("q_proj", "q_b_proj", "kv_a_proj",
-                                                                       "kv_b_proj", "o_proj")
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.3)
-            elif any(k in name for k in big) or name.endswith("embed_tokens.weight"):
-                p.mul_(8.0 if kind in ("qwen3_moe", "mixtral") else 3.0)
-            elif name.endswith("gate.weight"):  # routers
-                p.mul_(20.0 if kind in ("qwen3_moe", "mixtral") else 10.0)
-        if kind == "deepseek_v3":
+    moe = kind in ("qwen3_moe", "mixtral")
+    big = ("q_proj", "k_proj") if moe else ("q_proj", "q_b_proj", "kv_a_proj", "kv_b_proj", "o_proj")
+    rules = [NORM_NOISE, (match(has=big, ends=("embed_tokens.weight",)), "mul", 8.0 if moe else 3.0),
+             (match(ends=("gate.weight",)), "mul", 20.0 if moe else 10.0)]  # routers
+    hf = seeded_model(cfg, cls, rules)
+    if kind == "deepseek_v3":
+        with torch.no_grad():
             for layer in hf.model.layers[1:]:
                 layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(8) * 0.5)
-    hf.save_pretrained(out)
-    from tests.model.test_llama import _tiny_tokenizer
-
-    _tiny_tokenizer().save_pretrained(out)
+    save_tiny(hf, out)
     hf.generation_config.eos_token_id = None  # NEW tokens, as ignore_eos
     return kind, hf, load_model(out)
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _greedy(hf, prompts: list[list[int]]) -> list[list[int]]:
-    refs = []
-    for p in prompts:
-        with torch.inference_mode():
-            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                              max_new_tokens=NEW, do_sample=False, num_beams=1, pad_token_id=0)
-        refs.append(out[0, len(p):].tolist())
-    return refs
 
 
 def test_shards_hold_split_experts_and_replicated_router_and_latent(family):
@@ -217,7 +194,7 @@ def test_tp2_engine_greedy_equals_transformers(family, block, monkeypatch):
     monkeypatch.setenv("PAGEDKV_TP_TIMEOUT", "60")
     shared = _prompt(16, 7)
     prompts = [_prompt(30, 2), _prompt(22, 3), shared + _prompt(9, 4), shared + _prompt(7, 5)]
-    refs = _greedy(hf, prompts)
+    refs = hf_greedy(hf, prompts, NEW)
     opts = dict(block_size=block, num_blocks=80 // block + 1, max_num_batched_tokens=8, enable_prefix_caching=True)
     tp = LLM(lm, tensor_parallel_size=2, **opts)
     try:

@@ -30,9 +30,10 @@ from pagedkv.errors import ConfigError
 from pagedkv.kv.spec import KVCacheSpec
 from pagedkv.model.loader import load_model
 from pagedkv.testing.caches import allocate_kv_caches
+from tests.model.builders import NORM_NOISE, VOCAB, match, save_tiny, seeded_model
+from tests.model.builders import prompt as _prompt
 
 FAMILIES = ["minicpm3", "deepseek_v2", "deepseek_v3"]
-VOCAB = 97
 NEW = 16
 RANK, ROPE, NOPE, VDIM = 32, 8, 16, 24
 
@@ -69,24 +70,10 @@ def _build(kind: str, out, **changes):
     cfg, cls = _hf_config(kind)
     for key, value in changes.items():
         setattr(cfg, key, value)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    hf = cls(cfg).eval()
-    with torch.no_grad():  # non-trivial norms, and scores large enough that mistakes show
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.3)
-            elif any(k in name for k in ("q_proj", "q_b_proj", "kv_a_proj", "kv_b_proj", "o_proj", "embed_tokens")):
-                p.mul_(3.0)
-    hf.save_pretrained(out)
-    from tests.model.test_llama import _tiny_tokenizer
-
-    _tiny_tokenizer().save_pretrained(out)
-    return kind, hf, out, load_model(out)
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    # non-trivial norms, and scores large enough that mistakes show
+    big = ("q_proj", "q_b_proj", "kv_a_proj", "kv_b_proj", "o_proj", "embed_tokens")
+    hf = seeded_model(cfg, cls, [NORM_NOISE, (match(has=big), "mul", 3.0)])
+    return kind, hf, save_tiny(hf, out), load_model(out)
 
 
 def test_config_reads_the_mla_family(family):
