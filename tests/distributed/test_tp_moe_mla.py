@@ -32,7 +32,7 @@ from pagedkv.errors import ConfigError
 from pagedkv.kv.spec import KVCacheSpec
 from pagedkv.model.loader import load_model
 from pagedkv.testing.caches import allocate_kv_caches
-from tests.model.builders import NORM_NOISE, hf_greedy, match, save_tiny, seeded_model
+from tests.model.builders import NORM_NOISE, hf_greedy, hf_logits, match, save_tiny, seeded_model
 from tests.model.builders import prompt as _prompt
 
 FAMILIES = ["qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "minicpm3"]
@@ -152,8 +152,7 @@ def test_uneven_expert_and_mlp_widths(tmp_path):
 
 def _check_two_thread_ranks(hf, lm) -> None:
     ids = _prompt(30, 1)
-    with torch.inference_mode():
-        ref = hf(torch.tensor([ids])).logits[0].float()
+    ref = hf_logits(hf, ids)
     backend = get_backend("cpu")
     reducers, barrier = _thread_all_reduce(2)
     results: list = [None, None]

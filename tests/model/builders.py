@@ -188,6 +188,20 @@ def hf_greedy(hf, prompts: list[list[int]], new: int, pad_token_id: int = 0) -> 
     return refs
 
 
+def hf_greedy_logprobs(hf, prompts: list[list[int]], new: int) -> list[tuple[list[int], list[float]]]:
+    """As :func:`hf_greedy` (pad id 0), with each generated token's log-probability under
+    transformers' fp32 logits: ``[(token ids, log-probabilities)]`` per prompt."""
+    refs = []
+    for p in prompts:
+        with torch.inference_mode():
+            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              max_new_tokens=new, do_sample=False, num_beams=1, output_logits=True,
+                              return_dict_in_generate=True, pad_token_id=0)
+        toks = out.sequences[0, len(p):].tolist()
+        refs.append((toks, [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(out.logits, toks)]))
+    return refs
+
+
 def margin_prompts(hf, new: int, margin: float, count: int = 2, tries: int = 20) -> tuple[list, list]:
     """The first ``count`` of ``tries`` seeded 10-token prompts (ids in ``[0, 256)``, seeds 0..)
     whose greedy path in transformers keeps its top two logits more than ``margin`` apart for

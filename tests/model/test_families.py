@@ -25,7 +25,9 @@ import pagedkv.attention.triton_backend  # noqa: F401 - before transformers impo
 from pagedkv import LLM, SamplingParams
 from pagedkv.attention import get_backend
 from pagedkv.model.loader import load_model
-from tests.model.builders import CHUNKS_40, VOCAB, chunked_logits, hf_logits, match, save_tiny, seeded_model
+from tests.model.builders import (
+    CHUNKS_40, VOCAB, chunked_logits, hf_greedy_logprobs, hf_logits, match, save_tiny, seeded_model,
+)
 from tests.model.builders import prompt as _prompt
 
 FAMILIES = ["qwen3", "mistral", "phi3", "gemma2", "gemma3"]
@@ -104,15 +106,7 @@ def test_engine_greedy_tokens_and_logprobs_equal_transformers(family):
     kind, hf, _, lm = family
     shared = _prompt(24, 7)
     prompts = [_prompt(45, 2), _prompt(37, 3), shared + _prompt(11, 4), shared + _prompt(13, 5)]
-    refs = []
-    for p in prompts:
-        with torch.inference_mode():
-            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                              max_new_tokens=NEW, do_sample=False, num_beams=1, output_logits=True,
-                              return_dict_in_generate=True, pad_token_id=0)
-        toks = out.sequences[0, len(p):].tolist()
-        lps = [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(out.logits, toks)]
-        refs.append((toks, lps))
+    refs = hf_greedy_logprobs(hf, prompts, NEW)
     # 16-token chunks; the small pool (4-token blocks; an all-window model holds only ~8 blocks per
     # sequence, so its pool is smaller) cannot hold the first three sequences (47-57 tokens each): the
     # scheduler preempts. Then, in an ample pool, the last prompt hits the 6 blocks it shares with the third

@@ -191,8 +191,7 @@ def test_yarn_scaling_reads_as_transformers(tmp_path):
     for m in iter_linears(lm.model):
         m.prepare("fallback")
     ids = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(2)).tolist()
-    with torch.inference_mode():
-        want = hf(torch.tensor([ids])).logits[0].float()
+    want = hf_logits(hf, ids)
     backend = get_backend("cpu")
     caches = allocate_kv_caches(lm.model, backend, num_blocks=8, block_size=16)
     md = AttentionMetadata.build([100], [100], [list(range(7))], 16)
