@@ -2,14 +2,20 @@
 model tests (import as ``from tests.model.builders import ...``; not a test file: pytest
 collects only ``test_*.py``).
 
-Every builder returns fp32 transformers models on CPU built under ``torch.manual_seed(seed)``
-(default 0) from configs of 3 layers, hidden 64, 4 attention heads; the HF directories hold
-``config.json`` + ``model.safetensors`` and the 97-word tokenizer of ``test_llama.py``. The
-weights are then made non-trivial by :func:`perturb` rules (first matching rule per parameter,
-in ``named_parameters`` order, so the global RNG draws are those of the copies this module
-replaced). The GGUF writers write what llama-cpp-python 0.3.36's ``convert_hf_to_gguf.py``
-writes for these models (see ``test_gguf_moe.py`` / ``test_gguf_deepseek.py``) and leave the
-transformers model holding the file's dequantised values.
+* models: :func:`seeded_model` builds an fp32 transformers ``*ForCausalLM`` on CPU under
+  ``torch.manual_seed(seed)`` (default 0), then makes its weights non-trivial by :func:`perturb`
+  rules (the first matching rule per parameter, in ``named_parameters`` order, so the global RNG
+  draws are those of the per-file copies this module replaced); :func:`moe_config` /
+  :func:`deepseek_config` are the tiny MoE and DeepSeek families (3 layers, hidden 64, 4 heads);
+  :func:`save_tiny` writes an HF directory (``config.json`` + ``model.safetensors`` + the
+  97-word tokenizer of ``test_llama.py``);
+* GGUF files: :func:`write_moe_gguf` / :func:`write_deepseek_gguf` write what llama-cpp-python
+  0.3.36's ``convert_hf_to_gguf.py`` writes for these models (``test_gguf_moe.py`` /
+  ``test_gguf_deepseek.py``) and leave the transformers model holding the file's dequantised
+  values;
+* references and runs: transformers' logits and greedy tokens (:func:`hf_logits`,
+  :func:`hf_greedy`, ...), a pagedkv decoder's chunked logits, and ``check_*`` scenarios that
+  assert (rewritten by pytest: ``tests/conftest.py`` registers this module).
 """
 
 from __future__ import annotations
@@ -427,7 +433,8 @@ def write_moe_gguf(hf, path: Path, arch: str = "qwen3moe") -> None:
     def put(hf_name: str, t: torch.Tensor) -> torch.Tensor:
         name = tmap.get_name(hf_name, try_suffixes=(".weight",))
         assert name is not None, hf_name
-        heads = {"attn_q.weight": c.num_attention_heads, "attn_k.weight": c.num_key_value_heads}.get(name.split(".", 2)[-1])
+        heads = {"attn_q.weight": c.num_attention_heads,
+                 "attn_k.weight": c.num_key_value_heads}.get(name.split(".", 2)[-1])
         return put_tensor(w, name, t, f32=("ffn_gate_inp.weight", "token_embd.weight"),
                           permute_heads=heads if arch == "llama" else None)
 
@@ -468,7 +475,8 @@ def write_deepseek_gguf(hf, path: Path, legacy: bool = False, gating: int | None
                    (w.add_rope_freq_base, 10000.0), (w.add_layer_norm_rms_eps, c.rms_norm_eps), (w.add_expert_count, E),
                    (w.add_expert_used_count, K), (w.add_expert_group_count, 2), (w.add_expert_group_used_count, 1),
                    (lambda v: w.add_uint32("deepseek2.expert_gating_func", v), gating or (2 if v3 else 1)),
-                   (w.add_key_length, NOPE + ROPE if legacy else RANK + ROPE), (w.add_value_length, VDIM if legacy else RANK),
+                   (w.add_key_length, NOPE + ROPE if legacy else RANK + ROPE),
+                   (w.add_value_length, VDIM if legacy else RANK),
                    (w.add_leading_dense_block_count, 1), (w.add_vocab_size, c.vocab_size)):
         add(v)
     if not v3:
