@@ -39,6 +39,10 @@ if not torch.cuda.is_available():
 
 STRICT = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 
+# the shared model builders' check_* helpers assert for the tests that call them: rewrite their
+# asserts as pytest rewrites a test module's, so a failure shows the compared values
+pytest.register_assert_rewrite("tests.model.builders")
+
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: needs the bundled model (loads weights)")

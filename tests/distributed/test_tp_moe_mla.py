@@ -32,19 +32,20 @@ from pagedkv.errors import ConfigError
 from pagedkv.kv.spec import KVCacheSpec
 from pagedkv.model.loader import load_model
 from pagedkv.testing.caches import allocate_kv_caches
+from tests.model.builders import NORM_NOISE, hf_greedy, hf_logits, match, save_tiny, seeded_model
+from tests.model.builders import prompt as _prompt
 
 FAMILIES = ["qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "minicpm3"]
-VOCAB = 97
 NEW = 12
 
 
 def _hf(kind: str):
     if kind in ("qwen3_moe", "mixtral"):
-        from tests.model.test_families_moe import _hf_config
+        from tests.model.builders import moe_config as _hf_config
     elif kind == "minicpm3":
         from tests.model.test_mla import _hf_config
     else:
-        from tests.model.test_deepseek import _hf_config
+        from tests.model.builders import deepseek_config as _hf_config
     return _hf_config(kind)
 
 
@@ -59,43 +60,19 @@ def _build(kind: str, out, **changes):
     cfg, cls = _hf(kind)
     for key, value in changes.items():
         setattr(cfg, key, value)
-    cfg._attn_implementation = "eager"
     cfg._experts_implementation = "eager"  # the reference loops over experts (any width)
-    torch.manual_seed(0)
-    hf = cls(cfg).eval()
-    big = ("q_proj", "k_proj") if kind in ("qwen3_moe", "mixtral") else ("q_proj", "q_b_proj", "kv_a_proj",
-                                                                       "kv_b_proj", "o_proj")
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.3)
-            elif any(k in name for k in big) or name.endswith("embed_tokens.weight"):
-                p.mul_(8.0 if kind in ("qwen3_moe", "mixtral") else 3.0)
-            elif name.endswith("gate.weight"):  # routers
-                p.mul_(20.0 if kind in ("qwen3_moe", "mixtral") else 10.0)
-        if kind == "deepseek_v3":
+    moe = kind in ("qwen3_moe", "mixtral")
+    big = ("q_proj", "k_proj") if moe else ("q_proj", "q_b_proj", "kv_a_proj", "kv_b_proj", "o_proj")
+    rules = [NORM_NOISE, (match(has=big, ends=("embed_tokens.weight",)), "mul", 8.0 if moe else 3.0),
+             (match(ends=("gate.weight",)), "mul", 20.0 if moe else 10.0)]  # routers
+    hf = seeded_model(cfg, cls, rules)
+    if kind == "deepseek_v3":
+        with torch.no_grad():
             for layer in hf.model.layers[1:]:
                 layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(8) * 0.5)
-    hf.save_pretrained(out)
-    from tests.model.test_llama import _tiny_tokenizer
-
-    _tiny_tokenizer().save_pretrained(out)
+    save_tiny(hf, out)
     hf.generation_config.eos_token_id = None  # NEW tokens, as ignore_eos
     return kind, hf, load_model(out)
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _greedy(hf, prompts: list[list[int]]) -> list[list[int]]:
-    refs = []
-    for p in prompts:
-        with torch.inference_mode():
-            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                              max_new_tokens=NEW, do_sample=False, num_beams=1, pad_token_id=0)
-        refs.append(out[0, len(p):].tolist())
-    return refs
 
 
 def test_shards_hold_split_experts_and_replicated_router_and_latent(family):
@@ -175,8 +152,7 @@ def test_uneven_expert_and_mlp_widths(tmp_path):
 
 def _check_two_thread_ranks(hf, lm) -> None:
     ids = _prompt(30, 1)
-    with torch.inference_mode():
-        ref = hf(torch.tensor([ids])).logits[0].float()
+    ref = hf_logits(hf, ids)
     backend = get_backend("cpu")
     reducers, barrier = _thread_all_reduce(2)
     results: list = [None, None]
@@ -217,7 +193,7 @@ def test_tp2_engine_greedy_equals_transformers(family, block, monkeypatch):
     monkeypatch.setenv("PAGEDKV_TP_TIMEOUT", "60")
     shared = _prompt(16, 7)
     prompts = [_prompt(30, 2), _prompt(22, 3), shared + _prompt(9, 4), shared + _prompt(7, 5)]
-    refs = _greedy(hf, prompts)
+    refs = hf_greedy(hf, prompts, NEW)
     opts = dict(block_size=block, num_blocks=80 // block + 1, max_num_batched_tokens=8, enable_prefix_caching=True)
     tp = LLM(lm, tensor_parallel_size=2, **opts)
     try:
@@ -266,13 +242,13 @@ def test_moe_and_mla_gguf_under_tensor_parallelism_raise_config_error(arch, tmp_
     before any worker starts, not a run on other numbers."""
     path = tmp_path / "tiny.gguf"
     if arch == "qwen3moe":
-        from tests.model.test_gguf_moe import _hf_model, _write
+        from tests.model.builders import moe_gguf_model, write_moe_gguf
 
-        _write(_hf_model(arch), path, arch)
+        write_moe_gguf(moe_gguf_model(arch), path, arch)
     else:
-        from tests.model.test_gguf_deepseek import _hf_model, _write
+        from tests.model.builders import deepseek_gguf_model, write_deepseek_gguf
 
-        _write(_hf_model(arch), path)
+        write_deepseek_gguf(deepseek_gguf_model(arch), path)
     with pytest.raises(ConfigError, match="weights='gguf'"):
         LLM(str(path), tensor_parallel_size=2, num_blocks=8, block_size=16)
 

@@ -20,42 +20,28 @@ import torch
 from pagedkv import SamplingParams
 from pagedkv.engine.engine import LLMEngine
 from pagedkv.model.loader import load_model
+from tests.model.builders import NORM_NOISE, match, save_tiny, seeded_model
+from tests.model.builders import prompt as _prompt
 
-VOCAB = 97
 KINDS = ["deepseek_v3", "qwen3_moe"]
 
 
 def _build(kind: str, out):
     if kind == "qwen3_moe":
-        from tests.model.test_families_moe import _hf_config
+        from tests.model.builders import moe_config as _hf_config
     else:
         from tests.model.test_mla import _hf_config
-    from tests.model.test_llama import _tiny_tokenizer
 
-    cfg, cls = _hf_config(kind)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    hf = cls(cfg).eval()
-    with torch.no_grad():  # non-trivial norms, decisive routers, scores large enough that mistakes show
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.3)
-            elif name.endswith("gate.weight"):
-                p.mul_(20.0)
-            elif any(k in name for k in ("q_proj", "kv_a_proj", "kv_b_proj", "o_proj", "embed_tokens")):
-                p.mul_(3.0)
-    hf.save_pretrained(out)
-    _tiny_tokenizer().save_pretrained(out)
-    return hf, load_model(out)
+    # non-trivial norms, decisive routers, scores large enough that mistakes show
+    big = ("q_proj", "kv_a_proj", "kv_b_proj", "o_proj", "embed_tokens")
+    hf = seeded_model(*_hf_config(kind), [NORM_NOISE, (match(ends=("gate.weight",)), "mul", 20.0),
+                                          (match(has=big), "mul", 3.0)])
+    return hf, load_model(save_tiny(hf, out))
 
 
 @pytest.fixture(scope="module", params=KINDS)
 def family(request, tmp_path_factory):
     return (request.param, *_build(request.param, tmp_path_factory.mktemp(request.param)))
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 PROMPTS = [_prompt(n, s) for s, n in enumerate([1, 3, 4, 5, 15, 16, 17, 32, 33])]

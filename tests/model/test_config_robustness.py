@@ -22,7 +22,7 @@ DEL = object()
 def _hf(kind: str, **kw) -> dict:
     """The tiny config.json dict of ``kind`` with ``kw`` applied (``DEL``: key removed)."""
     if kind in ("qwen3_moe", "mixtral"):
-        from tests.model.test_families_moe import _hf_config
+        from tests.model.builders import moe_config as _hf_config
     else:
         from tests.model.test_mla import _hf_config
     d = _hf_config(kind)[0].to_dict()
@@ -126,7 +126,7 @@ def qwen3_moe_dir(tmp_path_factory):
     """A saved tiny Qwen3-MoE (8 experts, seeded random weights)."""
     import torch
 
-    from tests.model.test_families_moe import _hf_config
+    from tests.model.builders import moe_config as _hf_config
 
     cfg, cls = _hf_config("qwen3_moe")
     torch.manual_seed(0)
@@ -150,10 +150,10 @@ def test_fewer_experts_than_the_checkpoint_names_num_experts(qwen3_moe_dir, tmp_
 @pytest.fixture(scope="module")
 def moe_gguf(tmp_path_factory):
     """The tiny qwen3moe GGUF of ``test_gguf_moe.py``."""
-    from tests.model.test_gguf_moe import _hf_model, _write
+    from tests.model.builders import moe_gguf_model, write_moe_gguf
 
     path = tmp_path_factory.mktemp("gguf") / "m.gguf"
-    _write(_hf_model(), path)
+    write_moe_gguf(moe_gguf_model(), path)
     return path
 
 

@@ -21,70 +21,30 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedkv import LLM, SamplingParams
+from pagedkv import LLM
 from pagedkv.attention import get_backend
-from pagedkv.attention.base import AttentionMetadata
 from pagedkv.errors import ConfigError
 from pagedkv.kv.spec import KVCacheSpec
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.loader import load_model
-from pagedkv.testing.caches import allocate_kv_caches
+from tests.model.builders import (
+    MOE_I, RANK, ROPE, check_engine_greedy, chunked_logits, decode_expert_calls, deepseek_config, deepseek_model,
+    hf_logits, prompt, save_tiny,
+)
 
 FAMILIES = ["deepseek_v2", "deepseek_v3"]
-VOCAB = 97
 NEW = 20
-RANK, ROPE, NOPE, VDIM, MOE_I = 32, 8, 16, 24, 32
-
-
-def _hf_config(kind: str):
-    import transformers as tf
-
-    common = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0, initializer_range=0.1, kv_lora_rank=RANK, qk_rope_head_dim=ROPE, qk_nope_head_dim=NOPE,
-        v_head_dim=VDIM, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
-        moe_intermediate_size=MOE_I, n_group=2, topk_group=1, tie_word_embeddings=False,
-    )
-    if kind == "deepseek_v2":
-        return tf.DeepseekV2Config(q_lora_rank=48, topk_method="group_limited_greedy", n_shared_experts=2,
-                                   routed_scaling_factor=1.5, norm_topk_prob=True, **common), tf.DeepseekV2ForCausalLM
-    if kind == "deepseek_v3":
-        return tf.DeepseekV3Config(q_lora_rank=None, n_shared_experts=1, rope_interleave=True,
-                                   **common), tf.DeepseekV3ForCausalLM
-    raise AssertionError(kind)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request, tmp_path_factory):
-    """(kind, transformers model, directory, pagedkv LoadedModel)."""
+    """(kind, transformers model, directory, pagedkv LoadedModel): ``builders.deepseek_model``
+    (non-trivial norms, large enough scores, decisive routers, V3's bias set)."""
     kind = request.param
-    cfg, cls = _hf_config(kind)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    hf = cls(cfg).eval()
-    with torch.no_grad():  # non-trivial norms, large enough scores, decisive routers
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.3)
-            elif any(k in name for k in ("q_proj", "q_b_proj", "kv_a_proj", "kv_b_proj", "o_proj", "embed_tokens")):
-                p.mul_(3.0)
-            elif name.endswith("mlp.gate.weight"):
-                p.mul_(10.0)
-        for layer in hf.model.layers[1:]:
-            if kind == "deepseek_v3":  # a bias that changes choices (transformers initialises it to zeros)
-                layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(8) * 0.5)
-    out = tmp_path_factory.mktemp(kind)
-    hf.save_pretrained(out)
-    from tests.model.test_llama import _tiny_tokenizer
-
-    _tiny_tokenizer().save_pretrained(out)
+    hf = deepseek_model(kind)
+    out = save_tiny(hf, tmp_path_factory.mktemp(kind))
     hf.generation_config.eos_token_id = None  # the references run NEW tokens, as ignore_eos
     return kind, hf, out, load_model(out)
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def test_config_and_weights_read_the_deepseek_moe(family):
@@ -138,81 +98,26 @@ def test_routing_equals_transformers_router(family):
 @pytest.mark.parametrize("block", [1, 16])
 def test_logits_equal_transformers(family, block):
     kind, hf, _, lm = family
-    ids = _prompt(40, 1)
-    with torch.inference_mode():
-        ref = hf(torch.tensor([ids])).logits[0].float()
-    backend = get_backend("cpu")
-    blocks = -(-40 // block)
-    caches = allocate_kv_caches(lm.model, backend, num_blocks=blocks + 3, block_size=block)
-    table = list(range(blocks + 3))[::-1][:blocks]  # reversed physical blocks
-    got = []
-    for start, end in ((0, 13), (13, 24), (24, 37), (37, 38), (38, 39), (39, 40)):
-        md = AttentionMetadata.build([end], [end - start], [table], block)
-        with torch.inference_mode():
-            got.append(lm.model.compute_logits(lm.model(torch.tensor(ids[start:end]), torch.arange(start, end),
-                                                        caches, md, backend)))
-    torch.testing.assert_close(torch.cat(got), ref, rtol=1e-4, atol=1e-4)
+    ids = prompt(40, 1)
+    ref = hf_logits(hf, ids)
+    torch.testing.assert_close(chunked_logits(lm.model, ids, block, get_backend("cpu")), ref, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("block", [1, 16])
 def test_engine_greedy_tokens_equal_transformers(family, block):
     """16-token prefill chunks; three requests batched in a pool of ~2 sequences' blocks
     (preemption); a fourth request hits the 32-token prefix the third left cached."""
-    kind, hf, _, lm = family
-    shared = _prompt(32, 7)
-    prompts = [_prompt(45, 2), _prompt(37, 3), shared + _prompt(11, 4), shared + _prompt(13, 5)]
-    refs = []
-    for p in prompts:
-        with torch.inference_mode():
-            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                              max_new_tokens=NEW, do_sample=False, num_beams=1, pad_token_id=0)
-        refs.append(out[0, len(p):].tolist())
-    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
-    llm = LLM(lm, block_size=block, num_blocks=130 // block + 1, max_num_batched_tokens=16,
-              enable_prefix_caching=True, debug_invariants=True)
-    outs = llm.generate(prompts[:3], params, use_tqdm=False)
-    assert llm.engine.scheduler.stats.num_preemptions > 0
-    assert llm.engine.kv.num_used_blocks == 0
-    big = LLM(lm, block_size=block, num_blocks=512 // block, max_num_batched_tokens=16, enable_prefix_caching=True,
-              debug_invariants=True)
-    assert big.generate(prompts[2:3], params, use_tqdm=False)[0].outputs[0].token_ids == outs[2].outputs[0].token_ids
-    outs += big.generate(prompts[3:], params, use_tqdm=False)
-    assert outs[3].num_cached_tokens >= 32 - block
-    assert big.engine.kv.num_used_blocks == 0
-    assert [o.outputs[0].token_ids for o in outs] == refs
-    assert len({t for r in refs for t in r}) > 12  # not a few tokens repeated
+    _, hf, _, lm = family
+    check_engine_greedy(hf, lm, block, pool=130 // block + 1, new=NEW)
 
 
 def test_decode_step_runs_only_routed_experts_and_the_shared_one(family):
-    kind, _, _, lm = family
-    net = lm.model
-    backend = get_backend("cpu")
-    caches = allocate_kv_caches(net, backend, num_blocks=4, block_size=16)
-    calls: dict[int, list] = {1: [], 2: []}
-    routed: dict[int, list[int]] = {}
-    handles = []
-    for i in calls:
-        mlp = net.layers[i].mlp
-        for e, expert in enumerate(mlp.experts):
-            handles.append(expert.register_forward_hook(lambda m, inp, out, i=i, e=e: calls[i].append(e)))
-        handles.append(mlp.shared.register_forward_hook(lambda m, inp, out, i=i: calls[i].append("shared")))
-        handles.append(mlp.register_forward_pre_hook(
-            lambda m, args, i=i: routed.__setitem__(i, sorted(m.route(args[0])[1].flatten().tolist()))))
-    ids = _prompt(10, 9)
-    try:
-        with torch.inference_mode():
-            net(torch.tensor(ids[:9]), torch.arange(9), caches, AttentionMetadata.build([9], [9], [[0]], 16), backend)
-            prefill = {i: len(v) for i, v in calls.items()}
-            for v in calls.values():
-                v.clear()
-            net(torch.tensor(ids[9:]), torch.tensor([9]), caches, AttentionMetadata.build([10], [1], [[0]], 16), backend)
-    finally:
-        for h in handles:
-            h.remove()
+    net = family[3].model
+    prefill, calls, routed = decode_expert_calls(net, [1, 2], prompt(10, 9), get_backend("cpu"), shared=True)
     for i, ran in calls.items():
         assert ran.count("shared") == 1 and len(ran) == 3  # 2 routed + the shared MLP
         assert sorted(e for e in ran if e != "shared") == routed[i]
-        assert prefill[i] > 3  # 9 tokens reach more experts
+        assert len(prefill[i]) > 3  # 9 tokens reach more experts
     assert net.native_state == net.fused_state == "off (MLA layers run eager)"
 
 
@@ -240,14 +145,9 @@ def test_quantised_experts_and_shared_mlp(family, weights, cls, tol):
         mods = [m for e in (*layer.mlp.experts, layer.mlp.shared) for m in (e.gate_up_proj, e.down_proj)]
         assert {type(m).__name__ for m in mods} == {cls} and len(mods) == 18
         assert type(layer.mlp.router) is torch.nn.Linear and layer.mlp.router.weight.dtype == torch.float32
-    ids = torch.tensor(_prompt(20, 11))
-    backend = get_backend("cpu")
-    logits = []
-    for net in (lm.model, q.model):
-        caches = allocate_kv_caches(net, backend, num_blocks=2, block_size=16)
-        with torch.inference_mode():
-            logits.append(net.compute_logits(net(ids, torch.arange(20), caches,
-                                                 AttentionMetadata.build([20], [20], [[0, 1]], 16), backend)))
+    ids = prompt(20, 11)
+    logits = [chunked_logits(net, ids, 16, get_backend("cpu"), chunks=((0, 20),), table=[0, 1], num_blocks=2)
+              for net in (lm.model, q.model)]
     diff = (logits[0] - logits[1]).abs().max().item()
     assert 0 < diff < tol
 
@@ -293,7 +193,7 @@ def test_stacked_expert_tensors_load_to_the_same_model(family, tmp_path):
 
 
 def _cfg(kind: str, **kw) -> ModelConfig:
-    cfg, _ = _hf_config(kind)
+    cfg, _ = deepseek_config(kind)
     return ModelConfig.from_hf_config({**cfg.to_dict(), **kw})
 
 

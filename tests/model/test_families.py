@@ -24,12 +24,13 @@ import torch
 import pagedkv.attention.triton_backend  # noqa: F401 - before transformers imports triton (sets TRITON_INTERPRET=1 without CUDA)
 from pagedkv import LLM, SamplingParams
 from pagedkv.attention import get_backend
-from pagedkv.attention.base import AttentionMetadata
 from pagedkv.model.loader import load_model
-from pagedkv.testing.caches import allocate_kv_caches
+from tests.model.builders import (
+    CHUNKS_40, VOCAB, chunked_logits, hf_greedy_logprobs, hf_logits, match, save_tiny, seeded_model,
+)
+from tests.model.builders import prompt as _prompt
 
 FAMILIES = ["qwen3", "mistral", "phi3", "gemma2", "gemma3"]
-VOCAB = 97
 BLOCK = 4
 NEW = 12
 
@@ -66,27 +67,14 @@ def _hf_config(kind: str):
 def family(request, tmp_path_factory):
     """(kind, transformers model, directory, pagedkv LoadedModel)."""
     kind = request.param
-    cfg, cls = _hf_config(kind)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    hf = cls(cfg).eval()
-    with torch.no_grad():  # non-trivial norms and biases, and scores / logits large enough
-        for name, p in hf.named_parameters():  # for the soft caps to bite, so that mistakes show
-            if "norm" in name or name.endswith("bias"):
-                p.add_(torch.randn_like(p) * 0.3)
-            elif any(k in name for k in ("q_proj", "k_proj", "qkv_proj")) or (name.endswith("embed_tokens.weight")
-                                                                               and not kind.startswith("gemma")):
-                p.mul_(8.0)  # (Gemma scales its tied embeddings itself: more makes it repeat one token)
-    out = tmp_path_factory.mktemp(kind)
-    hf.save_pretrained(out)
-    from tests.model.test_llama import _tiny_tokenizer
-
-    _tiny_tokenizer().save_pretrained(out)
+    # non-trivial norms and biases, and scores / logits large enough for the soft caps to bite, so
+    # that mistakes show (Gemma scales its tied embeddings itself: more makes it repeat one token)
+    embed = () if kind.startswith("gemma") else ("embed_tokens.weight",)
+    rules = [(match(has=("norm",), ends=("bias",)), "noise", 0.3),
+             (match(has=("q_proj", "k_proj", "qkv_proj"), ends=embed), "mul", 8.0)]
+    hf = seeded_model(*_hf_config(kind), rules)
+    out = save_tiny(hf, tmp_path_factory.mktemp(kind))
     return kind, hf, out, load_model(out)
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def test_config_reads_the_family(family):
@@ -107,34 +95,18 @@ def test_config_reads_the_family(family):
 def test_logits_equal_transformers_across_blocks_and_windows(family, backend_name):
     kind, hf, _, lm = family
     ids = _prompt(40, 1)
-    with torch.inference_mode():
-        ref = hf(torch.tensor([ids])).logits[0].float()
-    backend = get_backend(backend_name)
-    caches = allocate_kv_caches(lm.model, backend, num_blocks=16, block_size=BLOCK)
+    ref = hf_logits(hf, ids)
     table = [9, 2, 14, 0, 7, 11, 3, 5, 12, 1]  # shuffled physical blocks, 10 x 4 tokens
-    got = []
     # chunks of 13, 11 and 13 tokens (each crossing blocks and every window), then 3 decodes
-    for start, end in ((0, 13), (13, 24), (24, 37), (37, 38), (38, 39), (39, 40)):
-        md = AttentionMetadata.build([end], [end - start], [table], BLOCK)
-        with torch.inference_mode():
-            h = lm.model(torch.tensor(ids[start:end]), torch.arange(start, end), caches, md, backend)
-            got.append(lm.model.compute_logits(h))
-    torch.testing.assert_close(torch.cat(got), ref, rtol=1e-4, atol=1e-4)
+    got = chunked_logits(lm.model, ids, BLOCK, get_backend(backend_name), CHUNKS_40, table=table, num_blocks=16)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
 def test_engine_greedy_tokens_and_logprobs_equal_transformers(family):
     kind, hf, _, lm = family
     shared = _prompt(24, 7)
     prompts = [_prompt(45, 2), _prompt(37, 3), shared + _prompt(11, 4), shared + _prompt(13, 5)]
-    refs = []
-    for p in prompts:
-        with torch.inference_mode():
-            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                              max_new_tokens=NEW, do_sample=False, num_beams=1, output_logits=True,
-                              return_dict_in_generate=True, pad_token_id=0)
-        toks = out.sequences[0, len(p):].tolist()
-        lps = [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(out.logits, toks)]
-        refs.append((toks, lps))
+    refs = hf_greedy_logprobs(hf, prompts, NEW)
     # 16-token chunks; the small pool (4-token blocks; an all-window model holds only ~8 blocks per
     # sequence, so its pool is smaller) cannot hold the first three sequences (47-57 tokens each): the
     # scheduler preempts. Then, in an ample pool, the last prompt hits the 6 blocks it shares with the third

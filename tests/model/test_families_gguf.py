@@ -17,12 +17,11 @@ import pytest
 import torch
 
 from pagedkv.attention import get_backend
-from pagedkv.attention.base import AttentionMetadata
 from pagedkv.errors import ConfigError
 from pagedkv.gguf_header import read_gguf_header
 from pagedkv.model.loader import build_model
 from pagedkv.model.weights import gguf_config, gguf_state_dict
-from pagedkv.testing.caches import allocate_kv_caches
+from tests.model.builders import NORM_NOISE, chunked_logits, finish_gguf, hf_logits, match, prompt, seeded_model
 from tests.model.test_families import _hf_config
 
 _LAYER = {  # HF layer tensor -> llama.cpp's GGUF name
@@ -74,10 +73,7 @@ def _write_gguf(hf, arch: str, path) -> None:
         if gemma and key.endswith("norm.weight"):
             t = t + 1.0
         w.add_tensor(g, t.float().numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "gemma2", "gemma3", "phi3"])
@@ -88,15 +84,7 @@ def test_gguf_families_equal_transformers(tmp_path, kind):
     if kind == "qwen3":  # llama.cpp writes no window for qwen3: full attention on both sides
         cfg.use_sliding_window, cfg.sliding_window = False, None
         cfg.layer_types = ["full_attention"] * cfg.num_hidden_layers
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    hf = cls(cfg).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.3)
-            elif any(k in name for k in ("q_proj", "k_proj", "qkv_proj", "embed_tokens")):
-                p.mul_(8.0)
+    hf = seeded_model(cfg, cls, [NORM_NOISE, (match(has=("q_proj", "k_proj", "qkv_proj", "embed_tokens")), "mul", 8.0)])
     path = tmp_path / "tiny.gguf"
     _write_gguf(hf, kind, path)
     header = read_gguf_header(path)
@@ -105,23 +93,16 @@ def test_gguf_families_equal_transformers(tmp_path, kind):
     assert config.layer_windows() == {"qwen3": [None] * 3, "gemma2": [6, None, 6], "gemma3": [8, 8, 8],
                                       "phi3": [9] * 3}[kind]
     model = build_model(config, gguf_state_dict(path, header, config))
-    ids = torch.randint(3, 97, (30,), generator=torch.Generator().manual_seed(1)).tolist()
+    ids = prompt(30, 1)
     if kind == "gemma3":  # GGUF knows only llama.cpp's pattern (every 6th layer full): all 3 slide
         hf.config.layer_types = ["sliding_attention"] * 3
         for layer in hf.model.layers:
             layer.self_attn.sliding_window, layer.self_attn.layer_type = 8, "sliding_attention"
             layer.attention_type = "sliding_attention"
-    with torch.inference_mode():
-        ref = hf(torch.tensor([ids])).logits[0].float()
-    backend = get_backend("cpu")
-    caches = allocate_kv_caches(model, backend, num_blocks=10, block_size=4)
-    table = [3, 7, 0, 9, 5, 1, 8, 2]
-    got = []
-    for start, end in ((0, 11), (11, 29), (29, 30)):
-        md = AttentionMetadata.build([end], [end - start], [table], 4)
-        with torch.inference_mode():
-            got.append(model.compute_logits(model(torch.tensor(ids[start:end]), torch.arange(start, end), caches, md, backend)))
-    torch.testing.assert_close(torch.cat(got), ref, rtol=1e-4, atol=1e-4)
+    ref = hf_logits(hf, ids)
+    got = chunked_logits(model, ids, 4, get_backend("cpu"), ((0, 11), (11, 29), (29, 30)),
+                         table=[3, 7, 0, 9, 5, 1, 8, 2], num_blocks=10)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
 def test_phi3_longrope_gguf_is_refused(tmp_path):

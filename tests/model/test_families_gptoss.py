@@ -27,16 +27,23 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pagedkv import LLM, SamplingParams
 from pagedkv.attention import get_backend
 from pagedkv.attention.base import AttentionMetadata
 from pagedkv.errors import ConfigError
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.loader import load_model
 from pagedkv.testing.caches import allocate_kv_caches
+from tests.model.builders import (
+    NORM_NOISE, VOCAB, check_engine_greedy, check_two_greedy_completions, chunked_logits, decode_expert_calls,
+    finish_gguf, hf_logits, match, prompt, save_tiny, seeded_model,
+)
 
-VOCAB = 97
 NEW = 20
+#: non-trivial norms, sinks and biases, decisive routers, experts big enough that the SwiGLU clamp (limit 7) bites
+RULES = [NORM_NOISE, (match(ends=("sinks",)), "randn", 2.0),
+         (match(has=("q_proj.weight", "k_proj.weight"), ends=("embed_tokens.weight",)), "mul", 8.0),
+         (match(has=("router",)), "mul", 20.0), (match(ends=("bias",)), "randn", 0.1),
+         (match(has=("experts",)), "mul", 10.0), (lambda name: name == "lm_head.weight", "mul", 10.0)]
 
 
 def _hf_config():
@@ -57,36 +64,10 @@ def _hf_config():
 @pytest.fixture(scope="module")
 def gptoss(tmp_path_factory):
     """(transformers model, directory, pagedkv LoadedModel)."""
-    cfg, cls = _hf_config()
-    torch.manual_seed(0)
-    hf = cls(cfg).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.3)
-            elif name.endswith("sinks"):
-                p.copy_(torch.randn_like(p) * 2.0)
-            elif any(k in name for k in ("q_proj.weight", "k_proj.weight")) or name.endswith("embed_tokens.weight"):
-                p.mul_(8.0)
-            elif "router" in name:  # decisive choices
-                p.mul_(20.0)
-            elif name.endswith("bias"):
-                p.copy_(torch.randn_like(p) * 0.1)
-            elif "experts" in name:  # big enough that the SwiGLU clamp (limit 7) bites
-                p.mul_(10.0)
-            elif name == "lm_head.weight":
-                p.mul_(10.0)
-    out = tmp_path_factory.mktemp("gpt_oss")
-    hf.save_pretrained(out)
-    from tests.model.test_llama import _tiny_tokenizer
-
-    _tiny_tokenizer().save_pretrained(out)
+    hf = seeded_model(*_hf_config(), RULES)
+    out = save_tiny(hf, tmp_path_factory.mktemp("gpt_oss"))
     hf.generation_config.eos_token_id = None  # generate runs all NEW tokens, as the engine's ignore_eos
     return hf, out, load_model(out)
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def test_config_reads_gpt_oss(gptoss):
@@ -122,27 +103,13 @@ def test_experts_deinterleave_gate_and_up(gptoss):
         torch.testing.assert_close(got(x), want, rtol=1e-5, atol=1e-5)
 
 
-def _chunked_logits(lm, ids, block, backend):
-    blocks = -(-len(ids) // block)
-    caches = allocate_kv_caches(lm.model, backend, num_blocks=blocks + 3, block_size=block)
-    table = list(range(blocks + 3))[::-1][:blocks]  # reversed physical blocks
-    got = []
-    for start, end in ((0, 13), (13, 24), (24, 37), (37, 38), (38, 39), (39, 40)):
-        md = AttentionMetadata.build([end], [end - start], [table], block)
-        with torch.inference_mode():
-            got.append(lm.model.compute_logits(lm.model(torch.tensor(ids[start:end]), torch.arange(start, end),
-                                                        caches, md, backend)))
-    return torch.cat(got)
-
-
 @pytest.mark.parametrize("backend_name", ["cpu", "reference"])
 @pytest.mark.parametrize("block", [1, 16])
 def test_logits_equal_transformers(gptoss, block, backend_name):
     hf, _, lm = gptoss
-    ids = _prompt(40, 1)
-    with torch.inference_mode():
-        ref = hf(torch.tensor([ids])).logits[0].float()
-    got = _chunked_logits(lm, ids, block, get_backend(backend_name))
+    ids = prompt(40, 1)
+    ref = hf_logits(hf, ids)
+    got = chunked_logits(lm.model, ids, block, get_backend(backend_name))
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     assert ref.abs().max() > 3.0
 
@@ -150,15 +117,14 @@ def test_logits_equal_transformers(gptoss, block, backend_name):
 def test_sinks_change_the_logits(gptoss):
     """The equality above is not blind to the sinks: zeroed, the logits move well past 1e-4."""
     hf, _, lm = gptoss
-    ids = _prompt(40, 1)
-    with torch.inference_mode():
-        ref = hf(torch.tensor([ids])).logits[0].float()
+    ids = prompt(40, 1)
+    ref = hf_logits(hf, ids)
     saved = [layer.sinks.detach().clone() for layer in lm.model.layers]
     try:
         with torch.no_grad():
             for layer in lm.model.layers:
                 layer.sinks.zero_()
-        got = _chunked_logits(lm, ids, 16, get_backend("cpu"))
+        got = chunked_logits(lm.model, ids, 16, get_backend("cpu"))
     finally:
         with torch.no_grad():
             for layer, s in zip(lm.model.layers, saved):
@@ -169,69 +135,21 @@ def test_sinks_change_the_logits(gptoss):
 @pytest.mark.parametrize("block", [1, 16])
 def test_engine_greedy_tokens_equal_transformers(gptoss, block):
     hf, _, lm = gptoss
-    shared = _prompt(32, 7)
-    prompts = [_prompt(45, 2), _prompt(37, 3), shared + _prompt(11, 4), shared + _prompt(13, 5)]
-    refs = []
-    for p in prompts:
-        with torch.inference_mode():
-            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                              max_new_tokens=NEW, do_sample=False, num_beams=1, pad_token_id=0)
-        refs.append(out[0, len(p):].tolist())
-    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
     # the three first sequences need 57-65 tokens each (in the full layer's group, plus the
     # sliding layers' window and chunk): a pool of at most ~2 sequences' blocks preempts
-    pool = {1: 131, 16: 14}[block]
-    llm = LLM(lm, block_size=block, num_blocks=pool, max_num_batched_tokens=16, enable_prefix_caching=True,
-              debug_invariants=True)
-    outs = llm.generate(prompts[:3], params, use_tqdm=False)
-    assert llm.engine.scheduler.stats.num_preemptions > 0
-    assert llm.engine.kv.num_used_blocks == 0
-    big = LLM(lm, block_size=block, num_blocks=512 // block, max_num_batched_tokens=16, enable_prefix_caching=True,
-              debug_invariants=True)
-    assert big.generate(prompts[2:3], params, use_tqdm=False)[0].outputs[0].token_ids == outs[2].outputs[0].token_ids
-    outs += big.generate(prompts[3:], params, use_tqdm=False)  # its 32-token prefix is cached by now
-    assert outs[3].num_cached_tokens >= 32 - block
-    assert big.engine.kv.num_used_blocks == 0
-    assert [o.outputs[0].token_ids for o in outs] == refs
-    assert len({t for r in refs for t in r}) > 12  # not a few tokens repeated
+    check_engine_greedy(hf, lm, block, pool={1: 131, 16: 14}[block], new=NEW)
 
 
 def test_two_completions_of_one_prompt_equal_transformers(gptoss):
     """``n=2`` greedy: both completions fork from the one prefilled prompt and equal ``generate``'s."""
     hf, _, lm = gptoss
-    p = _prompt(30, 12)
-    with torch.inference_mode():
-        ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                          max_new_tokens=NEW, do_sample=False, num_beams=1, pad_token_id=0)[0, len(p):].tolist()
-    llm = LLM(lm, block_size=4, num_blocks=64, max_num_batched_tokens=16, debug_invariants=True)
-    out = llm.generate([p], SamplingParams(n=2, temperature=0.0, max_tokens=NEW, ignore_eos=True), use_tqdm=False)[0]
-    assert [c.token_ids for c in out.outputs] == [ref, ref]
-    assert llm.engine.kv.num_used_blocks == 0
+    check_two_greedy_completions(hf, lm, NEW)
 
 
 def test_layers_run_eager_and_only_routed_experts_at_decode(gptoss):
     _, _, lm = gptoss
     net = lm.model
-    backend = get_backend("cpu")
-    caches = allocate_kv_caches(net, backend, num_blocks=4, block_size=16)
-    calls: dict[int, list[int]] = {i: [] for i in range(3)}
-    routed: dict[int, list[int]] = {}
-    handles = []
-    for i, layer in enumerate(net.layers):
-        for e, expert in enumerate(layer.mlp.experts):
-            handles.append(expert.register_forward_hook(lambda m, inp, out, i=i, e=e: calls[i].append(e)))
-        handles.append(layer.mlp.register_forward_pre_hook(
-            lambda m, args, i=i: routed.__setitem__(i, sorted(m.route(args[0])[1].flatten().tolist()))))
-    ids = _prompt(10, 9)
-    try:
-        with torch.inference_mode():
-            net(torch.tensor(ids[:9]), torch.arange(9), caches, AttentionMetadata.build([9], [9], [[0]], 16), backend)
-            for v in calls.values():
-                v.clear()
-            net(torch.tensor(ids[9:]), torch.tensor([9]), caches, AttentionMetadata.build([10], [1], [[0]], 16), backend)
-    finally:
-        for h in handles:
-            h.remove()
+    _, calls, routed = decode_expert_calls(net, range(3), prompt(10, 9), get_backend("cpu"))
     for i, experts in calls.items():
         assert sorted(experts) == routed[i] and len(experts) == 2  # the k routed experts, once each
     assert not any(layer.fusable for layer in net.layers) and not any(layer.mlp.native_ok for layer in net.layers)
@@ -287,10 +205,7 @@ def test_gpt_oss_gguf_is_refused_by_name(tmp_path):
         ModelConfig.from_gguf_metadata({"general.architecture": "gpt-oss"})
     w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gpt-oss")
     w.add_block_count(2)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     with pytest.raises(ConfigError, match="gpt-oss GGUF .*HF directory"):
         load_model(tmp_path / "g.gguf")
 

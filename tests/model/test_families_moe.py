@@ -23,61 +23,28 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedkv import LLM, SamplingParams
 from pagedkv.attention import get_backend
-from pagedkv.attention.base import AttentionMetadata
 from pagedkv.errors import ConfigError
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.loader import load_model
 from pagedkv.testing.caches import allocate_kv_caches
+from tests.model.builders import (
+    check_engine_greedy, check_two_greedy_completions, chunked_logits, decode_expert_calls, hf_logits, moe_config,
+    moe_rules, prompt, save_tiny, seeded_model,
+)
 
 FAMILIES = ["qwen3_moe", "mixtral"]
-VOCAB = 97
 NEW = 20
-
-
-def _hf_config(kind: str):
-    import transformers as tf
-
-    common = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0, num_experts_per_tok=2, tie_word_embeddings=False,
-    )
-    if kind == "qwen3_moe":  # layer 1 dense (mlp_only_layers), renormalised top-k
-        return tf.Qwen3MoeConfig(num_experts=8, moe_intermediate_size=32, head_dim=16, mlp_only_layers=[1],
-                                 norm_topk_prob=True, **common), tf.Qwen3MoeForCausalLM
-    if kind == "mixtral":
-        return tf.MixtralConfig(num_local_experts=8, sliding_window=None, **common), tf.MixtralForCausalLM
-    raise AssertionError(kind)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request, tmp_path_factory):
-    """(kind, transformers model, directory, pagedkv LoadedModel)."""
+    """(kind, transformers model, directory, pagedkv LoadedModel): ``builders.moe_config`` with
+    non-trivial norms and decisive routers (``builders.moe_rules``)."""
     kind = request.param
-    cfg, cls = _hf_config(kind)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    hf = cls(cfg).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.3)
-            elif any(k in name for k in ("q_proj", "k_proj")) or name.endswith("embed_tokens.weight"):
-                p.mul_(8.0)
-            elif name.endswith("gate.weight"):  # the router: decisive choices
-                p.mul_(20.0)
-    out = tmp_path_factory.mktemp(kind)
-    hf.save_pretrained(out)
-    from tests.model.test_llama import _tiny_tokenizer
-
-    _tiny_tokenizer().save_pretrained(out)
+    hf = seeded_model(*moe_config(kind), moe_rules())
+    out = save_tiny(hf, tmp_path_factory.mktemp(kind))
     return kind, hf, out, load_model(out)
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def test_config_reads_the_family(family):
@@ -97,92 +64,29 @@ def test_config_reads_the_family(family):
 @pytest.mark.parametrize("block", [1, 16])
 def test_logits_equal_transformers(family, block):
     kind, hf, _, lm = family
-    ids = _prompt(40, 1)
-    with torch.inference_mode():
-        ref = hf(torch.tensor([ids])).logits[0].float()
-    backend = get_backend("cpu")
-    blocks = -(-40 // block)
-    caches = allocate_kv_caches(lm.model, backend, num_blocks=blocks + 3, block_size=block)
-    table = list(range(blocks + 3))[::-1][:blocks]  # reversed physical blocks
-    got = []
-    for start, end in ((0, 13), (13, 24), (24, 37), (37, 38), (38, 39), (39, 40)):
-        md = AttentionMetadata.build([end], [end - start], [table], block)
-        with torch.inference_mode():
-            got.append(lm.model.compute_logits(lm.model(torch.tensor(ids[start:end]), torch.arange(start, end),
-                                                        caches, md, backend)))
-    torch.testing.assert_close(torch.cat(got), ref, rtol=1e-4, atol=1e-4)
+    ids = prompt(40, 1)
+    ref = hf_logits(hf, ids)
+    torch.testing.assert_close(chunked_logits(lm.model, ids, block, get_backend("cpu")), ref, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("block", [1, 16])
 def test_engine_greedy_tokens_equal_transformers(family, block):
-    kind, hf, _, lm = family
-    shared = _prompt(32, 7)
-    prompts = [_prompt(45, 2), _prompt(37, 3), shared + _prompt(11, 4), shared + _prompt(13, 5)]
-    refs = []
-    for p in prompts:
-        with torch.inference_mode():
-            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                              max_new_tokens=NEW, do_sample=False, num_beams=1, pad_token_id=0)
-        refs.append(out[0, len(p):].tolist())
-    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    _, hf, _, lm = family
     # the three first sequences need 57-65 tokens each: a pool of ~2 sequences' blocks preempts
-    pool = 130 // block + 1
-    llm = LLM(lm, block_size=block, num_blocks=pool, max_num_batched_tokens=16, enable_prefix_caching=True,
-              debug_invariants=True)
-    outs = llm.generate(prompts[:3], params, use_tqdm=False)
-    assert llm.engine.scheduler.stats.num_preemptions > 0
-    assert llm.engine.kv.num_used_blocks == 0
-    big = LLM(lm, block_size=block, num_blocks=512 // block, max_num_batched_tokens=16, enable_prefix_caching=True,
-              debug_invariants=True)
-    assert big.generate(prompts[2:3], params, use_tqdm=False)[0].outputs[0].token_ids == outs[2].outputs[0].token_ids
-    outs += big.generate(prompts[3:], params, use_tqdm=False)  # its 32-token prefix is cached by now
-    assert outs[3].num_cached_tokens >= 32 - block
-    assert big.engine.kv.num_used_blocks == 0
-    assert [o.outputs[0].token_ids for o in outs] == refs
-    assert len({t for r in refs for t in r}) > 12  # not a few tokens repeated
+    check_engine_greedy(hf, lm, block, pool=130 // block + 1, new=NEW)
 
 
 def test_two_completions_of_one_prompt_share_its_blocks_and_equal_transformers(family):
     """``n=2`` greedy: both completions fork from the one prefilled prompt and equal ``generate``'s."""
     _, hf, _, lm = family
-    p = _prompt(30, 12)
-    with torch.inference_mode():
-        ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                          max_new_tokens=NEW, do_sample=False, num_beams=1, pad_token_id=0)[0, len(p):].tolist()
-    llm = LLM(lm, block_size=4, num_blocks=64, max_num_batched_tokens=16, debug_invariants=True)
-    out = llm.generate([p], SamplingParams(n=2, temperature=0.0, max_tokens=NEW, ignore_eos=True), use_tqdm=False)[0]
-    assert [c.token_ids for c in out.outputs] == [ref, ref]
-    assert llm.engine.kv.num_used_blocks == 0
+    check_two_greedy_completions(hf, lm, NEW)
 
 
 def test_moe_layers_run_eager_and_only_routed_experts_at_decode(family):
     kind, _, _, lm = family
     net = lm.model
-    backend = get_backend("cpu")
-    caches = allocate_kv_caches(net, backend, num_blocks=4, block_size=16)
-    calls: dict[int, list[int]] = {}
-    handles = []
-    for i, layer in enumerate(net.layers):
-        if layer.mlp is None:
-            continue
-        calls[i] = []
-        for e, expert in enumerate(layer.mlp.experts):
-            handles.append(expert.register_forward_hook(lambda m, inp, out, i=i, e=e: calls[i].append(e)))
-    routed: dict[int, list[int]] = {}
-    for i in calls:  # what the router picks for the decode token's MLP input
-        layer = net.layers[i]
-        handles.append(layer.mlp.register_forward_pre_hook(
-            lambda m, args, i=i: routed.__setitem__(i, sorted(m.route(args[0])[1].flatten().tolist()))))
-    ids = _prompt(10, 9)
-    try:
-        with torch.inference_mode():
-            net(torch.tensor(ids[:9]), torch.arange(9), caches, AttentionMetadata.build([9], [9], [[0]], 16), backend)
-            for v in calls.values():
-                v.clear()
-            net(torch.tensor(ids[9:]), torch.tensor([9]), caches, AttentionMetadata.build([10], [1], [[0]], 16), backend)
-    finally:
-        for h in handles:
-            h.remove()
+    moe = [i for i, layer in enumerate(net.layers) if layer.mlp is not None]
+    _, calls, routed = decode_expert_calls(net, moe, prompt(10, 9), get_backend("cpu"))
     assert set(calls) == ({0, 2} if kind == "qwen3_moe" else {0, 1, 2})
     for i, experts in calls.items():
         assert sorted(experts) == routed[i] and len(experts) == 2  # the k routed experts, once each
@@ -232,14 +136,9 @@ def test_quantised_experts_use_the_quantised_linear_modules(family, weights, cls
     moe = [layer.mlp for layer in q.model.layers if layer.mlp is not None]
     assert {type(m).__name__ for mlp in moe for e in mlp.experts for m in (e.gate_up_proj, e.down_proj)} == {cls}
     assert all(type(mlp.router) is torch.nn.Linear and mlp.router.weight.dtype == torch.float32 for mlp in moe)
-    ids = torch.tensor(_prompt(20, 11))
-    backend = get_backend("cpu")
-    logits = []
-    for net in (lm.model, q.model):
-        caches = allocate_kv_caches(net, backend, num_blocks=2, block_size=16)
-        with torch.inference_mode():
-            h = net(ids, torch.arange(20), caches, AttentionMetadata.build([20], [20], [[0, 1]], 16), backend)
-            logits.append(net.compute_logits(h))
+    ids = prompt(20, 11)
+    logits = [chunked_logits(net, ids, 16, get_backend("cpu"), chunks=((0, 20),), table=[0, 1], num_blocks=2)
+              for net in (lm.model, q.model)]
     diff = (logits[0] - logits[1]).abs().max().item()
     assert 0 < diff < tol
 

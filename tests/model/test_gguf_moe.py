@@ -6,7 +6,8 @@ architecture: the experts stacked per layer (``ffn_gate_exps`` / ``ffn_up_exps``
 ``ffn_down_exps`` ``[E, H, I]``), names from the ``gguf`` package's tensor map, the router
 (``ffn_gate_inp``) and norms F32, every other matrix Q8_0, the expert counts as
 ``{arch}.expert_*`` metadata. The transformers model then gets the file's dequantised values,
-so both sides hold the same weights. Checked: the config, that each expert is a ``GGUFLinear``
+so both sides hold the same weights (model and writer: ``tests/model/builders.py``, ``moe_gguf_model``
+and ``write_moe_gguf``). Checked: the config, that each expert is a ``GGUFLinear``
 holding exactly its stored bytes, the logits against transformers' (within the Q8 activations'
 error: the kernels quantise activations to int8 blocks), the engine's greedy tokens equal
 ``generate``'s, that a decode step multiplies only the routed experts, and that the formats
@@ -15,7 +16,6 @@ that would dequantise the file are a ``ConfigError``.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -26,111 +26,17 @@ from pagedkv.errors import ConfigError
 from pagedkv.model.gguf_native import GGUFLinear
 from pagedkv.model.loader import load_config, load_model
 from pagedkv.testing.caches import allocate_kv_caches
-from tests.model.test_gguf_types import _vocab
-
-E, K, I_EXP = 8, 2, 32
-
-
-def _hf_model(arch: str = "qwen3moe"):
-    """The tiny model of GGUF architecture ``arch``: ``qwen3moe`` (Qwen3-MoE) or ``llama``
-    (Mixtral, whose experts are ``intermediate_size`` wide)."""
-    import transformers as tf
-
-    vocab = len(_vocab())
-    common = dict(vocab_size=vocab, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=vocab - 3,
-                  eos_token_id=vocab - 2, pad_token_id=vocab - 1, num_experts_per_tok=K, tie_word_embeddings=False)
-    if arch == "qwen3moe":
-        cfg = tf.Qwen3MoeConfig(intermediate_size=96, num_experts=E, moe_intermediate_size=I_EXP, mlp_only_layers=[],
-                                norm_topk_prob=True, **common)
-        cls = tf.Qwen3MoeForCausalLM
-    else:
-        cfg, cls = tf.MixtralConfig(intermediate_size=I_EXP, num_local_experts=E, **common), tf.MixtralForCausalLM
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    hf = cls(cfg).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.3)
-            elif any(k in name for k in ("q_proj", "k_proj")) or name.endswith("embed_tokens.weight"):
-                p.mul_(8.0)
-            elif name.endswith("gate.weight"):
-                p.mul_(20.0)
-            elif name.endswith("lm_head.weight"):
-                p.mul_(30.0)
-    return hf
-
-
-def _write(hf, path, arch: str = "qwen3moe") -> None:
-    """The GGUF as llama.cpp's converter writes ``arch`` (``llama``: Q/K rows permuted for
-    adjacent-pair RoPE), Q8_0 matrices; ``hf`` then holds the file's dequantised values."""
-    import gguf
-
-    from tests.model.test_gguf_types import llama_cpp_permute
-
-    c = hf.config
-    q8 = gguf.GGMLQuantizationType.Q8_0
-    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE if arch == "qwen3moe" else gguf.MODEL_ARCH.LLAMA,
-                                    c.num_hidden_layers)
-    w = gguf.GGUFWriter(str(path), arch)
-    for add, v in ((w.add_block_count, c.num_hidden_layers), (w.add_context_length, c.max_position_embeddings),
-                   (w.add_embedding_length, c.hidden_size), (w.add_feed_forward_length, c.intermediate_size),
-                   (w.add_head_count, c.num_attention_heads), (w.add_head_count_kv, c.num_key_value_heads),
-                   (w.add_key_length, c.head_dim), (w.add_value_length, c.head_dim),
-                   (w.add_layer_norm_rms_eps, c.rms_norm_eps), (w.add_rope_freq_base, c.rope_parameters["rope_theta"]),
-                   (w.add_expert_count, E), (w.add_expert_used_count, K), (w.add_vocab_size, c.vocab_size)):
-        add(v)
-    if arch == "qwen3moe":  # (the llama converter writes none: its experts are feed_forward_length wide)
-        w.add_expert_feed_forward_length(I_EXP)
-    tokens = _vocab()
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * (len(tokens) - 3) + [3] * 3)
-    w.add_token_merges(["h i"])
-    w.add_bos_token_id(c.bos_token_id)
-    w.add_eos_token_id(c.eos_token_id)
-    w.add_add_bos_token(False)
-
-    def put(hf_name: str, t: torch.Tensor) -> torch.Tensor:
-        """Write ``t`` under the converter's GGUF name; returns the values the file holds."""
-        name = tmap.get_name(hf_name, try_suffixes=(".weight",))
-        assert name is not None, hf_name
-        x = t.detach().float().contiguous().numpy()
-        if x.ndim == 1 or name.endswith(("ffn_gate_inp.weight", "token_embd.weight")):
-            w.add_tensor(name, x)
-            return t
-        heads = {"attn_q.weight": c.num_attention_heads, "attn_k.weight": c.num_key_value_heads}.get(name.split(".", 2)[-1])
-        stored = x if arch != "llama" or heads is None else llama_cpp_permute(t.detach().float(), heads).numpy()
-        w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(stored), q8), raw_dtype=q8)
-        # Q8_0 blocks run along a row, so permuting rows commutes with quantising them
-        return torch.from_numpy(gguf.dequantize(gguf.quants.quantize(x, q8), q8).reshape(x.shape).astype(np.float32))
-
-    state = hf.state_dict()
-    with torch.no_grad():
-        for name, t in state.items():
-            if ".mlp.experts." in name:  # stacked [E, 2I, H] / [E, H, I]: the converter's merged names
-                base = name.removesuffix(".gate_up_proj").removesuffix(".down_proj")
-                if name.endswith("gate_up_proj"):
-                    t[:, :I_EXP] = put(f"{base}.gate_proj.weight", t[:, :I_EXP])
-                    t[:, I_EXP:] = put(f"{base}.up_proj.weight", t[:, I_EXP:])
-                else:
-                    t.copy_(put(f"{base}.down_proj.weight", t))
-            else:
-                t.copy_(put(name, t))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+from tests.model.builders import (
+    E, I_EXP, K, chunked_logits, hf_logits, margin_prompts, moe_gguf_model, prompt, write_moe_gguf,
+)
 
 
 @pytest.fixture(scope="module", params=["qwen3moe", "llama"])
 def case(request, tmp_path_factory):
     arch = request.param
-    hf = _hf_model(arch)
+    hf = moe_gguf_model(arch)
     path = tmp_path_factory.mktemp(arch) / f"tiny-{arch}-moe.gguf"
-    _write(hf, path, arch)
+    write_moe_gguf(hf, path, arch)
     return hf, path, load_model(path, weights="auto")
 
 
@@ -164,18 +70,10 @@ def test_config_and_experts_hold_their_stored_blocks(case):
 
 def test_logits_close_and_greedy_tokens_equal_transformers(case):
     hf, _, lm = case
-    ids = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(1)).tolist()
-    with torch.inference_mode():
-        ref = hf(torch.tensor([ids])).logits[0].float()
-    backend = get_backend("cpu")
-    caches = allocate_kv_caches(lm.model, backend, num_blocks=4, block_size=16)
-    got = []
-    for start, end in ((0, 13), (13, 29), (29, 30)):
-        md = AttentionMetadata.build([end], [end - start], [[2, 0]], 16)
-        with torch.inference_mode():
-            got.append(lm.model.compute_logits(lm.model(torch.tensor(ids[start:end]), torch.arange(start, end),
-                                                        caches, md, backend)))
-    got = torch.cat(got)
+    ids = prompt(30, 1, 0, 256)
+    ref = hf_logits(hf, ids)
+    got = chunked_logits(lm.model, ids, 16, get_backend("cpu"), chunks=((0, 13), (13, 29), (29, 30)), table=[2, 0],
+                         num_blocks=4)
     err = (got - ref).abs().max().item()
     assert err < 0.02 * ref.abs().max().item()  # int8 activation blocks, not the weights, differ
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
@@ -184,17 +82,7 @@ def test_logits_close_and_greedy_tokens_equal_transformers(case):
     # nearer tie (common in a random 260-token model) could flip either way. Chosen on
     # transformers' side alone.
     hf.generation_config.eos_token_id = None  # both sides run all 16 tokens (ignore_eos)
-    prompts, refs = [], []
-    for seed in range(20):
-        p = torch.randint(0, 256, (10,), generator=torch.Generator().manual_seed(seed)).tolist()
-        out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), do_sample=False,
-                          max_new_tokens=16, pad_token_id=hf.config.pad_token_id, output_logits=True,
-                          return_dict_in_generate=True)
-        if min((lg[0].topk(2).values[0] - lg[0].topk(2).values[1]).item() for lg in out.logits) > 0.15:
-            prompts.append(p)
-            refs.append(out.sequences[0, len(p):].tolist())
-        if len(prompts) == 2:
-            break
+    prompts, refs = margin_prompts(hf, new=16, margin=0.15)
     assert len(prompts) == 2
     llm = LLM(lm, block_size=4, num_blocks=32, max_num_batched_tokens=8)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)

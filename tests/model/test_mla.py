@@ -30,9 +30,10 @@ from pagedkv.errors import ConfigError
 from pagedkv.kv.spec import KVCacheSpec
 from pagedkv.model.loader import load_model
 from pagedkv.testing.caches import allocate_kv_caches
+from tests.model.builders import NORM_NOISE, VOCAB, hf_greedy_logprobs, hf_logits, match, save_tiny, seeded_model
+from tests.model.builders import prompt as _prompt
 
 FAMILIES = ["minicpm3", "deepseek_v2", "deepseek_v3"]
-VOCAB = 97
 NEW = 16
 RANK, ROPE, NOPE, VDIM = 32, 8, 16, 24
 
@@ -69,24 +70,10 @@ def _build(kind: str, out, **changes):
     cfg, cls = _hf_config(kind)
     for key, value in changes.items():
         setattr(cfg, key, value)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    hf = cls(cfg).eval()
-    with torch.no_grad():  # non-trivial norms, and scores large enough that mistakes show
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.3)
-            elif any(k in name for k in ("q_proj", "q_b_proj", "kv_a_proj", "kv_b_proj", "o_proj", "embed_tokens")):
-                p.mul_(3.0)
-    hf.save_pretrained(out)
-    from tests.model.test_llama import _tiny_tokenizer
-
-    _tiny_tokenizer().save_pretrained(out)
-    return kind, hf, out, load_model(out)
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    # non-trivial norms, and scores large enough that mistakes show
+    big = ("q_proj", "q_b_proj", "kv_a_proj", "kv_b_proj", "o_proj", "embed_tokens")
+    hf = seeded_model(cfg, cls, [NORM_NOISE, (match(has=big), "mul", 3.0)])
+    return kind, hf, save_tiny(hf, out), load_model(out)
 
 
 def test_config_reads_the_mla_family(family):
@@ -111,8 +98,7 @@ def test_logits_equal_transformers_over_paged_latents(family):
     equal transformers' one forward (atol = rtol = 1e-4), through both forms (``mla.absorb``)."""
     kind, hf, _, lm = family
     ids = _prompt(40, 1)
-    with torch.inference_mode():
-        ref = hf(torch.tensor([ids])).logits[0].float()
+    ref = hf_logits(hf, ids)
     backend = get_backend("cpu")
     caches = allocate_kv_caches(lm.model, backend, num_blocks=16, block_size=4)
     assert all(c.value.numel() == 0 and tuple(c.key.shape) == (16, 4, 1, RANK + ROPE) for c in caches)
@@ -129,18 +115,6 @@ def test_logits_equal_transformers_over_paged_latents(family):
     assert rows == [{"absorbed": 0, "expanded": 13}, {"absorbed": 11, "expanded": 0}, {"absorbed": 13, "expanded": 0}] \
         + [{"absorbed": 1, "expanded": 0}] * 3
     assert lm.model.fused_state == lm.model.native_state == "off (MLA layers run eager)"
-
-
-def _reference(hf, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
-    refs = []
-    for p in prompts:
-        with torch.inference_mode():
-            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                              max_new_tokens=NEW, do_sample=False, num_beams=1, output_logits=True,
-                              return_dict_in_generate=True, pad_token_id=0)
-        toks = out.sequences[0, len(p):].tolist()
-        refs.append((toks, [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(out.logits, toks)]))
-    return refs
 
 
 def _check(outs, refs) -> None:
@@ -176,7 +150,7 @@ def test_engine_greedy_equals_transformers(family, block_size):
     1e-4, every block returned."""
     kind, hf, _, lm = family
     prompts = [_prompt(30, 2), _prompt(22, 3), _prompt(27, 4)]
-    refs = _reference(hf, prompts)
+    refs = hf_greedy_logprobs(hf, prompts, NEW)
     params = SamplingParams(temperature=0.0, max_tokens=NEW, logprobs=1)
     pool = {1: 80, 16: 5}[block_size]  # each request ends at 38-46 tokens: 3 blocks of 16, or 46 of 1
     llm = LLM(lm, block_size=block_size, num_blocks=pool, max_num_batched_tokens=8, enable_prefix_caching=True,
@@ -218,8 +192,7 @@ def test_quantised_latent_cache(family, kv_dtype, group, bound):
 
     kind, hf, _, lm = family
     ids = _prompt(40, 1)
-    with torch.inference_mode():
-        ref = hf(torch.tensor([ids])).logits[0].float()
+    ref = hf_logits(hf, ids)
     backend = get_backend("cpu")
     exact = allocate_kv_caches(lm.model, backend, num_blocks=10, block_size=4)
     quant = [allocate_latent_cache(backend, 10, 4, 1, RANK + ROPE, kv_dtype, "cpu", group) for _ in range(3)]
@@ -246,7 +219,7 @@ def test_fast_paths_are_not_selected_for_mla(family):
     ``compile_decode`` engine runs every step eager (0 compiled steps) with transformers' tokens."""
     kind, hf, _, lm = family
     prompt = _prompt(30, 2)
-    ref = _reference(hf, [prompt])
+    ref = hf_greedy_logprobs(hf, [prompt], NEW)
     llm = LLM(lm, block_size=16, num_blocks=8, compile_decode=True)
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=NEW), use_tqdm=False)
     assert out[0].outputs[0].token_ids == ref[0][0]
@@ -372,7 +345,7 @@ def test_parallel_sampling_copies_the_shared_latent_block(family):
     assert [c.token_ids for c in out.outputs] == [o.outputs[0].token_ids for o in alone]
     assert out.outputs[0].token_ids != out.outputs[1].token_ids
     greedy = llm.generate([prompt], SamplingParams(n=2, temperature=0.0, max_tokens=NEW), use_tqdm=False)[0]
-    ref = _reference(hf, [prompt])[0][0]
+    ref = hf_greedy_logprobs(hf, [prompt], NEW)[0][0]
     assert [c.token_ids for c in greedy.outputs] == [ref, ref]
 
 
@@ -389,7 +362,7 @@ def test_tensor_parallel_2_engine_equals_transformers(family, monkeypatch):
     monkeypatch.setenv("PAGEDKV_TP_THREADS", "1")
     monkeypatch.setenv("PAGEDKV_TP_TIMEOUT", "60")
     prompts = [_prompt(30, 2), _prompt(22, 3), _prompt(27, 4)]
-    refs = _reference(hf, prompts)
+    refs = hf_greedy_logprobs(hf, prompts, NEW)
     opts = dict(block_size=16, num_blocks=5, max_num_batched_tokens=8, enable_prefix_caching=True)
     tp = LLM(lm, tensor_parallel_size=2, **opts)
     try:
@@ -421,7 +394,7 @@ def test_host_tier_round_trips_latent_blocks(family):
     (1,920 bytes a block: 4 tokens x 480), and the tokens stay transformers'."""
     kind, hf, _, lm = family
     prompts = [_prompt(30, 2), _prompt(22, 3), _prompt(27, 4)]
-    refs = _reference(hf, prompts)
+    refs = hf_greedy_logprobs(hf, prompts, NEW)
     llm = LLM(lm, block_size=4, num_blocks=16, enable_prefix_caching=True, kv_offload=["host:1MiB"],
               debug_invariants=True)
     sp = SamplingParams(temperature=0.0, max_tokens=NEW)

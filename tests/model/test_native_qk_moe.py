@@ -24,27 +24,19 @@ import torch
 from pagedkv import LLM, SamplingParams
 from pagedkv.attention import get_backend
 from pagedkv.model.loader import load_model
+from tests.model.builders import (
+    NORM_NOISE, match, moe_config, moe_gguf_model, prompt, save_tiny, seeded_model, write_moe_gguf,
+)
 from tests.model.test_native_step import _caches, _step
 
 
 @pytest.fixture(scope="module")
 def qwen3_int8(tmp_path_factory):
     from tests.model.test_families import _hf_config
-    from tests.model.test_llama import _tiny_tokenizer
 
-    cfg, cls = _hf_config("qwen3")
-    torch.manual_seed(0)
-    hf = cls(cfg).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.3)
-            elif any(k in name for k in ("q_proj", "k_proj", "embed_tokens")):
-                p.mul_(8.0)
-    out = tmp_path_factory.mktemp("qwen3")
-    hf.save_pretrained(out)
-    _tiny_tokenizer().save_pretrained(out)
-    return load_model(out, weights="int8")
+    rules = [NORM_NOISE, (match(has=("q_proj", "k_proj", "embed_tokens")), "mul", 8.0)]
+    hf = seeded_model(*_hf_config("qwen3"), rules, eager=False)
+    return load_model(save_tiny(hf, tmp_path_factory.mktemp("qwen3")), weights="int8")
 
 
 def _eager(model):
@@ -59,6 +51,21 @@ def _eager(model):
         for layer, f in zip(model.layers, saved[1]):
             layer.fused = f
     return undo
+
+
+def _native_and_eager_tokens(lm, prompts: list[list[int]]) -> tuple[list, list]:
+    """One engine's 12 greedy tokens per prompt (4-token blocks, 16-token chunks) on the native
+    step loop (asserted on), then on the eager torch ops: ``(native, eager)``."""
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    llm = LLM(lm, block_size=4, num_blocks=64, max_num_batched_tokens=16)
+    native = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert lm.model.native_state == "on"
+    undo = _eager(lm.model)
+    try:
+        eager = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    finally:
+        undo()
+    return native, eager
 
 
 def test_qwen3_runs_natively_and_equals_the_fused_path_bit_for_bit(qwen3_int8):
@@ -88,17 +95,7 @@ def test_qwen3_runs_natively_and_equals_the_fused_path_bit_for_bit(qwen3_int8):
 
 
 def test_qwen3_native_engine_tokens_equal_the_eager_path(qwen3_int8):
-    lm = qwen3_int8
-    prompts = [torch.randint(3, 97, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (37, 9, 20)]
-    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    llm = LLM(lm, block_size=4, num_blocks=64, max_num_batched_tokens=16)
-    native = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-    assert lm.model.native_state == "on"
-    undo = _eager(lm.model)
-    try:
-        eager = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-    finally:
-        undo()
+    native, eager = _native_and_eager_tokens(qwen3_int8, [prompt(n, n) for n in (37, 9, 20)])
     assert native == eager and all(len(t) == 12 for t in native)
 
 
@@ -126,10 +123,8 @@ def test_head_rms_norm_normalises_each_head_in_place_as_torch():
 
 @pytest.fixture(scope="module", params=["qwen3moe", "llama"])
 def moe_gguf(request, tmp_path_factory):
-    from tests.model.test_gguf_moe import _hf_model, _write
-
     path = tmp_path_factory.mktemp(request.param) / "tiny-moe.gguf"
-    _write(_hf_model(request.param), path, request.param)
+    write_moe_gguf(moe_gguf_model(request.param), path, request.param)
     return load_model(path, weights="auto")
 
 
@@ -165,17 +160,7 @@ def test_moe_native_steps_equal_the_eager_moe_to_float_rounding(moe_gguf):
 
 
 def test_moe_native_engine_tokens_equal_the_eager_path(moe_gguf):
-    lm = moe_gguf
-    prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (30, 7, 12)]
-    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    llm = LLM(lm, block_size=4, num_blocks=64, max_num_batched_tokens=16)
-    native = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-    assert lm.model.native_state == "on"
-    undo = _eager(lm.model)
-    try:
-        eager = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-    finally:
-        undo()
+    native, eager = _native_and_eager_tokens(moe_gguf, [prompt(n, n, 0, 256) for n in (30, 7, 12)])
     assert native == eager and all(len(t) == 12 for t in native)
 
 
@@ -221,19 +206,8 @@ def test_a_native_decode_step_reads_only_the_routed_experts(moe_gguf):
 def test_int8_qwen3_moe_with_a_dense_layer_runs_natively_like_the_eager_path(tmp_path):
     """transformers' Qwen3-MoE with layer 1 dense (``mlp_only_layers``), experts quantised to
     int8 (``Int8Linear`` modules, not GGUF): dense and MoE layers mixed in one native loop."""
-    from tests.model.test_families_moe import _hf_config
-    from tests.model.test_llama import _tiny_tokenizer
-
-    cfg, cls = _hf_config("qwen3_moe")
-    torch.manual_seed(0)
-    hf = cls(cfg).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("gate.weight"):
-                p.mul_(20.0)
-    hf.save_pretrained(tmp_path)
-    _tiny_tokenizer().save_pretrained(tmp_path)
-    lm = load_model(tmp_path, weights="int8")
+    hf = seeded_model(*moe_config("qwen3_moe"), [(match(ends=("gate.weight",)), "mul", 20.0)], eager=False)
+    lm = load_model(save_tiny(hf, tmp_path), weights="int8")
     (native, _), (eager, _) = _moe_steps(lm, True), _moe_steps(lm, False)
     assert lm.model.native_state == "on" and sorted(lm.model._native.experts) == [0, 2]
     assert lm.model.layers[1].mlp is None
