@@ -16,6 +16,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* MoE layers of at most this many tokens run their experts side by side (moe_ffn) */
+#ifndef EXPERT_PAR_T
+#define EXPERT_PAR_T 64
+#endif
+
 typedef int (*qmm_fn)(const void *w, int64_t rows, const float *x, int64_t xs, float *y, int nthreads);
 typedef void (*norm_fn)(int64_t T, int64_t H, float *residual, int64_t rs, const void *delta, int64_t ds,
                         int dt_delta, const float *w, float eps, float offset, void *out, int dt_out);
@@ -64,35 +69,45 @@ typedef struct {
  * router logits in fp32 (8 partial sums per dot product), softmax, the top_k largest (the lower
  * id on a tie), renormalised when norm_topk, times scaling; then for each expert with tokens, in
  * increasing id: its tokens' rows (ascending) gathered, the gate_up matmul, act x up, the down
- * matmul, and out[token] += row * weight. Returns 0, -1 (no memory), -3 (a routed expert's
- * weights are NULL: nothing but this layer's scratch touched after the routing), or a qmm code. */
+ * matmul, and out[token] += row * weight. With at most EXPERT_PAR_T tokens the experts' matmuls
+ * run side by side, one expert per thread (a batch-1 step's 8 routed experts: 2 x 8 small
+ * matmuls that would each open a parallel region), and the rows are added afterwards in that
+ * same order: the same bits on any thread count. Returns 0, -1 (no memory), -3 (a routed
+ * expert's weights are NULL: nothing but this layer's scratch touched after the routing), or a
+ * qmm code. */
 static int moe_ffn(const decoder_t *M, const moe_t *E, int64_t T, const float *x, float *out) {
     const int64_t H = M->hidden, I = E->inter;
     const int NE = E->num_experts, K = E->top_k;
-    float *fmem = malloc((size_t)(T * NE + T * K + T * H + 3 * T * I + T * H + T * K) * sizeof(float));
-    int32_t *imem = malloc((size_t)(T * K + 2 * NE + 1 + T * K) * sizeof(int32_t));
+    /* few tokens: the routed experts' matmuls side by side on the threads (each one thread),
+     * every (token, slot) pair with its own rows; else one expert at a time, each matmul on all */
+    const int by_expert = T <= EXPERT_PAR_T && M->nthreads > 1;
+    const int64_t R = by_expert ? T * K : T; /* rows of the per-expert scratch */
+    float *fmem = malloc((size_t)(T * NE + T * K + R * H + 3 * R * I + R * H + T * K) * sizeof(float));
+    int32_t *imem = malloc((size_t)(T * K + 4 * NE + 2 + T * K) * sizeof(int32_t));
     if (!fmem || !imem) {
         free(fmem);
         free(imem);
         return -1;
     }
-    float *prob = fmem, *wsel = prob + T * NE, *xg = wsel + T * K, *gu = xg + T * H, *h = gu + T * 2 * I;
-    float *dn = h + T * I, *wlist = dn + T * H;
-    int32_t *ids = imem, *cnt = ids + T * K, *pos = cnt + NE, *tlist = pos + NE + 1;
+    float *prob = fmem, *wsel = prob + T * NE, *xg = wsel + T * K, *gu = xg + R * H, *h = gu + R * 2 * I;
+    float *dn = h + R * I, *wlist = dn + R * H;
+    int32_t *ids = imem, *cnt = ids + T * K, *pos = cnt + NE, *tlist = pos + NE + 1, *used = tlist + T * K;
     int rc = 0;
+    /* the router logits, every (token, expert) dot product on the threads (each the same sums) */
+    #pragma omp parallel for schedule(static) num_threads(M->nthreads) if (T * NE * H >= 65536)
+    for (int64_t te = 0; te < T * NE; te++) {
+        const float *xt = x + te / NE * H, *r = E->router + te % NE * H;
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        int64_t j = 0;
+        for (; j + 8 <= H; j += 8)
+            for (int l = 0; l < 8; l++) acc[l] += xt[j + l] * r[j + l];
+        for (; j < H; j++) acc[0] += xt[j] * r[j];
+        prob[te] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    }
     for (int64_t t = 0; t < T; t++) {
-        const float *xt = x + t * H;
         float *p = prob + t * NE, mx = -INFINITY, sum = 0.0f;
-        for (int e = 0; e < NE; e++) {
-            const float *r = E->router + (int64_t)e * H;
-            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-            int64_t j = 0;
-            for (; j + 8 <= H; j += 8)
-                for (int l = 0; l < 8; l++) acc[l] += xt[j + l] * r[j + l];
-            for (; j < H; j++) acc[0] += xt[j] * r[j];
-            p[e] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+        for (int e = 0; e < NE; e++)
             if (p[e] > mx) mx = p[e];
-        }
         for (int e = 0; e < NE; e++) sum += (p[e] = expf(p[e] - mx));
         for (int e = 0; e < NE; e++) p[e] /= sum;
         float wsum = 0.0f;
@@ -123,25 +138,54 @@ static int moe_ffn(const decoder_t *M, const moe_t *E, int64_t T, const float *x
         wlist[at] = wsel[j];
     }
     for (int64_t j = 0; j < T * H; j++) out[j] = 0.0f;
-    for (int e = 0; e < NE && rc == 0; e++) {
-        const int64_t n = pos[e + 1] - pos[e];
-        if (n == 0) continue;
-        if (!E->gate_up[e] || !E->down[e]) {
-            rc = -3;
-            break;
+    /* the experts with tokens, in increasing id; a routed expert without weights fails the
+     * layer before any matmul (nothing but this scratch touched) */
+    int nused = 0;
+    for (int e = 0; e < NE; e++)
+        if (pos[e + 1] > pos[e]) {
+            if (!E->gate_up[e] || !E->down[e]) rc = -3;
+            used[nused++] = e;
         }
-        const int32_t *tok = tlist + pos[e];
-        const float *w = wlist + pos[e];
-        for (int64_t r = 0; r < n; r++) memcpy(xg + r * H, x + (int64_t)tok[r] * H, (size_t)H * sizeof(float));
-        if ((rc = M->qmm(E->gate_up[e], n, xg, H, gu, M->nthreads))) break;
-        M->act(n, I, gu, 2 * I, 0, E->gelu, h, 0);
-        if ((rc = M->qmm(E->down[e], n, h, I, dn, M->nthreads))) break;
-        for (int64_t r = 0; r < n; r++) {
-            float *o = out + (int64_t)tok[r] * H;
-            const float *d = dn + r * H;
-            for (int64_t j = 0; j < H; j++) o[j] += d[j] * w[r];
+    if (rc == 0) {
+        int32_t *errs = used + NE; /* each expert's matmul code */
+        #pragma omp parallel for schedule(static, 1) num_threads(M->nthreads) if (by_expert && nused > 1)
+        for (int a = 0; a < nused; a++) {
+            const int e = used[a];
+            const int64_t n = pos[e + 1] - pos[e], r0 = by_expert ? pos[e] : 0;
+            const int nt = by_expert ? 1 : M->nthreads;
+            const int32_t *tok = tlist + pos[e];
+            float *xe = xg + r0 * H, *ge = gu + r0 * 2 * I, *he = h + r0 * I, *de = dn + r0 * H;
+            for (int64_t r = 0; r < n; r++) memcpy(xe + r * H, x + (int64_t)tok[r] * H, (size_t)H * sizeof(float));
+            int c = M->qmm(E->gate_up[e], n, xe, H, ge, nt);
+            if (c == 0) {
+                M->act(n, I, ge, 2 * I, 0, E->gelu, he, 0);
+                c = M->qmm(E->down[e], n, he, I, de, nt);
+            }
+            errs[a] = c;
+            if (!by_expert && c == 0) { /* the shared scratch: add this expert's rows now */
+                const float *w = wlist + pos[e];
+                for (int64_t r = 0; r < n; r++) {
+                    float *o = out + (int64_t)tok[r] * H;
+                    const float *d = de + r * H;
+                    for (int64_t j = 0; j < H; j++) o[j] += d[j] * w[r];
+                }
+            }
         }
+        for (int a = 0; a < nused && rc == 0; a++) rc = errs[a];
     }
+    /* by expert: the rows added in increasing expert id, tokens ascending (the order the
+     * one-expert-at-a-time loop adds them), so the sums do not depend on the threads */
+    if (rc == 0 && by_expert)
+        for (int a = 0; a < nused; a++) {
+            const int e = used[a];
+            const int32_t *tok = tlist + pos[e];
+            const float *w = wlist + pos[e];
+            for (int64_t r = 0; r < pos[e + 1] - pos[e]; r++) {
+                float *o = out + (int64_t)tok[r] * H;
+                const float *d = dn + (pos[e] + r) * H;
+                for (int64_t j = 0; j < H; j++) o[j] += d[j] * w[r];
+            }
+        }
     free(fmem);
     free(imem);
     return rc;

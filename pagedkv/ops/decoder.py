@@ -20,7 +20,7 @@ from typing import Any, Sequence
 from pagedkv.cpu_isa import march_flags
 from pagedkv.ops.build import BuiltOnce, compile_c, source
 
-_FLAGS = ["-O3", *march_flags(), "-fno-math-errno", "-fPIC", "-shared", "-std=c11"]
+_FLAGS = ["-O3", *march_flags(), "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 
 
 class _MoE(ctypes.Structure):

@@ -159,6 +159,25 @@ def test_moe_native_steps_equal_the_eager_moe_to_float_rounding(moe_gguf):
         torch.testing.assert_close(c1.value, c2.value, rtol=0, atol=2e-6)
 
 
+def test_moe_native_steps_are_the_same_bits_on_one_or_two_threads(moe_gguf):
+    """With few tokens decoder.c runs the routed experts side by side (one expert per thread)
+    and adds their rows afterwards in increasing expert id; on one thread it runs them one at
+    a time: the same hidden states and caches, bit for bit."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two, c2 = _moe_steps(moe_gguf, True)
+        torch.set_num_threads(1)
+        one, c1 = _moe_steps(moe_gguf, True)
+    finally:
+        torch.set_num_threads(threads)
+    assert moe_gguf.model.native_state == "on"
+    for x, y in zip(two, one):
+        assert torch.equal(x, y)
+    for a, b in zip(c2, c1):
+        assert torch.equal(a.key, b.key) and torch.equal(a.value, b.value)
+
+
 def test_moe_native_engine_tokens_equal_the_eager_path(moe_gguf):
     native, eager = _native_and_eager_tokens(moe_gguf, [prompt(n, n, 0, 256) for n in (30, 7, 12)])
     assert native == eager and all(len(t) == 12 for t in native)
