@@ -15,7 +15,8 @@ Files (``<root>/packed/``, ``root`` the weight cache's, ``weight_cache.cache_roo
 (its manifest: per matrix the arrays' offsets, dtypes and shapes; written last, so a manifest
 names a complete file). ``sha``: 32 hex digits of the GGUF's sha256 (``weight_cache.file_identity``,
 computed once per file); ``layout``: 12 hex digits of the sha256 of ``csrc/qmm.c``, whose
-packers define the layout, so an edited packer never reads an old file. Size on disk: the
+packers define the layout, so an edited packer never reads an old file (writing a new store
+removes the same file's stores of other layouts). Size on disk: the
 file's matrix bytes plus zero rows padding an output size to a multiple of 8 plus the biases
 (1.0x the GGUF's linear weights; the token embedding stays in the GGUF).
 
@@ -227,6 +228,7 @@ class PackedCache:
             os.replace(tmp_bin, self.bin)
             os.replace(tmp_json, self.manifest)
             log.info("pagedkv: stored packed weights (%.2f GB) in %s", off / 1e9, self.bin)
+            self._drop_other_layouts()
         except OSError as e:
             log.warning("pagedkv: could not store packed weights in %s (%s)", self.dir, e)
         finally:
@@ -234,6 +236,19 @@ class PackedCache:
                 try:
                     p.unlink()
                 except FileNotFoundError:
+                    pass
+
+    def _drop_other_layouts(self) -> None:
+        """Delete this file's stores of other layouts (an upgrade's packers made this one: the
+        old ones would never be read again, a copy of the weights each). A process still
+        mapping one keeps its pages until it exits."""
+        stem = self.bin.name.split("-", 1)[0]
+        for p in self.dir.glob(f"{stem}-*"):
+            if p not in (self.bin, self.manifest) and ".tmp-" not in p.name and p.suffix in (".bin", ".json"):
+                try:
+                    p.unlink()
+                    log.info("pagedkv: removed %s (packed weights of another layout)", p)
+                except OSError:
                     pass
 
     def close(self) -> None:

@@ -96,6 +96,22 @@ def test_a_manifest_entry_of_another_shape_is_packed_again(first, bundled_gguf, 
         meta["entries"]["blk.0.ffn_down.weight"]["k"] - 32
 
 
+def test_a_new_store_removes_the_same_files_stores_of_other_layouts(first, bundled_gguf, tmp_path):
+    """An upgrade changes the layout tag: the new store replaces the old one on disk (the old
+    would never be read again); another model's store and a write in progress stay."""
+    (tmp_path / "packed").mkdir()
+    sha = _store(first[1])[0].name.split("-", 1)[0]
+    old = [tmp_path / "packed" / f"{sha}-0123456789ab{ext}" for ext in (".bin", ".json")]
+    other = [tmp_path / "packed" / f"{'f' * 32}-0123456789ab{ext}" for ext in (".bin", ".json")]
+    busy = tmp_path / "packed" / f"{sha}-0123456789ab.bin.tmp-1-abcd"
+    for p in old + other + [busy]:
+        p.write_bytes(b"x" * 10)
+    load_model(bundled_gguf, weights="gguf", cache_dir=tmp_path)
+    packed_cache.wait_for_writes()
+    names = sorted(p.name for p in (tmp_path / "packed").iterdir())
+    assert names == sorted([busy.name, *(p.name for p in other), *(p.name for p in _store(first[1]))])
+
+
 def test_without_the_cache_nothing_is_stored(bundled_gguf, tmp_path):
     lm = load_model(bundled_gguf, weights="gguf", cache_dir=tmp_path, use_cache=False)
     packed_cache.wait_for_writes()
