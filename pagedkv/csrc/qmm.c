@@ -397,6 +397,19 @@ static inline __m256i shift16(__m256i v, int n) { /* v << n (n >= 0) or v >> -n,
     return n >= 0 ? _mm256_slli_epi16(v, n) : _mm256_srli_epi16(v, -n);
 }
 /* 8 bytes as 8 float lanes (unsigned or signed) */
+/* the 6-bit scales and mins of 8 columns x 8 sub-blocks from the transposed scale bytes q
+ * (Q4_K / Q5_K): sc[8s + i], mn[8s + i] = column i's sub-block s */
+static inline void k4_scales(const uint8_t *q, uint8_t *sc, uint8_t *mn) {
+    const __m256i low = _mm256_set1_epi8(0x0F), m63 = _mm256_set1_epi8(0x3F), m30 = _mm256_set1_epi8(0x30);
+    const __m256i A = _mm256_loadu_si256((const __m256i *)q), B = _mm256_loadu_si256((const __m256i *)(q + 32)),
+                  C = _mm256_loadu_si256((const __m256i *)(q + 64));
+    _mm256_store_si256((__m256i *)sc, _mm256_and_si256(A, m63));
+    _mm256_store_si256((__m256i *)(sc + 32), _mm256_or_si256(_mm256_and_si256(C, low),
+                                                             _mm256_and_si256(_mm256_srli_epi16(A, 2), m30)));
+    _mm256_store_si256((__m256i *)mn, _mm256_and_si256(B, m63));
+    _mm256_store_si256((__m256i *)(mn + 32), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(C, 4), low),
+                                                             _mm256_and_si256(_mm256_srli_epi16(B, 2), m30)));
+}
 static inline __m256 u8x8_ps(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
 static inline __m256i i8x8_epi32(const uint8_t *p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
 #endif
@@ -467,20 +480,11 @@ INLINE void q45k_group(const int NR, const int FIVE, int64_t nsb, const uint8_t 
 #ifdef __AVX2__
     __m256 acc[ROW_TILE];
     for (int j = 0; j < NR; j++) acc[j] = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi8(0x0F), m63 = _mm256_set1_epi8(0x3F), m30 = _mm256_set1_epi8(0x30),
-                  bit4 = _mm256_set1_epi8(0x10);
+    const __m256i low = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *w = wc + sb * BLK;
-        /* the 6-bit scales and mins of 8 columns x 8 sub-blocks: byte 8s + i */
-        __m256i A = _mm256_loadu_si256((const __m256i *)(w + SC)), B = _mm256_loadu_si256((const __m256i *)(w + SC + 32)),
-                C = _mm256_loadu_si256((const __m256i *)(w + SC + 64));
         uint8_t sc[64] __attribute__((aligned(32))), mn[64] __attribute__((aligned(32)));
-        _mm256_store_si256((__m256i *)sc, _mm256_and_si256(A, m63));
-        _mm256_store_si256((__m256i *)(sc + 32), _mm256_or_si256(_mm256_and_si256(C, low),
-                                                                 _mm256_and_si256(_mm256_srli_epi16(A, 2), m30)));
-        _mm256_store_si256((__m256i *)mn, _mm256_and_si256(B, m63));
-        _mm256_store_si256((__m256i *)(mn + 32), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(C, 4), low),
-                                                                 _mm256_and_si256(_mm256_srli_epi16(B, 2), m30)));
+        k4_scales(w + SC, sc, mn);
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + SC + 96)));
         const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + SC + 112)));
         for (int s = 0; s < QK_K / QK; s++) {
@@ -978,7 +982,7 @@ static inline void t_putf(uint8_t *tile, int64_t b, int off, int h, __m256 v) {
 /* one packed group of 8 columns (wg, nb blocks of 32 values) into half h of the scratch tile */
 static void unpack_group(int32_t fmt, int64_t nb, const uint8_t *wg, uint8_t *tile, int h) {
     const __m256i low = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10), m30 = _mm256_set1_epi8(0x30),
-                  m63 = _mm256_set1_epi8(0x3F), sign = _mm256_set1_epi8((char)0x80);
+                  sign = _mm256_set1_epi8((char)0x80);
     if (fmt == FMT_Q4 || fmt == FMT_Q4_0 || fmt == FMT_Q5_0 || fmt == FMT_Q5_1) {
         const int KIND = fmt == FMT_Q5_0 ? 1 : fmt == FMT_Q5_1 ? 2 : 0;
         const int BLK = fmt == FMT_Q4 ? Q4_BLOCK : KIND == 0 ? Q40_BLOCK : KIND == 1 ? Q50_BLOCK : Q51_BLOCK;
@@ -1011,15 +1015,8 @@ static void unpack_group(int32_t fmt, int64_t nb, const uint8_t *wg, uint8_t *ti
         const int FIVE = fmt == FMT_Q5_K, BLK = FIVE ? Q5K_BLOCK : Q4K_BLOCK, SC = FIVE ? Q5K_SC : Q4K_SC;
         for (int64_t sb = 0; sb < nb / 8; sb++) {
             const uint8_t *w = wg + sb * BLK;
-            __m256i A = _mm256_loadu_si256((const __m256i *)(w + SC)), B = _mm256_loadu_si256((const __m256i *)(w + SC + 32)),
-                    C = _mm256_loadu_si256((const __m256i *)(w + SC + 64));
             uint8_t sc[64] __attribute__((aligned(32))), mn[64] __attribute__((aligned(32)));
-            _mm256_store_si256((__m256i *)sc, _mm256_and_si256(A, m63));
-            _mm256_store_si256((__m256i *)(sc + 32), _mm256_or_si256(_mm256_and_si256(C, low),
-                                                                     _mm256_and_si256(_mm256_srli_epi16(A, 2), m30)));
-            _mm256_store_si256((__m256i *)mn, _mm256_and_si256(B, m63));
-            _mm256_store_si256((__m256i *)(mn + 32), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(C, 4), low),
-                                                                     _mm256_and_si256(_mm256_srli_epi16(B, 2), m30)));
+            k4_scales(w + SC, sc, mn);
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + SC + 96)));
             const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + SC + 112)));
             for (int s = 0; s < 8; s++) {
