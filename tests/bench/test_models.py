@@ -75,7 +75,7 @@ def test_padded_tokenizer(tokenizer):
     out = mm.padded_tokenizer(tokenizer, 49152 + 3)
     toks = out["tokenizer.ggml.tokens"][0]
     assert len(toks) == 49155 and toks[-3:] == ["<|extra_0|>", "<|extra_1|>", "<|extra_2|>"]
-    assert out["tokenizer.ggml.token_type"][0][-1] == 4 and len(out["tokenizer.ggml.token_type"][0]) == 49155
+    assert out["tokenizer.ggml.token_type"][0][-1] == 1 and len(out["tokenizer.ggml.token_type"][0]) == 49155
     assert out["tokenizer.ggml.merges"] == tokenizer["tokenizer.ggml.merges"]
     with pytest.raises(ValueError, match="vocab 1000"):
         mm.padded_tokenizer(tokenizer, 1000)

@@ -3,7 +3,10 @@
 Speed and memory do not depend on the weights' values, so each model is written with small
 normal values (std 0.02) and norms of 1.0, in llama.cpp's ``llama`` architecture, with the
 bundled SmolLM2 GGUF's tokenizer (``tokenizer.ggml.*``) padded to the shape's vocabulary with
-``<|extra_N|>`` tokens of type USER_DEFINED. The f16 file is written **tensor by tensor** (and
+``<|extra_N|>`` tokens of type NORMAL: plain vocabulary entries that no merge reaches, as most
+of a real 128k or 151k vocabulary is to any one text (type USER_DEFINED would make them ~80k
+added tokens, which transformers processes one by one at every tokenizer load: seconds that no
+real model's start pays; Llama-3 has 256 added tokens). The f16 file is written **tensor by tensor** (and
 each tensor in row chunks) with gguf-py's ``GGUFWriter``: every tensor info first, then the
 header, metadata and tensor table, then one tensor's data at a time, generated just before it
 is written, so no whole model is ever held in memory. ``llama-quantize`` then makes Q4_0 /
@@ -175,7 +178,7 @@ def tokenizer_fields(source: Optional[Path] = None) -> dict[str, tuple[Any, Any]
 
 def padded_tokenizer(fields: dict[str, tuple[Any, Any]], vocab: int) -> dict[str, tuple[Any, Any]]:
     """``fields`` with the token list, token types and scores (if any) padded to ``vocab``
-    entries with ``<|extra_N|>`` tokens (type USER_DEFINED, score 0). Raises ``ValueError``
+    entries with ``<|extra_N|>`` tokens (type NORMAL, score 0). Raises ``ValueError``
     when ``vocab`` is smaller than the tokenizer's own vocabulary (its merges need it)."""
     from gguf import TokenType
 
@@ -187,7 +190,7 @@ def padded_tokenizer(fields: dict[str, tuple[Any, Any]], vocab: int) -> dict[str
     out["tokenizer.ggml.tokens"] = (tokens + [f"<|extra_{i}|>" for i in range(extra)], fields["tokenizer.ggml.tokens"][1])
     if "tokenizer.ggml.token_type" in fields:
         types, t = fields["tokenizer.ggml.token_type"]
-        out["tokenizer.ggml.token_type"] = ([int(x) for x in types] + [int(TokenType.USER_DEFINED)] * extra, t)
+        out["tokenizer.ggml.token_type"] = ([int(x) for x in types] + [int(TokenType.NORMAL)] * extra, t)
     if "tokenizer.ggml.scores" in fields:
         scores, t = fields["tokenizer.ggml.scores"]
         out["tokenizer.ggml.scores"] = ([float(x) for x in scores] + [0.0] * extra, t)
