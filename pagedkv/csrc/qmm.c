@@ -377,6 +377,12 @@ INLINE void q8_group(const int NR, int64_t nb, const int8_t *wc, const float *sc
 #else
 #define QMM_VNNI 0
 #endif
+/* the column tiles (run_tiles): every AVX2 build; -DQMM_NO_TILES keeps the group kernels (A/B runs) */
+#if defined(__AVX2__) && !defined(QMM_NO_TILES)
+#define QMM_TILES 1
+#else
+#define QMM_TILES 0
+#endif
 
 /* sc[s] and m[s] (s < 8) of one column from its 12 transposed scale bytes (stride 8), as
  * ggml's get_scale_min_k4 */
@@ -896,9 +902,10 @@ static void run_group(const qweights_t *w, int64_t g, const qrows_t *a, int64_t 
 }
 
 /* ---- batches: each column tile decoded once per call ----------------------------------------
- * From TILE_ROWS input rows on (VNNI builds), a thread decodes each tile of its columns (two
- * groups, 16 columns, where AVX-512 is built; one group, 8 columns, with AVX-VNNI) once per
- * call into a scratch tile of plain u8 codes and float scales per 32-value block, then runs
+ * From TILE_ROWS input rows on (AVX2 builds), a thread decodes each tile of its columns (two
+ * groups, 16 columns, where AVX-512 VNNI is built; one group, 8 columns, with AVX-VNNI or plain
+ * AVX2, which multiplies by maddubs and adds G steps' pair sums in int16 before widening; not
+ * Q8_0 there: 255 x 127 x 2 would saturate) once per call into a scratch tile of plain u8 codes and float scales per 32-value block, then runs
  * one kernel over all the rows: the group kernels decode the weights again for every ROW_TILE
  * rows, and a 16-column tile halves the activation broadcasts per multiply-add. Per block of
  * the scratch tile (TB bytes): 8 steps of 4 TW bytes (byte 4i + j of step u: column i's code
@@ -909,7 +916,7 @@ static void run_group(const qweights_t *w, int64_t g, const qrows_t *a, int64_t 
  * order (p = float(sum); acc += (fd x d_x) p; acc += fm s_x for a format with minimums, fm
  * the negated dmin x m of the K-quants). So a row's result does not depend on how many rows
  * share the call (tested bit for bit). */
-#if QMM_VNNI
+#if QMM_TILES
 #ifndef TILE_ROWS /* from this many rows (formats with minimums: 3 times as many); measured in */
 #define TILE_ROWS 16  /* docs/performance.md ("Integer matmuls on batches") */
 #endif
@@ -964,7 +971,7 @@ static int tile_kind(int32_t fmt, int *off) {
     switch (fmt) {
     case FMT_Q4_0: *off = 8; return 1;
     case FMT_Q5_0: *off = 16; return 1;
-    case FMT_Q8_0: *off = 128; return 1;
+    case FMT_Q8_0: *off = 128; return QMM_VNNI; /* AVX2's maddubs would saturate: 2 x 255 x 127 > 2^15 */
     case FMT_Q4: case FMT_Q5_1: case FMT_Q4_K: case FMT_Q5_K: return 2;
     case FMT_Q6_K: return 3;
     default: return 0;
@@ -1063,8 +1070,8 @@ static void unpack_group(int32_t fmt, int64_t nb, const uint8_t *wg, uint8_t *ti
 }
 
 /* rows r0 .. r0 + NR - 1 of y, the tile's TW columns; KIND and OFF as tile_kind gives them */
-INLINE void tile_rows(const int NR, const int KIND, const int OFF, int64_t nb, const uint8_t *tile, const qrows_t *a,
-                      int64_t r0, float *y, int64_t ys, const float *bias) {
+INLINE void tile_rows(const int NR, const int KIND, const int OFF, const int G, int64_t nb, const uint8_t *tile,
+                      const qrows_t *a, int64_t r0, float *y, int64_t ys, const float *bias) {
     const int8_t *xq = a->q + r0 * nb * QK;
     const float *xd = a->d + r0 * nb, *xs = a->s + r0 * nb;
     const int32_t *q16 = a->q16 ? a->q16 + r0 * 2 * nb : NULL;
@@ -1077,13 +1084,22 @@ INLINE void tile_rows(const int NR, const int KIND, const int OFF, int64_t nb, c
             is[j] = KIND == 3 ? T_SET1I(-32 * q16[j * 2 * nb + 2 * b]) : T_ZEROI();
             sum[j] = T_ZEROI();
         }
+#if !QMM_VNNI /* maddubs: G steps' pair sums added in int16 (G x 2 x code max x 127 < 2^15), then widened */
+        __m256i p16[ROW_TILE];
+#endif
         #pragma GCC unroll 8
         for (int u = 0; u < 8; u++) {
             const vti_t v = T_LOADI(o + u * 4 * TW);
             for (int j = 0; j < NR; j++) {
                 int32_t xv;
                 memcpy(&xv, xq + j * nb * QK + b * QK + 4 * u, 4);
+#if QMM_VNNI
                 is[j] = T_DP(is[j], v, T_SET1I(xv));
+#else
+                const __m256i pr = _mm256_maddubs_epi16(v, _mm256_set1_epi32(xv));
+                p16[j] = u % G == 0 ? pr : _mm256_add_epi16(p16[j], pr);
+                if (u % G == G - 1) is[j] = _mm256_add_epi32(is[j], _mm256_madd_epi16(p16[j], _mm256_set1_epi16(1)));
+#endif
             }
             if (KIND == 3 && (u & 3) == 3) { /* a 16-value half done: times its int8 scale, in int32 */
                 const vti_t sc = T_LOADI(o + T_SC + 4 * TW * (u >> 2));
@@ -1113,20 +1129,24 @@ static void run_tiles(const qweights_t *w, int64_t g0, int64_t g1, const qrows_t
     int off;
     const int kind = tile_kind(w->fmt, &off);
     const int64_t nb = w->k / QK, gb = group_bytes(w), per = TW / 8;
+    const int five = w->fmt == FMT_Q5_1 || w->fmt == FMT_Q5_K;
     int64_t g = g0;
     for (; g + per <= g1; g += per) {
         for (int h = 0; h < per; h++) unpack_group(w->fmt, nb, (const uint8_t *)w->codes + (g + h) * gb, tile, h);
         const float *bg = bias ? bias + 8 * g : NULL;
         float *yg = y + 8 * g;
         for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
-            switch (kind) {
+            switch (kind) { /* G: int16 steps for 4-bit (8), 5-bit (4) and 6-bit (2) codes, maddubs only */
             case 1:
-                if (off == 8) BY_TILE(rows - r0, tile_rows, 1, 8, nb, tile, a, r0, yg, ys, bg);
-                else if (off == 16) BY_TILE(rows - r0, tile_rows, 1, 16, nb, tile, a, r0, yg, ys, bg);
-                else BY_TILE(rows - r0, tile_rows, 1, 128, nb, tile, a, r0, yg, ys, bg);
+                if (off == 8) BY_TILE(rows - r0, tile_rows, 1, 8, 8, nb, tile, a, r0, yg, ys, bg);
+                else if (off == 16) BY_TILE(rows - r0, tile_rows, 1, 16, 4, nb, tile, a, r0, yg, ys, bg);
+                else BY_TILE(rows - r0, tile_rows, 1, 128, 1, nb, tile, a, r0, yg, ys, bg);
                 break;
-            case 2: BY_TILE(rows - r0, tile_rows, 2, 0, nb, tile, a, r0, yg, ys, bg); break;
-            default: BY_TILE(rows - r0, tile_rows, 3, 0, nb, tile, a, r0, yg, ys, bg); break;
+            case 2:
+                if (five) BY_TILE(rows - r0, tile_rows, 2, 0, 4, nb, tile, a, r0, yg, ys, bg);
+                else BY_TILE(rows - r0, tile_rows, 2, 0, 8, nb, tile, a, r0, yg, ys, bg);
+                break;
+            default: BY_TILE(rows - r0, tile_rows, 3, 0, 2, nb, tile, a, r0, yg, ys, bg); break;
             }
         }
     }
@@ -1156,7 +1176,7 @@ int pagedkv_qmm(const qweights_t *w, int64_t rows, const float *x, int64_t xs, f
     int sums16 = SUMS16(w->fmt);
     for (int64_t p = 0; w->fmt == FMT_CONCAT && p < w->nparts; p++) sums16 |= SUMS16(w->parts[p]->fmt);
 #undef SUMS16
-#if QMM_VNNI
+#if QMM_TILES
     /* the column tiles' path (every part of a format it takes) */
     int tiles = rows >= TILE_ROWS, toff;
     for (int64_t p = 0; tiles && p < (w->fmt == FMT_CONCAT ? w->nparts : 1); p++) {
@@ -1171,7 +1191,7 @@ int pagedkv_qmm(const qweights_t *w, int64_t rows, const float *x, int64_t xs, f
     if (quantize_rows(x, xs, rows, w->k, &a, nt, sums16)) return -1;
     const int64_t n = w->n;
     if (tiles) {
-#if QMM_VNNI
+#if QMM_TILES
         /* the parts' (or the one matrix's) groups cut into one contiguous range per thread of
          * about equal weight bytes, each thread with its own scratch tile */
         const qweights_t *const one[1] = {w};

@@ -55,7 +55,7 @@ def test_written_gguf_has_the_shapes_types_and_bytes(tiny_files, qtype, ggml_typ
     assert md["general.architecture"] == "llama" and md["llama.block_count"] == 2
     assert md["llama.embedding_length"] == 64 and md["llama.attention.head_count_kv"] == 2
     assert md["llama.vocab_size"] == 49168 and len(md["tokenizer.ggml.tokens"]) == 49168
-    assert len(md["tokenizer.ggml.token_type"]) == 49168 and int(md["tokenizer.ggml.token_type"][-1]) == 4
+    assert len(md["tokenizer.ggml.token_type"]) == 49168 and int(md["tokenizer.ggml.token_type"][-1]) == 1  # NORMAL
     # each tensor's bytes: the offsets step by the aligned size of the one before
     offs = [t.offset for t in h.tensors]
     for t, nxt in zip(h.tensors[:-1], offs[1:]):

@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
-MAKER_VERSION = 1
+MAKER_VERSION = 2  # 2: the vocabulary padding is NORMAL tokens (1: USER_DEFINED)
 STD = 0.02
 CHUNK_ELEMENTS = 1 << 24  # values generated (and quantised) per chunk: 64 MiB of float32
 TYPES = ("q4_0", "q4_k_m", "q8_0")
