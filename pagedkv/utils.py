@@ -4,6 +4,7 @@
 * the one dtype table: names and aliases -> a canonical short name, its bytes per element
   and its torch dtype (:func:`canonical_dtype`, :func:`torch_dtype`, :func:`dtype_name`);
   the KV-cache formats (:func:`kv_cache_dtype`: ``auto``, float32, bfloat16, int8, fp8_e4m3, ...).
+* :func:`linear_layer` — ``nn.Linear`` without its random init on the meta device (model skeletons).
 * :func:`free_port` — a free TCP port on 127.0.0.1 (servers in tests, benchmarks, workers).
 * :func:`release_openmp_pool` — give back the calling thread's OpenMP threads (servers step the
   engine in another thread than the one that built it).
@@ -101,6 +102,27 @@ def torch_dtype(dtype: Any):
     import torch
 
     return getattr(torch, DTYPES[canonical_dtype(dtype, MODEL_DTYPES)][0])
+
+
+def linear_layer(in_features: int, out_features: int, bias: bool, dtype: Any, device: Any) -> Any:
+    """An ``nn.Linear`` (exactly that type) ``[out_features, in_features]``. On the meta device
+    its random init is skipped: a loader assigns every weight, and ``kaiming_uniform_`` on meta
+    tensors runs through torch's decompositions at ~0.5 ms a layer (3 s of a warm start for a
+    24-layer, 128-expert model's 6,000 expert matrices). Elsewhere it is ``nn.Linear(...)``."""
+    import torch
+    from torch import nn
+
+    if str(device) != "meta":
+        return nn.Linear(in_features, out_features, bias=bias, dtype=dtype, device=device)
+    m = nn.Linear.__new__(nn.Linear)
+    nn.Module.__init__(m)
+    m.in_features, m.out_features = in_features, out_features
+    m.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device="meta"))
+    if bias:
+        m.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device="meta"))
+    else:
+        m.register_parameter("bias", None)
+    return m
 
 
 def dtype_bytes(dtype: Any) -> float:

@@ -52,7 +52,7 @@ from pagedkv.model import invariant
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.moe import MoE, MoESpec
 from pagedkv.model.step_strategy import EAGER_STEP
-from pagedkv.utils import profile_scope, torch_dtype
+from pagedkv.utils import linear_layer, profile_scope, torch_dtype
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -132,14 +132,14 @@ class DecoderLayer(nn.Module):
             self.mla, self.q_size = MLAttention(config, **kw), config.num_heads * config.v_head_dim
             self.qkv_proj = None
         else:
-            self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=config.attention_bias, **kw)
-        self.o_proj = nn.Linear(self.q_size, h, bias=config.o_proj_bias, **kw)
+            self.qkv_proj = linear_layer(h, self.q_size + 2 * self.kv_size, config.attention_bias, **kw)
+        self.o_proj = linear_layer(self.q_size, h, config.o_proj_bias, **kw)
         self.post_attention_layernorm = _RMSNormWeight(h, **kw)
         # a mixture-of-experts layer's MLP (pagedkv.model.moe) replaces the dense one
         self.mlp = MoE(MoESpec.from_config(config), h, **kw) if config.is_moe_layer(layer) else None
         dense = self.mlp is None
-        self.gate_up_proj = nn.Linear(h, 2 * config.intermediate_size, bias=False, **kw) if dense else None
-        self.down_proj = nn.Linear(config.intermediate_size, h, bias=False, **kw) if dense else None
+        self.gate_up_proj = linear_layer(h, 2 * config.intermediate_size, False, **kw) if dense else None
+        self.down_proj = linear_layer(config.intermediate_size, h, False, **kw) if dense else None
         self.q_norm = _RMSNormWeight(d, **kw) if config.qk_norm else None
         self.k_norm = _RMSNormWeight(d, **kw) if config.qk_norm else None
         self.pre_feedforward_layernorm = _RMSNormWeight(h, **kw) if config.sandwich_norms else None
@@ -339,7 +339,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = _RMSNormWeight(config.hidden_size, **kw)
         self.lm_head = (
             None if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False, **kw)
+            else linear_layer(config.hidden_size, config.vocab_size, False, **kw)
         )
         if materialize:  # else a loader gives every parameter its tensor (pagedkv.model.gguf_native)
             self.to_empty(device=device)

@@ -58,6 +58,7 @@ from pagedkv.attention import quant as Q
 from pagedkv.attention.base import AttentionMetadata
 from pagedkv.attention.reference import context_slots, lists_of
 from pagedkv.errors import ConfigError
+from pagedkv.utils import linear_layer
 
 #: eps of ``q_a_layernorm`` / ``kv_a_layernorm`` (transformers builds them with its RMSNorm default)
 INNER_NORM_EPS = 1e-6
@@ -215,13 +216,13 @@ class MLAttention(nn.Module):
         self.scale = softmax_scale(config)
         qk = self.nope + self.rope_dim
         ql = config.q_lora_rank
-        self.q_proj = nn.Linear(h, n * qk, bias=False, **kw) if ql is None else None
-        self.q_a_proj = nn.Linear(h, ql, bias=False, **kw) if ql is not None else None
+        self.q_proj = linear_layer(h, n * qk, False, **kw) if ql is None else None
+        self.q_a_proj = linear_layer(h, ql, False, **kw) if ql is not None else None
         self.q_a_layernorm = _NormWeight(ql, **kw) if ql is not None else None
-        self.q_b_proj = nn.Linear(ql, n * qk, bias=False, **kw) if ql is not None else None
-        self.kv_a_proj_with_mqa = nn.Linear(h, self.rank + self.rope_dim, bias=False, **kw)
+        self.q_b_proj = linear_layer(ql, n * qk, False, **kw) if ql is not None else None
+        self.kv_a_proj_with_mqa = linear_layer(h, self.rank + self.rope_dim, False, **kw)
         self.kv_a_layernorm = _NormWeight(self.rank, **kw)
-        self.kv_b_proj = nn.Linear(self.rank, n * (self.nope + self.v_dim), bias=False, **kw)
+        self.kv_b_proj = linear_layer(self.rank, n * (self.nope + self.v_dim), False, **kw)
         #: query rows of each form the last forward ran (tests read it)
         self.rows = {"absorbed": 0, "expanded": 0}
 

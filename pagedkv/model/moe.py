@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.errors import ConfigError
+from pagedkv.utils import linear_layer
 
 #: routing kinds of ``route``
 ROUTINGS = ("softmax", "sigmoid", "topk_softmax")
@@ -196,8 +197,8 @@ class Expert(nn.Module):
         super().__init__()
         self.intermediate_size, self.gelu = inter, act == "gelu_pytorch_tanh"
         self.limit, self.alpha = limit, alpha
-        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias, dtype=dtype, device=device)
-        self.down_proj = nn.Linear(inter, hidden, bias=bias, dtype=dtype, device=device)
+        self.gate_up_proj = linear_layer(hidden, 2 * inter, bias, dtype, device)
+        self.down_proj = linear_layer(inter, hidden, bias, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -217,7 +218,7 @@ class MoE(nn.Module):
     def __init__(self, spec: MoESpec, hidden: int, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.spec = spec
-        self.router = nn.Linear(hidden, spec.num_experts, bias=spec.bias, dtype=dtype, device=device)
+        self.router = linear_layer(hidden, spec.num_experts, spec.bias, dtype, device)
         self.e_score_correction_bias = (nn.Parameter(torch.zeros(spec.num_experts, dtype=torch.float32, device=device))
                                         if spec.routing == "sigmoid" else None)
         self.experts = nn.ModuleList(Expert(hidden, spec.intermediate_size, spec.hidden_act, dtype, device, spec.bias,
