@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from pagedkv.errors import ConfigError
 from pagedkv.model.moe import MoE, MoESpec, moe_layer_indices, route
@@ -275,3 +276,20 @@ def test_deepseek_moe_blocks_equal_transformers(version, tokens):
     x = torch.randn(tokens, H, generator=g)
     with torch.inference_mode():
         torch.testing.assert_close(ours(x), ref(x[None])[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_meta_linear_layer_is_an_nn_linear_without_init(bias):
+    """``utils.linear_layer`` on the meta device: exactly ``nn.Linear`` (``invariant`` checks the
+    type), the same parameters, shapes, dtype and repr as ``nn.Linear(..., device="meta")``;
+    elsewhere it is ``nn.Linear`` itself (initialised)."""
+    from pagedkv.utils import linear_layer
+
+    got = linear_layer(48, 80, bias, torch.bfloat16, "meta")
+    want = nn.Linear(48, 80, bias=bias, dtype=torch.bfloat16, device="meta")
+    assert type(got) is nn.Linear and repr(got) == repr(want) == f"Linear(in_features=48, out_features=80, bias={bias})"
+    assert [(k, tuple(p.shape), p.dtype, p.is_meta) for k, p in got.named_parameters()] == \
+        [(k, tuple(p.shape), p.dtype, p.is_meta) for k, p in want.named_parameters()]
+    assert got.weight.requires_grad and (got.bias is None) == (not bias)
+    cpu = linear_layer(48, 80, bias, torch.float32, "cpu")
+    assert type(cpu) is nn.Linear and not cpu.weight.is_meta and float(cpu.weight.abs().sum()) > 0
