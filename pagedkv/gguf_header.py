@@ -13,6 +13,7 @@ Little-endian GGUF v2 and v3 only.
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,21 @@ _STRING, _ARRAY = 8, 9
 #: arrays up to this length come back as Python lists; longer ones as numpy arrays (numbers)
 #: or an undecoded ``GGUFStringArray`` (strings, e.g. the tokenizer's vocabulary).
 SMALL_ARRAY = 256
+
+#: ggml's tensor types (``ggml.h``'s ``enum ggml_type``, as ``gguf.GGMLQuantizationType`` and
+#: ``gguf.GGML_QUANT_SIZES`` give them): id -> (name, values per block, bytes per block), so
+#: reading a header's types needs no ``gguf`` import (~65 ms of a start); an id not here goes
+#: to ``gguf`` (pagedkv.model.gguf_read.qtype_name)
+GGML_TYPES: dict[int, tuple[str, int, int]] = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 40), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110),
+    12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
+    16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98), 19: ("IQ1_S", 256, 50),
+    20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110), 22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136),
+    24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8),
+    29: ("IQ1_M", 256, 56), 30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
+    39: ("MXFP4", 32, 17),
+}
 
 
 class GGUFStringArray:
@@ -76,16 +92,35 @@ def is_gguf_file(path: str | Path) -> bool:
         return False
 
 
-def read_gguf_header(path: str | Path) -> GGUFHeader:
+#: the last header read with ``reuse=True``: ((path, device, inode, size, mtime_ns, ctime_ns), monotonic time, header)
+_LAST: list[Any] = []
+#: seconds a ``reuse=True`` read may return the header read before it
+REUSE_S = 10.0
+
+
+def read_gguf_header(path: str | Path, reuse: bool = False) -> GGUFHeader:
     """Parse a GGUF file's metadata and tensor table (memory-mapped; tensor data untouched).
+    ``reuse``: return the header a ``reuse=True`` read of the same file (same path, inode,
+    size, modification and change time) parsed in the last ``REUSE_S`` seconds, as one
+    load's steps do (a header with a large vocabulary takes ~40 ms); treat it as read-only.
 
     Raises ``ConfigError`` naming the path if it cannot be opened, is not GGUF (bad magic), has
     an unsupported version or value type, or is truncated/malformed.
     """
+    import time
+
     path = Path(path)
     try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            return _parse(buf, path)
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            key = (str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+            if reuse and _LAST and _LAST[0] == key and time.monotonic() - _LAST[1] < REUSE_S:
+                return _LAST[2]
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+                header = _parse(buf, path)
+            if reuse:
+                _LAST[:] = [key, time.monotonic(), header]
+            return header
     except ConfigError:
         raise
     except OSError as e:

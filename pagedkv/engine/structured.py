@@ -260,7 +260,8 @@ class GrammarCompiler:
             import llguidance.hf
 
             eos = self.eos_token_ids[0] if self.eos_token_ids else None
-            self._lltok = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=eos)
+            hf = getattr(self.hf_tokenizer, "hf", self.hf_tokenizer)  # a FastTokenizer's transformers one
+            self._lltok = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=eos)
             self._limits = llguidance.LLParserLimits(verbose_errors=False)
         return self._lltok
 

@@ -20,13 +20,16 @@ import numpy as np
 import torch
 
 from pagedkv.errors import ConfigError
-from pagedkv.gguf_header import GGUFTensorInfo
+from pagedkv.gguf_header import GGML_TYPES, GGUFTensorInfo
 
 __all__ = ["Reader", "dequantize_rows", "qtype_name", "stored_bytes", "tensor_rows"]
 
 
 def qtype_name(info: GGUFTensorInfo) -> str:
     """The GGML type name of a stored tensor (``"Q4_1"``); ``ConfigError`` for an unknown id."""
+    known = GGML_TYPES.get(info.ggml_type)
+    if known is not None:
+        return known[0]
     import gguf
 
     try:
@@ -35,12 +38,21 @@ def qtype_name(info: GGUFTensorInfo) -> str:
         raise ConfigError(f"weights: {info.name} has unknown GGML type {info.ggml_type}") from None
 
 
+def _block_size(info: GGUFTensorInfo) -> tuple[int, int]:
+    """``(values, bytes)`` of one block of ``info``'s type (``GGML_TYPES``, else ``gguf``'s
+    table); ``ConfigError`` for an unknown type."""
+    known = GGML_TYPES.get(info.ggml_type)
+    if known is not None:
+        return known[1], known[2]
+    import gguf
+
+    return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype_name(info)]]
+
+
 def tensor_rows(info: GGUFTensorInfo) -> tuple[int, int]:
     """``(rows, bytes per row)`` of a stored tensor (a 1-D tensor is one row); ``ConfigError``
     for an unknown type or a row that is not whole blocks."""
-    import gguf
-
-    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype_name(info)]]
+    block, size = _block_size(info)
     *outer, inner = info.shape
     if inner % block:
         raise ConfigError(f"weights: {info.name} row length {inner} is not whole {qtype_name(info)} blocks")
@@ -49,16 +61,18 @@ def tensor_rows(info: GGUFTensorInfo) -> tuple[int, int]:
 
 def stored_bytes(info: GGUFTensorInfo) -> int:
     """Bytes of a tensor's stored blocks in the file."""
-    import gguf
-
-    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(info.ggml_type)]
+    block, size = _block_size(info)
     return int(np.prod(info.shape, dtype=np.int64)) // block * size
 
 
 def dequantize_rows(info: GGUFTensorInfo, raw: np.ndarray) -> torch.Tensor:
     """Stored rows of ``info`` (uint8 ``[n, row_bytes]``, e.g. from ``Reader.rows``) ->
     float32 ``[n, cols]`` by ``gguf.dequantize`` (a fresh tensor, or ``raw``'s memory for F32).
-    Raises ``ConfigError`` for a type ``gguf`` cannot dequantise."""
+    Raises ``ConfigError`` for a type ``gguf`` cannot dequantise. F32 and F16 (norms, biases)
+    are read without ``gguf``."""
+    if info.ggml_type in (0, 1):  # F32, F16: the values themselves
+        v = raw.view(np.float32 if info.ggml_type == 0 else np.float16)
+        return torch.from_numpy(np.require(v, dtype=np.float32, requirements=["C", "W"])).reshape(raw.shape[0], -1)
     import gguf
 
     qtype = gguf.GGMLQuantizationType(info.ggml_type)

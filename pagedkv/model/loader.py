@@ -119,7 +119,7 @@ def auto_weights(model: str | Path | None, fmt: str, why: str, dtype: Any = "fp3
     if path.is_file():
         from pagedkv.model import gguf_native
 
-        header = read_gguf_header(path)
+        header = read_gguf_header(path, reuse=True)
         problem = gguf_native.supported(header)
         if problem is None:
             kinds = ", ".join(f"{k} x{v}" for k, v in sorted(gguf_native.linear_types(header).items()))
@@ -330,14 +330,15 @@ def _load_gguf_native(path: Path, root: Path, use_cache: bool, route: str | None
 
     if path.is_dir():
         raise ConfigError(f"weights 'gguf': {str(path)!r} is a directory; 'gguf' keeps a GGUF file's stored blocks")
-    header = read_gguf_header(path)
+    header = read_gguf_header(path, reuse=True)
     sha = file_identity(path, root)
     config = gguf_config(path, header, sha[:16])
     need = gguf_native.weight_bytes(header, config)
     check_memory(need + kv_bytes, f"{path.name}'s weights ({need / 2**30:.2f} GiB as stored) and the KV cache "
                                   f"({kv_bytes / 2**30:.2f} GiB)")
-    # the tokenizer (mostly importing transformers: Python, ~1.5 s) loads in a thread while the
-    # weights stream in (preadv and the C packers release the GIL)
+    # the tokenizer loads in a thread while the weights stream in (preadv and the C packers
+    # release the GIL): on a warm start the fast tokenizer (milliseconds, pagedkv.model.fast_tokenizer),
+    # on the first load transformers' (its import and the GGUF vocabulary: Python, seconds)
     with ThreadPoolExecutor(1, thread_name_prefix="pagedkv-tokenizer") as pool:
         tok = pool.submit(_gguf_tokenizer, path, root, sha, use_cache)
         packed = None
@@ -355,7 +356,7 @@ def _gguf_tokenizer(path: Path, root: Path, sha: str, use_cache: bool) -> tuple[
     """``(tokenizer, cache entry or None, from cache)`` of a GGUF: its entry ``<sha16>-tokenizer``
     (the tokenizer only: building it from the file's vocabulary takes seconds), written on a
     miss; an entry that fails to load is rebuilt, one that cannot be written is skipped."""
-    from pagedkv.model.weight_cache import read_tokenizer_entry, write_cache_entry
+    from pagedkv.model.weight_cache import read_tokenizer_entry, record_fast_tokenizer, write_cache_entry
 
     entry = entry_dir(root, sha, "tokenizer")
     damaged = False
@@ -373,4 +374,5 @@ def _gguf_tokenizer(path: Path, root: Path, sha: str, use_cache: bool) -> tuple[
     except OSError as e:
         log.warning("pagedkv: could not write the tokenizer cache %s (%s); continuing without it", entry, e)
         return tokenizer, None, False
+    record_fast_tokenizer(entry, tokenizer)  # the next start may skip transformers' import
     return tokenizer, entry, False

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -42,6 +43,7 @@ _WEIGHTS_FILE = "model.safetensors"
 _CONFIG_FILE = "config.json"
 _TOKENIZER_DIR = "tokenizer"
 _MANIFEST_FILE = "manifest.json"
+log = logging.getLogger(__name__)
 
 
 def cache_root() -> Path:
@@ -153,9 +155,32 @@ def _check_manifest(entry: Path, sha: str, weights: str = "fp32") -> None:
 def read_tokenizer_entry(entry: Path, sha: str) -> Any:
     """The tokenizer of a tokenizer-only entry (``<16 hex>-tokenizer``, written by
     ``write_cache_entry(..., weights="tokenizer")``). Raises (any exception) if it is missing
-    or damaged."""
+    or damaged. A :class:`~pagedkv.model.fast_tokenizer.FastTokenizer` (no transformers
+    import) where the entry records that it agrees with transformers' tokenizer; else
+    transformers' tokenizer, and an entry without a record gets one (:func:`record_fast_tokenizer`)."""
+    from pagedkv.model.fast_tokenizer import open_fast, read_marker
+
     _check_manifest(entry, sha, "tokenizer")
-    return load_tokenizer(entry / _TOKENIZER_DIR)
+    verdict = read_marker(entry, entry / _TOKENIZER_DIR)
+    if verdict:
+        try:
+            return open_fast(entry, entry / _TOKENIZER_DIR)
+        except Exception as e:  # noqa: BLE001 - a damaged record: transformers' tokenizer, re-recorded
+            log.warning("pagedkv: fast tokenizer record in %s is unusable (%s); re-checking it", entry, e)
+            verdict = None
+    tokenizer = load_tokenizer(entry / _TOKENIZER_DIR)
+    if verdict is None:
+        record_fast_tokenizer(entry, tokenizer)
+    return tokenizer
+
+
+def record_fast_tokenizer(entry: Path, tokenizer: Any) -> bool:
+    """Check the fast tokenizer of the tokenizer entry ``entry`` against ``tokenizer`` (the
+    transformers one, loaded from or written to it) and record the verdict beside the entry's
+    manifest (``pagedkv.model.fast_tokenizer.write_marker``). Returns the verdict."""
+    from pagedkv.model.fast_tokenizer import write_marker
+
+    return write_marker(entry, tokenizer, entry / _TOKENIZER_DIR)
 
 
 def write_cache_entry(

@@ -89,6 +89,9 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # chat templates render through transformers' tokenizer, which a warm start's fast
+        # tokenizer builds on first use (~1 s): built here, not in the first request
+        await asyncio.to_thread(getattr, getattr(engine, "tokenizer", None), "hf", None)
         loop.start()
         try:
             yield
