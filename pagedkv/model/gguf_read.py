@@ -22,7 +22,7 @@ import torch
 from pagedkv.errors import ConfigError
 from pagedkv.gguf_header import GGML_TYPES, GGUFTensorInfo
 
-__all__ = ["Reader", "dequantize_rows", "qtype_name", "stored_bytes", "tensor_rows"]
+__all__ = ["Reader", "check_extent", "dequantize_rows", "qtype_name", "stored_bytes", "tensor_rows"]
 
 
 def qtype_name(info: GGUFTensorInfo) -> str:
@@ -63,6 +63,14 @@ def stored_bytes(info: GGUFTensorInfo) -> int:
     """Bytes of a tensor's stored blocks in the file."""
     block, size = _block_size(info)
     return int(np.prod(info.shape, dtype=np.int64)) // block * size
+
+
+def check_extent(tensors: list[GGUFTensorInfo], file_bytes: int) -> None:
+    """``ConfigError`` naming the first of ``tensors`` whose stored bytes run past
+    ``file_bytes`` (a truncated download), before anything is read or built from the file."""
+    for info in tensors:
+        if info.offset + stored_bytes(info) > file_bytes:
+            raise ConfigError(f"weights: {info.name} extends past the end of the GGUF file (truncated?)")
 
 
 def dequantize_rows(info: GGUFTensorInfo, raw: np.ndarray) -> torch.Tensor:

@@ -304,8 +304,10 @@ def _load_gguf_stream(path: Path, root: Path, use_cache: bool, fmt: str | None, 
     reading a tensor, the converted weights' bytes (``gguf_formats.state_bytes``) plus
     ``kv_bytes`` are checked against the host's memory (``check_memory``)."""
     from pagedkv.model.gguf_formats import state_bytes, stream_state
+    from pagedkv.model.gguf_read import check_extent
 
     header = read_gguf_header(path)
+    check_extent(header.tensors, path.stat().st_size)  # a truncated file: no tokenizer entry either
     sha = file_identity(path, root)
     config = gguf_config(path, header, sha[:16])
     need = state_bytes(header, config, fmt, dtype)
@@ -326,11 +328,13 @@ def _load_gguf_native(path: Path, root: Path, use_cache: bool, route: str | None
     of the weights' bytes plus ``kv_bytes``, the streaming build (``gguf_native``), and the
     tokenizer from its cache entry (built from the file and written there on the first load)."""
     from pagedkv.model import gguf_native
+    from pagedkv.model.gguf_read import check_extent
     from pagedkv.model.packed_cache import PackedCache, packed_cache_enabled
 
     if path.is_dir():
         raise ConfigError(f"weights 'gguf': {str(path)!r} is a directory; 'gguf' keeps a GGUF file's stored blocks")
     header = read_gguf_header(path, reuse=True)
+    check_extent(header.tensors, path.stat().st_size)  # a truncated file: no tokenizer entry either
     sha = file_identity(path, root)
     config = gguf_config(path, header, sha[:16])
     need = gguf_native.weight_bytes(header, config)

@@ -32,6 +32,10 @@ def load_tokenizer(directory: str | Path, gguf_file: str | None = None) -> Any:
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    if gguf_file:
+        tok = _gguf_tokenizer_by_class(Path(directory), gguf_file)
+        if tok is not None:
+            return tok
     try:
         try:
             return AutoTokenizer.from_pretrained(str(directory), **kwargs)
@@ -41,6 +45,91 @@ def load_tokenizer(directory: str | Path, gguf_file: str | None = None) -> Any:
             return PreTrainedTokenizerFast.from_pretrained(str(directory), **kwargs)
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(f"tokenizer: cannot load from {str(directory)!r} ({e})") from None
+
+
+def _gguf_tokenizer_by_class(directory: Path, gguf_file: str) -> Any:
+    """``AutoTokenizer.from_pretrained(directory, gguf_file=...)``'s tokenizer, seconds sooner, or
+    None (the caller then asks ``AutoTokenizer``). To pick the class, ``AutoTokenizer`` builds
+    the model's config with gguf's ``GGUFReader``, which turns every vocabulary entry and merge
+    into numpy views (~6 s of a 49k vocabulary, more for 128k) and is used for the class only.
+    Here ``AutoTokenizer`` picks it from a stand-in file (:func:`gguf_stand_in`: the same
+    metadata, arrays cut to their first entries, 1-value tensors of the same names); the class
+    then builds the tokenizer from the real file (transformers' own fast GGUF reader)."""
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    try:
+        with tempfile.TemporaryDirectory(prefix="pagedkv-gguf-class-") as tmp:
+            stand_in = Path(tmp) / "stand-in.gguf"
+            gguf_stand_in(directory / gguf_file, stand_in)
+            cls = type(AutoTokenizer.from_pretrained(tmp, gguf_file=stand_in.name))
+        return cls.from_pretrained(str(directory), gguf_file=gguf_file, _from_auto=True)
+    except Exception:  # noqa: BLE001 - any surprise: AutoTokenizer on the real file decides
+        return None
+
+
+def gguf_stand_in(src: Path, dst: Path, keep: int | None = None) -> None:
+    """Write ``dst``: the GGUF ``src``'s header with every metadata array cut to its first
+    ``keep`` entries (default: enough for every special token id the file names, at least 16;
+    the merges to none, as they name tokens cut) and a 1-value F32 tensor for each of its tensors (names kept, shapes not); a few KB.
+    Raises ``OSError`` / ``ValueError`` / ``struct.error`` for an unreadable file."""
+    import mmap
+    import struct
+
+    from pagedkv.gguf_header import read_gguf_header
+
+    if keep is None:
+        meta = read_gguf_header(src, reuse=True).metadata
+        ids = [v for k, v in meta.items() if k.startswith("tokenizer.ggml.") and k.endswith("_token_id")
+               and isinstance(v, int)]
+        keep = max([15, *ids]) + 1
+    scalar = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+    with open(src, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        _, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+        out = bytearray(buf[:24])
+        pos, align = 24, 32
+
+        def skip(vtype: int, p: int) -> int:
+            if vtype == 8:  # a string
+                return p + 8 + struct.unpack_from("<Q", buf, p)[0]
+            return p + scalar[vtype]
+
+        for _ in range(n_kv):
+            start = pos
+            pos += 8 + struct.unpack_from("<Q", buf, pos)[0]
+            key = bytes(buf[start + 8:pos])
+            (vtype,) = struct.unpack_from("<I", buf, pos)
+            pos += 4
+            if vtype != 9:
+                end = skip(vtype, pos)
+                if key == b"general.alignment":
+                    align = struct.unpack_from("<I", buf, pos)[0]
+                out += buf[start:end]
+                pos = end
+                continue
+            etype, count = struct.unpack_from("<IQ", buf, pos)
+            p = pos + 12
+            n_keep = 0 if key == b"tokenizer.ggml.merges" else min(count, keep)  # merges name cut tokens
+            if etype == 8:
+                kept_end = None
+                for i in range(count):
+                    if i == n_keep:
+                        kept_end = p
+                    p = skip(8, p)
+            else:
+                kept_end = p + scalar[etype] * n_keep
+                p += scalar[etype] * count
+            out += buf[start:pos] + struct.pack("<IQ", etype, n_keep) + buf[pos + 12:p if kept_end is None else kept_end]
+            pos = p
+        for i in range(n_tensors):
+            n = struct.unpack_from("<Q", buf, pos)[0]
+            name = buf[pos:pos + 8 + n]
+            n_dims = struct.unpack_from("<I", buf, pos + 8 + n)[0]
+            pos += 8 + n + 4 + 8 * n_dims + 12
+            out += name + struct.pack("<IQIQ", 1, 1, 0, i * align)
+    out += bytes(-len(out) % align) + bytes(align * n_tensors)
+    dst.write_bytes(out)
 
 
 #: ``tokenizer_class`` values that are transformers' generic fast tokenizer itself

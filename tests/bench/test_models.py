@@ -261,6 +261,31 @@ def test_report_ratios_with_llama_cpp():
            "50.0 [50.0-50.0] | 400.0 [400.0-400.0] | 5.00 [5.00-5.00] |" in md
 
 
+def test_a_load_only_run_reports_start_up_only():
+    """``--load-only``: cold and warm loads of both systems; no run peak RSS, prefill or decode,
+    each saying why, and the table and plot keep the load columns only."""
+    skip = bench_models.LOAD_ONLY
+    ours = {**_ours(10, 2, None, None, rss=1.5e9), "skipped": skip}
+    ours["warm"]["child"] = {"weights": "gguf"}  # no measure in a --load-only warm child
+    peer = {"cold": {"status": "ok", "load_s": 4.0, "ru_maxrss": 2e9}, "warm": {"status": "ok", "load_s": 1.0},
+            "bench": {"status": "not measured", "reason": skip}, "skipped": skip}
+    entry = {"size": "1.7b", "type": "q4_0", "file": {"bytes": 1e9},
+             "systems": {"pagedkv": {"status": "ok", "reason": None, "runs": [ours, ours]},
+                         "llama.cpp": {"status": "ok", "reason": None, "runs": [peer, peer]}}}
+    entry["summary"] = s = summarize_model(entry, 10e9)
+    assert s["pagedkv"]["warm_load_s"]["median"] == 2 and s["llama.cpp"]["warm_load_s"]["median"] == 1.0
+    assert s["pagedkv"]["peak_rss_bytes"] is None and s["pagedkv"]["missing"]["peak_rss_bytes"] == f"not measured: {skip}"
+    assert s["llama.cpp"]["missing"]["decode_tokens_per_s"] == f"not measured: {skip}"
+    data = _fake_data({"status": "not measured", "reason": "x", "runs": []})
+    data["config"]["load_only"] = True
+    data["models"] = [entry]
+    md = render_markdown(data, {})
+    assert "| model | type | file GB | system | cold load s | cold-load peak RSS GB | warm load s | cache GB |" in md
+    assert "| 1.7b | q4_0 | 1.00 | pagedkv (gguf) | 10.0 [10.0-10.0] | 5.00 [5.00-5.00] | 2.0 [2.0-2.0] | 3.00 [3.00-3.00] |" in md
+    assert "| 1.7b | q4_0 | 1.00 | llama.cpp | 4.0 [4.0-4.0] | 2.00 [2.00-2.00] | 1.0 [1.0-1.0] | 0.00 [0.00-0.00] |" in md
+    assert "decode" not in md.split("| model | type | file GB |")[1].split("\n")[0]
+
+
 def test_bad_size_is_a_config_error():
     from pagedkv.errors import ConfigError
 

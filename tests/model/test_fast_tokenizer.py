@@ -301,3 +301,75 @@ def test_structured_outputs_get_the_transformers_tokenizer(hf_tok, saved):
     lltok = GrammarCompiler(fast, len(fast), [fast.eos_token_id])._tokenizer()
     assert fast._hf is not None and lltok.vocab_size == 375 and lltok.eos_token == 1
     assert lltok.tokenize_str("dog fox") == fast("dog fox", add_special_tokens=False)["input_ids"]
+
+
+# ---- the first load's tokenizer: AutoTokenizer's class picked on a stand-in file -------------------
+def test_the_stand_in_keeps_the_metadata_with_arrays_cut(tmp_path):
+    import gguf
+
+    from pagedkv.gguf_header import read_gguf_header
+    from pagedkv.model.tokenizer import gguf_stand_in
+    from tests.model.test_gguf_types import _vocab, write_tiny_gguf
+
+    src, dst = tmp_path / "m.gguf", tmp_path / "s.gguf"
+    write_tiny_gguf(src, "Q8_0")
+    gguf_stand_in(src, dst, keep=20)
+    a, b = read_gguf_header(src), read_gguf_header(dst)
+    assert list(a.metadata) == list(b.metadata) and dst.stat().st_size < 8192 < src.stat().st_size
+    assert len(a.metadata["tokenizer.ggml.tokens"]) == len(_vocab()) == 260
+    assert b.metadata["tokenizer.ggml.tokens"] == _vocab()[:20]
+    assert b.metadata["tokenizer.ggml.token_type"] == list(a.metadata["tokenizer.ggml.token_type"][:20]) == [1] * 20
+    assert a.metadata["tokenizer.ggml.merges"] == ["h i"] and b.metadata["tokenizer.ggml.merges"] == []
+    scalars = [k for k, v in a.metadata.items() if isinstance(v, (int, float, str))]
+    assert len(scalars) > 10 and all(a.metadata[k] == b.metadata[k] for k in scalars)
+    assert [t.name for t in b.tensors] == [t.name for t in a.tensors] and len(a.tensors) > 5
+    assert all(t.shape == (1,) and t.ggml_type == 0 for t in b.tensors)
+    reader = gguf.GGUFReader(str(dst))  # what transformers reads it with
+    assert len(reader.tensors) == len(a.tensors) and reader.fields["tokenizer.ggml.tokens"].data[:1]
+    default = tmp_path / "d.gguf"
+    gguf_stand_in(src, default)  # default: up to the highest special id (259 of 260) + 1, at least 16
+    assert len(read_gguf_header(default).metadata["tokenizer.ggml.tokens"]) == 260
+
+
+def _same_tokenizer(a, b, tmp_path) -> None:
+    assert type(a) is type(b) and a.backend_tokenizer.to_str() == b.backend_tokenizer.to_str()
+    assert a.init_kwargs == b.init_kwargs
+    a.save_pretrained(str(tmp_path / "a"))
+    b.save_pretrained(str(tmp_path / "b"))
+    files = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "b").iterdir()) and "tokenizer.json" in files
+    assert all((tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes() for f in files)
+
+
+@pytest.mark.parametrize("arch,cls", [("llama", "TokenizersBackend"), ("qwen2", "Qwen2Tokenizer"),
+                                      ("qwen3", "Qwen2Tokenizer")])
+def test_the_first_load_builds_auto_tokenizers_tokenizer(tmp_path, arch, cls):
+    import transformers
+
+    from pagedkv.model.tokenizer import _gguf_tokenizer_by_class, load_tokenizer
+    from tests.model.test_gguf_types import write_tiny_gguf
+
+    write_tiny_gguf(tmp_path / "m.gguf", "F16", arch=arch)
+    ours = _gguf_tokenizer_by_class(tmp_path, "m.gguf")
+    auto = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="m.gguf")
+    assert type(auto).__name__ == cls
+    _same_tokenizer(ours, auto, tmp_path)
+    assert type(load_tokenizer(tmp_path, gguf_file="m.gguf")) is type(auto)
+    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".gguf"] == ["m.gguf"]  # the stand-in is gone
+
+
+def test_a_stand_in_that_fails_leaves_it_to_auto_tokenizer(tmp_path, monkeypatch):
+    from pagedkv.model import tokenizer as tok_mod
+    from tests.model.test_gguf_types import write_tiny_gguf
+
+    write_tiny_gguf(tmp_path / "m.gguf", "F16")
+    monkeypatch.setattr(tok_mod, "gguf_stand_in", lambda src, dst, keep=None: dst.write_bytes(b"GGUF broken"))
+    assert tok_mod._gguf_tokenizer_by_class(tmp_path, "m.gguf") is None
+    assert type(tok_mod.load_tokenizer(tmp_path, gguf_file="m.gguf")).__name__ == "TokenizersBackend"
+
+
+@pytest.mark.slow
+def test_the_bundled_models_first_load_tokenizer_is_auto_tokenizers(bundled_gguf, hf_tokenizer, tmp_path):
+    from pagedkv.model.tokenizer import _gguf_tokenizer_by_class
+
+    _same_tokenizer(_gguf_tokenizer_by_class(bundled_gguf.parent, bundled_gguf.name), hf_tokenizer, tmp_path)

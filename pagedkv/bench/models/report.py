@@ -32,7 +32,7 @@ def run_metrics(system: str, run: dict[str, Any], file_bytes: int, bandwidth: fl
         meas = ((warm.get("child") or {}).get("measure") or {}) if _ok(warm) else {}
         m["decode_tokens_per_s"] = meas.get("decode_tokens_per_s")
         m["prefill_tokens_per_s"] = meas.get("prefill_tokens_per_s")
-        m["peak_rss_bytes"] = warm.get("ru_maxrss") if _ok(warm) else None
+        m["peak_rss_bytes"] = warm.get("ru_maxrss") if _ok(warm) and not run.get("skipped") else None
     else:
         bench = run.get("bench") or {}
         m["cache_bytes"] = 0 if _ok(cold) else None  # llama.cpp writes no cache: it maps the file
@@ -51,6 +51,8 @@ def why_missing(system: dict[str, Any], part: str) -> str:
     if system.get("status") not in ("ok", "killed") and system.get("reason"):
         return f"not measured: {system['reason']}"
     for run in system.get("runs", []):
+        if run.get("skipped") and part in ("warm", "bench"):  # --load-only: the run part was not made
+            return f"not measured: {run['skipped']}"
         rec = run.get(part) or {}
         if rec and rec.get("status") != "ok":
             return _short(rec)
@@ -97,9 +99,14 @@ COLUMNS = (  # (metric, header, scale, digits)
 )
 
 
+#: the columns of a ``--load-only`` run (start-up only)
+LOAD_COLUMNS = tuple(c for c in COLUMNS if c[0] in ("cold_load_s", "cold_load_peak_rss_bytes", "warm_load_s", "cache_bytes"))
+
+
 def table_rows(data: dict[str, Any]) -> list[str]:
-    head = "| model | type | file GB | system | " + " | ".join(c[1] for c in COLUMNS) + " |"
-    lines = [head, "|" + "---|" * 4 + "---:|" * len(COLUMNS)]
+    columns = LOAD_COLUMNS if data["config"].get("load_only") else COLUMNS
+    head = "| model | type | file GB | system | " + " | ".join(c[1] for c in columns) + " |"
+    lines = [head, "|" + "---|" * 4 + "---:|" * len(columns)]
     for e in data["models"]:
         f = e.get("file") or {}
         size = f"{f['bytes'] / GB:.2f}" if f.get("bytes") else "n/a"
@@ -110,11 +117,11 @@ def table_rows(data: dict[str, Any]) -> list[str]:
             if s is not None and sysrec.get("status") in ("not measured", "killed"):
                 s = None
             if s is None and sysrec.get("status") == "killed":
-                cells = [f"{sysrec.get('reason')}: in the cold load of round 1 (no later round tried)"] + [""] * (len(COLUMNS) - 1)
+                cells = [f"{sysrec.get('reason')}: in the cold load of round 1 (no later round tried)"] + [""] * (len(columns) - 1)
             elif s is None:
-                cells = [f"not measured: {sysrec.get('reason') or f.get('error') or 'no runs'}"] + [""] * (len(COLUMNS) - 1)
+                cells = [f"not measured: {sysrec.get('reason') or f.get('error') or 'no runs'}"] + [""] * (len(columns) - 1)
             else:
-                cells = [cell(s[m], scale, d, s["missing"].get(m, "")) for m, _h, scale, d in COLUMNS]
+                cells = [cell(s[m], scale, d, s["missing"].get(m, "")) for m, _h, scale, d in columns]
             label = name
             if name == "pagedkv" and weights_of(sysrec):
                 label = f"pagedkv ({weights_of(sysrec)})"
@@ -198,9 +205,11 @@ def plot(data: dict[str, Any], path: Any) -> None:
     plt = pyplot()
     labels = [f"{e['size']}\n{e['type']}" for e in data["models"]]
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    for ax, (metric, title, scale) in zip(axes, (("decode_tokens_per_s", "batch-1 decode tok/s", 1.0),
-                                                  ("prefill_tokens_per_s", "prefill 512 tok/s", 1.0),
-                                                  ("peak_rss_bytes", "run peak RSS GB", GB))):
+    panels = ((("cold_load_s", "cold load s", 1.0), ("warm_load_s", "warm load s", 1.0),
+               ("cold_load_peak_rss_bytes", "cold-load peak RSS GB", GB)) if data["config"].get("load_only") else
+              (("decode_tokens_per_s", "batch-1 decode tok/s", 1.0), ("prefill_tokens_per_s", "prefill 512 tok/s", 1.0),
+               ("peak_rss_bytes", "run peak RSS GB", GB)))
+    for ax, (metric, title, scale) in zip(axes, panels):
         for k, (name, color) in enumerate((("pagedkv", "tab:blue"), ("llama.cpp", "tab:orange"))):
             xs, ys, lo, hi = [], [], [], []
             for i, e in enumerate(data["models"]):

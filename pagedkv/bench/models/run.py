@@ -54,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--types", default="q4_0,q4_k_m,q8_0", help=f"GGUF types ({', '.join(TYPES)})")
     p.add_argument("--rounds", type=int, default=3, help="rounds; systems interleaved in each (default 3)")
     p.add_argument("--no-llama-cpp", action="store_true", help="pagedkv only (llama.cpp reported as not measured)")
+    p.add_argument("--load-only", action="store_true",
+                   help="start-up only: each system's cold and warm load, no prefill or decode (llama-bench not run); "
+                        "with --name, beside a full run's files")
     p.add_argument("--rss-limit-gb", type=float, default=18.0, help="kill a measured process above this RSS (default 18)")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="kill a measured process after this long (default 1800)")
     p.add_argument("--weights", default="auto", help="pagedkv's linear-layer format (default auto)")
@@ -107,6 +110,10 @@ def drop_page_cache(path: str, whole_machine: bool) -> dict[str, Any]:
         except OSError as exc:
             out["drop_caches"] = f"not permitted: {exc}"
     return out
+
+
+#: why a --load-only run has no prefill, decode or run peak RSS
+LOAD_ONLY = "--load-only (start-up only)"
 
 
 # ---- pagedkv ---------------------------------------------------------------------------------------
@@ -182,8 +189,10 @@ def pagedkv_round(path: str, args: argparse.Namespace, measure_spec: dict[str, A
         if cold["status"] != "ok":
             rec["warm"] = {"status": "not measured", "reason": f"the cold load ended {cold['status']}: {cold['reason']}"}
             return rec
-        rec["warm"] = run_child(path, cache, {"threads": args.threads, "engine": engine, "measure": True,
+        rec["warm"] = run_child(path, cache, {"threads": args.threads, "engine": engine, "measure": not args.load_only,
                                                "measure_spec": measure_spec}, args)
+        if args.load_only:
+            rec["skipped"] = LOAD_ONLY
         return rec
     finally:
         shutil.rmtree(cache, ignore_errors=True)
@@ -232,7 +241,9 @@ def llama_cpp_round(path: str, args: argparse.Namespace, measure_spec: dict[str,
         rec["warm"] = llama_server_load(tools["llama-server"], path, args, cold=False)
     else:
         rec["cold"] = rec["warm"] = {"status": "not measured", "reason": "llama-server not built (make peers)"}
-    if tools.get("llama-bench"):
+    if args.load_only:
+        rec["bench"], rec["skipped"] = {"status": "not measured", "reason": LOAD_ONLY}, LOAD_ONLY
+    elif tools.get("llama-bench"):
         rec["bench"] = llama_bench_run(tools["llama-bench"], path, args, measure_spec)
     else:
         rec["bench"] = {"status": "not measured", "reason": "llama-bench not built (make peers)"}
@@ -332,6 +343,7 @@ def _results(args: argparse.Namespace, sizes: list[str], types: list[str], measu
                    "rss_limit_gb": args.rss_limit_gb, "timeout_s": args.timeout_s, "weights": args.weights,
                    "kv_cache_memory": args.kv_cache_memory, "max_model_len": args.max_model_len,
                    "measure_spec": measure_spec, "drop_caches": bool(args.drop_caches), "note": args.note,
+                   "load_only": bool(args.load_only),
                    "command": " ".join(["pagedkv bench models", *map(shlex.quote, sys.argv[3:])]) if sys.argv[1:3] == ["bench", NAME]
                    else f"pagedkv bench models --sizes {','.join(sizes)} --types {','.join(types)} --rounds {args.rounds}"},
         "cpu_model": cpu_model(),
@@ -349,7 +361,9 @@ def run(args: argparse.Namespace) -> int:
 
     def write(d: dict[str, Any], echo: bool = False) -> None:
         publish(args.name, d, render_markdown, args.out_dir, as_json=args.json and echo, echo=echo,
-                plots=None if args.no_plot else single_plot(args.name, "decode, prefill and peak RSS per model", plot))
+                plots=None if args.no_plot else single_plot(
+                    args.name, "cold and warm load per model" if d["config"].get("load_only")
+                    else "decode, prefill and peak RSS per model", plot))
 
     import signal
 
