@@ -50,7 +50,8 @@ class LoadedModel:
 
     ``model``: our ``LlamaForCausalLM`` (eval mode, requested dtype/device); ``config``: its
     ``ModelConfig``; ``tokenizer``: a transformers tokenizer (with the chat template when the
-    source has one); ``path``: the GGUF file or HF directory loaded; ``cache_dir``: a GGUF's
+    source has one), or on a GGUF's warm start the ``FastTokenizer`` that answers as it does
+    (``pagedkv.model.fast_tokenizer``); ``path``: the GGUF file or HF directory loaded; ``cache_dir``: a GGUF's
     tokenizer cache entry used or written (``<sha16>-tokenizer``; ``None`` for HF directories or
     when caching was off or failed; the packed matrices of ``gguf`` are ``packed_cache``'s); ``from_cache``: whether the
     tokenizer came from it; ``load_seconds``: wall time; ``weights``: the linear layers' weight

@@ -66,3 +66,43 @@ def test_key_required(served):
     for method, path in (("GET", "/version"), ("POST", "/tokenize"), ("POST", "/detokenize")):
         r = httpx.request(method, str(http.base_url).rstrip("/") + path, json={"tokens": [1]})
         assert r.status_code == 401, (path, r.text)
+
+
+def test_a_served_fast_tokenizer_builds_transformers_tokenizer_at_start(loaded_model, tmp_path):
+    """A warm start's ``FastTokenizer`` (no transformers import): the server builds its
+    transformers tokenizer before serving (chat templates render through it), and the routes
+    answer as with transformers' tokenizer."""
+    import dataclasses
+    import shutil
+
+    from pagedkv.model import weight_cache
+    from pagedkv.model.fast_tokenizer import FastTokenizer, open_fast
+
+    assert loaded_model.cache_dir is not None
+    entry = tmp_path / loaded_model.cache_dir.name
+    shutil.copytree(loaded_model.cache_dir, entry)
+    hf = getattr(loaded_model.tokenizer, "hf", loaded_model.tokenizer)
+    assert weight_cache.record_fast_tokenizer(entry, hf) is True
+    fast = open_fast(entry, entry / "tokenizer")
+    assert isinstance(fast, FastTokenizer) and fast._hf is None
+    engine = LLMEngine(dataclasses.replace(loaded_model, tokenizer=fast), num_blocks=16, block_size=16,
+                       max_model_len=256)
+    srv = ThreadedServer(build_app(engine, served_model_name="smol"))
+    try:
+        assert fast._hf is not None  # built by the app's start, before the first request
+        with httpx.Client(base_url=srv.url, timeout=60) as http:
+            text = "Héllo wörld, 東京 🙂<|im_end|>"
+            body = http.post("/tokenize", json={"prompt": text, "return_token_strs": True}).json()
+            assert body["tokens"] == list(hf(text, add_special_tokens=False)["input_ids"])
+            assert body["token_strs"] == hf.convert_ids_to_tokens(body["tokens"])
+            assert http.post("/detokenize", json={"tokens": body["tokens"]}).json() == {"prompt": text}
+            msgs = [{"role": "user", "content": "Hi"}]
+            chat = http.post("/tokenize", json={"messages": msgs}).json()
+            want = hf.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+            assert chat["tokens"] == list(want["input_ids"] if hasattr(want, "keys") else want)
+            r = http.post("/v1/chat/completions", json={"model": "smol", "messages": msgs, "max_tokens": 4,
+                                                        "temperature": 0})
+            assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == chat["count"]
+            assert http.post("/detokenize", json={"tokens": [10**9]}).status_code == 400
+    finally:
+        srv.stop()
