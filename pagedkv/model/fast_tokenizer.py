@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import uuid
 import zlib
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ MARKER = "fast_tokenizer.json"
 #: the transformers tokenizer's own backend (``backend_tokenizer.to_str()``), beside the marker
 BACKEND = "fast_tokenizer.backend.json"
 #: bump when the probes or the compared surface change: older verdicts are then re-checked
-MARKER_VERSION = 1
+MARKER_VERSION = 2
 
 _SPECIAL = ("bos", "eos", "unk", "pad")
 PROBE_TEXTS = (
@@ -61,7 +62,9 @@ class FastTokenizer:
     """The tokenizer of a saved transformers tokenizer directory through ``tokenizers`` alone
     (see the module doc): ``backend`` (default: the directory's ``tokenizer.json``) is the
     ``tokenizers`` serialisation to run, e.g. :data:`BACKEND`, the transformers tokenizer's
-    backend as its class set it up (Qwen2's class replaces the file's pre-tokenizer). Token ids are Python ``int`` lists, as transformers returns them.
+    backend as its class set it up (Qwen2's class replaces the file's pre-tokenizer). Any
+    attribute not defined here (also through ``hasattr``) builds the transformers tokenizer
+    first (~1 s once); pickles and deep copies are that tokenizer. Token ids are Python ``int`` lists, as transformers returns them.
     Raises ``OSError`` / ``ValueError`` (from ``tokenizers`` or JSON) for a missing or damaged
     ``tokenizer.json`` / ``tokenizer_config.json``."""
 
@@ -97,8 +100,14 @@ class FastTokenizer:
         return getattr(self.hf, name)
 
     def __reduce__(self) -> Any:
-        # a pickled copy (Ray ships the replicas' tokenizer to the ingress) is the transformers one
+        # a pickled or deep copy (Ray ships the replicas' tokenizer to the ingress) is the transformers one
         return (_identity, (self.hf,))
+
+    def __copy__(self) -> "FastTokenizer":
+        new = object.__new__(FastTokenizer)
+        new.__dict__.update(self.__dict__)
+        new._hf_lock = threading.Lock()
+        return new
 
     def __repr__(self) -> str:
         return f"FastTokenizer({str(self._dir)!r}, vocab={len(self)})"
@@ -109,6 +118,10 @@ class FastTokenizer:
         """The ``tokenizers.Tokenizer`` (what transformers' fast tokenizers call the same)."""
         return self._tk
 
+    @property
+    def _tokenizer(self) -> Any:  # transformers' private name of it, which some libraries read
+        return self._tk
+
     def __len__(self) -> int:
         return self._tk.get_vocab_size(with_added_tokens=True)
 
@@ -117,18 +130,18 @@ class FastTokenizer:
         """The base vocabulary's size, without added tokens (transformers' ``vocab_size``)."""
         return self._tk.get_vocab_size(with_added_tokens=False)
 
-    def encode(self, text: str, add_special_tokens: bool = True, **kwargs: Any) -> list[int]:
-        """Token ids (``list[int]``) of ``text``; other keyword arguments go to transformers."""
-        if kwargs or not isinstance(text, str):
-            return self.hf.encode(text, add_special_tokens=add_special_tokens, **kwargs)
+    def encode(self, text: str, text_pair: Any = None, add_special_tokens: bool = True, **kwargs: Any) -> list[int]:
+        """Token ids (``list[int]``) of ``text``; a pair or other keyword arguments go to transformers."""
+        if kwargs or text_pair is not None or not isinstance(text, str):
+            return self.hf.encode(text, text_pair, add_special_tokens=add_special_tokens, **kwargs)
         return list(self._tk.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def __call__(self, text: Any, add_special_tokens: bool = True, **kwargs: Any) -> Any:
+    def __call__(self, text: Any, text_pair: Any = None, add_special_tokens: bool = True, **kwargs: Any) -> Any:
         """``{"input_ids", "attention_mask"}`` of a string (lists of ``int``) or of a list of
         strings (lists of such lists); other arguments (padding, tensors, pairs) go to
         transformers."""
-        if kwargs:
-            return self.hf(text, add_special_tokens=add_special_tokens, **kwargs)
+        if kwargs or text_pair is not None:
+            return self.hf(text, text_pair, add_special_tokens=add_special_tokens, **kwargs)
         if isinstance(text, str):
             ids = list(self._tk.encode(text, add_special_tokens=add_special_tokens).ids)
             return {"input_ids": ids, "attention_mask": [1] * len(ids)}
@@ -137,19 +150,27 @@ class FastTokenizer:
             return {"input_ids": rows, "attention_mask": [[1] * len(r) for r in rows]}
         return self.hf(text, add_special_tokens=add_special_tokens)
 
-    def decode(self, token_ids: Any, skip_special_tokens: bool = False, **kwargs: Any) -> str:
+    def decode(self, token_ids: Any, skip_special_tokens: bool = False, **kwargs: Any) -> Any:
         """The text of ``token_ids`` (an ``int``, a list of ``int``, or a tensor / array with
-        ``tolist``); other keyword arguments go to transformers."""
+        ``tolist``); a list of such lists gives a list of texts (as transformers' ``decode``);
+        other keyword arguments go to transformers."""
         if kwargs:
             return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens, **kwargs)
         if hasattr(token_ids, "tolist"):
             token_ids = token_ids.tolist()
         if isinstance(token_ids, int):
             token_ids = [token_ids]
-        return self._tk.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        token_ids = list(token_ids)
+        if token_ids and isinstance(token_ids[0], (list, tuple)):
+            return [self.decode(s, skip_special_tokens=skip_special_tokens) for s in token_ids]
+        return self._tk.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def batch_decode(self, sequences: Any, skip_special_tokens: bool = False, **kwargs: Any) -> list[str]:
-        """``decode`` of each sequence."""
+        """``decode`` of each sequence (a flat list of ids is one sequence, as in transformers)."""
+        if hasattr(sequences, "tolist"):
+            sequences = sequences.tolist()
+        if isinstance(sequences, (list, tuple)) and sequences and isinstance(sequences[0], int):
+            sequences = [sequences]
         return [self.decode(s, skip_special_tokens=skip_special_tokens, **kwargs) for s in sequences]
 
     def convert_ids_to_tokens(self, ids: Any, skip_special_tokens: bool = False) -> Any:
@@ -162,10 +183,12 @@ class FastTokenizer:
         return [self._tk.id_to_token(int(i)) for i in ids]
 
     def convert_tokens_to_ids(self, tokens: Any) -> Any:
-        """The id of a piece (``None`` if unknown), or the ids of a list of pieces."""
+        """The id of a piece (an unknown piece: the UNK token's id, ``None`` without one, as in
+        transformers), or the ids of a list of pieces."""
         if isinstance(tokens, str):
-            return self._tk.token_to_id(tokens)
-        return [self._tk.token_to_id(t) for t in tokens]
+            tid = self._tk.token_to_id(tokens)
+            return self.unk_token_id if tid is None else tid
+        return [self.convert_tokens_to_ids(t) for t in tokens]
 
     def get_added_vocab(self) -> dict[str, int]:
         """``{added token text: id}``, in id order (transformers' ``get_added_vocab``)."""
@@ -238,6 +261,9 @@ def check_agreement(hf: Any, fast: FastTokenizer) -> str | None:
                 return f"decoding id {i} (skip_special_tokens={skip})"
     if hf.convert_ids_to_tokens(ids) != fast.convert_ids_to_tokens(ids):
         return "convert_ids_to_tokens differs"
+    pieces = [p for p in hf.convert_ids_to_tokens(ids) if p is not None] + ["<|pagedkv-no-such-token|>"]
+    if hf.convert_tokens_to_ids(pieces) != fast.convert_tokens_to_ids(pieces):
+        return "convert_tokens_to_ids differs"
     return None
 
 
@@ -249,16 +275,28 @@ def _checksums(entry: Path, directory: Path) -> dict[str, int]:
     return {p.name if p.parent == entry else f"{directory.name}/{p.name}": zlib.crc32(p.read_bytes()) for p in files}
 
 
+def _transformers_version() -> str | None:
+    """transformers' installed version, without importing it (its tokenizer classes set up the
+    backend that :data:`BACKEND` records)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def read_marker(entry: Path, directory: Path) -> bool | None:
     """The verdict recorded beside the tokenizer entry ``entry`` (True: the fast tokenizer of
     :data:`BACKEND` agrees), or None when there is none for this :data:`MARKER_VERSION` and
-    ``tokenizers`` version, or a file it covers changed since (``directory``: the entry's
+    ``tokenizers`` and ``transformers`` versions, or a file it covers changed since (``directory``: the entry's
     saved transformers tokenizer)."""
     import tokenizers
 
     try:
         rec = json.loads((entry / MARKER).read_text())
-        if rec.get("version") != MARKER_VERSION or rec.get("tokenizers") != tokenizers.__version__:
+        if rec.get("version") != MARKER_VERSION or rec.get("tokenizers") != tokenizers.__version__ \
+                or rec.get("transformers") != _transformers_version():
             return None
         if rec.get("agrees") and rec.get("crc32") != _checksums(entry, directory):
             return None
@@ -274,7 +312,7 @@ def open_fast(entry: Path, directory: Path) -> FastTokenizer:
 
 
 def _replace(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")  # unique per writer
     tmp.write_text(text)
     os.replace(tmp, path)
 
@@ -287,7 +325,8 @@ def write_marker(entry: Path, hf: Any, directory: Path) -> bool:
     nothing and returns False."""
     import tokenizers
 
-    rec: dict[str, Any] = {"version": MARKER_VERSION, "tokenizers": tokenizers.__version__}
+    rec: dict[str, Any] = {"version": MARKER_VERSION, "tokenizers": tokenizers.__version__,
+                           "transformers": _transformers_version()}
     try:
         text = hf.backend_tokenizer.to_str()
         _replace(entry / BACKEND, text)

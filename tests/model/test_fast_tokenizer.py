@@ -77,6 +77,46 @@ def test_answers_as_transformers_does(hf_tok, saved):
     assert fast.chat_template == CHAT and fast.backend_tokenizer.token_to_id("<|im_start|>") == 3
 
 
+def test_the_calls_people_make_answer_as_transformers_does(hf_tok, saved):
+    """Unknown pieces, nested and flat batches, text pairs, the private backend name, copies."""
+    import copy
+
+    fast = FastTokenizer(saved)
+    assert fast.convert_tokens_to_ids("<|no such token|>") == hf_tok.convert_tokens_to_ids("<|no such token|>") == 2
+    assert fast.convert_tokens_to_ids(["dog", "<|x|>"]) == hf_tok.convert_tokens_to_ids(["dog", "<|x|>"])
+    nested = [[5, 6], [7]]
+    assert fast.decode(nested) == hf_tok.decode(nested) == [hf_tok.decode([5, 6]), hf_tok.decode([7])]
+    assert fast.batch_decode([5, 6]) == hf_tok.batch_decode([5, 6]) == [hf_tok.decode([5, 6])]
+    assert fast.batch_decode(nested) == hf_tok.batch_decode(nested)
+    assert fast._hf is None  # none of these needed transformers
+    assert fast._tokenizer is fast.backend_tokenizer
+    shallow = copy.copy(fast)
+    assert isinstance(shallow, FastTokenizer) and shallow is not fast and shallow("dog")["input_ids"] == fast("dog")["input_ids"]
+    assert fast.encode("a b", "c") == hf_tok.encode("a b", "c")  # a pair goes to transformers
+    assert fast("a b", "c")["input_ids"] == hf_tok("a b", "c")["input_ids"]
+
+
+def test_writers_racing_on_one_entry_never_record_a_false_verdict(tmp_path, hf_tok):
+    """Two starts of one model record the same entry at once: each writes its own temp files,
+    so neither reads the other's half-written backend (which once recorded "differs" for good)."""
+    import threading
+
+    entry, _sha = _entry(tmp_path, hf_tok)
+    results = []
+
+    def record() -> None:
+        for _ in range(5):
+            results.append(weight_cache.record_fast_tokenizer(entry, hf_tok))
+
+    threads = [threading.Thread(target=record) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [True] * 15 and read_marker(entry, entry / "tokenizer") is True
+    assert sorted(p.name for p in entry.iterdir() if p.name.startswith(".")) == []  # no temp file left
+
+
 def test_everything_else_goes_to_transformers_built_on_first_use(hf_tok, saved):
     fast = FastTokenizer(saved)
     assert fast._hf is None  # not built by the hot path
@@ -150,7 +190,8 @@ def test_an_entry_reads_as_the_fast_tokenizer_once_recorded(tmp_path, hf_tok):
     first = weight_cache.read_tokenizer_entry(entry, sha)  # no record yet: transformers', and it records
     assert not isinstance(first, FastTokenizer) and type(first).__name__ == type(hf_tok).__name__
     rec = json.loads((entry / MARKER).read_text())
-    assert rec["agrees"] is True and rec["why"] is None and rec["version"] == 1
+    assert rec["agrees"] is True and rec["why"] is None and rec["version"] == 2
+    assert rec["transformers"] == "5.24.0" and rec["tokenizers"]
     assert sorted(rec["crc32"]) == sorted([BACKEND, "tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json",
                                            "tokenizer/chat_template.jinja"])
     second = weight_cache.read_tokenizer_entry(entry, sha)
@@ -159,7 +200,7 @@ def test_an_entry_reads_as_the_fast_tokenizer_once_recorded(tmp_path, hf_tok):
 
 
 @pytest.mark.parametrize("damage", ["config_changed", "backend_bit_rot", "marker_garbage", "marker_other_version",
-                                    "said_no"])
+                                    "other_transformers", "said_no"])
 def test_a_changed_or_damaged_record_goes_back_to_transformers(tmp_path, hf_tok, damage):
     entry, sha = _entry(tmp_path, hf_tok)
     weight_cache.record_fast_tokenizer(entry, hf_tok)
@@ -177,6 +218,8 @@ def test_a_changed_or_damaged_record_goes_back_to_transformers(tmp_path, hf_tok,
         (entry / MARKER).write_text("{not json")
     elif damage == "marker_other_version":
         (entry / MARKER).write_text(json.dumps({**rec, "version": 0}))
+    elif damage == "other_transformers":  # its classes set up the recorded backend
+        (entry / MARKER).write_text(json.dumps({**rec, "transformers": "5.23.0"}))
     else:
         (entry / MARKER).write_text(json.dumps({**rec, "agrees": False}))
     assert read_marker(entry, entry / "tokenizer") is (False if damage == "said_no" else None)
