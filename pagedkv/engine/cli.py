@@ -101,7 +101,8 @@ def _sampling(args: argparse.Namespace):
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--max-tokens", type=int, default=128, help="tokens to generate per prompt (default 128; "
+                   "Python's SamplingParams: 16, the server: OpenAI's, up to the context)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=-1)
