@@ -212,7 +212,7 @@ def _identity(x: Any) -> Any:
     return x
 
 
-def _probe_ids(tok: Any, texts: list[str]) -> list[int]:
+def _probe_ids(tok: Any) -> list[int]:
     n = len(tok)
     ids = set(range(0, n, max(1, n // 509))) | set(range(max(0, n - 64), n))
     ids |= {int(i) for i in tok.get_added_vocab().values()}
@@ -252,7 +252,7 @@ def check_agreement(hf: Any, fast: FastTokenizer) -> str | None:
             for skip in (False, True):
                 if hf.decode(a, skip_special_tokens=skip) != fast.decode(b, skip_special_tokens=skip):
                     return f"decoding the ids of {text!r} (skip_special_tokens={skip})"
-    ids = _probe_ids(hf, texts)
+    ids = _probe_ids(hf)
     for skip in (False, True):
         if hf.decode(ids, skip_special_tokens=skip) != fast.decode(ids, skip_special_tokens=skip):
             return f"decoding {len(ids)} spread ids (skip_special_tokens={skip})"
