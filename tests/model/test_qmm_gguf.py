@@ -193,7 +193,8 @@ def test_a_row_does_not_depend_on_how_many_rows_share_the_call(ops, qtype):
 @pytest.mark.parametrize("fill", [0x00, 0xFF])
 def test_extreme_codes_keep_exact_sums(ops, qtype, fill):
     """Every code byte at its extreme and activation codes of +-127 with the product's sign
-    fixed: the pairwise int16 sums at their largest (Q5_K 8 x 31 x 127, Q6_K 8 x 32 x 127,
+    fixed, alone and in batches that take the column tiles: the pairwise int16 sums at their
+    largest (Q5_K 8 x 31 x 127, Q6_K 8 x 32 x 127 (the AVX2 tiles: 4 x 255 x 32),
     Q5_0 8 x 2 x 16 x 127 with codes 0 (c - 16 = -16), Q5_1 2 x 2 x 31 x 127 a step, Q8_0
     2 x 128 x 127 with code -128), so an overflow or a lost sign shows."""
     n, k = 8, 512
@@ -209,7 +210,12 @@ def test_extreme_codes_keep_exact_sums(ops, qtype, fill):
     x = torch.where(torch.from_numpy(dc[:1]) >= 0, 1.0, -1.0).float().repeat(3, 1)  # codes +-127
     x[1] *= -2.0
     x[2, :64] = 0.0  # blocks of zeros
-    check_linear(ops, ops.pack_gguf(qtype, raw, k), dc, off, w, x, None)
+    packed = ops.pack_gguf(qtype, raw, k)
+    check_linear(ops, packed, dc, off, w, x, None)
+    # 51 rows: the column tiles (from 16 rows, 48 with minimums), whose AVX2 Q6_K takes the
+    # activations as u8 (q + 128) and the codes as s8 (c - 32): the same exact sums, to the bit
+    many = ops.linear(x.repeat(17, 1), packed)
+    assert torch.equal(many, ops.linear(x, packed).repeat(17, 1)), qtype
 
 
 def test_an_activation_on_a_rounding_tie_rounds_to_even(ops):
