@@ -41,6 +41,15 @@
 #endif
 
 #define QK 32
+/* PIN(v): an empty asm on an int16 accumulator chain (x86 vector registers), so GCC adds the
+ * steps in order: it otherwise reassociates a tile's adds into a tree over all its products,
+ * which keeps them all live and spills (measured on Zen 3: 1.1-1.3x at 4-15 rows). One row
+ * has registers to spare, and keeps the compiler's order. */
+#if defined(__AVX2__) && !defined(QMM_NO_PIN)
+#define PIN(v) do { if (NR > 1) __asm__("" : "+x"(v)); } while (0)
+#else
+#define PIN(v) (void)0
+#endif
 
 /* IEEE half -> float (the int4 scales are stored as fp16, like GGUF's Q4_1) */
 static inline float half_to_float(uint16_t h) {
@@ -255,6 +264,7 @@ INLINE void q4_group(const int NR, int64_t nb, const uint8_t *wc, const qrows_t 
 #else
                 isum[j] = _mm256_add_epi16(isum[j], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(x)),
                                                                      _mm256_maddubs_epi16(hi, bcast4(x + 4))));
+                PIN(isum[j]);
 #endif
             }
         }
@@ -539,6 +549,7 @@ INLINE void q45k_group(const int NR, const int FIVE, int64_t nsb, const uint8_t 
 #else
                     i16[j] = _mm256_add_epi16(i16[j], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(x)),
                                                                        _mm256_maddubs_epi16(hi, bcast4(x + 4))));
+                    PIN(i16[j]);
                     if (!FIVE ? t == 3 : (t & 1)) { /* 5-bit codes: widen every 2 steps (8 x 31 x 127 < 2^15) */
                         isum[j] = _mm256_add_epi32(isum[j], _mm256_madd_epi16(i16[j], _mm256_set1_epi16(1)));
                         i16[j] = _mm256_setzero_si256();
@@ -640,6 +651,7 @@ INLINE void q6k_group(const int NR, int64_t nsb, const uint8_t *wc, const qrows_
                     __m256i xl = _mm256_sign_epi8(bcast4(x), lo), xh = _mm256_sign_epi8(bcast4(x + 4), hi);
                     part[j] = _mm256_add_epi16(part[j], _mm256_add_epi16(_mm256_maddubs_epi16(alo, xl),
                                                                          _mm256_maddubs_epi16(ahi, xh)));
+                    PIN(part[j]);
                 }
 #endif
                 if (t & 1) { /* a 16-value half done: times its int8 scale, exact in int32 */
@@ -761,6 +773,7 @@ INLINE void q4x_group(const int NR, const int KIND, int64_t nb, const uint8_t *w
 #else /* Q4_0: 8 pair sums of 15 x 127 x 2 stay below 2^15 in int16 */
                     isum[j] = _mm256_add_epi16(isum[j], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(x)),
                                                                          _mm256_maddubs_epi16(hi, bcast4(x + 4))));
+                    PIN(isum[j]);
 #endif
                 }
             } else if (KIND != 2) { /* signed codes: |c'| as u8, the sign onto q */
@@ -1140,10 +1153,7 @@ INLINE void tile_rows(const int NR, const int KIND, const int OFF, const int G, 
                 const __m256i pr = KIND == 3 ? _mm256_maddubs_epi16(_mm256_set1_epi32(xv), v)
                                              : _mm256_maddubs_epi16(v, _mm256_set1_epi32(xv));
                 p16[j] = u % G == 0 ? pr : _mm256_add_epi16(p16[j], pr);
-                /* an empty asm on the chain: GCC would otherwise reassociate the int16 adds into
-                 * a tree over all 8 steps' products, which keeps them all live and spills
-                 * (measured: the chain in order is 1.2-1.3x faster on Zen 3) */
-                __asm__("" : "+x"(p16[j]));
+                PIN(p16[j]); /* 1.2-1.3x on Zen 3 at 512 rows */
                 if (u % G == G - 1)
                     is[j] = _mm256_add_epi32(is[j], _mm256_madd_epi16(p16[j], KIND == 3 ? T_LOADI(o + T_SC + 32 * (u >> 2))
                                                                                      : _mm256_set1_epi16(1)));
