@@ -33,7 +33,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
     g.add_argument("--enable-prefix-caching", action="store_true")
-    g.add_argument("--disable-paging", action="store_true", help="contiguous max reservation (the seed's baseline)")
+    g.add_argument("--disable-paging", action="store_true", help="no paging: each request reserves max_model_len tokens of contiguous KV up front (the baseline paging is measured against)")
     g.add_argument("--attention-backend", default="cpu")
     g.add_argument("--policy", default="fcfs", choices=["fcfs", "priority"])
     g.add_argument("--seed", type=int, default=0)
@@ -143,7 +143,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise InvalidRequestError(f"--input line {n}: not JSON ({e.msg})") from None
-            p = rec if isinstance(rec, str) else rec.get("prompt", rec.get("messages")) if isinstance(rec, dict) else None
+            if isinstance(rec, dict) and (set(rec) - {"prompt", "messages"} or len(rec) != 1):
+                # sampling settings are the command's options, for every line: a key such as
+                # "max_tokens" would otherwise be ignored without a word
+                extra = sorted(set(rec) - {"prompt", "messages"})
+                raise InvalidRequestError(
+                    f"--input line {n}: " + (f"unknown key(s) {', '.join(map(repr, extra))}; " if extra else "")
+                    + 'a line is a string, {"prompt": "..."} or {"messages": [...]} (sampling settings are '
+                    "the command's options, e.g. --max-tokens)")
+            p = rec if isinstance(rec, str) else next(iter(rec.values())) if isinstance(rec, dict) else None
             if not isinstance(p, (str, list)):
                 raise InvalidRequestError(
                     f'--input line {n}: expected a string, {{"prompt": "..."}} or {{"messages": [...]}}'
@@ -233,7 +241,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("generate", help="generate text for prompts (chat template by default)")
     p.add_argument("prompts", nargs="*", help="prompt texts")
-    p.add_argument("--input", help="JSONL file: one prompt per line ({'prompt': ...} or a string)")
+    p.add_argument("--input", help="JSONL file: one prompt per line: a string, {'prompt': ...} or "
+                                    "{'messages': [...]} (sampling from the options, for every line)")
     p.add_argument("--output", help="write results as JSONL here")
     p.add_argument("--raw", action="store_true", help="plain completion (no chat template)")
     p.add_argument("--json", action="store_true", help="machine-readable output (text and token ids)")

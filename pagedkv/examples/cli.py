@@ -41,12 +41,13 @@ def run_plan(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:
     from pagedkv.examples.seed_example import EXAMPLE_SHUFFLE_SEED
 
-    p = subparsers.add_parser("example", help="the seed's worked example: paged vs contiguous block tables")
+    p = subparsers.add_parser("example", help="worked example: three requests' block tables, paged vs contiguous reservation")
     p.add_argument("--lengths", default="17,33,8", help="request lengths in tokens (default 17,33,8)")
     p.add_argument("--max-len", type=int, default=64, help="max reservation per request, tokens (default 64)")
     p.add_argument("--block-size", default="16", help="block size(s) in tokens, e.g. 16 or 8,16,32")
     p.add_argument("--seed", type=int, default=EXAMPLE_SHUFFLE_SEED,
-                   help=f"free-queue shuffle seed (default {EXAMPLE_SHUFFLE_SEED}: the seed §03 mapping)")
+                   help=f"random seed of the free-block order (default {EXAMPLE_SHUFFLE_SEED}: the block ids of "
+                        "the project's design notes)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run_example)
 

@@ -233,12 +233,17 @@ class LoadReport:
     packed_from_cache: int = 0
 
     def summary(self) -> str:
-        rate = self.bytes_read / max(self.seconds, 1e-9) / 1e9
+        """One line for the start-up log. A warm start maps the packed cache instead of reading
+        the file, so it reports that (pages come in as the first steps touch them), not a rate."""
         kinds = ", ".join(f"{k} x{v}" for k, v in sorted(self.types.items()))
+        held = f"weights {self.weight_bytes / 1e9:.2f} GB ({kinds})"
+        if self.packed_from_cache:
+            return (f"{self.tensors} tensors in {self.seconds:.1f} s: {self.packed_from_cache} matrices "
+                    f"memory-mapped from the packed cache, {self.bytes_read / 1e9:.2f} GB read from the "
+                    f"file; {held}")
+        rate = self.bytes_read / max(self.seconds, 1e-9) / 1e9
         return (f"{self.tensors} tensors, {self.bytes_read / 1e9:.2f} GB read in {self.seconds:.1f} s "
-                f"({rate:.2f} GB/s); weights in memory {self.weight_bytes / 1e9:.2f} GB ({kinds})"
-                + (f"; {self.packed_from_cache} matrices memory-mapped from the packed cache"
-                   if self.packed_from_cache else ""))
+                f"({rate:.2f} GB/s); {held} in memory")
 
 
 def _unpermute_into(raw: np.ndarray, n_heads: int, out: np.ndarray) -> None:
