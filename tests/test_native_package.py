@@ -143,3 +143,26 @@ def test_wheel_carries_the_native_sources_and_its_engine_uses_them(tmp_path, loa
     llm = LLM(tiny_random_model(loaded_model, seed=3), num_blocks=32)
     want = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
     assert len(got["tokens"]) == 6 and got["tokens"] == want[0].token_ids
+
+
+def test_a_compile_is_announced_once_per_process(tmp_path, monkeypatch, caplog):
+    """A first start on an empty cache spends tens of seconds compiling: the first build of a
+    process says so (once), a cached object says nothing."""
+    import logging
+
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(csrc, "_ANNOUNCED", type(csrc._ANNOUNCED)())
+    src = tmp_path / "k.c"
+    src.write_text("int pagedkv_answer(void) { return 42; }\n")
+    flags = ["-O1", "-fPIC", "-shared"]
+    with caplog.at_level(logging.WARNING, logger="pagedkv"):
+        assert csrc.compile_c(src, "answer", flags).pagedkv_answer() == 42
+        src.write_text("int pagedkv_answer(void) { return 43; }\n")  # another object: built, not announced again
+        assert csrc.compile_c(src, "answer", flags).pagedkv_answer() == 43
+    msgs = [r.getMessage() for r in caplog.records if r.name == "pagedkv"]
+    assert len(msgs) == 1 and "compiling the C kernels" in msgs[0] and str(tmp_path / "cache") in msgs[0], msgs
+    caplog.clear()
+    monkeypatch.setattr(csrc, "_ANNOUNCED", type(csrc._ANNOUNCED)())  # a new process, everything cached
+    with caplog.at_level(logging.WARNING, logger="pagedkv"):
+        assert csrc.compile_c(src, "answer", flags).pagedkv_answer() == 43
+    assert not [r for r in caplog.records if r.name == "pagedkv"]

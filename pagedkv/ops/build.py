@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -72,6 +73,19 @@ def cache_dir() -> Path:
     return Path(base)
 
 
+_ANNOUNCED = threading.Event()
+
+
+def _announce_build(out_dir: Path) -> None:
+    """Say once per process that kernels are being compiled: a first start on an empty cache
+    spends tens of seconds in the compiler, which looked like a hang."""
+    if not _ANNOUNCED.is_set():
+        _ANNOUNCED.set()
+        logging.getLogger("pagedkv").warning(
+            "[pagedkv] compiling the C kernels for this CPU (first use of this version on this machine, "
+            "tens of seconds on 2 cores; cached in %s)", out_dir)
+
+
 def compile_c(src_path: Path, stem: str, flags: Sequence[str], cc: str | None = None,
               libs: Sequence[str] = ("-lm",)) -> ctypes.CDLL:
     """Compile the C file ``src_path`` (or a C++ one with ``cc`` a C++ compiler) into a shared object and
@@ -88,6 +102,7 @@ def compile_c(src_path: Path, stem: str, flags: Sequence[str], cc: str | None = 
     out_dir = cache_dir()
     so = out_dir / f"{stem}_{key}.so"
     if not so.exists():
+        _announce_build(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
         os.close(fd)
