@@ -1238,8 +1238,13 @@ int pagedkv_qmm(const qweights_t *w, int64_t rows, const float *x, int64_t xs, f
     /* the column tiles' path (every part of a format it takes) */
     int tiles = rows >= TILE_ROWS, toff;
     for (int64_t p = 0; tiles && p < (w->fmt == FMT_CONCAT ? w->nparts : 1); p++) {
-        const int kind = tile_kind(w->fmt == FMT_CONCAT ? w->parts[p]->fmt : w->fmt, &toff);
-        tiles = kind != 0 && (kind != 2 || rows >= 3 * TILE_ROWS); /* minimums: the decode costs more */
+        const int32_t f = w->fmt == FMT_CONCAT ? w->parts[p]->fmt : w->fmt;
+        const int kind = tile_kind(f, &toff);
+        /* formats with minimums: the decode costs more, tiles from 3 x TILE_ROWS; but AVX2's
+         * Q4_K / Q5_K group kernels are slower than their tiles from TILE_ROWS (Zen 3, 1 thread,
+         * 16-47 rows: Q4_K 1.05-1.11x, Q5_K 1.06-1.19x; Q4_1 0.94-0.97x, so it keeps 48) */
+        const int kq = !QMM_VNNI && (f == FMT_Q4_K || f == FMT_Q5_K);
+        tiles = kind != 0 && (kind != 2 || kq || rows >= 3 * TILE_ROWS);
     }
     sums16 |= tiles;
     int want_xu = 0; /* AVX2's Q6_K tiles take the activations as u8 */
