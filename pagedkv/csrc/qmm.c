@@ -77,8 +77,11 @@ static inline float half_to_float(uint16_t h) {
 }
 #if defined(__AVX512VL__)
 #define ROW_TILE 8 /* 32 vector registers: 8 rows' accumulators */
+#define TILE_NR 8  /* rows per register tile of the column-tile kernels (run_tiles) */
 #else
-#define ROW_TILE 4
+#define TILE_NR 4
+#define ROW_TILE 5 /* 16 registers: 5 rows' accumulators still fit (4: a 5-row verify step decoded
+                    * its weights twice; 5 measured 1.10-1.25x there, docs/performance.md) */
 #endif
 /* products below this many multiply-adds run on one thread (a thread start costs ~5-10 us) */
 #define PAR_MACS 200000
@@ -703,12 +706,13 @@ INLINE void q6k_group(const int NR, int64_t nsb, const uint8_t *wc, const qrows_
 #endif
 }
 
-/* calls F(NR, ...) with NR the constant min(nr, ROW_TILE) */
-#define BY_TILE(nr, F, ...) do { switch (nr) { \
+/* calls F(NR, ...) with NR the constant min(nr, MAX) (BY_TILE: MAX = ROW_TILE) */
+#define BY_TILE_MAX(MAX, nr, F, ...) do { switch (nr) { \
     case 1: F(1, __VA_ARGS__); break; case 2: F(2, __VA_ARGS__); break; \
-    case 3: F(3, __VA_ARGS__); break; case 4: F(4, __VA_ARGS__); break; \
-    case 5: F(5 < ROW_TILE ? 5 : ROW_TILE, __VA_ARGS__); break; case 6: F(6 < ROW_TILE ? 6 : ROW_TILE, __VA_ARGS__); break; \
-    case 7: F(7 < ROW_TILE ? 7 : ROW_TILE, __VA_ARGS__); break; default: F(ROW_TILE, __VA_ARGS__); } } while (0)
+    case 3: F(3, __VA_ARGS__); break; case 4: F(4 < MAX ? 4 : MAX, __VA_ARGS__); break; \
+    case 5: F(5 < MAX ? 5 : MAX, __VA_ARGS__); break; case 6: F(6 < MAX ? 6 : MAX, __VA_ARGS__); break; \
+    case 7: F(7 < MAX ? 7 : MAX, __VA_ARGS__); break; default: F(MAX, __VA_ARGS__); } } while (0)
+#define BY_TILE(nr, F, ...) BY_TILE_MAX(ROW_TILE, nr, F, __VA_ARGS__)
 
 /* ---- entry points --------------------------------------------------------------------------- */
 
@@ -910,17 +914,21 @@ static void run_group(const qweights_t *w, int64_t g, const qrows_t *a, int64_t 
     const uint8_t *wc = (const uint8_t *)w->codes + g * group_bytes(w);
     const float *bg = bias ? bias + 8 * g : NULL;
     float *yg = y + 8 * g;
-    for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
+    /* as few passes over the weights as ROW_TILE allows, their rows as even as possible (7 rows:
+     * 4 + 3, not 5 + 2); a row's arithmetic does not depend on the rows beside it */
+    const int64_t passes = (rows + ROW_TILE - 1) / ROW_TILE;
+    for (int64_t p = 0, r0 = 0, nr; p < passes; p++, r0 += nr) {
+        nr = (rows - r0 + passes - p - 1) / (passes - p);
         switch (w->fmt) {
-        case FMT_Q4: BY_TILE(rows - r0, q4_group, nb, wc, a, r0, yg, ys, bg); break;
-        case FMT_Q8: BY_TILE(rows - r0, q8_group, nb, (const int8_t *)wc, w->scale + 8 * g, a, r0, yg, ys, bg); break;
-        case FMT_Q4_0: BY_TILE(rows - r0, q4x_group, 0, nb, wc, a, r0, yg, ys, bg); break;
-        case FMT_Q5_0: BY_TILE(rows - r0, q4x_group, 1, nb, wc, a, r0, yg, ys, bg); break;
-        case FMT_Q5_1: BY_TILE(rows - r0, q4x_group, 2, nb, wc, a, r0, yg, ys, bg); break;
-        case FMT_Q8_0: BY_TILE(rows - r0, q80_group, nb, wc, a, r0, yg, ys, bg); break;
-        case FMT_Q4_K: BY_TILE(rows - r0, q45k_group, 0, nsb, wc, a, r0, yg, ys, bg); break;
-        case FMT_Q5_K: BY_TILE(rows - r0, q45k_group, 1, nsb, wc, a, r0, yg, ys, bg); break;
-        case FMT_Q6_K: BY_TILE(rows - r0, q6k_group, nsb, wc, a, r0, yg, ys, bg); break;
+        case FMT_Q4: BY_TILE(nr, q4_group, nb, wc, a, r0, yg, ys, bg); break;
+        case FMT_Q8: BY_TILE(nr, q8_group, nb, (const int8_t *)wc, w->scale + 8 * g, a, r0, yg, ys, bg); break;
+        case FMT_Q4_0: BY_TILE(nr, q4x_group, 0, nb, wc, a, r0, yg, ys, bg); break;
+        case FMT_Q5_0: BY_TILE(nr, q4x_group, 1, nb, wc, a, r0, yg, ys, bg); break;
+        case FMT_Q5_1: BY_TILE(nr, q4x_group, 2, nb, wc, a, r0, yg, ys, bg); break;
+        case FMT_Q8_0: BY_TILE(nr, q80_group, nb, wc, a, r0, yg, ys, bg); break;
+        case FMT_Q4_K: BY_TILE(nr, q45k_group, 0, nsb, wc, a, r0, yg, ys, bg); break;
+        case FMT_Q5_K: BY_TILE(nr, q45k_group, 1, nsb, wc, a, r0, yg, ys, bg); break;
+        case FMT_Q6_K: BY_TILE(nr, q6k_group, nsb, wc, a, r0, yg, ys, bg); break;
         }
     }
 }
@@ -1193,18 +1201,18 @@ static void run_tiles(const qweights_t *w, int64_t g0, int64_t g1, const qrows_t
         for (int h = 0; h < per; h++) unpack_group(w->fmt, nb, (const uint8_t *)w->codes + (g + h) * gb, tile, h);
         const float *bg = bias ? bias + 8 * g : NULL;
         float *yg = y + 8 * g;
-        for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
+        for (int64_t r0 = 0; r0 < rows; r0 += TILE_NR) {
             switch (kind) { /* G: int16 steps for 4-bit (8), 5-bit (4) and 6-bit (2) codes, maddubs only */
             case 1:
-                if (off == 8) BY_TILE(rows - r0, tile_rows, 1, 8, 8, nb, tile, a, r0, yg, ys, bg);
-                else if (off == 16) BY_TILE(rows - r0, tile_rows, 1, 16, 4, nb, tile, a, r0, yg, ys, bg);
-                else BY_TILE(rows - r0, tile_rows, 1, 128, 1, nb, tile, a, r0, yg, ys, bg);
+                if (off == 8) BY_TILE_MAX(TILE_NR, rows - r0, tile_rows, 1, 8, 8, nb, tile, a, r0, yg, ys, bg);
+                else if (off == 16) BY_TILE_MAX(TILE_NR, rows - r0, tile_rows, 1, 16, 4, nb, tile, a, r0, yg, ys, bg);
+                else BY_TILE_MAX(TILE_NR, rows - r0, tile_rows, 1, 128, 1, nb, tile, a, r0, yg, ys, bg);
                 break;
             case 2:
-                if (five) BY_TILE(rows - r0, tile_rows, 2, 0, 4, nb, tile, a, r0, yg, ys, bg);
-                else BY_TILE(rows - r0, tile_rows, 2, 0, 8, nb, tile, a, r0, yg, ys, bg);
+                if (five) BY_TILE_MAX(TILE_NR, rows - r0, tile_rows, 2, 0, 4, nb, tile, a, r0, yg, ys, bg);
+                else BY_TILE_MAX(TILE_NR, rows - r0, tile_rows, 2, 0, 8, nb, tile, a, r0, yg, ys, bg);
                 break;
-            default: BY_TILE(rows - r0, tile_rows, 3, 0, 2, nb, tile, a, r0, yg, ys, bg); break;
+            default: BY_TILE_MAX(TILE_NR, rows - r0, tile_rows, 3, 0, 2, nb, tile, a, r0, yg, ys, bg); break;
             }
         }
     }

@@ -59,7 +59,7 @@ def test_int4_sums_equal_the_emulated_arithmetic(ops, n, k):
     w = qmm.pack_int4(m.codes(), m.scale, m.min, bias)
     assert torch.equal(m.scale.half().float(), m.scale)  # from_float rounds the scales as Q4_1 stores them
     codes = m.codes().double().reshape(n, k // 32, 32)
-    for rows in (1, 2, 3, 4, 5, 9, 17):  # row tiles of 4 or 8: whole, partial, several
+    for rows in (1, 2, 3, 4, 5, 9, 17):  # row tiles of 5 (AVX2) or 8: whole, partial, several
         base = torch.randn(rows, k + 7, generator=g)
         x = base[:, :k]  # a row stride that is not k
         x[0, 3] = 40.0  # an outlier: costs its own block's precision only
