@@ -822,11 +822,16 @@ def _backend_probes(source: str) -> list[str]:
 
 
 def test_the_model_reads_backend_capabilities_not_probes():
-    """The model side takes a backend's optional paths from its declared ``capabilities``
-    (``pagedkv.attention.base.BackendCapabilities``), never by ``getattr``/``hasattr`` on it."""
+    """The model, the worker and the engine take a backend's optional paths from its declared
+    ``capabilities`` (``pagedkv.attention.base.BackendCapabilities``) and its layout from
+    ``pagedkv.attention.layouts.backend_layout``, never by ``getattr``/``hasattr`` on it; the
+    runner is told the cache kind (``latent=``), it does not probe the model's config."""
     offenders = [f"{mod}: {p}" for mod, path in _modules().items()
-                 if mod.startswith("pagedkv.model.") for p in _backend_probes(path.read_text())]
+                 if mod.startswith(("pagedkv.model.", "pagedkv.worker.", "pagedkv.engine."))
+                 for p in _backend_probes(path.read_text())]
     assert offenders == []
+    runner = (PKG / "worker" / "runner.py").read_text()
+    assert "getattr(" not in runner and "hasattr(" not in runner
 
 
 def test_backend_probe_check_is_not_vacuous():

@@ -358,6 +358,11 @@ class LlamaForCausalLM(nn.Module):
         self.fused_state: str | None = None  # "on" / "off (why)" once the first forward ran
         self._native: Any = None  # a pagedkv.model.native_step.NativeDecoder, set with the fused ops
         self.native_state: str | None = None  # "on" / "off (why)" once the first forward ran
+        #: the path ``forward`` runs: ``"native"`` (decoder.c, the steps it declines per layer),
+        #: ``"fused"`` or ``"eager"`` (per layer, each layer fused where it has the ops); set
+        #: by ``pagedkv.model.step_strategy.choose_step_strategy`` at engine start, else by
+        #: ``prepare_step`` (the fastest the model allows, the backend not known yet)
+        self.step_route: str | None = None
 
     def prepare_step(self, eager: bool = False, again: bool = False) -> None:
         """Give the fusable layers the fused CPU ops (float32 model on the CPU and the ops built;
@@ -378,6 +383,8 @@ class LlamaForCausalLM(nn.Module):
         else:
             why = EAGER_STEP if eager else "off (MLA layers run eager)"
             self._native, self.fused_state, self.native_state = None, why, why
+        fused = any(layer.fused is not None for layer in self.layers)
+        self.step_route = "native" if self._native is not None else "fused" if fused else "eager"
 
     def _native_decoder(self) -> Any:
         """The native step loop (``pagedkv.model.native_step``), rebuilt when a quantised layer
@@ -427,10 +434,11 @@ class LlamaForCausalLM(nn.Module):
         if self.fused_state is None:
             self.prepare_step()
         rope, residual = self._rope_rows(positions), self._embed(input_ids)
-        native = self._native_decoder()
-        if not per_layer and native is not None and native.run(residual, *rope[0], kv_caches, attn_metadata, backend):
-            return self._final_norm(residual)
-        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
+        if self.step_route == "native" and not per_layer:  # the steps decoder.c declines run per layer
+            native = self._native_decoder()
+            if native is not None and native.run(residual, *rope[0], kv_caches, attn_metadata, backend):
+                return self._final_norm(residual)
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):  # fused where a layer has the ops
             cos, sin = rope[1 if layer.local_rope else 0]
             layer(residual, cos, sin, cache, attn_metadata[i] if per_layer else attn_metadata, backend)
         return self._final_norm(residual)

@@ -31,6 +31,21 @@ import torch
 from pagedkv.attention.base import BackendError, backend_capabilities, check_window
 from pagedkv.ops import decoder
 
+#: ``[n]``: module, parameter and buffer registrations (``setattr`` on any ``nn.Module``) since
+#: this module was imported, counted by torch's global registration hooks. ``stale`` walks the
+#: layers only when it moved: a step with nothing re-registered costs one integer compare.
+_EPOCH = [0]
+
+
+def _registered(*_: Any) -> None:
+    _EPOCH[0] += 1
+
+
+for _register in (torch.nn.modules.module.register_module_module_registration_hook,
+                  torch.nn.modules.module.register_module_parameter_registration_hook,
+                  torch.nn.modules.module.register_module_buffer_registration_hook):
+    _register(_registered)
+
 
 class NativeDecoder:
     """The step loop of ``model``'s layers in C. Build with :meth:`create` (``None`` when the
@@ -43,6 +58,7 @@ class NativeDecoder:
         first = layers[0]
         self.model, self._fn = model, fn
         self._prepared = quant.PREPARED  # the weights' buffers this was built on (a re-prepare: stale)
+        self._epoch = _EPOCH[0]  # registrations seen (stale() walks the layers only after more)
         # what the C structs point into, kept alive (an expert matrix replaced in place stays valid)
         self._alive = _watched(layers, experts=True)
         # what stale() compares each step: O(layers + experts) identity checks, no module walk
@@ -96,15 +112,23 @@ class NativeDecoder:
         """Whether some quantised layer was prepared again since this was built (its packed
         weights, which this points into, were replaced), or a module or tensor it points into
         was replaced (a layer's linears, norms, router; an MoE layer's expert list or one of
-        its experts): build a new one. Runs every step, so it compares a list built without
-        walking each expert's matrices (~0.2 ms for 24 layers of 128 experts; the full walk
-        took ~24 ms); an expert's matrix swapped inside a kept expert is not noticed, and stays
-        valid memory (``_alive`` holds the old one)."""
+        its experts): build a new one. Runs every step: two integer compares while no module,
+        parameter or buffer was registered anywhere since the last check (``_EPOCH``); after one
+        was, a walk of the layers without each expert's matrices (~0.3 ms for 24 layers of 128
+        experts; the full walk took ~24 ms). An expert's matrix swapped inside a kept expert is
+        not noticed, and stays valid memory (``_alive`` holds the old one)."""
         from pagedkv.model import quant
 
+        if quant.PREPARED != self._prepared:
+            return True
+        epoch = _EPOCH[0]
+        if epoch == self._epoch:
+            return False
         layers = self.model.layers
-        return (quant.PREPARED != self._prepared or any(a is not b for a, b in zip(_watched(layers), self._watched))
-                or _expert_lists(layers) != self._experts)
+        if any(a is not b for a, b in zip(_watched(layers), self._watched)) or _expert_lists(layers) != self._experts:
+            return True
+        self._epoch = epoch  # registrations elsewhere (another model, a module built meanwhile)
+        return False
 
     def run(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: Sequence[Any],
             md: Any, backend: Any) -> bool:

@@ -64,7 +64,9 @@ def choose_step_strategy(model: Any, backend: Any, compiled: Any = None, eager: 
     """Choose ``model``'s step strategy once, now: attaches the fused ops and the native step
     (``model.prepare_step``; with ``eager`` neither) and returns what the steps run.
     ``model``: a ``pagedkv.model.llama.LlamaForCausalLM``; ``backend``: its attention backend;
-    ``compiled``: the runner's ``CompiledDecode`` or ``None``; ``eager``: ``None`` reads
+    ``compiled``: the runner's ``CompiledDecode`` or ``None``; sets ``model.step_route`` to the
+    path the model's own forward runs (``native``, ``fused`` or ``eager``: the compiled steps are
+    the runner's, and the steps they do not take run that path); ``eager``: ``None`` reads
     :func:`requested_override`. Raises ``ConfigError`` for a bad ``$PAGEDKV_STEP_STRATEGY``, or
     a model with attention sinks on a backend that does not declare ``attention_sinks``."""
     if eager is None:
@@ -86,6 +88,7 @@ def choose_step_strategy(model: Any, backend: Any, compiled: Any = None, eager: 
     else:
         why = model.fused_state if model.fused_state != "on" else "on, but no layer takes them"
         own = StepStrategy("eager", f"torch ops per layer; fused ops {why}")
+    model.step_route = own.name  # what model.forward dispatches on (the compiled steps' fallback too)
     if compiled is None:
         return own
     if compiled.failed is not None:

@@ -22,11 +22,14 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from pagedkv.attention.layouts import backend_layout
+
 
 class BlockPayloadCodec:
     """Payload layout for ``kv_caches`` (one per layer) of ``backend`` on ``device``:
-    ``nbytes`` per block and a ``format`` string naming layout, dtypes and shapes (a disk
-    store written in another format is refused)."""
+    ``nbytes`` per block and a ``format`` string naming layout (the backend's name when it keeps
+    its caches in no ``pagedkv.attention.layouts.Layout``), dtypes and shapes (a disk store
+    written in another format is refused)."""
 
     def __init__(self, backend: Any, kv_caches: Sequence[Any], device: torch.device) -> None:
         self.backend, self.kv_caches, self.device = backend, list(kv_caches), device
@@ -36,7 +39,8 @@ class BlockPayloadCodec:
             for c in self.kv_caches
         ]
         self.nbytes = sum(nb for layer in self.parts for _, _, nb in layer)
-        layout = getattr(getattr(backend, "layout", None), "name", type(backend).__name__)
+        layout_of, _ = backend_layout(backend)
+        layout = layout_of.name if layout_of is not None else str(backend.name)  # its own caches: its name
         desc = [",".join(f"{str(d).replace('torch.', '')}{list(s)}" for d, s, _ in layer) for layer in self.parts]
         body = desc[0] if len(set(desc)) == 1 else ";".join(desc)
         self.format = f"{layout} {body} x{len(self.parts)} layers"

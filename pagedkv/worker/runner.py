@@ -54,9 +54,10 @@ class ModelRunner:
     the cache's: a torch dtype, or a quantised format name (``"int8"``, ``"fp8_e4m3"``,
     ``"fp8_e5m2"``) with ``quant_group_size`` elements per scale (None: ``head_dim``).
     ``layer_windows``: per layer ``None`` (full attention) or its sliding window in tokens
-    (None: all full); it decides the layer groups (see the module doc). An MLA model
-    (``model.config.is_mla``) gets ``pagedkv.model.mla.allocate_latent_cache`` caches: one
-    ``head_dim``-wide latent per token in K, no V."""
+    (None: all full); it decides the layer groups (see the module doc). ``latent``: the
+    model is MLA (``ModelConfig.is_mla``; the worker passes it): its caches are
+    ``pagedkv.model.mla.allocate_latent_cache``'s, one ``head_dim``-wide latent per token in
+    K, no V."""
 
     def __init__(
         self,
@@ -71,6 +72,7 @@ class ModelRunner:
         device: str | torch.device = "cpu",
         quant_group_size: int | None = None,
         layer_windows: Sequence[int | None] | None = None,
+        latent: bool = False,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -79,7 +81,7 @@ class ModelRunner:
         self.groups = LayerGroups.from_layer_windows(layer_windows, num_layers)
         quant = {} if quant_group_size is None else {"quant_group_size": quant_group_size}
         allocate = backend.allocate_kv_cache
-        if getattr(getattr(model, "config", None), "is_mla", False):  # one latent per token: K only
+        if latent:  # MLA: one latent per token, K only
             from pagedkv.model.mla import allocate_latent_cache
 
             allocate = functools.partial(allocate_latent_cache, backend)

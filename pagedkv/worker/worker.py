@@ -165,7 +165,7 @@ class Worker:
         self.runner = ModelRunner(
             self.model, self.backend, mc.num_layers, num_blocks, block_size,
             num_kv_heads if num_kv_heads is not None else mc.cache_kv_heads, mc.cache_head_dim, dtype, self.device,
-            quant_group_size, layer_windows=layer_windows,
+            quant_group_size, layer_windows=layer_windows, latent=mc.is_mla,
         )
         return self.runner
 

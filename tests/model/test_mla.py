@@ -291,7 +291,7 @@ def test_deepseek_v2_lite_shape_allocation_equals_planner():
     mc = ModelConfig.from_hf_config(lite)
     model = LlamaForCausalLM(mc, torch.bfloat16, materialize=False)
     runner = ModelRunner(model, CPUBackend(), mc.num_layers, 4, 16, mc.cache_kv_heads, mc.cache_head_dim,
-                         torch.bfloat16)
+                         torch.bfloat16, latent=mc.is_mla)
     held = sum(c.nbytes for c in runner.shared_caches) // (4 * 16)
     planned = KVCacheSpec.from_hf_config(lite)
     assert held == planned.bytes_per_token == KVCacheSpec.from_model_config(mc, "bf16").bytes_per_token == 27 * 576 * 2

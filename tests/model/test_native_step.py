@@ -54,6 +54,21 @@ def test_native_step_is_on_for_the_bundled_int4_model_and_rebuilt_after_a_re_pre
     assert _native(int4_model) is not second
 
 
+def test_staleness_walks_the_layers_only_after_a_registration(int4_model):
+    from pagedkv.model import native_step
+
+    native = _native(int4_model)
+    epoch = native_step._EPOCH[0]
+    assert not native.stale() and native._epoch == epoch  # nothing registered: no walk
+    torch.nn.Linear(4, 4)  # a module built elsewhere: counted (weight, bias), not one this points into
+    assert native_step._EPOCH[0] == epoch + 2
+    assert not native.stale() and native._epoch == epoch + 2  # walked once, found nothing, caught up
+    layer = int4_model.model.layers[7]
+    layer.input_layernorm.weight = torch.nn.Parameter(layer.input_layernorm.weight.detach().clone())
+    assert native_step._EPOCH[0] == epoch + 3 and native.stale() and native.stale()  # stays stale until rebuilt
+    assert _native(int4_model) is not native and not int4_model.model._native.stale()
+
+
 def test_prefill_and_decode_equal_the_python_path_bit_for_bit(int4_model):
     tok = int4_model.tokenizer
     a = tok("The capital of France is Paris. The capital of Italy is")["input_ids"]  # crosses a block edge

@@ -51,6 +51,7 @@ def test_the_bundled_model_runs_the_native_step_on_default_settings(default_mode
     assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("step strategy:")] == [
         f"step strategy: {s}"]
     assert default_model.model.fused_state == default_model.model.native_state == "on"
+    assert default_model.model.step_route == "native"
     out = llm.generate([[1, 2, 3, 4, 5]], GREEDY, use_tqdm=False)
     assert len(out[0].token_ids) == 6
 
@@ -68,7 +69,7 @@ def test_the_eager_override_and_a_backend_without_a_native_step(default_model, m
     try:
         eager = LLM(default_model, num_blocks=32)
         assert eager.engine.step_strategy == StepStrategy("eager", "PAGEDKV_STEP_STRATEGY=eager: torch ops per layer")
-        assert model.fused_state == model.native_state == EAGER_STEP
+        assert model.fused_state == model.native_state == EAGER_STEP and model.step_route == "eager"
         assert all(layer.fused is None for layer in model.layers)
         assert len(eager.generate([[1, 2, 3, 4, 5]], GREEDY, use_tqdm=False)[0].token_ids) == 6
         monkeypatch.setenv("PAGEDKV_STEP_STRATEGY", "fastest")
@@ -79,6 +80,15 @@ def test_the_eager_override_and_a_backend_without_a_native_step(default_model, m
         ref = LLM(default_model, num_blocks=32, attention_backend="reference")
         assert ref.engine.step_strategy == StepStrategy(
             "fused", "fused CPU ops per layer; backend reference declares no native_step")
+        # the forward dispatches on that choice: decoder.c is never asked, the layers run fused
+        assert model.step_route == "fused" and model.native_state == "on"
+        asked = []
+        native_run, model._native.run = model._native.run, lambda *a: asked.append(1) or False
+        try:
+            assert len(ref.generate([[1, 2, 3, 4, 5]], GREEDY, use_tqdm=False)[0].token_ids) == 6
+        finally:
+            del model._native.run
+        assert asked == [] and model._native.run == native_run
     finally:  # the session's shared model back on its default path
         model.prepare_step()
     assert model.fused_state == model.native_state == "on"

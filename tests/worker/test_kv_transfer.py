@@ -2,8 +2,6 @@
 whose blocks hold a float32 tensor and an int8 scale: payload size and format, bit-exact
 export/import, and a transfer whose failed load is recomputed."""
 
-from types import SimpleNamespace
-
 import numpy as np
 import torch
 
@@ -15,9 +13,10 @@ from pagedkv.worker.kv_transfer import BlockPayloadCodec, run_transfer
 
 
 class FakeBackend:
-    """A layer's cache is (values float32 [blocks, 2, 3], scales int8 [blocks, 4])."""
+    """A layer's cache is (values float32 [blocks, 2, 3], scales int8 [blocks, 4]): caches of
+    its own, no ``Layout``, so the payload format names the backend."""
 
-    layout = SimpleNamespace(name="fake")
+    name = "fake"
 
     def export_blocks(self, cache, ids):
         return [cache[0][ids], cache[1][ids]]
