@@ -221,7 +221,7 @@ def load_model(
     else:
         config, state, tokenizer, entry, from_cache, report = _load_gguf_stream(
             path, _root(cache_dir), use_cache, fmt if quantised else None, dtype, kv_bytes)
-    net = build_model(config, state, dtype, device, route=route, formats=quantised or path.is_dir())
+    net = build_model(config, state, dtype, device, route=route, formats=quantised or path.is_dir(), consume=True)
     del state
     return LoadedModel(
         model=net,
@@ -260,20 +260,25 @@ def load_weights(
 
 def build_model(
     config: ModelConfig, state: StateDict, dtype: torch.dtype | str = torch.float32,
-    device: torch.device | str = "cpu", route: str | None = None, formats: bool = True,
+    device: torch.device | str = "cpu", route: str | None = None, formats: bool = True, consume: bool = False,
 ) -> LlamaForCausalLM:
     """A ``LlamaForCausalLM`` for ``config`` holding ``state`` (converted to ``dtype`` on
     ``device``; eval mode, no grad). Linear layers whose ``state`` is in a quantised format
     (``pagedkv.model.quantize.quantize_state``) become that format's modules, on ``route``
     (default: the CPU's fast one where it has it); ``formats=False`` keeps every linear layer an
-    ``nn.Linear`` (a state already in a 16-bit model dtype, not a ``BF16Linear``). Raises
+    ``nn.Linear`` (a state already in a 16-bit model dtype, not a ``BF16Linear``); ``consume``:
+    the quantised layers' entries leave ``state`` as they are installed (the caller's state is
+    spent: the codes a packed layer drops are freed at once, not at the end). Raises
     ``ConfigError`` on an unsupported dtype or a missing, unexpected or mis-shaped tensor."""
     dtype = torch_dtype(dtype)
     # parameters on the meta device until ``state``'s tensors are assigned: no second buffer
     net = LlamaForCausalLM(config, dtype=dtype, device=device, materialize=False)
-    taken = install_linears(net, state, route) if formats else set()  # quantised tensors keep their dtypes
-    expected = net.state_dict()
-    missing = sorted(set(expected) - set(state))
+    taken = install_linears(net, state, route, consume) if formats else set()  # quantised tensors keep their dtypes
+    from pagedkv.model.quant import shapes_only
+
+    with shapes_only():  # keys and shapes: no dropped codes unpacked
+        expected = net.state_dict()
+    missing = sorted(set(expected) - set(state) - taken)
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
         raise ConfigError(

@@ -33,8 +33,9 @@ correct on any CPU, slow. ``PAGEDKV_WEIGHT_ROUTE=fallback`` forces it everywhere
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -92,6 +93,19 @@ def route_boundaries(model: nn.Module) -> list[int]:
 
 
 _QMM: qmm.QmmOps | None = None  # the integer kernels, once a layer has packed weights for them
+_SHAPES_ONLY = [False]  # state_dict() gives dropped codes as meta tensors (shapes_only)
+
+
+@contextlib.contextmanager
+def shapes_only() -> Iterator[None]:
+    """Inside: ``state_dict()`` gives a layer's dropped codes (``QuantLinear._drop_codes``) as
+    meta tensors of their shape and dtype instead of unpacking them (key and shape checks)."""
+    _SHAPES_ONLY[0] = True
+    try:
+        yield
+    finally:
+        _SHAPES_ONLY[0] = False
+
 #: counts ``QuantLinear.prepare`` calls in this process: a change means some layer's buffers were rebuilt
 PREPARED = 0
 
@@ -111,6 +125,8 @@ class QuantLinear(nn.Module):
     fmt = ""
     #: batch-invariant kernels only (``pagedkv.model.invariant``; set by ``set_deterministic``)
     deterministic = False
+    #: the buffer of stored codes the packed copy can give back (``_drop_codes``); "" for none
+    codes_buffer = ""
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
@@ -131,6 +147,7 @@ class QuantLinear(nn.Module):
 
     def prepare(self, route: str | None = None) -> "QuantLinear":
         """Pick the route (``None``: ``auto_route``) and build its buffers; returns self."""
+        self._restore_codes()  # the packed copy below is rebuilt: the codes back first
         self.route = route or auto_route(self.fmt)
         if self.route not in ROUTES:
             raise ConfigError(f"weight route: unsupported {self.route!r} (one of {', '.join(ROUTES)})")
@@ -145,6 +162,38 @@ class QuantLinear(nn.Module):
         """The weights in the integer kernels' layout (``pagedkv.ops.qmm``); ``ValueError``
         for shapes they do not take."""
         raise ValueError("no integer kernel for this format")
+
+    def _drop_codes(self) -> None:
+        """Free the stored codes when the packed copy is all that runs (``qmm`` at every row
+        count, CPUs without AMX: no int8 or ATen buffers), which halves an int8 layer's bytes
+        and takes an int4 layer's from 1.25 to 0.75 of them: the codes come back from the
+        packed copy on demand (:meth:`stored_codes`, ``state_dict``, a re-prepare)."""
+        if (self.codes_buffer and self._qmm is not None and self.qmm_rows >= qmm.ALL_ROWS and self.int8_rows == 0
+                and getattr(self, "_packed", None) is None):
+            setattr(self, self.codes_buffer, None)
+
+    def stored_codes(self) -> torch.Tensor:
+        """The stored codes (``codes_buffer``), from the packed copy (``_unpack_codes``) when dropped."""
+        t = self._buffers[self.codes_buffer]
+        return t if t is not None else self._unpack_codes()
+
+    def _restore_codes(self) -> None:
+        if self.codes_buffer and self._buffers.get(self.codes_buffer) is None and self._qmm is not None:
+            setattr(self, self.codes_buffer, _aligned(self._unpack_codes()))
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        """``state_dict`` keeps the portable form: dropped codes come back from the packed copy."""
+        if not (self.codes_buffer and self._buffers.get(self.codes_buffer) is None and self._qmm is not None):
+            return super()._save_to_state_dict(destination, prefix, keep_vars)
+        int8 = self.codes_buffer == "qweight"
+        self._buffers[self.codes_buffer] = (  # for this call only, in its place among the buffers
+            torch.empty(self.out_features, self.in_features // (1 if int8 else 2),
+                        dtype=torch.int8 if int8 else torch.uint8, device="meta")
+            if _SHAPES_ONLY[0] else self._unpack_codes())
+        try:
+            super()._save_to_state_dict(destination, prefix, keep_vars)
+        finally:
+            self._buffers[self.codes_buffer] = None
 
     def set_deterministic(self, on: bool) -> None:
         """Batch-invariant kernels only (``on``): ``qmm`` at every row count (re-prepared on
@@ -310,6 +359,7 @@ class Int8Linear(QuantLinear):
     (symmetric, per output channel). Fast route: ``torch._weight_int8pack_mm``."""
 
     fmt = "int8"
+    codes_buffer = "qweight"
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__(qweight.shape[1], qweight.shape[0])
@@ -326,19 +376,23 @@ class Int8Linear(QuantLinear):
         return cls(q, scale, bias)
 
     def dequantize(self) -> torch.Tensor:
-        return self.qweight.float() * self.scale[:, None]
+        return self.stored_codes().float() * self.scale[:, None]
 
     def prepare(self, route: str | None = None) -> "Int8Linear":
         super().prepare(route)
         self._scale_bf16 = self.scale.to(torch.bfloat16)
         self._prepare_int8()
+        self._drop_codes()
         return self
 
     def _int8_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.qweight, self.scale  # the stored codes themselves: no copy
+        return self.stored_codes(), self.scale  # the stored codes themselves: no copy
 
     def _pack_qmm(self) -> qmm.Packed:
-        return qmm.pack_int8(self.qweight, self.scale, self.bias)
+        return qmm.pack_int8(self.stored_codes(), self.scale, self.bias)
+
+    def _unpack_codes(self) -> torch.Tensor:
+        return qmm.unpack_int8(self._qmm)
 
     def _fast(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int8pack_mm(x, self.qweight, self._scale_bf16)
@@ -351,6 +405,7 @@ class Int4Linear(QuantLinear):
     ``torch._weight_int4pack_mm_for_cpu`` (its zero point is ``min + 8 * scale``)."""
 
     fmt = "int4"
+    codes_buffer = "qcodes"
 
     def __init__(self, qcodes: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor,
                  bias: torch.Tensor | None = None) -> None:
@@ -388,6 +443,8 @@ class Int4Linear(QuantLinear):
 
     def codes(self) -> torch.Tensor:
         """Unpacked codes ``[out, in]`` uint8 (0..15)."""
+        if self.qcodes is None:  # dropped (``_drop_codes``): the packed copy has them
+            return qmm.unpack_int4(self._qmm)
         c = self.qcodes
         return torch.stack([c & 15, c >> 4], dim=-1).reshape(self.out_features, self.in_features)
 
@@ -405,6 +462,7 @@ class Int4Linear(QuantLinear):
             zero = self.min + 8.0 * self.scale
             self._scale_zero = torch.stack([self.scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
         self._prepare_int8()
+        self._drop_codes()
         return self
 
     def _pack_qmm(self) -> qmm.Packed:
@@ -412,6 +470,10 @@ class Int4Linear(QuantLinear):
 
     def _has_bf16_kernel(self) -> bool:
         return self._packed is not None
+
+    def _unpack_codes(self) -> torch.Tensor:
+        q = qmm.unpack_int4(self._qmm)
+        return q[:, 0::2] | (q[:, 1::2] << 4)
 
     def _int8_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The int4 values rounded to int8 per output channel (scale = max|w| / 127)."""

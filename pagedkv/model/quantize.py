@@ -166,11 +166,14 @@ def quantize_linear(weight: torch.Tensor | None, bias: torch.Tensor | None, fmt:
     return Int4Linear.from_float(weight, bias)
 
 
-def install_linears(net: nn.Module, state: StateDict, route: str | None = None) -> set[str]:
+def install_linears(net: nn.Module, state: StateDict, route: str | None = None, consume: bool = False) -> set[str]:
     """Replace each linear layer of ``net`` (a ``LlamaForCausalLM``) whose ``state`` entries
     are quantised by the module they describe, its route prepared (``route`` None: the CPU's
     ``auto_route``). Returns the state keys these modules took (they are not to be converted to
-    the model dtype)."""
+    the model dtype). ``consume``: those entries leave ``state`` as each module is installed, so
+    codes a module drops once packed (``QuantLinear._drop_codes``) are freed layer by layer."""
+    from pagedkv.model.quant import shapes_only
+
     taken: set[str] = set()
     for prefix in linear_prefixes(net.config):
         module = module_from_state(state, prefix)
@@ -179,5 +182,10 @@ def install_linears(net: nn.Module, state: StateDict, route: str | None = None) 
         parent_name, _, attr = prefix[:-1].rpartition(".")
         parent = net.get_submodule(parent_name) if parent_name else net
         setattr(parent, attr, module.prepare(route))
-        taken.update(prefix + name for name in module.state_dict())
+        with shapes_only():
+            names = [prefix + name for name in module.state_dict()]
+        taken.update(names)
+        if consume:
+            for name in names:
+                state.pop(name, None)
     return taken

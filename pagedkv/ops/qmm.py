@@ -151,6 +151,24 @@ def pack_int8(codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | Non
     return Packed(8, n, k, c.contiguous().reshape(-1), scale=scale.float().contiguous(), bias=bias)
 
 
+def unpack_int8(w: Packed) -> torch.Tensor:
+    """The int8 codes ``[N, K]`` a :func:`pack_int8` result holds (its inverse, a copy).
+    Raises ``ValueError`` for another format."""
+    if w.fmt != 8:
+        raise ValueError(f"unpack_int8: format {w.fmt} is not int8")
+    return w.codes.reshape(w.n // 8, w.k // QK, 8, 8, 4).permute(0, 3, 1, 2, 4).reshape(w.n, w.k)
+
+
+def unpack_int4(w: Packed) -> torch.Tensor:
+    """The codes ``[N, K]`` uint8 (0..15) a :func:`pack_int4` result holds (its inverse, a
+    copy; ``d`` and ``m`` stay with the caller). Raises ``ValueError`` for another format."""
+    if w.fmt != 4:
+        raise ValueError(f"unpack_int4: format {w.fmt} is not int4")
+    n, k = w.n, w.k
+    c = w.codes.reshape(n // 8, k // QK, 160)[:, :, :128].reshape(n // 8, k // QK, 4, 8, 4).permute(0, 3, 1, 2, 4)
+    return torch.stack([c & 15, c >> 4], dim=4).reshape(n, k)  # g, i, b, t, lo/hi, e
+
+
 def _gguf_block(qtype: str) -> tuple[int, int, int]:
     try:
         return GGUF_BLOCKS[qtype]

@@ -151,6 +151,40 @@ def test_q8_route_takes_every_row_count_without_amx(monkeypatch, make):
     assert m.qmm_rows == 0 and m.kernel(1) == "fallback"
 
 
+@pytest.mark.parametrize("make,buf", [(Int4Linear.from_float, "qcodes"), (Int8Linear.from_float, "qweight")])
+def test_the_packed_copy_replaces_the_stored_codes_where_it_runs_every_row_count(monkeypatch, make, buf):
+    """Without AMX the packed copy is all a layer runs: the stored codes are freed and come back
+    from it, bit for bit, for state_dict, dequantize, a copy and a re-prepare on another route."""
+    import copy
+
+    from pagedkv.model.quant import module_from_state, shapes_only
+
+    monkeypatch.delenv("PAGEDKV_QMM", raising=False)
+    monkeypatch.delenv("PAGEDKV_INT8_ROWS", raising=False)
+    monkeypatch.setattr(quant, "cpu_features", lambda: AVX2)
+    g = torch.Generator().manual_seed(5)
+    m = make(torch.randn(48, 96, generator=g) * 0.1, torch.randn(48, generator=g))
+    codes, w, state = getattr(m, buf).clone(), m.dequantize(), {k: v.clone() for k, v in m.state_dict().items()}
+    x = torch.randn(3, 96, generator=g)
+    m.prepare("fast")
+    assert getattr(m, buf) is None and buf not in dict(m.named_buffers())  # freed
+    assert torch.equal(m.stored_codes(), codes) and torch.equal(m.dequantize(), w)
+    got = m.state_dict()
+    assert list(got) == list(state) and all(torch.equal(got[k], state[k]) for k in state)
+    with shapes_only():  # key and shape checks unpack nothing
+        meta = m.state_dict()[buf]
+    assert meta.is_meta and meta.shape == codes.shape and meta.dtype == codes.dtype
+    y = m(x)
+    assert torch.equal(copy.deepcopy(m)(x), y) and getattr(module_from_state(got, "").prepare("fast"), buf) is None
+    m.prepare("fallback")  # the kernels that read the codes: the codes back first
+    assert torch.equal(getattr(m, buf), codes) and m._qmm is None
+    m.prepare("fast")
+    assert getattr(m, buf) is None and torch.equal(m(x), y)
+    monkeypatch.setattr(quant, "cpu_features", lambda: AMX)  # AMX: oneDNN runs decode batches from the codes
+    m.prepare("fast")
+    assert m.qmm_rows < qmm.ALL_ROWS and torch.equal(getattr(m, buf), codes)
+
+
 def test_q8_route_leaves_decode_batches_to_amx(monkeypatch):
     monkeypatch.delenv("PAGEDKV_QMM", raising=False)
     monkeypatch.delenv("PAGEDKV_INT8_ROWS", raising=False)
