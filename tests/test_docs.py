@@ -1,6 +1,8 @@
 """The docs as a product: a short README whose results rows each link a committed result file,
-relative links that resolve, no issue-number references, and every file under docs/benchmarks
-listed in docs/benchmarks/README.md (so reruns and variants cannot pile up unlisted)."""
+relative links that resolve (a ``#variant`` anchor into a result page names one of its
+sections), no issue-number references, and every file under docs/benchmarks listed in
+docs/benchmarks/README.md: one result set per benchmark, its configurations variants of it (so
+reruns and variants cannot pile up as files)."""
 
 from __future__ import annotations
 
@@ -23,14 +25,14 @@ def _pages() -> list[Path]:
     return [README, *sorted(DOCS.glob("*.md")), BENCH_INDEX]
 
 
-def _relative_links(page: Path) -> list[str]:
+def _relative_links(page: Path, anchors: bool = False) -> list[str]:
     """Link targets of ``page`` that point into the repository (no URL scheme, no bare anchor),
-    with any ``#anchor`` removed."""
+    with any ``#anchor`` removed unless ``anchors``."""
     out = []
     for target in LINK.findall(page.read_text()):
         if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
             continue
-        out.append(target.split("#", 1)[0])
+        out.append(target if anchors else target.split("#", 1)[0])
     return out
 
 
@@ -66,6 +68,24 @@ def test_every_relative_link_resolves():
     assert len(_relative_links(README)) >= 20  # the results table and the docs list are links
 
 
+def test_every_variant_anchor_names_a_section_of_its_result_page():
+    """``docs/benchmarks/<set>.md#<variant>`` links (README, docs, the index) point at a
+    ``## <variant>`` section of that page, and each is a variant of its JSON."""
+    import json
+
+    checked = 0
+    for page in _pages():
+        for target in _relative_links(page, anchors=True):
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve()
+            if not anchor or linked.parent != BENCH.resolve() or linked.suffix != ".md":
+                continue
+            assert f"\n## {anchor}\n" in linked.read_text(), f"{page.relative_to(ROOT)}: {target}"
+            assert anchor in json.loads(linked.with_suffix(".json").read_text())["variants"], target
+            checked += 1
+    assert checked >= 30  # the README's results rows and the index's variant rows
+
+
 def test_no_issue_number_references():
     """Hand-written pages and the generated result pages alike (the benchmarks write their
     goals in their own words)."""
@@ -79,20 +99,20 @@ def test_no_issue_number_references():
 
 
 def test_every_benchmark_file_is_listed_in_the_index():
-    index = BENCH_INDEX.read_text()
     listed = set()
     for target in _relative_links(BENCH_INDEX):
         stem = (BENCH / target).resolve().relative_to(BENCH.resolve()).with_suffix("")
         listed.add(stem.as_posix())
-    listed |= {m for m in re.findall(r"`([\w./-]+)\.png`", index)}  # extra plots named in a row
     files = sorted(p.relative_to(BENCH) for p in BENCH.rglob("*") if p.is_file() and p != BENCH_INDEX)
     unlisted = [str(f) for f in files if f.with_suffix("").as_posix() not in listed]
     assert unlisted == []
     # every listed result set has its JSON and Markdown
     missing = [s for s in sorted(listed) if not (BENCH / f"{s}.json").is_file() and not (BENCH / f"{s}.png").is_file()]
     assert missing == []
-    # one current result per benchmark: superseded runs live in git history, so this bound only goes down
-    assert 20 <= len(files) <= 90
+    assert all(len(f.parts) == 1 for f in files)  # no sub-folders: a CPU class or format is a variant
+    # one result set per benchmark (its configurations variants of it), superseded runs in git
+    # history: this bound only goes down
+    assert 20 <= len(files) + 1 <= 45  # files under docs/benchmarks, this index included
 
 
 def test_each_results_row_links_an_existing_benchmark_file():
@@ -103,7 +123,7 @@ def test_each_results_row_links_an_existing_benchmark_file():
         assert len(cells) == 6, row  # what | pagedkv | peer / baseline | ratio | CPU class | result
         targets = LINK.findall(cells[-1])
         assert len(targets) == 1 and targets[0].startswith("docs/benchmarks/"), row
-        linked = ROOT / targets[0]
+        linked = ROOT / targets[0].split("#", 1)[0]
         assert linked.is_file() and linked.suffix == ".md", row
         assert linked.with_suffix(".json").is_file(), row
         assert cells[4], row  # the CPU class is stated

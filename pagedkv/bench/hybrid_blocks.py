@@ -9,6 +9,9 @@ the last position) is stepped and its held blocks read from the KV manager after
 ``end`` after the step that computed position ``context - 1``, ``peak`` over the run. The
 planner (``KVCacheSpec.blocks_per_request``) predicts both; the same model with every layer
 full is run too. Bytes per block id: ``page x max_layers`` (hybrid) vs ``page x layers``.
+
+Results: ``hybrid_blocks.{json,md}``, one variant per layer mix (``1in2``, ``1in6``: the value
+of ``--full-every``; :mod:`pagedkv.bench.variants`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 
 from pagedkv.bench.common import int_at_least, machine_info, pin_threads
 from pagedkv.bench.report import markdown_table, publish
+from pagedkv.bench.variants import add_variant_option
 
 
 def layer_windows(layers: int, window: int, full_every: int) -> list[int | None]:
@@ -143,17 +147,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=4, help="layers (default 4)")
     p.add_argument("--full-every", type=int_at_least(2), default=2,
                    help="every K-th layer has full attention, the others the window (default 2, Gemma-2; Gemma-3: 6); "
-                        "results of K != 2 go to hybrid_blocks_1in<K>.*")
+                        "results: the variant 1in<K> of hybrid_blocks.*")
     p.add_argument("--window", type=int, default=4096, help="sliding window in tokens (default 4096)")
     p.add_argument("--context", type=int, default=32768, help="tokens of the request (default 32768)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
     p.add_argument("--chunk", type=int, default=2048, help="prefill chunk, tokens (default 2048)")
+    add_variant_option(p, "1in<K>, K the value of --full-every")
 
 
 def run(args: argparse.Namespace) -> int:
     threads = pin_threads(args.threads)
     data = run_blocks(args)
     data["machine"] = machine_info(threads)
-    name = "hybrid_blocks" if args.full_every == 2 else f"hybrid_blocks_1in{args.full_every}"
-    publish(name, data, render, args.out_dir, as_json=args.json)
+    publish("hybrid_blocks", data, render, args.out_dir, variant=args.variant or f"1in{args.full_every}",
+            as_json=args.json)
     return 0

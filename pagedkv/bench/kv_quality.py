@@ -16,6 +16,9 @@ activations, on the CPU backend:
   ``--max-tokens`` (64) tokens, EOS ignored: identical completions, the mean fraction of
   tokens before the first difference, and the fraction of positions that agree;
 * **bounds**: int8 perplexity within 1% of float32's, fp8_e4m3 within 2%.
+
+Results: the variant ``kv_cache`` of ``weights_quality.{json,md}``, beside the weight formats'
+(``pagedkv bench quality``; :mod:`pagedkv.bench.variants`).
 """
 
 from __future__ import annotations
@@ -203,6 +206,6 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     data = run_quality(args)
-    publish("kv_quality", data, render_markdown, args.out_dir, as_json=args.json,
+    publish("weights_quality", data, render_markdown, args.out_dir, variant="kv_cache", as_json=args.json,
             json_keys=("config", "results", "runtime_s"))
     return 0

@@ -10,6 +10,9 @@ requests, preemptions, TTFT / TPOT p90, output tok/s, and the sustainable rate (
 rate meeting the target, and the relaxed target). Rates outer, formats inner: the formats run
 back to back at each rate, so a change in the machine's load hits them alike; one untimed
 pass over the workload comes first (torch's per-shape kernel set-up).
+
+Results: the variant ``kv_formats`` of ``serving.{json,md,png}``, beside ``pagedkv bench serve``'s
+rate sweep (:mod:`pagedkv.bench.variants`).
 """
 
 from __future__ import annotations
@@ -155,6 +158,6 @@ def plot(data: dict[str, Any], path: Any) -> None:
 
 def run(args: argparse.Namespace, loaded: Any = None) -> int:
     data = run_kv_serving(args, loaded)
-    publish(NAME, data, render_markdown, args.out_dir, as_json=args.json,
+    publish(serve.NAME, data, render_markdown, args.out_dir, variant=args.variant or "kv_formats", as_json=args.json,
             plots=None if args.no_plot else single_plot(NAME, "rate sweep", plot))
     return 0

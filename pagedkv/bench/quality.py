@@ -1,18 +1,24 @@
 """Weight formats (fp32 | bf16 | int8 | int4): quality vs fp32 and linear-layer time per kernel route.
 
-``pagedkv bench quality`` writes ``weights_quality.{json,md}``: per format, perplexity on the
-fixed text ``tests/data/quality_text.txt`` (non-overlapping windows, every token after a
-window's first scored; once whole, the prefill route, and once in ``DECODE_ROWS``-token chunks,
-the decode-batch route) and greedy agreement with fp32 (16 chat prompts x 64 tokens, EOS
-ignored): the mean fraction of tokens before the first difference and the number of
-identical completions; with the bounds (int8 within 2% of fp32's perplexity, int4 within 6%).
+``pagedkv bench quality`` writes the variant ``<model>`` of ``weights_quality.{json,md}``
+(``smollm2-135m`` for the bundled model, else the ``--model`` file's stem): per format,
+perplexity on the fixed text ``tests/data/quality_text.txt`` (non-overlapping windows, every
+token after a window's first scored; once whole, the prefill route, and once in
+``DECODE_ROWS``-token chunks, the decode-batch route) and greedy agreement with fp32 (16 chat
+prompts x 64 tokens, EOS ignored): the mean fraction of tokens before the first difference and
+the number of identical completions; with the bounds (int8 within 2% of fp32's perplexity, int4
+within 6%).
 
-``--part routes`` writes ``weights_routes.{json,md}``: the time of all linear layers of one
-step (30 layers' q/k/v, o, gate/up, down on the model's own weights, plus the LM head on the
-rows that are sampled) at decode batch 1 / 8 / 32 / 64 and a 512-token prefill (head on one row),
-for every format and route (``fast`` kernel, ``fallback`` dequantise + ``F.linear``), fp32
-``F.linear`` measured in the same loop; the CPU's flags and torch's capability are recorded.
-``ATEN_CPU_CAPABILITY=avx2`` shows what an AVX2-only CPU's kernels do.
+``--part routes`` writes the variant ``routes`` (``routes_<model>`` with ``--model``): the time
+of all linear layers of one step (30 layers' q/k/v, o, gate/up, down on the model's own
+weights, plus the LM head on the rows that are sampled) at decode batch 1 / 8 / 32 / 64 and a
+512-token prefill (head on one row), for every format and route (``fast`` kernel, ``fallback``
+dequantise + ``F.linear``), fp32 ``F.linear`` measured in the same loop; the CPU's flags and
+torch's capability are recorded. ``ATEN_CPU_CAPABILITY=avx2`` shows what an AVX2-only CPU's
+kernels do.
+
+``pagedkv bench kv_quality`` writes the same result set's variant ``kv_cache`` (the KV cache
+formats' quality; :mod:`pagedkv.bench.variants`).
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import statistics
 import time
 from pathlib import Path
 from typing import Any
+
+from pagedkv.bench.variants import add_variant_option, variant_name
 
 TEXT = Path(__file__).resolve().parents[2] / "tests" / "data" / "quality_text.txt"
 FORMATS = ("fp32", "bf16", "int8", "int4")
@@ -50,6 +58,8 @@ PROMPTS = [
 #: tokens (the route of a decode batch that size: dynamic int8 in int8/int4, ``pagedkv.model.quant``)
 DECODE_ROWS = 32
 STEP_ROWS = {"decode 1": 1, "decode 8": 8, "decode 32": 32, "decode 64": 64, "prefill 512": 512}
+RESULT_SET = "weights_quality"  #: both parts and bench kv_quality: variants of weights_quality.*
+DEFAULT_MODEL_VARIANT = "smollm2-135m"  #: the bundled model's variant
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,7 +71,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=int, default=1024, help="perplexity window in tokens (default 1024)")
     p.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per prompt (default 64)")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per cell (routes; prefill: half)")
-    p.add_argument("--name", default=None, help="result file stem (default weights_quality / weights_routes)")
+    add_variant_option(p, "the model (smollm2-135m for the bundled one, else the --model file's stem); "
+                          "--part routes: routes (routes_<model> with --model)")
+
+
+def default_variant(args: argparse.Namespace) -> str:
+    """The variant a run writes without ``--variant``: the model (``smollm2-135m``, the bundled
+    one, else the ``--model`` file's stem, ``gemma-3-270m``); ``routes`` (``routes_<model>``)."""
+    model = variant_name(Path(str(args.model)).stem) if args.model else None
+    if args.part == "routes":
+        return f"routes_{model}" if model else "routes"
+    return model or DEFAULT_MODEL_VARIANT
 
 
 def _formats(text: str) -> list[str]:
@@ -292,16 +312,14 @@ def run(args: argparse.Namespace) -> int:
     import json
 
     from pagedkv.bench.common import machine_info, pin_threads
-    from pagedkv.bench.report import markdown_table, write_results
+    from pagedkv.bench.report import markdown_table, publish
 
     check_args(args)
     threads = pin_threads(args.threads)
     data, md = _quality(args) if args.part == "quality" else _routes(args)
     data["machine"] = machine_info(threads)
-    name = args.name or ("weights_quality" if args.part == "quality" else "weights_routes")
-    if args.model and not args.name:  # one result set per model
-        name += "_" + Path(str(args.model)).stem.replace(".", "_")
-    paths = write_results(name, data, md + markdown_table(data["rows"]), args.out_dir)
+    paths = publish(RESULT_SET, data, lambda d, _: md + markdown_table(d["rows"]), args.out_dir,
+                    variant=args.variant or default_variant(args), echo=False)
     if args.json:
         print(json.dumps(data, indent=2, default=str))
     else:

@@ -1,19 +1,19 @@
 """The README results rows that come from the comparison protocol, regenerated from their result files.
 
-``pagedkv bench readme`` rewrites, in README.md's results table, every row that links a result
-set of the interleaved-rounds protocol (:mod:`pagedkv.bench.protocol`): the batch-1 comparison
-with native llama.cpp (``peers_llama_cpp*.json``) and ``pagedkv bench serve --peer llama-server``
-runs with rounds (``serving_peer*.json`` whose config records ``rounds``). Each such file gives
-its rows (median [IQR] over the rounds, the per-round ratios' median [IQR], the goals by the
-unfavourable quartile, the CPU class the kernels ran under), put where the file's first row
-was; a file with no row yet gets its rows at the top of the table. Every other row is left as
-written. ``--check`` writes nothing and exits 1 when the README is not up to date.
+``pagedkv bench readme`` rewrites, in README.md's results table, every row that links a run
+of the interleaved-rounds protocol (:mod:`pagedkv.bench.protocol`): the batch-1 comparisons
+with native llama.cpp (the ``llama_cpp_*`` variants of ``peers.json``) and ``pagedkv bench serve
+--peer llama-server`` runs with rounds (variants of ``serving_peers.json`` whose config records
+``rounds``). Each such run gives its rows (median [IQR] over the rounds, the per-round ratios'
+median [IQR], the goals by the unfavourable quartile, the CPU class the kernels ran under),
+linked to its section (``docs/benchmarks/<set>.md#<variant>``) and put where that link's first
+row was; a run with no row yet gets its rows at the top of the table. Every other row is left
+as written. ``--check`` writes nothing and exits 1 when the README is not up to date.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from pathlib import Path
@@ -21,8 +21,9 @@ from typing import Any, Optional
 
 from pagedkv.bench.common import REPO_ROOT, RESULTS_DIR
 from pagedkv.bench.peers.native_report import isa_class
+from pagedkv.bench.variants import read_variants
 
-LINK = re.compile(r"\]\((docs/benchmarks/[^)\s]+\.md)\)")
+LINK = re.compile(r"\]\((docs/benchmarks/[^)\s#]+\.md(?:#[^)\s]+)?)\)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -53,7 +54,7 @@ def _row(*cells: str) -> str:
 
 
 def peers_rows(data: dict[str, Any], link: str) -> list[str]:
-    """Batch-1 decode and prefill 512 rows of a ``peers_llama_cpp`` result set."""
+    """Batch-1 decode and prefill 512 rows of a native llama.cpp comparison (a ``llama_cpp_*`` variant of peers)."""
     cfg, summ = data["config"], data["summary"]
     types = [t for t in cfg["types"] if t in summ]
     stamp = (data.get("llama_cpp") or {}).get("stamp") or {}
@@ -107,13 +108,9 @@ def serving_rows(data: dict[str, Any], link: str) -> list[str]:
     return rows
 
 
-def rows_for(path: Path, link: str) -> Optional[list[str]]:
-    """The generated rows of the result set ``path`` (a JSON), None when it is not one the
-    protocol generates rows for."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+def rows_for(data: dict[str, Any], link: str) -> Optional[list[str]]:
+    """The generated rows of one run (a result file's data, or one variant's), None when it is
+    not one the protocol generates rows for."""
     if str(data.get("benchmark", "")).startswith("peers_llama_cpp") and "summary" in data:
         return peers_rows(data, link)
     if data.get("benchmark") == "serving_peer" and (data.get("config") or {}).get("rounds"):
@@ -131,10 +128,16 @@ def regenerate(text: str, root: Path = REPO_ROOT, results: Path = RESULTS_DIR) -
         end += 1
     generated: dict[str, list[str]] = {}
     for path in sorted(results.rglob("*.json")):
-        link = path.with_suffix(".md").relative_to(root).as_posix()
-        made = rows_for(path, link)
-        if made is not None:
-            generated[link] = [r.replace(f"| {link} |", f"| [{_label(link)}]({link}) |") for r in made]
+        try:
+            runs = read_variants(path)
+        except (OSError, ValueError):
+            continue
+        page = path.with_suffix(".md").relative_to(root).as_posix()
+        for variant, data in runs.items():
+            link = f"{page}#{variant}" if variant else page
+            made = rows_for(data, link) if isinstance(data, dict) else None
+            if made is not None:
+                generated[link] = [r.replace(f"| {link} |", f"| [{_label(link)}]({link}) |") for r in made]
     body, done = [], set()
     for line in lines[rule + 1:end]:
         m = LINK.search(line.rsplit("|", 2)[-2] if line.count("|") >= 2 else "")
@@ -150,8 +153,11 @@ def regenerate(text: str, root: Path = REPO_ROOT, results: Path = RESULTS_DIR) -
 
 
 def _label(link: str) -> str:
-    """The link text of a result set: its path under docs/benchmarks without ``.md``."""
-    return link.removeprefix("docs/benchmarks/").removesuffix(".md")
+    """The link text of a run: its result set's path under docs/benchmarks without ``.md``, then
+    ``: <variant>`` for a variant (``peers: llama_cpp_avx2``)."""
+    page, _, variant = link.partition("#")
+    name = page.removeprefix("docs/benchmarks/").removesuffix(".md")
+    return f"{name}: {variant}" if variant else name
 
 
 def run(args: argparse.Namespace) -> int:

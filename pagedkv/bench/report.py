@@ -1,7 +1,10 @@
-"""Result files of every benchmark: ``<name>.json`` + ``<name>.md`` (+ PNGs) in one folder.
+"""Result files of every benchmark: ``<name>.json`` + ``<name>.md`` (+ ``<name>.png``) in one folder.
 
-:func:`publish` is the one ending of a benchmark's ``run``: draw the plots, write the JSON
-and the Markdown (with the machine footer), then print the JSON (``--json``) or a summary.
+:func:`publish` is the one ending of a benchmark's ``run``: draw the plots, write the JSON, the
+Markdown (with the machine footer) and the one PNG, then print the JSON (``--json``) or a
+summary. A benchmark with one configuration writes its run as the whole result set; one
+measured in several configurations passes ``variant``, and the run replaces that variant of
+its one result set, the others kept (:mod:`pagedkv.bench.variants`).
 """
 
 from __future__ import annotations
@@ -9,10 +12,12 @@ from __future__ import annotations
 import json
 import math
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from pagedkv.bench.common import RESULTS_DIR, log, machine_info
+from pagedkv.bench.variants import combine_figures, write_json, write_variant
 
 #: plots(data, out_dir) -> {label: PNG file name in out_dir}
 PlotFn = Callable[[dict[str, Any], Path], dict[str, str]]
@@ -70,7 +75,8 @@ def write_results(
     markdown: str,
     out_dir: Path | str | None = None,
 ) -> dict[str, Path]:
-    """Write ``<name>.json`` and ``<name>.md`` under ``out_dir`` (default docs/benchmarks/).
+    """Write ``<name>.json`` and ``<name>.md`` (a result set of one run) under ``out_dir``
+    (default docs/benchmarks/).
 
     ``data`` gets a ``"machine"`` entry if it has none; the Markdown gets a footer naming the
     machine, threads, torch version and commit. Returns the written paths.
@@ -79,26 +85,22 @@ def write_results(
     data.setdefault("machine", machine_info())
     jpath = out / f"{name}.json"
     mpath = out / f"{name}.md"
-    jpath.write_text(json.dumps(data, indent=2, sort_keys=False, default=_json_default) + "\n")
-    m = data["machine"]
+    write_json(jpath, data)
+    mpath.write_text(markdown.rstrip() + "\n" + machine_footer(data["machine"]))
+    return {"json": jpath, "md": mpath}
+
+
+def machine_footer(m: dict[str, Any]) -> str:
+    """The italic line closing a run's Markdown: machine, CPUs and ISA, threads, OpenMP wait
+    policy, torch, commit and time of the run (``m``: its ``machine`` record)."""
     isa = m.get("cpu_isa") or {}
     isa_text = (f"CPU ISA {isa['isa']} (oneDNN {isa.get('onednn_isa')}, VNNI {'yes' if isa.get('vnni') else 'no'}, "
                 f"AMX {'yes' if isa.get('amx') else 'no'}), " if isa.get("isa") else "")
-    footer = (
+    return (
         f"\n_Machine: {m['machine']}, {m['cpu_count']} CPUs, {isa_text}torch threads {m['torch_threads']}, "
         f"OMP_WAIT_POLICY {m.get('omp_wait_policy', 'default')}, "
         f"torch {m['packages'].get('torch')}, commit {m['commit']}, {m['time_utc']}._\n"
     )
-    mpath.write_text(markdown.rstrip() + "\n" + footer)
-    return {"json": jpath, "md": mpath}
-
-
-def _json_default(obj: Any) -> Any:
-    if hasattr(obj, "tolist"):
-        return obj.tolist()
-    if isinstance(obj, Path):
-        return str(obj)
-    raise TypeError(f"not JSON serialisable: {type(obj)}")
 
 
 # ---- plots ------------------------------------------------------------------------------------
@@ -148,24 +150,42 @@ def publish(
     render: Callable[[dict[str, Any], dict[str, str]], str],
     out_dir: Path | str | None = None,
     *,
+    variant: Optional[str] = None,
     plots: Optional[PlotFn] = None,
     as_json: bool = False,
     json_keys: Optional[Sequence[str]] = None,
     summary: Optional[Callable[[dict[str, Any], dict[str, Path]], str]] = None,
     echo: bool = True,
 ) -> dict[str, Path]:
-    """Draw ``plots`` (skipped, with a note, without matplotlib), write ``<name>.json`` and
-    ``<name>.md`` (``render(data, {label: png})``), then print the JSON (``as_json``; only
-    ``json_keys`` if given) or ``summary(data, paths)`` (default: the Markdown); nothing
-    without ``echo``. Returns the written paths."""
+    """Draw ``plots`` (skipped, with a note, without matplotlib), then write the result set
+    ``<name>`` under ``out_dir`` (default docs/benchmarks/):
+
+    * without ``variant``: ``<name>.json`` (``data``), ``<name>.md`` (``render(data, {label: png})``
+      and the machine footer) and ``<name>.png`` (the figures, stacked when several);
+    * with ``variant``: that variant of the set, ``render(data, {})`` as its section, its figures
+      as its panel of ``<name>.png``; the set's other variants stay as they are
+      (:func:`pagedkv.bench.variants.write_variant`).
+
+    Then print the JSON (``as_json``; only ``json_keys`` if given) or ``summary(data, paths)``
+    (default: the Markdown); nothing without ``echo``. Returns the written paths."""
     out = results_dir(out_dir)
-    pngs: dict[str, str] = {}
-    if plots is not None:
-        if pyplot() is None:
-            log(f"[{name}] matplotlib is not installed (pip install 'pagedkv[bench]'): no PNG")
+    with tempfile.TemporaryDirectory(prefix=f"pagedkv-{name}-") as tmp:
+        figures: dict[str, Path] = {}
+        if plots is not None:
+            if pyplot() is None:
+                log(f"[{name}] matplotlib is not installed (pip install 'pagedkv[bench]'): no PNG")
+            else:
+                figures = {label: Path(tmp) / f for label, f in plots(data, Path(tmp)).items()}
+        if variant is not None:
+            data.setdefault("machine", machine_info())
+            paths = write_variant(name, variant, data, render(data, {}), list(figures.values()), out,
+                                  machine_footer(data["machine"]))
         else:
-            pngs = plots(data, out)
-    paths = write_results(name, data, render(data, pngs), out)
+            pngs: dict[str, str] = {}
+            if figures:
+                combine_figures(list(figures.values()), out / f"{name}.png")
+                pngs = {" / ".join(figures): f"{name}.png"}
+            paths = write_results(name, data, render(data, pngs), out)
     if echo and as_json:
         shown = {k: data[k] for k in json_keys} if json_keys else data
         json.dump(shown, sys.stdout, indent=2, default=float)

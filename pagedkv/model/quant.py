@@ -98,13 +98,13 @@ _SHAPES_ONLY = [False]  # state_dict() gives dropped codes as meta tensors (shap
 
 @contextlib.contextmanager
 def shapes_only() -> Iterator[None]:
-    """Inside: ``state_dict()`` gives a layer's dropped codes (``QuantLinear._drop_codes``) as
-    meta tensors of their shape and dtype instead of unpacking them (key and shape checks)."""
+    """Inside: ``state_dict()`` gives dropped codes (``QuantLinear._drop_codes``) as meta tensors."""
     _SHAPES_ONLY[0] = True
     try:
         yield
     finally:
         _SHAPES_ONLY[0] = False
+
 
 #: counts ``QuantLinear.prepare`` calls in this process: a change means some layer's buffers were rebuilt
 PREPARED = 0
@@ -165,17 +165,20 @@ class QuantLinear(nn.Module):
 
     def _drop_codes(self) -> None:
         """Free the stored codes when the packed copy is all that runs (``qmm`` at every row
-        count, CPUs without AMX: no int8 or ATen buffers), which halves an int8 layer's bytes
-        and takes an int4 layer's from 1.25 to 0.75 of them: the codes come back from the
-        packed copy on demand (:meth:`stored_codes`, ``state_dict``, a re-prepare)."""
+        count: CPUs without AMX), half an int8 layer's bytes; they come back from the packed
+        copy on demand (:meth:`stored_codes`, ``state_dict``, a re-prepare)."""
         if (self.codes_buffer and self._qmm is not None and self.qmm_rows >= qmm.ALL_ROWS and self.int8_rows == 0
                 and getattr(self, "_packed", None) is None):
+            self._codes_meta = getattr(self, self.codes_buffer).to("meta")  # shape and dtype, no bytes
             setattr(self, self.codes_buffer, None)
 
     def stored_codes(self) -> torch.Tensor:
         """The stored codes (``codes_buffer``), from the packed copy (``_unpack_codes``) when dropped."""
         t = self._buffers[self.codes_buffer]
         return t if t is not None else self._unpack_codes()
+
+    def _unpack_codes(self) -> torch.Tensor:  # defined by the formats with a ``codes_buffer``
+        raise NotImplementedError
 
     def _restore_codes(self) -> None:
         if self.codes_buffer and self._buffers.get(self.codes_buffer) is None and self._qmm is not None:
@@ -185,11 +188,8 @@ class QuantLinear(nn.Module):
         """``state_dict`` keeps the portable form: dropped codes come back from the packed copy."""
         if not (self.codes_buffer and self._buffers.get(self.codes_buffer) is None and self._qmm is not None):
             return super()._save_to_state_dict(destination, prefix, keep_vars)
-        int8 = self.codes_buffer == "qweight"
-        self._buffers[self.codes_buffer] = (  # for this call only, in its place among the buffers
-            torch.empty(self.out_features, self.in_features // (1 if int8 else 2),
-                        dtype=torch.int8 if int8 else torch.uint8, device="meta")
-            if _SHAPES_ONLY[0] else self._unpack_codes())
+        # for this call only, in its place among the buffers
+        self._buffers[self.codes_buffer] = self._codes_meta if _SHAPES_ONLY[0] else self._unpack_codes()
         try:
             super()._save_to_state_dict(destination, prefix, keep_vars)
         finally:

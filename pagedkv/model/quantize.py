@@ -77,7 +77,7 @@ def has_q4_linears(header: GGUFHeader) -> bool:
     """Whether every layer's attention and MLP matrices are stored as Q4_0/Q4_1, the codes
     ``weights="int4"`` keeps as they are. ``weights="auto"`` picks int4 only then: requantising
     other types (K-quants, Q5_0, Q8_0) to int4 was measured outside int4's perplexity bound on
-    Gemma-3-270M Q4_K_M (+126% vs fp32; int8 +1.5%, docs/benchmarks/weights_quality_gemma-3-270m.md)."""
+    Gemma-3-270M Q4_K_M (+126% vs fp32; int8 +1.5%, docs/benchmarks/weights_quality.md#gemma-3-270m)."""
     import gguf
 
     parts = [t for t in header.tensors if t.name.startswith("blk.") and len(t.shape) == 2]

@@ -119,7 +119,7 @@ def resolve_weights(
     perplexity, int4 within 6%; measured by ``pagedkv bench quality``) that has a fast kernel
     on this CPU: int4 where the int4 kernel is vectorised (AVX2/AVX-512 builds), else bf16
     with AVX512-BF16/AMX, else fp32. (int4 is the fastest at decode batches up to ~8; bf16
-    is faster from batch ~32 and in prefill, measured in docs/benchmarks/weights_routes.md.)
+    is faster from batch ~32 and in prefill, measured in docs/benchmarks/weights_quality.md#routes.)
     Decided from the CPU's capability, never by timing. A bf16/fp16 model, another device
     than the CPU or tensor parallelism keep the model dtype's weights under ``auto``, and
     refuse a quantised format with ``ConfigError`` (also raised for an unknown name and for

@@ -1,9 +1,9 @@
 """``pagedkv bench attention --tiny`` runs in seconds and writes json/md/png with sane numbers."""
 
 import argparse
-import json
 
 from pagedkv.bench.attention import run as attention
+from pagedkv.bench.variants import read_variant
 
 
 def test_attention_bench_tiny(tmp_path):
@@ -14,8 +14,8 @@ def test_attention_bench_tiny(tmp_path):
     attention.add_arguments(p)
     args = p.parse_args(["--tiny", "--out-dir", str(tmp_path), "--threads", "1"])
     assert attention.run(args) == 0
-    data = json.loads((tmp_path / "attention.json").read_text())
-    assert (tmp_path / "attention.md").read_text().startswith("# Attention")
+    data = read_variant(tmp_path / "attention.json", "paged_vs_contiguous")
+    assert "## paged_vs_contiguous\n\n### Attention" in (tmp_path / "attention.md").read_text()
     assert (tmp_path / "attention.png").stat().st_size > 1000
     assert data["bandwidth"]["read_GBps"] > 0
     assert {r["dtype"] for r in data["decode"]} == {"float32", "bfloat16"}

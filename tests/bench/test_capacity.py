@@ -12,6 +12,7 @@ import pytest
 
 from pagedkv.bench.capacity.sim import simulate
 from pagedkv.bench.common import default_workload
+from pagedkv.bench.variants import read_variant
 from pagedkv.bench.workload import load_trace
 from pagedkv.cli import main
 from pagedkv.kv.spec import KVCacheSpec
@@ -160,13 +161,14 @@ def test_cli_tiny_run_writes_well_formed_results(tmp_path, capsys):
     paged = [r for r in out["results"] if r["layout"] == "paged"]
     assert [r["utilization"] for r in paged] == sorted((r["utilization"] for r in paged), reverse=True)
     assert out["headline"] and out["headline"][0]["block_size"] == 16
-    saved = _strict_json((out_dir / "capacity.json").read_text())
+    saved = _strict_json((out_dir / "capacity.json").read_text())["variants"]["paged_vs_contiguous"]
     assert saved["results"] and saved["machine"]["torch_threads"] == 1
     assert saved["models"][0]["series"]["paged_16"]["running"]
     md = (out_dir / "capacity.md").read_text()
-    assert "| contiguous | 4096 |" in md and "capacity_utilization.png" in md
-    for png in ("capacity_utilization.png", "capacity_concurrency.png", "capacity_slots_over_time.png"):
-        assert (out_dir / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| contiguous | 4096 |" in md and "![capacity: one panel per variant, top to bottom](capacity.png)" in md
+    # its three figures in one PNG, the only one
+    assert sorted(p.name for p in out_dir.iterdir()) == ["capacity.json", "capacity.md", "capacity.png"]
+    assert (out_dir / "capacity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bundled_model_sizing():
@@ -215,7 +217,7 @@ def test_hybrid_simulation_holds_fewer_blocks_than_all_full():
     assert tight.preemptions >= 1 and tight.never_fit == 0
 
 
-def test_bench_capacity_hybrid_model(tmp_path):
+def test_bench_capacity_hybrid_variant(tmp_path):
     import argparse
 
     from pagedkv.bench.capacity import run as capacity
@@ -226,11 +228,11 @@ def test_bench_capacity_hybrid_model(tmp_path):
                          "--limit", "300", "--windows", "1024"])
     args.threads, args.json, args.out_dir = 1, False, str(tmp_path)
     assert capacity.run(args) == 0
-    data = json.loads((tmp_path / "capacity_hybrid.json").read_text())
+    data = read_variant(tmp_path / "capacity.json", "hybrid")
     rows = {r["layout"]: r for r in data["results"]}
     assert list(rows) == ["contiguous", "all-full", "hybrid", "hybrid, window 1024"]
     assert rows["hybrid"]["num_blocks"] == 2 * rows["all-full"]["num_blocks"] == 2 * (4 * 2**30 // 5505024)
     assert rows["hybrid"]["block_bytes"] == 2752512
     assert data["per_request_at_max_model_len"] == {"hybrid_blocks": 768, "all_full_blocks": 512, "bytes_ratio": 0.75}
     assert rows["hybrid, window 1024"]["peak_concurrency"] >= rows["all-full"]["peak_concurrency"]
-    assert (tmp_path / "capacity_hybrid.md").read_text().startswith("# Capacity: hybrid KV")
+    assert "## hybrid\n\n### Capacity: hybrid KV" in (tmp_path / "capacity.md").read_text()

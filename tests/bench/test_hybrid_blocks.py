@@ -4,11 +4,11 @@ for the hybrid groups and for the same model all-full."""
 from __future__ import annotations
 
 import argparse
-import json
 
 import pytest
 
 from pagedkv.bench import hybrid_blocks
+from pagedkv.bench.variants import read_variant
 
 
 def test_planner_equals_live_run(tmp_path):
@@ -17,7 +17,7 @@ def test_planner_equals_live_run(tmp_path):
     args = p.parse_args(["--context", "256", "--window", "32", "--chunk", "64"])
     args.threads, args.json, args.out_dir = 1, False, str(tmp_path)
     assert hybrid_blocks.run(args) == 0
-    data = json.loads((tmp_path / "hybrid_blocks.json").read_text())
+    data = read_variant(tmp_path / "hybrid_blocks.json", "1in2")
     h, f = data["results"]
     # 256 tokens / 16 = 16 full blocks; the window group keeps positions 224..255: blocks 14, 15
     assert (h["plan_blocks_end"], h["live_blocks_end"], h["live_blocks_per_group"]) == (18, 18, [16, 2])
@@ -38,7 +38,7 @@ def test_gemma3_shaped_equal_size_groups(tmp_path):
     args = p.parse_args(["--context", "256", "--window", "32", "--chunk", "64", "--layers", "6", "--full-every", "6"])
     args.threads, args.json, args.out_dir = 1, False, str(tmp_path)
     assert hybrid_blocks.run(args) == 0
-    data = json.loads((tmp_path / "hybrid_blocks_1in6.json").read_text())
+    data = read_variant(tmp_path / "hybrid_blocks.json", "1in6")  # the Gemma-3 mix: its own variant
     assert [g["layers"] for g in data["config"]["groups"]] == [[5], [0], [1], [2], [3], [4]]
     h, f = data["results"]
     assert (h["plan_blocks_end"], h["live_blocks_end"], h["live_blocks_per_group"]) == (26, 26, [16] + [2] * 5)

@@ -6,6 +6,7 @@ import json
 
 from pagedkv.bench import kv_quality, kv_serving
 from pagedkv.bench.attention import run as attention
+from pagedkv.bench.variants import read_variant
 
 
 def _args(module, argv):
@@ -21,7 +22,7 @@ def test_attention_by_kv_format(tmp_path):
     args = _args(attention, ["--tiny", "--out-dir", str(tmp_path), "--threads", "1", "--dtypes", "float32",
                              "--kv-cache-dtypes", "int8,fp8_e4m3", "--no-plot", "--no-naive"])
     assert attention.run(args) == 0
-    rows = json.loads((tmp_path / "attention.json").read_text())["decode_by_kv_format"]
+    rows = read_variant(tmp_path / "attention.json", "kv_formats")["decode_by_kv_format"]
     assert [(r["kv_cache_dtype"], r["context"]) for r in rows] == [
         (n, c) for c in (64, 256) for n in ("float32", "int8", "fp8_e4m3")]
     for r in rows:
@@ -29,6 +30,7 @@ def test_attention_by_kv_format(tmp_path):
         assert r["bytes_vs_float32"] == (1.0 if r["kv_cache_dtype"] == "float32" else 66 / 256)
         assert r["kv_bytes"] == 2 * 2 * r["context"] * 3 * (256 if r["kv_cache_dtype"] == "float32" else 66)
         assert r["ms"] > 0 and r["max_abs_diff_vs_float32"] < (1e-6 if r["kv_cache_dtype"] == "float32" else 0.2)
+    assert "## kv_formats" in (tmp_path / "attention.md").read_text()
     assert "Decode by KV cache format" in (tmp_path / "attention.md").read_text()
 
 
@@ -47,12 +49,12 @@ def test_kv_quality_tiny(tmp_path, loaded_model):
 def test_kv_serving_tiny(tmp_path, loaded_model):
     args = _args(kv_serving, ["--tiny", "--out-dir", str(tmp_path), "--threads", "1", "--no-plot", "--rates", "20,40"])
     assert kv_serving.run(args, loaded_model) == 0
-    data = json.loads((tmp_path / "kv_serving.json").read_text())
+    data = read_variant(tmp_path / "serving.json", "kv_formats")
     blocks = {s["kv_cache_dtype"]: s["num_blocks"] for s in data["summary"]}
     # one byte budget (16 float32 blocks): bf16 twice the blocks, int8 (codes + scales) 3.9x
     assert blocks == {"float32": 16, "bfloat16": 32, "int8": 16 * 46_080 // 11_880}
     assert all(r["completed"] == r["requests"] == 4 for r in data["sweep"] if "skipped" not in r)
-    assert (tmp_path / "kv_serving.md").read_text().startswith("# KV cache formats under serving load")
+    assert "## kv_formats\n\n### KV cache formats under serving load" in (tmp_path / "serving.md").read_text()
 
 
 def test_capacity_takes_the_engine_kv_names(tmp_path, capsys):
@@ -65,7 +67,7 @@ def test_capacity_takes_the_engine_kv_names(tmp_path, capsys):
     assert main([*argv, "--kv-cache-dtype", "int8"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["config"]["dtype"] == "int8"
-    saved = json.loads((tmp_path / "o" / "capacity.json").read_text())
+    saved = read_variant(tmp_path / "o" / "capacity.json", "paged_vs_contiguous")
     spec = saved["models"][0]["spec"]
     assert spec["bytes_per_token"] == 2 * 28 * 4 * (128 + 2)  # codes + a bf16 scale per head vector
     assert spec["quant_group_size"] == 128

@@ -17,6 +17,7 @@ from pagedkv.bench.models import run as bench_models
 from pagedkv.bench.models import make as mm
 from pagedkv.bench.models.guard import run_guarded
 from pagedkv.bench.models.report import render_markdown, spread, summarize_model
+from pagedkv.bench.variants import read_variants
 from pagedkv.gguf_header import read_gguf_header
 
 TINY = mm.SHAPES["tiny"]  # hidden 64, 2 layers, 4 heads, 2 KV heads, ffn 128, vocab 49,152 + 16
@@ -299,12 +300,13 @@ def test_from_json_re_renders_an_earlier_run(tmp_path):
     for e in data["models"]:
         e["summary"] = None  # re-summarised from the runs
     data["machine"].update({"machine": "x86_64", "torch_threads": 2, "packages": {"torch": "x"}, "time_utc": "t"})
-    src = tmp_path / "old.json"
-    src.write_text(json.dumps(data))
-    args = argparse.Namespace(from_json=str(src), name="models", out_dir=str(tmp_path / "out"), json=False, no_plot=True,
-                             note="shared machine")
+    src = tmp_path / "old.json"  # a result set: --variant names the run to re-render (and where it goes)
+    src.write_text(json.dumps({"benchmark": "models", "variants": {"avx2": data, "avx512": {"models": []}}}))
+    args = argparse.Namespace(from_json=str(src), variant="avx2", out_dir=str(tmp_path / "out"), json=False,
+                              no_plot=True, note="shared machine")
     assert bench_models.run(args) == 0
-    out = json.loads((tmp_path / "out" / "models.json").read_text())
+    ((variant, out),) = read_variants(tmp_path / "out" / "models.json").items()
+    assert variant == "avx2"
     assert out["models"][0]["summary"]["pagedkv"]["decode_tokens_per_s"]["median"] == 25.0
     assert "Note: shared machine" in (tmp_path / "out" / "models.md").read_text()
     assert "| 0.5b | q4_0 | 1.00 | llama.cpp | not measured: llama.cpp tools not built (make peers) |" in \

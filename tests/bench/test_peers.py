@@ -9,6 +9,7 @@ import pytest
 
 from pagedkv.bench.peers import run as peers
 from pagedkv.bench.peers import systems as peers_systems
+from pagedkv.bench.variants import read_variant, read_variants
 from pagedkv.bench.workload import BenchRequest
 
 
@@ -45,7 +46,7 @@ def test_bench_peers_tiny(loaded_model, hf_model, tmp_path):
     attn = hf_model.config._attn_implementation
     assert peers.run(args, loaded=loaded_model, hf_model=hf_model) == 0
     assert hf_model.config._attn_implementation == attn  # the shared fixture is left as it was
-    data = json.loads((tmp_path / "peers.json").read_text())
+    data = read_variant(tmp_path / "peers.json", "fp32")
     for key in ("benchmark", "config", "workload", "systems", "ratios", "goal", "machine"):
         assert key in data and data[key] not in (None, [], {}), key
     by = {r["name"]: r for r in data["systems"]}
@@ -71,26 +72,26 @@ def test_bench_peers_tiny(loaded_model, hf_model, tmp_path):
     # the batch-1 comparison with llama.cpp is its own protocol now (--systems pagedkv-b1,llama.cpp,
     # tests/bench/test_peers_native.py): no one-at-a-time row or batch1 block here
     assert "batch1" not in data and "llama.cpp" not in by
-    assert (tmp_path / "peers.md").read_text().startswith("# Peers")
+    assert "## fp32\n\n### Peers" in (tmp_path / "peers.md").read_text()
     assert (tmp_path / "peers.png").stat().st_size > 1000
 
 
 @pytest.mark.slow
 def test_bench_peers_weights_int4(tmp_path):
     """--weights int4: pagedkv runs on the GGUF's Q4_1 codes (llama.cpp's weights) and the
-    results go to peers_int4.* with the format recorded."""
+    results are the variant int4 of peers.* with the format recorded."""
     from pagedkv.cli import build_parser
 
     args = build_parser().parse_args(["bench", "peers", "--tiny", "--weights", "int4", "--systems", "pagedkv",
                                       "--no-repeat", "--out-dir", str(tmp_path), "--no-plot"])
     assert peers.run(args) == 0
-    data = json.loads((tmp_path / "peers_int4.json").read_text())
+    data = read_variant(tmp_path / "peers.json", "int4")
     assert data["config"]["pagedkv_weights"] == "int4"
     assert data["config"]["command"].endswith("--systems pagedkv --weights int4 --no-repeat")
     (row,) = data["systems"]
     assert row["name"] == peers.PAGEDKV and row["status"] == "ok" and row["completed"] == 4
-    assert "pagedkv weights int4" in (tmp_path / "peers_int4.md").read_text()
-    assert not (tmp_path / "peers.json").exists()
+    assert "pagedkv weights int4" in (tmp_path / "peers.md").read_text()
+    assert list(read_variants(tmp_path / "peers.json")) == ["int4"]  # never the fp32 variant
 
 
 def test_bench_peers_weights_refused():
@@ -141,13 +142,13 @@ def test_resolve_peer_model_default_by_path(bundled_gguf, tmp_path):
 @pytest.mark.slow
 def test_bench_peers_tiny_on_gemma3(gemma3_gguf, tmp_path):
     """--model gemma-3-270m: pagedkv runs that GGUF (a base model, BOS-first prompts); the
-    results record it and go to peers_gemma-3-270m.*, never peers.*."""
+    results record it and are the variant fp32_gemma-3-270m of peers.*, never the default model's."""
     from pagedkv.cli import build_parser
 
     args = build_parser().parse_args(["bench", "peers", "--tiny", "--model", "gemma-3-270m", "--systems",
                                       "pagedkv", "--no-repeat", "--out-dir", str(tmp_path), "--no-plot"])
     assert peers.run(args) == 0
-    data = json.loads((tmp_path / "peers_gemma-3-270m.json").read_text())
+    data = read_variant(tmp_path / "peers.json", "fp32_gemma-3-270m")
     c = data["config"]
     assert c["model"] == str(gemma3_gguf) and c["model_file"] == "gemma-3-270m-q4_k_m.gguf"
     assert c["model_id"] == "gemma-3-270m-q4_k_m" and c["model_is_default"] is False
@@ -156,6 +157,6 @@ def test_bench_peers_tiny_on_gemma3(gemma3_gguf, tmp_path):
     assert c["command"].startswith("pagedkv bench peers --model gemma-3-270m ")
     by = {r["name"]: r for r in data["systems"]}
     assert set(by) == {peers.PAGEDKV} and by[peers.PAGEDKV]["status"] == "ok" and by[peers.PAGEDKV]["completed"] == 4
-    md = (tmp_path / "peers_gemma-3-270m.md").read_text()
+    md = (tmp_path / "peers.md").read_text()
     assert "Model: gemma-3-270m-q4_k_m (`gemma-3-270m-q4_k_m.gguf`, Q4_K_M as stored)" in md
-    assert not (tmp_path / "peers.json").exists()
+    assert list(read_variants(tmp_path / "peers.json")) == ["fp32_gemma-3-270m"]

@@ -13,6 +13,7 @@ import pytest
 from pagedkv.bench.peers import run as peers
 from pagedkv.bench.peers import native as peers_native
 from pagedkv.bench.peers.native_report import summarize
+from pagedkv.bench.variants import cpu_class, read_variants
 
 
 def _script(path: Path, body: str) -> str:
@@ -70,7 +71,8 @@ def test_native_run_makes_the_formats_interleaves_and_keeps_every_run(tmp_path, 
     args = build_parser().parse_args(["bench", "peers", "--systems", "pagedkv-b1,llama.cpp", "--types", "q4_1,q4_0",
                                       "--rounds", "2", "--decode-tokens", "16", "--out-dir", str(out), "--no-plot"])
     assert peers.run(args) == 0
-    data = json.loads((out / "peers_llama_cpp.json").read_text())
+    ((variant, data),) = read_variants(out / "peers.json").items()
+    assert variant == "llama_cpp_" + cpu_class(data["machine"]["cpu_isa"])  # this host's CPU class
     made = Path(data["files"]["q4_0"]["path"])
     assert made.parent == cache / "models" and made.name.endswith("-q4_0-requant-from-q4_1.gguf")
     assert "--allow-requantize" in Path(str(made) + ".tmp.args").read_text()
@@ -89,13 +91,14 @@ def test_native_run_makes_the_formats_interleaves_and_keeps_every_run(tmp_path, 
     for key in ("cpu_model", "llama_cpp", "machine"):
         assert data[key]
     assert "dirty" in data["machine"] and data["machine"]["cpu_isa"] and not data["partial"]
-    md = (out / "peers_llama_cpp.md").read_text()
+    md = (out / "peers.md").read_text()
+    assert f"\n## {variant}\n" in md
     assert "| Q4_0 |" in md and "1.30x" in md and "met" in md and "--allow-requantize" in md
     # re-rendered from the JSON, the same report
     again = build_parser().parse_args(["bench", "peers", "--systems", "pagedkv-b1,llama.cpp", "--from-json",
-                                       str(out / "peers_llama_cpp.json"), "--out-dir", str(tmp_path / "again"),
+                                       str(out / "peers.json"), "--out-dir", str(tmp_path / "again"),
                                        "--no-plot"])
-    assert peers.run(again) == 0 and (tmp_path / "again" / "peers_llama_cpp.md").read_text() == md
+    assert peers.run(again) == 0 and (tmp_path / "again" / "peers.md").read_text() == md
 
 
 def test_formats_without_llama_quantize_say_why(tmp_path, monkeypatch):

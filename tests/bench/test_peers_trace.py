@@ -13,6 +13,7 @@ import pytest
 
 from pagedkv.bench.peers import worker as peer_worker
 from pagedkv.bench.peers import trace as peers_trace
+from pagedkv.bench.variants import read_variant
 from pagedkv.bench.workload import BenchRequest
 
 
@@ -225,7 +226,7 @@ def test_bench_peers_venv_section_with_no_peer_installed(loaded_model, tmp_path,
     args = build_parser().parse_args(["bench", "peers", "--tiny", "--systems", "vllm,openvino", "--trace-requests", "8",
                                       "--out-dir", str(tmp_path), "--no-plot"])
     assert peers.run(args, loaded=loaded_model) == 0
-    data = json.loads((tmp_path / "peers_venv.json").read_text())
+    data = read_variant(tmp_path / "peers.json", "fp32_venv")
     sec = data["trace_offline"]
     assert data["config"]["command"].endswith("--systems vllm,openvino --trace-requests 4")
     assert [(r["name"], r["status"]) for r in sec["rows"]] == [("pagedkv", "ok"), ("vllm", "not installed"),
@@ -233,6 +234,6 @@ def test_bench_peers_venv_section_with_no_peer_installed(loaded_model, tmp_path,
     ours = sec["rows"][0]
     assert ours["requests"] == sec["spec"]["requests"] == 4 and ours["max_num_seqs"] == 64
     assert ours["output_tokens"] == pytest.approx(sec["spec"]["output_len"]["mean"] * 4) and sec["ratios"] == []
-    md = (tmp_path / "peers_venv.md").read_text()
-    assert "## Offline throughput on the trace requests" in md
+    md = (tmp_path / "peers.md").read_text()
+    assert "\n## fp32_venv\n" in md and "#### Offline throughput on the trace requests" in md
     assert f"| vllm | | not installed: no {tmp_path}/cache/peers/venvs/vllm/bin/python: run `make peers` |" in md

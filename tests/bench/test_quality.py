@@ -4,11 +4,11 @@ real perplexities, agreement counts and per-route times."""
 from __future__ import annotations
 
 import argparse
-import json
 
 import pytest
 
 from pagedkv.bench import quality
+from pagedkv.bench.variants import read_variant
 
 
 def _args(tmp_path, **kw):
@@ -17,7 +17,7 @@ def _args(tmp_path, **kw):
     quality.add_arguments(parser)
     args = parser.parse_args([])
     base = dict(part="quality", formats="fp32,int8", text=str(quality.TEXT), window=48, max_tokens=2, reps=1,
-                name=None, threads=2, json=False, out_dir=str(tmp_path))
+                variant=None, threads=2, json=False, out_dir=str(tmp_path))
     base.update(kw)
     for key, value in base.items():
         setattr(args, key, value)
@@ -29,7 +29,7 @@ def test_bench_quality_writes_perplexity_per_format(tmp_path):
     text = tmp_path / "text.txt"
     text.write_text(quality.TEXT.read_text()[:600])
     assert quality.run(_args(tmp_path, text=str(text))) == 0
-    data = json.loads((tmp_path / "weights_quality.json").read_text())
+    data = read_variant(tmp_path / "weights_quality.json", "smollm2-135m")  # the bundled model's variant
     rows = {r["weights"]: r for r in data["rows"]}
     assert list(rows) == ["fp32", "int8"]
     fp32, int8 = rows["fp32"], rows["int8"]
@@ -39,13 +39,13 @@ def test_bench_quality_writes_perplexity_per_format(tmp_path):
     assert 1.0 < fp32["perplexity"] < 1000.0 and fp32["text tokens"] > 48
     assert int8["perplexity"] != fp32["perplexity"] and int8["bound"] == "2%"
     md = (tmp_path / "weights_quality.md").read_text()
-    assert md.startswith("# Weight formats: quality vs fp32") and "| int8 |" in md
+    assert "## smollm2-135m\n\n### Weight formats: quality vs fp32" in md and "| int8 |" in md
 
 
 @pytest.mark.slow
 def test_bench_quality_routes_times_every_route(tmp_path):
     assert quality.run(_args(tmp_path, part="routes", formats="fp32,int8")) == 0
-    data = json.loads((tmp_path / "weights_routes.json").read_text())
+    data = read_variant(tmp_path / "weights_quality.json", "routes")
     cells = {(r["weights"], r["route"].split()[0]) for r in data["rows"]}
     assert cells == {("fp32", "fast"), ("int8", "fast"), ("int8", "fallback")}
     for r in data["rows"]:

@@ -39,31 +39,41 @@ def _serving_data() -> dict:
             "machine": {"cpu_isa": dict(AVX512, isa="avx2")}}
 
 
+def _variants(**runs) -> str:
+    return json.dumps({"benchmark": "x", "variants": runs})
+
+
 def test_generated_rows_replace_their_files_rows_and_leave_the_rest(tmp_path):
     bench = tmp_path / "docs" / "benchmarks"
     bench.mkdir(parents=True)
-    (bench / "peers_llama_cpp.json").write_text(json.dumps(_peers_data()))
-    (bench / "serving_peer_q4_k_m.json").write_text(json.dumps(_serving_data()))
+    avx2 = _peers_data()
+    avx2["machine"] = {"cpu_isa": {"isa": "avx2", "native_isa": "avx2"}}
+    (bench / "peers.json").write_text(_variants(llama_cpp_avx512=_peers_data(), llama_cpp_avx2=avx2,
+                                                fp32={"benchmark": "peers", "systems": []}))
+    (bench / "serving_peers.json").write_text(_variants(q4_k_m=_serving_data()))
     (bench / "step.json").write_text(json.dumps({"benchmark": "step"}))
     head = ["# x", "", "## Results", "", "| what | pagedkv | peer / baseline | ratio | CPU class | result |",
             "|---|---|---|---|---|---|"]
     keep = "| step | 1 | 2 | 0.5x | any | [step](docs/benchmarks/step.md) |"
-    old = [keep, "| stale | 1 | 1 | 1x | x | [peers_llama_cpp](docs/benchmarks/peers_llama_cpp.md) |",
-           "| stale too | 1 | 1 | 1x | x | [peers_llama_cpp](docs/benchmarks/peers_llama_cpp.md) |"]
+    link = "[peers: llama_cpp_avx512](docs/benchmarks/peers.md#llama_cpp_avx512)"
+    old = [keep, f"| stale | 1 | 1 | 1x | x | {link} |", f"| stale too | 1 | 1 | 1x | x | {link} |"]
     text = "\n".join(head + old + ["", "## Docs", ""]) + "\n"
     new = readme.regenerate(text, tmp_path, bench)
     rows = [x for x in new.splitlines() if x.startswith("| ") and "docs/benchmarks" in x]
     assert "stale" not in new and keep in rows
-    # the serving file had no row: its rows go first; the peers rows where its first row was
+    # the runs with no row yet (the AVX2 peers variant, the serving one) go first, in file order;
+    # the AVX-512 peers rows where its first row was; the fp32 peers variant has no generated rows
     assert [r.rsplit("|", 2)[-2].strip() for r in rows] == [
-        "[serving_peer_q4_k_m](docs/benchmarks/serving_peer_q4_k_m.md)"] * 2 + [
-        "[step](docs/benchmarks/step.md)"] + ["[peers_llama_cpp](docs/benchmarks/peers_llama_cpp.md)"] * 2
+        "[peers: llama_cpp_avx2](docs/benchmarks/peers.md#llama_cpp_avx2)"] * 2 + [
+        "[serving_peers: q4_k_m](docs/benchmarks/serving_peers.md#q4_k_m)"] * 2 + [
+        "[step](docs/benchmarks/step.md)"] + [link] * 2
     assert all(len(r.strip("|").split("|")) == 6 for r in rows)
-    decode = rows[3]
+    decode = rows[5]
     assert "goal ≥ 1.2x by the lower quartile: Q4_0 NOT met" in decode  # ratios 1.3, 1.2, 1.1: q1 1.15
     assert "| 120.0 [115.0-125.0] | 100.0 [100.0-100.0] | 1.20x [1.15-1.25] | AVX-512 + VNNI |" in decode
-    assert "| 91.5 [91.2-91.8] | 60.0 [60.0-60.0] | 1.52x [1.52-1.53] | AVX2 cap on an AVX-512 host |" in rows[0]
-    assert "8: met" in rows[0] and "| 30; 200 | 30; 200 |" in rows[1]
+    assert "| 1.20x [1.15-1.25] | AVX2 |" in rows[0]
+    assert "| 91.5 [91.2-91.8] | 60.0 [60.0-60.0] | 1.52x [1.52-1.53] | AVX2 cap on an AVX-512 host |" in rows[2]
+    assert "8: met" in rows[2] and "| 30; 200 | 30; 200 |" in rows[3]
     assert readme.regenerate(new, tmp_path, bench) == new  # idempotent
 
 
@@ -81,6 +91,6 @@ def test_check_says_when_the_readme_is_stale(tmp_path):
     path.write_text("## Results\n\n| what | a | b | c | d | e |\n|---|---|---|---|---|---|\n| x | 1 | 2 | 3 | any | y |\n")
     args = argparse.Namespace(check=True, readme=str(path))
     assert readme.run(args) == 0
-    (bench / "peers_llama_cpp.json").write_text(json.dumps(_peers_data()))
-    assert readme.run(args) == 1 and "peers_llama_cpp" not in path.read_text()  # --check writes nothing
+    (bench / "peers.json").write_text(_variants(llama_cpp_avx512=_peers_data()))
+    assert readme.run(args) == 1 and "peers" not in path.read_text()  # --check writes nothing
     assert readme.run(argparse.Namespace(check=False, readme=str(path))) == 0 and readme.run(args) == 0

@@ -211,7 +211,7 @@ def test_missing_llama_server_is_a_clean_error(tmp_path, monkeypatch, capsys):
     rc = main(["bench", "serve", "--peer", "llama-server", "--out-dir", str(tmp_path / "out")])
     assert rc == 2
     assert "llama-server not found: run `make peers`" in capsys.readouterr().err
-    assert not (tmp_path / "out" / "serving_peer.json").exists()
+    assert not (tmp_path / "out" / "serving_peers.json").exists()
 
 
 _STAND_IN = '''#!{python}
@@ -240,7 +240,9 @@ def test_bench_serve_peer_tiny_against_a_stand_in(bundled_gguf, tmp_path):
                "--llama-server", str(stand_in), "--threads", "1", "--out-dir", str(out), "--no-plot",
                "--serve-arg=--num-blocks=64", "--serve-arg=--max-model-len=128"])
     assert rc == 0
-    data = json.loads((out / "serving_peer.json").read_text(), parse_constant=lambda c: pytest.fail(c))
+    doc = json.loads((out / "serving_peers.json").read_text(), parse_constant=lambda c: pytest.fail(c))
+    assert list(doc["variants"]) == ["llama-server"]  # the default model and peer
+    data = doc["variants"]["llama-server"]
     assert data["config"]["client"] == "builtin" and data["config"]["concurrency"] == [2]
     assert data["config"]["llama_server_binary"]["version"] == "stand-in llama-server"
     assert [(r["server"], r["concurrency"]) for r in data["runs"]] == [("pagedkv", 2), ("llama-server", 2)]
@@ -252,16 +254,16 @@ def test_bench_serve_peer_tiny_against_a_stand_in(bundled_gguf, tmp_path):
         assert 0 < r["ttft_s"]["p50"] < 60 and 0 < r["itl_s"]["p50"] < 60
     (q,) = data["ratios"]
     assert q["concurrency"] == 2 and math.isfinite(q["output_tok_s_ratio"]) and q["output_tok_s_ratio"] > 0
-    md = (out / "serving_peer.md").read_text()
-    assert md.startswith("# Serving side by side") and "| 2 |" in md
-    assert os.path.getsize(out / "serving_peer.json") > 500
+    md = (out / "serving_peers.md").read_text()
+    assert "## llama-server\n\n### Serving side by side" in md and "| 2 |" in md
+    assert os.path.getsize(out / "serving_peers.json") > 500
 
 
 @pytest.mark.slow
 def test_bench_serve_peer_tiny_on_another_gguf(bundled_gguf, tmp_path):
     """--model PATH: both servers run that GGUF (pagedkv serve gets --model, llama-server -m;
-    the stand-in serves what -m names), the results record it and go to serving_peer_<stem>.*,
-    never serving_peer.*."""
+    the stand-in serves what -m names), the results record it and are the variant <stem> of
+    serving_peers.*, never the default model's."""
     import shutil
 
     from pagedkv.cli import main
@@ -276,7 +278,9 @@ def test_bench_serve_peer_tiny_on_another_gguf(bundled_gguf, tmp_path):
                "--client", "builtin", "--llama-server", str(stand_in), "--threads", "1", "--out-dir", str(out),
                "--no-plot", "--serve-arg=--num-blocks=64", "--serve-arg=--max-model-len=128"])
     assert rc == 0
-    data = json.loads((out / "serving_peer_smol-copy.json").read_text())
+    doc = json.loads((out / "serving_peers.json").read_text())
+    assert list(doc["variants"]) == ["smol-copy"]
+    data = doc["variants"]["smol-copy"]
     c = data["config"]
     assert c["model"] == str(gguf) and c["model_file"] == "smol-copy.gguf" and c["model_id"] == "smol-copy"
     assert c["model_is_default"] is False and c["model_weights_as_stored"] == "Q4_1"
@@ -286,8 +290,7 @@ def test_bench_serve_peer_tiny_on_another_gguf(bundled_gguf, tmp_path):
     for r in data["runs"]:
         assert "error" not in r, r.get("error")
         assert r["completed"] == r["requests"] == 2 and r["output_tokens"] == 8
-    assert "Model: smol-copy (`smol-copy.gguf`), both servers." in (out / "serving_peer_smol-copy.md").read_text()
-    assert not (out / "serving_peer.json").exists()
+    assert "Model: smol-copy (`smol-copy.gguf`), both servers." in (out / "serving_peers.md").read_text()
 
 
 def test_report_side_by_side_and_goals():

@@ -23,7 +23,9 @@ def test_bench_ablation_tiny(loaded_model, tmp_path):
     assert args.threads == 2
     assert ablation.run(args, loaded=loaded_model) == 0
 
-    data = _strict_json((tmp_path / "ablation.json").read_text())
+    both = _strict_json((tmp_path / "ablation.json").read_text())["variants"]
+    assert list(both) == ["ablation", "sharing"]  # the two parts: variants of one result set
+    data = both["ablation"]
     assert [c["cell"] for c in data["cells"]] == [c["cell"] for c in ablation.CELLS]
     assert data["same_outputs"] is True
     cells = {(c["enable_paging"], c["enable_prefix_caching"]): c for c in data["cells"]}
@@ -40,10 +42,12 @@ def test_bench_ablation_tiny(loaded_model, tmp_path):
     assert cells[(True, False)]["kv_slots_allocated_mean"] < cells[(False, False)]["kv_slots_allocated_mean"]
     assert (cells[(True, True)]["effective_per_allocated_slot"]
             > cells[(True, False)]["effective_per_allocated_slot"])
-    assert (tmp_path / "ablation.md").read_text().startswith("# Ablation")
+    md = (tmp_path / "ablation.md").read_text()
+    assert "## ablation\n\n### Ablation" in md and "## sharing\n\n### Sharing" in md
     assert (tmp_path / "ablation.png").stat().st_size > 1000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ablation.json", "ablation.md", "ablation.png"]
 
-    sh = _strict_json((tmp_path / "sharing.json").read_text())
+    sh = both["sharing"]
     for mode in ("burst", "sequential"):
         m = sh["prefix_ttft"][mode]
         assert m["same_outputs"] is True
@@ -52,4 +56,4 @@ def test_bench_ablation_tiny(loaded_model, tmp_path):
     ps = sh["parallel_sampling"]
     assert ps["same_outputs"] is True
     assert ps["parallel"]["peak_used_blocks"] < ps["independent"]["peak_used_blocks"]
-    assert (tmp_path / "sharing.md").read_text().startswith("# Sharing")
+

@@ -13,6 +13,7 @@ import pytest
 
 from pagedkv.bench.spec import run as bench_spec
 from pagedkv.bench.spec.peer import LookupPeer, lookup_flags
+from pagedkv.bench.variants import read_variant
 
 # plain: 9 tokens in 80 ms after the first; lookup (--spec-type given): 9 tokens in 40 ms, 8
 # drafted and 6 accepted; both generate the same ids, unless the prompt starts with 999
@@ -86,7 +87,7 @@ def _args(*extra):
 def test_bench_spec_runs_llama_cpp_lookup_interleaved(loaded_model, stand_in, tmp_path):
     args = _args("--llama-server", stand_in, "--out-dir", str(tmp_path))
     assert bench_spec.run(args, loaded_model) == 0
-    data = json.loads((tmp_path / "spec.json").read_text())
+    data = read_variant(tmp_path / "spec.json", "ngram")
     lc = data["config"]["llama_cpp"]
     assert lc["measured"] and lc["server"]["version"] == "stand-in llama-server"
     assert lc["lookup_flags"] == lookup_flags(3, 4)
@@ -104,7 +105,7 @@ def test_bench_spec_says_why_llama_cpp_was_not_measured(loaded_model, tmp_path, 
     monkeypatch.setenv("PATH", "/nonexistent")
     monkeypatch.delenv("PAGEDKV_LLAMA_SERVER", raising=False)
     assert bench_spec.run(_args("--out-dir", str(tmp_path)), loaded_model) == 0
-    data = json.loads((tmp_path / "spec.json").read_text())
+    data = read_variant(tmp_path / "spec.json", "ngram")
     assert data["config"]["llama_cpp"] == {"measured": False, "reason": "llama-server not found: run `make peers`"}
     assert "llama_cpp_tok_s" not in data["rows"][0]
     assert "llama.cpp: not measured (llama-server not found: run `make peers`)." in (tmp_path / "spec.md").read_text()

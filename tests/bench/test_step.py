@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 
 import pytest
 
 from pagedkv.bench.step import run as bench_step
 from pagedkv.bench.step.profile import CATEGORIES, breakdown, is_linear_op, profile_steps, step_limit, weight_bytes
+from pagedkv.bench.variants import cpu_class, read_variants
 
 
 def test_weight_bytes_per_format():
@@ -88,7 +88,8 @@ def test_bench_step_tiny(loaded_model, tmp_path):
     args = argparse.Namespace(batches="1,2", prefill_len=40, steps=2, block_size=16, model=None, weights="fp32",
                               threads=2, json=False, out_dir=str(tmp_path))
     assert bench_step.run(args, loaded=loaded_model) == 0
-    data = json.loads((tmp_path / "step.json").read_text())
+    ((variant, data),) = read_variants(tmp_path / "step.json").items()
+    assert variant == "fp32_" + cpu_class(data["machine"]["cpu_isa"])  # weights and this host's CPU class
     assert [c["case"] for c in data["cases"]] == ["decode b=1", "decode b=2", "prefill 40"]
     assert data["weight_bytes"]["fp32"] == 4 * (106_168_320 + 49_152 * 576)  # SmolLM2-135M linears + tied head
     for c in data["cases"]:
@@ -96,7 +97,7 @@ def test_bench_step_tiny(loaded_model, tmp_path):
         assert c["parts_ms"]["linear"] > 0 and c["parts_ms"]["attention"] > 0 and c["plain_ms"] > 0
         assert c["x_limit"] == pytest.approx(c["plain_ms"] / c["limit"]["limit_ms"])
         assert c["tokens"] == {"decode b=1": 1, "decode b=2": 2, "prefill 40": 40}[c["case"]]
-    assert (tmp_path / "step.md").read_text().startswith("# Per-step profile")
+    assert f"## {variant}\n\n### Per-step profile" in (tmp_path / "step.md").read_text()
     assert (tmp_path / "step.png").stat().st_size > 1000
 
 

@@ -20,7 +20,8 @@ Reported: their means and peaks, peak concurrency (requests running at once), th
 (output tokens and turns per second of wall time), TTFT per turn (submission -> first token),
 tokens computed by the model, prefix-cache hit rate and preemptions.
 
-The sharing part (``docs/benchmarks/sharing.*``) measures the two issue-4 goals:
+Both parts are variants of one result set, ``docs/benchmarks/ablation.{json,md,png}``: ``ablation``
+(the four cells) and ``sharing`` (:mod:`pagedkv.bench.variants`). The sharing part measures two goals:
 
 * prefix TTFT: ``--prefix-requests`` requests whose prompts are one ``--prefix-len``-token
   system prompt + a distinct ``--suffix-len``-token question, all submitted at t=0 (burst),
@@ -59,8 +60,7 @@ from pagedkv.bench.ablation.sharing import run_sharing
 from pagedkv.bench.workload import random_tokens, summarize
 from pagedkv.utils import cdiv
 
-NAME = "ablation"
-SHARING_NAME = "sharing"
+NAME = "ablation"  #: the result set; the variants are the parts: ablation, sharing
 
 #: paging {off, on} x prefix caching {off, on}
 CELLS = [{"cell": f"paging {'on' if paging else 'off'}, caching {'on' if caching else 'off'}",
@@ -76,7 +76,7 @@ TINY = dict(
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--part", choices=["all", "ablation", "sharing"], default="all",
-                   help="which results to produce (default all)")
+                   help="which results to produce, each its variant of ablation.* (default all: both)")
     add_run_options(p, tiny="short prompts, few requests (seconds)")
     p.add_argument("--model", default=None, help="model path (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--seed", type=int, default=0, help="token ids of the synthetic prompts")
@@ -238,7 +238,8 @@ def run_ablation(loaded: Any, args: argparse.Namespace, progress: bool = True) -
 # entry point
 # ---------------------------------------------------------------------------------------
 def run(args: argparse.Namespace, loaded: Any = None) -> int:
-    """Run the ablation and/or the sharing goals; write docs/benchmarks/{ablation,sharing}.*"""
+    """Run the ablation and/or the sharing goals; write each as its variant (``ablation``,
+    ``sharing``) of docs/benchmarks/ablation.*"""
     args.threads = pin_threads(args.threads)
     if args.tiny:
         for k, v in TINY.items():
@@ -249,11 +250,11 @@ def run(args: argparse.Namespace, loaded: Any = None) -> int:
     results: dict[str, Any] = {}
     if args.part in ("all", "ablation"):
         results["ablation"] = json_clean(run_ablation(loaded, args, progress))
-        publish(NAME, results["ablation"], render_ablation, args.out_dir, echo=progress,
+        publish(NAME, results["ablation"], render_ablation, args.out_dir, variant="ablation", echo=progress,
                 plots=None if args.no_plot else single_plot(NAME, "paging x prefix caching", plot))
     if args.part in ("all", "sharing"):
         results["sharing"] = json_clean(run_sharing(loaded, args, progress))
-        publish(SHARING_NAME, results["sharing"], render_sharing, args.out_dir, echo=progress)
+        publish(NAME, results["sharing"], render_sharing, args.out_dir, variant="sharing", echo=progress)
     if args.json:
         print(json.dumps(results, indent=2))
     return 0

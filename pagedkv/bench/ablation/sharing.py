@@ -1,5 +1,5 @@
-"""The sharing goals of ``pagedkv bench ablation --part sharing``, results in
-``docs/benchmarks/sharing.*``:
+"""The sharing goals of ``pagedkv bench ablation --part sharing``, results: the variant
+``sharing`` of ``docs/benchmarks/ablation.*``:
 
 * prefix TTFT: requests whose prompts are one long system prompt + a distinct question, all
   at once (burst) and one at a time (sequential); mean TTFT with prefix caching on / off

@@ -20,6 +20,9 @@ Each variant cycles through enough independent layer caches that the working set
 ``--min-working-set-mb`` (default 2x the last-level cache), so KV comes from DRAM as in a real
 model with many layers; variants are measured interleaved (round-robin) and the median is kept,
 which makes the ratios robust to other load on a shared machine.
+
+Results: ``attention.{json,md,png}``, the variant ``paged_vs_contiguous`` (or, with
+``--kv-cache-dtypes``, ``kv_formats``; :mod:`pagedkv.bench.variants`).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from typing import Any, Callable
 
 from pagedkv.bench.common import add_options, add_run_options, log, machine_info, pin_threads
 from pagedkv.bench.report import closing_lines, markdown_table, publish, pyplot, save_figure
+from pagedkv.bench.variants import add_variant_option
 from pagedkv.errors import ConfigError
 from pagedkv.utils import cdiv
 
@@ -59,6 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtypes", default=None,
                    help="also time decode per KV cache format, float32 queries, e.g. float32,bfloat16,int8,fp8_e4m3 "
                         "(see pagedkv.bench.attention.kv)")
+    add_variant_option(p, "kv_formats with --kv-cache-dtypes, else paged_vs_contiguous")
     add_run_options(p, tiny="batch 2, contexts 64,256, 3 repeats, small buffers (seconds)")
 
 
@@ -419,7 +424,9 @@ def run(args: argparse.Namespace) -> int:
     data = run_attention(args)
     data["machine"] = machine_info(threads)
     data["plot"] = None
-    publish("attention", data, render_markdown, args.out_dir, plots=None if args.no_plot else make_plots,
+    variant = args.variant or ("kv_formats" if args.kv_cache_dtypes else "paged_vs_contiguous")
+    publish("attention", data, render_markdown, args.out_dir, variant=variant,
+            plots=None if args.no_plot else make_plots,
             as_json=args.json, json_keys=("config", "bandwidth", "decode", "decode_by_kv_format", "prefill", "runtime_s"), summary=_summary)
     return 0
 

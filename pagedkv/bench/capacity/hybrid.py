@@ -1,5 +1,6 @@
 """Capacity of a hybrid KV cache (full + sliding-window layer groups) vs the same model sized
-all-full: ``pagedkv bench capacity --model gemma-2-9b`` (a model with sliding windows).
+all-full: ``pagedkv bench capacity --model gemma-2-9b`` (a model with sliding windows), written
+as the variant ``hybrid`` of the result set ``capacity.*``.
 
 The replay is :func:`pagedkv.bench.capacity.sim.simulate` (same trace, policy and step model
 as ``bench capacity``), run at one KV byte budget for
@@ -170,7 +171,8 @@ def run(args: argparse.Namespace) -> int:
                          f"({r['peak_concurrency_vs_all_full']:.2f}x all-full), mean {r['mean_concurrency']:.1f}"
                          for r in d["results"]) + f"\nwrote {paths['json']}"
 
-    publish("capacity_hybrid", data, render, args.out_dir, plots=single_plot("capacity_hybrid", "hybrid", _draw),
+    publish("capacity", data, render, args.out_dir, variant=args.variant or "hybrid",
+            plots=single_plot("hybrid", "hybrid", _draw),
             as_json=args.json, json_keys=("config", "trace", "per_request_at_max_model_len", "results"),
             summary=summary)
     return 0

@@ -33,7 +33,9 @@ Everything is computed per event (arrival, finish, out-of-blocks), analytically 
 events; there is no per-token loop.
 
 A model with sliding-window layers (``--model gemma-2-9b``) runs the hybrid-vs-all-full
-comparison of :mod:`pagedkv.bench.capacity.hybrid` instead (``capacity_hybrid.*``).
+comparison of :mod:`pagedkv.bench.capacity.hybrid` instead. Both are variants of one result set,
+``capacity.{json,md,png}``: ``paged_vs_contiguous`` (this replay) and ``hybrid``
+(:mod:`pagedkv.bench.variants`).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from pagedkv.bench.capacity.report import GOAL_CONCURRENCY_RATIO, GOAL_UTILIZATI
 from pagedkv.bench.capacity.sim import SimResult, series_bins, simulate
 from pagedkv.bench.common import default_workload, machine_info, pin_threads
 from pagedkv.bench.report import publish
+from pagedkv.bench.variants import add_variant_option
 from pagedkv.bench.workload import load_trace
 from pagedkv.errors import ConfigError
 from pagedkv.utils import cdiv
@@ -61,6 +64,7 @@ DEFAULT_MAX_MODEL_LEN = 4096
 DEFAULT_STEP_MS = 50.0
 DEFAULT_KV_BUDGET = "2GiB"
 HEADLINE_BLOCK_SIZE = 16
+VARIANT = "paged_vs_contiguous"  #: the variant of capacity.* this replay writes by default
 
 
 # --------------------------------------------------------------------------------------------
@@ -285,7 +289,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=(*MODEL_CHOICES, *HYBRID_MODELS, "all"), default="all",
                    help="KV config to size (default all: the bundled SmolLM2-135M, Llama-3-8B (GQA), "
                         "Qwen2.5-7B (GQA), DeepSeek-V3 (MLA)); gemma-2-9b: hybrid (sliding-window "
-                        "groups) vs all-full at the headline block size, written to capacity_hybrid.*")
+                        "groups) vs all-full at the headline block size, the variant `hybrid` of capacity.*")
     p.add_argument("--windows", default="",
                    help="hybrid models: extra windows (tokens, comma-separated) to replay with the window "
                         "layers' window replaced, e.g. 1024")
@@ -315,25 +319,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bytes per block-table entry, counted against the budget (default 4)")
     p.add_argument("--series-points", type=int, default=400,
                    help="time samples of the over-time series kept in the JSON (default 400)")
+    add_variant_option(p, "hybrid for a model with sliding windows, else paged_vs_contiguous")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.model in HYBRID_MODELS:
-        from pagedkv.bench.capacity import hybrid as capacity_hybrid
+        from pagedkv.bench.capacity import hybrid as hybrid_replay
 
         sizes = _parse_block_sizes(args.block_sizes)
         args.block_size = HEADLINE_BLOCK_SIZE if HEADLINE_BLOCK_SIZE in sizes else sizes[0]
-        return capacity_hybrid.run(args)
+        return hybrid_replay.run(args)
     threads = pin_threads(args.threads)
     data = run_capacity(args)
     data["machine"] = machine_info(threads)
 
-    def plots(data: dict[str, Any], out_dir: Path) -> dict[str, str]:
-        pngs = make_plots(data, out_dir)
-        data["plots"] = list(pngs.values())
-        return pngs
-
-    publish("capacity", data, render_markdown, args.out_dir, plots=plots, as_json=args.json,
+    publish("capacity", data, render_markdown, args.out_dir, variant=args.variant or VARIANT, plots=make_plots,
+            as_json=args.json,
             json_keys=("config", "trace", "headline", "results", "runtime_s"), summary=_summary)
     return 0
 
@@ -342,6 +343,6 @@ def _summary(data: dict[str, Any], paths: dict[str, Path]) -> str:
     lines = [f"{h['model']}: block {h['block_size']} paged utilisation {100 * h['paged_utilization']:.2f}% vs "
              f"contiguous {100 * h['contiguous_utilization']:.2f}%; peak concurrency {h['paged_peak_concurrency']} "
              f"vs {h['contiguous_peak_concurrency']} ({h['concurrency_ratio']:.2f}x)" for h in data["headline"]]
-    lines.append(f"wrote {paths['json']}, {paths['md']} and {len(data.get('plots', []))} PNGs "
+    lines.append(f"wrote {paths['json']}, {paths['md']}{' and ' + str(paths['png']) if 'png' in paths else ''} "
                  f"in {data['runtime_s']:.1f} s")
     return "\n".join(lines)

@@ -22,6 +22,10 @@ read per token are the file's tensor bytes, a mixture-of-experts file's stacked 
 at their routed share (``expert_used_count / expert_count``; ``models.make.weight_bytes_per_token``).
 The ``moe-4b`` shape (``qwen3moe``, Qwen3-30B-A3B's 8-of-128 routing at half its width and
 depth) is not in the default sizes: ``--sizes moe-4b``.
+
+Results: ``models.{json,md,png}``, one variant per CPU class (:func:`default_variant`:
+``avx512``, ``avx2``; ``avx2_load`` for a ``--load-only`` run there), written after every model
+(:mod:`pagedkv.bench.variants`).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from pagedkv.bench.common import json_clean, load_average, log, machine_info
 from pagedkv.bench.models.guard import GB, fadvise_dontneed, run_guarded
 from pagedkv.bench.models.make import SHAPES, TYPES, ensure_models, find_tool, tensor_types, weight_bytes_per_token
 from pagedkv.bench.protocol import cpu_model, dirty_tree, interleaved, llama_bench_run, llama_cpp_stamp
+from pagedkv.bench.variants import add_variant_option, cpu_class
 
 NAME = "models"
 PAGEDKV, LLAMA_CPP = "pagedkv", "llama.cpp"
@@ -56,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-llama-cpp", action="store_true", help="pagedkv only (llama.cpp reported as not measured)")
     p.add_argument("--load-only", action="store_true",
                    help="start-up only: each system's cold and warm load, no prefill or decode (llama-bench not run); "
-                        "with --name, beside a full run's files")
+                        "its own variant (<CPU class>_load), beside a full run's")
     p.add_argument("--rss-limit-gb", type=float, default=18.0, help="kill a measured process above this RSS (default 18)")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="kill a measured process after this long (default 1800)")
     p.add_argument("--weights", default="auto", help="pagedkv's linear-layer format (default auto)")
@@ -69,11 +74,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="before a cold load also `echo 1 > /proc/sys/vm/drop_caches` (whole machine; default: "
                         "posix_fadvise DONTNEED on the model file only)")
     p.add_argument("--out", dest="out_dir", default=None, help="where to write results (default docs/benchmarks/)")
-    p.add_argument("--name", default=NAME, help=f"result file stem (default {NAME})")
+    add_variant_option(p, "the CPU class (avx512, avx2, ...), + _load with --load-only")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--note", default=None, help="free text recorded in the results (with --from-json: replaces the run's)")
     p.add_argument("--from-json", default=None,
-                   help="measure nothing: re-summarise and re-render an earlier run's JSON (e.g. after a report change)")
+                   help="measure nothing: re-summarise and re-render an earlier run's JSON, a result file or a variant "
+                        "of one (--variant; e.g. after a report change)")
 
 
 # ---- machine facts -------------------------------------------------------------------------------
@@ -355,14 +361,23 @@ def _results(args: argparse.Namespace, sizes: list[str], types: list[str], measu
     })
 
 
+def default_variant(data: dict[str, Any]) -> str:
+    """The CPU class of the run's machine (:func:`pagedkv.bench.variants.cpu_class`), ``_load``
+    appended for a ``--load-only`` run: ``avx512``, ``avx2``, ``avx2_load``."""
+    name = cpu_class((data.get("machine") or {}).get("cpu_isa"))
+    return name + "_load" if data["config"].get("load_only") else name
+
+
 def run(args: argparse.Namespace) -> int:
     from pagedkv.bench.models.report import plot, render_markdown
     from pagedkv.bench.report import publish, single_plot
+    from pagedkv.bench.variants import read_variant
 
     def write(d: dict[str, Any], echo: bool = False) -> None:
-        publish(args.name, d, render_markdown, args.out_dir, as_json=args.json and echo, echo=echo,
+        publish(NAME, d, render_markdown, args.out_dir, variant=args.variant or default_variant(d),
+                as_json=args.json and echo, echo=echo,
                 plots=None if args.no_plot else single_plot(
-                    args.name, "cold and warm load per model" if d["config"].get("load_only")
+                    NAME, "cold and warm load per model" if d["config"].get("load_only")
                     else "decode, prefill and peak RSS per model", plot))
 
     import signal
@@ -370,7 +385,7 @@ def run(args: argparse.Namespace) -> int:
     if args.from_json:
         from pagedkv.bench.models.report import summarize_model
 
-        data = json.loads(Path(args.from_json).read_text())
+        data = read_variant(args.from_json, args.variant)
         for entry in data["models"]:
             entry["summary"] = summarize_model(entry, data["read_bandwidth"]["bytes_per_s"])
         if args.note:

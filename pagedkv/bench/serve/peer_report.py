@@ -9,6 +9,10 @@ from typing import Any, Optional
 
 from pagedkv.bench.protocol import cell, ratio_cell, spread
 from pagedkv.bench.report import closing_lines, markdown_table, pyplot, save_figure
+from pagedkv.bench.serve.peer_summary import LLAMA_SERVER
+
+#: every configuration of ``bench serve --peer`` (and ``--peer openvino``) is a variant of serving_peers.*
+RESULT_SET = "serving_peers"
 
 _DEFINITIONS = (
     "Definitions: output tokens/s = output tokens streamed by every request of the run (a request cut at the time "
@@ -18,6 +22,17 @@ _DEFINITIONS = (
     "requests in flight. The machine is shared with other jobs: the ratios come from runs measured minutes apart, "
     "so the load average of each run is listed."
 )
+
+
+def default_variant(config: dict[str, Any]) -> str:
+    """The variant a run of ``config`` writes without ``--variant``: the GGUF type (``--gguf-type``),
+    else the model's name when it is not the default, then the peer when it is not llama-server
+    (``q4_k_m``, ``gemma-3-270m``, ``vllm``); ``llama-server`` for the default model and peer."""
+    parts = [config["gguf_type"]] if config.get("gguf_type") else (
+        [] if config["model_is_default"] else [config["model_name"]])
+    if config["peer"] != LLAMA_SERVER:
+        parts.append(config["peer"])
+    return "_".join(parts) or LLAMA_SERVER
 
 
 def _pair(a: Any, b: Any, fmt: str, scale: float = 1.0) -> str:

@@ -20,7 +20,11 @@ then compare sustainable throughput, preemptions/rejections, TTFT and TPOT.
 * Rate sweep (prefix caching off): the highest rate whose p90 TTFT and p90 TPOT meet the
   target (and nothing rejected or left unfinished), for paging on and off.
 * ``--peer llama-server`` runs instead ``pagedkv serve`` side by side with llama.cpp's server
-  at fixed concurrencies (:mod:`pagedkv.bench.serve.peer`; results ``serving_peer.*``).
+  at fixed concurrencies (:mod:`pagedkv.bench.serve.peer`; results: a variant of ``serving_peers.*``).
+
+Results: the variant ``paging`` of ``serving.{json,md,png}`` (another weight format, compiled
+decode or model: ``paging_<format>``, ``_compiled``, ``_<model>`` appended), beside
+``pagedkv bench kv_serving``'s ``kv_formats`` (:mod:`pagedkv.bench.variants`).
 
 Definitions (seconds): TTFT = first token time - arrival time; TPOT = (finish time - first
 token time) / (output tokens - 1); duration = last finish - first arrival; throughput =
@@ -50,6 +54,7 @@ from pagedkv.bench.common import (
 )
 from pagedkv.bench.peers.systems import resolve_peer_model
 from pagedkv.bench.report import publish, single_plot
+from pagedkv.bench.variants import add_variant_option
 from pagedkv.bench.serve.report import plot, render_markdown
 from pagedkv.bench.workload import (
     BenchRequest,
@@ -87,10 +92,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--max-num-seqs", type=int, default=64)
     e.add_argument("--weights", default="fp32",
                    help="linear-layer format: fp32 | bf16 | int8 | int4 | auto (default fp32; results of another "
-                        "format go to serving_<format>.*)")
+                        "format: the variant paging_<format>)")
     e.add_argument("--compile-decode", action="store_true",
                    help="decode steps through torch.compile (compiled once, before the first cell; "
-                        "docs/performance.md; results get a _compiled suffix)")
+                        "docs/performance.md; the variant gets a _compiled suffix)")
     e.add_argument("--max-num-batched-tokens", type=int, default=32,
                    help="tokens per engine step (default 32: a step of 512 tokens takes ~2 s on 2 idle cores and one "
                         "of 32 ~0.2 s, so larger steps put every running request past a TPOT target)")
@@ -113,6 +118,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     h.add_argument("--port", type=int, default=0, help="server port on 127.0.0.1 (default: a free one)")
     p.add_argument("--cells", default="all", help="'all' or 'none' (only the sweep)")
     serve_peer.add_arguments(p)
+    add_variant_option(p, "the sweep: paging (+ _<weights>, _compiled, _<model>); --peer: the GGUF type, else the "
+                          "model and peer (q4_k_m, vllm, openvino, gemma-3-270m); bench kv_serving: kv_formats")
     add_run_options(p, tiny="4 requests, short lengths, 2 sweep rates (--peer: 2 concurrencies, 16/4 tokens)",
                     note=True)
 
@@ -449,9 +456,10 @@ def run(args: argparse.Namespace, loaded: Any = None) -> int:
     if args.peer:  # side by side with a peer server: its own runs and result files
         return serve_peer.run(args)
     data = run_serving(args, loaded=loaded, progress=not args.json)
-    name = NAME if data["config"]["weights"] == "fp32" else f"{NAME}_{data['config']['weights']}"
-    name += "_compiled" if args.compile_decode else ""
-    name += "" if data["config"]["model_is_default"] else f"_{data['config']['model_name']}"  # never the default's
-    publish(name, data, render_markdown, args.out_dir, as_json=args.json,
-            plots=None if args.no_plot else single_plot(name, "rate sweep", plot))
+    c = data["config"]
+    variant = "paging" + ("" if c["weights"] == "fp32" else f"_{c['weights']}")
+    variant += "_compiled" if args.compile_decode else ""
+    variant += "" if c["model_is_default"] else f"_{c['model_name']}"  # never the default's
+    publish(NAME, data, render_markdown, args.out_dir, variant=args.variant or variant, as_json=args.json,
+            plots=None if args.no_plot else single_plot(NAME, "rate sweep", plot))
     return 0

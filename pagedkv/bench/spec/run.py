@@ -12,6 +12,9 @@ the same prompt token ids plain and with its own C++ n-gram lookup decoding, int
 pagedkv's sides request by request (``pagedkv.bench.spec.peer``); without it the llama.cpp
 columns say why they were not measured.
 Goals: >= 2x on the repetitive workload, >= 0.95x on free chat.
+
+Results: ``spec.{json,md,png}``, the variant ``ngram`` (prompt lookup) or, with a draft model,
+``<weights>_draft_<draft weights>`` (``fp32_draft_int4``; :mod:`pagedkv.bench.variants`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 
 from pagedkv.bench.common import add_options, load_fp32_model, log, machine_info, pin_threads, weights_of
 from pagedkv.bench.report import markdown_table, plot_links, publish, pyplot, save_figure, single_plot
+from pagedkv.bench.variants import add_variant_option
 from pagedkv.errors import ConfigError
 
 PARAGRAPH = ("Paged attention splits each request's key-value cache into fixed-size blocks, so memory is "
@@ -63,6 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp even when built")
     p.add_argument("--llama-server", default=None,
                    help="llama-server binary (default: $PAGEDKV_LLAMA_SERVER, the one `make peers` built, or PATH)")
+    add_variant_option(p, "ngram; with a draft model <weights>_draft_<draft weights>, e.g. fp32_draft_int4")
 
 
 def _timed(gen: Any) -> tuple[int, float]:
@@ -241,8 +246,8 @@ def _draw(data: dict[str, Any], path: Any) -> None:
 
 def run(args: argparse.Namespace, loaded: Any = None) -> int:
     data = collect(args, loaded)
-    c = data["config"]  # a draft-model run (its own target weights) goes to its own files
-    stem = "spec" if c["speculative"] == "ngram" else f"spec_{c['weights']}_draft_{c['draft_weights']}"
-    publish(stem, data, render_markdown, args.out_dir, as_json=args.json,
-            plots=single_plot(stem, "decode tok/s per side", _draw))
+    c = data["config"]  # a draft-model run (its own target weights) is its own variant
+    variant = "ngram" if c["speculative"] == "ngram" else f"{c['weights']}_draft_{c['draft_weights']}"
+    publish("spec", data, render_markdown, args.out_dir, variant=getattr(args, "variant", None) or variant,
+            as_json=args.json, plots=single_plot("spec", "decode tok/s per side", _draw))
     return 0

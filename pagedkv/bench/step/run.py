@@ -9,6 +9,10 @@ bytes moved / bandwidth and FLOPs / peak (bytes: every linear weight and the LM 
 plus the K/V read and written; FLOPs: 2 per weight per token, the LM head on sampled rows,
 and attention's QK^T and PV). The goals: batch-32 decode within 1.5x its limit,
 batch-1 host + small-op time at most 3 ms, prefill at least 70% of the matmul peak.
+
+Results: ``step.{json,md,png}``, one variant per weight format (+ ``_compiled``, ``_kv_<format>``)
+and CPU class (:func:`default_variant`: ``int4_avx512``, ``fp32_avx2_on_avx512`` under
+``PAGEDKV_CPU_ISA=avx2``; :mod:`pagedkv.bench.variants`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any, Callable
 
 from pagedkv.bench.common import add_options, load_average, load_fp32_model, log, machine_info, pin_threads, weights_of
 from pagedkv.bench.report import markdown_table, publish, save_figure, single_plot
+from pagedkv.bench.variants import add_variant_option, cpu_class
 from pagedkv.bench.step.profile import (
     CATEGORIES,
     copy_bandwidth,
@@ -47,7 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="linear-layer format: fp32 | bf16 | int8 | int4 | auto (default fp32; see docs/weights.md)")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="KV cache format (default auto = the model dtype, float32; bfloat16, int8, fp8_e4m3, "
-                        "fp8_e5m2; results of another than auto go to step_..._kv_<format>.*)")
+                        "fp8_e5m2; another than auto adds _kv_<format> to the variant)")
+    add_variant_option(p, "<weights>[_compiled][_kv_<format>]_<CPU class>, e.g. int4_avx512")
 
 
 def _engine(loaded: Any, args: Any, max_batch: int) -> Any:
@@ -227,13 +233,18 @@ def _draw(data: dict[str, Any], path: Any) -> None:
     save_figure(fig, path)
 
 
+def default_variant(args: Any, data: dict[str, Any]) -> str:
+    """``<weights>[_compiled][_kv_<format>]_<CPU class>`` of a run (``int4_avx512``)."""
+    c = data["config"]
+    name = str(c["weights"]) + ("_compiled" if c.get("compile_decode") else "")
+    if getattr(args, "kv_cache_dtype", "auto") != "auto":
+        name += f"_kv_{c['kv_cache_dtype']}"
+    return f"{name}_{cpu_class(data['machine'].get('cpu_isa'))}"
+
+
 def run(args: argparse.Namespace, loaded: Any = None) -> int:
     data = collect(args, loaded)
-    name = "step" if data["config"]["weights"] == "fp32" else f"step_{data['config']['weights']}"
-    if data["config"].get("compile_decode"):
-        name += "_compiled"
-    if getattr(args, "kv_cache_dtype", "auto") != "auto":
-        name += f"_kv_{data['config']['kv_cache_dtype']}"
-    publish(name, data, render_markdown, args.out_dir, plots=single_plot(name, "step time breakdown", _draw),
-            as_json=args.json)
+    variant = getattr(args, "variant", None) or default_variant(args, data)
+    publish("step", data, render_markdown, args.out_dir, variant=variant,
+            plots=single_plot("step", "step time breakdown", _draw), as_json=args.json)
     return 0
