@@ -75,6 +75,40 @@ typedef struct {
  * same order: the same bits on any thread count. Returns 0, -1 (no memory), -3 (a routed
  * expert's weights are NULL: nothing but this layer's scratch touched after the routing), or a
  * qmm code. */
+/* moe_ffn's buffers: the layer input x [T, H], the per-expert rows (gathered input xg, gate_up
+ * gu, act h, down dn), the output, and the (token, slot) pairs grouped by expert */
+typedef struct {
+    const float *x;
+    float *xg, *gu, *h, *dn, *out;
+    const int32_t *pos, *tlist;
+    const float *wlist;
+} expert_scratch_t;
+
+/* Expert e's tokens through its gate_up, act and down matmuls: by_expert, on one thread into
+ * its own rows of the scratch (moe_ffn adds them afterwards); else on all threads into the
+ * scratch's first rows, then added to out at once. Returns the qmm code. */
+static int expert_rows(const decoder_t *M, const moe_t *E, const expert_scratch_t *S, int e, int by_expert) {
+    const int64_t H = M->hidden, I = E->inter, n = S->pos[e + 1] - S->pos[e], r0 = by_expert ? S->pos[e] : 0;
+    const int32_t *tok = S->tlist + S->pos[e];
+    float *xe = S->xg + r0 * H, *ge = S->gu + r0 * 2 * I, *he = S->h + r0 * I, *de = S->dn + r0 * H;
+    for (int64_t r = 0; r < n; r++) memcpy(xe + r * H, S->x + (int64_t)tok[r] * H, (size_t)H * sizeof(float));
+    const int nt = by_expert ? 1 : M->nthreads;
+    int c = M->qmm(E->gate_up[e], n, xe, H, ge, nt);
+    if (c == 0) {
+        M->act(n, I, ge, 2 * I, 0, E->gelu, he, 0);
+        c = M->qmm(E->down[e], n, he, I, de, nt);
+    }
+    if (!by_expert && c == 0) { /* the shared scratch: add this expert's rows now */
+        const float *w = S->wlist + S->pos[e];
+        for (int64_t r = 0; r < n; r++) {
+            float *o = S->out + (int64_t)tok[r] * H;
+            const float *d = de + r * H;
+            for (int64_t j = 0; j < H; j++) o[j] += d[j] * w[r];
+        }
+    }
+    return c;
+}
+
 static int moe_ffn(const decoder_t *M, const moe_t *E, int64_t T, const float *x, float *out) {
     const int64_t H = M->hidden, I = E->inter;
     const int NE = E->num_experts, K = E->top_k;
@@ -148,28 +182,13 @@ static int moe_ffn(const decoder_t *M, const moe_t *E, int64_t T, const float *x
         }
     if (rc == 0) {
         int32_t *errs = used + NE; /* each expert's matmul code */
-        #pragma omp parallel for schedule(static, 1) num_threads(M->nthreads) if (by_expert && nused > 1)
-        for (int a = 0; a < nused; a++) {
-            const int e = used[a];
-            const int64_t n = pos[e + 1] - pos[e], r0 = by_expert ? pos[e] : 0;
-            const int nt = by_expert ? 1 : M->nthreads;
-            const int32_t *tok = tlist + pos[e];
-            float *xe = xg + r0 * H, *ge = gu + r0 * 2 * I, *he = h + r0 * I, *de = dn + r0 * H;
-            for (int64_t r = 0; r < n; r++) memcpy(xe + r * H, x + (int64_t)tok[r] * H, (size_t)H * sizeof(float));
-            int c = M->qmm(E->gate_up[e], n, xe, H, ge, nt);
-            if (c == 0) {
-                M->act(n, I, ge, 2 * I, 0, E->gelu, he, 0);
-                c = M->qmm(E->down[e], n, he, I, de, nt);
-            }
-            errs[a] = c;
-            if (!by_expert && c == 0) { /* the shared scratch: add this expert's rows now */
-                const float *w = wlist + pos[e];
-                for (int64_t r = 0; r < n; r++) {
-                    float *o = out + (int64_t)tok[r] * H;
-                    const float *d = de + r * H;
-                    for (int64_t j = 0; j < H; j++) o[j] += d[j] * w[r];
-                }
-            }
+        const expert_scratch_t S = {x, xg, gu, h, dn, out, pos, tlist, wlist};
+        if (by_expert) {
+            #pragma omp parallel for schedule(static, 1) num_threads(M->nthreads) if (nused > 1)
+            for (int a = 0; a < nused; a++) errs[a] = expert_rows(M, E, &S, used[a], 1);
+        } else { /* not inside a parallel region: each matmul's team is the pool's, where a
+                  * nested one would start new threads per call (0.7x a MoE prefill) */
+            for (int a = 0; a < nused; a++) errs[a] = expert_rows(M, E, &S, used[a], 0);
         }
         for (int a = 0; a < nused && rc == 0; a++) rc = errs[a];
     }

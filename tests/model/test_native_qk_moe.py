@@ -178,6 +178,28 @@ def test_moe_native_steps_are_the_same_bits_on_one_or_two_threads(moe_gguf):
         assert torch.equal(a.key, b.key) and torch.equal(a.value, b.value)
 
 
+def test_a_long_moe_chunk_runs_its_experts_one_at_a_time_on_every_thread_with_the_same_bits(moe_gguf):
+    """Past 64 tokens (``EXPERT_PAR_T``) decoder.c runs the experts one at a time, each matmul
+    on all threads (outside any parallel region of its own): the same bits on two threads as
+    on one."""
+    lm, threads = moe_gguf, torch.get_num_threads()
+    a = [(7 * i + 3) % 250 + 5 for i in range(70)]
+
+    def chunk():
+        caches = _caches(lm)
+        return _step(lm, caches, [a], [0], [[3, 7, 1, 4, 6]], True), caches
+
+    try:
+        torch.set_num_threads(2)
+        (two, c2) = chunk()
+        torch.set_num_threads(1)
+        (one, c1) = chunk()
+    finally:
+        torch.set_num_threads(threads)
+    assert lm.model.native_state == "on" and two.shape[0] == 70 and two.abs().max() > 1
+    assert torch.equal(two, one) and all(torch.equal(x.key, y.key) for x, y in zip(c2, c1))
+
+
 def test_moe_native_engine_tokens_equal_the_eager_path(moe_gguf):
     native, eager = _native_and_eager_tokens(moe_gguf, [prompt(n, n, 0, 256) for n in (30, 7, 12)])
     assert native == eager and all(len(t) == 12 for t in native)
