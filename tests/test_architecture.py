@@ -220,6 +220,7 @@ def test_one_declared_step_context():
         "pagedkv.model.compiled": "STEP_CONTEXT: the compiled step's attend/error",
         "pagedkv.ops.step_op": "StepTable: the C++ half of the step context (prepared LayerArgs)",
         "pagedkv.attention.cpu": "per-thread scratch buffers of the CPU kernel (no state between steps)",
+        "pagedkv.model.quant": "shapes_only: a load's key and shape check on its own thread (not step state)",
     }
     found = {}
     for mod, path in _modules().items():

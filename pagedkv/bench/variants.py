@@ -114,20 +114,27 @@ def write_variant(name: str, variant: str, data: dict[str, Any], markdown: str, 
     """Upsert ``variant`` of the result set ``<name>`` in ``out_dir`` (see the module doc):
     ``data`` into ``<name>.json``, ``markdown`` + ``footer`` as its section of ``<name>.md``, the
     PNG ``figures`` (none: its panel is dropped) stacked under its name as its panel of
-    ``<name>.png``. Returns the written paths (``png`` only when the set has a figure)."""
+    ``<name>.png``. Returns the written paths (``png`` only when the set has a figure). Raises
+    ``ConfigError`` when ``<name>.json`` exists but does not parse or holds one run without
+    variants: numbers already there are never dropped (move the file away to start the set anew). The PNG is written first, so
+    a figure that fails leaves the JSON and the Markdown as they were."""
     variant = variant_name(variant)
     jpath, mpath, ppath = (out_dir / f"{name}{ext}" for ext in (".json", ".md", ".png"))
     variants: dict[str, Any] = {}
     if jpath.is_file():
         try:
-            variants = {k: v for k, v in read_variants(jpath).items() if k}
-        except ValueError:
-            variants = {}
+            variants = read_variants(jpath)
+        except ValueError as e:
+            raise ConfigError(f"{jpath}: not a result file ({e}); its other variants would be lost: "
+                              "move it away to start the result set anew") from None
+        if "" in variants:
+            raise ConfigError(f"{jpath}: one run without variants; writing variant {variant!r} would drop it: "
+                              "move it away to start the result set anew")
     sections = split_sections(mpath.read_text()) if mpath.is_file() else {}
     variants[variant] = data
-    write_json(jpath, {"benchmark": name, VARIANTS: variants})
     sections[variant] = demote(markdown).strip() + "\n\n" + footer.strip()
     has_png = _write_panels(ppath, variant, figures, list(variants))
+    write_json(jpath, {"benchmark": name, VARIANTS: variants})
     mpath.write_text(compose(name, list(variants), sections, has_png))
     return {"json": jpath, "md": mpath, **({"png": ppath} if has_png else {})}
 

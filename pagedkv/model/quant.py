@@ -3,38 +3,34 @@ kernel ("route") each one runs on this machine.
 
 A format changes only how the linear layers (q/k/v, o, gate/up, down and the LM head) store
 their weights and multiply; embeddings, norms, RoPE, attention and the KV cache keep the model
-dtype. Every quantised module has ``nn.Linear``'s forward signature: ``x`` ``[T, in]`` in the
-model dtype -> ``[T, out]`` in the same dtype.
+dtype. Every module has ``nn.Linear``'s forward: ``x [T, in]`` -> ``[T, out]``, in ``x``'s dtype.
 
 * ``fp32``: ``nn.Linear`` as loaded (exact; the transformers comparisons run on it).
-* ``bf16``: weights rounded to bfloat16, activations cast to bf16 for the matmul (oneDNN;
-  AVX512-BF16 / AMX-BF16 where present), output cast back.
-* ``int8``: symmetric per-output-channel int8 weights (scale = max|w| / 127 per row), weight
-  only; ``torch._weight_int8pack_mm`` on bf16 activations.
-* ``int4``: asymmetric 4-bit codes in groups of 32 along the input dimension, ``w = scale * q
-  + min`` (q in 0..15): exactly GGUF's Q4_1 block (Q4_0: ``min = -8 * scale``), so a Q4 source
-  keeps its stored codes; ``torch._weight_int4pack_mm_for_cpu`` on bf16 activations. A tied
-  LM head whose source is 8-bit (the bundled Q8_0 embeddings) is int8 in this format.
+* ``bf16``: bfloat16 weights, activations cast to bf16 for the matmul (oneDNN), output cast back.
+* ``int8``: symmetric per-output-channel int8 weights (scale = max|w| / 127 per row).
+* ``int4``: 4-bit codes in groups of 32 along the input, ``w = scale * q + min`` (q in 0..15):
+  exactly GGUF's Q4_1 block (Q4_0: ``min = -8 * scale``), so a Q4 source keeps its stored codes.
+  A tied LM head whose source is 8-bit (the bundled Q8_0 embeddings) is int8 in this format.
 
-Routes: ``fast`` runs ``pagedkv.ops.qmm`` (kernel ``"q8"``) for int8/int4 at every row
-count on CPUs without AMX: activations quantised on the fly to int8 blocks of 32, integer
-dot products with exact block sums on AVX2 (``vpmaddubsw``) or VNNI, weights packed once at
-load (docs/weights.md). On AMX hosts ``qmm`` takes inputs below ``int8_rows()`` rows and
-the kernels above the rest: from ``int8_rows()`` rows *dynamic int8* (each row of ``x`` as
-two int8 rows, ``dynamic_int8_mm``, through oneDNN's u8s8 linear on prepacked weights, which
-needs VNNI or AMX-INT8 to sum exactly: ``CpuFeatures.int8_exact``), otherwise the weight-only
-kernels up to ``KERNEL_ROWS`` and ``wide`` above (dequantise, one bf16 (AMX) or fp32 matmul).
-Those kernels also run where ``qmm`` cannot build (no C compiler) or ``PAGEDKV_QMM=0``; they
-are fast only on bf16 activations, vectorised in ATen's AVX2 and AVX-512 builds.
-``fallback`` dequantises the stored weights to the activation dtype and calls ``F.linear``:
-correct on any CPU, slow. ``PAGEDKV_WEIGHT_ROUTE=fallback`` forces it everywhere;
-``pagedkv bench quality --part routes`` measures the routes.
+Routes: ``fast`` runs ``pagedkv.ops.qmm`` (kernel ``"q8"``) for int8/int4 at every row count
+on CPUs without AMX: activations quantised on the fly to int8 blocks of 32, integer dot
+products with exact block sums on AVX2 (``vpmaddubsw``) or VNNI, weights packed once at load
+(docs/weights.md; the stored codes are then freed, ``QuantLinear._drop_codes``). On AMX hosts
+``qmm`` takes inputs below ``int8_rows()`` rows; from there *dynamic int8* (each row of ``x``
+as two int8 rows, ``dynamic_int8_mm``: oneDNN's u8s8 linear on prepacked weights, exact with
+VNNI or AMX-INT8, ``CpuFeatures.int8_exact``), else ATen's weight-only kernels on bf16
+activations (``torch._weight_int8pack_mm`` / ``_weight_int4pack_mm_for_cpu``) up to
+``KERNEL_ROWS`` and ``wide`` above (dequantise, one bf16 (AMX) or fp32 matmul); those also run
+where ``qmm`` cannot build or ``PAGEDKV_QMM=0``. ``fallback`` dequantises to the activation
+dtype and calls ``F.linear``: correct on any CPU, slow (``PAGEDKV_WEIGHT_ROUTE=fallback``
+forces it). ``pagedkv bench quality --part routes`` measures the routes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from typing import Any, Iterator
 
 import torch
@@ -93,17 +89,17 @@ def route_boundaries(model: nn.Module) -> list[int]:
 
 
 _QMM: qmm.QmmOps | None = None  # the integer kernels, once a layer has packed weights for them
-_SHAPES_ONLY = [False]  # state_dict() gives dropped codes as meta tensors (shapes_only)
+_SHAPES_ONLY = threading.local()  # .on: this thread's state_dict() gives dropped codes as meta tensors
 
 
 @contextlib.contextmanager
 def shapes_only() -> Iterator[None]:
     """Inside: ``state_dict()`` gives dropped codes (``QuantLinear._drop_codes``) as meta tensors."""
-    _SHAPES_ONLY[0] = True
+    _SHAPES_ONLY.on = True
     try:
         yield
     finally:
-        _SHAPES_ONLY[0] = False
+        _SHAPES_ONLY.on = False
 
 
 #: counts ``QuantLinear.prepare`` calls in this process: a change means some layer's buffers were rebuilt
@@ -111,8 +107,7 @@ PREPARED = 0
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` contiguous and 64-byte aligned (a copy if needed): the AVX-512 int8 kernel loads
-    aligned vectors, and tensors memory-mapped from a safetensors file need not be."""
+    """``t`` contiguous and 64-byte aligned (a copy if needed) for the AVX-512 int8 kernel."""
     t = t.contiguous()
     return t if t.data_ptr() % 64 == 0 else t.clone()
 
@@ -189,11 +184,16 @@ class QuantLinear(nn.Module):
         if not (self.codes_buffer and self._buffers.get(self.codes_buffer) is None and self._qmm is not None):
             return super()._save_to_state_dict(destination, prefix, keep_vars)
         # for this call only, in its place among the buffers
-        self._buffers[self.codes_buffer] = self._codes_meta if _SHAPES_ONLY[0] else self._unpack_codes()
+        self._buffers[self.codes_buffer] = self._codes_meta if getattr(_SHAPES_ONLY, "on", False) else self._unpack_codes()
         try:
             super()._save_to_state_dict(destination, prefix, keep_vars)
         finally:
             self._buffers[self.codes_buffer] = None
+
+    def _load_from_state_dict(self, state: dict, prefix: str, *args: Any) -> None:
+        """Dropped codes come back first and load like any buffer (packed again by ``prepare``)."""
+        self._restore_codes()
+        super()._load_from_state_dict(state, prefix, *args)
 
     def set_deterministic(self, on: bool) -> None:
         """Batch-invariant kernels only (``on``): ``qmm`` at every row count (re-prepared on

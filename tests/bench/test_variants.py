@@ -137,3 +137,22 @@ def test_variant_option_parses_and_rejects(capsys):
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["bench", "spec", "--variant=!!"])
     assert exc.value.code == 2 and "names no variant" in capsys.readouterr().err
+
+
+def test_a_corrupt_or_variantless_result_file_is_refused_and_left_as_it_was(tmp_path):
+    """Numbers already written are never dropped: a JSON that does not parse, or one run without
+    variants, stops the write with a ConfigError naming the file, and nothing is rewritten."""
+    from pagedkv.bench.variants import write_variant
+    from pagedkv.errors import ConfigError
+
+    write_variant("x", "a", {"v": 1}, "# a\n", [], tmp_path, "_footer a_")
+    write_variant("x", "b", {"v": 2}, "# b\n", [], tmp_path, "_footer b_")
+    md = (tmp_path / "x.md").read_text()
+    (tmp_path / "x.json").write_text('{"benchmark": "x", "variants": {"a": {"v": 1}, "b"')  # cut short
+    with pytest.raises(ConfigError, match="x.json: not a result file"):
+        write_variant("x", "a", {"v": 3}, "# a\n", [], tmp_path, "_footer a_")
+    assert (tmp_path / "x.md").read_text() == md
+    (tmp_path / "y.json").write_text('{"v": 7}')
+    with pytest.raises(ConfigError, match="one run without variants"):
+        write_variant("y", "a", {"v": 3}, "# a\n", [], tmp_path, "_footer_")
+    assert (tmp_path / "y.json").read_text() == '{"v": 7}' and not (tmp_path / "y.md").exists()

@@ -156,6 +156,7 @@ def test_the_packed_copy_replaces_the_stored_codes_where_it_runs_every_row_count
     """Without AMX the packed copy is all a layer runs: the stored codes are freed and come back
     from it, bit for bit, for state_dict, dequantize, a copy and a re-prepare on another route."""
     import copy
+    import threading
 
     from pagedkv.model.quant import module_from_state, shapes_only
 
@@ -180,9 +181,20 @@ def test_the_packed_copy_replaces_the_stored_codes_where_it_runs_every_row_count
     assert torch.equal(getattr(m, buf), codes) and m._qmm is None
     m.prepare("fast")
     assert getattr(m, buf) is None and torch.equal(m(x), y)
+    other = make(torch.randn(48, 96, generator=g) * 0.1, torch.randn(48, generator=g)).prepare("fast")
+    m.load_state_dict(other.state_dict())  # dropped codes come back and load like any buffer
+    assert torch.equal(getattr(m, buf), other.stored_codes())
+    m.prepare("fast")
+    assert getattr(m, buf) is None and torch.equal(m.dequantize(), other.dequantize()) and torch.equal(m(x), other(x))
+    seen = {}
+    with shapes_only():  # one thread's key and shape check: another thread's state_dict is real
+        t = threading.Thread(target=lambda: seen.setdefault("device", m.state_dict()[buf].device.type))
+        t.start()
+        t.join()
+    assert seen == {"device": "cpu"}
     monkeypatch.setattr(quant, "cpu_features", lambda: AMX)  # AMX: oneDNN runs decode batches from the codes
     m.prepare("fast")
-    assert m.qmm_rows < qmm.ALL_ROWS and torch.equal(getattr(m, buf), codes)
+    assert m.qmm_rows < qmm.ALL_ROWS and torch.equal(getattr(m, buf), other.stored_codes())
 
 
 def test_q8_route_leaves_decode_batches_to_amx(monkeypatch):
