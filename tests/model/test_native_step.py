@@ -73,6 +73,42 @@ def test_staleness_sees_slots_written_without_setattr_and_keeps_swapped_memory(i
     assert any(isinstance(a, torch.UntypedStorage) and a.data_ptr() == ptr for a in native._alive)
 
 
+def test_prefill_and_decode_equal_the_python_path_bit_for_bit(int4_model):
+    tok = int4_model.tokenizer
+    a = tok("The capital of France is Paris. The capital of Italy is")["input_ids"]  # crosses a block edge
+    b = tok("def fibonacci(n):")["input_ids"]
+    tables = [[3, 7, 1], [5, 2]]
+    runs = {}
+    for native in (True, False):
+        caches = _caches(int4_model)
+        h1 = _step(int4_model, caches, [a, b], [0, 0], tables, native)  # a mixed prefill of two sequences
+        h2 = _step(int4_model, caches, [[a[-1]], [b[-1]]], [len(a), len(b)], tables, native)  # a decode step
+        h3 = _step(int4_model, caches, [[42]], [len(a) + 1], tables[:1], native)  # batch 1
+        runs[native] = (h1, h2, h3, [(c.key.clone(), c.value.clone()) for c in caches])
+    for x, y in zip(runs[True][:3], runs[False][:3]):
+        assert torch.equal(x, y)
+    for (k1, v1), (k2, v2) in zip(runs[True][3], runs[False][3]):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    assert runs[True][0].abs().sum() > 0
+
+
+def test_engine_tokens_equal_with_and_without_the_native_step(int4_model, monkeypatch):
+    from pagedkv.engine.llm import LLM
+    from pagedkv.engine.request import SamplingParams
+
+    prompts = ["Once upon a time, a small robot " * 6, "Water boils at", "List three colours:"]
+    sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    llm = LLM(int4_model, num_blocks=64, max_num_batched_tokens=32)  # chunked prefill of the long prompt
+    native = [list(o.token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
+    saved = int4_model.model._native
+    int4_model.model._native = None
+    try:
+        python = [list(o.token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
+    finally:
+        int4_model.model._native = saved
+    assert native == python and all(len(t) == 20 for t in native)
+
+
 def _native(lm):
     ids = lm.tokenizer("Hi")["input_ids"]
     _step(lm, _caches(lm), [ids], [0], [[0]], native=True)  # the first forward builds it
