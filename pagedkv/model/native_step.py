@@ -44,10 +44,7 @@ class NativeDecoder:
         self.model, self._fn = model, fn
         self._prepared = quant.PREPARED  # the weights' buffers this was built on (a re-prepare: stale)
         # what the C structs point into, kept alive (an expert matrix replaced in place stays valid)
-        self._alive = _watched(layers, experts=True)
-        # and their storages: a tensor whose .data is swapped keeps the old memory valid
-        self._alive += [t.untyped_storage() for t in self._alive if isinstance(t, torch.Tensor)]
-        # what stale() compares each step: O(layers + experts) identity checks, no module walk
+        self._alive = _alive(layers)
         self._slots = _slots(model)  # what stale() checks each step: (dict, key, object) identities
         self._lock = threading.Lock()  # one step at a time: the structs hold this step's cache pointers
         self.rows = min(m.qmm_rows for layer in layers for m in _linears(layer) + _experts(layer))
@@ -204,20 +201,21 @@ def _slots(model: Any) -> tuple[list[tuple[dict, Any, Any]], list[tuple[dict, li
     return slots, lists
 
 
-def _watched(layers: Sequence[Any], experts: bool = False) -> list[Any]:
-    """The objects the decoder's structs point into: each layer's linear modules, their packed
-    weights, and the norm weights (with the q/k norms); an MoE layer's router weight and expert
-    list, and with ``experts`` each expert's matrices and packed weights too."""
+def _alive(layers: Sequence[Any]) -> list[Any]:
+    """The objects the decoder's structs point into, to keep alive: each layer's linear modules
+    and expert matrices with their packed weights, the norm weights (with the q/k norms), an MoE
+    layer's router weight and expert list, and every such tensor's storage (a tensor whose
+    ``.data`` is swapped keeps the old memory valid)."""
     out: list[Any] = []
     for layer in layers:
-        for m in _linears(layer) + (_experts(layer) if experts else []):
+        for m in _linears(layer) + _experts(layer):
             out += [m, getattr(m, "_qmm", None)]
         if layer.mlp is not None:
             out += [layer.mlp.router.weight, layer.mlp.experts]
         out += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
         if layer.q_norm is not None:
             out += [layer.q_norm.weight, layer.k_norm.weight]
-    return out
+    return out + [t.untyped_storage() for t in out if isinstance(t, torch.Tensor)]
 
 
 def _shapes_fit(layer: Any) -> bool:
