@@ -4,9 +4,9 @@ The engine core (``pagedkv.engine.engine``) imports no feature module: the featu
 run with are built here, from an ``EngineConfig``, and handed to it as plain collaborators:
 
 * speculative decoding: the proposer (``pagedkv.worker.proposer``: n-gram prompt lookup or a
-  draft model with its own paged KV), which the engine hands to its executor; the worker runs
-  it after each step's forward and sampling, and the scheduler only reserves lookahead slots
-  for the drafts it returned (``pagedkv.engine.spec_decode``);
+  draft model whose K/V lives in the target's blocks), which the engine hands to its
+  executor; the worker runs it after each step's forward and sampling, and the scheduler
+  only reserves lookahead slots (``pagedkv.engine.spec_decode``);
 * structured outputs (``pagedkv.engine.structured``): the grammar compiler the input
   processor compiles a request's spec with (a bad schema is refused at ``add_request``).
 """
@@ -19,13 +19,14 @@ from pagedkv.engine.structured import GrammarCompiler
 from pagedkv.worker.proposer import Proposer, build_proposer
 
 
-def make_proposer(config: Any, target: Any, num_blocks: int, target_name: str) -> Optional[Proposer]:
+def make_proposer(config: Any, target: Any, target_name: str) -> Optional[Proposer]:
     """The speculative proposer of ``config`` (an ``EngineConfig``: ``speculative`` None, a
     name registered in ``pagedkv.worker.proposer.PROPOSERS`` such as ``"ngram"`` or
-    ``"draft:<model>"``), ``None`` when off; a draft model is loaded (its own worker and pool
-    of ``num_blocks`` blocks) and checked against ``target`` (the target's ``LoadedModel``,
-    named ``target_name``). Raises ``ConfigError`` (``build_proposer``)."""
-    return build_proposer(config, target, num_blocks, target_name)
+    ``"draft:<model>"``), ``None`` when off; a draft model is loaded (its own worker; its
+    caches come once the pool is sized, ``Proposer.init_cache``) and checked against
+    ``target`` (the target's ``LoadedModel``, named ``target_name``). Raises ``ConfigError``
+    (``build_proposer``)."""
+    return build_proposer(config, target, target_name)
 
 
 def make_grammar_compiler(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> GrammarCompiler:

@@ -109,11 +109,16 @@ class LLMEngine:
         )
         # the prefix-cache identity of this cache's bytes (format and, when quantised, group)
         self.kv_format_id = f"{self.kv_cache_dtype}/g{self.kv_quant_group_size}" if quant else self.kv_cache_dtype
+        # speculative decoding: the proposer (n-gram; a draft model: its own worker, its K/V in
+        # the target's blocks), handed to the executor, which runs it after each step's sampling
+        proposer = make_proposer(cfg, loaded, self.model_id)
+        # bytes of one block id: the target's pages plus the draft's (the pool holds both)
+        self.draft_block_bytes = proposer.kv_bytes_per_block(cfg.block_size) if proposer is not None else 0
         if cfg.num_blocks is not None:
             num_blocks = cfg.num_blocks
         else:
             budget = parse_size(cfg.kv_cache_memory if cfg.kv_cache_memory is not None else "1GiB")
-            num_blocks = self.kv_spec.num_blocks(budget, cfg.block_size)
+            num_blocks = self.kv_spec.num_blocks(budget, cfg.block_size, extra_block_bytes=self.draft_block_bytes)
         self.num_blocks = num_blocks
         # requests in: validation, tokenisation, chat template (ConfigError for a bad one), grammars
         self.eos_token_ids = tuple(mc.eos_token_ids or ())
@@ -125,9 +130,11 @@ class LLMEngine:
             kv_format_id=self.kv_format_id, eos_token_ids=self.eos_token_ids, chat_template=cfg.chat_template,
             compile_grammar=self.grammars.compile,
         )
-        # speculative decoding: the proposer (n-gram; a draft model: its own worker and KV pool
-        # of num_blocks blocks), handed to the executor, which runs it after each step's sampling
-        proposer = make_proposer(cfg, loaded, num_blocks, self.model_id)
+        if proposer is not None and proposer.writes_kv:
+            if self.layer_windows and all(w is not None for w in self.layer_windows):
+                raise ConfigError("speculative draft model: the target has no full-attention layer, whose block "
+                                  "table the draft's K/V would share")
+            proposer.init_cache(num_blocks, cfg.block_size)
 
         self.backend = worker.backend
         if torch.device(cfg.device).type == "cpu":
@@ -152,6 +159,7 @@ class LLMEngine:
             enable_prefix_caching=cfg.prefix_caching, enable_paging=cfg.enable_paging,
             shuffle_seed=cfg.shuffle_blocks, kv_tiers=self.kv_tiers, layer_windows=self.layer_windows,
             num_speculative_tokens=cfg.num_speculative_tokens if proposer is not None else 0,
+            draft_kv=proposer is not None and proposer.writes_kv,
         ))
         self.groups = SequenceGroups()
         self.output = OutputProcessor(self.tokenizer)
@@ -250,6 +258,7 @@ class LLMEngine:
             "tokens": self.num_blocks * bs,
             "bytes_per_token": self.kv_spec.bytes_per_token,
             "bytes": self.num_blocks * self.kv_spec.block_bytes(bs),
+            "draft_bytes": self.num_blocks * self.draft_block_bytes,  # a draft model's K/V, same block ids
             "max_model_len": self.max_model_len,
             "max_concurrency_at_max_model_len": conc,
             "layer_groups": self.kv_spec.groups.describe() if self.layer_windows is not None else None,
@@ -379,11 +388,18 @@ class LLMEngine:
                 self.scheduler.update(out, chosen.sampled, chosen.forks, chosen.runs)
                 self.scheduler.apply(self.output.decide(chosen.seqs, chosen.beam_groups, self.groups))
             with profile_scope("pagedkv.draft"):  # speculative proposals for the next step
-                self.scheduler.set_drafts(self.executor.propose_drafts(self.scheduler.draft_rows()))
+                self.scheduler.set_drafts(self._propose())
             if self.config.debug_invariants:
                 self.scheduler.check_invariants()
             with profile_scope("pagedkv.output"):
                 return self._collect(chosen.touched | self.groups.finished_ids())
+
+    def _propose(self) -> dict[str, list[int]]:
+        """The proposer's drafts for the next step (``{}`` when off): the drafting rows'
+        lookahead slots are reserved and their copy-on-write copies applied first."""
+        rows, copies = self.scheduler.draft_rows()
+        self.executor.copy_blocks(copies)
+        return self.executor.propose_drafts(rows)
 
     def _idle(self, out: Any) -> list[RequestOutput]:
         """A step that scheduled nothing: close its fence, raise ``SchedulerStallError`` if

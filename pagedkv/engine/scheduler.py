@@ -33,7 +33,7 @@ from pagedkv.engine.decisions import Decisions, Fork
 from pagedkv.engine.gangs import Gangs
 from pagedkv.engine.request import Request, RequestStatus, now
 from pagedkv.engine.stats import EngineStats, collect_stats
-from pagedkv.engine.spec_decode import can_speculate, draft_rows, lookahead_cap, may_propose, pending_drafts, record_verify, set_drafts
+from pagedkv.engine.spec_decode import can_speculate, draft_plan, lookahead_cap, may_propose, pending_drafts, record_verify, set_drafts
 from pagedkv.engine.step_plan import SchedulerConfig, SchedulerOutput, SchedulerStallError, SchedulerStats, unschedule
 from pagedkv.errors import NoFreeBlocksError
 from pagedkv.kv import KVCacheManager, check_invariants
@@ -51,9 +51,7 @@ class Scheduler:
             enable_prefix_caching=config.enable_prefix_caching,
             enable_paging=config.enable_paging,
             max_model_len=config.max_model_len,
-            shuffle_seed=config.shuffle_seed, tiers=config.kv_tiers,
-            layer_windows=config.layer_windows,
-        )
+            shuffle_seed=config.shuffle_seed, tiers=config.kv_tiers, layer_windows=config.layer_windows)
         self.enable_prefix_caching = config.enable_prefix_caching
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -195,7 +193,8 @@ class Scheduler:
             if n == end - req.num_computed_tokens == 1 and self.num_spec and can_speculate(req) and may_propose(req):
                 # the lookahead may not take the blocks the later running rows' decodes need
                 spare = self.kv.num_free_blocks // self.kv.num_groups - (len(self.running) - i - 1)
-                cap = min(budget - 1, lookahead_cap(req.num_computed_tokens, spare, cfg.block_size))
+                cap = min(budget - 1, max(lookahead_cap(req.num_computed_tokens, spare, cfg.block_size),  # or reserved
+                                          self.kv.num_tokens(req.request_id) - req.num_computed_tokens - 1))
                 d = pending_drafts(req)[:max(0, cap)]  # proposed after the last step (worker side)
                 try:  # lookahead slots for the drafts, all or nothing (else a plain decode)
                     c = self.kv.allocate_slots(req.request_id, 1 + len(d), req.num_computed_tokens) if d else None
@@ -310,9 +309,9 @@ class Scheduler:
         transfer = self.kv.take_transfer() if scheduled else None  # else it waits for a step
         return SchedulerOutput(scheduled, copies, preempted, step_id, used, block_ids, transfer, drafts)
 
-    def draft_rows(self) -> list[tuple[str, list[int], int]]:
-        """Rows for the worker's proposer after a step (``spec_decode.draft_rows``; ``[]`` when off)."""
-        return draft_rows(self.running, self.num_spec, self.config.max_num_batched_tokens, self.config.max_model_len)
+    def draft_rows(self) -> tuple[list[tuple[str, list[int], int, Any]], list[tuple[int, int]]]:
+        """Rows for the worker's proposer after a step and the block copies to apply first (``spec_decode.draft_plan``)."""
+        return draft_plan(self.kv, self.running, self.config, self.num_spec)
 
     def set_drafts(self, drafts: dict[str, list[int]]) -> None:
         """Keep the proposer's ``{request id: draft ids}`` on the requests for the next step."""

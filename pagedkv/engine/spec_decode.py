@@ -38,6 +38,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from pagedkv.engine.request import Request
+from pagedkv.errors import NoFreeBlocksError
 from pagedkv.kv.block_table import blocks_needed
 
 #: one sampled token and its logprobs (``None`` unless asked for)
@@ -124,6 +125,56 @@ def lookahead_cap(num_computed: int, spare_blocks: int, block_size: int) -> int:
     (``spare_blocks < 0`` counts as 0). Units: token positions, blocks per layer group."""
     used = num_computed + 1
     return (blocks_needed(used, block_size) + max(0, spare_blocks)) * block_size - used
+
+
+def draft_plan(kv: Any, running: Sequence[Request], config: Any,
+               k: int) -> tuple[list[tuple[str, list[int], int, Any]], list[tuple[int, int]]]:
+    """After a step, the proposer's rows ``(request id, token ids, most drafts, block ids)``
+    (:func:`draft_rows`; ``[]`` when ``k`` is 0) and the block copies to apply before it runs:
+    with ``config.draft_kv`` (a ``SchedulerConfig``; the draft model's K/V) the drafting rows'
+    lookahead slots are reserved (:func:`reserve_draft_slots`), else no block ids, no copies."""
+    rows = draft_rows(running, k, config.max_num_batched_tokens, config.max_model_len)
+    if not config.draft_kv:
+        return [(*r, ()) for r in rows], []
+    return reserve_draft_slots(kv, running, rows, config.block_size)
+
+
+def reserve_draft_slots(kv: Any, running: Sequence[Request], rows: Sequence[tuple[str, list[int], int]],
+                        block_size: int) -> tuple[list[tuple[str, list[int], int, list[int]]], list[tuple[int, int]]]:
+    """Before a proposer that writes K/V into the target's blocks runs (the draft model's):
+    give every drafting row of ``rows`` (``draft_rows``' ``(request id, token ids, most)``,
+    in ``running``'s order) the slots its draft K/V and next step's verification need,
+    positions ``num_computed .. num_computed + most`` (``kv.allocate_slots``: copy-on-write
+    of a shared last block done here), and return each row with its block table
+    (group 0, full attention) and the block copies to apply now (target and draft caches).
+
+    ``most`` shrinks to what fits: the slots the request holds, plus the free blocks beyond
+    one per running request (a lookahead never takes the block a later decode needs; units:
+    blocks per layer group); no room, or an allocation that fails, gives 0 (a plain decode
+    next step, nothing written). A decode row's slots past ``num_computed + most`` (a
+    reservation its last step did not verify) are given back (``kv.trim``, behind the step
+    fence). Never preempts."""
+    out, copies = [], []
+    for req, (rid, toks, most) in zip(running, rows):
+        c = req.num_computed_tokens
+        held = kv.num_tokens(rid)
+        if most > 0 and not kv.has_request(rid):
+            most = 0  # no table to reserve in (never for a decoding request)
+        if most > 0:
+            spare = kv.num_free_blocks // kv.num_groups - len(running)
+            most = min(most, max(held - c - 1, lookahead_cap(c, spare, block_size)))
+        want = c + most + 1
+        if c == req.num_tokens - 1 and held > want:
+            kv.trim(rid, want)  # an unverified reservation: its blocks go back
+        elif most > 0 and c < held < want:
+            kv.trim(rid, c)
+        if most > 0:  # slots held already: a shared block still gets its copy before the write
+            try:
+                copies += kv.allocate_slots(rid, want - c, c)
+            except NoFreeBlocksError:
+                most = 0
+        out.append((rid, toks, max(0, most), kv.get_block_ids(rid)))
+    return out, copies
 
 
 def split_extra_rows(scheduled: Sequence[tuple[Request, int]], prompt_rows: Sequence[int],

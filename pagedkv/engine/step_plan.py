@@ -39,6 +39,9 @@ class SchedulerConfig:
     # speculative decoding: the most draft tokens a decode row verifies (0: off); the drafts
     # come from the worker's proposer (pagedkv.worker.proposer) on the requests
     num_speculative_tokens: int = 0
+    # the proposer writes K/V into the target's blocks (a draft model): reserve its lookahead
+    # slots after each step (spec_decode.reserve_draft_slots)
+    draft_kv: bool = False
 
 
 @dataclass

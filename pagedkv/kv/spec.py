@@ -204,13 +204,15 @@ class KVCacheSpec:
         """KV bytes (one rank) a request of ``num_tokens`` tokens holds after its last step."""
         return self.blocks_per_request(num_tokens, block_size) * self.block_bytes(block_size)
 
-    def num_blocks(self, budget_bytes: int | str, block_size: int) -> int:
-        """Blocks that fit in a per-rank budget (``int`` bytes or a size like ``"20GiB"``).
+    def num_blocks(self, budget_bytes: int | str, block_size: int, extra_block_bytes: int = 0) -> int:
+        """Blocks that fit in a per-rank budget (``int`` bytes or a size like ``"20GiB"``);
+        ``extra_block_bytes``: more bytes each block id takes elsewhere (a draft model's K/V
+        in the same block ids, ``pagedkv.worker.draft_proposer``).
 
         Raises ``ConfigError`` (naming ``kv_budget``) if not even one block fits.
         """
         budget = parse_size(budget_bytes)
-        per_block = self.block_bytes(block_size)
+        per_block = self.block_bytes(block_size) + extra_block_bytes
         n = budget // per_block
         if n < 1:
             raise ConfigError(

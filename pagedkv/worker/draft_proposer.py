@@ -5,44 +5,51 @@ speculating request; the target verifies them exactly as it verifies n-gram draf
 (``spec_decode``: a deterministic proposer is a point mass, so the output distribution stays
 plain sampling's and greedy output stays token-identical).
 
-**The draft's own paged KV.** The draft model runs through its own ``Worker`` (own
-``ModelRunner``, own per-layer caches) over its own ``KVCacheManager`` (no prefix caching,
-no step fences: its forwards run synchronously under the engine lock). Its pool has the
-target's ``num_blocks`` blocks of the target's ``block_size`` tokens, in the draft model's
-dtype: per request the draft holds at most the target's computed tokens plus ``k - 1``
-drafts, so it fits wherever the target's requests fit; without prefix sharing (``n > 1``
-siblings, prefix hits) it can still run out, and then the request proposes nothing that
-step (a plain decode row), never an error.
+**The draft's K/V lives in the target's blocks** (vLLM's shape: draft layers share the
+target's block table). The draft model runs through its own ``Worker`` (own ``ModelRunner``,
+own per-layer caches), but those caches have the target's ``num_blocks`` blocks of the
+target's ``block_size`` tokens and are indexed by the target's block ids: a row's slots are
+its target block table's (``DraftRequest.block_ids``). There is no second block pool, block
+table or allocator:
 
-**Bookkeeping.** Per request the proposer keeps the token ids whose K/V the draft holds.
-Before proposing for a context ``token_ids`` it keeps the longest common prefix of the two
-(rejected drafts, a recompute after preemption and a new ``n > 1`` sibling all reduce to
-this), trims the draft's block table to it (the blocks past it return to the draft pool),
-computes the missing tokens (one forward, in chunks of ``chunk`` tokens when long), then
-runs ``k - 1`` one-token decode steps: ``k`` drafts, ``k`` forwards. A request's draft
-blocks are freed when it leaves the running list (finish, abort, preemption:
-:meth:`DraftModelProposer.propose`, :meth:`DraftModelProposer.release`), so an idle engine
-holds no draft block.
+* the scheduler reserves each drafting row's lookahead slots in the target's table before
+  the proposer runs (``spec_decode.reserve_draft_slots``: positions up to the last draft's,
+  copy-on-write done there), and the proposer never writes past ``len(block_ids) *
+  block_size``;
+* the engine sizes the pool with the draft's bytes per block beside the target's
+  (:meth:`DraftModelProposer.kv_bytes_per_block`), so ``kv_cache_memory`` holds both;
+* every copy-on-write copy of the target's blocks is applied to the draft's caches too
+  (:meth:`DraftModelProposer.copy_blocks`), and a block freed by the target is free for the
+  draft as well, so an idle engine holds no draft K/V and finishes, aborts and preemptions
+  need nothing from the proposer but forgetting the request.
+
+**Which K/V is valid.** Per request the proposer keeps the token ids whose draft K/V it wrote
+(``held``) and the block ids it wrote them into (``held_blocks``). Before proposing for a
+context it keeps the longest prefix that matches both the context's tokens and the row's
+current block ids (rejected drafts, a recompute after preemption, a trimmed lookahead block
+given back and taken again all reduce to this), then extends it over whole blocks that
+another running request's draft filled with the same tokens in the same block (a prefix-cache
+hit or an ``n > 1`` sibling's shared prompt: computed once). It computes the missing tokens
+(one forward, in chunks of ``chunk`` tokens when long), then runs ``k - 1`` one-token decode
+steps: ``k`` drafts, ``k`` forwards.
 
 **Batching.** :meth:`DraftModelProposer.propose` runs after a step's target forward and
-sampling (the worker's ``propose_drafts``), for every running request at once: it frees the
-draft blocks of requests no longer running, then drafts for each row with ``max_drafts > 0``
-(the scheduler's choice: decoding next, may speculate, not backing off; at most
-``min(k, draft budget, max_num_batched_tokens - 1)``), batching the draft's forwards across
-them. The drafts ride on the request; the next step's scheduler takes the first ``cap`` of
-them that its lookahead slots allow.
-
-**The draft's KV** is this proposer's own ``KVCacheManager`` (not a KV group of the target's
-manager); the proposer is owned by the worker, never by the scheduler or the engine.
+sampling (the worker's ``propose_drafts``), for every running request at once: it forgets
+requests no longer running, then drafts for each row with ``max_drafts > 0`` (the
+scheduler's choice: decoding next, may speculate, not backing off, its lookahead slots
+reserved), batching the draft's forwards across them. The drafts ride on the request; the
+next step's scheduler verifies them in the slots already reserved.
 """
 
 from __future__ import annotations
 
 from typing import Any, Iterable, Optional, Sequence
 
-from pagedkv.errors import ConfigError, NoFreeBlocksError
-from pagedkv.kv import KVCacheManager
-from pagedkv.utils import torch_dtype
+import torch
+
+from pagedkv.errors import ConfigError
+from pagedkv.kv import KVCacheSpec
+from pagedkv.utils import canonical_dtype, torch_dtype
 from pagedkv.worker.proposer import DraftRequest, Proposer, check_k
 from pagedkv.worker.worker import Worker
 
@@ -66,39 +73,46 @@ def check_same_tokenizer(target: Any, draft: Any, target_name: str, draft_name: 
                               f"target {target_name!r} as {a[:8]}...: the draft must share the target's tokenizer")
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def _common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
     n = min(len(a), len(b))
+    if list(a[:n]) == list(b[:n]):  # the usual case, at C speed
+        return n
     i = 0
-    while i < n and a[i] == b[i]:
+    while a[i] == b[i]:
         i += 1
     return i
 
 
 class DraftModelProposer(Proposer):
     """Greedy draft-model proposals of up to ``k`` tokens (see the module doc). ``worker``: the
-    draft's ``Worker`` with its caches built (``init_cache``) over ``num_blocks`` blocks of
-    ``block_size`` tokens; ``max_len``: the draft's context (positions it may compute);
-    ``chunk``: most tokens of one request per catch-up forward. ``name``: the draft model.
-    Raises ``ConfigError`` for a bad ``k``."""
+    draft's ``Worker`` (caches built by :meth:`init_cache`); ``block_size``: the target's,
+    in tokens; ``max_len``: the draft's context (positions it may compute); ``chunk``: most
+    tokens of one request per catch-up forward; ``name``: the draft model. Raises
+    ``ConfigError`` for a bad ``k``."""
 
-    def __init__(self, worker: Worker, k: int, num_blocks: int, block_size: int, max_len: int,
-                 chunk: int = 512, name: str = "draft") -> None:
+    writes_kv = True
+
+    def __init__(self, worker: Worker, k: int, block_size: int, max_len: int, chunk: int = 512,
+                 name: str = "draft") -> None:
         check_k(k)
-        self.worker, self.k, self.max_len, self.chunk, self.name = worker, k, max_len, max(1, chunk), name
-        self.kv = KVCacheManager(num_blocks, block_size)
-        #: request id -> the token ids whose K/V the draft's cache holds (its block table's tokens)
+        self.worker, self.k, self.block_size = worker, k, block_size
+        self.max_len, self.chunk, self.name = max_len, max(1, chunk), name
+        #: request id -> the token ids whose draft K/V its blocks hold (positions 0 ..)
         self.held: dict[str, list[int]] = {}
+        #: request id -> the target block ids that K/V was written into (logical order)
+        self.held_blocks: dict[str, list[int]] = {}
         self.num_forwards = 0  # draft forward passes run (tests, profiling)
+        self.num_shared_tokens = 0  # context tokens whose draft K/V came from another request's blocks
 
     @classmethod
-    def from_config(cls, config: Any, argument: Optional[str], target: Any, num_blocks: int,
+    def from_config(cls, config: Any, argument: Optional[str], target: Any,
                     target_name: str) -> "DraftModelProposer":
         """Load the draft ``argument`` (a GGUF / HF path or a bundled name) as ``config`` (an
         ``EngineConfig``: dtype, device, attention backend, ``draft_weights``, block size,
-        ``num_speculative_tokens``) asks, check its tokenizer against ``target`` (the
-        target's ``LoadedModel``) and build its caches of ``num_blocks`` blocks. Raises
-        ``ConfigError``: a bad path or format, another tokenizer (naming both models), a
-        draft with sliding-window layers, tensor parallelism."""
+        ``num_speculative_tokens``) asks and check its tokenizer against ``target`` (the
+        target's ``LoadedModel``). Raises ``ConfigError``: a bad path or format, another
+        tokenizer (naming both models), a draft with sliding-window layers, tensor
+        parallelism."""
         model = argument
         if config.tensor_parallel_size != 1:
             raise ConfigError("speculative draft model: not supported with tensor_parallel_size > 1")
@@ -113,59 +127,146 @@ class DraftModelProposer(Proposer):
         windows = mc.layer_windows()
         if windows and any(w is not None for w in windows):
             raise ConfigError(f"speculative draft model {model!r} has sliding-window layers: not supported as a draft")
-        worker.init_cache(num_blocks, config.block_size, next(worker.model.parameters()).dtype)
-        return cls(worker, config.num_speculative_tokens, num_blocks, config.block_size,
-                   mc.max_position_embeddings, config.max_num_batched_tokens, str(model))
+        return cls(worker, config.num_speculative_tokens, config.block_size, mc.max_position_embeddings,
+                   config.max_num_batched_tokens, str(model))
+
+    # ---- its caches: the target's block ids ---------------------------------------------------
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype of the draft's caches (its model's)."""
+        return next(self.worker.model.parameters()).dtype
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        """Bytes of the draft's caches per block id: ``2 * L * Hkv * d * dtype bytes *
+        block_size`` of the draft model (``KVCacheSpec``, the planner's formula)."""
+        spec = KVCacheSpec.from_model_config(self.worker.config, canonical_dtype(self.kv_dtype))
+        return spec.block_bytes(block_size)
+
+    def init_cache(self, num_blocks: int, block_size: int) -> None:
+        """Build the draft's per-layer caches of ``num_blocks`` x ``block_size`` (the target's
+        pool, so the target's block ids index them). Raises ``ConfigError`` for another
+        ``block_size`` than the proposer's or a second call."""
+        if block_size != self.block_size:
+            raise ConfigError(f"draft caches: block_size {block_size} != the target's {self.block_size}")
+        self.worker.init_cache(num_blocks, block_size, self.kv_dtype)
+
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Apply the target's copy-on-write copies to the draft's caches (the K/V the draft
+        wrote into ``src`` follows the request to ``dst``)."""
+        if copies:
+            self.worker.copy_blocks(copies)
 
     # ---- the worker's calls -----------------------------------------------------------------
     def propose(self, rows: Sequence[DraftRequest]) -> dict[str, list[int]]:
-        """After a step: free the draft blocks of requests not in ``rows`` (no longer
-        running), then draft (batched) up to ``max_drafts`` tokens for every row that asks
-        for some (``[]`` for the others)."""
-        self.retain(r[0] for r in rows)
-        out = {r[0]: [] for r in rows}
-        out.update(self.propose_batch([r for r in rows if r[2] > 0]))
+        """After a step: forget the requests not in ``rows`` (no longer running), then draft
+        (batched) up to ``max_drafts`` tokens for every row that asks for some (``[]`` for the
+        others)."""
+        rows = [DraftRequest(*r) for r in rows]
+        self.retain(r.request_id for r in rows)
+        out = {r.request_id: [] for r in rows}
+        out.update(self.propose_batch(rows))
         return out
 
     def retain(self, request_ids: Iterable[str]) -> None:
-        """Free the draft blocks of every request not in ``request_ids`` (the running ones)."""
+        """Forget every request not in ``request_ids`` (the running ones)."""
         keep = set(request_ids)
         for rid in [r for r in self.held if r not in keep]:
             self.release(rid)
 
     def release(self, request_id: str) -> None:
-        """Free ``request_id``'s draft blocks and state (unknown ids: no-op)."""
+        """Forget ``request_id``'s draft K/V (its blocks are the target's; unknown ids: no-op)."""
         self.held.pop(request_id, None)
-        self.kv.free(request_id)
+        self.held_blocks.pop(request_id, None)
+
+    # ---- which K/V is valid -------------------------------------------------------------------
+    def _validate(self, rows: Sequence[DraftRequest]) -> dict[tuple[int, int], list[int]]:
+        """Cut every row's held K/V to the prefix its context's tokens and its current blocks
+        still match; returns ``{(block id, logical index): its tokens}`` of every whole block
+        a request holds valid draft K/V in (what another request may start from)."""
+        bs, whole = self.block_size, {}
+        for rid, toks, _most, blocks in rows:
+            if rid not in self.held:
+                continue
+            held, hb = self.held[rid], self.held_blocks[rid]
+            n = min(_common_prefix(held, toks), _common_prefix(hb, blocks) * bs, max(0, len(toks) - 1))
+            self.held[rid], self.held_blocks[rid] = held[:n], list(blocks)
+            for j in range(n // bs):
+                whole.setdefault((blocks[j], j), held[j * bs:(j + 1) * bs])
+        return whole
+
+    def _shared(self, toks: Sequence[int], blocks: Sequence[int], n: int, whole: dict) -> int:
+        """``n`` extended over whole blocks (from a block boundary) whose draft K/V another
+        request wrote with the same tokens at the same positions in the same block."""
+        bs = self.block_size
+        j = n // bs
+        if n % bs:
+            return n
+        while (j + 1) * bs <= len(toks) - 1 and j < len(blocks) and whole.get((blocks[j], j)) == toks[j * bs:(j + 1) * bs]:
+            j += 1
+        return max(n, j * bs)
 
     # ---- the draft model's forwards ---------------------------------------------------------
-    def propose_batch(self, items: Sequence[tuple[str, Sequence[int], int]]) -> dict[str, list[int]]:
-        """``{request id: drafts}`` for ``(request id, context token ids, most drafts)`` items:
-        each request's draft K/V is brought to its context (see the module doc), then up to
-        ``most`` tokens are drafted greedily, every forward batched over the requests."""
-        out: dict[str, list[int]] = {rid: [] for rid, _, _ in items}
+    def propose_batch(self, rows: Sequence[DraftRequest]) -> dict[str, list[int]]:
+        """``{request id: drafts}`` (``[]`` for rows with ``max_drafts`` 0): each request's draft
+        K/V is brought to its context (see the module doc), then up to ``max_drafts`` tokens
+        are drafted greedily (no more than its slots and the draft's context allow), every
+        forward batched over the requests."""
+        rows = [DraftRequest(r[0], list(r[1]), r[2], list(r[3]) if len(r) > 3 else []) for r in rows]
+        whole = self._validate(rows)
+        out: dict[str, list[int]] = {r.request_id: [] for r in rows}
         live = []  # [rid, context, drafts wanted]
-        for rid, token_ids, most in items:
-            toks = list(token_ids)
-            most = min(most, self.max_len - len(toks))  # draft positions stay inside its context
+        for rid, toks, most, blocks in rows:
+            if most <= 0:
+                continue
+            # drafts at positions len(toks) ..: inside the draft's context; the K/V written
+            # (positions .. len(toks) + most - 2) inside the row's slots
+            most = min(most, self.max_len - len(toks), len(blocks) * self.block_size - len(toks) + 1)
             if most <= 0 or not toks:
-                if len(toks) >= self.max_len:  # past the draft's context for good: its blocks go back
+                if len(toks) >= self.max_len:  # past the draft's context for good
                     self.release(rid)
                 continue
-            keep = min(_common_prefix(self.held.get(rid, ()), toks), len(toks) - 1)
-            try:
-                if rid in self.held:
-                    self.kv.trim(rid, keep)
-                # slots for the missing context and the k - 1 drafts fed back: all or nothing
-                self.kv.allocate_slots(rid, len(toks) - keep + most - 1, keep)
-            except NoFreeBlocksError:
-                self.release(rid)  # the draft pool is full: no drafts for it this step
-                continue
-            self.held[rid] = toks[:keep]
+            own = len(self.held.get(rid, ()))
+            keep = self._shared(toks, blocks, own, whole)
+            self.num_shared_tokens += keep - own
+            self.held[rid], self.held_blocks[rid] = toks[:keep], blocks
             live.append([rid, toks, most])
         if not live:
             return out
-        # catch-up: every request's missing context; the last chunk of each in one forward
+        # catch-up: every request's missing context, in two waves: a row whose next whole
+        # block an earlier row fills with the same tokens now (n > 1 siblings' prompt, two
+        # hits on one prefix) waits for it and starts after it
+        first, later, filling = [], [], {}
+        for row in live:
+            rid, toks = row[0], row[1]
+            blocks, n = self.held_blocks[rid], len(self.held[rid])
+            if self._shared(toks, blocks, n, filling) > n:
+                later.append(row)
+                continue
+            first.append(row)
+            for j in range(n // self.block_size, min(len(blocks), (len(toks) - 1) // self.block_size)):
+                filling.setdefault((blocks[j], j), toks[j * self.block_size:(j + 1) * self.block_size])
+        self._catch_up(first, out)
+        if later:
+            for rid, toks, _ in later:  # the blocks in filling are filled now
+                own = len(self.held[rid])
+                keep = self._shared(toks, self.held_blocks[rid], own, filling)
+                self.num_shared_tokens += keep - own
+                self.held[rid] = toks[:keep]
+            self._catch_up(later, out)
+        # k - 1 one-token decode steps over the requests still drafting
+        for j in range(1, max(m for _, _, m in live)):
+            step = [(rid, [out[rid][-1]], len(self.held[rid])) for rid, _, m in live if m > j]
+            for (rid, fed, _), t in zip(step, self._forward(step)):
+                self.held[rid] += fed
+                out[rid].append(t)
+        return out
+
+    def _catch_up(self, live: Sequence[list], out: dict[str, list[int]]) -> None:
+        """Compute each ``[request id, context, most]`` row's missing context (chunks of
+        ``chunk`` tokens alone, the last chunk of every row in one forward) and append its
+        first draft to ``out``."""
+        if not live:
+            return
         for rid, toks, _ in live:
             held = self.held[rid]
             while len(toks) - len(held) > self.chunk:
@@ -176,26 +277,14 @@ class DraftModelProposer(Proposer):
         for (rid, toks, _), t in zip(live, last):
             self.held[rid] = list(toks)
             out[rid].append(t)
-        # k - 1 one-token decode steps over the requests still drafting
-        for j in range(1, max(m for _, _, m in live)):
-            step = [(rid, [out[rid][-1]], len(self.held[rid])) for rid, _, m in live if m > j]
-            for (rid, fed, _), t in zip(step, self._forward(step)):
-                self.held[rid] += fed
-                out[rid].append(t)
-        return out
 
     def _forward(self, rows: Sequence[tuple[str, list[int], int]], sample: bool = True) -> list[int]:
-        """One draft forward over ``(request id, new token ids, their first position)`` rows;
-        the argmax token after each row's last one (``[]`` when ``sample`` is False)."""
+        """One draft forward over ``(request id, new token ids, their first position)`` rows
+        through their target block tables; the argmax token after each row's last one
+        (``[]`` when ``sample`` is False)."""
         runner = self.worker.runner
         inp = runner.prepare([t for _, t, _ in rows], [s for _, _, s in rows],
-                             [self.kv.get_block_ids(rid) for rid, _, _ in rows], [sample] * len(rows))
+                             [self.held_blocks[rid] for rid, _, _ in rows], [sample] * len(rows))
         logits = runner.execute(inp)
         self.num_forwards += 1
         return logits.argmax(dim=-1).tolist() if sample else []
-
-    @property
-    def num_used_blocks(self) -> int:
-        """Blocks of the draft's pool held by requests now."""
-        return self.kv.num_used_blocks
-

@@ -42,13 +42,12 @@ class NgramProposer(Proposer):
         cls(config.num_speculative_tokens, config.ngram_min, config.ngram_max)
 
     @classmethod
-    def from_config(cls, config: Any, argument: Optional[str], target: Any, num_blocks: int,
-                    target_name: str) -> "NgramProposer":
+    def from_config(cls, config: Any, argument: Optional[str], target: Any, target_name: str) -> "NgramProposer":
         return cls(config.num_speculative_tokens, config.ngram_min, config.ngram_max)
 
     def propose(self, rows: Sequence[DraftRequest]) -> dict[str, list[int]]:
         """``{request id: lookup(token_ids, max_drafts)}`` per row (stateless)."""
-        return {rid: self.lookup(toks, most) for rid, toks, most in rows}
+        return {r[0]: self.lookup(r[1], r[2]) for r in rows}
 
     def lookup(self, token_ids: Sequence[int], max_tokens: Optional[int] = None) -> list[int]:
         """Draft tokens for a context ``token_ids``: for ``n`` from ``ngram_max`` down to

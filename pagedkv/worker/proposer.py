@@ -9,8 +9,17 @@ the scheduler only reserves their lookahead slots and the target verifies them
 
 Lifecycle: :meth:`Proposer.propose` forgets the per-request state of every request missing
 from its rows (finished or preempted since the last step); :meth:`Proposer.release` forgets
-one request at once (an abort). A proposer with device state (the draft model's own paged KV)
-owns it; nothing else changes it.
+one request at once (an abort).
+
+**A proposer with its own K/V** (``writes_kv``: the draft model) keeps it in per-layer caches
+of the target's ``num_blocks`` blocks, indexed by the *target's* block ids: a row carries the
+request's block table (``block_ids``, the target's full-attention group), and the scheduler
+reserves the row's lookahead slots in it before the proposer runs (``spec_decode.
+reserve_draft_slots``), so the draft needs no block pool, no block table and no allocator of
+its own. The engine sizes the pool with the proposer's bytes per block
+(:meth:`Proposer.kv_bytes_per_block`) counted beside the target's, builds its caches
+(:meth:`Proposer.init_cache`), and applies every copy-on-write copy to them as to the target's
+(:meth:`Proposer.copy_blocks`).
 
 **Registering a proposer** is one file and one line: a module in ``pagedkv/worker/`` with a
 :class:`Proposer` subclass whose ``from_config`` builds it, and its ``"name":
@@ -29,25 +38,42 @@ from pagedkv.errors import ConfigError
 class DraftRequest(NamedTuple):
     """One running request as a proposer sees it: ``token_ids`` its whole context (prompt
     and output token ids, ints), ``max_drafts`` the most draft tokens it may take next step
-    (0: it does not speculate now; its state is kept)."""
+    (0: it does not speculate now; its state is kept), ``block_ids`` its block table in the
+    target's pool (full-attention group; ``()`` for a proposer without K/V): slots exist for
+    positions ``0 .. len(block_ids) * block_size - 1``, those past its context reserved for
+    the drafts."""
 
     request_id: str
     token_ids: Sequence[int]
     max_drafts: int
+    block_ids: Sequence[int] = ()
 
 
 class Proposer:
     """A source of draft tokens (see the module doc). ``k``: the most drafts per request."""
 
     k: int = 0
+    #: whether it writes K/V into its own caches at the target's slots (then the scheduler
+    #: reserves each drafting row's lookahead slots before :meth:`propose`)
+    writes_kv: bool = False
 
     @classmethod
-    def from_config(cls, config: Any, argument: Optional[str], target: Any, num_blocks: int,
-                    target_name: str) -> "Proposer":
+    def from_config(cls, config: Any, argument: Optional[str], target: Any, target_name: str) -> "Proposer":
         """Build it for ``config`` (an ``EngineConfig``), ``argument`` the text after
         ``"<name>:"`` (``None`` without one), ``target`` the target's ``LoadedModel`` named
-        ``target_name``, ``num_blocks`` the target's KV pool size. Raises ``ConfigError``."""
+        ``target_name``. Its caches (if any) come later (:meth:`init_cache`). Raises
+        ``ConfigError``."""
         raise NotImplementedError
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        """Bytes its caches take per block id of the target's pool (0: no K/V)."""
+        return 0
+
+    def init_cache(self, num_blocks: int, block_size: int) -> None:
+        """Build its caches of ``num_blocks`` blocks of ``block_size`` tokens (the target's)."""
+
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Apply the target's copy-on-write copies (``src -> dst`` block ids) to its caches."""
 
     @classmethod
     def check_config(cls, config: Any, argument: Optional[str]) -> None:
@@ -106,12 +132,12 @@ def check_speculative(config: Any) -> None:
         cls.check_config(config, arg)
 
 
-def build_proposer(config: Any, target: Any, num_blocks: int, target_name: str) -> Optional[Proposer]:
+def build_proposer(config: Any, target: Any, target_name: str) -> Optional[Proposer]:
     """The proposer ``config.speculative`` names (``None`` when off), built by its class's
-    ``from_config`` (a draft model is loaded and checked against ``target``). Raises
-    ``ConfigError``."""
+    ``from_config`` (a draft model is loaded and checked against ``target``; its caches are
+    built later, ``Proposer.init_cache``). Raises ``ConfigError``."""
     if config.speculative is None:
         return None
     cls, arg = parse_speculative(config.speculative)
     cls.check_config(config, arg)
-    return cls.from_config(config, arg, target, num_blocks, target_name)
+    return cls.from_config(config, arg, target, target_name)

@@ -187,8 +187,11 @@ class Worker:
         return self._ready().prepare(token_ids, num_computed, block_ids, sample, prompt_rows)
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
-        """Copy blocks ``src -> dst`` in every layer's cache now."""
+        """Copy blocks ``src -> dst`` in every layer's cache now, and in the proposer's caches
+        (a draft model's K/V lives in the same block ids)."""
         self._ready().copy_blocks(copies)
+        if copies and self.proposer is not None:
+            self.proposer.copy_blocks(copies)
 
     def execute(self, inp: ModelInput) -> torch.Tensor:
         """Run the step; fp32 logits ``[sample rows + prompt rows, vocab]``."""

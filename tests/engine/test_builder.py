@@ -11,15 +11,15 @@ from pagedkv.worker.ngram_proposer import NgramProposer
 
 
 def test_speculation_off_or_ngram():
-    assert make_proposer(EngineConfig.from_kwargs({}), None, 8, "m") is None
-    ngram = make_proposer(EngineConfig.from_kwargs({"speculative": "ngram", "num_speculative_tokens": 3}), None, 8, "m")
+    assert make_proposer(EngineConfig.from_kwargs({}), None, "m") is None
+    ngram = make_proposer(EngineConfig.from_kwargs({"speculative": "ngram", "num_speculative_tokens": 3}), None, "m")
     assert ngram == NgramProposer(3, 2, 3)
 
 
 def test_a_bad_draft_model_is_a_config_error():
     cfg = EngineConfig.from_kwargs({"speculative": "draft:/no/such/model"})
     with pytest.raises(ConfigError, match="speculative draft model '/no/such/model'"):
-        make_proposer(cfg, None, 8, "m")
+        make_proposer(cfg, None, "m")
 
 
 def test_grammar_compiler_is_built_for_the_model():

@@ -19,8 +19,8 @@ from pagedkv.worker.proposer import DraftRequest, build_proposer, parse_speculat
 
 
 def test_engine_config_speculative_options():
-    assert build_proposer(EngineConfig(), None, 8, "m") is None
-    assert build_proposer(EngineConfig(speculative="ngram", num_speculative_tokens=6), None, 8, "m") == NgramProposer(6, 2, 3)
+    assert build_proposer(EngineConfig(), None, "m") is None
+    assert build_proposer(EngineConfig(speculative="ngram", num_speculative_tokens=6), None, "m") == NgramProposer(6, 2, 3)
     with pytest.raises(ConfigError, match="'ngram' \\(prompt lookup\\) or 'draft:<model>'"):
         EngineConfig.from_kwargs({"speculative": "eagle"})
     with pytest.raises(ConfigError, match="'ngram' takes no argument"):
@@ -124,7 +124,7 @@ def _sched(num_blocks=16, prefix=False):
 
 def _propose(s, k=3):
     """What the worker does after a step: the n-gram proposer's drafts for the scheduler's rows."""
-    s.set_drafts(NgramProposer(k=k).propose([DraftRequest(*row) for row in s.draft_rows()]))
+    s.set_drafts(NgramProposer(k=k).propose([DraftRequest(*row) for row in s.draft_rows()[0]]))
 
 
 def _decode_ready(s, prompt, first, rid="r", max_tokens=20):

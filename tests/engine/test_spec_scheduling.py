@@ -26,7 +26,7 @@ def _sched(num_blocks, prefix=False, k=3):
 
 def _propose(s, k=3):
     """After a step, as the worker does: the n-gram proposer's drafts for the scheduler's rows."""
-    s.set_drafts(NgramProposer(k=k).propose(s.draft_rows()))
+    s.set_drafts(NgramProposer(k=k).propose(s.draft_rows()[0]))
 
 
 def _req(rid, prompt, max_tokens=20):

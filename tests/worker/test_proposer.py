@@ -48,7 +48,7 @@ def test_the_worker_runs_its_proposer_after_a_step_and_forgets_aborted_requests(
     assert w.propose_drafts(rows) == {"a": [7, 7], "b": []}
     assert w.propose_drafts([]) == {}  # nothing running: the proposer still hears it (frees state)
     w.finish_requests(["b", "c"])
-    assert p.calls == [("propose", [("a", [1, 2, 1], 2), ("b", [5], 0)]), ("propose", []),
+    assert p.calls == [("propose", [("a", [1, 2, 1], 2, ()), ("b", [5], 0, ())]), ("propose", []),
                        ("release", "b"), ("release", "c")]
 
 
