@@ -48,8 +48,8 @@ Sampled = tuple[int, Optional[dict[int, float]]]
 def draft_rows(running: Sequence[Request], k: int, budget: int, max_model_len: int) -> list[tuple[str, list[int], int]]:
     """After a step, what the proposer (``pagedkv.worker.proposer``) drafts for: per running
     request ``(request id, its token ids, most drafts)``, the most ``min(k, budget - 1,
-    draft_budget)`` for a request that decodes one token next, may speculate and is not
-    backing off, 0 for the others (``budget``: ``max_num_batched_tokens``; a row verifies at
+    draft_budget)`` for a request that decodes one token next, has an output token, may
+    speculate and is not backing off, 0 for the others (``budget``: ``max_num_batched_tokens``; a row verifies at
     most ``budget - 1`` drafts; ``k`` 0: speculation off, no rows). The scheduler takes fewer
     when lookahead slots are short."""
     if k <= 0:
@@ -57,7 +57,9 @@ def draft_rows(running: Sequence[Request], k: int, budget: int, max_model_len: i
     rows = []
     for r in running:
         most = 0
-        if r.num_computed_tokens == r.num_tokens - 1 and r.spec_wait <= 0 and can_speculate(r):
+        # a row that ends its prompt samples its first token alone (an n > 1 group forks its
+        # siblings at that step, level with the prompt): drafts from the first output token on
+        if r.num_computed_tokens == r.num_tokens - 1 and r.num_output_tokens and r.spec_wait <= 0 and can_speculate(r):
             most = max(0, min(k, budget - 1, draft_budget(r, max_model_len)))
         rows.append((r.request_id, r.all_token_ids, most))
     return rows

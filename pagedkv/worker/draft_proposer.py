@@ -74,10 +74,15 @@ def check_same_tokenizer(target: Any, draft: Any, target_name: str, draft_name: 
 
 
 def _common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """The length of the longest common prefix of ``a`` and ``b`` (slices compared at C speed,
+    64 at a time, then one by one)."""
+    a, b = list(a), list(b)
     n = min(len(a), len(b))
-    if list(a[:n]) == list(b[:n]):  # the usual case, at C speed
+    if a[:n] == b[:n]:
         return n
     i = 0
+    while a[i:i + 64] == b[i:i + 64]:
+        i += 64
     while a[i] == b[i]:
         i += 1
     return i
@@ -103,6 +108,8 @@ class DraftModelProposer(Proposer):
         self.held_blocks: dict[str, list[int]] = {}
         self.num_forwards = 0  # draft forward passes run (tests, profiling)
         self.num_shared_tokens = 0  # context tokens whose draft K/V came from another request's blocks
+        #: (src, dst) block copies applied since the last proposal: K/V held in src is valid in dst
+        self.copied: set[tuple[int, int]] = set()
 
     @classmethod
     def from_config(cls, config: Any, argument: Optional[str], target: Any,
@@ -155,6 +162,7 @@ class DraftModelProposer(Proposer):
         wrote into ``src`` follows the request to ``dst``)."""
         if copies:
             self.worker.copy_blocks(copies)
+            self.copied.update((int(a), int(b)) for a, b in copies)
 
     # ---- the worker's calls -----------------------------------------------------------------
     def propose(self, rows: Sequence[DraftRequest]) -> dict[str, list[int]]:
@@ -184,11 +192,15 @@ class DraftModelProposer(Proposer):
         still match; returns ``{(block id, logical index): its tokens}`` of every whole block
         a request holds valid draft K/V in (what another request may start from)."""
         bs, whole = self.block_size, {}
+        copied, self.copied = self.copied, set()
         for rid, toks, _most, blocks in rows:
             if rid not in self.held:
                 continue
             held, hb = self.held[rid], self.held_blocks[rid]
-            n = min(_common_prefix(held, toks), _common_prefix(hb, blocks) * bs, max(0, len(toks) - 1))
+            same, m = _common_prefix(hb, blocks), min(len(hb), len(blocks))
+            while same < m and (hb[same] == blocks[same] or (hb[same], blocks[same]) in copied):
+                same += 1  # a block copied (copy-on-write) keeps the K/V held in it
+            n = min(_common_prefix(held, toks), same * bs, max(0, len(toks) - 1))
             self.held[rid], self.held_blocks[rid] = held[:n], list(blocks)
             for j in range(n // bs):
                 whole.setdefault((blocks[j], j), held[j * bs:(j + 1) * bs])

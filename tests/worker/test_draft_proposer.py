@@ -103,7 +103,8 @@ def _greedy_continuation(model, ids, n):
 
 def run(model, prompts, params, **kw):
     kw.setdefault("num_blocks", 256)
-    llm = LLM(model, block_size=16, debug_invariants=True, **kw)
+    kw.setdefault("block_size", 16)
+    llm = LLM(model, debug_invariants=True, **kw)
     outs = llm.generate(prompts, params, use_tqdm=False)
     eng = llm.engine
     assert not eng.has_unfinished_requests() and eng.kv.num_used_blocks == 0
@@ -194,6 +195,12 @@ def test_copy_on_write_copies_reach_the_draft_caches_and_nothing_is_written_past
     for c, (k, v) in zip(r.kv_caches, src):
         k2, v2 = r.backend.gather_kv(c, torch.arange(96, 112))
         assert torch.equal(k2, k) and torch.equal(v2, v)
+    # the request now has block 6 where it had 5: the K/V held there still counts (nothing
+    # recomputed), once; a block that changed without a copy is cut at its first position
+    p._validate([DraftRequest("a", ctx + d[:2], 0, [3, 6])])
+    assert p.held["a"] == ctx + d[:1] and p.held_blocks["a"] == [3, 6] and p.copied == set()
+    p._validate([DraftRequest("a", ctx + d[:2], 0, [3, 7])])
+    assert p.held["a"] == ctx[:16]
     # 32 slots: a 32-token context writes the K/V of position 31 only, so one draft; a
     # 33-token one has no slot for its last token: none
     assert len(p.propose_batch([DraftRequest("b", ctx + list(range(12)), 4, [1, 2])])["b"]) == 1
@@ -219,7 +226,9 @@ def test_the_scheduler_reserves_the_drafts_slots_and_gives_back_an_unverified_re
     # the pool is full (a blocker took the rest): a's drafts stay inside the block it has, b
     # (its decode token ends its block) gets none
     kv.allocate_slots("z", 48, 0)
-    reqs[0].num_computed_tokens, reqs[0].output_token_ids = 22, [7, 8]
+    reqs[0].append_output_token(7, None)
+    reqs[0].append_output_token(8, None)
+    reqs[0].num_computed_tokens = 22
     rows = [("a", reqs[0].all_token_ids, 4), ("b", reqs[1].all_token_ids, 4)]
     out, _ = reserve_draft_slots(kv, reqs, rows, 16)
     assert [o[2] for o in out] == [4, 0] and kv.num_tokens("a") == 27 and kv.num_free_blocks == 0
@@ -240,7 +249,8 @@ def test_after_a_step_it_drafts_no_more_than_a_step_can_verify(tiny):
     5 tokens the scheduler's rows ask for 4, their slots are reserved and the proposer drafts
     4 (4 forwards), not 10 it would discard; the drafts ride on the request to the next step."""
     ctx = [(i * 37 + 3) % 3000 + 5 for i in range(21)]
-    req = Request(request_id="a", prompt_token_ids=ctx, sampling_params=greedy(100), arrival_time=0.0)
+    req = Request(request_id="a", prompt_token_ids=ctx[:-1], sampling_params=greedy(100), arrival_time=0.0)
+    req.append_output_token(ctx[-1], None)
     req.status, req.num_computed_tokens = RequestStatus.RUNNING, len(ctx) - 1
     s = Scheduler(SchedulerConfig(num_blocks=8, max_num_batched_tokens=5, max_model_len=4096,
                                   num_speculative_tokens=10, draft_kv=True))
@@ -387,6 +397,20 @@ def test_another_tokenizer_or_a_missing_model_is_a_config_error(loaded_model, ge
 
 def _nbytes(caches):
     return sum(c.key.nbytes + c.value.nbytes for c in caches)
+
+
+@pytest.mark.parametrize("spec", ["ngram", "draft"])
+def test_siblings_fork_level_with_a_prompt_whose_last_chunk_is_one_token(loaded_model, prompt_ids, spec):
+    """A 36-token prompt in chunks of 7 ends with a 1-token chunk: that row samples the first
+    token alone (no drafts), so its ``n = 2`` siblings fork level with the prompt (they started
+    past it, counting the draft slots, and stalled or decoded from the wrong position)."""
+    kw = DRAFT if spec == "draft" else dict(speculative="ngram")
+    prompt = prompt_ids[:36]
+    (plain,), _, _ = run(loaded_model, [prompt], greedy(12))
+    for bs in (1, 16):
+        (got,), _, _ = run(loaded_model, [prompt], SamplingParams(temperature=0.0, max_tokens=12, n=2),
+                           block_size=bs, max_num_batched_tokens=7, num_speculative_tokens=1, **kw)
+        assert [c.token_ids for c in got.outputs] == [plain.outputs[0].token_ids] * 2
 
 
 def test_the_pool_holds_both_models_kv_in_the_budget(loaded_model):
