@@ -76,7 +76,7 @@ def check_same_tokenizer(target: Any, draft: Any, target_name: str, draft_name: 
 def _common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
     """The length of the longest common prefix of ``a`` and ``b`` (slices compared at C speed,
     64 at a time, then one by one)."""
-    a, b = list(a), list(b)
+    a, b = (x if isinstance(x, list) else list(x) for x in (a, b))
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
         return n
@@ -187,11 +187,10 @@ class DraftModelProposer(Proposer):
         self.held_blocks.pop(request_id, None)
 
     # ---- which K/V is valid -------------------------------------------------------------------
-    def _validate(self, rows: Sequence[DraftRequest]) -> dict[tuple[int, int], list[int]]:
+    def _validate(self, rows: Sequence[DraftRequest]) -> None:
         """Cut every row's held K/V to the prefix its context's tokens and its current blocks
-        still match; returns ``{(block id, logical index): its tokens}`` of every whole block
-        a request holds valid draft K/V in (what another request may start from)."""
-        bs, whole = self.block_size, {}
+        still match (a block replaced by its copy-on-write copy counts as the same)."""
+        bs = self.block_size
         copied, self.copied = self.copied, set()
         for rid, toks, _most, blocks in rows:
             if rid not in self.held:
@@ -201,8 +200,18 @@ class DraftModelProposer(Proposer):
             while same < m and (hb[same] == blocks[same] or (hb[same], blocks[same]) in copied):
                 same += 1  # a block copied (copy-on-write) keeps the K/V held in it
             n = min(_common_prefix(held, toks), same * bs, max(0, len(toks) - 1))
-            self.held[rid], self.held_blocks[rid] = held[:n], list(blocks)
-            for j in range(n // bs):
+            if n < len(held):
+                del held[n:]
+            self.held_blocks[rid] = blocks
+
+    def _filled(self) -> dict[tuple[int, int], list[int]]:
+        """``{(block id, logical index): its tokens}`` of every whole block a request holds
+        valid draft K/V in (what another request may start from); built only when a row has
+        a whole block to catch up (not in a steady decode)."""
+        bs, whole = self.block_size, {}
+        for rid, held in self.held.items():
+            blocks = self.held_blocks[rid]
+            for j in range(min(len(held) // bs, len(blocks))):
                 whole.setdefault((blocks[j], j), held[j * bs:(j + 1) * bs])
         return whole
 
@@ -224,7 +233,8 @@ class DraftModelProposer(Proposer):
         are drafted greedily (no more than its slots and the draft's context allow), every
         forward batched over the requests."""
         rows = [DraftRequest(r[0], list(r[1]), r[2], list(r[3]) if len(r) > 3 else []) for r in rows]
-        whole = self._validate(rows)
+        self._validate(rows)
+        whole = None
         out: dict[str, list[int]] = {r.request_id: [] for r in rows}
         live = []  # [rid, context, drafts wanted]
         for rid, toks, most, blocks in rows:
@@ -238,7 +248,10 @@ class DraftModelProposer(Proposer):
                     self.release(rid)
                 continue
             own = len(self.held.get(rid, ()))
-            keep = self._shared(toks, blocks, own, whole)
+            keep = own
+            if own % self.block_size == 0 and own + self.block_size <= len(toks) - 1:  # a whole block to compute
+                whole = self._filled() if whole is None else whole
+                keep = self._shared(toks, blocks, own, whole)
             self.num_shared_tokens += keep - own
             self.held[rid], self.held_blocks[rid] = toks[:keep], blocks
             live.append([rid, toks, most])
