@@ -22,6 +22,9 @@ import tempfile
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# the hundreds of engines the suite builds keep their caches lazily resident (each would fault
+# in its whole KV budget in the background); tests/attention/test_prefault.py turns it on
+os.environ.setdefault("PAGEDKV_KV_PREFAULT", "0")
 
 import pagedkv  # noqa: E402,F401 - first: applies $PAGEDKV_CPU_ISA's caps before torch is imported
 import pytest  # noqa: E402

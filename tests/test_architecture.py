@@ -750,7 +750,8 @@ def test_the_kv_worker_and_testing_packages_count_blocks_through_blocks_needed()
 
 #: modules outside pagedkv.ops that may import ctypes and load a system library, with why (they
 #: are still checked for csrc sources and the builder)
-CTYPES_ELSEWHERE = {"pagedkv.utils": "omp_pause_resource_all of the system's libgomp (not a csrc source)"}
+CTYPES_ELSEWHERE = {"pagedkv.utils": "omp_pause_resource_all of the system's libgomp (not a csrc source)",
+                    "pagedkv.attention.prefault": "madvise of the system's libc (not a csrc source)"}
 
 
 def _native_binding_uses(source: str, ctypes_ok: bool = False) -> list[str]:

@@ -32,7 +32,9 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from pagedkv.attention import prefault
 from pagedkv.attention.base import AttentionMetadata
+from pagedkv.attention.prefault import KVPrefault
 from pagedkv.kv.block_table import build_slots
 from pagedkv.kv.groups import LayerGroups
 from pagedkv.utils import profile_scope
@@ -91,6 +93,10 @@ class ModelRunner:
             for _ in range(self.groups.max_layers)
         ]
         self.kv_caches = [self.shared_caches[j] for j in self.groups.slot_of_layer]
+        #: the background prefault of the CPU caches' pages (``pagedkv.attention.prefault``)
+        self.prefault: KVPrefault | None = None
+        if prefault.enabled() and self.device.type == "cpu":
+            self.prefault = KVPrefault(prefault.cache_tensors(self.shared_caches), num_blocks).start()
         self._codec: BlockPayloadCodec | None = None
         #: the compiled step (``pagedkv.model.compiled.CompiledDecode``) when enabled: the runner
         #: owns it and calls it in place of the model's forward for the steps it accepts
@@ -149,6 +155,11 @@ class ModelRunner:
         if len(per_group) == 1:
             return per_group[0]
         return [per_group[g] for g in self.groups.layer_group]
+
+    def close(self) -> None:
+        """Stop the caches' background prefault (idempotent); the caches stay usable."""
+        if self.prefault is not None:
+            self.prefault.stop()
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Apply copy-on-write copies (src -> dst) in every layer, before the step's writes

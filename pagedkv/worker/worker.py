@@ -220,4 +220,10 @@ class Worker:
         return self._ready().kv_payload_codec()
 
     def close(self) -> None:
-        """Nothing to stop in one process (the caches are freed with the worker); idempotent."""
+        """Stop the caches' background prefault (``ModelRunner.close``) and the proposer's;
+        the caches are freed with the worker. Idempotent."""
+        if self.runner is not None:
+            self.runner.close()
+        draft = getattr(self.proposer, "worker", None)
+        if draft is not None and draft is not self:
+            draft.close()

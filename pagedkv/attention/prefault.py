@@ -1,0 +1,116 @@
+"""Fault a CPU KV cache's pages in, in the background, in the order the pool hands blocks out.
+
+A CPU cache comes from lazily zeroed memory (``layouts.lazy_zeros``): start-up clears nothing
+and a page becomes resident when a block in it is first written. That first write is a page
+fault inside a step: one per 4 KiB where the kernel gives no 2 MiB page, ~10-15 us each on a
+virtual machine. A fresh engine's steps pay it until the pool has been used once (the free
+queue hands out every block before it reuses one): on a 2-core AVX2 VM, SmolLM2-1.7B's fp32
+cache (384 KiB a token) spent ~55 us of a layer's ~145 us attention call on it at batch 1,
+and prefill 512 ran ~8% slower than over resident pages (docs/performance.md).
+
+:class:`KVPrefault` moves that work off the steps: a daemon thread asks the kernel to populate
+the caches (``madvise(MADV_POPULATE_WRITE)``, Linux 5.14+) a chunk of blocks at a time, from
+block 0 up (the pool's initial order), every layer's tensors per chunk. Populating never
+changes a page's contents, so it runs while steps write the same pages; the call releases the
+GIL. Start-up does not wait for it, and the resident set grows to the KV budget within about
+a second per GiB (what vLLM and llama.cpp, which clear their caches at start, hold from the
+start). Where the kernel has no ``MADV_POPULATE_WRITE`` the thread stops at its first call and
+the pages fault in as before. ``PAGEDKV_KV_PREFAULT=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import threading
+from typing import Any, Iterable, Sequence
+
+import torch
+
+#: ``madvise`` advice: populate (prefault) page tables writable, contents unchanged (Linux 5.14)
+MADV_POPULATE_WRITE = 23
+PAGE = 4096
+#: bytes populated per chunk (over all the tensors): one ``madvise`` per tensor per chunk
+CHUNK_BYTES = 32 << 20
+
+
+def enabled() -> bool:
+    """Whether engines prefault their CPU caches (``PAGEDKV_KV_PREFAULT``, default on; Linux)."""
+    return sys.platform.startswith("linux") and os.environ.get("PAGEDKV_KV_PREFAULT", "1") != "0"
+
+
+def cache_tensors(caches: Iterable[Any]) -> list[torch.Tensor]:
+    """The CPU storage tensors of ``caches`` (``PagedKVCache``: key, value, their scales),
+    non-empty and contiguous; others (GPU caches, views) are left out."""
+    out = []
+    for c in caches:
+        for t in (getattr(c, "key", None), getattr(c, "value", None), getattr(c, "key_scale", None),
+                  getattr(c, "value_scale", None)):
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.numel() and t.is_contiguous():
+                out.append(t)
+    return out
+
+
+class KVPrefault:
+    """Populate ``tensors`` (each ``[num_blocks, ...]``, contiguous, on the CPU) block range by
+    block range, ``chunk_bytes`` (bytes over all tensors) at a time, in a daemon thread.
+
+    ``blocks_done``: blocks ``0 .. blocks_done - 1`` are populated; ``error``: the ``errno``
+    that stopped it early (``EINVAL``: the kernel has no ``MADV_POPULATE_WRITE``), else
+    ``None``. Raises ``ValueError`` if a tensor's first dimension is not ``num_blocks`` or it is
+    not contiguous."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], num_blocks: int, chunk_bytes: int = CHUNK_BYTES) -> None:
+        for t in tensors:
+            if t.dim() < 1 or t.shape[0] != num_blocks or not t.is_contiguous():
+                raise ValueError(f"a cache tensor of shape {tuple(t.shape)} is not [num_blocks={num_blocks}, ...] contiguous")
+        self.tensors = list(tensors)  # held: the memory stays mapped while the thread runs
+        self.num_blocks = num_blocks
+        per_block = sum(t.stride(0) * t.element_size() for t in self.tensors)
+        self.chunk_blocks = max(1, chunk_bytes // max(per_block, 1))
+        self.blocks_done = 0
+        self.error: int | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> "KVPrefault":
+        """Start the thread (once); returns ``self``."""
+        if self._thread is None and self.tensors:
+            self._thread = threading.Thread(target=self._run, name="pagedkv-kv-prefault", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop after the chunk in progress and wait for the thread (``timeout`` seconds)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until every block is populated or the thread stopped; ``True`` when it ended."""
+        if self._thread is None:
+            return True
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        madvise.restype = ctypes.c_int
+        spans = [(t.data_ptr(), t.stride(0) * t.element_size()) for t in self.tensors]
+        b0 = 0
+        while b0 < self.num_blocks and not self._stop.is_set():
+            b1 = min(self.num_blocks, b0 + self.chunk_blocks)
+            for base, per_block in spans:
+                # the pages from the one holding block b0's first byte (the tensor's first
+                # whole page for b0 = 0: its own memory only) up to the one holding b1's: the
+                # chunks tile the tensor's whole pages without a gap
+                lo = (base + PAGE - 1) // PAGE * PAGE if b0 == 0 else (base + b0 * per_block) // PAGE * PAGE
+                hi = (base + b1 * per_block) // PAGE * PAGE
+                if hi > lo and madvise(lo, hi - lo, MADV_POPULATE_WRITE) != 0:
+                    self.error = ctypes.get_errno()
+                    return
+            self.blocks_done = b1
+            b0 = b1
