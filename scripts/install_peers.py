@@ -5,7 +5,7 @@
   from the llama.cpp sources that the llama-cpp-python sdist carries (``vendor/llama.cpp``)
   into ``$PAGEDKV_CACHE_DIR/peers`` (default ``~/.cache/pagedkv/peers``): ``bin/`` gets
   :data:`TOOLS`, ``llama-server`` (the peer of ``pagedkv bench serve``), ``llama-bench``,
-  ``llama-quantize``, ``llama-cli`` and ``llama-completion``. The :data:`VARIANTS` are tried in
+  ``llama-quantize`` and ``llama-completion``. The :data:`VARIANTS` are tried in
   turn, each in its own tree ``build/<variant>``: **native** (``GGML_NATIVE=ON``, as llama.cpp's
   docs recommend), then **avx512** (``GGML_NATIVE=OFF`` with the AVX-512/VNNI/BF16/VBMI and
   AVX2/FMA/F16C options this CPU's /proc/cpuinfo has, no AMX), then **avx2** (AVX2/FMA/F16C,
@@ -15,7 +15,7 @@
   on an AMX host, in its weight repacking). ``bin/llama.cpp.json`` (and the same text as
   ``bin/llama-server.json``, which ``pagedkv bench serve`` copies into its results) records the
   variant and why, its CMake flags, every variant tried with its failure, the smoke test's
-  rates with llama-bench's ``cpu_info``/``backends``/``build_commit``, ``llama-cli --version``
+  rates with llama-bench's ``cpu_info``/``backends``/``build_commit``, ``llama-server --version``
   and ``llama_print_system_info()`` (from ``llama-completion``'s log), the CPU (``lscpu``),
   the llama-cpp-python version and the build's timings. ccache is the compiler launcher when
   it is on PATH (with ``CCACHE_BASEDIR`` at the cache, so the variants' trees share every
@@ -40,7 +40,11 @@
   weight class of the GGUF's Q4_1). A failing pip is reported with pip's own error; the
   other steps still run and the exit status is 1.
 
-Idempotent: a step whose result is already there (same version, same flags, for llama.cpp the
+guidellm and the venv peers (downloads and unpacking, mostly) install in a thread beside the
+llama.cpp compile, which is the long step, instead of after it: on the 2-core AVX2 host (AMD
+EPYC Zen 3, no ccache, pip's wheel cache warm) a whole run from an empty cache took 544 s, the
+native build 527 s of it, the venv peers' ~270 s run beside it (in turn they took 878 + 268 s); llama-cpp-python, when asked for, still follows the build (it takes its
+flags). Idempotent: a step whose result is already there (same version, same flags, for llama.cpp the
 same CPU flags) is skipped. At the end it says which llama.cpp variant it built, why, and where.
 Afterwards ``pip check`` may report nothing that was not already reported before.
 Network: PyPI only (pip). The build never downloads llama.cpp's web UI (it is switched off).
@@ -53,6 +57,7 @@ Usage: ``python scripts/install_peers.py [--dry-run] [--only STEP,...] [--jobs N
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import shlex
@@ -90,7 +95,7 @@ VARIANTS = ("native", "avx512", "avx2")
 #: ``peers/bin``: the server, the benchmark, the quantizer (GGUF -> Q4_0/Q4_K_M/Q8_0), the chat
 #: CLI and the plain completion CLI (``llama-completion``: prompt + decode without a chat loop;
 #: its log carries ``llama_print_system_info()``).
-TOOLS = ("llama-server", "llama-bench", "llama-quantize", "llama-cli", "llama-completion")
+TOOLS = ("llama-server", "llama-bench", "llama-quantize", "llama-completion")
 #: the smoke test: ``llama-bench`` on the bundled model, prompt 32 + 8 generated tokens, 2
 #: threads, one repetition; it must exit 0 within this many seconds with both rates > 0
 SMOKE_ARGS = ("-p", "32", "-n", "8", "-t", "2", "-r", "1", "-o", "json")
@@ -382,12 +387,12 @@ def smoke_test(bin_dir: Path, model: str, run=run_command, timeout: float = SMOK
 
 
 def system_info(bin_dir: Path, model: str, run=run_command, timeout: float = 120.0) -> dict[str, object]:
-    """Best effort, never a reason to fall back: ``llama-cli --version`` and the
+    """Best effort, never a reason to fall back: ``llama-server --version`` and the
     ``system_info:`` line (``llama_print_system_info()``) that ``llama-completion`` logs on a
     short greedy completion of the bundled model (prompt + 8 tokens)."""
     facts: dict[str, object] = {}
-    rc, out, err = run([str(bin_dir / "llama-cli"), "--version"], 30)
-    facts["version"] = " ".join((out + err).split())[:300] if rc == 0 else f"llama-cli --version: {describe_exit(rc) if rc is not None else 'timeout'}"
+    rc, out, err = run([str(bin_dir / "llama-server"), "--version"], 30)
+    facts["version"] = " ".join((out + err).split())[:300] if rc == 0 else f"llama-server --version: {describe_exit(rc) if rc is not None else 'timeout'}"
     argv = [str(bin_dir / "llama-completion"), "-m", str(model), "-p", "The capital of France is", "-n", "8",
             "-t", "2", "--temp", "0", "-no-cnv", "--no-warmup"]
     rc, out, err = run(argv, timeout)
@@ -553,8 +558,8 @@ def install_llama_cpp(python: str, cache: Path, jobs: int, dry_run: bool, force:
             return [err]
     unpack(cache)
     print(f"[peers] llama.cpp: variants {', '.join(variants)} in turn (ccache: {'yes' if use_ccache else 'no'}); "
-          f"smoke test on {model}; a cold build of one variant took 12-18 min on 2 busy cores, a rebuild or "
-          "another variant ~1 min with ccache warm", flush=True)
+          f"smoke test on {model}; a cold build of one variant took ~9 min on 2 quiet cores (12-18 min on busy "
+          "ones), a rebuild or another variant ~1 min with ccache warm", flush=True)
     variant, tried = build_variants(python, cache, jobs, model, flags, run_step=run_step, smoke=smoke or smoke_test,
                                     use_ccache=use_ccache, variants=variants)
     if variant is None:
@@ -748,9 +753,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     before = "" if args.dry_run else _pip_check(python)
     errors: list[str] = []
     llama_errors: list[str] = []
+
+    def downloads() -> list[str]:
+        """guidellm and the venv peers: mostly downloads and unpacking, so they run beside the
+        llama.cpp compile (a thread; each step is a subprocess) rather than after it."""
+        errs: list[str] = []
+        if "guidellm" in only:
+            if not args.force and installed_version("guidellm") == GUIDELLM_VERSION:
+                print(f"[peers] guidellm {GUIDELLM_VERSION} is already installed")
+            else:
+                err = run_reported(pip_steps(python, constraints, args.jobs)["guidellm"], args.dry_run)
+                errs += [err] if err else []
+        for name in ("vllm", "openvino"):
+            if name in only:
+                errs += install_venv_peer(name, cache, python, args.dry_run, args.force)
+        return errs
+
+    side = None
+    if "llama-cpp" in only and not args.dry_run:
+        side = concurrent.futures.ThreadPoolExecutor(1).submit(downloads)
     if "llama-cpp" in only:  # first: llama-cpp-python takes the variant it chose
         llama_errors = install_llama_cpp(python, cache, args.jobs, args.dry_run, args.force, variants=variants)
         errors += llama_errors
+    errors += side.result() if side is not None else downloads()
     flags, source = python_flags(cache)
     pips = pip_steps(python, constraints, args.jobs, flags)
     if "llama-cpp-python" in only:
@@ -761,14 +786,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             _run(pips["llama-cpp-python"], args.dry_run)
             if not args.dry_run:
                 (cache / "llama-cpp-python.json").write_text(json.dumps(python_record(flags)) + "\n")
-    if "guidellm" in only:
-        if not args.force and installed_version("guidellm") == GUIDELLM_VERSION:
-            print(f"[peers] guidellm {GUIDELLM_VERSION} is already installed")
-        else:
-            _run(pips["guidellm"], args.dry_run)
-    for name in ("vllm", "openvino"):
-        if name in only:
-            errors += install_venv_peer(name, cache, python, args.dry_run, args.force)
     for err in errors:
         print(f"[peers] ERROR: {err}", file=sys.stderr)
     if args.dry_run:

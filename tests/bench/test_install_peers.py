@@ -8,6 +8,7 @@ import io
 import json
 import sys
 import tarfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -58,7 +59,7 @@ def test_server_steps(ip, tmp_path):
         assert flag in configure.argv
     assert not any("ccache" in a for a in configure.argv) and build.env == {}
     assert build.argv == ["cmake", "--build", str(tmp_path / "build" / "native"), "--target", "llama-server",
-                          "llama-bench", "llama-quantize", "llama-cli", "llama-completion", "-j", "2"]
+                          "llama-bench", "llama-quantize", "llama-completion", "-j", "2"]
     _, configure, build = ip.server_steps("/py", tmp_path, jobs=2, variant="avx2", flags=ip.AVX2_FLAGS, use_ccache=True)
     assert configure.argv[4] == str(tmp_path / "build" / "avx2") and build.argv[2] == str(tmp_path / "build" / "avx2")
     assert "-DCMAKE_C_COMPILER_LAUNCHER=ccache" in configure.argv and "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache" in configure.argv
@@ -309,7 +310,7 @@ def test_dry_run_prints_and_changes_nothing(ip, tmp_path, monkeypatch, capsys):
         out = capsys.readouterr().out
         # the sdist is absent: downloaded first
         assert "-m pip download -q --no-deps --no-binary :all: llama-cpp-python==0.3.36" in out
-        assert "--target llama-server llama-bench llama-quantize llama-cli llama-completion -j 2" in out
+        assert "--target llama-server llama-bench llama-quantize llama-completion -j 2" in out
         assert "-DGGML_NATIVE=ON" in out and "if that fails, avx2: -DGGML_NATIVE=OFF -DGGML_AVX2=ON" in out
         assert "llama-bench -m <bundled GGUF> -p 32 -n 8 -t 2 -r 1 -o json" in out
     assert ip.main(["--dry-run", "--only", "llama-cpp-python"]) == 0
@@ -389,3 +390,35 @@ def test_model_steps_are_skipped_once_written(ip, tmp_path):
     (tmp_path / "ov/smollm2-135m-instruct-fp16/openvino_model.xml").write_text("<net/>")
     assert ip.model_done(fp16_step)
     assert len(ip.model_steps("vllm", tmp_path, "/py")) == 1  # vLLM reads the HF directory only
+
+
+def test_the_venv_peers_install_while_llama_cpp_compiles(ip, tmp_path, monkeypatch):
+    """guidellm and the venv peers run in a thread beside the llama.cpp build: here the build
+    waits until both venv peers have started (run one after the other, it would time out), and
+    the errors of both sides reach the exit status."""
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "cache"))
+    started, order = {}, []
+    both = threading.Event()
+
+    def fake_venv(name, cache, python, dry_run, force):
+        started[name] = threading.get_ident()
+        order.append(f"venv {name}")
+        if len(started) == 2:
+            both.set()
+        return [f"{name}: pip install failed (exit 1)"] if name == "openvino" else []
+
+    def fake_llama(python, cache, jobs, dry_run, force, variants):
+        order.append("llama.cpp build starts")
+        assert both.wait(10), "the venv peers did not start while llama.cpp was building"
+        order.append("llama.cpp build ends")
+        return []
+
+    monkeypatch.setattr(ip, "install_venv_peer", fake_venv)
+    monkeypatch.setattr(ip, "install_llama_cpp", fake_llama)
+    monkeypatch.setattr(ip, "_pip_check", lambda python: "")
+    monkeypatch.setattr(ip, "report_llama_cpp", lambda cache: None)
+    assert ip.main(["--only", "llama-cpp,vllm,openvino"]) == 1  # openvino's error
+    assert order[-1] == "llama.cpp build ends"
+    assert set(order[:3]) == {"llama.cpp build starts", "venv vllm", "venv openvino"}
+    assert order.index("venv vllm") < order.index("venv openvino")  # one after the other on their side
+    assert started["vllm"] == started["openvino"] != threading.get_ident()

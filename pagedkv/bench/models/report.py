@@ -163,7 +163,9 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
         *([f"Note: {cfg['note']}", ""] if cfg.get("note") else []),
         "Cold-load peak RSS: the cold-loading process (pagedkv: until `LLM` is built; llama.cpp: `llama-server` until "
         "`/health`); run peak RSS: the process that loaded and ran prefill and decode (pagedkv: the warm one; "
-        "llama.cpp: `llama-bench`). Cache GB: what pagedkv's cold load wrote to its cache dir (llama.cpp writes none). "
+        "llama.cpp: `llama-bench`, whose KV cache holds its 576-token run). pagedkv's run peak RSS includes its whole KV "
+        "budget: an engine faults its cache pages in from start-up, in the background (`PAGEDKV_KV_PREFAULT`). "
+        "Cache GB: what pagedkv's cold load wrote to its cache dir (llama.cpp writes none). "
         "`pagedkv (gguf)`: the linear-layer format pagedkv's `weights` setting chose for that file (`auto`: `gguf`, "
         "the file's blocks as stored, so a decode step reads the file's bytes as llama.cpp's does). The weight-read limit uses the file's tensor bytes (a mixture of experts: its routed experts' share); the bandwidth is `torch.sum`'s, not the machine's peak, "
         "so a fraction above 1 means the limit is an underestimate, not that a system beat it.",
