@@ -43,7 +43,7 @@
 guidellm and the venv peers (downloads and unpacking, mostly) install in a thread beside the
 llama.cpp compile, which is the long step, instead of after it: on the 2-core AVX2 host (AMD
 EPYC Zen 3, no ccache, pip's wheel cache warm) a whole run from an empty cache took 544 s, the
-native build 527 s of it, the venv peers' ~270 s run beside it (in turn they took 878 + 268 s); llama-cpp-python, when asked for, still follows the build (it takes its
+native build 527 s of it, with the venv peers (268 s alone, the same day) beside it; llama-cpp-python, when asked for, still follows the build (it takes its
 flags). Idempotent: a step whose result is already there (same version, same flags, for llama.cpp the
 same CPU flags) is skipped. At the end it says which llama.cpp variant it built, why, and where.
 Afterwards ``pip check`` may report nothing that was not already reported before.
