@@ -12,8 +12,12 @@ and prefill 512 ran ~8% slower than over resident pages (docs/performance.md).
 the caches (``madvise(MADV_POPULATE_WRITE)``, Linux 5.14+) a chunk of blocks at a time, from
 block 0 up (the pool's initial order), every layer's tensors per chunk. Populating never
 changes a page's contents, so it runs while steps write the same pages; the call releases the
-GIL. Start-up does not wait for it, and the resident set grows to the KV budget within about
-a second per GiB (what vLLM and llama.cpp, which clear their caches at start, hold from the
+GIL. Start-up does not wait for it. The thread runs at nice 19: a step's OpenMP team holds
+every core, and a thread at normal priority taking one of them slowed whole steps (a 512-token
+prefill once ran at half speed for seconds after start); so it advances in the engine's idle
+time (loading, between requests), and pages a busy engine reaches first still fault in on
+their first write. With idle time the resident set reaches the KV budget within about a
+second per GiB (what vLLM and llama.cpp, which clear their caches at start, hold from the
 start). Where the kernel has no ``MADV_POPULATE_WRITE`` the thread stops at its first call and
 the pages fault in as before. ``PAGEDKV_KV_PREFAULT=0`` turns it off.
 """
@@ -33,6 +37,8 @@ MADV_POPULATE_WRITE = 23
 PAGE = 4096
 #: bytes populated per chunk (over all the tensors): one ``madvise`` per tensor per chunk
 CHUNK_BYTES = 32 << 20
+#: the thread's nice value
+NICE = 19
 
 
 def enabled() -> bool:
@@ -71,6 +77,8 @@ class KVPrefault:
         self.chunk_blocks = max(1, chunk_bytes // max(per_block, 1))
         self.blocks_done = 0
         self.error: int | None = None
+        #: the thread's nice value once it runs (``None``: not set)
+        self.nice: int | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -95,6 +103,12 @@ class KVPrefault:
         return not self._thread.is_alive()
 
     def _run(self) -> None:
+        try:  # the lowest CPU priority: a step's threads keep their cores (Linux: per thread)
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, NICE)
+            self.nice = os.getpriority(os.PRIO_PROCESS, tid)
+        except (AttributeError, OSError):
+            pass
         libc = ctypes.CDLL(None, use_errno=True)
         madvise = libc.madvise
         madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]

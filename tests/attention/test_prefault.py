@@ -47,6 +47,7 @@ def test_every_page_of_every_layer_becomes_resident_and_stays_zero():
     assert p.chunk_blocks == (1 << 20) // (6 * 16 * 4 * 64 * 4)  # 42 blocks of 24 KiB a chunk
     assert p.wait(30)
     assert p.error is None and p.blocks_done == 512
+    assert p.nice == prefault.NICE == 19  # it yields the cores to a step's threads
     for t in tensors:
         resident, total = _resident_pages(t)
         assert resident == total
