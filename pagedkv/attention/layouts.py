@@ -221,7 +221,8 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device 
     ``LAZY_ZEROS_MIN_BYTES`` on, in memory the OS hands out already zero (``calloc``, via
     numpy), 64-byte aligned: a page becomes resident when a block in it is first written,
     instead of every page of a multi-GiB KV budget being faulted in and cleared at start (~0.3 s
-    per GiB on 2 cores), and the resident set is the blocks used, not the budget."""
+    per GiB on 2 cores). An engine then faults the pages in from a background thread
+    (``pagedkv.attention.prefault``), so steps do not take those faults where it had idle time."""
     n = 1
     for s in shape:
         n *= s

@@ -25,12 +25,16 @@ the pages fault in as before. ``PAGEDKV_KV_PREFAULT=0`` turns it off.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import sys
 import threading
+import weakref
 from typing import Any, Iterable, Sequence
 
 import torch
+
+logger = logging.getLogger("pagedkv")
 
 #: ``madvise`` advice: populate (prefault) page tables writable, contents unchanged (Linux 5.14)
 MADV_POPULATE_WRITE = 23
@@ -46,14 +50,16 @@ def enabled() -> bool:
     return sys.platform.startswith("linux") and os.environ.get("PAGEDKV_KV_PREFAULT", "1") != "0"
 
 
-def cache_tensors(caches: Iterable[Any]) -> list[torch.Tensor]:
+def cache_tensors(caches: Iterable[Any], num_blocks: int | None = None) -> list[torch.Tensor]:
     """The CPU storage tensors of ``caches`` (``PagedKVCache``: key, value, their scales),
-    non-empty and contiguous; others (GPU caches, views) are left out."""
+    non-empty, contiguous and (``num_blocks`` given) ``[num_blocks, ...]``; others (GPU caches,
+    views, another backend's shapes) are left out."""
     out = []
     for c in caches:
         for t in (getattr(c, "key", None), getattr(c, "value", None), getattr(c, "key_scale", None),
                   getattr(c, "value_scale", None)):
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.numel() and t.is_contiguous():
+            if (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.numel() and t.is_contiguous()
+                    and (num_blocks is None or t.shape[0] == num_blocks)):
                 out.append(t)
     return out
 
@@ -62,29 +68,40 @@ class KVPrefault:
     """Populate ``tensors`` (each ``[num_blocks, ...]``, contiguous, on the CPU) block range by
     block range, ``chunk_bytes`` (bytes over all tensors) at a time, in a daemon thread.
 
+    The thread holds the tensors only weakly between chunks: once their owner (the engine's
+    runner) drops them it stops at the next chunk, so a dropped engine's cache is neither kept
+    alive nor made resident.
+
     ``blocks_done``: blocks ``0 .. blocks_done - 1`` are populated; ``error``: the ``errno``
     that stopped it early (``EINVAL``: the kernel has no ``MADV_POPULATE_WRITE``), else
-    ``None``. Raises ``ValueError`` if a tensor's first dimension is not ``num_blocks`` or it is
-    not contiguous."""
+    ``None``; ``dropped``: it stopped because the tensors were freed. Raises ``ValueError`` if a
+    tensor's first dimension is not ``num_blocks`` or it is not contiguous."""
 
     def __init__(self, tensors: Sequence[torch.Tensor], num_blocks: int, chunk_bytes: int = CHUNK_BYTES) -> None:
         for t in tensors:
             if t.dim() < 1 or t.shape[0] != num_blocks or not t.is_contiguous():
                 raise ValueError(f"a cache tensor of shape {tuple(t.shape)} is not [num_blocks={num_blocks}, ...] contiguous")
-        self.tensors = list(tensors)  # held: the memory stays mapped while the thread runs
+        self._refs = [weakref.ref(t) for t in tensors]
         self.num_blocks = num_blocks
-        per_block = sum(t.stride(0) * t.element_size() for t in self.tensors)
+        per_block = sum(t.stride(0) * t.element_size() for t in tensors)
         self.chunk_blocks = max(1, chunk_bytes // max(per_block, 1))
         self.blocks_done = 0
         self.error: int | None = None
+        self.dropped = False
         #: the thread's nice value once it runs (``None``: not set)
         self.nice: int | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors still alive (``[]`` once any was freed)."""
+        live = [r() for r in self._refs]
+        return [] if any(t is None for t in live) else live  # type: ignore[misc]
+
     def start(self) -> "KVPrefault":
         """Start the thread (once); returns ``self``."""
-        if self._thread is None and self.tensors:
+        if self._thread is None and self._refs:
             self._thread = threading.Thread(target=self._run, name="pagedkv-kv-prefault", daemon=True)
             self._thread.start()
         return self
@@ -113,18 +130,26 @@ class KVPrefault:
         madvise = libc.madvise
         madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         madvise.restype = ctypes.c_int
-        spans = [(t.data_ptr(), t.stride(0) * t.element_size()) for t in self.tensors]
         b0 = 0
         while b0 < self.num_blocks and not self._stop.is_set():
+            live = self.tensors  # held for this chunk only: the memory stays mapped during the calls
+            if not live:
+                self.dropped = True
+                return
             b1 = min(self.num_blocks, b0 + self.chunk_blocks)
-            for base, per_block in spans:
-                # the pages from the one holding block b0's first byte (the tensor's first
-                # whole page for b0 = 0: its own memory only) up to the one holding b1's: the
-                # chunks tile the tensor's whole pages without a gap
-                lo = (base + PAGE - 1) // PAGE * PAGE if b0 == 0 else (base + b0 * per_block) // PAGE * PAGE
+            for t in live:
+                base, per_block = t.data_ptr(), t.stride(0) * t.element_size()
+                # the pages from the one holding block b0's first byte up to the one holding
+                # b1's, never before the tensor's first whole page: the chunks tile the
+                # tensor's whole pages without a gap, and touch no page holding none of its bytes
+                first = (base + PAGE - 1) // PAGE * PAGE
+                lo = max(first, (base + b0 * per_block) // PAGE * PAGE)
                 hi = (base + b1 * per_block) // PAGE * PAGE
                 if hi > lo and madvise(lo, hi - lo, MADV_POPULATE_WRITE) != 0:
                     self.error = ctypes.get_errno()
+                    logger.info("KV prefault stopped at block %d: madvise(MADV_POPULATE_WRITE) failed, errno %d "
+                                "(pages fault in on first write instead)", b0, self.error)
                     return
+            del live, t
             self.blocks_done = b1
             b0 = b1

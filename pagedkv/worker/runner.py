@@ -96,7 +96,7 @@ class ModelRunner:
         #: the background prefault of the CPU caches' pages (``pagedkv.attention.prefault``)
         self.prefault: KVPrefault | None = None
         if prefault.enabled() and self.device.type == "cpu":
-            self.prefault = KVPrefault(prefault.cache_tensors(self.shared_caches), num_blocks).start()
+            self.prefault = KVPrefault(prefault.cache_tensors(self.shared_caches, num_blocks), num_blocks).start()
         self._codec: BlockPayloadCodec | None = None
         #: the compiled step (``pagedkv.model.compiled.CompiledDecode``) when enabled: the runner
         #: owns it and calls it in place of the model's forward for the steps it accepts

@@ -101,6 +101,27 @@ def test_stop_ends_the_thread_at_a_chunk_boundary():
     assert p.blocks_done == 0  # stopped before its first chunk
 
 
+def test_a_dropped_cache_is_neither_kept_alive_nor_populated():
+    caches = _caches(2048, layers=2)
+    tensors = prefault.cache_tensors(caches, 2048)
+    p = KVPrefault(tensors, 2048, chunk_bytes=1)  # one block a chunk
+    gate = threading.Event()
+    real_run = p._run
+    p._run = lambda: (gate.wait(10), real_run())  # type: ignore[method-assign]
+    p.start()
+    del caches, tensors  # the owner drops its cache before the first chunk
+    assert p.tensors == []
+    gate.set()
+    assert p.wait(10)
+    assert p.dropped and p.blocks_done == 0 and p.error is None
+
+
+def test_tensors_of_another_shape_are_left_out():
+    caches = _caches(64, layers=1)
+    assert len(prefault.cache_tensors(caches, 64)) == 2
+    assert prefault.cache_tensors(caches, 65) == []
+
+
 def test_an_unsupported_advice_stops_with_its_errno(monkeypatch):
     monkeypatch.setattr(prefault, "MADV_POPULATE_WRITE", 0x7FFF)  # no such advice: EINVAL
     caches = _caches(64, layers=1)
