@@ -43,8 +43,8 @@
 guidellm and the venv peers (downloads and unpacking, mostly) install in a thread beside the
 llama.cpp compile, which is the long step, instead of after it: on the 2-core AVX2 host (AMD
 EPYC Zen 3, no ccache, pip's wheel cache warm) a whole run from an empty cache took 544 s, the
-native build 527 s of it, with the venv peers (268 s alone, the same day) beside it; llama-cpp-python, when asked for, still follows the build (it takes its
-flags). Idempotent: a step whose result is already there (same version, same flags, for llama.cpp the
+native build 527 s of it, with the venv peers (268 s alone, the same day) beside it;
+llama-cpp-python, when asked for, still follows the build (it takes its flags). Idempotent: a step whose result is already there (same version, same flags, for llama.cpp the
 same CPU flags) is skipped. At the end it says which llama.cpp variant it built, why, and where.
 Afterwards ``pip check`` may report nothing that was not already reported before.
 Network: PyPI only (pip). The build never downloads llama.cpp's web UI (it is switched off).
@@ -92,8 +92,8 @@ AVX512_OPTIONS = (("sse4_2", "GGML_SSE42"), ("avx", "GGML_AVX"), ("avx2", "GGML_
 #: smoke test is kept.
 VARIANTS = ("native", "avx512", "avx2")
 #: The llama.cpp binaries built (CMake targets of the sdist's vendor/llama.cpp) and copied to
-#: ``peers/bin``: the server, the benchmark, the quantizer (GGUF -> Q4_0/Q4_K_M/Q8_0), the chat
-#: CLI and the plain completion CLI (``llama-completion``: prompt + decode without a chat loop;
+#: ``peers/bin``: the server, the benchmark, the quantizer (GGUF -> Q4_0/Q4_K_M/Q8_0) and the
+#: plain completion CLI (``llama-completion``: prompt + decode without a chat loop;
 #: its log carries ``llama_print_system_info()``).
 TOOLS = ("llama-server", "llama-bench", "llama-quantize", "llama-completion")
 #: the smoke test: ``llama-bench`` on the bundled model, prompt 32 + 8 generated tokens, 2

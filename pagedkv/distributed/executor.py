@@ -430,9 +430,8 @@ class TPExecutor:
         rank0 = getattr(self, "rank0", None)  # its caches' prefault thread (and the draft's)
         if rank0 is not None and getattr(rank0, "runner", None) is not None:
             rank0.runner.close()
-        draft = getattr(getattr(self, "proposer", None), "worker", None)
-        if draft is not None:
-            draft.close()
+        if getattr(self, "proposer", None) is not None:
+            self.proposer.close()
         self._kill_workers()
         if self._owns_pg and dist.is_initialized():
             try:

@@ -157,6 +157,10 @@ class DraftModelProposer(Proposer):
             raise ConfigError(f"draft caches: block_size {block_size} != the target's {self.block_size}")
         self.worker.init_cache(num_blocks, block_size, self.kv_dtype)
 
+    def close(self) -> None:
+        """Stop the draft's caches' background prefault (``Worker.close``)."""
+        self.worker.close()
+
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Apply the target's copy-on-write copies to the draft's caches (the K/V the draft
         wrote into ``src`` follows the request to ``dst``)."""

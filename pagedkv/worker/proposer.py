@@ -75,6 +75,9 @@ class Proposer:
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Apply the target's copy-on-write copies (``src -> dst`` block ids) to its caches."""
 
+    def close(self) -> None:
+        """Stop what runs beside its caches (a draft model's cache prefault); idempotent."""
+
     @classmethod
     def check_config(cls, config: Any, argument: Optional[str]) -> None:
         """Validate ``config``'s options for this proposer without loading anything

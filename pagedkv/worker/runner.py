@@ -34,7 +34,6 @@ import torch
 
 from pagedkv.attention import prefault
 from pagedkv.attention.base import AttentionMetadata
-from pagedkv.attention.prefault import KVPrefault
 from pagedkv.kv.block_table import build_slots
 from pagedkv.kv.groups import LayerGroups
 from pagedkv.utils import profile_scope
@@ -94,9 +93,9 @@ class ModelRunner:
         ]
         self.kv_caches = [self.shared_caches[j] for j in self.groups.slot_of_layer]
         #: the background prefault of the CPU caches' pages (``pagedkv.attention.prefault``)
-        self.prefault: KVPrefault | None = None
+        self.prefault: prefault.KVPrefault | None = None
         if prefault.enabled() and self.device.type == "cpu":
-            self.prefault = KVPrefault(prefault.cache_tensors(self.shared_caches, num_blocks), num_blocks).start()
+            self.prefault = prefault.KVPrefault(prefault.cache_tensors(self.shared_caches, num_blocks), num_blocks).start()
         self._codec: BlockPayloadCodec | None = None
         #: the compiled step (``pagedkv.model.compiled.CompiledDecode``) when enabled: the runner
         #: owns it and calls it in place of the model's forward for the steps it accepts

@@ -224,6 +224,5 @@ class Worker:
         the caches are freed with the worker. Idempotent."""
         if self.runner is not None:
             self.runner.close()
-        draft = getattr(self.proposer, "worker", None)
-        if draft is not None and draft is not self:
-            draft.close()
+        if self.proposer is not None:
+            self.proposer.close()

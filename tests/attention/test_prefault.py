@@ -151,3 +151,19 @@ def test_an_engine_prefaults_its_caches_and_generates_the_same_tokens(loaded_mod
     assert all(r == n for r, n in map(_resident_pages, p.tensors))
     on.close()
     assert not p._thread.is_alive()
+
+
+@pytest.mark.skipif(_KERNEL < (5, 14), reason="MADV_POPULATE_WRITE needs Linux 5.14")
+def test_a_draft_models_caches_are_prefaulted_and_stopped_with_the_engine(loaded_model, monkeypatch):
+    monkeypatch.setenv("PAGEDKV_KV_PREFAULT", "1")
+    llm = LLM(loaded_model, block_size=16, num_blocks=48, max_model_len=256, speculative="draft:smollm2",
+              draft_weights="fp32")
+    target = llm.engine.executor.runner.prefault
+    draft = llm.engine.proposer.worker.runner.prefault
+    assert target is not None and draft is not None and draft is not target
+    assert draft.num_blocks == target.num_blocks == 48
+    assert draft.wait(60) and draft.blocks_done == 48
+    assert not draft._stop.is_set() and not target._stop.is_set()
+    llm.close()  # reaches both threads: the target's runner and, through the proposer, the draft's
+    assert draft._stop.is_set() and target._stop.is_set()
+    assert not target._thread.is_alive() and not draft._thread.is_alive()
