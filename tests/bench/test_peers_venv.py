@@ -69,7 +69,24 @@ def test_run_venv_peer_reads_the_last_json_line(tmp_path):
                                  "echo 'INFO shutting down'\n")
     row = peers_venv.run_venv_peer("vllm", peers_venv.b1_prefill_spec(2, 49152, tiny=True), root=tmp_path)
     assert row["status"] == "ok" and row["decode_tokens_per_s"] == 41.5 and row["version"] == "0.32.0"
-    assert row["weights"].startswith("bf16")
+    assert row["weights"].startswith("bf16") and "not same bytes" in row["weights"]
+    # beside pagedkv at bf16 the same row is the same bytes
+    row = peers_venv.run_venv_peer("vllm", peers_venv.b1_prefill_spec(2, 49152, tiny=True), root=tmp_path,
+                                   pagedkv_weights="bf16")
+    assert row["weights"] == "bf16 (vLLM-CPU's default, from the fp32 export): the same bytes as pagedkv's bf16"
+
+
+def test_weight_class_names_what_each_side_ran():
+    """The weights column follows pagedkv's format in the run: int4 names the Q4_1 codes, bf16
+    says the values vLLM gets too, another format is its name; a peer's label is its own
+    except vLLM's beside pagedkv bf16 (same bytes)."""
+    wc = peers_venv.weight_class
+    assert wc("pagedkv", "int4").startswith("int4: the GGUF's Q4_1 codes as stored")
+    assert wc("pagedkv", "bf16").startswith("bf16: the GGUF's values rounded to bf16")
+    assert wc("pagedkv", "fp32") == "fp32" and wc("pagedkv", "gguf") == "gguf"
+    assert "not same bytes" in wc("vllm", "int4") and "not same bytes" in wc("vllm", "fp32")
+    assert "the same bytes as pagedkv's bf16" in wc("vllm", "bf16")
+    assert wc("openvino", "bf16") == wc("openvino", "int4") == peers_venv.WEIGHT_CLASS["openvino"]
 
 
 def test_openvino_fp16_runs_in_openvinos_venv_on_the_fp16_ir(tmp_path):

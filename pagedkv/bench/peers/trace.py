@@ -19,7 +19,7 @@ import argparse
 from typing import Any, Callable, Optional, Sequence
 
 from pagedkv.bench.peers import worker as peer_worker
-from pagedkv.bench.peers.venv import VENV_SYSTEMS, WEIGHT_CLASS, run_venv_peer
+from pagedkv.bench.peers.venv import VENV_SYSTEMS, run_venv_peer, weight_class
 from pagedkv.bench.workload import BenchRequest, requests_from_args, summarize
 
 DEFAULT_TRACE_REQUESTS = 32
@@ -80,7 +80,7 @@ def measure_pagedkv_trace(loaded: Any, spec: dict[str, Any], engine_kwargs: dict
 
     weights = weights_of(loaded)
     return {"name": "pagedkv", "status": "ok", "reason": None, "version": _pagedkv_version(),
-            "weights": WEIGHT_CLASS["pagedkv"] if weights == "int4" else weights, "threads": spec["threads"],
+            "weights": weight_class("pagedkv", weights), "threads": spec["threads"],
             **peer_worker.measure_trace(gen_trace, spec)}
 
 
@@ -111,7 +111,10 @@ def run_trace(systems: set[str], loaded: Any, engine_kwargs: dict[str, Any], req
     """pagedkv (``loaded``, unless None) then every venv peer in ``systems`` on ``reqs``, one
     after another. Returns the section: spec (without the prompts), method, rows, ratios.
     A pagedkv failure is raised; a peer's is its row."""
+    from pagedkv.bench.common import weights_of
+
     spec = trace_spec(reqs, threads, vocab_size)
+    ours = weights_of(loaded) if loaded is not None else "int4"
     rows = []
     if loaded is not None:
         log(f"[peers] pagedkv offline trace ({len(reqs)} requests) ...")
@@ -119,7 +122,7 @@ def run_trace(systems: set[str], loaded: Any, engine_kwargs: dict[str, Any], req
     for name in VENV_SYSTEMS:
         if name in systems:
             log(f"[peers] {name} offline trace (its own venv) ...")
-            rows.append(run_trace_peer(name, spec))
+            rows.append(run_trace_peer(name, spec, pagedkv_weights=ours))
             log(f"[peers] {name}: {rows[-1]['status']} {rows[-1].get('reason') or ''}")
     shown = {k: v for k, v in spec.items() if k != "requests"}
     shown.update(requests=len(reqs), prompt_len=summarize(r.prompt_len for r in reqs),

@@ -11,8 +11,9 @@ the same :func:`pagedkv.bench.peers.worker.measure` in this process.
 
 Weight classes: pagedkv int4 = the GGUF's Q4_1 codes (4.5 bits/weight with scale and min);
 OpenVINO int4 asym g32 = the same bytes class (4 bits + fp16 scale and zero point per 32);
-vLLM-CPU has no kernel for either here, so it runs its default bf16 (16 bits/weight): its row
-is "each system's best default", not "same bytes".
+vLLM-CPU has no kernel for either here, so it runs its default bf16 (16 bits/weight): beside
+pagedkv int4 its row is "each system's best default", not "same bytes"; beside pagedkv's
+``--weights bf16`` (the same values rounded to bf16) it is the same bytes (:func:`weight_class`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,20 @@ WEIGHT_CLASS = {
     OPENVINO_FP16: ("fp16 IR (optimum-intel's default export; the CPU plugin computes at its default inference "
                     "precision, bf16 on a CPU with AVX512-BF16): OpenVINO's best default, not same bytes"),
 }
+
+
+def weight_class(name: str, pagedkv_weights: str = "int4") -> str:
+    """What system ``name``'s weights are, as the results state it, given pagedkv's linear-layer
+    format in the same run (``pagedkv_weights``): with pagedkv at ``bf16`` (the GGUF's values
+    rounded to bf16, as vLLM rounds the same values from the fp32 export) vLLM's row is the
+    same bytes; at ``int4`` pagedkv keeps the Q4_1 codes; any other format is named as is."""
+    if name == "pagedkv":
+        if pagedkv_weights == "bf16":
+            return "bf16: the GGUF's values rounded to bf16 (the values vLLM gets from the fp32 export)"
+        return WEIGHT_CLASS["pagedkv"] if pagedkv_weights == "int4" else pagedkv_weights
+    if name == VLLM and pagedkv_weights == "bf16":
+        return "bf16 (vLLM-CPU's default, from the fp32 export): the same bytes as pagedkv's bf16"
+    return WEIGHT_CLASS[name]
 
 
 def peers_root() -> Path:
@@ -95,10 +110,11 @@ def last_json(stdout: str) -> dict[str, Any]:
 
 
 def run_venv_peer(name: str, spec: dict[str, Any], timeout: float = 1800.0,
-                  root: Optional[Path] = None) -> dict[str, Any]:
+                  root: Optional[Path] = None, pagedkv_weights: str = "int4") -> dict[str, Any]:
     """Peer ``name`` measured by its worker in its own venv. Returns a row: ``status`` ok with
-    the worker's JSON, or ``not installed`` / ``failed`` with ``reason`` (the venv or model
-    missing, the exit status and the last lines of stderr)."""
+    the worker's JSON and ``weights`` (:func:`weight_class` beside pagedkv's ``pagedkv_weights``),
+    or ``not installed`` / ``failed`` with ``reason`` (the venv or model missing, the exit
+    status and the last lines of stderr)."""
     py, model = venv_python(name, root), model_dir(name, root)
     if not py.is_file():
         return {"name": name, "status": "not installed", "reason": f"no {py}: run `make peers`"}
@@ -120,13 +136,13 @@ def run_venv_peer(name: str, spec: dict[str, Any], timeout: float = 1800.0,
         out = last_json(r.stdout)
     except ValueError as exc:
         return {"name": name, "status": "failed", "reason": str(exc)}
-    return {"name": name, "status": "ok", "reason": None, **out, "weights": WEIGHT_CLASS[name]}
+    return {"name": name, "status": "ok", "reason": None, **out, "weights": weight_class(name, pagedkv_weights)}
 
 
 def measure_pagedkv(loaded: Any, spec: dict[str, Any], engine_kwargs: dict[str, Any]) -> dict[str, Any]:
     """pagedkv (``LLM.generate``, one request at a time) timed by the same
     :func:`pagedkv.bench.peers.worker.measure` as the peers. Returns the row."""
-    from pagedkv.bench.common import greedy
+    from pagedkv.bench.common import greedy, weights_of
     from pagedkv.engine.llm import LLM
 
     llm = LLM(loaded, **engine_kwargs)
@@ -141,7 +157,7 @@ def measure_pagedkv(loaded: Any, spec: dict[str, Any], engine_kwargs: dict[str, 
         version: Optional[str] = metadata.version("pagedkv")
     except metadata.PackageNotFoundError:
         version = None
-    return {"name": "pagedkv", "status": "ok", "reason": None, "weights": WEIGHT_CLASS["pagedkv"],
+    return {"name": "pagedkv", "status": "ok", "reason": None, "weights": weight_class("pagedkv", weights_of(loaded)),
             "threads": spec["threads"], "version": version, **peer_worker.measure(gen, spec)}
 
 
@@ -192,7 +208,10 @@ def run_b1_prefill(systems: set[str], loaded: Any, engine_kwargs: dict[str, Any]
                    vocab_size: int, tiny: bool = False, log: Any = print) -> dict[str, Any]:
     """pagedkv (``loaded``, unless None) then every venv peer in
     ``systems``, one after another. Returns the section: spec, method, rows and ratios."""
+    from pagedkv.bench.common import weights_of
+
     spec = b1_prefill_spec(threads, vocab_size, tiny)
+    ours = weights_of(loaded) if loaded is not None else "int4"
     rows = []
     if loaded is not None:
         log("[peers] pagedkv batch-1/prefill ...")
@@ -200,7 +219,7 @@ def run_b1_prefill(systems: set[str], loaded: Any, engine_kwargs: dict[str, Any]
     for name in VENV_SYSTEMS:
         if name in systems:
             log(f"[peers] {name} (its own venv) ...")
-            rows.append(run_venv_peer(name, spec))
+            rows.append(run_venv_peer(name, spec, pagedkv_weights=ours))
             log(f"[peers] {name}: {rows[-1]['status']} {rows[-1].get('reason') or ''}")
     method = ((peer_worker.__doc__ or "").split("The measurement is ")[1].split("SPEC:")[0]).strip()
     return {"spec": spec, "method": "The measurement is " + " ".join(method.split()), "rows": rows,

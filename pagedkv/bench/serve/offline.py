@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 from pagedkv.bench.peers import worker as peer_worker
 from pagedkv.bench.common import RunFacts, json_clean, load_average, log
-from pagedkv.bench.peers.venv import OPENVINO, OPENVINO_NO_SERVER, WEIGHT_CLASS, run_venv_peer
+from pagedkv.bench.peers.venv import OPENVINO, OPENVINO_NO_SERVER, run_venv_peer, weight_class
 
 NAME = "serving_peer_openvino"
 #: pagedkv / OpenVINO offline output tokens/s at least this, per concurrency (the served goal)
@@ -64,7 +64,7 @@ def measure_pagedkv_batched(loaded: Any, spec: dict[str, Any]) -> dict[str, Any]
         return [o.token_ids for o in outs]
 
     return {"name": "pagedkv", "status": "ok", "reason": None, "threads": spec["threads"],
-            "weights": f"{weights_of(loaded)} ({WEIGHT_CLASS['pagedkv']}), "
+            "weights": f"{weight_class('pagedkv', weights_of(loaded))}, "
                        f"KV cache {spec.get('pagedkv_kv_cache_dtype', 'auto')}",
             "batched": peer_worker.measure_batched(gen_many, spec)}
 
