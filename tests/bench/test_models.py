@@ -262,6 +262,33 @@ def test_report_ratios_with_llama_cpp():
            "50.0 [50.0-50.0] | 400.0 [400.0-400.0] | 5.00 [5.00-5.00] |" in md
 
 
+def test_each_round_is_set_against_the_bandwidth_probed_around_it():
+    """A shared host's bandwidth moves between levels: each round's decode is divided by the
+    limit from the mean of its before/after probes (10 and 30 GB/s: 20 GB/s, a 1 GB file: 20
+    tok/s), beside the run-wide limit; runs without probes say so instead of a number."""
+    runs = []
+    for decode, (before, after) in ((20, (10e9, 30e9)), (30, (30e9, 30e9)), (25, (50e9, None))):
+        r = _ours(10, 2, decode, 100)
+        r["bandwidth"] = {"before": before, "after": after}
+        runs.append(r)
+    entry = {"size": "1.7b", "type": "q4_0", "file": {"bytes": 1e9},
+             "systems": {"pagedkv": {"status": "ok", "reason": None, "runs": runs},
+                         "llama.cpp": {"status": "not measured", "reason": "x", "runs": []}}}
+    s = summarize_model(entry, 40e9)["pagedkv"]
+    assert [s["round_bandwidth_bytes_per_s"][k] for k in ("q1", "median", "q3")] == [25e9, 30e9, 40e9]
+    # per round: 20 / 20, 30 / 30, 25 / 50 tok/s
+    assert [s["decode_fraction_of_round_limit"][k] for k in ("q1", "median", "q3")] == [0.75, 1.0, 1.0]
+    assert s["decode_fraction_of_limit"]["median"] == 25 / 40  # the run-wide limit: 40 tok/s
+    data = _fake_data({"status": "not measured", "reason": "x", "runs": []})
+    old = data["models"][0]["summary"]["pagedkv"]
+    assert old["round_bandwidth_bytes_per_s"] is None
+    assert old["missing"]["decode_fraction_of_round_limit"] == "not probed (a run from before the per-round probes)"
+    data["models"] = [entry]
+    entry["summary"] = summarize_model(entry, 40e9)
+    md = render_markdown(data, {})
+    assert "| 0.62 [0.56-0.69] | 30.0 [25.0-40.0] | 1.00 [0.75-1.00] |" in md
+
+
 def test_a_load_only_run_reports_start_up_only():
     """``--load-only``: cold and warm loads of both systems; no run peak RSS, prefill or decode,
     each saying why, and the table and plot keep the load columns only."""

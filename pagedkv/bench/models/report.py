@@ -10,7 +10,7 @@ from pagedkv.bench.protocol import cell, spread
 
 GB = 1e9
 METRICS = ("cold_load_s", "cold_load_peak_rss_bytes", "warm_load_s", "peak_rss_bytes", "cache_bytes", "decode_tokens_per_s",
-           "prefill_tokens_per_s", "decode_fraction_of_limit")
+           "prefill_tokens_per_s", "decode_fraction_of_limit", "round_bandwidth_bytes_per_s", "decode_fraction_of_round_limit")
 
 
 def _ok(rec: Optional[dict[str, Any]]) -> bool:
@@ -42,6 +42,11 @@ def run_metrics(system: str, run: dict[str, Any], file_bytes: int, bandwidth: fl
             m["peak_rss_bytes"] = bench.get("ru_maxrss")
     if m["decode_tokens_per_s"] and file_bytes and bandwidth:
         m["decode_fraction_of_limit"] = m["decode_tokens_per_s"] / (bandwidth / file_bytes)
+    probes = [v for v in ((run.get("bandwidth") or {}).get(k) for k in ("before", "after")) if v]
+    if probes:  # the bandwidth probed around this round (runs of older results have none)
+        m["round_bandwidth_bytes_per_s"] = sum(probes) / len(probes)
+        if m["decode_tokens_per_s"] and file_bytes:
+            m["decode_fraction_of_round_limit"] = m["decode_tokens_per_s"] / (m["round_bandwidth_bytes_per_s"] / file_bytes)
     return m
 
 
@@ -82,6 +87,9 @@ def summarize_model(entry: dict[str, Any], bandwidth: float) -> dict[str, Any]:
         part_of = {"cold_load_s": "cold", "cold_load_peak_rss_bytes": "cold", "warm_load_s": "warm", "cache_bytes": "cold"}
         default_part = "warm" if name == "pagedkv" else "bench"
         s["missing"] = {m: why_missing(system, part_of.get(m, default_part)) for m in METRICS if s[m] is None}
+        if not any(r.get("bandwidth") for r in system.get("runs", [])):
+            for m in ("round_bandwidth_bytes_per_s", "decode_fraction_of_round_limit"):
+                s["missing"][m] = "not probed (a run from before the per-round probes)"
         out[name] = s
     ours, peer = out.get("pagedkv") or {}, out.get("llama.cpp") or {}
     for m in ("decode_tokens_per_s", "prefill_tokens_per_s"):
@@ -96,6 +104,8 @@ COLUMNS = (  # (metric, header, scale, digits)
     ("warm_load_s", "warm load s", 1.0, 1), ("peak_rss_bytes", "run peak RSS GB", GB, 2), ("cache_bytes", "cache GB", GB, 2),
     ("decode_tokens_per_s", "decode tok/s", 1.0, 1), ("prefill_tokens_per_s", "prefill 512 tok/s", 1.0, 1),
     ("decode_fraction_of_limit", "decode / weight-read limit", 1.0, 2),
+    ("round_bandwidth_bytes_per_s", "read GB/s around the round", GB, 1),
+    ("decode_fraction_of_round_limit", "decode / the round's read limit", 1.0, 2),
 )
 
 
@@ -168,7 +178,10 @@ def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
         "Cache GB: what pagedkv's cold load wrote to its cache dir (llama.cpp writes none). "
         "`pagedkv (gguf)`: the linear-layer format pagedkv's `weights` setting chose for that file (`auto`: `gguf`, "
         "the file's blocks as stored, so a decode step reads the file's bytes as llama.cpp's does). The weight-read limit uses the file's tensor bytes (a mixture of experts: its routed experts' share); the bandwidth is `torch.sum`'s, not the machine's peak, "
-        "so a fraction above 1 means the limit is an underestimate, not that a system beat it.",
+        "so a fraction above 1 means the limit is an underestimate, not that a system beat it. "
+        "The last two columns set each round against the bandwidth probed just before and after it (their mean): "
+        "on a shared host the bandwidth left to one process moves between levels for seconds at a time, so the "
+        "run-wide limit alone mixes those levels.",
         "",
         f"Cells: median [interquartile range] over the rounds. Read bandwidth {bw['bytes_per_s'] / GB:.1f} GB/s "
         f"({bw['method']}); weight-read limit = bandwidth / bytes read per token tokens/s. llama.cpp: "

@@ -17,7 +17,10 @@ a fresh process under a timeout and an RSS guard (:mod:`pagedkv.bench.models.gua
 
 Load time is process start to ready for both. Peak RSS: ``ru_maxrss`` of the process that
 loaded the model and ran prefill and decode. Decode is also shown as a fraction of the
-weight-read limit: measured read bandwidth / bytes read per token tokens/s, where the bytes
+weight-read limit: measured read bandwidth / bytes read per token tokens/s, once with the
+run's bandwidth (the best of the start and the end of the whole run) and once per round with
+the bandwidth probed just before and after that system's round (their mean,
+:func:`probe_bandwidth`; a shared host's bandwidth moves between levels), where the bytes
 read per token are the file's tensor bytes, a mixture-of-experts file's stacked experts counted
 at their routed share (``expert_used_count / expert_count``; ``models.make.weight_bytes_per_token``).
 The ``moe-4b`` shape (``qwen3moe``, Qwen3-30B-A3B's 8-of-128 routing at half its width and
@@ -103,6 +106,14 @@ def read_bandwidth(threads: int, num_bytes: int = 1 << 30, repeats: int = 5) -> 
         torch.set_num_threads(before)
     return {"bytes_per_s": num_bytes / min(times), "method": f"torch.sum over a {num_bytes >> 20} MiB float32 buffer, "
             f"{threads} threads, best of {repeats}", "runs_s": times}
+
+
+def probe_bandwidth(threads: int) -> float:
+    """The host's read bandwidth now (bytes/s): :func:`read_bandwidth` over 512 MiB, best of 3
+    (~0.1 s). Taken before and after each system's round: on a shared host the bandwidth left
+    to a process moves between levels for seconds at a time (a Zen 4 VM: ~28 and ~42 GB/s),
+    so each run's decode is set against the bandwidth around it."""
+    return float(read_bandwidth(threads, num_bytes=512 << 20, repeats=3)["bytes_per_s"])
 
 
 def drop_page_cache(path: str, whole_machine: bool) -> dict[str, Any]:
@@ -310,7 +321,9 @@ def collect(args: argparse.Namespace, on_model: Optional[Callable[[dict[str, Any
                 for system in order:
                     if system == PAGEDKV and ours["status"] == "ok":
                         log(f"[models] {size} {qtype} round {r + 1}: pagedkv ...")
+                        before = probe_bandwidth(args.threads)
                         rec = {"round": r + 1, **pagedkv_round(path, args, spec)}
+                        rec["bandwidth"] = {"before": before, "after": probe_bandwidth(args.threads)}
                         ours["runs"].append(rec)
                         if rec["cold"]["status"] == "killed_rss":  # deterministic: the later rounds would repeat it
                             ours["status"], ours["reason"] = "killed", rec["cold"]["reason"]
@@ -318,7 +331,9 @@ def collect(args: argparse.Namespace, on_model: Optional[Callable[[dict[str, Any
                             f"warm {rec['warm']['status']} {rec['warm'].get('load_s')}")
                     elif system == LLAMA_CPP and peer["status"] == "ok":
                         log(f"[models] {size} {qtype} round {r + 1}: llama.cpp ...")
+                        before = probe_bandwidth(args.threads)
                         rec = {"round": r + 1, **llama_cpp_round(path, args, spec, tools)}
+                        rec["bandwidth"] = {"before": before, "after": probe_bandwidth(args.threads)}
                         peer["runs"].append(rec)
                         log(f"[models]   load {rec['cold'].get('load_s')} / {rec['warm'].get('load_s')}, "
                             f"bench {rec['bench']['status']} {rec['bench'].get('decode_tokens_per_s')}")
