@@ -66,6 +66,30 @@ from pagedkv.worker.worker import Worker
 logger = logging.getLogger("pagedkv")
 
 
+def pool_bytes(model: Any, cfg: EngineConfig, dtype: torch.dtype) -> int:
+    """Bytes of a pool of ``cfg.num_blocks`` blocks (one rank's, as a ``kv_cache_memory``
+    budget is) of ``model`` given as a path or ``None`` (the bundled model), sized from its
+    header alone (``load_config``), so the loader's host-memory check counts the KV cache when
+    the pool is given in blocks too; 0 for an already loaded model, or a model or KV option
+    that the loader and the engine refuse themselves (their ``ConfigError`` comes from there)."""
+    from pathlib import PurePath
+
+    from pagedkv.model.loader import load_config
+
+    if not (model is None or isinstance(model, (str, PurePath))):
+        return 0
+    try:
+        mc = load_config(model)
+        kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, dtype)
+        quant = FORMATS.get(kv_dtype)
+        group = check_group_size(cfg.kv_quant_group_size, mc.cache_head_dim) if quant else None
+        spec = KVCacheSpec.from_model_config(mc, quant.spec_dtype if quant else canonical_dtype(kv_dtype),
+                                             tp_size=cfg.tensor_parallel_size, quant_group_size=group)
+        return spec.block_bytes(cfg.block_size) * int(cfg.num_blocks)
+    except (ConfigError, OSError, ValueError):
+        return 0
+
+
 class LLMEngine:
     """The engine. ``model``: a path (GGUF file or HF safetensors directory), ``None`` for
     the bundled SmolLM2-135M-Instruct, or an already loaded ``pagedkv.model.loader.LoadedModel``
@@ -78,7 +102,7 @@ class LLMEngine:
         self.dtype = dtype = torch_dtype(cfg.dtype)
         logger.info("CPU: %s", cpu_isa.profile().summary())  # ConfigError for a bad $PAGEDKV_CPU_ISA
         # the device side (weights, backend, caches, compiled steps) is the worker's
-        kv_bytes = 0 if cfg.num_blocks is not None else parse_size(
+        kv_bytes = pool_bytes(model, cfg, dtype) if cfg.num_blocks is not None else parse_size(
             cfg.kv_cache_memory if cfg.kv_cache_memory is not None else "1GiB")
         worker = Worker.load(model, dtype=dtype, device=cfg.device, weights=cfg.weights,
                              attention_backend=cfg.attention_backend, tensor_parallel_size=cfg.tensor_parallel_size,

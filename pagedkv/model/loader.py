@@ -163,7 +163,7 @@ def load_config(model: str | Path | None = None) -> ModelConfig:
     path = resolve_model_path(model)
     if path.is_dir():
         return hf_config(path)
-    return gguf_config(path, read_gguf_header(path), file_identity(path)[:16])
+    return gguf_config(path, read_gguf_header(path, reuse=True), file_identity(path)[:16])
 
 
 def load_model(

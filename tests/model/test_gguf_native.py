@@ -115,6 +115,27 @@ def test_a_model_that_cannot_fit_is_refused_before_loading(bundled_gguf, tmp_pat
         load_model(bundled_gguf, weights="gguf", cache_dir=tmp_path, kv_bytes=4096 << 30)
 
 
+def test_a_pool_given_in_blocks_counts_in_the_memory_check(bundled_gguf, monkeypatch):
+    """``num_blocks=`` sizes the KV cache as surely as ``kv_cache_memory``: its bytes (from the
+    header: 30 layers x K and V x 3 KV heads x 64 x 4 bytes x 16 tokens = 737,280 B a block)
+    join the weights in the check before loading, so a pool the host cannot hold is refused
+    with the numbers instead of an OOM kill when its pages fill."""
+    from pagedkv.engine.config import EngineConfig
+    from pagedkv.engine.engine import LLMEngine, pool_bytes
+
+    cfg = EngineConfig.from_kwargs({"num_blocks": 10, "block_size": 16})
+    assert pool_bytes(bundled_gguf, cfg, torch.float32) == 10 * 737_280 == pool_bytes(None, cfg, torch.float32)
+    int8 = EngineConfig.from_kwargs({"num_blocks": 10, "block_size": 16, "kv_cache_dtype": "int8",
+                                     "kv_quant_group_size": 64})
+    assert pool_bytes(bundled_gguf, int8, torch.float32) < 10 * 737_280 // 3  # 1-byte codes plus scales
+    assert pool_bytes(object(), cfg, torch.float32) == 0  # a loaded model: nothing to check before loading
+    assert pool_bytes("/nonexistent.gguf", cfg, torch.float32) == 0  # the loader's own error comes later
+    monkeypatch.setattr(gguf_native, "build_gguf_model", lambda *a, **k: pytest.fail("read the weights"))
+    blocks = (4096 << 30) // 737_280
+    with pytest.raises(ConfigError, match=r"not enough memory: .*and the KV cache \(40\d\d\.\d\d GiB\)"):
+        LLMEngine(bundled_gguf, num_blocks=blocks, block_size=16)
+
+
 def test_auto_keeps_a_gguf_s_blocks_and_explicit_formats_stay_available(bundled_gguf, gemma3_gguf):
     fmt, why = loader.auto_weights(bundled_gguf, "int4", "auto: int4 here")
     assert fmt == "gguf" and "Q4_1 x210, Q8_0 x1" in why
