@@ -6,16 +6,16 @@ their weights and multiply; embeddings, norms, RoPE, attention and the KV cache 
 dtype. Every module has ``nn.Linear``'s forward: ``x [T, in]`` -> ``[T, out]``, in ``x``'s dtype.
 
 * ``fp32``: ``nn.Linear`` as loaded (exact; the transformers comparisons run on it).
-* ``bf16``: bfloat16 weights, activations cast to bf16 for the matmul (oneDNN), output cast back.
+* ``bf16``: bfloat16 weights, activations cast to bf16 for the matmul (oneDNN, on weights
+  prepacked once where the CPU multiplies bf16: ``pagedkv.ops.onednn_bf16``), output cast back.
 * ``int8``: symmetric per-output-channel int8 weights (scale = max|w| / 127 per row).
 * ``int4``: 4-bit codes in groups of 32 along the input, ``w = scale * q + min`` (q in 0..15):
   exactly GGUF's Q4_1 block (Q4_0: ``min = -8 * scale``), so a Q4 source keeps its stored codes.
   A tied LM head whose source is 8-bit (the bundled Q8_0 embeddings) is int8 in this format.
 
 Routes: ``fast`` runs ``pagedkv.ops.qmm`` (kernel ``"q8"``) for int8/int4 at every row count
-on CPUs without AMX: activations quantised on the fly to int8 blocks of 32, integer dot
-products with exact block sums on AVX2 (``vpmaddubsw``) or VNNI, weights packed once at load
-(docs/weights.md; the stored codes are then freed, ``QuantLinear._drop_codes``). On AMX hosts
+on CPUs without AMX (int8 activation blocks of 32, exact integer block sums, weights packed
+once; docs/weights.md; the stored codes then freed, ``QuantLinear._drop_codes``). On AMX hosts
 ``qmm`` takes inputs below ``int8_rows()`` rows; from there *dynamic int8* (each row of ``x``
 as two int8 rows, ``dynamic_int8_mm``: oneDNN's u8s8 linear on prepacked weights, exact with
 VNNI or AMX-INT8, ``CpuFeatures.int8_exact``), else ATen's weight-only kernels on bf16
@@ -23,7 +23,7 @@ activations (``torch._weight_int8pack_mm`` / ``_weight_int4pack_mm_for_cpu``) up
 ``KERNEL_ROWS`` and ``wide`` above (dequantise, one bf16 (AMX) or fp32 matmul); those also run
 where ``qmm`` cannot build or ``PAGEDKV_QMM=0``. ``fallback`` dequantises to the activation
 dtype and calls ``F.linear``: correct on any CPU, slow (``PAGEDKV_WEIGHT_ROUTE=fallback``
-forces it). ``pagedkv bench quality --part routes`` measures the routes.
+forces it; ``pagedkv bench quality --part routes`` measures the routes).
 """
 
 from __future__ import annotations
@@ -39,12 +39,11 @@ from torch import nn
 
 from pagedkv.errors import ConfigError
 from pagedkv.model import invariant
-from pagedkv.ops import qmm
+from pagedkv.ops import onednn_bf16, qmm
 from pagedkv.ops.int8_mm import dynamic_int8_mm, onednn_int8, register_int8
 from pagedkv.model.weight_choice import (  # noqa: F401 - part of this module's interface
     ROUTE_ENV, ROUTES, WEIGHT_CHOICES, WEIGHT_FORMATS, CpuFeatures, auto_route, check_weights, cpu_features,
-    resolve_weights,
-)
+    resolve_weights)
 
 GROUP_SIZE = 32
 #: the int8/int4 weight-only kernels multiply at most this many rows; with the dynamic int8
@@ -337,8 +336,8 @@ class QuantLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, fmt={self.fmt}, route={self.route}"
 
 
-class BF16Linear(QuantLinear):
-    """bf16 weights ``weight`` ``[out, in]``; fast route: one bf16 ``F.linear`` (oneDNN)."""
+class BF16Linear(onednn_bf16.PrepackedMixin, QuantLinear):
+    """bf16 ``weight`` ``[out, in]``; fast route: a bf16 oneDNN matmul (``pagedkv.ops.onednn_bf16``)."""
 
     fmt = "bf16"
 
@@ -347,11 +346,12 @@ class BF16Linear(QuantLinear):
         self.register_buffer("weight", weight.detach().to(torch.bfloat16).contiguous())
         self._set_bias(bias)
 
-    def dequantize(self) -> torch.Tensor:
-        return self.weight.float()
-
     def _fast(self, x: torch.Tensor) -> torch.Tensor:
-        return self._linear(x, self.weight)
+        y = self.onednn_linear(x)
+        return y if y is not None else self._linear(x, self.weight)
+
+    def prepack_wanted(self) -> bool:  # native bf16, not batch-invariant: not in deterministic mode
+        return self.route == "fast" and not self.deterministic and self._wide_bf16
 
 
 class Int8Linear(QuantLinear):

@@ -551,3 +551,38 @@ def test_released_int8_weights_leave_the_layer_on_its_other_kernels(monkeypatch,
     assert (m(x) - ref).abs().max().item() < 0.01 * ref.abs().max().item()
     with pytest.raises(RuntimeError, match="route is off"):
         m.int8_matmul(torch.zeros(2, 64, dtype=torch.uint8))
+
+
+def test_bf16_weights_prepacked_for_onednn_keep_their_bits_and_their_plain_copy(monkeypatch):
+    """Where the CPU multiplies bf16 natively, a prepared bf16 layer holds its weights once, in
+    oneDNN's blocked layout (the plain buffer freed), and multiplies with the same bits as the
+    plain bf16 ``F.linear``; the plain weights come back bit for bit for ``state_dict``,
+    ``dequantize``, a deep copy and deterministic mode, and a loaded state replaces the packed
+    copy. Elsewhere (an AVX2 host) and under ``PAGEDKV_BF16_PREPACK=0`` nothing is packed."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from pagedkv.model.quant import cpu_features
+
+    g = torch.Generator().manual_seed(7)
+    w, x = torch.randn(96, 64, generator=g), torch.randn(9, 64, generator=g)
+    wb = w.to(torch.bfloat16)
+    want = [F.linear(x[:r].to(torch.bfloat16), wb).float() for r in (1, 5, 9)]
+    m = BF16Linear(w).prepare("fast")
+    packed = m.weight is None
+    assert packed == cpu_features().bf16_fast  # AVX512-BF16 / AMX: packed; AVX2: plain F.linear
+    assert [torch.equal(m(x[:r]), v) for r, v in zip((1, 5, 9), want)] == [True] * 3
+    assert torch.equal(m.state_dict()["weight"], wb) and torch.equal(m.dequantize(), wb.float())
+    assert (m.weight is None) == packed  # state_dict made the plain copy for that call only
+    c = copy.deepcopy(m)
+    assert (c.weight is None) == packed and torch.equal(c(x[:5]), want[1])
+    m.set_deterministic(True)
+    assert torch.equal(m.weight, wb) and torch.equal(m(x[:1]), want[0])
+    m.set_deterministic(False)
+    assert (m.weight is None) == packed
+    w2 = torch.randn(96, 64, generator=g).to(torch.bfloat16)
+    m.load_state_dict({"weight": w2, "bias": None}, strict=False)
+    assert torch.equal(m(x[:5]), F.linear(x[:5].to(torch.bfloat16), w2).float())
+    monkeypatch.setenv("PAGEDKV_BF16_PREPACK", "0")
+    assert torch.equal(BF16Linear(w).prepare("fast").weight, wb)
