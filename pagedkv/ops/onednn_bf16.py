@@ -90,7 +90,8 @@ class PrepackedMixin:
             self._buffers["weight"] = None  # type: ignore[attr-defined]
 
     def _load_from_state_dict(self, state: dict, prefix: str, *args: Any) -> None:
-        self._unpack_weight()  # the loaded weights replace the plain copy; plain F.linear until prepare
+        if prefix + "weight" in state:  # new weights replace the plain copy: plain F.linear until prepare
+            self._unpack_weight()
         super()._load_from_state_dict(state, prefix, *args)  # type: ignore[misc]
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:  # oneDNN's opaque tensors cannot be copied

@@ -581,8 +581,28 @@ def test_bf16_weights_prepacked_for_onednn_keep_their_bits_and_their_plain_copy(
     assert torch.equal(m.weight, wb) and torch.equal(m(x[:1]), want[0])
     m.set_deterministic(False)
     assert (m.weight is None) == packed
+    m.load_state_dict({}, strict=False)  # a state without this layer's weights (a model's other parts)
+    assert (m.weight is None) == packed and torch.equal(m(x[:5]), want[1])
     w2 = torch.randn(96, 64, generator=g).to(torch.bfloat16)
     m.load_state_dict({"weight": w2, "bias": None}, strict=False)
     assert torch.equal(m(x[:5]), F.linear(x[:5].to(torch.bfloat16), w2).float())
     monkeypatch.setenv("PAGEDKV_BF16_PREPACK", "0")
     assert torch.equal(BF16Linear(w).prepare("fast").weight, wb)
+
+
+def test_a_bf16_model_holds_its_weights_once_prepacked_and_greedy_tokens_match_plain(bundled_gguf, monkeypatch):
+    """Through the loader (which loads the model's other tensors after the linears are
+    prepared) every bf16 layer stays prepacked where the CPU multiplies bf16 natively, and the
+    engine's greedy tokens equal those of the plain ``F.linear`` layers (``PAGEDKV_BF16_PREPACK=0``)."""
+    from pagedkv.model.loader import load_model
+    from pagedkv.model.quant import cpu_features
+
+    lm = load_model(bundled_gguf, weights="bf16")
+    layers = [m for m in lm.model.modules() if isinstance(m, BF16Linear)]
+    assert len(layers) == 121  # 30 x (qkv, o, gate_up, down) + the LM head
+    assert sum(m.weight is None for m in layers) == (121 if cpu_features().bf16_fast else 0)
+    packed = _greedy(lm)
+    monkeypatch.setenv("PAGEDKV_BF16_PREPACK", "0")
+    plain = load_model(bundled_gguf, weights="bf16")
+    assert all(m.weight is not None for m in plain.model.modules() if isinstance(m, BF16Linear))
+    assert packed == _greedy(plain)
