@@ -150,6 +150,11 @@ class CompiledDecode:
         self.steps = 0  # steps run compiled
         self._options: list[tuple[float, int | None, float | None]] | None = None  # per layer, for step_attention
         self.cache_dir = inductor_cache_dir()
+        from pagedkv.ops import onednn_bf16
+
+        for m in model.modules():  # bf16 layers: plain weights, which freezing prepacks in the graph
+            if isinstance(m, onednn_bf16.PrepackedMixin):
+                m.keep_plain()
         # the graph's attention op: the C++ one (pagedkv.ops.step_op) where it builds,
         # which runs prepared layers without Python and hands the rest to the Python op
         from pagedkv.ops import step_op

@@ -46,11 +46,13 @@ class PrepackedMixin:
     ``onednn_linear``. ``_onednn``: the packed copy while ``weight`` is None."""
 
     _onednn: Any = None
+    #: set by :meth:`keep_plain`: never packed again
+    plain_only = False
 
     def prepare(self, route: str | None = None) -> Any:
         self._unpack_weight()
         super().prepare(route)  # type: ignore[misc]
-        if self.prepack_wanted():
+        if not self.plain_only and self.prepack_wanted():
             packed = prepack(self.weight)  # type: ignore[has-type]
             if packed is not None:
                 self._onednn, self.weight = packed, None
@@ -59,6 +61,12 @@ class PrepackedMixin:
     def prepack_wanted(self) -> bool:
         """Whether ``prepare`` packs (the host's answer: its route, mode and CPU)."""
         return False
+
+    def keep_plain(self) -> None:
+        """Plain weights from now on: ``torch.compile`` cannot trace the opaque packed tensor,
+        and inductor's freezing prepacks a graph's bf16 weights itself (``compile_decode``)."""
+        self.plain_only = True
+        self._unpack_weight()
 
     def onednn_linear(self, x: torch.Tensor) -> torch.Tensor | None:
         """``x`` bf16 ``[..., in]`` times the prepacked weights, or None when not packed."""
@@ -96,5 +104,5 @@ class PrepackedMixin:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:  # oneDNN's opaque tensors cannot be copied
         out = type(self)(self._plain_weight().clone(), self.bias)  # type: ignore[call-arg,attr-defined]
-        out.deterministic = self.deterministic  # type: ignore[attr-defined]
+        out.deterministic, out.plain_only = self.deterministic, self.plain_only  # type: ignore[attr-defined]
         return out.prepare(self.route)  # type: ignore[attr-defined]

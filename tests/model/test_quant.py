@@ -577,6 +577,8 @@ def test_bf16_weights_prepacked_for_onednn_keep_their_bits_and_their_plain_copy(
     assert (m.weight is None) == packed  # state_dict made the plain copy for that call only
     c = copy.deepcopy(m)
     assert (c.weight is None) == packed and torch.equal(c(x[:5]), want[1])
+    c.keep_plain()
+    assert torch.equal(c.weight, wb) and torch.equal(copy.deepcopy(c).prepare("fast").weight, wb)
     m.set_deterministic(True)
     assert torch.equal(m.weight, wb) and torch.equal(m(x[:1]), want[0])
     m.set_deterministic(False)
@@ -606,3 +608,9 @@ def test_a_bf16_model_holds_its_weights_once_prepacked_and_greedy_tokens_match_p
     plain = load_model(bundled_gguf, weights="bf16")
     assert all(m.weight is not None for m in plain.model.modules() if isinstance(m, BF16Linear))
     assert packed == _greedy(plain)
+    # compiled steps keep plain weights (inductor's freezing packs them; the packed tensor does
+    # not trace), also through a later prepare
+    from pagedkv.model.compiled import CompiledDecode
+
+    CompiledDecode(lm.model)
+    assert all(m.weight is not None and m.prepare("fast").weight is not None for m in layers)
