@@ -219,3 +219,18 @@ def release_openmp_pool() -> bool:
         fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
         ok = (fn(1) == 0) or ok  # 1 = omp_pause_soft
     return ok
+
+
+def release_freed_memory() -> bool:
+    """Hand the heap's free pages back to the OS (glibc's ``malloc_trim(0)``). Tensors below
+    glibc's mmap threshold (up to 32 MB once it has adapted) come from malloc's arena, and
+    freeing them returns them to the arena, not the OS: the bundled model in ``weights=bf16``
+    kept 941 MB resident after its layers' plain weights were freed for their prepacked copies,
+    681 MB after this (736 MB unpacked). Returns False where the C library has no such call."""
+    try:
+        fn = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    fn(0)
+    return True

@@ -34,7 +34,7 @@ from pagedkv.model.quantize import install_linears, quantize_state
 from pagedkv.model.tokenizer import load_tokenizer
 from pagedkv.model.weight_cache import cache_root, entry_dir, file_identity, file_sha256
 from pagedkv.model.weights import StateDict, gguf_config, hf_config, hf_state_dict
-from pagedkv.utils import canonical_dtype, torch_dtype
+from pagedkv.utils import canonical_dtype, release_freed_memory, torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -294,6 +294,8 @@ def build_model(
     # the quantised modules already hold their tensors (copied where a kernel needs alignment)
     converted = {k: v.to(device=device, dtype=dtype) for k, v in state.items() if k not in taken}
     net.load_state_dict(converted, strict=False, assign=True)  # completeness checked above
+    del converted
+    release_freed_memory()  # the layers' freed copies (bf16 plain weights, dropped codes) back to the OS
     return net.eval().requires_grad_(False)
 
 

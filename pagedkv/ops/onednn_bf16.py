@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from pagedkv.utils import release_freed_memory
+
 #: ``0``: bf16 layers keep plain ``F.linear`` (no prepacked weights)
 ENV = "PAGEDKV_BF16_PREPACK"
 
@@ -56,6 +58,7 @@ class PrepackedMixin:
             packed = prepack(self.weight)  # type: ignore[has-type]
             if packed is not None:
                 self._onednn, self.weight = packed, None
+                release_freed_memory()  # the plain copy's pages, not left in malloc's arena
         return self
 
     def prepack_wanted(self) -> bool:
