@@ -79,15 +79,21 @@ def pool_bytes(model: Any, cfg: EngineConfig, dtype: torch.dtype) -> int:
     if not (model is None or isinstance(model, (str, PurePath))):
         return 0
     try:
-        mc = load_config(model)
-        kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, dtype)
-        quant = FORMATS.get(kv_dtype)
-        group = check_group_size(cfg.kv_quant_group_size, mc.cache_head_dim) if quant else None
-        spec = KVCacheSpec.from_model_config(mc, quant.spec_dtype if quant else canonical_dtype(kv_dtype),
-                                             tp_size=cfg.tensor_parallel_size, quant_group_size=group)
-        return spec.block_bytes(cfg.block_size) * int(cfg.num_blocks)
+        return kv_format(load_config(model), cfg, dtype)[2].block_bytes(cfg.block_size) * int(cfg.num_blocks)
     except (ConfigError, OSError, ValueError):
         return 0
+
+
+def kv_format(mc: Any, cfg: EngineConfig, dtype: torch.dtype) -> tuple[str, Optional[int], KVCacheSpec]:
+    """``(kv_cache_dtype, quant group size or None, KVCacheSpec)`` of the engine's cache for
+    model config ``mc``: a plain dtype, or int8/fp8 codes with scales per group. Raises
+    ``ConfigError`` for a group size the head dim does not take."""
+    kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, dtype)
+    quant = FORMATS.get(kv_dtype)  # a group size without one: EngineConfig raised
+    group = check_group_size(cfg.kv_quant_group_size, mc.cache_head_dim) if quant else None
+    spec = KVCacheSpec.from_model_config(mc, quant.spec_dtype if quant else canonical_dtype(kv_dtype),
+                                         tp_size=cfg.tensor_parallel_size, quant_group_size=group)
+    return kv_dtype, group, spec
 
 
 class LLMEngine:
@@ -121,18 +127,13 @@ class LLMEngine:
         if tp != 1:
             check_tp_size(mc, tp)  # ConfigError naming the valid sizes
         # the KV cache format: a plain dtype, or int8/fp8 codes + bf16 scales per group
-        self.kv_cache_dtype = kv_cache_dtype(cfg.kv_cache_dtype, dtype)
-        quant = FORMATS.get(self.kv_cache_dtype)  # a group size without one: EngineConfig raised
-        self.kv_quant_group_size = check_group_size(cfg.kv_quant_group_size, mc.cache_head_dim) if quant else None
+        self.kv_cache_dtype, self.kv_quant_group_size, self.kv_spec = kv_format(mc, cfg, dtype)
         # per layer its sliding window (None: full); all-full models keep one layer group
         windows = mc.layer_windows()
         self.layer_windows = windows if windows and any(w is not None for w in windows) else None
-        self.kv_spec = KVCacheSpec.from_model_config(
-            mc, quant.spec_dtype if quant else canonical_dtype(self.kv_cache_dtype), tp_size=tp,
-            quant_group_size=self.kv_quant_group_size,
-        )
         # the prefix-cache identity of this cache's bytes (format and, when quantised, group)
-        self.kv_format_id = f"{self.kv_cache_dtype}/g{self.kv_quant_group_size}" if quant else self.kv_cache_dtype
+        self.kv_format_id = (f"{self.kv_cache_dtype}/g{self.kv_quant_group_size}" if self.kv_cache_dtype in FORMATS
+                             else self.kv_cache_dtype)
         # speculative decoding: the proposer (n-gram; a draft model: its own worker, its K/V in
         # the target's blocks), handed to the executor, which runs it after each step's sampling
         proposer = make_proposer(cfg, loaded, self.model_id)
