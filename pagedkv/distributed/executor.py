@@ -53,13 +53,7 @@ from pagedkv.distributed.protocol import (
     pack_step,
 )
 from pagedkv.distributed.worker import (
-    INIT_KEY,
-    READY_KEY,
-    Rank,
-    env_rank,
-    handshake,
-    init_groups,
-    run_env_worker,
+    INIT_KEY, READY_KEY, Rank, env_rank, handshake, init_groups, load_rank, run_env_worker,
 )
 from pagedkv.errors import ConfigError, DistributedError
 from pagedkv.utils import free_port
@@ -190,6 +184,7 @@ class TPExecutor:
             "model_path": str(loaded.path),
             "cache_dir": str(loaded.cache_dir.parent) if getattr(loaded, "cache_dir", None) else None,
             "model_config": config.to_dict(),
+            "weights": loaded.weights,  # gguf: every rank reads its own slices of the stored blocks
             "dtype": str(dtype).removeprefix("torch."),
             "kv_cache_dtype": kv_cache_dtype,
             "kv_quant_group_size": kv_quant_group_size,
@@ -206,9 +201,9 @@ class TPExecutor:
             store = None
             if env is None:
                 store = self._spawn_workers()
-            state = loaded.model.state_dict()
-            self.rank0 = Rank(config, state, 0, tp_size, self.init, backend, str(device))
-            del state
+            _, state, model = load_rank(self.init, 0, str(device), loaded)  # a state dict, or its shard itself
+            self.rank0 = Rank(config, state, 0, tp_size, self.init, backend, str(device), model)
+            del state, model
             self.runner = self.rank0.runner
             if env is None:
                 self._wait_ready(store)

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from pagedkv.errors import DistributedError
 from pagedkv.worker.worker import Worker
 from pagedkv.distributed.parallel import TPShard, build_shard_model, shard_plan
+from pagedkv.model.gguf_native import held_bytes
 from pagedkv.distributed.protocol import (
     CMD_INFO,
     CMD_SHUTDOWN,
@@ -125,11 +126,15 @@ class Rank:
     """One rank's shard of the model, its attention backend and its KV cache (a
     ``ModelRunner`` whose caches hold only this rank's KV heads)."""
 
-    def __init__(self, config, state, rank: int, tp_size: int, init: dict, backend: Any, device: str) -> None:
+    def __init__(self, config, state, rank: int, tp_size: int, init: dict, backend: Any, device: str,
+                 model: Any = None) -> None:
         self.rank, self.tp_size, self.device = rank, tp_size, device
         self.shard: TPShard = shard_plan(config, rank, tp_size)
         dtype = getattr(torch, init["dtype"])
-        self.model = build_shard_model(config, state, self.shard, None, dtype, device)
+        # ``model``: the shard already built (a GGUF's stored blocks, pagedkv.model.gguf_shard); else sliced from ``state``
+        self.model = model if model is not None else build_shard_model(config, state, self.shard, None, dtype, device)
+        for layer in self.model.layers:  # until connect(): a layer never runs one-device code (native step, fused)
+            layer.all_reduce = _unconnected
         self.backend = backend
         self.num_blocks, self.block_size = init["num_blocks"], init["block_size"]
         # the caches are built as in one process (the same Worker code), for this rank's KV heads
@@ -149,8 +154,11 @@ class Rank:
     def info(self) -> dict:
         """What this rank holds: ``rank``, ``pid``, ``host``, ``device``, ``q_heads`` /
         ``kv_heads`` / ``mlp`` ranges, ``num_kv_heads``, ``num_blocks`` and ``block_size`` of
-        its allocated cache, ``kv_cache_bytes`` (all layers, K and V) and
-        ``kv_bytes_per_token`` (= ``kv_cache_bytes / (num_blocks * block_size)``)."""
+        its allocated cache, ``kv_cache_bytes`` (all layers, K and V),
+        ``kv_bytes_per_token`` (= ``kv_cache_bytes / (num_blocks * block_size)``), ``weights``
+        (``gguf``: slices of a GGUF's stored blocks, else the parameters' dtype) and
+        ``weight_bytes`` (what the shard holds: packed blocks and parameters,
+        ``gguf_native.held_bytes``)."""
         caches = self.runner.shared_caches  # a hybrid model's layers share them by group
         nbytes = _tensor_bytes(caches)
         blocks = getattr(caches[0], "num_blocks", self.num_blocks) if caches else self.num_blocks
@@ -160,6 +168,8 @@ class Rank:
             "mlp": list(self.shard.mlp), "moe": list(self.shard.moe), "num_kv_heads": self.shard.num_kv_heads,
             "num_blocks": int(blocks), "block_size": self.block_size, "num_layers": len(self.runner.kv_caches),
             "kv_cache_bytes": nbytes, "kv_bytes_per_token": nbytes // (int(blocks) * self.block_size),
+            "weights": _weights_format(self.model),
+            "weight_bytes": held_bytes(self.model),
         }
 
 
@@ -204,23 +214,43 @@ def setup_process(threads: int) -> None:
                             format=f"[pagedkv worker pid {os.getpid()}] %(message)s")
 
 
-def _load(init: dict, rank: int, device: str, loaded: Any = None):
-    """``(config, state)`` for this rank: from an already loaded model (same command on every
-    rank) or by loading the driver's model path (weights only, no tokenizer). Raises
-    ``DistributedError`` if the model differs from the driver's."""
-    from pagedkv.model.config import ModelConfig
-    from pagedkv.model.loader import load_weights
+def _weights_format(model: Any) -> str:
+    from pagedkv.model.gguf_native import GGUFLinear
 
-    if loaded is not None:
+    if any(isinstance(m, GGUFLinear) for m in model.modules()):
+        return "gguf"
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
+def _unconnected(t: torch.Tensor) -> None:
+    raise DistributedError("a tensor-parallel rank ran a layer before joining its process group")
+
+
+def load_rank(init: dict, rank: int, device: str, loaded: Any = None):
+    """``(config, state, model)`` for rank ``rank`` (the driver's rank 0 too): from an already
+    loaded model (the driver's, or the same command on every rank: its state, or the module
+    itself when it is this rank's shard) or by loading
+    the driver's model path (weights only, no tokenizer): with weights ``gguf`` this rank's
+    slices of the stored blocks (``model``, ``state`` None), else the float state dict
+    (``model`` None). Raises ``DistributedError`` if the model differs from the driver's."""
+    from pagedkv.model.config import ModelConfig
+    from pagedkv.model.loader import load_gguf_shard, load_weights
+
+    model = state = None
+    path = init.get("model_path_override") or init["model_path"]
+    if loaded is not None and loaded.shard is not None and loaded.shard.rank == rank:
+        config, model = loaded.config, loaded.model
+    elif init.get("weights") == "gguf":
+        config, model = load_gguf_shard(path, rank, init["tp_size"], cache_dir=init.get("cache_dir"))
+    elif loaded is not None:
         config, state = loaded.config, loaded.model.state_dict()
     else:
-        path = init.get("model_path_override") or init["model_path"]
         config, state, _ = load_weights(path, cache_dir=init.get("cache_dir"), use_cache=init.get("use_cache", True))
     want = ModelConfig.from_dict(init["model_config"])
     if config.to_dict() != want.to_dict():
         diff = sorted(k for k, v in want.to_dict().items() if config.to_dict().get(k) != v)
         raise DistributedError(f"rank {rank}: the model differs from the driver's (fields {diff})")
-    return config, state
+    return config, state, model
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -253,9 +283,9 @@ def spawn_main(rank: int, world_size: int, host: str, port: int, parent_pid: int
         device = rank_device(init["device"], rank)
         if torch.device(device).type == "cuda":
             torch.cuda.set_device(torch.device(device))
-        config, state = _load(init, rank, device)
-        r = Rank(config, state, rank, world_size, init, get_backend(init["backend"]), device)
-        del state
+        config, state, model = load_rank(init, rank, device)
+        r = Rank(config, state, rank, world_size, init, get_backend(init["backend"]), device, model)
+        del state, model
     except BaseException as e:  # noqa: BLE001 - reported to the driver, then exit
         store.set(key, f"error: {type(e).__name__}: {e}")
         raise SystemExit(1) from None
@@ -308,9 +338,9 @@ def run_env_worker(loaded: Any = None, *, timeout_s: float, startup_timeout_s: f
         device = rank_device(init["device"], local_rank)
         if torch.device(device).type == "cuda":
             torch.cuda.set_device(torch.device(device))
-        config, state = _load(init, rank, device, loaded)
-        r = Rank(config, state, rank, world, init, get_backend(init["backend"]), device)
-        del state
+        config, state, model = load_rank(init, rank, device, loaded)
+        r = Rank(config, state, rank, world, init, get_backend(init["backend"]), device, model)
+        del state, model
     except BaseException as e:  # noqa: BLE001 - reported to the driver
         handshake(groups, world, {"rank": rank, "error": f"{type(e).__name__}: {e}"})
         _destroy()

@@ -44,6 +44,7 @@ import torch
 from pagedkv import cpu_isa
 from pagedkv.ops import native
 from pagedkv.distributed import check_tp_size, make_executor
+from pagedkv.distributed.worker import env_rank
 from pagedkv.engine.builder import make_grammar_compiler, make_proposer
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.input_processor import InputLimits, InputProcessor
@@ -112,7 +113,8 @@ class LLMEngine:
             cfg.kv_cache_memory if cfg.kv_cache_memory is not None else "1GiB")
         worker = Worker.load(model, dtype=dtype, device=cfg.device, weights=cfg.weights,
                              attention_backend=cfg.attention_backend, tensor_parallel_size=cfg.tensor_parallel_size,
-                             kv_bytes=kv_bytes, deterministic=cfg.deterministic)
+                             kv_bytes=kv_bytes, deterministic=cfg.deterministic,
+                             tp_rank=(env_rank() or (0,))[0] if cfg.tensor_parallel_size > 1 else 0)
         loaded = worker.loaded
         logger.info("weights: %s (%s)", loaded.weights, loaded.weights_reason)
         if (warning := passive_wait_warning(torch.get_num_threads())) is not None:

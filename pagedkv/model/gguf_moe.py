@@ -21,6 +21,7 @@ count or shape does not fit the config, or a type the kernels do not take.
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any, Callable, Iterator
 
@@ -32,6 +33,7 @@ from pagedkv.errors import ConfigError
 from pagedkv.gguf_header import GGUFTensorInfo
 from pagedkv.ops import qmm
 from pagedkv.model.gguf_read import Reader
+from pagedkv.model.gguf_shard import packed_cut
 from pagedkv.model.gguf_read import qtype_name as _qtype
 from pagedkv.model.gguf_read import tensor_rows as _rows
 
@@ -43,11 +45,12 @@ ROUTER = "ffn_gate_inp"
 
 
 def expert_packed(reader: Reader, parts: list[GGUFTensorInfo], e: int,
-                  what: str) -> tuple[qmm.Packed, tuple[str, ...], int]:
+                  what: str, cut: Any = None) -> tuple[qmm.Packed, tuple[str, ...], int]:
     """``(packed weights, GGML type names, output rows)`` of expert ``e``'s rows of the stacked
     ``parts`` (each ``[E, rows, cols]``), stacked along the output rows in order; zero rows pad
     one type's buffer to a multiple of 8; parts of different types are packed each and
-    concatenated (``qmm.concat_packed``). Reads only expert ``e``'s bytes of the file."""
+    concatenated (``qmm.concat_packed``). Reads only expert ``e``'s bytes of the file.
+    ``cut``: a tensor-parallel rank's ``gguf_shard.Cut`` of the expert (its rows and columns only)."""
     k = parts[0].shape[-1]
     sizes = []
     for p in parts:
@@ -56,6 +59,9 @@ def expert_packed(reader: Reader, parts: list[GGUFTensorInfo], e: int,
         sizes.append((p.shape[1], _rows(p)[1]))
     types = tuple(_qtype(p) for p in parts)
     n = sum(r for r, _ in sizes)
+    if cut is not None:
+        pieces = [(p, rows, functools.partial(reader.into, p, skip=e * rows * rb)) for p, (rows, rb) in zip(parts, sizes)]
+        return packed_cut(pieces, [None] * len(parts), k, cut, what)
     try:
         if len(set(types)) == 1:
             buf = np.empty((n + (-n % 8), sizes[0][1]), dtype=np.uint8)
@@ -77,13 +83,14 @@ def expert_packed(reader: Reader, parts: list[GGUFTensorInfo], e: int,
     return packed, types, n
 
 
-def expert_jobs(layer: nn.Module, parts: dict[str, GGUFTensorInfo], i: int,
-                num_experts: int) -> Iterator[tuple[nn.Module, str, tuple[Any, ...]]]:
+def expert_jobs(layer: nn.Module, parts: dict[str, GGUFTensorInfo], i: int, num_experts: int,
+                cut_of: Callable[[str], Any] = lambda module: None) -> Iterator[tuple[nn.Module, str, tuple[Any, ...]]]:
     """``(expert module, attribute, (function, *args))`` for every expert matrix of layer ``i``
     (``layer.mlp``: a ``pagedkv.model.moe.MoE``) from its stacked GGUF ``parts`` (part name ->
     tensor): call ``function(reader, *args)`` for ``GGUFLinear``'s arguments. Raises
     ``ConfigError`` for a missing part, a dense layer given experts, or an expert count other
-    than ``num_experts``."""
+    than ``num_experts``. ``cut_of(module)``: a tensor-parallel rank's cut of each expert's
+    ``module`` (``gguf_shard.module_cut``), ``None`` for the whole matrix."""
     if getattr(layer, "mlp", None) is None:
         raise ConfigError(f"weights: layer {i} has stacked experts but the config makes it dense")
     groups: dict[str, list[GGUFTensorInfo | None]] = {"gate_up_proj": [None, None], "down_proj": [None]}
@@ -95,9 +102,11 @@ def expert_jobs(layer: nn.Module, parts: dict[str, GGUFTensorInfo], i: int,
     for module, infos in groups.items():
         if any(x is None for x in infos):
             raise ConfigError(f"weights: layer {i} is missing stacked expert tensors of {module}")
+    cuts = {module: cut_of(module) for module in groups}
     for e in range(num_experts):
         for module, infos in groups.items():
-            yield layer.mlp.experts[e], module, (expert_packed, infos, e, f"layer {i} expert {e} {module}")
+            fn = expert_packed if cuts[module] is None else functools.partial(expert_packed, cut=cuts[module])
+            yield layer.mlp.experts[e], module, (fn, infos, e, f"layer {i} expert {e} {module}")
 
 
 class LazyExpertLinear(nn.Module):

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import mmap
 import os
 import time
 import weakref
@@ -51,16 +50,18 @@ from torch import nn
 
 from pagedkv.errors import ConfigError
 from pagedkv.gguf_header import GGUFHeader, GGUFTensorInfo
-from pagedkv.model import gguf_mla, gguf_moe
+from pagedkv.model import gguf_mla, gguf_moe, gguf_shard
 from pagedkv.ops import qmm
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.families import GGUF_CONVENTIONS
+from pagedkv.model.gguf_read import GGUFEmbedding
 from pagedkv.model.gguf_read import Reader as _Reader
 from pagedkv.model.gguf_read import qtype_name as _qtype
 from pagedkv.model.gguf_read import stored_bytes as _nbytes
 from pagedkv.model.gguf_read import tensor_rows as _rows
 from pagedkv.model.packed_cache import PackedCache
 from pagedkv.model.quant import QuantLinear
+from pagedkv.model.tp_plan import shard_config
 from pagedkv.model.weights import _gguf_layer_name, _unpermute_rope_rows
 
 log = logging.getLogger(__name__)
@@ -68,8 +69,6 @@ log = logging.getLogger(__name__)
 __all__ = ["GGUFEmbedding", "GGUFLinear", "LoadReport", "build_gguf_model", "linear_types", "supported",
            "weight_bytes"]
 
-#: GGML types whose values are plain floats (norms, biases; a matrix of these has no kernel here)
-_FLOAT_TYPES = ("F32", "F16", "BF16")
 #: fused parts: GGUF part name -> (our module, position in the fused rows)
 _FUSED = {"attn_q": ("qkv_proj", 0), "attn_k": ("qkv_proj", 1), "attn_v": ("qkv_proj", 2),
           "ffn_gate": ("gate_up_proj", 0), "ffn_up": ("gate_up_proj", 1)}
@@ -112,7 +111,7 @@ def weight_bytes(header: GGUFHeader, config: ModelConfig) -> int:
     for t in header.tensors:
         if t.name == "token_embd.weight":
             total += _nbytes(t) if config.tie_word_embeddings else 0
-        elif _qtype(t) in _FLOAT_TYPES:
+        elif _qtype(t) in gguf_shard.FLOAT_TYPES:
             total += int(np.prod(t.shape, dtype=np.int64)) * 4
         else:
             total += _nbytes(t)
@@ -179,46 +178,6 @@ class GGUFLinear(QuantLinear):
         return f"in={self.in_features}, out={self.out_features}, types={'+'.join(self.types)}, route={self.route}"
 
 
-class GGUFEmbedding(nn.Module):
-    """Token embeddings read from the GGUF file's memory map: ``forward(ids int64 [T])`` ->
-    float32 ``[T, H]`` (a fresh tensor), the looked-up rows dequantised by ``gguf.dequantize``.
-    Raises ``IndexError`` for an id outside ``[0, num_embeddings)``. Holds the map open;
-    ``close()`` releases it. ``num_embeddings``/``embedding_dim`` as ``nn.Embedding``."""
-
-    def __init__(self, path: Path, info: GGUFTensorInfo) -> None:
-        super().__init__()
-        import gguf
-
-        self.qtype = gguf.GGMLQuantizationType(info.ggml_type)
-        self.num_embeddings, self.embedding_dim = info.shape
-        block, size = gguf.GGML_QUANT_SIZES[self.qtype]
-        self.row_bytes = self.embedding_dim // block * size
-        self._file = open(path, "rb")
-        self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
-        self._rows = np.frombuffer(self._map, dtype=np.uint8, count=self.row_bytes * self.num_embeddings,
-                                   offset=info.offset).reshape(self.num_embeddings, self.row_bytes)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        import gguf
-
-        ids = input_ids.detach().cpu().numpy()
-        if ids.size and (ids.min() < 0 or ids.max() >= self.num_embeddings):
-            raise IndexError(f"token id out of range [0, {self.num_embeddings})")
-        rows = gguf.dequantize(self._rows[ids], self.qtype)
-        return torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32)).reshape(-1, self.embedding_dim)
-
-    def close(self) -> None:
-        self._rows = None
-        try:
-            self._map.close()
-        except BufferError:  # a view is still alive; the map goes with the last one
-            pass
-        self._file.close()
-
-    def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, type={self.qtype.name} (memory-mapped)"
-
-
 @dataclass
 class LoadReport:
     """What a streaming load did: ``tensors`` read, ``bytes_read`` from the file,
@@ -253,12 +212,13 @@ def _unpermute_into(raw: np.ndarray, n_heads: int, out: np.ndarray) -> None:
 
 
 def _packed(reader: _Reader, parts: list[tuple[GGUFTensorInfo, int | None, GGUFTensorInfo | None]],
-            what: str) -> tuple[qmm.Packed, tuple[str, ...], int]:
+            what: str, cut: gguf_shard.Cut | None = None) -> tuple[qmm.Packed, tuple[str, ...], int]:
     """``(packed weights, GGML type names, output rows)`` from stored parts ``(weight, heads to
     un-permute or None, bias or None)`` stacked along the output rows. Parts of one type are
     read straight into one buffer (zero rows pad it to a multiple of 8) and packed once; parts of
     different types are packed each and concatenated (``qmm.concat_packed``; each must be a
-    multiple of 8 rows). Touches no shared state but ``reader`` (safe on loader threads)."""
+    multiple of 8 rows). ``cut``: a tensor-parallel rank's rows and columns only
+    (``gguf_shard``). Touches no shared state but ``reader`` (safe on loader threads)."""
     types = tuple(_qtype(w) for w, _, _ in parts)
     k = parts[0][0].shape[-1]
     if any(w.shape[-1] != k for w, _, _ in parts):
@@ -276,12 +236,17 @@ def _packed(reader: _Reader, parts: list[tuple[GGUFTensorInfo, int | None, GGUFT
         else:
             _unpermute_into(reader.take(w), heads, out)
 
+    if cut is not None and (cut.rows is not None or len(parts) > 1 or parts[0][1] is not None or biases[0] is not None):
+        pieces = [(w, _rows(w)[0], functools.partial(read, w, heads)) for w, heads, _ in parts]
+        return gguf_shard.packed_cut(pieces, biases, k, cut, what)
     try:
         if len(parts) == 1 and parts[0][1] is None:  # one stored matrix: packed a chunk of rows at a time
-            n = _rows(parts[0][0])[0]
+            w, n = parts[0][0], _rows(parts[0][0])[0]
             pad = -n % 8
             bias = None if biases[0] is None else torch.cat([biases[0], torch.zeros(pad)]).float().contiguous()
-            packed = qmm.pack_gguf_rows(types[0], n + pad, k, lambda r0, r1: reader.rows(parts[0][0], r0, r1), bias)
+            take = (lambda r0, r1: reader.rows(w, r0, r1)) if cut is None else (
+                lambda r0, r1: cut.take_cols(w, reader.rows(w, r0, r1)))  # a row-parallel rank's columns
+            packed = qmm.pack_gguf_rows(types[0], n + pad, k if cut is None else cut.width(k), take, bias)
         elif len(set(types)) == 1:
             sizes = [_rows(w) for w, _, _ in parts]
             n = sum(r for r, _ in sizes)
@@ -321,7 +286,7 @@ def _layer_tensors(header: GGUFHeader) -> dict[int, list[GGUFTensorInfo]]:
 
 def build_gguf_model(path: Path, header: GGUFHeader, config: ModelConfig, route: str | None = None,
                      progress: bool | None = None, lazy_experts: bool | None = None,
-                     packed_cache: PackedCache | None = None) -> tuple[nn.Module, LoadReport]:
+                     packed_cache: PackedCache | None = None, shard: Any = None) -> tuple[nn.Module, LoadReport]:
     """A float32 ``LlamaForCausalLM`` for the GGUF at ``path`` whose linear layers are
     ``GGUFLinear`` on the stored blocks and whose embedding is a ``GGUFEmbedding``, streamed
     tensor by tensor (module doc). ``progress``: a tqdm bar over the bytes read (``None``: on a
@@ -329,7 +294,9 @@ def build_gguf_model(path: Path, header: GGUFHeader, config: ModelConfig, route:
     experts' matrices are read at their first use (``gguf_moe.LazyExpertLinear``).
     ``packed_cache`` (``pagedkv.model.packed_cache``, opened): matrices it holds are mapped from
     it instead of read and packed; when it did not hold them all, the packed matrices are stored
-    in it (a background thread) for the next load. Returns ``(model in eval mode, LoadReport)``. Raises ``ConfigError`` for an
+    in it (a background thread) for the next load. ``shard``: a tensor-parallel rank's
+    ``TPShard``: the model of its heads and columns (``gguf_shard``; no packed cache). Returns
+    ``(model in eval mode, LoadReport)``. Raises ``ConfigError`` for an
     unsupported type (``supported``), a missing or unexpected tensor, a truncated file, or a
     ``PAGEDKV_LAZY_EXPERTS`` other than ``0`` / ``1``."""
     from tqdm.auto import tqdm
@@ -341,7 +308,12 @@ def build_gguf_model(path: Path, header: GGUFHeader, config: ModelConfig, route:
         raise ConfigError(f"weights 'gguf': {path.name}: {why}")
     t0 = time.perf_counter()
     conv = GGUF_CONVENTIONS[config.architecture]
-    net = LlamaForCausalLM(config, dtype=torch.float32, device="cpu", materialize=False)
+    if shard is not None:
+        why, packed_cache = gguf_shard.tp_problem(header, config, shard.tp_size), None
+        if why is not None:
+            raise ConfigError(f"weights 'gguf' with tensor_parallel_size {shard.tp_size}: {why}")
+    net = LlamaForCausalLM(config if shard is None else shard_config(config, shard), dtype=torch.float32,
+                           device="cpu", materialize=False)
     by_name = {t.name: t for t in header.tensors}
     bar = tqdm(total=sum(_nbytes(t) for t in header.tensors), unit="B", unit_scale=True,
                desc=f"loading {path.name}", disable=(None if progress is None else not progress), leave=False)
@@ -375,7 +347,8 @@ def build_gguf_model(path: Path, header: GGUFHeader, config: ModelConfig, route:
 
     def later(owner: nn.Module, attr: str, parts: list, what: str) -> None:
         k, types = parts[0][0].shape[-1], tuple(_qtype(w) for w, _, _ in parts)
-        jobs.append((owner, attr, what, submit(what, k, types, _packed, reader, parts, what)))
+        cut = None if owner is net else gguf_shard.module_cut(config, shard, attr)
+        jobs.append((owner, attr, what, submit(what, k, types, _packed, reader, parts, what, cut)))
 
     try:
         for i, infos in sorted(_layer_tensors(header).items()):
@@ -412,7 +385,8 @@ def build_gguf_model(path: Path, header: GGUFHeader, config: ModelConfig, route:
                     floats[f"layers.{i}.{ours}"] = w - 1.0 if conv["norms_plus_one"] else w
             if mla is not None:
                 mla.finish()
-            expert_jobs = gguf_moe.expert_jobs(layer, experts, i, config.num_experts) if experts else ()
+            expert_jobs = gguf_moe.expert_jobs(layer, experts, i, config.num_experts,
+                                               lambda m: gguf_shard.module_cut(config, shard, m, True)) if experts else ()
             for owner, attr, (fn, *args) in expert_jobs:
                 if lazy_reader is not None:
                     old = getattr(owner, attr)

@@ -6,11 +6,13 @@ streaming loaders use (``pagedkv.model.gguf_native`` for ``weights="gguf"``,
 tensor's bytes are this process's memory only while a buffer holds them; ``rows`` reads a
 range of a matrix's rows, so a large tensor can be handled a chunk at a time. Sizes and types
 come from the header (``pagedkv.gguf_header``); ``ConfigError`` names the tensor for an unknown
-type, a row that is not whole blocks, or a file that ends early.
+type, a row that is not whole blocks, or a file that ends early. ``GGUFEmbedding`` looks up
+token-embedding rows in the file's memory map (only the rows a step reads become resident).
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 from pathlib import Path
@@ -18,11 +20,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from pagedkv.errors import ConfigError
 from pagedkv.gguf_header import GGML_TYPES, GGUFTensorInfo
 
-__all__ = ["Reader", "check_extent", "dequantize_rows", "qtype_name", "stored_bytes", "tensor_rows"]
+__all__ = ["GGUFEmbedding", "Reader", "block_size", "check_extent", "dequantize_rows", "qtype_name", "stored_bytes",
+           "tensor_rows"]
 
 
 def qtype_name(info: GGUFTensorInfo) -> str:
@@ -38,7 +42,7 @@ def qtype_name(info: GGUFTensorInfo) -> str:
         raise ConfigError(f"weights: {info.name} has unknown GGML type {info.ggml_type}") from None
 
 
-def _block_size(info: GGUFTensorInfo) -> tuple[int, int]:
+def block_size(info: GGUFTensorInfo) -> tuple[int, int]:
     """``(values, bytes)`` of one block of ``info``'s type (``GGML_TYPES``, else ``gguf``'s
     table); ``ConfigError`` for an unknown type."""
     known = GGML_TYPES.get(info.ggml_type)
@@ -52,7 +56,7 @@ def _block_size(info: GGUFTensorInfo) -> tuple[int, int]:
 def tensor_rows(info: GGUFTensorInfo) -> tuple[int, int]:
     """``(rows, bytes per row)`` of a stored tensor (a 1-D tensor is one row); ``ConfigError``
     for an unknown type or a row that is not whole blocks."""
-    block, size = _block_size(info)
+    block, size = block_size(info)
     *outer, inner = info.shape
     if inner % block:
         raise ConfigError(f"weights: {info.name} row length {inner} is not whole {qtype_name(info)} blocks")
@@ -61,7 +65,7 @@ def tensor_rows(info: GGUFTensorInfo) -> tuple[int, int]:
 
 def stored_bytes(info: GGUFTensorInfo) -> int:
     """Bytes of a tensor's stored blocks in the file."""
-    block, size = _block_size(info)
+    block, size = block_size(info)
     return int(np.prod(info.shape, dtype=np.int64)) // block * size
 
 
@@ -143,3 +147,43 @@ class Reader:
 
     def close(self) -> None:
         os.close(self.fd)
+
+
+class GGUFEmbedding(nn.Module):
+    """Token embeddings read from the GGUF file's memory map: ``forward(ids int64 [T])`` ->
+    float32 ``[T, H]`` (a fresh tensor), the looked-up rows dequantised by ``gguf.dequantize``.
+    Raises ``IndexError`` for an id outside ``[0, num_embeddings)``. Holds the map open;
+    ``close()`` releases it. ``num_embeddings``/``embedding_dim`` as ``nn.Embedding``."""
+
+    def __init__(self, path: Path, info: GGUFTensorInfo) -> None:
+        super().__init__()
+        import gguf
+
+        self.qtype = gguf.GGMLQuantizationType(info.ggml_type)
+        self.num_embeddings, self.embedding_dim = info.shape
+        block, size = gguf.GGML_QUANT_SIZES[self.qtype]
+        self.row_bytes = self.embedding_dim // block * size
+        self._file = open(path, "rb")
+        self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+        self._rows = np.frombuffer(self._map, dtype=np.uint8, count=self.row_bytes * self.num_embeddings,
+                                   offset=info.offset).reshape(self.num_embeddings, self.row_bytes)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        import gguf
+
+        ids = input_ids.detach().cpu().numpy()
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_embeddings):
+            raise IndexError(f"token id out of range [0, {self.num_embeddings})")
+        rows = gguf.dequantize(self._rows[ids], self.qtype)
+        return torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32)).reshape(-1, self.embedding_dim)
+
+    def close(self) -> None:
+        self._rows = None
+        try:
+            self._map.close()
+        except BufferError:  # a view is still alive; the map goes with the last one
+            pass
+        self._file.close()
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, type={self.qtype.name} (memory-mapped)"

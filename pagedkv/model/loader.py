@@ -57,7 +57,9 @@ class LoadedModel:
     tokenizer came from it; ``load_seconds``: wall time; ``weights``: the linear layers' weight
     format (``pagedkv.model.quant``) and ``weights_reason`` why it was chosen; ``report`` for a
     GGUF: a ``gguf_native.LoadReport`` (weights ``gguf``) or ``gguf_formats.StreamReport`` (the
-    other formats: tensors, bytes read, state bytes, seconds), else ``None``.
+    other formats: tensors, bytes read, state bytes, seconds), else ``None``; ``shard``: the
+    ``TPShard`` whose slices ``model`` holds (weights ``gguf`` with tensor parallelism; ``config``
+    is still the whole model's), else ``None``.
     """
 
     model: LlamaForCausalLM
@@ -70,6 +72,7 @@ class LoadedModel:
     weights: str = "fp32"
     weights_reason: str = "requested"
     report: Any = None
+    shard: Any = None
 
 
 def resolve_model_path(model: str | Path | None = None) -> Path:
@@ -111,20 +114,33 @@ def auto_weights(model: str | Path | None, fmt: str, why: str, dtype: Any = "fp3
     * an HF directory: its own dtype: ``bf16`` for a bfloat16 checkpoint where the CPU
       multiplies bf16 natively (exact: the checkpoint's values), else ``fp32``.
 
-    A 16-bit model, another device or tensor parallelism (``fmt`` is then the model dtype) keep
-    ``fmt``. Reads the header or ``config.json`` only; raises ``ConfigError`` as
-    ``resolve_model_path`` does."""
-    if canonical_dtype(dtype) != "fp32" or str(device).split(":")[0] != "cpu" or tensor_parallel_size != 1:
+    With tensor parallelism a GGUF keeps its stored blocks too, each rank its slices of them,
+    where every rank's slices are whole blocks (``gguf_shard.tp_problem``; else its values in
+    fp32, the reason says why). A 16-bit model, another device, or tensor parallelism over an HF
+    directory (``fmt`` is then the model dtype) keep ``fmt``. Reads the header or ``config.json``
+    only; raises ``ConfigError`` as ``resolve_model_path`` does (and ``check_tp_size``'s)."""
+    if canonical_dtype(dtype) != "fp32" or str(device).split(":")[0] != "cpu":
         return fmt, why
     path = resolve_model_path(model)
+    if tensor_parallel_size != 1 and not path.is_file():
+        return fmt, why
     if path.is_file():
-        from pagedkv.model import gguf_native
+        from pagedkv.model import gguf_native, gguf_shard
 
         header = read_gguf_header(path, reuse=True)
         problem = gguf_native.supported(header)
+        if problem is None and tensor_parallel_size != 1:
+            config = gguf_config(path, header, file_identity(path)[:16])
+            problem = gguf_shard.tp_problem(header, config, tensor_parallel_size)
+            if problem is not None and (config.num_experts or config.is_mla):  # no float load to fall back to
+                raise ConfigError(f"tensor_parallel_size {tensor_parallel_size}: {path.name} loads on its stored "
+                                  f"blocks only (weights='gguf'), and {problem}")
+            if problem is not None:
+                problem = f"tensor_parallel_size {tensor_parallel_size}: {problem}"
         if problem is None:
             kinds = ", ".join(f"{k} x{v}" for k, v in sorted(gguf_native.linear_types(header).items()))
-            return "gguf", f"auto: the file's stored blocks ({kinds}) on the integer kernels"
+            split = f", each of {tensor_parallel_size} ranks holding its slices" if tensor_parallel_size != 1 else ""
+            return "gguf", f"auto: the file's stored blocks ({kinds}) on the integer kernels{split}"
         return "fp32", f"auto: the file's values in fp32 ({problem}; weights='int8' requantises them if asked)"
     import json
 
@@ -176,6 +192,8 @@ def load_model(
     use_cache: bool = True,
     route: str | None = None,
     kv_bytes: int = 0,
+    tensor_parallel_size: int = 1,
+    tp_rank: int = 0,
 ) -> LoadedModel:
     """Load weights, config and tokenizer.
 
@@ -193,7 +211,10 @@ def load_model(
     weights when a GGUF's load checks the host's memory before reading them (``check_memory``). ``route``: ``fast`` | ``fallback`` kernel of the quantised
     layers (default: what this CPU runs fast). ``cache_dir``: root of the GGUF tokenizer cache
     and file identities (default ``cache_root()``); ``use_cache=False`` neither reads nor writes
-    the tokenizer entry.
+    the tokenizer entry. ``tensor_parallel_size`` > 1 with weights ``gguf``: the model holds
+    rank ``tp_rank``'s slices of the stored blocks only (``LoadedModel.shard``,
+    ``pagedkv.model.gguf_shard``), and the memory check counts every rank's weights and KV
+    cache (``kv_bytes`` each); other formats load whole (the ranks slice float weights).
 
     Raises ``ConfigError`` for a missing path, a directory without ``config.json``, an
     unsupported architecture/quantisation/dtype/weight format, or missing/mis-shaped weights.
@@ -203,13 +224,14 @@ def load_model(
     if weights is None:  # unquantised, in the model dtype
         fmt, why = canonical_dtype(dtype), "the model dtype"
     else:
-        fmt, why = resolve_weights(weights, dtype, device=device)
+        fmt, why = resolve_weights(weights, dtype, device=device, tensor_parallel_size=tensor_parallel_size)
         if weights == "auto":
-            fmt, why = auto_weights(model, fmt, why, dtype, device)
+            fmt, why = auto_weights(model, fmt, why, dtype, device, tensor_parallel_size)
     quantised = fmt != canonical_dtype(dtype)
     path = resolve_model_path(model)
     if fmt == "gguf":
-        return _load_gguf_native(path, _root(cache_dir), use_cache, route, why, t0, kv_bytes)
+        return _load_gguf_native(path, _root(cache_dir), use_cache, route, why, t0, kv_bytes,
+                                 tensor_parallel_size, tp_rank)
     report = entry = None
     from_cache = False
     if path.is_dir():
@@ -256,6 +278,25 @@ def load_weights(
     config = gguf_config(path, header, file_identity(path, _root(cache_dir))[:16])
     state, _report = stream_state(path, header, config, None, torch.float32)
     return config, state, path
+
+
+def load_gguf_shard(model: str | Path, tp_rank: int, tp_size: int, *, cache_dir: str | Path | None = None,
+                    route: str | None = None) -> tuple[ModelConfig, Any]:
+    """``(config, module)`` of a tensor-parallel worker: rank ``tp_rank`` of ``tp_size``'s slices
+    of a GGUF's stored blocks (``gguf_shard``), no tokenizer, no packed cache; ``config`` is
+    the whole model's. Raises ``ConfigError`` like ``load_model`` with weights ``gguf``."""
+    from pagedkv.model import gguf_native
+    from pagedkv.model.gguf_read import check_extent
+    from pagedkv.model.tp_plan import shard_plan
+
+    path = resolve_model_path(model)
+    header = read_gguf_header(path, reuse=True)
+    check_extent(header.tensors, path.stat().st_size)
+    config = gguf_config(path, header, file_identity(path, _root(cache_dir))[:16])
+    net, report = gguf_native.build_gguf_model(path, header, config, route=route,
+                                               shard=shard_plan(config, tp_rank, tp_size))
+    log.info("pagedkv: rank %d of %d loaded %s: %s", tp_rank, tp_size, path.name, report.summary())
+    return config, net
 
 
 def build_model(
@@ -331,13 +372,15 @@ def _load_gguf_stream(path: Path, root: Path, use_cache: bool, fmt: str | None, 
 
 
 def _load_gguf_native(path: Path, root: Path, use_cache: bool, route: str | None, why: str, t0: float,
-                      kv_bytes: int) -> LoadedModel:
+                      kv_bytes: int, tp_size: int = 1, tp_rank: int = 0) -> LoadedModel:
     """``load_model`` for weights ``gguf``: header, identity (``file_identity``), a memory check
-    of the weights' bytes plus ``kv_bytes``, the streaming build (``gguf_native``), and the
-    tokenizer from its cache entry (built from the file and written there on the first load)."""
-    from pagedkv.model import gguf_native
+    of the weights' bytes plus ``kv_bytes``, the streaming build (``gguf_native``; rank
+    ``tp_rank``'s shard when ``tp_size`` > 1), and the tokenizer from its cache entry (built
+    from the file and written there on the first load)."""
+    from pagedkv.model import gguf_native, gguf_shard
     from pagedkv.model.gguf_read import check_extent
     from pagedkv.model.packed_cache import PackedCache, packed_cache_enabled
+    from pagedkv.model.tp_plan import shard_plan
 
     if path.is_dir():
         raise ConfigError(f"weights 'gguf': {str(path)!r} is a directory; 'gguf' keeps a GGUF file's stored blocks")
@@ -346,22 +389,29 @@ def _load_gguf_native(path: Path, root: Path, use_cache: bool, route: str | None
     sha = file_identity(path, root)
     config = gguf_config(path, header, sha[:16])
     need = gguf_native.weight_bytes(header, config)
-    check_memory(need + kv_bytes, f"{path.name}'s weights ({need / 2**30:.2f} GiB as stored) and the KV cache "
-                                  f"({kv_bytes / 2**30:.2f} GiB)")
+    shard = shard_plan(config, tp_rank, tp_size) if tp_size > 1 else None
+    if shard is None:
+        check_memory(need + kv_bytes, f"{path.name}'s weights ({need / 2**30:.2f} GiB as stored) and the KV cache "
+                                      f"({kv_bytes / 2**30:.2f} GiB)")
+    else:  # every rank runs on this host: the split matrices once, the replicated ones and the caches per rank
+        need = gguf_shard.host_weight_bytes(header, config, tp_size, need)
+        check_memory(need + tp_size * kv_bytes, f"{path.name}'s weights on {tp_size} ranks ({need / 2**30:.2f} GiB "
+                                                f"as stored) and their KV caches ({tp_size} x {kv_bytes / 2**30:.2f} GiB)")
     # the tokenizer loads in a thread while the weights stream in (preadv and the C packers
     # release the GIL): on a warm start the fast tokenizer (milliseconds, pagedkv.model.fast_tokenizer),
     # on the first load transformers' (its import and the GGUF vocabulary: Python, seconds)
     with ThreadPoolExecutor(1, thread_name_prefix="pagedkv-tokenizer") as pool:
         tok = pool.submit(_gguf_tokenizer, path, root, sha, use_cache)
         packed = None
-        if use_cache and packed_cache_enabled():  # the matrices in the kernels' layout, stored by an earlier load
+        if use_cache and packed_cache_enabled() and shard is None:  # the matrices in the kernels' layout, stored earlier
             packed = PackedCache(root, sha)
             packed.open()
-        net, report = gguf_native.build_gguf_model(path, header, config, route=route, packed_cache=packed)
+        net, report = gguf_native.build_gguf_model(path, header, config, route=route, packed_cache=packed, shard=shard)
         tokenizer, entry, hit = tok.result()
     log.info("pagedkv: loaded %s: %s", path.name, report.summary())
     return LoadedModel(model=net, config=config, tokenizer=tokenizer, path=path, cache_dir=entry, from_cache=hit,
-                       load_seconds=time.perf_counter() - t0, weights="gguf", weights_reason=why, report=report)
+                       load_seconds=time.perf_counter() - t0, weights="gguf", weights_reason=why, report=report,
+                       shard=shard)
 
 
 def _gguf_tokenizer(path: Path, root: Path, sha: str, use_cache: bool) -> tuple[Any, Path | None, bool]:

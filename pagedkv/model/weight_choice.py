@@ -121,9 +121,10 @@ def resolve_weights(
     with AVX512-BF16/AMX, else fp32. (int4 is the fastest at decode batches up to ~8; bf16
     is faster from batch ~32 and in prefill, measured in docs/benchmarks/weights_quality.md#routes.)
     Decided from the CPU's capability, never by timing. A bf16/fp16 model, another device
-    than the CPU or tensor parallelism keep the model dtype's weights under ``auto``, and
-    refuse a quantised format with ``ConfigError`` (also raised for an unknown name and for
-    ``fp32`` weights in a 16-bit model)."""
+    than the CPU or tensor parallelism keep the model dtype's weights under ``auto`` (with
+    tensor parallelism ``auto_weights`` then keeps a GGUF's stored blocks, sliced per rank), and
+    refuse a quantised format with ``ConfigError`` (tensor parallelism takes ``gguf``; also
+    raised for an unknown name and for ``fp32`` weights in a 16-bit model)."""
     name = check_weights(weights)
     model = canonical_dtype(dtype, ("fp32", "bf16", "fp16"))
     on_cpu = str(device).split(":")[0] == "cpu"
@@ -144,8 +145,9 @@ def resolve_weights(
         raise ConfigError(f"weights: 'fp32' needs dtype float32 (the model is {model})")
     if not on_cpu:
         raise ConfigError(f"weights: {name!r} runs on the CPU only (device {device!r}); use 'auto' or the model dtype")
-    if tensor_parallel_size != 1:
-        raise ConfigError(f"weights: {name!r} is not supported with tensor parallelism; use 'auto' or {model!r}")
+    if tensor_parallel_size != 1 and name != "gguf":
+        raise ConfigError(f"weights: {name!r} is not supported with tensor parallelism; use 'auto', 'gguf' "
+                          f"(a GGUF's stored blocks, sliced per rank) or {model!r}")
     if name == "gguf" and model != "fp32":
         raise ConfigError(f"weights: 'gguf' needs dtype float32 (its kernels take float32 activations; the model is {model})")
     return name, "requested"

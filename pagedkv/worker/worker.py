@@ -77,7 +77,7 @@ class Executor(Protocol):
 
 
 def load_checked(model: Any, *, dtype: torch.dtype, device: str, weights: str,
-                 tensor_parallel_size: int = 1, kv_bytes: int = 0) -> LoadedModel:
+                 tensor_parallel_size: int = 1, kv_bytes: int = 0, tp_rank: int = 0) -> LoadedModel:
     """The ``LoadedModel`` for ``model`` (a path, a bundled name, ``None`` for the bundled
     SmolLM2, or a ``LoadedModel``) in model ``dtype`` on ``device`` with the weight format
     ``weights`` (``"auto"`` or a format name, see ``pagedkv.model.quant.resolve_weights``).
@@ -88,7 +88,9 @@ def load_checked(model: Any, *, dtype: torch.dtype, device: str, weights: str,
     bad path or format); ``weights="auto"`` keeps the source's numbers
     (``pagedkv.model.loader.auto_weights``: a GGUF's stored blocks, a checkpoint's own dtype).
     ``kv_bytes``: the KV cache to come, checked with the weights against the host's memory
-    before a ``gguf`` load. ``weights_reason`` says why the format was chosen."""
+    before a ``gguf`` load. ``weights_reason`` says why the format was chosen. With
+    ``tensor_parallel_size`` > 1 a ``gguf`` load holds rank ``tp_rank``'s slices only
+    (``LoadedModel.shard``); a passed ``LoadedModel`` split for another size is refused."""
     fmt, why = resolve_weights(weights, dtype, device, tensor_parallel_size)
     if isinstance(model, LoadedModel):
         model_dtype = next(model.model.parameters()).dtype
@@ -96,10 +98,14 @@ def load_checked(model: Any, *, dtype: torch.dtype, device: str, weights: str,
             raise ConfigError(f"the loaded model is {model_dtype}; the engine dtype is {dtype}")
         if weights != "auto" and model.weights != fmt:
             raise ConfigError(f"the loaded model has {model.weights} weights; the engine asks for {fmt}")
+        if model.shard is not None and (model.shard.tp_size, model.shard.rank) != (tensor_parallel_size, tp_rank):
+            raise ConfigError(f"the loaded model is rank {model.shard.rank} of {model.shard.tp_size}'s shard; the "
+                              f"engine asks for rank {tp_rank} of tensor_parallel_size {tensor_parallel_size}")
         return model
     if weights == "auto":
         fmt, why = auto_weights(model, fmt, why, dtype, device, tensor_parallel_size)
-    loaded = load_model(model, dtype=dtype, device=device, weights=fmt, kv_bytes=kv_bytes)
+    loaded = load_model(model, dtype=dtype, device=device, weights=fmt, kv_bytes=kv_bytes,
+                        tensor_parallel_size=tensor_parallel_size, tp_rank=tp_rank)
     loaded.weights_reason = why
     return loaded
 
@@ -124,14 +130,14 @@ class Worker:
     @classmethod
     def load(cls, model: Any, *, dtype: torch.dtype, device: str = "cpu", weights: str = "auto",
              attention_backend: str, tensor_parallel_size: int = 1, kv_bytes: int = 0,
-             deterministic: bool = False) -> "Worker":
+             deterministic: bool = False, tp_rank: int = 0) -> "Worker":
         """Load ``model`` (see :func:`load_checked`, whose ``ConfigError`` it raises) and
         create the backend ``attention_backend`` (``ConfigError`` for an unknown name,
         ``BackendError`` when it cannot run here). ``deterministic``: batch-invariant dense
         layers (``pagedkv.model.invariant.set_deterministic``). The caches come later
         (:meth:`init_cache`)."""
         loaded = load_checked(model, dtype=dtype, device=device, weights=weights,
-                              tensor_parallel_size=tensor_parallel_size, kv_bytes=kv_bytes)
+                              tensor_parallel_size=tensor_parallel_size, kv_bytes=kv_bytes, tp_rank=tp_rank)
         set_deterministic(loaded.model, deterministic)
         ok, why = batch_invariant(loaded.model)
         logger.info("batch-invariant: %s", "yes" if ok else f"no ({why}; deterministic=True makes it so)")

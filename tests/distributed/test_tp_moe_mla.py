@@ -236,20 +236,24 @@ def test_sizes_that_do_not_fit_raise_config_error(family):
 
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "deepseek_v2"])
-def test_moe_and_mla_gguf_under_tensor_parallelism_raise_config_error(arch, tmp_path):
-    """Tensor parallelism runs model-dtype (dequantised) weights; a MoE or MLA GGUF loads only on
-    its stored blocks (``weights="gguf"``), so ``tensor_parallel_size=2`` is a ``ConfigError``
-    before any worker starts, not a run on other numbers."""
+def test_moe_and_mla_gguf_that_do_not_split_raise_config_error(arch, tmp_path):
+    """A MoE or MLA GGUF loads only on its stored blocks (``weights="gguf"``), which tensor
+    parallelism splits per rank (``tests/distributed/test_tp_gguf.py``) where every rank's columns
+    are whole blocks. The tiny Qwen3-MoE's experts (32 wide: 16 columns per rank, half a Q8_0
+    block) and an MLA file (its blocks are not split yet) are a ``ConfigError`` naming why,
+    before any worker starts."""
     path = tmp_path / "tiny.gguf"
     if arch == "qwen3moe":
         from tests.model.builders import moe_gguf_model, write_moe_gguf
 
         write_moe_gguf(moe_gguf_model(arch), path, arch)
+        why = "ffn_down_exps.weight is stored in Q8_0 blocks of 32 values"
     else:
         from tests.model.builders import deepseek_gguf_model, write_deepseek_gguf
 
         write_deepseek_gguf(deepseek_gguf_model(arch), path)
-    with pytest.raises(ConfigError, match="weights='gguf'"):
+        why = "does not split a multi-head latent attention file's stored blocks"
+    with pytest.raises(ConfigError, match=f"tensor_parallel_size 2: tiny.gguf loads on its stored blocks only .*{why}"):
         LLM(str(path), tensor_parallel_size=2, num_blocks=8, block_size=16)
 
 

@@ -394,14 +394,15 @@ def put_experts(name: str, t: torch.Tensor, width: int, put: Callable[[str, torc
     return True
 
 
-def moe_gguf_model(arch: str = "qwen3moe"):
+def moe_gguf_model(arch: str = "qwen3moe", width: int = I_EXP):
     """The tiny MoE model for GGUF architecture ``arch`` (:func:`moe_config` on the GGUF
     vocabulary, seed 0, eager): ``qwen3moe`` (Qwen3-MoE, no dense layer: llama.cpp's qwen3moe
     has none) or ``llama`` (Mixtral, experts ``intermediate_size`` 32 wide, head_dim 16); weights
-    as :func:`moe_rules` with ``lm_head`` x 30. Returns the transformers model."""
+    as :func:`moe_rules` with ``lm_head`` x 30; ``width``: a ``qwen3moe``'s expert width. Returns
+    the transformers model."""
     vocab, special = gguf_special()
     if arch == "qwen3moe":
-        cfg, cls = moe_config("qwen3_moe", vocab=vocab, special=special, mlp_only_layers=[])
+        cfg, cls = moe_config("qwen3_moe", vocab=vocab, special=special, mlp_only_layers=[], moe_intermediate_size=width)
     else:
         cfg, cls = moe_config("mixtral", vocab=vocab, special=special, intermediate_size=I_EXP, head_dim=16)
     return seeded_model(cfg, cls, moe_rules(lm_head=30.0))
@@ -426,8 +427,9 @@ def write_moe_gguf(hf, path: Path, arch: str = "qwen3moe") -> None:
                    (w.add_layer_norm_rms_eps, c.rms_norm_eps), (w.add_rope_freq_base, c.rope_parameters["rope_theta"]),
                    (w.add_expert_count, E), (w.add_expert_used_count, K), (w.add_vocab_size, c.vocab_size)):
         add(v)
+    width = c.moe_intermediate_size if arch == "qwen3moe" else I_EXP
     if arch == "qwen3moe":  # (the llama converter writes none: its experts are feed_forward_length wide)
-        w.add_expert_feed_forward_length(I_EXP)
+        w.add_expert_feed_forward_length(width)
     add_tiny_vocab(w, c)
 
     def put(hf_name: str, t: torch.Tensor) -> torch.Tensor:
@@ -441,7 +443,7 @@ def write_moe_gguf(hf, path: Path, arch: str = "qwen3moe") -> None:
     state = hf.state_dict()
     with torch.no_grad():
         for name, t in state.items():
-            if not put_experts(name, t, I_EXP, put):
+            if not put_experts(name, t, width, put):
                 t.copy_(put(name, t))
     finish_gguf(w)
 

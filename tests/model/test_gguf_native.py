@@ -141,9 +141,14 @@ def test_auto_keeps_a_gguf_s_blocks_and_explicit_formats_stay_available(bundled_
     assert fmt == "gguf" and "Q4_1 x210, Q8_0 x1" in why
     fmt, why = loader.auto_weights(gemma3_gguf, "int4", "auto: int4 here")
     assert fmt == "gguf" and "Q4_K x27" in why and "Q6_K x9" in why and "Q5_0 x81" in why
-    # a 16-bit model, tensor parallelism or another device keep the CPU side's choice
+    # a 16-bit model or another device keep the CPU side's choice; tensor parallelism keeps the
+    # stored blocks, each rank its slices (tests/distributed/test_tp_gguf.py), at a size that fits
     assert loader.auto_weights(bundled_gguf, "bf16", "x", dtype="bfloat16") == ("bf16", "x")
-    assert loader.auto_weights(bundled_gguf, "fp32", "x", tensor_parallel_size=2) == ("fp32", "x")
+    assert loader.auto_weights(bundled_gguf, "fp32", "x", device="meta") == ("fp32", "x")
+    fmt, why = loader.auto_weights(bundled_gguf, "fp32", "x", tensor_parallel_size=3)
+    assert fmt == "gguf" and "each of 3 ranks holding its slices" in why
+    with pytest.raises(ConfigError, match="tensor_parallel_size 2 does not fit .*valid sizes: 1, 3, 9"):
+        loader.auto_weights(bundled_gguf, "fp32", "x", tensor_parallel_size=2)
 
 
 def test_auto_refuses_nothing_but_takes_fp32_for_types_without_kernels(bundled_gguf, monkeypatch):
