@@ -109,9 +109,10 @@ def test_auto_follows_the_cpu_capability_not_timing():
     assert resolve_weights("gguf", "float32") == ("gguf", "requested")
     with pytest.raises(ConfigError, match="'gguf' needs dtype float32"):
         resolve_weights("gguf", "bfloat16")
-    with pytest.raises(ConfigError, match="tensor parallelism"):
-        resolve_weights("gguf", "float32", tensor_parallel_size=2)
-    with pytest.raises(ConfigError, match="tensor parallelism"):
+    # tensor parallelism splits a GGUF's stored blocks per rank (tests/distributed/test_tp_gguf.py),
+    # and no other quantised format
+    assert resolve_weights("gguf", "float32", tensor_parallel_size=2) == ("gguf", "requested")
+    with pytest.raises(ConfigError, match="tensor parallelism; use 'auto', 'gguf'"):
         resolve_weights("int4", "float32", tensor_parallel_size=2)
     with pytest.raises(ConfigError, match="needs dtype float32"):
         resolve_weights("fp32", "bfloat16")
