@@ -24,6 +24,7 @@ the pages fault in as before. ``PAGEDKV_KV_PREFAULT=0`` turns it off.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import os
@@ -62,6 +63,21 @@ def cache_tensors(caches: Iterable[Any], num_blocks: int | None = None) -> list[
                     and (num_blocks is None or t.shape[0] == num_blocks)):
                 out.append(t)
     return out
+
+
+#: every started prefault whose thread may still run (stopped at interpreter exit: ``stop_all``)
+_LIVE: "weakref.WeakSet[KVPrefault]" = weakref.WeakSet()
+
+
+def stop_all(timeout: float = 2.0) -> None:
+    """Stop every started prefault thread after its chunk in progress and wait for it
+    (``timeout`` seconds each). Registered with ``atexit``: no daemon thread is inside a
+    ``madvise`` call while the interpreter tears down."""
+    for p in list(_LIVE):
+        p.stop(timeout)
+
+
+atexit.register(stop_all)
 
 
 class KVPrefault:
@@ -103,6 +119,7 @@ class KVPrefault:
         """Start the thread (once); returns ``self``."""
         if self._thread is None and self._refs:
             self._thread = threading.Thread(target=self._run, name="pagedkv-kv-prefault", daemon=True)
+            _LIVE.add(self)
             self._thread.start()
         return self
 

@@ -101,6 +101,23 @@ def test_stop_ends_the_thread_at_a_chunk_boundary():
     assert p.blocks_done == 0  # stopped before its first chunk
 
 
+@pytest.mark.skipif(_KERNEL < (5, 14), reason="MADV_POPULATE_WRITE needs Linux 5.14")
+def test_stop_all_at_exit_ends_every_started_thread():
+    """``stop_all`` (registered with ``atexit``) stops every running prefault at its next
+    chunk, so no daemon thread is inside ``madvise`` while the interpreter tears down."""
+    caches = _caches(2048, layers=2)
+    ps = [KVPrefault(prefault.cache_tensors(caches), 2048, chunk_bytes=1) for _ in range(2)]
+    gate = threading.Event()
+    for p in ps:
+        real_run = p._run
+        p._run = lambda run=real_run: (gate.wait(10), run())  # type: ignore[method-assign]
+        p.start()
+    assert set(ps) <= set(prefault._LIVE)
+    gate.set()
+    prefault.stop_all(10)
+    assert not any(p._thread.is_alive() for p in ps)
+
+
 def test_a_dropped_cache_is_neither_kept_alive_nor_populated():
     caches = _caches(2048, layers=2)
     tensors = prefault.cache_tensors(caches, 2048)
