@@ -94,12 +94,25 @@ def init_groups(
 
 
 def make_all_reduce(group: Any):
-    """The in-place sum over ranks that the row-parallel layers call."""
+    """The in-place sum over ranks that the row-parallel layers call. Two ranks: one
+    ``all_reduce`` (a + b is b + a: the same bits either way). More: every rank's tensor
+    gathered and added in rank order, so each element's sum is the same at any batch or chunk
+    size (gloo's ring adds an element's partials in an order set by where the buffer's length
+    cuts it; with 8-bit activations that rounding shows in the tokens)."""
+    n = dist.get_world_size(group)
 
     def all_reduce(t: torch.Tensor) -> None:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
 
-    return all_reduce
+    def ordered(t: torch.Tensor) -> None:
+        parts = [torch.empty_like(t) for _ in range(n)]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        total = parts[0]
+        for p in parts[1:]:
+            total += p
+        t.copy_(total)
+
+    return all_reduce if n <= 2 else ordered
 
 
 def rank_device(device: str, local_rank: int) -> str:

@@ -361,6 +361,8 @@ def build_gguf_model(path: Path, header: GGUFHeader, config: ModelConfig, route:
                 part, _, kind = rest.rpartition(".")
                 if mla is not None and mla.take(part, kind, info):  # MLA and shared-expert tensors
                     continue
+                if kind == "weight" and mla is None:  # a size the header does not give: an error, not a cut
+                    gguf_shard.check_stored_shape(config, part, info, conv["fused_gate_up"])
                 if kind == "weight" and part in gguf_moe.EXPERT_PARTS:  # stacked experts (pagedkv.model.gguf_moe)
                     experts[part] = info
                 elif kind == "weight" and part == gguf_moe.ROUTER:

@@ -33,7 +33,7 @@ from pagedkv.model.gguf_read import block_size, qtype_name, stored_bytes, tensor
 from pagedkv.model.tp_plan import TPShard, check_tp_size, shard_plan
 from pagedkv.ops import qmm
 
-__all__ = ["Cut", "host_weight_bytes", "module_cut", "packed_cut", "tp_problem"]
+__all__ = ["Cut", "check_stored_shape", "host_weight_bytes", "module_cut", "packed_cut", "tp_problem"]
 
 #: GGML types whose values are plain floats (norms, biases, a router: no kernel multiplies them)
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -95,6 +95,25 @@ def module_cut(config: ModelConfig, shard: Optional[TPShard], module: str, exper
     if module == "down_proj":
         return Cut(None, (m0, m1))
     return None
+
+
+def check_stored_shape(config: ModelConfig, part: str, info: GGUFTensorInfo, fused_gate_up: bool = False) -> None:
+    """``ConfigError`` naming ``info`` unless a layer matrix's stored shape (numpy order: rows,
+    columns; stacked experts first) is the one ``config`` gives its ``part`` (``attn_q``,
+    ``ffn_down``, ``ffn_up_exps``, ...; ``fused_gate_up``: Phi-3's ``ffn_up`` holds gate and up
+    rows). Every rank's cuts, and one device's fused splits, take the header's sizes on trust:
+    a tensor of another size would be sliced without an error. Other parts are not checked."""
+    c = config
+    d, h, i, e = c.head_dim, c.hidden_size, c.intermediate_size, c.moe_intermediate_size
+    want = {"attn_q": (c.num_heads * d, h), "attn_k": (c.num_kv_heads * d, h), "attn_v": (c.num_kv_heads * d, h),
+            "attn_qkv": ((c.num_heads + 2 * c.num_kv_heads) * d, h), "attn_output": (h, c.num_heads * d),
+            "ffn_gate": (i, h), "ffn_up": ((2 if fused_gate_up else 1) * i, h), "ffn_down": (h, i),
+            "ffn_gate_exps": (c.num_experts, e, h), "ffn_up_exps": (c.num_experts, e, h),
+            "ffn_down_exps": (c.num_experts, h, e)}.get(part)
+    if want is not None and tuple(info.shape) != want:
+        raise ConfigError(f"weights: {info.name} has shape {tuple(info.shape)}; the model's config ({c.num_heads} "
+                          f"heads, {c.num_kv_heads} KV heads of {d}, hidden {h}, MLP {i}"
+                          f"{f', {c.num_experts} experts of {e}' if c.num_experts else ''}) gives {want}")
 
 
 def tp_problem(header: GGUFHeader, config: ModelConfig, tp_size: int) -> Optional[str]:

@@ -141,7 +141,8 @@ def auto_weights(model: str | Path | None, fmt: str, why: str, dtype: Any = "fp3
             kinds = ", ".join(f"{k} x{v}" for k, v in sorted(gguf_native.linear_types(header).items()))
             split = f", each of {tensor_parallel_size} ranks holding its slices" if tensor_parallel_size != 1 else ""
             return "gguf", f"auto: the file's stored blocks ({kinds}) on the integer kernels{split}"
-        return "fp32", f"auto: the file's values in fp32 ({problem}; weights='int8' requantises them if asked)"
+        advice = "" if tensor_parallel_size != 1 else "; weights='int8' requantises them if asked"
+        return "fp32", f"auto: the file's values in fp32 ({problem}{advice})"
     import json
 
     try:
@@ -242,7 +243,7 @@ def load_model(
             state = quantize_state(state, config, fmt)
     else:
         config, state, tokenizer, entry, from_cache, report = _load_gguf_stream(
-            path, _root(cache_dir), use_cache, fmt if quantised else None, dtype, kv_bytes)
+            path, _root(cache_dir), use_cache, fmt if quantised else None, dtype, kv_bytes, tensor_parallel_size)
     net = build_model(config, state, dtype, device, route=route, formats=quantised or path.is_dir(), consume=True)
     del state
     return LoadedModel(
@@ -345,13 +346,14 @@ def _root(cache_dir: str | Path | None) -> Path:
 
 
 def _load_gguf_stream(path: Path, root: Path, use_cache: bool, fmt: str | None, dtype: torch.dtype,
-                      kv_bytes: int) -> tuple[ModelConfig, StateDict, Any, Path | None, bool, Any]:
+                      kv_bytes: int, tp_size: int = 1) -> tuple[ModelConfig, StateDict, Any, Path | None, bool, Any]:
     """``(config, state, tokenizer, tokenizer entry or None, tokenizer from cache, StreamReport)``
     of a GGUF in an explicit format: ``fmt`` (bf16 | int8 | int4) or ``None`` (every tensor in
     ``dtype``), streamed tensor by tensor (``gguf_formats.stream_state``: no fp32 copy of the
     model, no weight cache) while the tokenizer loads from its cache entry in a thread. Before
     reading a tensor, the converted weights' bytes (``gguf_formats.state_bytes``) plus
-    ``kv_bytes`` are checked against the host's memory (``check_memory``)."""
+    ``kv_bytes`` are checked against the host's memory (``check_memory``), ``tp_size`` times
+    (every tensor-parallel rank on this host loads the whole state and its own KV cache)."""
     from pagedkv.model.gguf_formats import state_bytes, stream_state
     from pagedkv.model.gguf_read import check_extent
 
@@ -361,8 +363,10 @@ def _load_gguf_stream(path: Path, root: Path, use_cache: bool, fmt: str | None, 
     config = gguf_config(path, header, sha[:16])
     need = state_bytes(header, config, fmt, dtype)
     what = fmt or canonical_dtype(dtype)
-    check_memory(need + kv_bytes, f"{path.name}'s weights as {what} ({need / 2**30:.2f} GiB, kernel buffers not "
-                                  f"counted) and the KV cache ({kv_bytes / 2**30:.2f} GiB)")
+    ranks = f"{tp_size} x " if tp_size > 1 else ""  # each rank streams the whole state, then slices it
+    check_memory(tp_size * (need + kv_bytes), f"{path.name}'s weights as {what} ({ranks}{need / 2**30:.2f} GiB, "
+                                              f"kernel buffers not counted) and the KV cache ({ranks}"
+                                              f"{kv_bytes / 2**30:.2f} GiB)")
     with ThreadPoolExecutor(1, thread_name_prefix="pagedkv-tokenizer") as pool:
         tok = pool.submit(_gguf_tokenizer, path, root, sha, use_cache)
         state, report = stream_state(path, header, config, fmt, dtype)

@@ -197,3 +197,61 @@ def test_tp2_engine_on_a_gguf_path_keeps_stored_blocks_and_gives_one_device_toke
         assert [r["weight_bytes"] for r in ranks] == [layers // 2 + replicated] * 2
     finally:
         tp.engine.close()
+
+
+@pytest.mark.slow
+def test_three_ranks_give_a_request_the_same_logprobs_alone_batched_and_chunked(monkeypatch):
+    """SmolLM2 over 3 ranks (``auto``: the stored blocks): a prompt's first-token logprobs are
+    the same bits alone, batched behind another prompt, and in 4-token prefill chunks. Every
+    row-parallel sum adds the ranks' partials in rank order (``make_all_reduce``); gloo's ring
+    added them in an order set by the buffer's length, which 8-bit activations turned into other
+    tokens (a greedy pick flipped between ids 27 and 109)."""
+    monkeypatch.setenv("PAGEDKV_TP_THREADS", "1")
+    monkeypatch.setenv("PAGEDKV_TP_TIMEOUT", "60")
+    gen = torch.Generator().manual_seed(7)
+    first, second = ([int(x) for x in torch.randint(3, 250, (n,), generator=gen)] for n in (33, 22))
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    got = []
+    for chunk in (None, 4):
+        opts = {} if chunk is None else {"max_num_batched_tokens": chunk}
+        llm = LLM(None, tensor_parallel_size=3, block_size=16, num_blocks=32, **opts)
+        try:
+            assert llm.engine.loaded.weights == "gguf"
+            got.append(llm.generate([second], params, use_tqdm=False)[0].outputs[0].logprobs[0])
+            got.append(llm.generate([first, second], params, use_tqdm=False)[1].outputs[0].logprobs[0])
+        finally:
+            llm.engine.close()
+    assert all(g == got[0] for g in got[1:]), got
+
+
+def test_a_stored_matrix_of_another_size_than_the_config_is_refused(tmp_path):
+    """A GGUF whose ``attn_k`` holds 4 KV heads' rows where its header says 2 is a
+    ``ConfigError`` naming the tensor at load (one device or a rank's shard), not rows of the
+    wrong matrix sliced into a rank's ``qkv_proj`` (it generated tokens before)."""
+    import gguf
+    import numpy as np
+
+    from tests.model import test_gguf_types as tiny
+
+    path = tmp_path / "bad-k.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    tiny._add_header(w)
+    rng = np.random.default_rng(0)
+    for name, rows, cols, std in tiny._linears():  # the norms where write_tiny_gguf puts them
+        norm = ("output_norm.weight" if name == "output.weight" else name.replace("attn_q", "attn_norm")
+                if ".attn_q." in name else name.replace("ffn_gate", "ffn_norm") if ".ffn_gate." in name else None)
+        if norm is not None:
+            w.add_tensor(norm, np.ones(tiny.HIDDEN, np.float32))
+        rows = 4 * tiny.HEAD_DIM if ".attn_k." in name else rows
+        x = (rng.standard_normal((rows, cols)) * std).astype(np.float32)
+        w.add_tensor(name, gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    want = r"blk.0.attn_k.weight has shape \(256, 256\); the model's config \(4 heads, 2 KV heads of 64, hidden 256, MLP 512\) gives \(128, 256\)"
+    with pytest.raises(ConfigError, match=want):
+        loader.load_model(path, weights="gguf", use_cache=False)
+    with pytest.raises(ConfigError, match=want):
+        loader.load_model(path, weights="gguf", tensor_parallel_size=2, use_cache=False)
+

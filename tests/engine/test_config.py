@@ -21,7 +21,7 @@ def test_unknown_option_is_named():
         EngineConfig.from_kwargs({"blok_size": 8, "zz": 1})
 
 
-@pytest.mark.parametrize("name", ["block_size", "max_num_seqs", "max_num_batched_tokens", "max_n"])
+@pytest.mark.parametrize("name", ["block_size", "max_num_seqs", "max_num_batched_tokens", "max_n", "tensor_parallel_size"])
 @pytest.mark.parametrize("bad", [0, -3, True, 2.0, "4"])
 def test_positive_integer_fields(name, bad):
     with pytest.raises(ConfigError, match=rf"^{name} must be a positive integer, got {bad!r}$".replace("(", r"\(")):
