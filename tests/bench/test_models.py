@@ -125,10 +125,12 @@ def test_tiny_moe_gguf_loads_generates_and_counts_routed_bytes(tmp_path, tokeniz
     md = h.metadata
     assert (md["general.architecture"], md["qwen3moe.expert_count"], md["qwen3moe.expert_used_count"]) == ("qwen3moe", 8, 2)
     assert md["qwen3moe.expert_feed_forward_length"] == 64 and md["qwen3moe.attention.key_length"] == 32
-    # bytes read per token: each expert tensor (8 x 64 x 64 Q8_0 = 8 x 64 x 2 blocks of 34 B) at 2/8
+    # bytes read per token: each expert tensor (8 x 64 x 64 Q8_0 = 8 x 64 x 2 blocks of 34 B) at
+    # 2/8, and the untied embedding (49168 x 64 Q8_0) at one row
     wb = mm.weight_bytes_per_token(str(path))
-    exps = 2 * 3 * 8 * 64 * 2 * 34
-    assert wb["all"] - wb["per_token"] == exps - exps * 2 // 8 and wb["all"] <= facts["bytes"]
+    exps, embd = 2 * 3 * 8 * 64 * 2 * 34, 49168 * 2 * 34
+    assert "output.weight" in types and types["token_embd.weight"] == 8
+    assert wb["all"] - wb["per_token"] == exps - exps * 2 // 8 + embd - 2 * 34 and wb["all"] <= facts["bytes"]
     cache = tmp_path / "cache"
     cache.mkdir()
     bench_models.seed_kernels(cache)

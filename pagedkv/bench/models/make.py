@@ -271,9 +271,10 @@ def _is_f32(name: str, shape: tuple[int, ...]) -> bool:
 def weight_bytes_per_token(path: str) -> dict[str, int]:
     """Bytes of weights one batch-1 decode step reads from the GGUF at ``path``, from its tensor
     table: ``{"all": every tensor's bytes, "per_token": the same with each stacked expert
-    tensor (``*_exps``) counted at ``expert_used_count / expert_count`` of its bytes}`` (a
-    dense file: both equal; the token embedding is counted whole in both, as the file-bytes
-    limit always did)."""
+    tensor (``*_exps``) counted at ``expert_used_count / expert_count`` of its bytes, and an
+    untied token embedding at one row (a step looks up its token's row; a tied one is the LM
+    head, read whole)}``. Before, ``per_token`` counted an untied embedding whole (the MoE-4B:
+    87 MB of its 426), which put the read limit ~20% low and the fraction of it high."""
     from gguf import GGUFReader
 
     r = GGUFReader(path)
@@ -285,10 +286,15 @@ def weight_bytes_per_token(path: str) -> dict[str, int]:
 
     experts, used = field("expert_count"), field("expert_used_count")
     total = per_token = 0
+    untied = any(t.name == "output.weight" for t in r.tensors)
     for t in r.tensors:
         n = int(t.n_bytes)
         total += n
-        per_token += n * used // experts if experts and used and t.name.endswith("_exps.weight") else n
+        if experts and used and t.name.endswith("_exps.weight"):
+            n = n * used // experts
+        elif t.name == "token_embd.weight" and untied:
+            n //= int(t.shape[-1])  # one row of vocab (GGUFReader's shape is GGML's: hidden, vocab)
+        per_token += n
     return {"all": total, "per_token": per_token}
 
 
