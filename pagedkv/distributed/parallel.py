@@ -47,6 +47,7 @@ import torch
 
 from pagedkv.errors import ConfigError
 from pagedkv.model.config import ModelConfig
+from pagedkv.model.gguf_shard import Cut, module_cut
 from pagedkv.model.tp_plan import TPShard, check_tp_size, shard_config, shard_plan, valid_tp_sizes
 
 __all__ = ["TPShard", "build_shard_model", "check_tp_size", "shard_config", "shard_plan", "shard_state_dict",
@@ -64,21 +65,28 @@ def shard_state_dict(
     d, hq, hkv = config.head_dim, config.num_heads, config.num_kv_heads
     if config.is_mla:
         return _shard_mla(config, state, shard)
-    q0, q1 = (h * d for h in shard.q_heads)
-    k0, k1 = (hq * d + h * d for h in shard.kv_heads)
-    v0, v1 = ((hq + hkv) * d + h * d for h in shard.kv_heads)
     out: dict[str, torch.Tensor] = {}
     for name, w in state.items():
         leaf = name.rsplit(".", 2)[-2] if name.startswith("layers.") else ""
         if leaf == "qkv_proj":  # rows (weight [rows, H]) or entries (bias [rows])
             _expect(name, w, 0, (hq + 2 * hkv) * d)
-            out[name] = torch.cat([w[q0:q1], w[k0:k1], w[v0:v1]]).contiguous()
+            out[name] = _cut(w, module_cut(config, shard, leaf))
         elif leaf == "o_proj":
             _expect(name, w, 1, hq * d)
-            out[name] = w[:, q0:q1].contiguous()
+            out[name] = _cut(w, module_cut(config, shard, leaf))
         else:
             out[name] = _shard_mlp(config, name, leaf, w, shard)
     return out
+
+
+def _cut(w: torch.Tensor, cut: Cut) -> torch.Tensor:
+    """``w``'s rows and columns of ``cut`` (``gguf_shard.module_cut``: the one plan of the
+    ranges, which a GGUF's stored blocks are cut by too) as a new contiguous tensor."""
+    if cut.rows is not None:
+        w = torch.cat([w[a:b] for a, b in cut.rows])
+    if cut.cols is not None:
+        w = w[:, cut.cols[0]:cut.cols[1]]
+    return w.contiguous()
 
 
 def _shard_mlp(config: ModelConfig, name: str, leaf: str, w: torch.Tensor, shard: TPShard) -> torch.Tensor:
@@ -88,16 +96,11 @@ def _shard_mlp(config: ModelConfig, name: str, leaf: str, w: torch.Tensor, shard
     correction bias, norms, embedding) as it is."""
     if leaf not in ("gate_up_proj", "down_proj"):
         return w
-    if ".mlp." not in name:  # a dense layer's MLP
-        inter, (m0, m1) = config.intermediate_size, shard.mlp
-    else:  # a mixture-of-experts layer: layers.{i}.mlp.experts.{e}.* or layers.{i}.mlp.shared.*
-        k = config.num_shared_experts if ".mlp.shared." in name else 1
-        inter, (m0, m1) = k * config.moe_intermediate_size, (k * shard.moe[0], k * shard.moe[1])
-    if leaf == "gate_up_proj":
-        _expect(name, w, 0, 2 * inter)
-        return torch.cat([w[m0:m1], w[inter + m0 : inter + m1]]).contiguous()
-    _expect(name, w, 1, inter)
-    return w[:, m0:m1].contiguous()
+    # a dense layer's MLP, else layers.{i}.mlp.experts.{e}.* (one expert) or layers.{i}.mlp.shared.*
+    experts = 0 if ".mlp." not in name else config.num_shared_experts if ".mlp.shared." in name else 1
+    inter = experts * config.moe_intermediate_size if experts else config.intermediate_size
+    _expect(name, w, 0 if leaf == "gate_up_proj" else 1, 2 * inter if leaf == "gate_up_proj" else inter)
+    return _cut(w, module_cut(config, shard, leaf, experts))
 
 
 def _shard_mla(config: ModelConfig, state: Mapping[str, torch.Tensor], shard: TPShard) -> dict[str, torch.Tensor]:

@@ -105,7 +105,7 @@ def make_all_reduce(group: Any):
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
 
     def ordered(t: torch.Tensor) -> None:
-        parts = [torch.empty_like(t) for _ in range(n)]
+        parts = list(t.new_empty((n, *t.shape)).unbind(0))  # one allocation for the n ranks' tensors
         dist.all_gather(parts, t.contiguous(), group=group)
         total = parts[0]
         for p in parts[1:]:

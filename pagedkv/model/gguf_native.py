@@ -388,7 +388,7 @@ def build_gguf_model(path: Path, header: GGUFHeader, config: ModelConfig, route:
             if mla is not None:
                 mla.finish()
             expert_jobs = gguf_moe.expert_jobs(layer, experts, i, config.num_experts,
-                                               lambda m: gguf_shard.module_cut(config, shard, m, True)) if experts else ()
+                                               lambda m: gguf_shard.module_cut(config, shard, m, 1)) if experts else ()
             for owner, attr, (fn, *args) in expert_jobs:
                 if lazy_reader is not None:
                     old = getattr(owner, attr)

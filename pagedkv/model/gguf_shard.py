@@ -75,10 +75,12 @@ class Cut:
         return np.ascontiguousarray(raw[:, c0 // per * size:c1 // per * size])
 
 
-def module_cut(config: ModelConfig, shard: Optional[TPShard], module: str, expert: bool = False) -> Optional[Cut]:
+def module_cut(config: ModelConfig, shard: Optional[TPShard], module: str, experts: int = 0) -> Optional[Cut]:
     """``shard``'s ``Cut`` of a layer's ``module`` (``qkv_proj``, ``o_proj``, ``gate_up_proj``,
-    ``down_proj``; ``expert``: one expert's), ``None`` for a replicated matrix or no shard.
-    The same ranges as ``pagedkv.distributed.parallel.shard_state_dict``."""
+    ``down_proj``), ``None`` for a replicated matrix or no shard. ``experts``: 0 for the dense
+    MLP, else an MLP ``experts`` expert widths wide (1: a routed expert; ``num_shared_experts``:
+    the shared experts), its slice that many times the rank's expert slice. The one plan of
+    the ranges: ``pagedkv.distributed.parallel.shard_state_dict`` slices float weights by it."""
     if shard is None:
         return None
     d, hq, hkv = config.head_dim, config.num_heads, config.num_kv_heads
@@ -89,7 +91,8 @@ def module_cut(config: ModelConfig, shard: Optional[TPShard], module: str, exper
         return Cut(((q0, q1), (k0, k1), (v0, v1)), None)
     if module == "o_proj":
         return Cut(None, (q0, q1))
-    inter, (m0, m1) = (config.moe_intermediate_size, shard.moe) if expert else (config.intermediate_size, shard.mlp)
+    inter, (m0, m1) = ((experts * config.moe_intermediate_size, (experts * shard.moe[0], experts * shard.moe[1]))
+                       if experts else (config.intermediate_size, shard.mlp))
     if module == "gate_up_proj":
         return Cut(((m0, m1), (inter + m0, inter + m1)), None)
     if module == "down_proj":
@@ -132,7 +135,7 @@ def tp_problem(header: GGUFHeader, config: ModelConfig, tp_size: int) -> Optiona
         per = block_size(info)[0]
         module = "o_proj" if part == "attn_output" else "down_proj"
         for rank in range(tp_size):
-            c0, c1 = module_cut(config, shard_plan(config, rank, tp_size), module, part == "ffn_down_exps").cols
+            c0, c1 = module_cut(config, shard_plan(config, rank, tp_size), module, int(part == "ffn_down_exps")).cols
             if c0 % per or c1 % per:
                 return (f"{info.name} is stored in {qtype_name(info)} blocks of {per} values, and rank {rank} of "
                         f"{tp_size} would keep its columns {c0}..{c1}, not whole blocks")

@@ -287,13 +287,10 @@ def load_gguf_shard(model: str | Path, tp_rank: int, tp_size: int, *, cache_dir:
     of a GGUF's stored blocks (``gguf_shard``), no tokenizer, no packed cache; ``config`` is
     the whole model's. Raises ``ConfigError`` like ``load_model`` with weights ``gguf``."""
     from pagedkv.model import gguf_native
-    from pagedkv.model.gguf_read import check_extent
     from pagedkv.model.tp_plan import shard_plan
 
     path = resolve_model_path(model)
-    header = read_gguf_header(path, reuse=True)
-    check_extent(header.tensors, path.stat().st_size)
-    config = gguf_config(path, header, file_identity(path, _root(cache_dir))[:16])
+    header, _sha, config = _gguf_file(path, _root(cache_dir))
     net, report = gguf_native.build_gguf_model(path, header, config, route=route,
                                                shard=shard_plan(config, tp_rank, tp_size))
     log.info("pagedkv: rank %d of %d loaded %s: %s", tp_rank, tp_size, path.name, report.summary())
@@ -345,6 +342,19 @@ def _root(cache_dir: str | Path | None) -> Path:
     return Path(cache_dir) if cache_dir is not None else cache_root()
 
 
+def _gguf_file(path: Path, root: Path, reuse: bool = True) -> tuple[Any, str, ModelConfig]:
+    """``(header, sha256 hex, config)`` of a GGUF about to be read: its header (``reuse``: the
+    one read last for this unchanged file), ``ConfigError`` for a tensor past the file's end (a
+    truncated download: checked before anything is read or cached), its identity
+    (``file_identity`` under ``root``) and its ``ModelConfig``."""
+    from pagedkv.model.gguf_read import check_extent
+
+    header = read_gguf_header(path, reuse=reuse)
+    check_extent(header.tensors, path.stat().st_size)
+    sha = file_identity(path, root)
+    return header, sha, gguf_config(path, header, sha[:16])
+
+
 def _load_gguf_stream(path: Path, root: Path, use_cache: bool, fmt: str | None, dtype: torch.dtype,
                       kv_bytes: int, tp_size: int = 1) -> tuple[ModelConfig, StateDict, Any, Path | None, bool, Any]:
     """``(config, state, tokenizer, tokenizer entry or None, tokenizer from cache, StreamReport)``
@@ -355,12 +365,8 @@ def _load_gguf_stream(path: Path, root: Path, use_cache: bool, fmt: str | None, 
     ``kv_bytes`` are checked against the host's memory (``check_memory``), ``tp_size`` times
     (every tensor-parallel rank on this host loads the whole state and its own KV cache)."""
     from pagedkv.model.gguf_formats import state_bytes, stream_state
-    from pagedkv.model.gguf_read import check_extent
 
-    header = read_gguf_header(path)
-    check_extent(header.tensors, path.stat().st_size)  # a truncated file: no tokenizer entry either
-    sha = file_identity(path, root)
-    config = gguf_config(path, header, sha[:16])
+    header, sha, config = _gguf_file(path, root, reuse=False)  # a truncated file: no tokenizer entry either
     need = state_bytes(header, config, fmt, dtype)
     what = fmt or canonical_dtype(dtype)
     ranks = f"{tp_size} x " if tp_size > 1 else ""  # each rank streams the whole state, then slices it
@@ -382,16 +388,12 @@ def _load_gguf_native(path: Path, root: Path, use_cache: bool, route: str | None
     ``tp_rank``'s shard when ``tp_size`` > 1), and the tokenizer from its cache entry (built
     from the file and written there on the first load)."""
     from pagedkv.model import gguf_native, gguf_shard
-    from pagedkv.model.gguf_read import check_extent
     from pagedkv.model.packed_cache import PackedCache, packed_cache_enabled
     from pagedkv.model.tp_plan import shard_plan
 
     if path.is_dir():
         raise ConfigError(f"weights 'gguf': {str(path)!r} is a directory; 'gguf' keeps a GGUF file's stored blocks")
-    header = read_gguf_header(path, reuse=True)
-    check_extent(header.tensors, path.stat().st_size)  # a truncated file: no tokenizer entry either
-    sha = file_identity(path, root)
-    config = gguf_config(path, header, sha[:16])
+    header, sha, config = _gguf_file(path, root)  # a truncated file: no tokenizer entry either
     need = gguf_native.weight_bytes(header, config)
     shard = shard_plan(config, tp_rank, tp_size) if tp_size > 1 else None
     if shard is None:
