@@ -38,7 +38,7 @@ import torch.distributed as dist
 from pagedkv.errors import DistributedError
 from pagedkv.worker.worker import Worker
 from pagedkv.distributed.parallel import TPShard, build_shard_model, shard_plan
-from pagedkv.model.gguf_native import held_bytes
+from pagedkv.model.gguf_native import held_bytes, iter_linears
 from pagedkv.distributed.protocol import (
     CMD_INFO,
     CMD_SHUTDOWN,
@@ -228,9 +228,8 @@ def setup_process(threads: int) -> None:
 
 
 def _weights_format(model: Any) -> str:
-    from pagedkv.model.gguf_native import GGUFLinear
-
-    if any(isinstance(m, GGUFLinear) for m in model.modules()):
+    """``gguf`` for a shard on a GGUF's stored blocks, else its parameters' dtype name."""
+    if next(iter_linears(model), None) is not None:
         return "gguf"
     return str(next(model.parameters()).dtype).removeprefix("torch.")
 
@@ -242,10 +241,9 @@ def _unconnected(t: torch.Tensor) -> None:
 def load_rank(init: dict, rank: int, device: str, loaded: Any = None):
     """``(config, state, model)`` for rank ``rank`` (the driver's rank 0 too): from an already
     loaded model (the driver's, or the same command on every rank: its state, or the module
-    itself when it is this rank's shard) or by loading
-    the driver's model path (weights only, no tokenizer): with weights ``gguf`` this rank's
-    slices of the stored blocks (``model``, ``state`` None), else the float state dict
-    (``model`` None). Raises ``DistributedError`` if the model differs from the driver's."""
+    itself when it is this rank's shard) or by loading the driver's model path (weights only,
+    no tokenizer): with weights ``gguf`` this rank's slices of the stored blocks (``model``,
+    ``state`` None), else the float state dict (``model`` None). Raises ``DistributedError`` if the model differs from the driver's."""
     from pagedkv.model.config import ModelConfig
     from pagedkv.model.loader import load_gguf_shard, load_weights
 
