@@ -26,6 +26,7 @@ import torch
 
 from pagedkv.attention import quant as Q
 from pagedkv.errors import BackendError, ConfigError
+from pagedkv.ops import hugepages
 
 
 class Layout:
@@ -222,13 +223,17 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device 
     numpy), 64-byte aligned: a page becomes resident when a block in it is first written,
     instead of every page of a multi-GiB KV budget being faulted in and cleared at start (~0.3 s
     per GiB on 2 cores). An engine then faults the pages in from a background thread
-    (``pagedkv.attention.prefault``), so steps do not take those faults where it had idle time."""
+    (``pagedkv.attention.prefault``), so steps do not take those faults where it had idle time.
+    Where ``pagedkv.ops.hugepages`` is on, the memory is its own mapping advised for 2 MiB pages
+    (``hugepages.zeros``): decode streams a long context's blocks as it streams the weights."""
     n = 1
     for s in shape:
         n *= s
     nbytes = n * torch.empty((), dtype=dtype).element_size()
     if torch.device(device).type != "cpu" or nbytes < LAZY_ZEROS_MIN_BYTES:
         return torch.zeros(shape, dtype=dtype, device=device)
+    if hugepages.enabled():
+        return hugepages.zeros(nbytes).view(dtype).view(shape)
     import numpy as np
 
     buf = np.zeros(nbytes + 64, dtype=np.uint8)

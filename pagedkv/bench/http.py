@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 
-from pagedkv.bench.common import REPO_ROOT
+from pagedkv.bench.common import REPO_ROOT, llama_cpp_env
 from pagedkv.bench.workload import BenchRequest, RequestRecord, RunStats
 from pagedkv.utils import free_port
 
@@ -80,12 +80,13 @@ def serve_llama_server(binary: str, model: str, threads: int, parallel: int = 32
     exits or is not ready within ``start_timeout_s`` s; stopped on exit."""
     port = port or free_port()
     cmd = llama_server_command(binary, model, port, threads, parallel, ctx_per_slot, extra)
-    with serve_process(cmd, f"http://{HOST}:{port}", "llama-server", start_timeout_s) as url:
+    with serve_process(cmd, f"http://{HOST}:{port}", "llama-server", start_timeout_s, env=llama_cpp_env()) as url:
         yield url
 
 
 @contextmanager
-def serve_process(cmd: Sequence[str], url: str, name: str, start_timeout_s: float = 300.0) -> Iterator[str]:
+def serve_process(cmd: Sequence[str], url: str, name: str, start_timeout_s: float = 300.0,
+                  env: Optional[dict[str, str]] = None) -> Iterator[str]:
     """Run the server command ``cmd`` (listening at ``url``) as a child process; yields ``url``
     once ``/health`` answers 200. Its output goes to a temporary file (a pipe nobody reads
     would fill and block a chatty server). Raises ``RuntimeError`` (naming ``name``, with the
@@ -94,8 +95,9 @@ def serve_process(cmd: Sequence[str], url: str, name: str, start_timeout_s: floa
     as it is: with ``OMP_WAIT_POLICY`` unset (as benchmarks should run, docs/performance.md)
     it stays unset. Until 2026-12-01 this set ``PASSIVE`` for the child when the variable was
     unset, so every HTTP serving benchmark before then ran both servers with OpenMP threads
-    that sleep after each parallel op (docs/performance.md, "One OpenMP pool per process")."""
-    env = dict(os.environ)
+    that sleep after each parallel op (docs/performance.md, "One OpenMP pool per process").
+    ``env``: the child's whole environment instead (llama-server: ``common.llama_cpp_env()``)."""
+    env = dict(os.environ) if env is None else env
     with tempfile.TemporaryFile("w+") as log_file:
         proc = subprocess.Popen(list(cmd), stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=str(REPO_ROOT),
                                 text=True)

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from pagedkv.bench.common import REPO_ROOT, load_average
+from pagedkv.bench.common import REPO_ROOT, llama_cpp_env, load_average
 from pagedkv.bench.models.guard import GB, run_guarded
 from pagedkv.bench.models.make import peers_bin
 
@@ -131,11 +131,13 @@ def llama_bench_run(bench: str, path: str, args: Any, measure_spec: dict[str, An
     cmd = [bench, "-m", path, "-t", str(args.threads), "-p", str(measure_spec["prefill_tokens"]),
            "-n", str(measure_spec["decode_tokens"]), "-r", str(measure_spec.get("repetitions", 1)), "-o", "json"]
     try:
-        res = run_guarded(cmd, timeout_s=args.timeout_s, rss_limit_bytes=args.rss_limit_gb * GB, stdout_path=out)
+        res = run_guarded(cmd, timeout_s=args.timeout_s, rss_limit_bytes=args.rss_limit_gb * GB, stdout_path=out,
+                          env=llama_cpp_env())
         text = out.read_text()
     finally:
         out.unlink(missing_ok=True)
     res["command"] = " ".join(cmd[:1] + ["-m", "FILE"] + cmd[3:])
+    res["glibc_tunables"] = llama_cpp_env()["GLIBC_TUNABLES"]
     if res["status"] != "ok":
         return res
     try:

@@ -34,6 +34,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from pagedkv.ops import hugepages
 from pagedkv.ops.build import BuiltOnce, compile_c, source
 from pagedkv.cpu_isa import march_flags
 
@@ -242,7 +243,7 @@ def pack_gguf_rows(qtype: str, n: int, k: int, read: Callable[[int, int], np.nda
     if k <= 0 or k % per:
         raise ValueError(f"{qtype} weights: need in features (k = {k}) a positive multiple of {per}")
     row = k // per * bs
-    out = torch.empty(n * row, dtype=torch.uint8)
+    out = hugepages.empty(n * row)
     for r0 in range(0, n, chunk_rows):
         r1 = min(n, r0 + chunk_rows)
         ops.pack_gguf(qtype, read(r0, r1), k, out=out[r0 * row:r1 * row])
@@ -340,7 +341,7 @@ class QmmOps:
             raise ValueError(f"bias: need float32 [{n}], got {bias.dtype} {tuple(bias.shape)}")
         size = n * (k // per * bs)
         if out is None:
-            out = torch.empty(size, dtype=torch.uint8)
+            out = hugepages.empty(size)
         elif out.dtype != torch.uint8 or out.numel() != size or not out.is_contiguous() or out.device.type != "cpu":
             raise ValueError(f"out: need a contiguous CPU uint8 tensor of {size} bytes")
         rc = self._pack(ggml_id, n, k, addr, row_stride, out.data_ptr())

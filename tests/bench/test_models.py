@@ -194,11 +194,26 @@ def test_rss_guard_kills_a_process_above_the_limit():
 def test_llama_bench_output_is_parsed(tmp_path):
     rows = [{"build_commit": "abc", "cpu_info": "AMD EPYC", "n_threads": 2, "n_prompt": 512, "n_gen": 0, "avg_ts": 150.5},
             {"build_commit": "abc", "cpu_info": "AMD EPYC", "n_threads": 2, "n_prompt": 0, "n_gen": 64, "avg_ts": 20.25}]
-    fake = _script(tmp_path / "llama-bench", f"cat <<'EOF'\n{json.dumps(rows)}\nEOF\n")
+    seen = tmp_path / "tunables"
+    fake = _script(tmp_path / "llama-bench", f"echo \"$GLIBC_TUNABLES\" > {seen}\ncat <<'EOF'\n{json.dumps(rows)}\nEOF\n")
     args = argparse.Namespace(threads=2, timeout_s=60, rss_limit_gb=100.0)
     res = bench_models.llama_bench_run(fake, "/m.gguf", args, {"prefill_tokens": 512, "decode_tokens": 64})
     assert res["status"] == "ok" and res["prefill_tokens_per_s"] == 150.5 and res["decode_tokens_per_s"] == 20.25
     assert res["system_info"]["cpu_info"] == "AMD EPYC" and res["command"].endswith("-p 512 -n 64 -r 1 -o json")
+    # llama.cpp's buffers on 2 MiB pages, as pagedkv's weights (its best on a THP-madvise host)
+    assert seen.read_text().strip() == res["glibc_tunables"] == "glibc.malloc.hugetlb=1"
+
+
+def test_llama_cpp_env_adds_the_huge_page_tunable_to_the_users(monkeypatch):
+    from pagedkv.bench.common import llama_cpp_env
+
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    assert llama_cpp_env()["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+    env = llama_cpp_env()
+    assert env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    assert {k: v for k, v in env.items() if k != "GLIBC_TUNABLES"} == {k: v for k, v in os.environ.items()
+                                                                        if k != "GLIBC_TUNABLES"}
 
 
 def test_spread_median_and_iqr():

@@ -1,0 +1,136 @@
+"""Weight memory on 2 MiB pages (``pagedkv.ops.hugepages``): ``empty`` hands out aligned,
+non-overlapping uint8 tensors in memory the kernel may back with transparent huge pages
+(``THPeligible`` in ``/proc/self/smaps``), unmapped when the last view is gone; a GGUF's packed
+matrices (first load and the packed store) live there; ``PAGEDKV_HUGE_PAGES=0`` gives plain
+memory and the store's file mapping back."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from pagedkv.model import gguf_native, packed_cache
+from pagedkv.model.loader import load_model
+from pagedkv.ops import hugepages
+
+THP = hugepages.thp_mode()
+ADVISED = THP in ("madvise", "always")
+
+
+def _vma(addr: int) -> dict[str, object]:
+    """The mapping of ``/proc/self/smaps`` holding ``addr``: its start, path and THPeligible."""
+    found = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and ":" not in head[0]:
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                found = {"start": lo, "path": head[5] if len(head) > 5 else ""} if lo <= addr < hi else None
+            elif found is not None and line.startswith("THPeligible:"):
+                found["eligible"] = int(head[1])
+                return found
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+def _mapped(addr: int) -> bool:
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= addr < hi:
+                return True
+    return False
+
+
+def test_thp_mode_reads_the_bracketed_word(tmp_path):
+    p = tmp_path / "enabled"
+    p.write_text("always [madvise] never\n")
+    assert hugepages.thp_mode(str(p)) == "madvise"
+    p.write_text("[always] madvise never\n")
+    assert hugepages.thp_mode(str(p)) == "always"
+    assert hugepages.thp_mode(str(tmp_path / "absent")) == "unavailable"
+
+
+def test_empty_gives_aligned_disjoint_tensors_in_advised_memory(monkeypatch):
+    monkeypatch.delenv("PAGEDKV_HUGE_PAGES", raising=False)
+    assert hugepages.enabled() == ADVISED
+    small = [hugepages.empty(n) for n in (1, 100, 442_368, 4096)]
+    for i, t in enumerate(small):
+        assert t.dtype == torch.uint8 and t.numel() == (1, 100, 442_368, 4096)[i] and t.data_ptr() % 64 == 0
+        t.fill_(i + 1)
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel()) for t in small)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))  # no overlap
+    assert [int(t[0]) for t in small] == [1, 2, 3, 4] and [int(t[-1]) for t in small] == [1, 2, 3, 4]
+    big = hugepages.empty(hugepages.OWN_MAPPING + 12345)
+    big[-1] = 7
+    vma = _vma(big.data_ptr())
+    if ADVISED:
+        assert big.data_ptr() % hugepages.HUGE == 0 and vma["start"] == big.data_ptr()  # its own mapping
+        assert vma["eligible"] == 1 and _vma(small[2].data_ptr())["eligible"] == 1
+    addr = big.data_ptr()
+    del big, vma
+    gc.collect()
+    assert _mapped(addr) is not ADVISED  # unmapped with its last view (torch's own memory may stay mapped)
+    with pytest.raises(ValueError):
+        hugepages.empty(-1)
+
+
+def test_switched_off_it_is_plain_torch_memory(monkeypatch):
+    monkeypatch.setenv("PAGEDKV_HUGE_PAGES", "0")
+    assert not hugepages.enabled()
+    t = hugepages.empty(hugepages.OWN_MAPPING)
+    t.fill_(1)
+    assert _vma(t.data_ptr())["eligible"] == int(THP == "always")  # no advice: only "always" gives huge pages
+
+
+@pytest.fixture(scope="module")
+def stored(bundled_gguf, tmp_path_factory):
+    root = tmp_path_factory.mktemp("huge")
+    lm = load_model(bundled_gguf, weights="gguf", cache_dir=root)
+    packed_cache.wait_for_writes()
+    return lm, root
+
+
+def _head(lm) -> gguf_native.GGUFLinear:
+    return dict(lm.model.named_modules())["lm_head"]
+
+
+def test_packed_matrices_first_load_and_from_the_store_are_in_advised_memory(stored, bundled_gguf, monkeypatch):
+    monkeypatch.delenv("PAGEDKV_HUGE_PAGES", raising=False)
+    first, root = stored
+    again = load_model(bundled_gguf, weights="gguf", cache_dir=root)
+    assert again.report.packed_from_cache == 121
+    for lm in (first, again):
+        head, down = _head(lm), dict(lm.model.named_modules())["layers.29.down_proj"]
+        for m in (head, down):  # the 28 MB Q8_0 head on its own mapping, a 1.7 MB down_proj cut from a region
+            vma = _vma(m.packed.codes.data_ptr())
+            assert vma["path"] == "" and vma["eligible"] == int(ADVISED), vma
+    assert torch.equal(_head(again).packed.codes, _head(first).packed.codes)
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(_head(again)(x), _head(first)(x))
+
+
+def test_switched_off_the_store_is_mapped_from_its_file(stored, bundled_gguf, monkeypatch):
+    monkeypatch.setenv("PAGEDKV_HUGE_PAGES", "0")
+    first, root = stored
+    again = load_model(bundled_gguf, weights="gguf", cache_dir=root)
+    assert again.report.packed_from_cache == 121
+    vma = _vma(_head(again).packed.codes.data_ptr())
+    assert vma["path"].endswith(".bin") and "packed" in vma["path"]  # the store's file, its page cache shared
+    assert torch.equal(_head(again).packed.codes, _head(first).packed.codes)
+
+
+def test_a_cpu_kv_cache_is_zero_on_its_own_advised_mapping(monkeypatch):
+    from pagedkv.attention.layouts import lazy_zeros
+
+    monkeypatch.delenv("PAGEDKV_HUGE_PAGES", raising=False)
+    shape = (256, 16, 4, 64)  # 256 blocks of 16 tokens, 4 KV heads of 64: 4 MiB of fp32 a tensor (2 huge pages)
+    k = lazy_zeros(shape, torch.float32)
+    assert tuple(k.shape) == shape and k.dtype == torch.float32 and int(k.count_nonzero()) == 0
+    k[5, 3, 1, 7] = 2.5
+    vma = _vma(k.data_ptr())
+    assert (vma["eligible"], vma["start"] == k.data_ptr()) == ((1, True) if ADVISED else (vma["eligible"], False))
+    monkeypatch.setenv("PAGEDKV_HUGE_PAGES", "0")
+    plain = lazy_zeros(shape, torch.float32)
+    assert int(plain.count_nonzero()) == 0 and _vma(plain.data_ptr())["start"] != plain.data_ptr()
