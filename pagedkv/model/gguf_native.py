@@ -39,7 +39,7 @@ import logging
 import os
 import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -338,9 +338,12 @@ def build_gguf_model(path: Path, header: GGUFHeader, config: ModelConfig, route:
     pool = ThreadPoolExecutor(2, thread_name_prefix="pagedkv-load")
 
     def submit(name: str, k: int, types: tuple[str, ...] | None, fn: Any, *args: Any) -> Any:
-        if packed_cache is not None and packed_cache.holds(name, k, types):
-            return pool.submit(packed_cache.get, name, k, types)  # read (or mapped) on the pool's threads
-        return pool.submit(fn, *args)
+        hit = packed_cache.get(name, k, types) if packed_cache is not None else None
+        if hit is None:
+            return pool.submit(fn, *args)
+        done: Future = Future()
+        done.set_result(hit)
+        return done
 
     def later(owner: nn.Module, attr: str, parts: list, what: str) -> None:
         k, types = parts[0][0].shape[-1], tuple(_qtype(w) for w, _, _ in parts)

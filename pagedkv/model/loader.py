@@ -413,8 +413,6 @@ def _load_gguf_native(path: Path, root: Path, use_cache: bool, route: str | None
             packed = PackedCache(root, sha)
             packed.open()
         net, report = gguf_native.build_gguf_model(path, header, config, route=route, packed_cache=packed, shard=shard)
-        if packed is not None:
-            packed.close()  # its file read (or mapped: the matrices keep the mapping)
         tokenizer, entry, hit = tok.result()
     log.info("pagedkv: loaded %s: %s", path.name, report.summary())
     return LoadedModel(model=net, config=config, tokenizer=tokenizer, path=path, cache_dir=entry, from_cache=hit,

@@ -37,14 +37,13 @@ import os
 import shutil
 import threading
 import uuid
-import weakref
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from pagedkv.errors import ConfigError
-from pagedkv.ops import hugepages, qmm
+from pagedkv.ops import qmm
 
 __all__ = ["ENV", "PackedCache", "FORMAT_VERSION", "layout_tag", "packed_cache_enabled", "wait_for_writes"]
 
@@ -110,9 +109,7 @@ class PackedCache:
         self.bin, self.manifest = self.dir / f"{stem}.bin", self.dir / f"{stem}.json"
         self.entries: dict[str, dict[str, Any]] = {}
         self.hits = 0
-        self._lock = threading.Lock()
         self._map: mmap.mmap | None = None
-        self._fd: int | None = None  # read into 2 MiB pages (hugepages.enabled()) instead of mapped
         self._writer: threading.Thread | None = None
 
     def open(self) -> bool:
@@ -132,11 +129,7 @@ class PackedCache:
                 size = os.fstat(f.fileno()).st_size
                 if size != meta.get("size") or size == 0:
                     raise ValueError(f"{size} bytes, the manifest says {meta.get('size')}")
-                if hugepages.enabled():
-                    fd = os.open(self.bin, os.O_RDONLY)
-                    self._fd, self._closer = fd, weakref.finalize(self, os.close, fd)
-                else:
-                    self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: never written
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: never written
         except (OSError, ValueError) as e:
             log.warning("pagedkv: packed weights %s unusable (%s); packing again", self.bin, e)
             return False
@@ -151,40 +144,24 @@ class PackedCache:
         count = 1
         for s in shape:
             count *= s
-        if self._fd is None:
-            return torch.frombuffer(self._map, dtype=dt, count=count, offset=off).view(shape)
-        nbytes = count * dt.itemsize
-        buf = hugepages.empty(nbytes)
-        view, done = memoryview(buf.numpy()), 0
-        while done < nbytes:  # positioned reads release the GIL; a short read goes on where it stopped
-            got = os.preadv(self._fd, [view[done:]], off + done)
-            if got <= 0:
-                raise OSError(f"{self.bin}: {nbytes - done} bytes short at offset {off + done}")
-            done += got
-        return buf.view(dt).view(shape)
+        t = torch.frombuffer(self._map, dtype=dt, count=count, offset=off)
+        return t.view(shape)
 
     def _packed(self, spec: dict[str, Any]) -> qmm.Packed:
         parts = [self._packed(p) for p in spec.get("parts", ())]
         p = qmm.Packed(spec["fmt"], spec["n"], spec["k"], self._tensor(spec.get("codes")),
                        self._tensor(spec.get("scale")), self._tensor(spec.get("bias")), parts)
-        if self._map is not None:
-            p.keep = self._map  # the mapping lives as long as a matrix in it
+        p.keep = self._map  # the mapping lives as long as a matrix in it
         return p
-
-    def holds(self, name: str, k: int, types: tuple[str, ...] | None = None) -> bool:
-        """Whether :meth:`get` would return the matrix (it is stored, of these ``k`` and ``types``)."""
-        spec = self.entries.get(name) if self._map is not None or self._fd is not None else None
-        return spec is not None and spec["k"] == k and (types is None or tuple(spec["types"]) == tuple(types))
 
     def get(self, name: str, k: int, types: tuple[str, ...] | None = None) -> Made | None:
         """The stored matrix ``name`` (``(Packed, types, output rows)``) over the mapping, or
         ``None`` when the store has none of that name, or one of other ``k`` input features or
         GGML ``types`` (when given)."""
-        if not self.holds(name, k, types):
+        spec = self.entries.get(name) if self._map is not None else None
+        if spec is None or spec["k"] != k or (types is not None and tuple(spec["types"]) != tuple(types)):
             return None
-        spec = self.entries[name]
-        with self._lock:
-            self.hits += 1
+        self.hits += 1
         return self._packed(spec), tuple(spec["types"]), int(spec["rows"])
 
     def write(self, made: dict[str, Made]) -> None:
@@ -275,9 +252,5 @@ class PackedCache:
                     pass
 
     def close(self) -> None:
-        """Drop this object's reference to the mapping (matrices built from it keep it), or
-        close the file it reads from."""
+        """Drop this object's reference to the mapping (matrices built from it keep it)."""
         self._map = None
-        if self._fd is not None:
-            self._fd = None
-            self._closer()

@@ -1,11 +1,11 @@
-"""Weight memory on 2 MiB pages: what the matmul kernels stream at decode.
+"""Packed weights and CPU KV caches on 2 MiB pages: what decode streams.
 
-A decode step reads every weight byte once. On 4 KiB pages that stream takes a TLB miss and a
-page walk every 4 KiB, and the hardware prefetchers stop at each page's end, so the read rate
-stays well below what the memory can give. Measured on an AMD EPYC Zen 4 VM (2 cores, THP on
-``madvise``; ``docs/performance.md``, "Weights on 2 MiB pages"): a 2-thread read of 1 GiB ran at
-26-32 GB/s on 4 KiB pages and 56-62 GB/s on 2 MiB pages; one thread's Q4_0 GEMV over many
-442 KB experts at 16 GB/s and 27 GB/s.
+A decode step reads every weight byte and its context's KV blocks once. On 4 KiB pages that
+stream takes a TLB miss every 4 KiB and the hardware prefetchers stop at each page's end.
+Measured on an AMD EPYC Zen 4 VM (2 cores, THP on ``madvise``; ``docs/performance.md``, "2 MiB
+pages"): a 2-thread read of 1 GiB ran at 26-32 GB/s on 4 KiB pages and 56-62 GB/s on 2 MiB
+pages; one thread's Q4_0 GEMV over many 442 KB experts at 16 and 27 GB/s. A whole decode step
+gains less (1-3% there), as it is not bound by the read rate alone.
 
 Linux gives a process 2 MiB pages (transparent huge pages, THP) in memory it advises so
 (``madvise(MADV_HUGEPAGE)``) when ``/sys/kernel/mm/transparent_hugepage/enabled`` is
@@ -19,9 +19,11 @@ CPU KV cache its own mapping, zero pages until first written. A mapping is unmap
 last tensor viewing it is gone. Huge pages are the kernel's to give: where it has
 none free, the pages are 4 KiB ones and nothing else changes.
 
-``PAGEDKV_HUGE_PAGES=0`` turns it off (:func:`empty` is ``torch.empty``; the packed weight
-cache is memory-mapped from its file again). Not on Linux, or with THP ``never`` or absent,
-it is off. Source: issue "The models people run on CPUs" (decode at the weight-read limit).
+The packed weight store (``pagedkv.model.packed_cache``) is not copied here: it stays
+memory-mapped, its page cache shared between processes (a kernel with large folios for the
+file system, such as 6.18 on ext4, maps most of it with 2 MiB entries anyway).
+``PAGEDKV_HUGE_PAGES=0`` turns this module off (:func:`empty` is ``torch.empty``, :func:`zeros`
+``torch.zeros``). Not on Linux, or with THP ``never`` or absent, it is off. Source: issue "The models people run on CPUs" (decode at the weight-read limit).
 """
 
 from __future__ import annotations

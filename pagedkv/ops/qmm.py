@@ -41,6 +41,8 @@ from pagedkv.cpu_isa import march_flags
 _FLAGS = ["-O3", *march_flags(), "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math", "-fopenmp",
           "-fPIC", "-shared", "-std=c11"]
 QK = 32  # values per activation / weight block
+#: bytes of one int4 block of 8 columns x 32 values: 128 of codes, then 8 fp16 d and 8 fp16 m (csrc/qmm.c)
+Q4_BLOCK = 160
 #: ``max_rows`` where the integer kernels take every input (no other kernel of the format is built)
 ALL_ROWS = 1 << 62
 
@@ -137,8 +139,10 @@ def pack_int4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch
     def cols(t: torch.Tensor) -> torch.Tensor:  # [N, K/32] -> fp16 bytes [g, b, 16]
         return t.to(torch.float16).reshape(n // 8, 8, k // QK).permute(0, 2, 1).contiguous().view(torch.uint8)
 
-    blocks = torch.cat([packed.reshape(n // 8, k // QK, 128), cols(d), cols(m)], dim=2)  # [g, b, 160]
-    return Packed(4, n, k, blocks.contiguous().reshape(-1), bias=bias)
+    out = hugepages.empty(n // 8 * (k // QK) * Q4_BLOCK)  # where the kernels stream it (2 MiB pages)
+    torch.cat([packed.reshape(n // 8, k // QK, 128), cols(d), cols(m)], dim=2,
+              out=out.view(n // 8, k // QK, Q4_BLOCK))  # [g, b, 160]
+    return Packed(4, n, k, out, bias=bias)
 
 
 def pack_int8(codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> Packed:
@@ -149,7 +153,9 @@ def pack_int8(codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | Non
     if codes.dtype != torch.int8 or bool((codes == -128).any()):
         raise ValueError("int8 codes must be int8 in -127..127")
     c = codes.reshape(n // 8, 8, k // QK, 8, 4).permute(0, 2, 3, 1, 4)  # g, b, t, i, e
-    return Packed(8, n, k, c.contiguous().reshape(-1), scale=scale.float().contiguous(), bias=bias)
+    out = hugepages.empty(n * k).view(torch.int8)  # where the kernels stream it (2 MiB pages)
+    out.view(n // 8, k // QK, 8, 8, 4).copy_(c)
+    return Packed(8, n, k, out, scale=scale.float().contiguous(), bias=bias)
 
 
 def unpack_int8(w: Packed) -> torch.Tensor:

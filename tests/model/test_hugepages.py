@@ -1,8 +1,8 @@
 """Weight memory on 2 MiB pages (``pagedkv.ops.hugepages``): ``empty`` hands out aligned,
 non-overlapping uint8 tensors in memory the kernel may back with transparent huge pages
 (``THPeligible`` in ``/proc/self/smaps``), unmapped when the last view is gone; a GGUF's packed
-matrices (first load and the packed store) live there; ``PAGEDKV_HUGE_PAGES=0`` gives plain
-memory and the store's file mapping back."""
+matrices of a first load live there (a later load maps the packed store's file);
+``PAGEDKV_HUGE_PAGES=0`` gives plain memory."""
 
 from __future__ import annotations
 
@@ -96,29 +96,29 @@ def _head(lm) -> gguf_native.GGUFLinear:
     return dict(lm.model.named_modules())["lm_head"]
 
 
-def test_packed_matrices_first_load_and_from_the_store_are_in_advised_memory(stored, bundled_gguf, monkeypatch):
+def test_a_first_load_packs_into_advised_memory_and_the_store_maps_the_same_bytes(stored, bundled_gguf, monkeypatch):
     monkeypatch.delenv("PAGEDKV_HUGE_PAGES", raising=False)
     first, root = stored
+    assert first.report.packed_from_cache == 0
+    mods = dict(first.model.named_modules())
+    for name in ("lm_head", "layers.29.down_proj"):  # the 30 MB Q8_0 head on its own mapping, 1.7 MB cut from a region
+        vma = _vma(mods[name].packed.codes.data_ptr())
+        assert vma["path"] == "" and vma["eligible"] == int(ADVISED), (name, vma)
     again = load_model(bundled_gguf, weights="gguf", cache_dir=root)
     assert again.report.packed_from_cache == 121
-    for lm in (first, again):
-        head, down = _head(lm), dict(lm.model.named_modules())["layers.29.down_proj"]
-        for m in (head, down):  # the 28 MB Q8_0 head on its own mapping, a 1.7 MB down_proj cut from a region
-            vma = _vma(m.packed.codes.data_ptr())
-            assert vma["path"] == "" and vma["eligible"] == int(ADVISED), vma
+    vma = _vma(_head(again).packed.codes.data_ptr())
+    assert vma["path"].endswith(".bin") and "packed" in vma["path"]  # the store's file: its page cache shared
     assert torch.equal(_head(again).packed.codes, _head(first).packed.codes)
     x = torch.randn(3, 576, generator=torch.Generator().manual_seed(1))
     assert torch.equal(_head(again)(x), _head(first)(x))
 
 
-def test_switched_off_the_store_is_mapped_from_its_file(stored, bundled_gguf, monkeypatch):
+def test_switched_off_a_first_load_packs_into_plain_memory(bundled_gguf, tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDKV_HUGE_PAGES", "0")
-    first, root = stored
-    again = load_model(bundled_gguf, weights="gguf", cache_dir=root)
-    assert again.report.packed_from_cache == 121
-    vma = _vma(_head(again).packed.codes.data_ptr())
-    assert vma["path"].endswith(".bin") and "packed" in vma["path"]  # the store's file, its page cache shared
-    assert torch.equal(_head(again).packed.codes, _head(first).packed.codes)
+    lm = load_model(bundled_gguf, weights="gguf", cache_dir=tmp_path, use_cache=False)
+    small = dict(lm.model.named_modules())["layers.29.down_proj"].packed.codes  # 1.7 MB: below the packer's own advice
+    vma = _vma(small.data_ptr())
+    assert vma["path"] == "" and vma["eligible"] == int(THP == "always")
 
 
 def test_a_cpu_kv_cache_is_zero_on_its_own_advised_mapping(monkeypatch):
