@@ -29,6 +29,7 @@ file system, such as 6.18 on ext4, maps most of it with 2 MiB entries anyway).
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import sys
 import threading
@@ -38,15 +39,15 @@ import torch
 
 #: the huge page size this module aligns to (x86-64, arm64 with 4 KiB base pages)
 HUGE = 2 << 20
-PAGE = 4096
+PAGE = mmap.PAGESIZE
 #: the shared regions small tensors are cut from
 REGION = 64 << 20
 #: tensors from this size get their own mapping
 OWN_MAPPING = 16 << 20
 ALIGN = 64
-MADV_HUGEPAGE = 14
-PROT_READ_WRITE = 0x1 | 0x2
-MAP_PRIVATE_ANONYMOUS = 0x02 | 0x20
+MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
+PROT_READ_WRITE = mmap.PROT_READ | mmap.PROT_WRITE
+MAP_PRIVATE_ANONYMOUS = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20)
 THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
@@ -85,6 +86,13 @@ def _lib() -> ctypes.CDLL:
     return _libc
 
 
+def _unmap(start: int, size: int) -> None:
+    """munmap, except while the interpreter shuts down: a daemon thread (the engine loop, a KV
+    tier) may still read the memory then, and the process's end returns it anyway."""
+    if not sys.is_finalizing():
+        _lib().munmap(start, size)
+
+
 def _map(nbytes: int) -> torch.Tensor:
     """A uint8 tensor over a new private anonymous mapping of ``nbytes`` rounded up to 4 KiB,
     starting on a 2 MiB boundary, advised ``MADV_HUGEPAGE``; unmapped when the last tensor
@@ -101,7 +109,7 @@ def _map(nbytes: int) -> torch.Tensor:
         lib.munmap(start + size, raw + size + HUGE - start - size)
     lib.madvise(start, size, MADV_HUGEPAGE)  # advice: a failure leaves 4 KiB pages
     owner = (ctypes.c_uint8 * size).from_address(start)
-    weakref.finalize(owner, lib.munmap, start, size)
+    weakref.finalize(owner, _unmap, start, size).atexit = False
     return torch.frombuffer(owner, dtype=torch.uint8)  # holds owner: the mapping lives while a view does
 
 
