@@ -10,6 +10,7 @@ serve --peer`` (:mod:`pagedkv.bench.serve.peer`).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import statistics
 import subprocess
@@ -99,6 +100,33 @@ def dirty_tree() -> Optional[bool]:
         return bool(r.stdout.strip()) if r.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def source_digest(package: Optional[Path] = None) -> str:
+    """16 hex digits of the sha256 over the package's Python and C sources as they are on disk
+    now (``pagedkv/**/*.py`` and ``pagedkv/csrc/*.c|*.cpp|*.h``, names and bytes): what every
+    measured pagedkv process imports or compiles, since benchmarks start them from this checkout.
+    ``package``: another source folder (tests)."""
+    root = package if package is not None else REPO_ROOT / "pagedkv"
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        if p.suffix in (".py", ".c", ".cpp", ".h") and p.is_file():
+            h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+class SourcesChanged(RuntimeError):
+    """pagedkv's sources changed while a benchmark ran: its later rounds would measure other code."""
+
+
+def check_sources(at_start: str, where: str, package: Optional[Path] = None) -> str:
+    """:func:`source_digest` now, or ``SourcesChanged`` (naming ``where``) when it is not
+    ``at_start``: a run stops rather than mix two versions of the code in one result."""
+    now = source_digest(package)
+    if now != at_start:
+        raise SourcesChanged(f"pagedkv's sources changed during the run (before {where}: {at_start} -> {now}); "
+                             "the rounds so far measured other code: stopped (results of finished models are written)")
+    return now
 
 
 def llama_cpp_stamp() -> Optional[dict[str, Any]]:

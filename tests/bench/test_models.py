@@ -355,3 +355,26 @@ def test_from_json_re_renders_an_earlier_run(tmp_path):
     assert "Note: shared machine" in (tmp_path / "out" / "models.md").read_text()
     assert "| 0.5b | q4_0 | 1.00 | llama.cpp | not measured: llama.cpp tools not built (make peers) |" in \
         (tmp_path / "out" / "models.md").read_text()
+
+
+def test_a_source_change_during_a_run_stops_it(tmp_path):
+    """Benchmarks start pagedkv from the checkout: an edit mid-run (a kernel, a module) would make
+    later rounds measure other code, so the run checks the sources' digest before each round."""
+    from pagedkv.bench.protocol import SourcesChanged, check_sources, source_digest
+
+    pkg = tmp_path / "pagedkv"
+    (pkg / "csrc").mkdir(parents=True)
+    (pkg / "a.py").write_text("x = 1\n")
+    (pkg / "csrc" / "k.c").write_text("int f(void) { return 1; }\n")
+    (pkg / "notes.txt").write_text("not a source")
+    start = source_digest(pkg)
+    assert len(start) == 16 and check_sources(start, "round 1", pkg) == start
+    (pkg / "notes.txt").write_text("edited")  # not a source: no change
+    assert check_sources(start, "round 2", pkg) == start
+    (pkg / "csrc" / "k.c").write_text("int f(void) { return 2; }\n")
+    with pytest.raises(SourcesChanged, match="before 1.7b q4_0 round 3"):
+        check_sources(start, "1.7b q4_0 round 3", pkg)
+    (pkg / "csrc" / "k.c").write_text("int f(void) { return 1; }\n")
+    (pkg / "b.py").write_text("")  # a new module
+    assert source_digest(pkg) != start
+    assert len(source_digest()) == 16  # the real package

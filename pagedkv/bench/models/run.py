@@ -3,7 +3,9 @@
 For each Llama-family shape (0.5B, 1.7B, 3B, 8B; :mod:`pagedkv.bench.models.make` makes the
 random-weight GGUFs, offline and cached) in each type (Q4_0, Q4_K_M, Q8_0), over ``--rounds``
 rounds with the systems interleaved (their order alternating per round), every measurement in
-a fresh process under a timeout and an RSS guard (:mod:`pagedkv.bench.models.guard`):
+a fresh process under a timeout and an RSS guard (:mod:`pagedkv.bench.models.guard`), from
+this checkout (its sources' digest, checked before every pagedkv round, stops a run an edit
+would split: ``protocol.check_sources``):
 
 * **pagedkv**: ``pagedkv.LLM(model=<gguf>)`` (:mod:`pagedkv.bench.models.child`). Cold load:
   an empty ``$PAGEDKV_CACHE_DIR`` (a temp dir; the compiled C kernels linked in, so kernel
@@ -49,7 +51,8 @@ from typing import Any, Callable, Optional
 from pagedkv.bench.common import json_clean, llama_cpp_env, load_average, log, machine_info
 from pagedkv.bench.models.guard import GB, fadvise_dontneed, run_guarded
 from pagedkv.bench.models.make import SHAPES, TYPES, ensure_models, find_tool, tensor_types, weight_bytes_per_token
-from pagedkv.bench.protocol import cpu_model, dirty_tree, interleaved, llama_bench_run, llama_cpp_stamp
+from pagedkv.bench.protocol import (SourcesChanged, check_sources, cpu_model, dirty_tree, interleaved,
+                                    llama_bench_run, llama_cpp_stamp, source_digest)
 from pagedkv.bench.variants import add_variant_option, cpu_class
 
 NAME = "models"
@@ -305,6 +308,7 @@ def collect(args: argparse.Namespace, on_model: Optional[Callable[[dict[str, Any
     measure_spec = {"threads": args.threads, "prefill_tokens": 512, "decode_prompt": 32, "decode_tokens": 64,
                     "repeats": 1}
     models = []
+    sources = source_digest()  # every pagedkv round must run this code (a mid-run edit stops the run)
     for size in sizes:
         made = ensure_models([size], types, use_llama_quantize=not args.no_llama_quantize, keep_f16=args.keep_f16,
                              threads=args.threads, log=log)
@@ -329,8 +333,9 @@ def collect(args: argparse.Namespace, on_model: Optional[Callable[[dict[str, Any
                 for system in order:
                     if system == PAGEDKV and ours["status"] == "ok":
                         log(f"[models] {size} {qtype} round {r + 1}: pagedkv ...")
+                        check_sources(sources, f"{size} {qtype} round {r + 1}")
                         before = probe_bandwidth(args.threads)
-                        rec = {"round": r + 1, **pagedkv_round(path, args, spec)}
+                        rec = {"round": r + 1, "sources": sources, **pagedkv_round(path, args, spec)}
                         rec["bandwidth"] = {"before": before, "after": probe_bandwidth(args.threads)}
                         ours["runs"].append(rec)
                         if rec["cold"]["status"] == "killed_rss":  # deterministic: the later rounds would repeat it
@@ -416,5 +421,9 @@ def run(args: argparse.Namespace) -> int:
         write(json_clean(data), echo=True)
         return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so a terminated run kills its measured child
-    write(collect(args, on_model=write), echo=True)
+    try:
+        write(collect(args, on_model=write), echo=True)
+    except SourcesChanged as exc:
+        log(f"[models] {exc}")
+        return 2
     return 0
