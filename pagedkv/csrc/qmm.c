@@ -146,16 +146,35 @@ typedef struct {
     int32_t *q16; /* the sums of each 16 codes [rows, k / 16] (NULL unless a kernel takes them: see pagedkv_qmm) */
     int32_t *o8;  /* 8 x the sums of each 32 codes [rows, k / 32] (with q16): the column tiles' Q4_0 offset */
     uint8_t *xu;  /* the codes + 128 as u8 [rows, k] (NULL unless asked: AVX2's Q6_K column tiles) */
+    uint16_t *xb; /* the values rounded to bf16 [rows, k] (NULL unless bf16 weights take them) */
     void *mem;
 } qrows_t;
 
+static inline uint16_t to_bf16(float f);
+
+/* want: 1 the int8 blocks (and what sums16 / want_xu ask), 2 the bf16 values, 3 both */
 static int quantize_rows(const float *x, int64_t xs, int64_t rows, int64_t k, qrows_t *out, int nt, int sums16,
-                         int want_xu) {
+                         int want_xu, int want) {
     int64_t nb = k / QK;
-    out->mem = malloc((size_t)(rows * k + 2 * rows * nb * (int64_t)sizeof(float) +
-                               (sums16 ? rows * (k / 16 + k / 32) * (int64_t)sizeof(int32_t) : 0) +
-                               (want_xu ? rows * k : 0) + 64));
+    const int64_t qbytes = rows * k + 2 * rows * nb * (int64_t)sizeof(float) +
+                           (sums16 ? rows * (k / 16 + k / 32) * (int64_t)sizeof(int32_t) : 0) + (want_xu ? rows * k : 0);
+    out->mem = malloc((size_t)((want & 1 ? qbytes : 0) + (want & 2 ? 2 * rows * k + 64 : 0) + 64));
     if (!out->mem) return -1;
+    out->xb = NULL;
+    if (want & 2) { /* after the int8 blocks, 64-byte aligned */
+        uintptr_t at = (uintptr_t)out->mem + (want & 1 ? (uintptr_t)qbytes : 0);
+        out->xb = (uint16_t *)((at + 63) & ~(uintptr_t)63);
+        #pragma omp parallel for if (rows * k >= 65536) num_threads(nt) schedule(static)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t e = 0; e < k; e++) out->xb[r * k + e] = to_bf16(x[r * xs + e]);
+    }
+    if (!(want & 1)) {
+        out->d = out->s = NULL;
+        out->q = NULL;
+        out->q16 = out->o8 = NULL;
+        out->xu = NULL;
+        return 0;
+    }
     out->d = (float *)out->mem;
     out->s = out->d + rows * nb;
     out->q = (int8_t *)(out->s + rows * nb);
@@ -869,6 +888,7 @@ INLINE void q4x_group(const int NR, const int KIND, int64_t nb, const uint8_t *w
 #define FMT_Q4_K 112
 #define FMT_Q5_K 113
 #define FMT_Q6_K 114
+#define FMT_BF16 130 /* 100 + GGML's BF16 type id: bf16 weights row-major [n, k], no packing */
 
 /* One layer's packed weights (built once by qmm.py): fmt 4 = int4 (n / 8 * k / 32 blocks of
  * Q4_BLOCK bytes, codes then fp16 d and m), fmt 8 = int8 (codes n * k bytes in the int8
@@ -889,7 +909,7 @@ typedef struct qweights {
 
 static int simple_fmt(int32_t fmt) {
     return fmt == FMT_Q4 || fmt == FMT_Q8 || fmt == FMT_Q4_0 || fmt == FMT_Q5_0 || fmt == FMT_Q5_1 || fmt == FMT_Q8_0 ||
-           fmt == FMT_Q4_K || fmt == FMT_Q5_K || fmt == FMT_Q6_K;
+           fmt == FMT_Q4_K || fmt == FMT_Q5_K || fmt == FMT_Q6_K || fmt == FMT_BF16;
 }
 
 /* bytes of one group of 8 columns (the cost a thread's share is measured in) */
@@ -903,7 +923,153 @@ static int64_t group_bytes(const qweights_t *w) {
     case FMT_Q8_0: return w->k / QK * Q80_BLOCK;
     case FMT_Q4_K: return w->k / QK_K * Q4K_BLOCK;
     case FMT_Q5_K: return w->k / QK_K * Q5K_BLOCK;
+    case FMT_BF16: return w->k * 16;
     default: return w->k / QK_K * Q6K_BLOCK;
+    }
+}
+
+/* ---- bf16 weights -----------------------------------------------------------------------
+ * bf16 weights [n, k] row-major as the checkpoint stores them (no packing, no copy) times the
+ * activations rounded to bf16 (round to nearest even), products added in float32 the way
+ * AVX512-BF16's vdpbf16ps adds them: 16 lanes, lane i of each 32 values taking element 2i + 1
+ * then 2i (each product exact in float32, each add rounded), the lanes summed at the end in a
+ * fixed tree (8, 4, 2, 1 apart). The AVX-512 F, AVX2 and plain C builds split each 32-bit pair
+ * into its two bf16 halves and add them in that same order, so every build gives the same
+ * float32 sums (vdpbf16ps flushes denormal inputs and results to zero; the others keep them).
+ * A group of 8 output rows is 8 k-long rows one after another; BF16_XR input rows share each
+ * load of the weights. */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define BF16_XR 3 /* 8 x 3 accumulators of 32 registers */
+#else
+#define BF16_XR 1
+#endif
+
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+
+#ifndef PF_BF16
+#define PF_BF16 8192 /* software prefetch distance, elements (16 KB) ahead of each load, into L2 */
+#endif
+
+/* the 16 lanes' sum in the fixed tree: l[i] + l[i + 8], then 4, 2 and 1 apart */
+static inline float lanes_sum(const float *l) {
+    float t[8];
+    for (int i = 0; i < 8; i++) t[i] = l[i] + l[i + 8];
+    for (int i = 0; i < 4; i++) t[i] += t[i + 4];
+    for (int i = 0; i < 2; i++) t[i] += t[i + 2];
+    return t[0] + t[1];
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+static inline float zsum(__m512 v) { /* lanes_sum in registers, the same adds */
+    __m256 t = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    u = _mm_add_ps(u, _mm_movehl_ps(u, u));
+    return _mm_cvtss_f32(_mm_add_ss(u, _mm_movehdup_ps(u)));
+}
+#elif defined(__AVX2__)
+static inline float ysum(__m256 lo, __m256 hi8) { /* lanes 0-7 and 8-15: lanes_sum's adds */
+    __m256 t = _mm256_add_ps(lo, hi8);
+    __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    u = _mm_add_ps(u, _mm_movehl_ps(u, u));
+    return _mm_cvtss_f32(_mm_add_ss(u, _mm_movehdup_ps(u)));
+}
+#endif
+
+/* out[r * 8 + j] = the sum of w row j times x row r (r < nr <= BF16_XR), k a multiple of 32 */
+static void bf16_dots(const uint16_t *w, int64_t k, const uint16_t *x, int64_t xk, int nr, float *out) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    __m512 acc[8][BF16_XR];
+    for (int j = 0; j < 8; j++)
+        for (int r = 0; r < BF16_XR; r++) acc[j][r] = _mm512_setzero_ps();
+#ifndef __AVX512BF16__
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+#endif
+    for (int64_t c = 0; c < k; c += 32) {
+#ifdef __AVX512BF16__
+        __m512i xv[BF16_XR];
+        for (int r = 0; r < BF16_XR; r++) xv[r] = r < nr ? _mm512_loadu_si512(x + r * xk + c) : _mm512_setzero_si512();
+        for (int j = 0; j < 8; j++) {
+            _mm_prefetch((const char *)(w + j * k + c + PF_BF16), _MM_HINT_T1);
+            const __m512i wv = _mm512_loadu_si512(w + j * k + c);
+            for (int r = 0; r < BF16_XR; r++)
+                acc[j][r] = _mm512_dpbf16_ps(acc[j][r], (__m512bh)xv[r], (__m512bh)wv);
+        }
+#else
+        __m512 xo[BF16_XR], xe[BF16_XR];
+        for (int r = 0; r < BF16_XR; r++) {
+            const __m512i v = r < nr ? _mm512_loadu_si512(x + r * xk + c) : _mm512_setzero_si512();
+            xo[r] = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
+            xe[r] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+        }
+        for (int j = 0; j < 8; j++) {
+            _mm_prefetch((const char *)(w + j * k + c + PF_BF16), _MM_HINT_T1);
+            const __m512i wv = _mm512_loadu_si512(w + j * k + c);
+            const __m512 wo = _mm512_castsi512_ps(_mm512_and_si512(wv, hi)), we = _mm512_castsi512_ps(_mm512_slli_epi32(wv, 16));
+            for (int r = 0; r < BF16_XR; r++) acc[j][r] = _mm512_fmadd_ps(xe[r], we, _mm512_fmadd_ps(xo[r], wo, acc[j][r]));
+        }
+#endif
+    }
+    for (int r = 0; r < nr; r++)
+        for (int j = 0; j < 8; j++) out[r * 8 + j] = zsum(acc[j][r]);
+#elif defined(__AVX2__)
+    (void)xk;
+    (void)nr;
+    for (int h = 0; h < 2; h++) { /* the w rows 4h .. 4h + 3, both halves of the 16 lanes */
+        __m256 acc[4][2];
+        for (int j = 0; j < 4; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+        const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+        for (int64_t c = 0; c < k; c += 32) {
+            for (int j = 0; j < 4; j++) _mm_prefetch((const char *)(w + (4 * h + j) * k + c + PF_BF16), _MM_HINT_T1);
+            for (int q = 0; q < 2; q++) { /* lanes 8q .. 8q + 7: elements c + 16q .. c + 16q + 15 */
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(x + c + 16 * q));
+                const __m256 xo = _mm256_castsi256_ps(_mm256_and_si256(v, hi)), xe = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+                for (int j = 0; j < 4; j++) {
+                    const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + (4 * h + j) * k + c + 16 * q));
+                    const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(wv, hi));
+                    const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(wv, 16));
+                    acc[j][q] = _mm256_fmadd_ps(xe, we, _mm256_fmadd_ps(xo, wo, acc[j][q]));
+                }
+            }
+        }
+        for (int j = 0; j < 4; j++) out[4 * h + j] = ysum(acc[j][0], acc[j][1]);
+    }
+#else
+    (void)xk;
+    (void)nr;
+    for (int j = 0; j < 8; j++) {
+        float l[16] = {0};
+        for (int64_t c = 0; c < k; c += 32)
+            for (int i = 0; i < 16; i++) {
+                const uint32_t xo = (uint32_t)x[c + 2 * i + 1] << 16, xe = (uint32_t)x[c + 2 * i] << 16;
+                const uint32_t wo = (uint32_t)w[j * k + c + 2 * i + 1] << 16, we = (uint32_t)w[j * k + c + 2 * i] << 16;
+                float fxo, fxe, fwo, fwe;
+                memcpy(&fxo, &xo, 4);
+                memcpy(&fxe, &xe, 4);
+                memcpy(&fwo, &wo, 4);
+                memcpy(&fwe, &we, 4);
+                l[i] = fmaf(fxe, fwe, fmaf(fxo, fwo, l[i]));
+            }
+        out[j] = lanes_sum(l);
+    }
+#endif
+}
+
+/* columns 8g .. 8g + 7 of bf16 weights w for all rows of xb (bf16 [rows, k]) */
+static void bf16_group(const qweights_t *w, int64_t g, const uint16_t *xb, int64_t rows, float *y, int64_t ys,
+                       const float *bias) {
+    const int64_t k = w->k;
+    const uint16_t *wg = (const uint16_t *)w->codes + g * 8 * k;
+    float out[BF16_XR * 8];
+    for (int64_t r0 = 0; r0 < rows; r0 += BF16_XR) {
+        const int nr = rows - r0 < BF16_XR ? (int)(rows - r0) : BF16_XR;
+        bf16_dots(wg, k, xb + r0 * k, k, nr, out);
+        for (int r = 0; r < nr; r++)
+            for (int j = 0; j < 8; j++) y[(r0 + r) * ys + 8 * g + j] = out[r * 8 + j] + (bias ? bias[8 * g + j] : 0.0f);
     }
 }
 
@@ -916,6 +1082,10 @@ static void run_group(const qweights_t *w, int64_t g, const qrows_t *a, int64_t 
     float *yg = y + 8 * g;
     /* as few passes over the weights as ROW_TILE allows, their rows as even as possible (7 rows:
      * 4 + 3, not 5 + 2); a row's arithmetic does not depend on the rows beside it */
+    if (w->fmt == FMT_BF16) {
+        bf16_group(w, g, a->xb, rows, y, ys, bias);
+        return;
+    }
     const int64_t passes = (rows + ROW_TILE - 1) / ROW_TILE;
     for (int64_t p = 0, r0 = 0, nr; p < passes; p++, r0 += nr) {
         nr = (rows - r0 + passes - p - 1) / (passes - p);
@@ -1261,8 +1431,12 @@ int pagedkv_qmm(const qweights_t *w, int64_t rows, const float *x, int64_t xs, f
 #else
     const int tiles = 0, want_xu = 0;
 #endif
+    /* which activations the parts take: int8 blocks, bf16 values, or both */
+    int want = 0;
+    for (int64_t p = 0; p < (w->fmt == FMT_CONCAT ? w->nparts : 1); p++)
+        want |= (w->fmt == FMT_CONCAT ? w->parts[p]->fmt : w->fmt) == FMT_BF16 ? 2 : 1;
     qrows_t a;
-    if (quantize_rows(x, xs, rows, w->k, &a, nt, sums16, want_xu)) return -1;
+    if (quantize_rows(x, xs, rows, w->k, &a, nt, want & 1 ? sums16 : 0, want & 1 ? want_xu : 0, want)) return -1;
     const int64_t n = w->n;
     if (tiles) {
 #if QMM_TILES

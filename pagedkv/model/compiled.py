@@ -47,6 +47,21 @@ _INSTANCES = itertools.count()
 _STEP_OPTIONS = {"sliding_window", "logits_soft_cap"}  # the layer options step_attention takes
 
 
+def route_boundaries(model: torch.nn.Module) -> list[int]:
+    """Sorted row counts (2 .. ``KERNEL_ROWS + 1``) at which some prepared quantised linear of
+    ``model`` changes kernel (``QuantLinear.kernel``; in int8/int4 on the fast route:
+    ``int8_rows`` and ``KERNEL_ROWS + 1``; bf16: ``BF16_QMM_ROWS``). A compiled step branches
+    on them, so each range needs a graph of its own (:meth:`CompiledDecode.warm_up_sizes`)."""
+    from pagedkv.model.quant import KERNEL_ROWS, QuantLinear
+
+    out: set[int] = set()
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            kernels = [m.kernel(r) for r in range(1, KERNEL_ROWS + 2)]
+            out.update(r for r in range(2, KERNEL_ROWS + 2) if kernels[r - 1] != kernels[r - 2])
+    return sorted(out)
+
+
 class StepContext(threading.local):
     """The one context through which a compiled step's attention reaches its KV caches and
     metadata. Everywhere else (eager forward, the native one-call step) caches and
@@ -267,10 +282,8 @@ class CompiledDecode:
     def warm_up_sizes(self) -> list[int]:
         """Row counts whose steps compile the graphs: 1 (specialised), 2 (the row count turns
         dynamic), and the first row of every range where a quantised linear changes kernel
-        (``quant.route_boundaries``: the decode step branches there, and a range never seen
+        (:func:`route_boundaries`: the decode step branches there, and a range never seen
         would compile mid-serving, ~80 s on the bundled model)."""
-        from pagedkv.model.quant import route_boundaries
-
         extra = [n for n in route_boundaries(self.model) if 2 < n <= self.max_rows]
         return [n for n in (1, 2) if n <= self.max_rows] + extra
 

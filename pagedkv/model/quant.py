@@ -6,8 +6,8 @@ their weights and multiply; embeddings, norms, RoPE, attention and the KV cache 
 dtype. Every module has ``nn.Linear``'s forward: ``x [T, in]`` -> ``[T, out]``, in ``x``'s dtype.
 
 * ``fp32``: ``nn.Linear`` as loaded (exact; the transformers comparisons run on it).
-* ``bf16``: bfloat16 weights, activations cast to bf16 for the matmul (oneDNN, on weights
-  prepacked once where the CPU multiplies bf16: ``pagedkv.ops.onednn_bf16``), output cast back.
+* ``bf16``: bfloat16 weights, activations rounded to bf16 for the matmul: ``qmm``'s bf16 kernel
+  below ``BF16_QMM_ROWS`` rows, oneDNN above (``pagedkv.ops.onednn_bf16``), output cast back.
 * ``int8``: symmetric per-output-channel int8 weights (scale = max|w| / 127 per row).
 * ``int4``: 4-bit codes in groups of 32 along the input, ``w = scale * q + min`` (q in 0..15):
   exactly GGUF's Q4_1 block (Q4_0: ``min = -8 * scale``), so a Q4 source keeps its stored codes.
@@ -40,6 +40,7 @@ from torch import nn
 from pagedkv.errors import ConfigError
 from pagedkv.model import invariant
 from pagedkv.ops import onednn_bf16, qmm
+from pagedkv.ops.qmm import BF16_ROWS as BF16_QMM_ROWS  # bf16 layers: qmm below it, a plain matmul from it
 from pagedkv.ops.int8_mm import dynamic_int8_mm, onednn_int8, register_int8
 from pagedkv.model.weight_choice import (  # noqa: F401 - part of this module's interface
     ROUTE_ENV, ROUTES, WEIGHT_CHOICES, WEIGHT_FORMATS, CpuFeatures, auto_route, check_weights, cpu_features,
@@ -72,19 +73,6 @@ def int8_rows() -> int:
         raise ConfigError(f"{INT8_ROWS_ENV}: at most {KERNEL_ROWS} (the weight-only kernels' widest input; "
                           f"0 turns the route off), got {rows}")
     return rows
-
-
-def route_boundaries(model: nn.Module) -> list[int]:
-    """Sorted row counts (2 .. ``KERNEL_ROWS + 1``) at which some prepared quantised linear of
-    ``model`` changes kernel (``QuantLinear.kernel``; in int8/int4 on the fast route:
-    ``int8_rows`` and ``KERNEL_ROWS + 1``). A compiled step branches on them, so each range
-    needs a graph of its own (``pagedkv.model.compiled`` warms one per range)."""
-    out: set[int] = set()
-    for m in model.modules():
-        if isinstance(m, QuantLinear):
-            kernels = [m.kernel(r) for r in range(1, KERNEL_ROWS + 2)]
-            out.update(r for r in range(2, KERNEL_ROWS + 2) if kernels[r - 1] != kernels[r - 2])
-    return sorted(out)
 
 
 _QMM: qmm.QmmOps | None = None  # the integer kernels, once a layer has packed weights for them
@@ -337,7 +325,9 @@ class QuantLinear(nn.Module):
 
 
 class BF16Linear(onednn_bf16.PrepackedMixin, QuantLinear):
-    """bf16 ``weight`` ``[out, in]``; fast route: a bf16 oneDNN matmul (``pagedkv.ops.onednn_bf16``)."""
+    """bf16 ``weight`` ``[out, in]``. Fast route, not deterministic: ``qmm``'s bf16 kernel on the
+    weight itself (``qmm.pack_bf16``, no copy) below ``BF16_QMM_ROWS`` rows (so the native step
+    runs the model), plain bf16 ``F.linear`` from there; without ``qmm``, ``onednn_bf16``'s prepacking."""
 
     fmt = "bf16"
 
@@ -350,8 +340,17 @@ class BF16Linear(onednn_bf16.PrepackedMixin, QuantLinear):
         y = self.onednn_linear(x)
         return y if y is not None else self._linear(x, self.weight)
 
+    def _pack_qmm(self) -> qmm.Packed:
+        return qmm.pack_bf16(self.weight, self.bias)
+
+    def _prepare_qmm(self) -> None:  # not in deterministic mode: a row's sums would depend on its batch
+        super()._prepare_qmm()
+        if self._qmm is not None and self.deterministic:
+            self._qmm, self.qmm_rows = None, 0
+        self.qmm_rows = min(self.qmm_rows, BF16_QMM_ROWS)
+
     def prepack_wanted(self) -> bool:  # native bf16, not batch-invariant: not in deterministic mode
-        return self.route == "fast" and not self.deterministic and self._wide_bf16
+        return self.route == "fast" and not self.deterministic and self._wide_bf16 and self._qmm is None
 
 
 class Int8Linear(QuantLinear):

@@ -15,7 +15,8 @@ collects only ``test_*.py``).
   values;
 * references and runs: transformers' logits and greedy tokens (:func:`hf_logits`,
   :func:`hf_greedy`, ...), a pagedkv decoder's chunked logits, and ``check_*`` scenarios that
-  assert (rewritten by pytest: ``tests/conftest.py`` registers this module).
+  assert (rewritten by pytest: ``tests/conftest.py`` registers this module);
+* kernels: :func:`qmm_ops`, the ``qmm`` build a kernel test names.
 """
 
 from __future__ import annotations
@@ -38,6 +39,19 @@ CHUNKS_40 = ((0, 13), (13, 24), (24, 37), (37, 38), (38, 39), (39, 40))  # 3 pre
 #: ``(predicate on the parameter name, op, value)``; op ``"mul"``: ``p *= value``; ``"noise"``:
 #: ``p += randn_like(p) * value``; ``"randn"``: ``p = randn_like(p) * value``
 Rule = tuple[Callable[[str], bool], str, float]
+
+
+def qmm_ops(build: str):
+    """``pagedkv.ops.qmm``'s kernels: ``"default"`` (this host's build), ``"tiles-ymm"`` (the
+    8-column tiles AVX-VNNI CPUs run) or a ``-march`` target (``x86-64-v3``: AVX2; ``x86-64``:
+    plain C; ``skylake-avx512``: AVX-512 without VNNI or BF16)."""
+    from pagedkv.ops import qmm
+
+    if build == "default":
+        got = qmm.get()
+        assert got is not None, qmm.build_error()
+        return got
+    return qmm.build(None, ["QMM_TILE_YMM"]) if build == "tiles-ymm" else qmm.build(build)
 
 
 def match(*, has: Sequence[str] = (), ends: Sequence[str] = ()) -> Callable[[str], bool]:

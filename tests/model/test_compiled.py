@@ -218,7 +218,7 @@ def test_compiled_int4_steps_give_the_eager_hidden_states(loaded_model):
     the same hidden states to bf16 rounding and the same cache contents."""
     from pagedkv.attention import get_backend
     from pagedkv.attention.base import AttentionMetadata
-    from pagedkv.model.quant import route_boundaries
+    from pagedkv.model.compiled import route_boundaries
     from pagedkv.model.quantize import install_linears, quantize_state
 
     lm = tiny_random_model(loaded_model, seed=11)

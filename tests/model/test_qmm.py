@@ -17,6 +17,8 @@ import torch
 from pagedkv.ops import qmm
 from pagedkv.model.quant import CpuFeatures, Int4Linear, Int8Linear
 from pagedkv.model import quant
+from pagedkv.model.compiled import route_boundaries
+from tests.model.builders import qmm_ops
 
 BUILDS = ["default", "x86-64-v3", "x86-64"] if platform.machine() == "x86_64" else ["default"]
 if qmm.get() is not None and qmm.get().isa == "avx512-vnni":
@@ -25,13 +27,7 @@ if qmm.get() is not None and qmm.get().isa == "avx512-vnni":
 
 @pytest.fixture(scope="module", params=BUILDS)
 def ops(request):
-    if request.param == "default":
-        got = qmm.get()
-        assert got is not None, qmm.build_error()
-        return got
-    if request.param == "tiles-ymm":
-        return qmm.build(None, ["QMM_TILE_YMM"])
-    return qmm.build(request.param)
+    return qmm_ops(request.param)
 
 
 def _emulated(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,7 +142,7 @@ def test_q8_route_takes_every_row_count_without_amx(monkeypatch, make):
         assert got.dtype == torch.float32
         assert (got - ref).abs().max().item() < 0.02 * ref.abs().max().item()  # 8-bit activation blocks
         assert m(x.bfloat16()).dtype == torch.bfloat16
-    assert quant.route_boundaries(torch.nn.Sequential(m)) == []  # one kernel: one compiled graph
+    assert route_boundaries(torch.nn.Sequential(m)) == []  # one kernel: one compiled graph
     m.prepare("fallback")
     assert m.qmm_rows == 0 and m.kernel(1) == "fallback"
 

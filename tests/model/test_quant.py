@@ -13,8 +13,9 @@ from pagedkv.errors import ConfigError
 from pagedkv.model import quant
 from pagedkv.model.quant import (
     BF16Linear, CpuFeatures, Int4Linear, Int8Linear, auto_route, check_weights, dynamic_int8_mm, int8_rows,
-    resolve_weights, route_boundaries,
+    resolve_weights,
 )
+from pagedkv.model.compiled import route_boundaries
 from pagedkv.testing.caches import allocate_kv_caches
 
 AVX512_AMX = CpuFeatures("AVX512", avx512_bf16=True, amx=True, vnni=True)
@@ -282,7 +283,8 @@ def test_compiled_decode_warms_a_graph_for_every_kernel_range(monkeypatch):
     w = torch.randn(32, 64)
     fast = torch.nn.Sequential(Int4Linear.from_float(w).prepare("fast"), Int8Linear.from_float(w).prepare("fast"))
     assert route_boundaries(fast) == [8]
-    # nothing changes kernel on the fallback route, nor in bf16 (one kernel at every row count)
+    # nothing changes kernel on the fallback route, nor in bf16 without qmm (one kernel at every
+    # row count; with qmm: test_qmm_bf16.py)
     assert route_boundaries(torch.nn.Sequential(Int8Linear.from_float(w).prepare("fallback"))) == []
     assert route_boundaries(torch.nn.Sequential(BF16Linear(w).prepare("fast"))) == []
     assert route_boundaries(torch.nn.Linear(4, 4)) == []
@@ -555,7 +557,8 @@ def test_released_int8_weights_leave_the_layer_on_its_other_kernels(monkeypatch,
 
 
 def test_bf16_weights_prepacked_for_onednn_keep_their_bits_and_their_plain_copy(monkeypatch):
-    """Where the CPU multiplies bf16 natively, a prepared bf16 layer holds its weights once, in
+    """Without ``qmm`` (``PAGEDKV_QMM=0``; with it, ``test_qmm_bf16.py``), where the CPU
+    multiplies bf16 natively, a prepared bf16 layer holds its weights once, in
     oneDNN's blocked layout (the plain buffer freed), and multiplies with the same bits as the
     plain bf16 ``F.linear``; the plain weights come back bit for bit for ``state_dict``,
     ``dequantize``, a deep copy and deterministic mode, and a loaded state replaces the packed
@@ -566,6 +569,7 @@ def test_bf16_weights_prepacked_for_onednn_keep_their_bits_and_their_plain_copy(
 
     from pagedkv.model.quant import cpu_features
 
+    monkeypatch.setenv("PAGEDKV_QMM", "0")
     g = torch.Generator().manual_seed(7)
     w, x = torch.randn(96, 64, generator=g), torch.randn(9, 64, generator=g)
     wb = w.to(torch.bfloat16)
@@ -593,13 +597,32 @@ def test_bf16_weights_prepacked_for_onednn_keep_their_bits_and_their_plain_copy(
     assert torch.equal(BF16Linear(w).prepare("fast").weight, wb)
 
 
+def test_a_bf16_model_runs_the_native_step_on_its_weights_held_once(bundled_gguf, monkeypatch):
+    """Through the loader every bf16 layer runs ``qmm``'s bf16 kernel on its own weight (no
+    second copy), so the native step takes the model, and its greedy tokens equal those of the
+    same kernels driven from Python (``PAGEDKV_NATIVE_STEP=0``)."""
+    from pagedkv.model.loader import load_model
+
+    lm = load_model(bundled_gguf, weights="bf16")
+    layers = [m for m in lm.model.modules() if isinstance(m, BF16Linear)]
+    assert len(layers) == 121  # 30 x (qkv, o, gate_up, down) + the LM head
+    assert all(m._qmm is not None and m._qmm.codes.data_ptr() == m.weight.data_ptr() for m in layers)
+    native = _greedy(lm)
+    assert lm.model.native_state == "on"  # set by the first forward
+    monkeypatch.setenv("PAGEDKV_NATIVE_STEP", "0")
+    python = load_model(bundled_gguf, weights="bf16")
+    assert native == _greedy(python) and python.model.native_state.startswith("off")
+
+
 def test_a_bf16_model_holds_its_weights_once_prepacked_and_greedy_tokens_match_plain(bundled_gguf, monkeypatch):
-    """Through the loader (which loads the model's other tensors after the linears are
-    prepared) every bf16 layer stays prepacked where the CPU multiplies bf16 natively, and the
-    engine's greedy tokens equal those of the plain ``F.linear`` layers (``PAGEDKV_BF16_PREPACK=0``)."""
+    """Without ``qmm`` (``PAGEDKV_QMM=0``), through the loader (which loads the model's other
+    tensors after the linears are prepared) every bf16 layer stays prepacked where the CPU
+    multiplies bf16 natively, and the engine's greedy tokens equal those of the plain
+    ``F.linear`` layers (``PAGEDKV_BF16_PREPACK=0``)."""
     from pagedkv.model.loader import load_model
     from pagedkv.model.quant import cpu_features
 
+    monkeypatch.setenv("PAGEDKV_QMM", "0")
     lm = load_model(bundled_gguf, weights="bf16")
     layers = [m for m in lm.model.modules() if isinstance(m, BF16Linear)]
     assert len(layers) == 121  # 30 x (qkv, o, gate_up, down) + the LM head
