@@ -325,9 +325,9 @@ class QuantLinear(nn.Module):
 
 
 class BF16Linear(onednn_bf16.PrepackedMixin, QuantLinear):
-    """bf16 ``weight`` ``[out, in]``. Fast route, not deterministic: ``qmm``'s bf16 kernel on the
-    weight itself (``qmm.pack_bf16``, no copy) below ``BF16_QMM_ROWS`` rows (so the native step
-    runs the model), plain bf16 ``F.linear`` from there; without ``qmm``, ``onednn_bf16``'s prepacking."""
+    """bf16 ``weight`` ``[out, in]``. Fast route: ``qmm``'s bf16 kernel on the weight itself
+    (``qmm.pack_bf16``, no copy; so the native step runs the model) below ``BF16_QMM_ROWS`` rows, plain
+    bf16 ``F.linear`` from there (deterministic: ``qmm`` at every row count); without ``qmm``, oneDNN."""
 
     fmt = "bf16"
 
@@ -343,11 +343,9 @@ class BF16Linear(onednn_bf16.PrepackedMixin, QuantLinear):
     def _pack_qmm(self) -> qmm.Packed:
         return qmm.pack_bf16(self.weight, self.bias)
 
-    def _prepare_qmm(self) -> None:  # not in deterministic mode: a row's sums would depend on its batch
+    def _prepare_qmm(self) -> None:  # deterministic: qmm at every row count (a row's sums never see its batch)
         super()._prepare_qmm()
-        if self._qmm is not None and self.deterministic:
-            self._qmm, self.qmm_rows = None, 0
-        self.qmm_rows = min(self.qmm_rows, BF16_QMM_ROWS)
+        self.qmm_rows = self.qmm_rows if self.deterministic else min(self.qmm_rows, BF16_QMM_ROWS)
 
     def prepack_wanted(self) -> bool:  # native bf16, not batch-invariant: not in deterministic mode
         return self.route == "fast" and not self.deterministic and self._wide_bf16 and self._qmm is None

@@ -18,6 +18,7 @@ import torch
 
 from pagedkv.cpu_isa import profile
 from pagedkv.model.compiled import route_boundaries
+from pagedkv.model.invariant import batch_invariant
 from pagedkv.model.quant import BF16_QMM_ROWS, BF16Linear
 from pagedkv.ops import qmm
 from tests.model.builders import qmm_ops
@@ -102,10 +103,10 @@ def test_pack_bf16_holds_the_weight_itself_and_refuses_other_tensors():
 
 
 def test_bf16_layers_run_the_kernel_below_its_rows_and_a_plain_matmul_above(monkeypatch):
-    """The fast route outside deterministic mode: ``qmm`` over the layer's own weight below
-    ``BF16_QMM_ROWS`` rows (the reference's bits), plain ``F.linear`` from there (its bits),
-    the weight held once; deterministic mode leaves ``qmm`` (a row's sums must not depend on
-    its batch); a loaded state reaches the kernel (the weight is copied into in place)."""
+    """The fast route: ``qmm`` over the layer's own weight below ``BF16_QMM_ROWS`` rows (the
+    reference's bits), plain ``F.linear`` from there (its bits), the weight held once;
+    deterministic mode runs ``qmm`` at every row count (batch-invariant); a loaded state reaches
+    the kernel (the weight is copied into in place)."""
     import torch.nn.functional as F
 
     g = torch.Generator().manual_seed(11)
@@ -120,8 +121,11 @@ def test_bf16_layers_run_the_kernel_below_its_rows_and_a_plain_matmul_above(monk
         assert torch.equal(m(x[:r]), bf16_reference(x[:r], wb, bias)), r
     plain = (F.linear(x.to(torch.bfloat16), wb).float() + bias)
     assert torch.equal(m(x[:BF16_QMM_ROWS]), plain[:BF16_QMM_ROWS])
-    m.set_deterministic(True)
-    assert m._qmm is None and m.qmm_rows == 0 and m.weight is not None and route_boundaries(m) == []
+    assert batch_invariant(m) == (False, "bf16 layers (kernels by row count)")
+    m.set_deterministic(True)  # qmm at every row count: a row's sums never depend on its batch
+    assert m.qmm_rows == qmm.ALL_ROWS and route_boundaries(m) == [] and batch_invariant(m) == (True, "")
+    assert torch.equal(m(x), bf16_reference(x, wb, bias))
+    assert torch.equal(m(x[3:4]), bf16_reference(x, wb, bias)[3:4])
     m.set_deterministic(False)
     assert m.qmm_rows == BF16_QMM_ROWS
     w2 = torch.randn(96, 64, generator=g).to(torch.bfloat16)
