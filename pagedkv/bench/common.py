@@ -30,7 +30,7 @@ _PACKAGES = ["torch", "transformers", "gguf", "numpy", "triton", "fastapi", "uvi
 #: ones ignore it), so llama.cpp's weight buffers (its repacked Q4_0 / Q4_K, every weight
 #: without mmap) stream from the huge pages pagedkv's packed weights have
 #: (``pagedkv.ops.hugepages``). Its best on a THP-``madvise`` host: SmolLM2-1.7B-shape Q4_0
-#: decode 29-31 -> 32-34 tok/s (Zen 4, 2 threads; Q4_K_M the same within noise).
+#: decode 28.1-31.4 -> 31.5-33.9 tok/s (Zen 4, 2 threads, 8 runs each; Q4_K_M the same within noise).
 LLAMA_CPP_TUNABLES = "glibc.malloc.hugetlb=1"
 
 

@@ -119,14 +119,13 @@ class SourcesChanged(RuntimeError):
     """pagedkv's sources changed while a benchmark ran: its later rounds would measure other code."""
 
 
-def check_sources(at_start: str, where: str, package: Optional[Path] = None) -> str:
-    """:func:`source_digest` now, or ``SourcesChanged`` (naming ``where``) when it is not
+def check_sources(at_start: str, where: str, package: Optional[Path] = None) -> None:
+    """``SourcesChanged`` (naming ``where``) when :func:`source_digest` is no longer
     ``at_start``: a run stops rather than mix two versions of the code in one result."""
     now = source_digest(package)
     if now != at_start:
         raise SourcesChanged(f"pagedkv's sources changed during the run (before {where}: {at_start} -> {now}); "
-                             "the rounds so far measured other code: stopped (results of finished models are written)")
-    return now
+                             "later rounds would measure other code: stopped (what finished before is written)")
 
 
 def llama_cpp_stamp() -> Optional[dict[str, Any]]:
@@ -156,16 +155,17 @@ def llama_bench_run(bench: str, path: str, args: Any, measure_spec: dict[str, An
     ``repetitions`` R, default 1): prefill and decode tokens/s (llama-bench's mean over its
     repetitions), every repetition's tokens/s (``*_samples``) and its system info fields."""
     out = Path(tempfile.mkstemp(suffix=".json")[1])
+    env = llama_cpp_env()
     cmd = [bench, "-m", path, "-t", str(args.threads), "-p", str(measure_spec["prefill_tokens"]),
            "-n", str(measure_spec["decode_tokens"]), "-r", str(measure_spec.get("repetitions", 1)), "-o", "json"]
     try:
         res = run_guarded(cmd, timeout_s=args.timeout_s, rss_limit_bytes=args.rss_limit_gb * GB, stdout_path=out,
-                          env=llama_cpp_env())
+                          env=env)
         text = out.read_text()
     finally:
         out.unlink(missing_ok=True)
     res["command"] = " ".join(cmd[:1] + ["-m", "FILE"] + cmd[3:])
-    res["glibc_tunables"] = llama_cpp_env()["GLIBC_TUNABLES"]
+    res["glibc_tunables"] = env["GLIBC_TUNABLES"]
     if res["status"] != "ok":
         return res
     try:

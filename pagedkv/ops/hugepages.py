@@ -37,6 +37,10 @@ import weakref
 
 import torch
 
+from pagedkv.errors import ConfigError
+
+#: ``0``: plain ``torch.empty`` / ``torch.zeros`` (``1`` or unset: advised mappings where THP allows)
+ENV = "PAGEDKV_HUGE_PAGES"
 #: the huge page size this module aligns to (x86-64, arm64 with 4 KiB base pages)
 HUGE = 2 << 20
 PAGE = mmap.PAGESIZE
@@ -64,9 +68,11 @@ def thp_mode(path: str = THP_ENABLED) -> str:
 
 def enabled() -> bool:
     """Whether :func:`empty` maps advised memory: Linux, THP ``madvise`` or ``always``, and
-    ``PAGEDKV_HUGE_PAGES`` not ``0``."""
-    return (sys.platform.startswith("linux") and os.environ.get("PAGEDKV_HUGE_PAGES", "1") != "0"
-            and thp_mode() in ("madvise", "always"))
+    ``PAGEDKV_HUGE_PAGES`` unset or ``1`` (``0``: off). Raises ``ConfigError`` for another value."""
+    flag = os.environ.get(ENV, "1")
+    if flag not in ("0", "1"):
+        raise ConfigError(f"{ENV}: must be '0' or '1' (or unset), got {flag!r}")
+    return sys.platform.startswith("linux") and flag == "1" and thp_mode() in ("madvise", "always")
 
 
 _libc = None

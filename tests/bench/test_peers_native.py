@@ -28,6 +28,14 @@ def _run(rnd, system, decode, prefill, qtype="q4_0", status="ok"):
             "prefill_tokens_per_s": prefill, "load_1m_start": 1.0 + rnd}
 
 
+def _native_args(out: Path, types: str, rounds: int):
+    from pagedkv.cli import build_parser
+
+    return build_parser().parse_args(["bench", "peers", "--systems", "pagedkv-b1,llama.cpp", "--types", types,
+                                      "--rounds", str(rounds), "--decode-tokens", "16", "--out-dir", str(out),
+                                      "--no-plot"])
+
+
 def test_summary_pairs_rounds_and_meets_goals_by_the_lower_quartile():
     # decode ratios per round 1.5, 1.4, 1.3, 1.1, 1.0: median 1.3 >= 1.2, lower quartile 1.1 < 1.2
     pairs = [(150, 100), (140, 100), (130, 100), (110, 100), (100, 100)]
@@ -65,12 +73,8 @@ def test_native_run_makes_the_formats_interleaves_and_keeps_every_run(tmp_path, 
                 "decode_tokens_per_s": 65.0, "prefill_tokens_per_s": 300.0}
 
     monkeypatch.setattr(peers_native, "pagedkv_run", fake_pagedkv)
-    from pagedkv.cli import build_parser
-
     out = tmp_path / "out"
-    args = build_parser().parse_args(["bench", "peers", "--systems", "pagedkv-b1,llama.cpp", "--types", "q4_1,q4_0",
-                                      "--rounds", "2", "--decode-tokens", "16", "--out-dir", str(out), "--no-plot"])
-    assert peers.run(args) == 0
+    assert peers.run(_native_args(out, "q4_1,q4_0", 2)) == 0
     ((variant, data),) = read_variants(out / "peers.json").items()
     assert variant == "llama_cpp_" + cpu_class(data["machine"]["cpu_isa"])  # this host's CPU class
     made = Path(data["files"]["q4_0"]["path"])
@@ -95,6 +99,8 @@ def test_native_run_makes_the_formats_interleaves_and_keeps_every_run(tmp_path, 
     assert f"\n## {variant}\n" in md
     assert "| Q4_0 |" in md and "1.30x" in md and "met" in md and "--allow-requantize" in md
     # re-rendered from the JSON, the same report
+    from pagedkv.cli import build_parser
+
     again = build_parser().parse_args(["bench", "peers", "--systems", "pagedkv-b1,llama.cpp", "--from-json",
                                        str(out / "peers.json"), "--out-dir", str(tmp_path / "again"),
                                        "--no-plot"])
@@ -107,3 +113,28 @@ def test_formats_without_llama_quantize_say_why(tmp_path, monkeypatch):
     monkeypatch.setattr(peers_native, "find_tool", lambda name, bin_dir=None: None)
     files = peers_native.ensure_formats(resolve_peer_model(None), ["q4_1", "q4_0"], 2, root=tmp_path, log_fn=lambda m: None)
     assert files["q4_1"]["maker"] == "as shipped" and files["q4_0"] == {"error": "llama-quantize not built (make peers)"}
+
+
+def test_a_source_change_during_a_run_stops_it(tmp_path, monkeypatch):
+    """Each pagedkv round runs the checkout's code: its digest is checked before every pagedkv
+    run, and a change stops the run with exit 2, the finished rounds written as partial."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(cache))
+    rows = [{"build_commit": "abc", "n_prompt": 512, "n_gen": 0, "avg_ts": 101.0, "samples_ts": [101.0]},
+            {"build_commit": "abc", "n_prompt": 0, "n_gen": 16, "avg_ts": 51.0, "samples_ts": [51.0]}]
+    _script(cache / "peers" / "bin" / "llama-bench", f"cat <<'EOF'\n{json.dumps(rows)}\nEOF\n")
+    monkeypatch.setattr(peers_native, "pagedkv_run", lambda path, args, spec: {
+        "status": "ok", "reason": None, "decode_tokens_per_s": 65.0, "prefill_tokens_per_s": 300.0})
+    from pagedkv.bench import protocol
+
+    digests = iter(["a", "a", "b"])  # at the start, before round 1's pagedkv run, before round 2's
+
+    def digest(package=None):
+        return next(digests)
+
+    monkeypatch.setattr(peers_native, "source_digest", digest)
+    monkeypatch.setattr(protocol, "source_digest", digest)
+    out = tmp_path / "out"
+    assert peers.run(_native_args(out, "q4_1", 3)) == 2
+    ((variant, data),) = read_variants(out / "peers.json").items()
+    assert data["partial"] and [(r["round"], r["system"]) for r in data["runs"]] == [(1, "pagedkv"), (1, "llama.cpp")]

@@ -408,3 +408,31 @@ def test_rounds_interleave_and_write_after_every_round(monkeypatch):
     rows = {(q["workload"], q["concurrency"]): q for q in data["ratios"]}
     assert rows[("32/256", 8)]["output_tok_s_ratio"] == 2.0 and rows[("32/256", 8)]["rounds_paired"] == 2
     assert rows[("32/256", 8)]["output_tok_s_goal_met"] is True  # 2.0 >= 1.5 in both rounds
+
+
+def test_a_source_change_during_a_run_stops_it(monkeypatch):
+    """pagedkv's servers start from the checkout: the sources' digest is checked before each
+    pagedkv server, and a change stops the run (``SourcesChanged``; ``run`` exits 2) after
+    the rounds already handed out."""
+    from pagedkv.bench.protocol import SourcesChanged
+
+    from pagedkv.bench import protocol
+
+    digests = iter(["a", "a", "a", "b"])  # at the start, then before each pagedkv server
+
+    def digest(package=None):
+        return next(digests)
+
+    monkeypatch.setattr(serve_peer, "source_digest", digest)
+    monkeypatch.setattr(protocol, "source_digest", digest)
+    monkeypatch.setattr(serve_peer, "_one_run", lambda name, c, n, *rest: {"server": name, "concurrency": c})
+    monkeypatch.setattr(serve_peer, "find_llama_server", lambda explicit=None: "/bin/true")
+    monkeypatch.setattr(serve_peer, "binary_facts", lambda binary: {"path": binary})
+    monkeypatch.setattr(serve_peer, "_tokenizer", lambda gguf, work: ("tok", 1000))
+    monkeypatch.setattr(serve_peer, "ratios", lambda *a: [])
+    partial = []
+    args = _args("--client", "builtin", "--concurrency", "1", "--rounds", "4", "--min-requests", "2",
+                 "--requests-per-stream", "1")
+    with pytest.raises(SourcesChanged, match="before round 3 256/64 concurrency 1"):
+        serve_peer.run_serving_peer(args, progress=False, on_round=partial.append)
+    assert [len(d["runs"]) for d in partial] == [2, 4]  # rounds 1 and 2 written

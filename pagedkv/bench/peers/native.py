@@ -47,11 +47,14 @@ from pagedkv.bench.models.make import (
     tensor_types,
 )
 from pagedkv.bench.protocol import (
+    SourcesChanged,
+    check_sources,
     cpu_model,
     dirty_tree,
     interleaved,
     llama_bench_run,
     llama_cpp_stamp,
+    source_digest,
     stamp_run,
 )
 
@@ -211,12 +214,15 @@ def collect(args: argparse.Namespace, on_round: Optional[Callable[[dict[str, Any
         data["summary"] = summarize(data)
         return json_clean(data)
 
+    sources = source_digest()  # every pagedkv round must run this code (a mid-run edit stops the run)
     for r in range(args.rounds):
         for i, qtype in enumerate(types):
             facts = files[qtype]
             if "error" in facts:
                 continue
             for pos, system in enumerate(interleaved(SYSTEMS, r + i)):
+                if system == PAGEDKV:
+                    check_sources(sources, f"{qtype} round {r + 1}")
                 log(f"[peers] round {r + 1}/{args.rounds} {qtype}: {system} ...")
                 t0, load0 = time.time(), load_average()
                 rec = (pagedkv_run(facts["path"], args, spec) if system == PAGEDKV
@@ -250,5 +256,9 @@ def run(args: argparse.Namespace) -> int:
         write(json_clean(data), echo=True)
         return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a terminated run kills its measured child
-    write(collect(args, on_round=write), echo=True)
+    try:
+        write(collect(args, on_round=write), echo=True)
+    except SourcesChanged as exc:  # the finished rounds are written (partial)
+        log(f"[peers] {exc}")
+        return 2
     return 0

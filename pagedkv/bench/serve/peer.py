@@ -72,7 +72,8 @@ from pagedkv.bench import http
 from pagedkv.bench.common import RunFacts, json_clean, log
 from pagedkv.bench.peers.systems import PeerModel, resolve_peer_model
 from pagedkv.bench.peers.venv import OPENVINO, OPENVINO_NO_SERVER, VLLM, venv_python, vllm_server_command
-from pagedkv.bench.protocol import cpu_model, dirty_tree, interleaved, llama_cpp_stamp
+from pagedkv.bench.protocol import (SourcesChanged, check_sources, cpu_model, dirty_tree, interleaved,
+                                    llama_cpp_stamp, source_digest)
 from pagedkv.bench.serve.peer_summary import GOALS, LLAMA_SERVER, PAGEDKV, PEER_GOALS, parse_workloads, ratios  # noqa: F401
 from pagedkv.bench.workload import BenchRequest, summarize, synth_prompts, tpot
 
@@ -352,6 +353,7 @@ def run_serving_peer(args: argparse.Namespace, progress: bool = True,
     client = _client(args)
     runs: list[dict[str, Any]] = []
     t_all, dirty = time.time(), dirty_tree()  # the tree measured: as it was at the start
+    sources = source_digest()  # every pagedkv server must run this code (a mid-run edit stops the run)
     rounds = max(1, getattr(args, "rounds", 1))
 
     def results(partial: bool) -> dict[str, Any]:
@@ -365,6 +367,8 @@ def run_serving_peer(args: argparse.Namespace, progress: bool = True,
             for wi, (label, wargs) in enumerate(loads):
                 for i, c in enumerate(concurrencies):
                     for pos, name in enumerate(interleaved((PAGEDKV, peer), r + wi + i)):
+                        if name == PAGEDKV:
+                            check_sources(sources, f"round {r + 1} {label} concurrency {c}")
                         row = _one_run(name, c, num_requests(c, args), wargs, facts.threads, binary, model, client,
                                        tok_dir, vocab, work, progress)
                         runs.append({"round": r + 1, "workload": label, "prompt_tokens": wargs.prompt_tokens,
@@ -483,5 +487,9 @@ def run(args: argparse.Namespace) -> int:
                 as_json=args.json and echo, echo=echo,
                 plots=None if args.no_plot else single_plot(NAME, f"pagedkv serve vs {c['peer']}", plot))
 
-    write(run_serving_peer(args, progress=not args.json, on_round=lambda d: write(d, echo=False)))
+    try:
+        write(run_serving_peer(args, progress=not args.json, on_round=lambda d: write(d, echo=False)))
+    except SourcesChanged as exc:  # the finished rounds are written (partial)
+        log(f"[serve] {exc}")
+        return 2
     return 0
