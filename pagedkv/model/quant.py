@@ -6,8 +6,8 @@ their weights and multiply; embeddings, norms, RoPE, attention and the KV cache 
 dtype. Every module has ``nn.Linear``'s forward: ``x [T, in]`` -> ``[T, out]``, in ``x``'s dtype.
 
 * ``fp32``: ``nn.Linear`` as loaded (exact; the transformers comparisons run on it).
-* ``bf16``: bfloat16 weights, activations rounded to bf16 for the matmul: ``qmm``'s bf16 kernel
-  below ``BF16_QMM_ROWS`` rows, oneDNN above (``pagedkv.ops.onednn_bf16``), output cast back.
+* ``bf16``: bfloat16 weights: ``qmm``'s bf16 kernel below ``BF16_QMM_ROWS`` rows, oneDNN's bf16
+  matmul above (``pagedkv.ops.onednn_bf16``; fp32 where bf16 is emulated), output cast back.
 * ``int8``: symmetric per-output-channel int8 weights (scale = max|w| / 127 per row).
 * ``int4``: 4-bit codes in groups of 32 along the input, ``w = scale * q + min`` (q in 0..15):
   exactly GGUF's Q4_1 block (Q4_0: ``min = -8 * scale``), so a Q4 source keeps its stored codes.
@@ -325,9 +325,8 @@ class QuantLinear(nn.Module):
 
 
 class BF16Linear(onednn_bf16.PrepackedMixin, QuantLinear):
-    """bf16 ``weight`` ``[out, in]``. Fast route: ``qmm``'s bf16 kernel on the weight itself
-    (``qmm.pack_bf16``, no copy; so the native step runs the model) below ``BF16_QMM_ROWS`` rows, plain
-    bf16 ``F.linear`` from there (deterministic: ``qmm`` at every row count); without ``qmm``, oneDNN."""
+    """bf16 ``weight`` ``[out, in]``; fast route: ``qmm.pack_bf16`` (no copy; the native step runs it) below
+    ``BF16_QMM_ROWS`` rows (deterministic: every count), bf16 ``F.linear`` (emulated bf16: fp32) from there."""
 
     fmt = "bf16"
 
@@ -345,7 +344,11 @@ class BF16Linear(onednn_bf16.PrepackedMixin, QuantLinear):
 
     def _prepare_qmm(self) -> None:  # deterministic: qmm at every row count (a row's sums never see its batch)
         super()._prepare_qmm()
-        self.qmm_rows = self.qmm_rows if self.deterministic else min(self.qmm_rows, BF16_QMM_ROWS)
+        if self._qmm is not None:  # AMX too (its integer formats go to oneDNN from int8_rows)
+            self.qmm_rows = qmm.ALL_ROWS if self.deterministic else BF16_QMM_ROWS
+
+    def _has_bf16_kernel(self) -> bool:  # emulated bf16 (AVX2): wider inputs run the fp32 "wide" matmul
+        return self._wide_bf16
 
     def prepack_wanted(self) -> bool:  # native bf16, not batch-invariant: not in deterministic mode
         return self.route == "fast" and not self.deterministic and self._wide_bf16 and self._qmm is None

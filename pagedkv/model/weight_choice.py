@@ -88,8 +88,9 @@ def auto_route(fmt: str, features: CpuFeatures | None = None) -> str:
     if forced == "fallback":
         return "fallback"
     f = features or cpu_features()
-    # gguf runs pagedkv's own kernels (qmm), vectorised or plain C: fast wherever they build
-    fast = {"fp32": True, "bf16": f.bf16_fast, "int8": f.int_kernels_fast, "int4": f.int_kernels_fast,
+    # gguf and bf16 run pagedkv's own kernels (qmm), vectorised or plain C: fast wherever they
+    # build (bf16's wider inputs: oneDNN's bf16 matmul where the CPU has it, else one fp32 one)
+    fast = {"fp32": True, "bf16": True, "int8": f.int_kernels_fast, "int4": f.int_kernels_fast,
             "gguf": True}[fmt]
     return "fast" if fast else "fallback"
 
@@ -136,7 +137,7 @@ def resolve_weights(
             plan = ("integer kernels (qmm) below 8 rows, AMX dynamic int8 from 8" if f.amx and f.int8_exact
                     else "integer kernels (qmm) at every batch size")
             return "int4", f"auto: int4 on this CPU (capability {f.capability}; {plan})"
-        if auto_route("bf16", f) == "fast":
+        if f.bf16_fast and auto_route("bf16", f) == "fast":  # a native bf16 matmul (prefill)
             return "bf16", f"auto: native bf16 matmul on this CPU (AVX512-BF16/AMX, capability {f.capability})"
         return "fp32", f"auto: no fast bf16/int8/int4 kernel on this CPU (capability {f.capability})"
     if name == model:

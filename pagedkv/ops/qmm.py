@@ -171,7 +171,7 @@ def pack_bf16(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Packed:
     memory, no copy (the layer's tensor: keep it unchanged while the result is used). The
     kernel rounds the activations to bf16 and adds the exact products in float32 in
     vdpbf16ps's order (``qmm.c``, "bf16 weights"), the same sums on AVX512-BF16, AVX-512,
-    AVX2 and plain C builds. Raises ``ValueError`` for another dtype or device, a
+    AVX2 and plain C builds (denormals aside: vdpbf16ps flushes them). Raises ``ValueError`` for another dtype or device, a
     non-contiguous tensor, or unless N % 8 == 0 and K % 32 == 0."""
     if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.device.type != "cpu":
         raise ValueError(f"pack_bf16: need a CPU bfloat16 [N, K] tensor, got {weight.dtype} "

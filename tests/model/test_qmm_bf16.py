@@ -6,7 +6,8 @@ activations rounded to bf16, and per output 16 float32 lanes, lane i of each 32 
 the exact product of element 2i + 1, then of element 2i (vdpbf16ps's order), the lanes summed
 at the end 8, 4, 2 and 1 apart. Every build the host can run must give those bits: the default
 (vdpbf16ps where the CPU has AVX512-BF16), AVX-512 without BF16 (where the CPU has AVX-512),
-AVX2 (what an AVX2-only CPU runs) and plain C.
+AVX2 (what an AVX2-only CPU runs) and plain C. Denormals are not among the values: vdpbf16ps
+flushes them to zero, the other builds keep them.
 """
 
 from __future__ import annotations
@@ -48,6 +49,17 @@ def bf16_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
     t = t[..., :4] + t[..., 4:]
     t = t[..., :2] + t[..., 2:]
     y = t[..., 0] + t[..., 1]
+    return y + bias if bias is not None else y
+
+
+def wide_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What a bf16 layer gives inputs of ``BF16_QMM_ROWS`` rows or more: oneDNN's bf16 matmul
+    where the CPU multiplies bf16 natively, else one float32 matmul (bf16 would be emulated)."""
+    import torch.nn.functional as F
+
+    from pagedkv.model import quant
+
+    y = F.linear(x.to(torch.bfloat16), w).float() if quant.cpu_features().bf16_fast else F.linear(x, w.float())
     return y + bias if bias is not None else y
 
 
@@ -107,7 +119,7 @@ def test_bf16_layers_run_the_kernel_below_its_rows_and_a_plain_matmul_above(monk
     reference's bits), plain ``F.linear`` from there (its bits), the weight held once;
     deterministic mode runs ``qmm`` at every row count (batch-invariant); a loaded state reaches
     the kernel (the weight is copied into in place)."""
-    import torch.nn.functional as F
+    from pagedkv.model import quant
 
     g = torch.Generator().manual_seed(11)
     w, bias = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
@@ -115,12 +127,12 @@ def test_bf16_layers_run_the_kernel_below_its_rows_and_a_plain_matmul_above(monk
     wb = w.to(torch.bfloat16)
     m = BF16Linear(w, bias).prepare("fast")
     assert m.qmm_rows == BF16_QMM_ROWS and m._qmm.codes.data_ptr() == m.weight.data_ptr()
-    assert [m.kernel(r) for r in (1, BF16_QMM_ROWS - 1, BF16_QMM_ROWS)] == ["q8", "q8", "bf16"]
+    wide = "bf16" if quant.cpu_features().bf16_fast else "wide"
+    assert [m.kernel(r) for r in (1, BF16_QMM_ROWS - 1, BF16_QMM_ROWS)] == ["q8", "q8", wide]
     assert route_boundaries(m) == [BF16_QMM_ROWS]  # a compiled step warms a graph for each side
     for r in (1, 5, BF16_QMM_ROWS - 1):
         assert torch.equal(m(x[:r]), bf16_reference(x[:r], wb, bias)), r
-    plain = (F.linear(x.to(torch.bfloat16), wb).float() + bias)
-    assert torch.equal(m(x[:BF16_QMM_ROWS]), plain[:BF16_QMM_ROWS])
+    assert torch.equal(m(x[:BF16_QMM_ROWS]), wide_reference(x[:BF16_QMM_ROWS], wb, bias))
     assert batch_invariant(m) == (False, "bf16 layers (kernels by row count)")
     m.set_deterministic(True)  # qmm at every row count: a row's sums never depend on its batch
     assert m.qmm_rows == qmm.ALL_ROWS and route_boundaries(m) == [] and batch_invariant(m) == (True, "")
@@ -131,6 +143,45 @@ def test_bf16_layers_run_the_kernel_below_its_rows_and_a_plain_matmul_above(monk
     w2 = torch.randn(96, 64, generator=g).to(torch.bfloat16)
     m.load_state_dict({"weight": w2, "bias": bias}, strict=False)
     assert torch.equal(m(x[:5]), bf16_reference(x[:5], w2, bias))
-    monkeypatch.setenv("PAGEDKV_QMM", "0")  # no integer kernels: the prepacked oneDNN layers
+    monkeypatch.setenv("PAGEDKV_QMM", "0")  # no qmm: oneDNN (prepacked where bf16 is native) at every row count
     m = BF16Linear(w).prepare("fast")
-    assert m._qmm is None and torch.equal(m(x[:5]), F.linear(x[:5].to(torch.bfloat16), wb).float())
+    assert m._qmm is None and torch.equal(m(x[:5]), wide_reference(x[:5], wb))
+
+
+def test_bf16_layers_on_cpus_without_native_bf16_and_with_amx(monkeypatch):
+    """Without native bf16 (AVX2; oneDNN would emulate it) wider inputs run one fp32 matmul (the
+    ``wide`` kernel) and ``qmm`` still takes decode rows; on AMX hosts ``qmm`` takes the same
+    rows as elsewhere (the integer formats' ``$PAGEDKV_INT8_ROWS`` does not apply)."""
+    import torch.nn.functional as F
+
+    from pagedkv.model import quant
+    from pagedkv.model.quant import CpuFeatures
+
+    g = torch.Generator().manual_seed(13)
+    w, bias = torch.randn(48, 64, generator=g), torch.randn(48, generator=g)
+    x = torch.randn(BF16_QMM_ROWS, 64, generator=g)
+    wb = w.to(torch.bfloat16)
+    monkeypatch.setattr(quant, "cpu_features", lambda: CpuFeatures("AVX2", avx512_bf16=False, amx=False, vnni=False))
+    m = BF16Linear(w, bias).prepare()  # auto_route: fast on every CPU
+    assert m.route == "fast" and [m.kernel(r) for r in (1, BF16_QMM_ROWS - 1, BF16_QMM_ROWS)] == ["q8", "q8", "wide"]
+    assert torch.equal(m(x[:3]), bf16_reference(x[:3], wb, bias))
+    assert torch.equal(m(x), F.linear(x, wb.float()) + bias)
+    monkeypatch.setattr(quant, "cpu_features", lambda: CpuFeatures("AVX512", avx512_bf16=True, amx=True, vnni=True))
+    monkeypatch.setenv("PAGEDKV_INT8_ROWS", "8")
+    m = BF16Linear(w, bias).prepare("fast")
+    assert m.qmm_rows == BF16_QMM_ROWS and m.kernel(8) == "q8"
+
+
+def test_a_new_weight_tensor_is_packed_again():
+    """``layer.weight = t`` (or ``load_state_dict(..., assign=True)``) gives the layer a new tensor:
+    ``qmm``'s pack follows it, so every row count multiplies by the new weights."""
+    g = torch.Generator().manual_seed(17)
+    m = BF16Linear(torch.randn(16, 64, generator=g)).prepare("fast")
+    new = torch.randn(16, 64, generator=g).to(torch.bfloat16)
+    m.weight = new
+    x = torch.randn(BF16_QMM_ROWS, 64, generator=g)
+    assert m._qmm.codes is new and torch.equal(m(x[:5]), bf16_reference(x[:5], new))
+    assert torch.equal(m(x), wide_reference(x, new))
+    other = torch.randn(16, 64, generator=g).to(torch.bfloat16)
+    m.load_state_dict({"weight": other}, strict=False, assign=True)
+    assert m._qmm.codes is m.weight and torch.equal(m(x[:5]), bf16_reference(x[:5], other))
