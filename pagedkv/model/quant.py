@@ -43,37 +43,10 @@ from pagedkv.ops import onednn_bf16, qmm
 from pagedkv.ops.qmm import BF16_ROWS as BF16_QMM_ROWS  # bf16 layers: qmm below it, a plain matmul from it
 from pagedkv.ops.int8_mm import dynamic_int8_mm, onednn_int8, register_int8
 from pagedkv.model.weight_choice import (  # noqa: F401 - part of this module's interface
-    ROUTE_ENV, ROUTES, WEIGHT_CHOICES, WEIGHT_FORMATS, CpuFeatures, auto_route, check_weights, cpu_features,
-    resolve_weights)
+    INT8_ROWS, INT8_ROWS_ENV, KERNEL_ROWS, ROUTE_ENV, ROUTES, WEIGHT_CHOICES, WEIGHT_FORMATS, CpuFeatures,
+    auto_route, check_weights, cpu_features, int8_rows, resolve_weights)
 
 GROUP_SIZE = 32
-#: the int8/int4 weight-only kernels multiply at most this many rows; with the dynamic int8
-#: route off, a wider input (a prefill chunk) dequantises the weights and runs one bf16 (AMX)
-#: or fp32 matmul instead, measured faster above about 64 rows (``bench quality --part routes``)
-KERNEL_ROWS = 64
-#: inputs of at least this many rows (decode batches and prefill chunks) run dynamic int8
-#: (``dynamic_int8_mm``) in the int8/int4 formats on the fast route: the row count where it
-#: overtakes the weight-only kernels here (2 AVX2 cores, whole engine steps: equal at 4 rows,
-#: 14% faster at 8, 28% at 16, 39% at 32; the LM head gains from 8 rows, the layers from
-#: ~16). ``$PAGEDKV_INT8_ROWS`` overrides it; 0 turns the route off.
-INT8_ROWS = 8
-INT8_ROWS_ENV = "PAGEDKV_INT8_ROWS"
-
-
-def int8_rows() -> int:
-    """The smallest batch (rows) for dynamic int8: ``$PAGEDKV_INT8_ROWS`` or ``INT8_ROWS``;
-    0 = never. Raises ``ConfigError`` for a value that is not an integer in 0 .. ``KERNEL_ROWS``."""
-    raw = os.environ.get(INT8_ROWS_ENV, "").strip()
-    if not raw:
-        return INT8_ROWS
-    if not (raw.isascii() and raw.isdecimal()):
-        raise ConfigError(f"{INT8_ROWS_ENV}: expected a non-negative integer (rows), got {raw!r}")
-    rows = int(raw)
-    if rows > KERNEL_ROWS:
-        raise ConfigError(f"{INT8_ROWS_ENV}: at most {KERNEL_ROWS} (the weight-only kernels' widest input; "
-                          f"0 turns the route off), got {rows}")
-    return rows
-
 
 _QMM: qmm.QmmOps | None = None  # the integer kernels, once a layer has packed weights for them
 _SHAPES_ONLY = threading.local()  # .on: this thread's state_dict() gives dropped codes as meta tensors
@@ -338,6 +311,11 @@ class BF16Linear(onednn_bf16.PrepackedMixin, QuantLinear):
     def _fast(self, x: torch.Tensor) -> torch.Tensor:
         y = self.onednn_linear(x)
         return y if y is not None else self._linear(x, self.weight)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name == "weight" and getattr(self, "_qmm", None) is not None and self._qmm.codes is not value:
+            self._prepare_qmm()  # a new tensor (not copy_): qmm's pack follows it
 
     def _pack_qmm(self) -> qmm.Packed:
         return qmm.pack_bf16(self.weight, self.bias)

@@ -81,6 +81,34 @@ def cpu_features() -> CpuFeatures:
     return CpuFeatures(capability=p.aten_capability, avx512_bf16=p.avx512_bf16, amx=p.amx, vnni=p.vnni)
 
 
+#: the int8/int4 weight-only kernels multiply at most this many rows; with the dynamic int8
+#: route off, a wider input (a prefill chunk) dequantises the weights and runs one bf16 (AMX)
+#: or fp32 matmul instead, measured faster above about 64 rows (``bench quality --part routes``)
+KERNEL_ROWS = 64
+#: inputs of at least this many rows (decode batches and prefill chunks) run dynamic int8
+#: (``dynamic_int8_mm``) in the int8/int4 formats on the fast route: the row count where it
+#: overtakes the weight-only kernels here (2 AVX2 cores, whole engine steps: equal at 4 rows,
+#: 14% faster at 8, 28% at 16, 39% at 32; the LM head gains from 8 rows, the layers from
+#: ~16). ``$PAGEDKV_INT8_ROWS`` overrides it; 0 turns the route off.
+INT8_ROWS = 8
+INT8_ROWS_ENV = "PAGEDKV_INT8_ROWS"
+
+
+def int8_rows() -> int:
+    """The smallest batch (rows) for dynamic int8: ``$PAGEDKV_INT8_ROWS`` or ``INT8_ROWS``;
+    0 = never. Raises ``ConfigError`` for a value that is not an integer in 0 .. ``KERNEL_ROWS``."""
+    raw = os.environ.get(INT8_ROWS_ENV, "").strip()
+    if not raw:
+        return INT8_ROWS
+    if not (raw.isascii() and raw.isdecimal()):
+        raise ConfigError(f"{INT8_ROWS_ENV}: expected a non-negative integer (rows), got {raw!r}")
+    rows = int(raw)
+    if rows > KERNEL_ROWS:
+        raise ConfigError(f"{INT8_ROWS_ENV}: at most {KERNEL_ROWS} (the weight-only kernels' widest input; "
+                          f"0 turns the route off), got {rows}")
+    return rows
+
+
 def auto_route(fmt: str, features: CpuFeatures | None = None) -> str:
     """``"fast"`` if this CPU has the fast kernel of ``fmt``, else ``"fallback"`` (and always
     ``"fallback"`` when ``$PAGEDKV_WEIGHT_ROUTE`` is ``fallback``)."""

@@ -51,12 +51,6 @@ class PrepackedMixin:
     #: set by :meth:`keep_plain`: never packed again
     plain_only = False
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        super().__setattr__(name, value)  # type: ignore[misc]
-        packed = getattr(self, "_qmm", None) if name == "weight" else None
-        if packed is not None and packed.codes is not value:  # a new tensor (not copy_): qmm's pack follows it
-            self._prepare_qmm()  # type: ignore[attr-defined]
-
     def prepare(self, route: str | None = None) -> Any:
         self._unpack_weight()
         super().prepare(route)  # type: ignore[misc]
