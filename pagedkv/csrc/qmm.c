@@ -980,29 +980,31 @@ static inline float ysum(__m256 lo, __m256 hi8) { /* lanes 0-7 and 8-15: lanes_s
 }
 #endif
 
-/* out[r * 8 + j] = the sum of w row j times x row r (r < nr <= BF16_XR), k a multiple of 32 */
-static void bf16_dots(const uint16_t *w, int64_t k, const uint16_t *x, int64_t xk, int nr, float *out) {
+/* out[r * 8 + j] = the sum of w row j times x row r (r < nr <= BF16_XR), k a multiple of 32; nr a
+ * constant where bf16_dots calls it (the loops over rows unrolled, no work for absent rows) */
+static inline __attribute__((always_inline)) void bf16_dots_nr(const uint16_t *w, int64_t k, const uint16_t *x,
+                                                               int64_t xk, const int nr, float *out) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     __m512 acc[8][BF16_XR];
     for (int j = 0; j < 8; j++)
-        for (int r = 0; r < BF16_XR; r++) acc[j][r] = _mm512_setzero_ps();
+        for (int r = 0; r < nr; r++) acc[j][r] = _mm512_setzero_ps();
 #ifndef __AVX512BF16__
     const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
 #endif
     for (int64_t c = 0; c < k; c += 32) {
 #ifdef __AVX512BF16__
         __m512i xv[BF16_XR];
-        for (int r = 0; r < BF16_XR; r++) xv[r] = r < nr ? _mm512_loadu_si512(x + r * xk + c) : _mm512_setzero_si512();
+        for (int r = 0; r < nr; r++) xv[r] = _mm512_loadu_si512(x + r * xk + c);
         for (int j = 0; j < 8; j++) {
             _mm_prefetch((const char *)(w + j * k + c + PF_BF16), _MM_HINT_T1);
             const __m512i wv = _mm512_loadu_si512(w + j * k + c);
-            for (int r = 0; r < BF16_XR; r++)
+            for (int r = 0; r < nr; r++)
                 acc[j][r] = _mm512_dpbf16_ps(acc[j][r], (__m512bh)xv[r], (__m512bh)wv);
         }
 #else
         __m512 xo[BF16_XR], xe[BF16_XR];
-        for (int r = 0; r < BF16_XR; r++) {
-            const __m512i v = r < nr ? _mm512_loadu_si512(x + r * xk + c) : _mm512_setzero_si512();
+        for (int r = 0; r < nr; r++) {
+            const __m512i v = _mm512_loadu_si512(x + r * xk + c);
             xo[r] = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
             xe[r] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
         }
@@ -1010,7 +1012,7 @@ static void bf16_dots(const uint16_t *w, int64_t k, const uint16_t *x, int64_t x
             _mm_prefetch((const char *)(w + j * k + c + PF_BF16), _MM_HINT_T1);
             const __m512i wv = _mm512_loadu_si512(w + j * k + c);
             const __m512 wo = _mm512_castsi512_ps(_mm512_and_si512(wv, hi)), we = _mm512_castsi512_ps(_mm512_slli_epi32(wv, 16));
-            for (int r = 0; r < BF16_XR; r++) acc[j][r] = _mm512_fmadd_ps(xe[r], we, _mm512_fmadd_ps(xo[r], wo, acc[j][r]));
+            for (int r = 0; r < nr; r++) acc[j][r] = _mm512_fmadd_ps(xe[r], we, _mm512_fmadd_ps(xo[r], wo, acc[j][r]));
         }
 #endif
     }
@@ -1057,6 +1059,15 @@ static void bf16_dots(const uint16_t *w, int64_t k, const uint16_t *x, int64_t x
         out[j] = lanes_sum(l);
     }
 #endif
+}
+
+static void bf16_dots(const uint16_t *w, int64_t k, const uint16_t *x, int64_t xk, int nr, float *out) {
+#if BF16_XR == 3
+    if (nr == 3) bf16_dots_nr(w, k, x, xk, 3, out);
+    else if (nr == 2) bf16_dots_nr(w, k, x, xk, 2, out);
+    else
+#endif
+        bf16_dots_nr(w, k, x, xk, 1, out);
 }
 
 /* columns 8g .. 8g + 7 of bf16 weights w for all rows of xb (bf16 [rows, k]) */
