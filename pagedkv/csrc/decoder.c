@@ -65,8 +65,38 @@ typedef struct {
     head_norm_fn head_norm;
 } decoder_t;
 
+/* 8 float32 lanes (GCC/Clang generic vectors: one AVX register, or a NEON pair) */
+typedef float f8_t __attribute__((vector_size(32)));
+static inline f8_t ld8(const float *p) { f8_t v; memcpy(&v, p, sizeof v); return v; }
+static inline float tree8(f8_t a) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])); }
+
+/* The router logits of n consecutive experts e0 .. e0+n-1 (n <= 4) for one token x [H]: each a
+ * dot product of 8 lanes (element j into lane j % 8, in order of j; a tail past the last 8
+ * into lane 0), then summed by tree8. The experts share each load of x, and their router rows
+ * are adjacent, so the weights stream as one run. */
+static void router_dots(const float *x, const float *r, int64_t H, int n, float *out) {
+    const float *r0 = r, *r1 = r + (n > 1 ? H : 0), *r2 = r + (n > 2 ? 2 * H : 0), *r3 = r + (n > 3 ? 3 * H : 0);
+    f8_t a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    int64_t j = 0;
+    for (; j + 8 <= H; j += 8) {
+        const f8_t xv = ld8(x + j);
+        a0 += xv * ld8(r0 + j);
+        a1 += xv * ld8(r1 + j);
+        a2 += xv * ld8(r2 + j);
+        a3 += xv * ld8(r3 + j);
+    }
+    for (; j < H; j++) {
+        a0[0] += x[j] * r0[j];
+        a1[0] += x[j] * r1[j];
+        a2[0] += x[j] * r2[j];
+        a3[0] += x[j] * r3[j];
+    }
+    const float s[4] = {tree8(a0), tree8(a1), tree8(a2), tree8(a3)};
+    for (int u = 0; u < n; u++) out[u] = s[u];
+}
+
 /* The MoE FFN of x [T, H] into out [T, H] (overwritten), as pagedkv.model.moe.MoE runs it:
- * router logits in fp32 (8 partial sums per dot product), softmax, the top_k largest (the lower
+ * router logits in fp32 (router_dots), softmax, the top_k largest (the lower
  * id on a tie), renormalised when norm_topk, times scaling; then for each expert with tokens, in
  * increasing id: its tokens' rows (ascending) gathered, the gate_up matmul, act x up, the down
  * matmul, and out[token] += row * weight. With at most EXPERT_PAR_T tokens the experts' matmuls
@@ -117,7 +147,7 @@ static int moe_ffn(const decoder_t *M, const moe_t *E, int64_t T, const float *x
     const int by_expert = T <= EXPERT_PAR_T && M->nthreads > 1;
     const int64_t R = by_expert ? T * K : T; /* rows of the per-expert scratch */
     float *fmem = malloc((size_t)(T * NE + T * K + R * H + 3 * R * I + R * H + T * K) * sizeof(float));
-    int32_t *imem = malloc((size_t)(T * K + 4 * NE + 2 + T * K) * sizeof(int32_t));
+    int32_t *imem = malloc((size_t)(T * K + 5 * NE + 2 + T * K) * sizeof(int32_t));
     if (!fmem || !imem) {
         free(fmem);
         free(imem);
@@ -126,17 +156,15 @@ static int moe_ffn(const decoder_t *M, const moe_t *E, int64_t T, const float *x
     float *prob = fmem, *wsel = prob + T * NE, *xg = wsel + T * K, *gu = xg + R * H, *h = gu + R * 2 * I;
     float *dn = h + R * I, *wlist = dn + R * H;
     int32_t *ids = imem, *cnt = ids + T * K, *pos = cnt + NE, *tlist = pos + NE + 1, *used = tlist + T * K;
+    int32_t *taken = used + 2 * NE + 1; /* used: [NE] experts then [NE] codes (errs) */
     int rc = 0;
-    /* the router logits, every (token, expert) dot product on the threads (each the same sums) */
+    /* the router logits: (token, 4 experts) items on the threads (each the same sums) */
+    const int64_t G = (NE + 3) / 4;
     #pragma omp parallel for schedule(static) num_threads(M->nthreads) if (T * NE * H >= 65536)
-    for (int64_t te = 0; te < T * NE; te++) {
-        const float *xt = x + te / NE * H, *r = E->router + te % NE * H;
-        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        int64_t j = 0;
-        for (; j + 8 <= H; j += 8)
-            for (int l = 0; l < 8; l++) acc[l] += xt[j + l] * r[j + l];
-        for (; j < H; j++) acc[0] += xt[j] * r[j];
-        prob[te] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (int64_t tg = 0; tg < T * G; tg++) {
+        const int64_t t = tg / G;
+        const int e0 = (int)(tg % G) * 4;
+        router_dots(x + t * H, E->router + (int64_t)e0 * H, H, NE - e0 < 4 ? NE - e0 : 4, prob + t * NE + e0);
     }
     for (int64_t t = 0; t < T; t++) {
         float *p = prob + t * NE, mx = -INFINITY, sum = 0.0f;
@@ -145,13 +173,12 @@ static int moe_ffn(const decoder_t *M, const moe_t *E, int64_t T, const float *x
         for (int e = 0; e < NE; e++) sum += (p[e] = expf(p[e] - mx));
         for (int e = 0; e < NE; e++) p[e] /= sum;
         float wsum = 0.0f;
+        for (int e = 0; e < NE; e++) taken[e] = 0;
         for (int s = 0; s < K; s++) { /* the s-th largest not yet chosen */
             int best = -1;
-            for (int e = 0; e < NE; e++) {
-                int taken = 0;
-                for (int u = 0; u < s; u++) taken |= ids[t * K + u] == e;
-                if (!taken && (best < 0 || p[e] > p[best])) best = e;
-            }
+            for (int e = 0; e < NE; e++)
+                if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
+            taken[best] = 1;
             ids[t * K + s] = best;
             wsum += (wsel[t * K + s] = p[best]);
         }

@@ -104,6 +104,7 @@ def test_a_decode_step_multiplies_only_the_routed_experts(case):
                 handles.append(lin.register_forward_hook(lambda m, inp, out, i=i, e=e: calls.append((i, e))))
     backend = get_backend("cpu")
     caches = allocate_kv_caches(net, backend, num_blocks=2, block_size=16)
+    net.prepare_step()  # now, not at the first forward below (it would set the native step again)
     saved, net._native = net._native, None  # the torch ops, whose modules the hooks see (native: test_native_qk_moe)
     try:
         with torch.inference_mode():
