@@ -175,13 +175,11 @@ def test_render_trace_with_a_peer_not_installed(tmp_path):
              "prompt_tokens": 4000, "output_tokens": 1000, "seconds": 25.0, "output_tokens_per_s": 40.0,
              "total_tokens_per_s": 200.0},
             {"name": "openvino", "status": "not installed", "reason": "no /x/python: run `make peers`"}]
-    q = peers_trace.trace_ratios(rows)
-    assert q == [{"peer": "vllm", "output_ratio": 2.5, "total_ratio": 2.5}]
+    q = [{"peer": "vllm", "output_ratio": 2.5, "total_ratio": 2.5}]  # a result from before rounds stores these
     md = peers_trace.render_trace({"method": "m", "rows": rows, "ratios": q})
     assert "| pagedkv | 0.1.0 | int4 | 32 | 4000 / 1000 | 10.00 | 100.0 | 500.0 |  |" in md
     assert "| vllm | 0.32.0 | bf16 | 32 | 4000 / 1000 | 25.00 | 40.0 | 200.0 | 2.50x, 2.50x |" in md
     assert "| openvino | | not installed: no /x/python: run `make peers` | | | | | | |" in md
-    assert peers_trace.trace_ratios(rows[1:]) == []  # no pagedkv row, no ratio
     data = {"config": {"model_id": "m", "threads": 2},
             "trace_offline": {"spec": {"requests": 32}, "rows": rows, "ratios": q}}
     peers_trace.plot_trace(data, tmp_path / "t.png")  # the two systems that ran, as bars
@@ -228,12 +226,37 @@ def test_bench_peers_venv_section_with_no_peer_installed(loaded_model, tmp_path,
     assert peers.run(args, loaded=loaded_model) == 0
     data = read_variant(tmp_path / "peers.json", "fp32_venv")
     sec = data["trace_offline"]
-    assert data["config"]["command"].endswith("--systems vllm,openvino --trace-requests 4")
-    assert [(r["name"], r["status"]) for r in sec["rows"]] == [("pagedkv", "ok"), ("vllm", "not installed"),
-                                                              ("openvino", "not installed")]
+    assert data["config"]["command"].endswith("--systems vllm,openvino --trace-requests 4 --rounds 2")
+    assert [(r["round"], r["name"], r["status"]) for r in sec["rows"]] == [
+        (1, "pagedkv", "ok"), (1, "vllm", "not installed"), (1, "openvino", "not installed"),
+        (2, "openvino", "not installed"), (2, "vllm", "not installed"), (2, "pagedkv", "ok")]
+    assert sec["rounds"] == 2 and [(s["name"], s["ok"]) for s in sec["systems"]] == [("pagedkv", 2), ("vllm", 0),
+                                                                                      ("openvino", 0)]
     ours = sec["rows"][0]
     assert ours["requests"] == sec["spec"]["requests"] == 4 and ours["max_num_seqs"] == 64
     assert ours["output_tokens"] == pytest.approx(sec["spec"]["output_len"]["mean"] * 4) and sec["ratios"] == []
     md = (tmp_path / "peers.md").read_text()
     assert "\n## fp32_venv\n" in md and "#### Offline throughput on the trace requests" in md
     assert f"| vllm | | not installed: no {tmp_path}/cache/peers/venvs/vllm/bin/python: run `make peers` |" in md
+    assert "2 round(s), pagedkv and the peers interleaved" in md and "| 2 | pagedkv | ok |" in md
+
+
+def test_trace_rounds_pair_output_and_total_rates_by_round(monkeypatch, tmp_path):
+    out = {"pagedkv": iter([100.0, 120.0]), "vllm": iter([50.0, 40.0])}
+
+    def row(name, v):
+        return {"name": name, "status": "ok", "version": "v", "weights": "bf16", "requests": 2, "prompt_tokens": 10,
+                "output_tokens": 4, "seconds": 1.0, "output_tokens_per_s": v, "total_tokens_per_s": 3 * v}
+
+    monkeypatch.setattr(peers_trace, "measure_pagedkv_trace", lambda loaded, spec, kw: row("pagedkv", next(out["pagedkv"])))
+    monkeypatch.setattr(peers_trace, "run_trace_peer", lambda name, spec, pagedkv_weights: row(name, next(out[name])))
+    sec = peers_trace.run_trace({"vllm"}, object(), {}, _reqs(), 2, 1000, log=lambda *a: None, rounds=2)
+    assert [(r["round"], r["name"]) for r in sec["rows"]] == [(1, "pagedkv"), (1, "vllm"), (2, "vllm"), (2, "pagedkv")]
+    (q,) = sec["ratios"]
+    assert q["output_tokens_per_s"]["values"] == [2.0, 3.0] and q["total_tokens_per_s"]["median"] == 2.5
+    md = peers_trace.render_trace(sec)
+    assert "| pagedkv | v | bf16 | 2 | 10 / 4 | 2 of 2 | 110.0 [105.0-115.0] | 330.0 [315.0-345.0] |  |" in md
+    assert "| vllm | v | bf16 | 2 | 10 / 4 | 2 of 2 | 45.0 [42.5-47.5] | 135.0 [127.5-142.5] | 2.50x [2.25-2.75]; " \
+           "2.50x [2.25-2.75] |" in md
+    peers_trace.plot_trace({"config": {"model_id": "m", "threads": 2}, "trace_offline": sec}, tmp_path / "t.png")
+    assert (tmp_path / "t.png").stat().st_size > 1000  # medians with their IQRs as error bars

@@ -113,14 +113,13 @@ def test_run_venv_peer_reports_failures(tmp_path):
     assert row["status"] == "failed" and row["reason"] == "exit 3: RuntimeError: Exception from src/inference: boom"
 
 
-def test_ratios_and_table():
+def test_a_section_from_before_rounds_renders_as_it_was():
     rows = [{"name": "pagedkv", "status": "ok", "decode_tokens_per_s": 60.0, "prefill_tokens_per_s": 1500.0,
              "weights": "int4", "tpot_s": 1 / 60, "prefill_s": 512 / 1500},
             {"name": "vllm", "status": "ok", "decode_tokens_per_s": 40.0, "prefill_tokens_per_s": 3000.0,
              "weights": "bf16", "version": "0.32.0", "tpot_s": 0.025, "prefill_s": 512 / 3000},
             {"name": "openvino", "status": "failed", "reason": "exit 1: no IR"}]
-    q = peers_venv.b1_prefill_ratios(rows)
-    assert q == [{"peer": "vllm", "decode_ratio": 1.5, "prefill_ratio": 0.5}]
+    q = [{"peer": "vllm", "decode_ratio": 1.5, "prefill_ratio": 0.5}]  # as such a result file stores them
     md = peers_venv.render_b1_prefill({"method": "m", "rows": rows, "ratios": q})
     assert "| vllm | 0.32.0 | bf16 | 40.0 | 25.00 | 3000 | 0.171 | nan / nan |" in md
     assert "| openvino | | failed: exit 1: no IR | | | | | |" in md
@@ -176,3 +175,49 @@ def test_worker_runs_without_pagedkv(tmp_path):
     spec.write_text(json.dumps({"system": "nope"}))
     r = subprocess.run([sys.executable, "-I", peer_worker.__file__, str(spec)], capture_output=True, text=True)
     assert r.returncode == 1 and "KeyError: 'nope'" in r.stderr
+
+
+def test_rounds_interleave_keep_every_run_and_pair_the_ratios_by_round(monkeypatch, tmp_path):
+    """Three rounds: pagedkv and vLLM alternate (pagedkv first in rounds 1 and 3), OpenVINO
+    (not installed) is asked once; medians and quartiles per system, ratios per round."""
+    dec = {"pagedkv": iter([60.0, 90.0, 66.0]), "vllm": iter([40.0, 45.0, 30.0])}
+    calls = []
+
+    def fake_ours(loaded, spec, kw):
+        calls.append("pagedkv")
+        return {"name": "pagedkv", "status": "ok", "weights": "bf16", "decode_tokens_per_s": next(dec["pagedkv"]),
+                "prefill_tokens_per_s": 1000.0, "tpot_s": 0.02}
+
+    def fake_peer(name, spec, pagedkv_weights):
+        calls.append(name)
+        if name == "openvino":
+            return {"name": name, "status": "not installed", "reason": "no venv"}
+        return {"name": name, "status": "ok", "weights": "bf16", "version": "0.32.0",
+                "decode_tokens_per_s": next(dec[name]), "prefill_tokens_per_s": 2000.0, "tpot_s": 0.025}
+
+    monkeypatch.setattr(peers_venv, "measure_pagedkv", fake_ours)
+    monkeypatch.setattr(peers_venv, "run_venv_peer", fake_peer)
+    sec = peers_venv.run_b1_prefill({"vllm", "openvino"}, object(), {}, 2, 1000, log=lambda *a: None, rounds=3)
+    assert calls == ["pagedkv", "vllm", "openvino", "vllm", "pagedkv", "pagedkv", "vllm"]
+    assert [(r["round"], r["name"]) for r in sec["rows"]] == [
+        (1, "pagedkv"), (1, "vllm"), (1, "openvino"), (2, "openvino"), (2, "vllm"), (2, "pagedkv"),
+        (3, "pagedkv"), (3, "vllm"), (3, "openvino")]
+    assert all(r["load_1m_start"] is not None and r["wall_s"] >= 0 for r in sec["rows"])
+    ours, vllm, ov = sec["systems"]
+    assert (ours["name"], ours["ok"], ours["runs"]) == ("pagedkv", 3, 3) and (ov["ok"], ov["runs"]) == (0, 3)
+    assert ours["decode_tokens_per_s"]["values"] == [60.0, 90.0, 66.0] and ours["decode_tokens_per_s"]["median"] == 66.0
+    assert (ours["decode_tokens_per_s"]["q1"], ours["decode_tokens_per_s"]["q3"]) == (63.0, 78.0)
+    assert vllm["decode_tokens_per_s"]["median"] == 40.0 and ov["decode_tokens_per_s"] is None
+    (q,) = sec["ratios"]  # round by round: 60/40, 90/45, 66/30
+    assert q["peer"] == "vllm" and q["decode_tokens_per_s"]["values"] == [1.5, 2.0, 2.2]
+    assert q["decode_tokens_per_s"]["median"] == 2.0 and q["prefill_tokens_per_s"]["median"] == 0.5
+    md = peers_venv.render_b1_prefill(sec)
+    assert "| pagedkv |  | bf16 | 3 of 3 | 66.0 [63.0-78.0] | 1000 [1000-1000] |" in md
+    assert "| openvino | | not installed: no venv | 0 of 3 | | |" in md
+    assert "pagedkv / vllm: batch-1 decode 2.00x [1.75-2.10], prefill 0.50x [0.50-0.50]" in md
+    assert "| 2 | vllm | ok | 45.0 | 25.00 | 2000 |" in md and "| 3 | openvino | not installed |  |  |  |" in md
+    data = {"config": {"model_id": "m", "threads": 2}, "batch1_prefill": sec}
+    peers_venv.plot_b1_prefill(data, tmp_path / "b1.png")
+    assert (tmp_path / "b1.png").stat().st_size > 1000
+    with pytest.raises(ValueError, match=">= 1"):
+        peers_venv.run_b1_prefill({"vllm"}, object(), {}, 2, 1000, log=lambda *a: None, rounds=0)

@@ -70,7 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of the native comparison (on ``pagedkv bench peers``' parser)."""
     g = p.add_argument_group("batch 1 vs native llama.cpp (--systems pagedkv-b1,llama.cpp)")
     g.add_argument("--types", default=",".join(TYPES), help=f"GGUF types to compare ({', '.join(TYPES)}; default all)")
-    g.add_argument("--rounds", type=int, default=5, help="rounds, systems interleaved in each (default 5)")
+    g.add_argument("--rounds", type=int, default=5,
+                   help="rounds, systems interleaved in each (default 5); the venv peers' sections (--systems vllm / "
+                        "openvino) take them too")
     g.add_argument("--repetitions", type=int, default=3,
                    help="timed repetitions per run, the run's value their median (default 3)")
     g.add_argument("--decode-tokens", type=int, default=128, help="tokens per decode run (default 128)")

@@ -126,6 +126,7 @@ def _apply_tiny(args: argparse.Namespace) -> None:
     args.max_prompt = min(args.max_prompt, 32)
     args.batch_size = "2"
     args.trace_requests = min(getattr(args, "trace_requests", 0), 4)
+    args.rounds = min(getattr(args, "rounds", 1), 2)
 
 
 def agreement(a: Sequence[list[int]], b: Sequence[list[int]]) -> dict[str, Any]:
@@ -242,15 +243,16 @@ def run_peers(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None
         # last: the continuous batching manager may switch the model's attention implementation
         attempt(HF_CB, run_hf_generate_batch, hf_model, reqs, args.max_num_batched_tokens, progress)
     b1_prefill = None
+    rounds = int(getattr(args, "rounds", 1))  # the venv peers' sections: interleaved rounds
     if systems & set(VENV_SYSTEMS):
         b1_prefill = run_b1_prefill(systems, loaded, dict(engine_kwargs, max_model_len=1040), threads,
-                                    _vocab_size(loaded, hf_model, model), bool(args.tiny), log)
+                                    _vocab_size(loaded, hf_model, model), bool(args.tiny), log, rounds)
     trace_offline = None
     n_trace = getattr(args, "trace_requests", 0)
     if systems & set(VENV_SYSTEMS) and n_trace > 0:  # after batch-1/prefill, as one more section
         vocab = _vocab_size(loaded, hf_model, model)
         trace_offline = run_trace(systems, loaded, dict(engine_kwargs, max_model_len=1040),
-                                  draw_trace_requests(args, n_trace, vocab, model.with_bos), threads, vocab, log)
+                                  draw_trace_requests(args, n_trace, vocab, model.with_bos), threads, vocab, log, rounds)
     if PAGEDKV in systems and not args.no_repeat and len(systems) > 1:
         attempt(PAGEDKV_REPEAT, run_pagedkv, loaded, reqs, engine_kwargs, progress)
         if rows[-1]["status"] == "ok":
@@ -288,7 +290,7 @@ def run_peers(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None
                         f"{args.batch_size} --systems {args.systems}" +
                         (f" --weights {args.weights}" if args.weights != "fp32" else "") + (" --no-repeat" if args.no_repeat else "")
                         + (" --compile-decode" if args.compile_decode else "")
-                        + (f" --trace-requests {n_trace}" if systems & set(VENV_SYSTEMS) else "")
+                        + (f" --trace-requests {n_trace} --rounds {rounds}" if systems & set(VENV_SYSTEMS) else "")
                         + (f" --kv-cache-dtype {args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else "")),
         },
         "workload": {
@@ -339,10 +341,13 @@ def _model_option(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None) -> int:
+    from pagedkv.errors import ConfigError
+
     systems = {s.strip() for s in args.systems.split(",") if s.strip()}
+    if getattr(args, "rounds", 1) < 1:
+        raise ConfigError(f"--rounds must be >= 1, got {args.rounds}")
     if systems & NATIVE_SYSTEMS:
         from pagedkv.bench.peers import native as peers_native
-        from pagedkv.errors import ConfigError
 
         if systems - NATIVE_SYSTEMS:
             raise ConfigError(f"--systems: {B1},llama.cpp (the native llama.cpp comparison) run on their own, "

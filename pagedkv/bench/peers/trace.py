@@ -96,43 +96,67 @@ def run_trace_peer(name: str, spec: dict[str, Any], **kw: Any) -> dict[str, Any]
     return {**row, **trace}
 
 
-def trace_ratios(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """pagedkv / each peer that ran: output tokens/s and total tokens/s (> 1: pagedkv faster)."""
-    ours = next((r for r in rows if r["name"] == "pagedkv" and r["status"] == "ok"), None)
-    if ours is None:
-        return []
-    return [{"peer": r["name"], "output_ratio": ours["output_tokens_per_s"] / r["output_tokens_per_s"],
-             "total_ratio": ours["total_tokens_per_s"] / r["total_tokens_per_s"]}
-            for r in rows if r["name"] != "pagedkv" and r["status"] == "ok"]
+#: the trace section's metrics, summarised over the rounds
+TRACE_METRICS = ("output_tokens_per_s", "total_tokens_per_s")
 
 
 def run_trace(systems: set[str], loaded: Any, engine_kwargs: dict[str, Any], reqs: Sequence[BenchRequest],
-              threads: int, vocab_size: int, log: Any = print) -> dict[str, Any]:
-    """pagedkv (``loaded``, unless None) then every venv peer in ``systems`` on ``reqs``, one
-    after another. Returns the section: spec (without the prompts), method, rows, ratios.
-    A pagedkv failure is raised; a peer's is its row."""
+              threads: int, vocab_size: int, log: Any = print, rounds: int = 1) -> dict[str, Any]:
+    """pagedkv (``loaded``, unless None) and every venv peer in ``systems`` on ``reqs``, over
+    ``rounds`` interleaved rounds (:func:`pagedkv.bench.peers.rounds.run_rounds`). Returns the
+    section: spec (without the prompts), method, every run's row, ``rounds``, the per-system
+    ``systems`` summary and the per-round ``ratios``. A pagedkv failure is raised; a peer's is
+    its row."""
     from pagedkv.bench.common import weights_of
+    from pagedkv.bench.peers.rounds import run_rounds, summarize_rounds
 
     spec = trace_spec(reqs, threads, vocab_size)
     ours = weights_of(loaded) if loaded is not None else "int4"
-    rows = []
-    if loaded is not None:
-        log(f"[peers] pagedkv offline trace ({len(reqs)} requests) ...")
-        rows.append(measure_pagedkv_trace(loaded, spec, engine_kwargs))
-    for name in VENV_SYSTEMS:
-        if name in systems:
-            log(f"[peers] {name} offline trace (its own venv) ...")
-            rows.append(run_trace_peer(name, spec, pagedkv_weights=ours))
-            log(f"[peers] {name}: {rows[-1]['status']} {rows[-1].get('reason') or ''}")
+    names = (["pagedkv"] if loaded is not None else []) + [n for n in VENV_SYSTEMS if n in systems]
+
+    def one(name: str) -> dict[str, Any]:
+        if name == "pagedkv":
+            return measure_pagedkv_trace(loaded, spec, engine_kwargs)
+        return run_trace_peer(name, spec, pagedkv_weights=ours)
+
+    rows = run_rounds(names, one, rounds, f"offline trace ({len(reqs)} requests)", log)
     shown = {k: v for k, v in spec.items() if k != "requests"}
     shown.update(requests=len(reqs), prompt_len=summarize(r.prompt_len for r in reqs),
                  output_len=summarize(r.output_len for r in reqs))
-    return {"spec": shown, "method": METHOD, "rows": rows, "ratios": trace_ratios(rows)}
+    return {"spec": shown, "method": METHOD, "rows": rows, **summarize_rounds(rows, TRACE_METRICS)}
+
+
+def _render_trace_rounds(section: dict[str, Any]) -> str:
+    from pagedkv.bench.peers.rounds import intro, runs_table, system_rows
+    from pagedkv.bench.protocol import cell, ratio_cell
+
+    lines = ["", "## Offline throughput on the trace requests (each peer in its own venv)", "", section["method"], "",
+             intro(section["rounds"]), "",
+             "| system | version | weights | requests | prompt / output tokens | rounds ok | output tok/s | total tok/s | "
+             "pagedkv / peer (output; total) |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    ratio = {q["peer"]: q for q in section["ratios"]}
+    for s, r, why in system_rows(section):
+        if why:
+            lines.append(f"| {s['name']} | | {why} | | | 0 of {s['runs']} | | | |")
+            continue
+        q = ratio.get(s["name"])
+        vs = f"{ratio_cell(q['output_tokens_per_s'])}; {ratio_cell(q['total_tokens_per_s'])}" if q else ""
+        lines.append(f"| {s['name']} | {r.get('version') or ''} | {r['weights']} | {r['requests']} | "
+                     f"{r['prompt_tokens']} / {r['output_tokens']} | {s['ok']} of {s['runs']} | "
+                     f"{cell(s['output_tokens_per_s'])} | {cell(s['total_tokens_per_s'])} | {vs} |")
+    lines += ["", "Every run:", "", *runs_table(section["rows"], [
+        ("seconds", "seconds", ".2f"), ("output tok/s", "output_tokens_per_s", ".1f"),
+        ("total tok/s", "total_tokens_per_s", ".1f")])]
+    return "\n".join(lines) + "\n"
 
 
 def render_trace(section: dict[str, Any]) -> str:
-    """The Markdown table of the offline-trace section (a peer that did not run shows its
-    status and the last line of its reason)."""
+    """The Markdown tables of the offline-trace section (a peer that did not run shows its
+    status and the last line of its reason): with rounds, the median [IQR] per system, the
+    per-round ratios and every run; a result from before rounds, its one run per system."""
+    if "rounds" in section:
+        return _render_trace_rounds(section)
     ratio = {q["peer"]: q for q in section["ratios"]}
     lines = ["", "## Offline throughput on the trace requests (each peer in its own venv)", "",
              section["method"], "",
@@ -156,15 +180,16 @@ def plot_trace(data: dict[str, Any], path: Any) -> None:
     """Output tokens/s and total tokens/s per system of the offline-trace section, as bars."""
     from pagedkv.bench.report import pyplot, save_figure
 
+    from pagedkv.bench.peers.rounds import barh, bars
+
     plt = pyplot()
     sec = data["trace_offline"]
-    ok = [r for r in sec["rows"] if r["status"] == "ok"]
-    names = [f"{r['name']}\n({r['weights'].split(' ')[0].split(':')[0]})" for r in ok]
+    items = bars(sec, TRACE_METRICS)
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.5), sharey=True)
-    a1.barh(names, [r["output_tokens_per_s"] for r in ok], color="tab:blue")
-    a1.set_xlabel("output tokens/s (higher is better)")
+    barh(a1, items, "output_tokens_per_s", "tab:blue")
+    a1.set_xlabel("output tokens/s, median [IQR] (higher is better)")
     a1.invert_yaxis()
-    a2.barh(names, [r["total_tokens_per_s"] for r in ok], color="tab:green")
+    barh(a2, items, "total_tokens_per_s", "tab:green")
     a2.set_xlabel("prompt + output tokens/s")
     fig.suptitle(f"{data['config']['model_id']}, {data['config']['threads']} threads, "
                  f"{sec['spec']['requests']} trace requests at once")

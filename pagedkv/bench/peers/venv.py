@@ -171,20 +171,16 @@ def b1_prefill_spec(threads: int, vocab_size: int, tiny: bool = False) -> dict[s
             "decode_tokens": 64, "repeats": 5, "dtype": "bfloat16", "max_model_len": 1024}
 
 
-def b1_prefill_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """pagedkv / each peer: batch-1 decode tokens/s and prefill tokens/s (> 1: pagedkv faster)."""
-    ours = next((r for r in rows if r["name"] == "pagedkv" and r["status"] == "ok"), None)
-    out = []
-    for r in rows:
-        if r["name"] == "pagedkv" or r["status"] != "ok" or ours is None:
-            continue
-        out.append({"peer": r["name"], "decode_ratio": ours["decode_tokens_per_s"] / r["decode_tokens_per_s"],
-                    "prefill_ratio": ours["prefill_tokens_per_s"] / r["prefill_tokens_per_s"]})
-    return out
+#: the batch-1/prefill section's metrics, summarised over the rounds
+B1_METRICS = ("decode_tokens_per_s", "prefill_tokens_per_s")
 
 
 def render_b1_prefill(section: dict[str, Any]) -> str:
-    """The Markdown table of the batch-1/prefill section."""
+    """The Markdown tables of the batch-1/prefill section: with rounds (``section["rounds"]``),
+    the median [IQR] per system, the per-round ratios and every run; else (a result from
+    before rounds) its one run per system."""
+    if "rounds" in section:
+        return _render_b1_rounds(section)
     lines = ["", "## Batch-1 decode and prefill (one request at a time, each peer in its own venv)", "",
              section["method"], "",
              "| system | version | weights | batch-1 decode tok/s | TPOT ms | prefill 512 tok/s | prefill s | "
@@ -204,26 +200,54 @@ def render_b1_prefill(section: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _render_b1_rounds(section: dict[str, Any]) -> str:
+    from pagedkv.bench.peers.rounds import intro, runs_table, system_rows
+    from pagedkv.bench.protocol import cell, ratio_cell
+
+    lines = ["", "## Batch-1 decode and prefill (one request at a time, each peer in its own venv)", "",
+             section["method"], "",
+             intro(section["rounds"]), "",
+             "| system | version | weights | rounds ok | batch-1 decode tok/s | prefill 512 tok/s |",
+             "|---|---|---|---:|---:|---:|"]
+    for s, r, why in system_rows(section):
+        if why:
+            lines.append(f"| {s['name']} | | {why} | 0 of {s['runs']} | | |")
+            continue
+        lines.append(f"| {s['name']} | {r.get('version') or ''} | {r['weights']} | {s['ok']} of {s['runs']} | "
+                     f"{cell(s['decode_tokens_per_s'])} | {cell(s['prefill_tokens_per_s'], digits=0)} |")
+    for q in section["ratios"]:
+        lines.append(f"\npagedkv / {q['peer']}: batch-1 decode {ratio_cell(q['decode_tokens_per_s'])}, "
+                     f"prefill {ratio_cell(q['prefill_tokens_per_s'])}")
+    lines += ["", "Every run:", "", *runs_table(section["rows"], [
+        ("batch-1 decode tok/s", "decode_tokens_per_s", ".1f"), ("TPOT ms", "tpot_ms", ".2f"),
+        ("prefill 512 tok/s", "prefill_tokens_per_s", ".0f")])]
+    return "\n".join(lines) + "\n"
+
+
 def run_b1_prefill(systems: set[str], loaded: Any, engine_kwargs: dict[str, Any], threads: int,
-                   vocab_size: int, tiny: bool = False, log: Any = print) -> dict[str, Any]:
-    """pagedkv (``loaded``, unless None) then every venv peer in
-    ``systems``, one after another. Returns the section: spec, method, rows and ratios."""
+                   vocab_size: int, tiny: bool = False, log: Any = print, rounds: int = 1) -> dict[str, Any]:
+    """pagedkv (``loaded``, unless None) and every venv peer in ``systems``, over ``rounds``
+    interleaved rounds (:func:`pagedkv.bench.peers.rounds.run_rounds`). Returns the section:
+    spec, method, every run's row, ``rounds``, the per-system ``systems`` summary and the
+    per-round ``ratios`` (:func:`pagedkv.bench.peers.rounds.summarize_rounds`)."""
     from pagedkv.bench.common import weights_of
+    from pagedkv.bench.peers.rounds import run_rounds, summarize_rounds
 
     spec = b1_prefill_spec(threads, vocab_size, tiny)
     ours = weights_of(loaded) if loaded is not None else "int4"
-    rows = []
-    if loaded is not None:
-        log("[peers] pagedkv batch-1/prefill ...")
-        rows.append(measure_pagedkv(loaded, spec, engine_kwargs))
-    for name in VENV_SYSTEMS:
-        if name in systems:
-            log(f"[peers] {name} (its own venv) ...")
-            rows.append(run_venv_peer(name, spec, pagedkv_weights=ours))
-            log(f"[peers] {name}: {rows[-1]['status']} {rows[-1].get('reason') or ''}")
+    names = (["pagedkv"] if loaded is not None else []) + [n for n in VENV_SYSTEMS if n in systems]
+
+    def one(name: str) -> dict[str, Any]:
+        row = measure_pagedkv(loaded, spec, engine_kwargs) if name == "pagedkv" else \
+            run_venv_peer(name, spec, pagedkv_weights=ours)
+        if row.get("tpot_s") is not None:
+            row["tpot_ms"] = 1000 * row["tpot_s"]
+        return row
+
+    rows = run_rounds(names, one, rounds, "batch-1/prefill", log)
     method = ((peer_worker.__doc__ or "").split("The measurement is ")[1].split("SPEC:")[0]).strip()
     return {"spec": spec, "method": "The measurement is " + " ".join(method.split()), "rows": rows,
-            "ratios": b1_prefill_ratios(rows), "python": sys.version.split()[0]}
+            **summarize_rounds(rows, B1_METRICS), "python": sys.version.split()[0]}
 
 
 #: why ``pagedkv bench serve --peer openvino`` measures nothing (stated in the results and docs)
@@ -254,14 +278,15 @@ def plot_b1_prefill(data: dict[str, Any], path: Path) -> None:
     """Batch-1 decode tokens/s and prefill-512 tokens/s per system, as bars (the systems that ran)."""
     from pagedkv.bench.report import pyplot, save_figure
 
+    from pagedkv.bench.peers.rounds import barh, bars
+
     plt = pyplot()
-    ok = [r for r in data["batch1_prefill"]["rows"] if r["status"] == "ok"]
-    names = [f"{r['name']}\n({r['weights'].split(' ')[0].split(':')[0]})" for r in ok]
+    items = bars(data["batch1_prefill"], B1_METRICS)
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.5), sharey=True)
-    a1.barh(names, [r["decode_tokens_per_s"] for r in ok], color="tab:blue")
-    a1.set_xlabel("batch-1 decode tokens/s (higher is better)")
+    barh(a1, items, "decode_tokens_per_s", "tab:blue")
+    a1.set_xlabel("batch-1 decode tokens/s, median [IQR] (higher is better)")
     a1.invert_yaxis()
-    a2.barh(names, [r["prefill_tokens_per_s"] for r in ok], color="tab:orange")
+    barh(a2, items, "prefill_tokens_per_s", "tab:orange")
     a2.set_xlabel(f"prefill tokens/s, {data['batch1_prefill']['spec']['prefill_tokens']}-token prompt")
     fig.suptitle(f"{data['config']['model_id']}, {data['config']['threads']} threads, one request at a time")
     save_figure(fig, path)
