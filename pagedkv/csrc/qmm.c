@@ -147,6 +147,8 @@ typedef struct {
     int32_t *o8;  /* 8 x the sums of each 32 codes [rows, k / 32] (with q16): the column tiles' Q4_0 offset */
     uint8_t *xu;  /* the codes + 128 as u8 [rows, k] (NULL unless asked: AVX2's Q6_K column tiles) */
     uint16_t *xb; /* the values rounded to bf16 [rows, k] (NULL unless bf16 weights take them) */
+    const float *xf; /* the activations as given (row r at xf + r * xs): what f16 weights take */
+    int64_t xs;
     void *mem;
 } qrows_t;
 
@@ -160,6 +162,8 @@ static int quantize_rows(const float *x, int64_t xs, int64_t rows, int64_t k, qr
                            (sums16 ? rows * (k / 16 + k / 32) * (int64_t)sizeof(int32_t) : 0) + (want_xu ? rows * k : 0);
     out->mem = malloc((size_t)((want & 1 ? qbytes : 0) + (want & 2 ? 2 * rows * k + 64 : 0) + 64));
     if (!out->mem) return -1;
+    out->xf = x;
+    out->xs = xs;
     out->xb = NULL;
     if (want & 2) { /* after the int8 blocks, 64-byte aligned */
         uintptr_t at = (uintptr_t)out->mem + (want & 1 ? (uintptr_t)qbytes : 0);
@@ -889,6 +893,7 @@ INLINE void q4x_group(const int NR, const int KIND, int64_t nb, const uint8_t *w
 #define FMT_Q5_K 113
 #define FMT_Q6_K 114
 #define FMT_BF16 130 /* 100 + GGML's BF16 type id: bf16 weights row-major [n, k], no packing */
+#define FMT_F16 101  /* 100 + GGML's F16 type id: IEEE half weights row-major [n, k], no packing */
 
 /* One layer's packed weights (built once by qmm.py): fmt 4 = int4 (n / 8 * k / 32 blocks of
  * Q4_BLOCK bytes, codes then fp16 d and m), fmt 8 = int8 (codes n * k bytes in the int8
@@ -909,7 +914,7 @@ typedef struct qweights {
 
 static int simple_fmt(int32_t fmt) {
     return fmt == FMT_Q4 || fmt == FMT_Q8 || fmt == FMT_Q4_0 || fmt == FMT_Q5_0 || fmt == FMT_Q5_1 || fmt == FMT_Q8_0 ||
-           fmt == FMT_Q4_K || fmt == FMT_Q5_K || fmt == FMT_Q6_K || fmt == FMT_BF16;
+           fmt == FMT_Q4_K || fmt == FMT_Q5_K || fmt == FMT_Q6_K || fmt == FMT_BF16 || fmt == FMT_F16;
 }
 
 /* bytes of one group of 8 columns (the cost a thread's share is measured in) */
@@ -923,7 +928,7 @@ static int64_t group_bytes(const qweights_t *w) {
     case FMT_Q8_0: return w->k / QK * Q80_BLOCK;
     case FMT_Q4_K: return w->k / QK_K * Q4K_BLOCK;
     case FMT_Q5_K: return w->k / QK_K * Q5K_BLOCK;
-    case FMT_BF16: return w->k * 16;
+    case FMT_BF16: case FMT_F16: return w->k * 16;
     default: return w->k / QK_K * Q6K_BLOCK;
     }
 }
@@ -1084,6 +1089,114 @@ static void bf16_group(const qweights_t *w, int64_t g, const uint16_t *xb, int64
     }
 }
 
+/* ---- f16 weights -----------------------------------------------------------------------
+ * IEEE half weights [n, k] row-major as the file stores them (no packing, no copy) times the
+ * float32 activations as given: each weight widened to float32 (exact), one fused multiply-add
+ * per element into 16 lanes (lane i takes elements c + i of each 16, in order of c), the lanes
+ * summed by lanes_sum's tree. The AVX-512 (vcvtph2ps), AVX2 + F16C and plain C builds give the
+ * same float32 sums. With more input rows than one pass takes (F16_XR), a group's 8 weight rows
+ * are widened once into a float32 scratch and every pass reads that: the same values, so the
+ * same sums whatever the row count (and without the scratch, where it cannot be allocated). */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define F16_XR 3 /* 8 x 3 accumulators of 32 registers */
+#else
+#define F16_XR 1
+#endif
+#ifndef PF_F16
+#define PF_F16 8192 /* software prefetch distance, elements (16 KB) ahead of each load, into L2 */
+#endif
+
+/* out[r * 8 + j] = the sum of w row j times x row r (r < nr <= F16_XR), k a multiple of 16; the
+ * weights are half (wh) or, when wf is set, their float32 widening [8, k] (the same values) */
+static inline __attribute__((always_inline)) void f16_dots_nr(const uint16_t *wh, const float *wf, int64_t k,
+                                                              const float *x, int64_t xs, const int nr, float *out) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    __m512 acc[8][F16_XR];
+    for (int j = 0; j < 8; j++)
+        for (int r = 0; r < nr; r++) acc[j][r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < k; c += 16) {
+        __m512 xv[F16_XR];
+        for (int r = 0; r < nr; r++) xv[r] = _mm512_loadu_ps(x + r * xs + c);
+        for (int j = 0; j < 8; j++) {
+            __m512 wv;
+            if (wf) {
+                wv = _mm512_loadu_ps(wf + j * k + c);
+            } else {
+                _mm_prefetch((const char *)(wh + j * k + c + PF_F16), _MM_HINT_T1);
+                wv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wh + j * k + c)));
+            }
+            for (int r = 0; r < nr; r++) acc[j][r] = _mm512_fmadd_ps(xv[r], wv, acc[j][r]);
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int j = 0; j < 8; j++) out[r * 8 + j] = zsum(acc[j][r]);
+#elif defined(__AVX2__) && defined(__F16C__)
+    (void)xs;
+    (void)nr;
+    for (int h = 0; h < 2; h++) { /* the w rows 4h .. 4h + 3, both halves of the 16 lanes */
+        __m256 acc[4][2];
+        for (int j = 0; j < 4; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < k; c += 16) {
+            if (!wf)
+                for (int j = 0; j < 4; j++) _mm_prefetch((const char *)(wh + (4 * h + j) * k + c + PF_F16), _MM_HINT_T1);
+            for (int q = 0; q < 2; q++) { /* lanes 8q .. 8q + 7: elements c + 8q .. c + 8q + 7 */
+                const __m256 xv = _mm256_loadu_ps(x + c + 8 * q);
+                for (int j = 0; j < 4; j++) {
+                    const int64_t at = (4 * h + j) * k + c + 8 * q;
+                    const __m256 wv = wf ? _mm256_loadu_ps(wf + at) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wh + at)));
+                    acc[j][q] = _mm256_fmadd_ps(xv, wv, acc[j][q]);
+                }
+            }
+        }
+        for (int j = 0; j < 4; j++) out[4 * h + j] = ysum(acc[j][0], acc[j][1]);
+    }
+#else
+    (void)xs;
+    (void)nr;
+    for (int j = 0; j < 8; j++) {
+        float l[16] = {0};
+        for (int64_t c = 0; c < k; c += 16)
+            for (int i = 0; i < 16; i++)
+                l[i] = fmaf(x[c + i], wf ? wf[j * k + c + i] : half_to_float(wh[j * k + c + i]), l[i]);
+        out[j] = lanes_sum(l);
+    }
+#endif
+}
+
+static void f16_dots(const uint16_t *wh, const float *wf, int64_t k, const float *x, int64_t xs, int nr, float *out) {
+#if F16_XR == 3
+    if (nr == 3) f16_dots_nr(wh, wf, k, x, xs, 3, out);
+    else if (nr == 2) f16_dots_nr(wh, wf, k, x, xs, 2, out);
+    else
+#endif
+        f16_dots_nr(wh, wf, k, x, xs, 1, out);
+}
+
+/* columns 8g .. 8g + 7 of f16 weights w for all rows of x (float32, row stride xs) */
+static void f16_group(const qweights_t *w, int64_t g, const float *x, int64_t xs, int64_t rows, float *y, int64_t ys,
+                     const float *bias) {
+    const int64_t k = w->k;
+    const uint16_t *wg = (const uint16_t *)w->codes + g * 8 * k;
+    float *wf = NULL;
+    if (rows > F16_XR && (wf = malloc((size_t)(8 * k) * sizeof(float))) != NULL) { /* several passes: widen once */
+        for (int64_t e = 0; e < 8 * k; e += 8) {
+#if defined(__F16C__)
+            _mm256_storeu_ps(wf + e, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + e))));
+#else
+            for (int i = 0; i < 8; i++) wf[e + i] = half_to_float(wg[e + i]);
+#endif
+        }
+    }
+    float out[F16_XR * 8];
+    for (int64_t r0 = 0; r0 < rows; r0 += F16_XR) {
+        const int nr = rows - r0 < F16_XR ? (int)(rows - r0) : F16_XR;
+        f16_dots(wg, wf, k, x + r0 * xs, xs, nr, out);
+        for (int r = 0; r < nr; r++)
+            for (int j = 0; j < 8; j++) y[(r0 + r) * ys + 8 * g + j] = out[r * 8 + j] + (bias ? bias[8 * g + j] : 0.0f);
+    }
+    free(wf);
+}
+
 /* columns 8g .. 8g + 7 of w for all rows: y, bias at w's column 0 (row stride ys) */
 static void run_group(const qweights_t *w, int64_t g, const qrows_t *a, int64_t rows, float *y, int64_t ys,
                       const float *bias) {
@@ -1095,6 +1208,10 @@ static void run_group(const qweights_t *w, int64_t g, const qrows_t *a, int64_t 
      * 4 + 3, not 5 + 2); a row's arithmetic does not depend on the rows beside it */
     if (w->fmt == FMT_BF16) {
         bf16_group(w, g, a->xb, rows, y, ys, bias);
+        return;
+    }
+    if (w->fmt == FMT_F16) {
+        f16_group(w, g, a->xf, a->xs, rows, y, ys, bias);
         return;
     }
     const int64_t passes = (rows + ROW_TILE - 1) / ROW_TILE;
@@ -1442,10 +1559,12 @@ int pagedkv_qmm(const qweights_t *w, int64_t rows, const float *x, int64_t xs, f
 #else
     const int tiles = 0, want_xu = 0;
 #endif
-    /* which activations the parts take: int8 blocks, bf16 values, or both */
+    /* which activations the parts take: int8 blocks, bf16 values, both, or neither (f16) */
     int want = 0;
-    for (int64_t p = 0; p < (w->fmt == FMT_CONCAT ? w->nparts : 1); p++)
-        want |= (w->fmt == FMT_CONCAT ? w->parts[p]->fmt : w->fmt) == FMT_BF16 ? 2 : 1;
+    for (int64_t p = 0; p < (w->fmt == FMT_CONCAT ? w->nparts : 1); p++) {
+        const int32_t f = w->fmt == FMT_CONCAT ? w->parts[p]->fmt : w->fmt;
+        want |= f == FMT_BF16 ? 2 : f == FMT_F16 ? 0 : 1; /* f16 takes the float32 rows as given */
+    }
     qrows_t a;
     if (quantize_rows(x, xs, rows, w->k, &a, nt, want & 1 ? sums16 : 0, want & 1 ? want_xu : 0, want)) return -1;
     const int64_t n = w->n;
@@ -1567,6 +1686,7 @@ void pagedkv_q8_dequant(int64_t k, int64_t n, const int8_t *codes, const float *
 
 /* ---- GGUF blocks -> the layouts above (at model load) ------------------------------------- */
 
+#define GGML_F16 1
 #define GGML_Q4_0 2
 #define GGML_Q4_1 3
 #define GGML_Q5_0 6
@@ -1733,10 +1853,16 @@ int pagedkv_pack_gguf(int ggml_type, int64_t n, int64_t k, const uint8_t *raw, i
     case GGML_Q4_K: per = QK_K; bs = 144; out_bytes = Q4K_BLOCK; break;
     case GGML_Q5_K: per = QK_K; bs = 176; out_bytes = Q5K_BLOCK; break;
     case GGML_Q6_K: per = QK_K; bs = 210; out_bytes = Q6K_BLOCK; break;
+    case GGML_F16: per = QK; bs = 64; out_bytes = 64; break; /* rows kept as they are (FMT_F16) */
     default: return -2;
     }
     (void)bs;
     if (k % per || k <= 0 || n % 8) return -2;
+    if (ggml_type == GGML_F16) { /* row-major, no reordering: each row's 2 k bytes in turn */
+        #pragma omp parallel for schedule(static)
+        for (int64_t r = 0; r < n; r++) memcpy(out + r * 2 * k, raw + r * raw_row_stride, (size_t)(2 * k));
+        return 0;
+    }
     const int64_t nb = k / per;
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
     {   /* out is fresh memory written once here: 2 MiB pages (where the kernel's transparent huge
@@ -1772,6 +1898,13 @@ int pagedkv_pack_gguf(int ggml_type, int64_t n, int64_t k, const uint8_t *raw, i
  * with GGUF's own float formulas (gguf-py's dequantize: (d sc) c - (dmin m), (d sc) (c - 32),
  * d c), so equal to it: what tests compare the packing with. Returns 0, -2 for another fmt. */
 int pagedkv_gguf_dequant(int fmt, int64_t n, int64_t k, const uint8_t *codes, float *out) {
+    if (fmt == FMT_F16) {
+        const uint16_t *h = (const uint16_t *)codes;
+        #pragma omp parallel for schedule(static)
+        for (int64_t r = 0; r < n; r++)
+            for (int64_t e = 0; e < k; e++) out[r * k + e] = half_to_float(h[r * k + e]);
+        return 0;
+    }
     if (fmt == FMT_Q4) {
         pagedkv_q4_dequant(k, n, codes, out);
         return 0;

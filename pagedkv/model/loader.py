@@ -110,7 +110,9 @@ def auto_weights(model: str | Path | None, fmt: str, why: str, dtype: Any = "fp3
 
     * a GGUF file: ``gguf``, its stored blocks on the integer kernels, when every weight matrix
       is of a type they take (``gguf_native.supported``); else ``fp32``, its values dequantised
-      (the reason says which types, and that ``weights="int8"`` requantises them if asked);
+      (the reason says which types, and that ``weights="int8"`` requantises them if asked),
+      or ``bf16`` for a file whose weight matrices are all BF16 where the CPU multiplies bf16
+      natively (exact: the file's values, as for a bfloat16 checkpoint);
     * an HF directory: its own dtype: ``bf16`` for a bfloat16 checkpoint where the CPU
       multiplies bf16 natively (exact: the checkpoint's values), else ``fp32``.
 
@@ -141,6 +143,11 @@ def auto_weights(model: str | Path | None, fmt: str, why: str, dtype: Any = "fp3
             kinds = ", ".join(f"{k} x{v}" for k, v in sorted(gguf_native.linear_types(header).items()))
             split = f", each of {tensor_parallel_size} ranks holding its slices" if tensor_parallel_size != 1 else ""
             return "gguf", f"auto: the file's stored blocks ({kinds}) on the integer kernels{split}"
+        from pagedkv.model.quant import cpu_features
+
+        if (set(gguf_native.linear_types(header)) == {"BF16"} and tensor_parallel_size == 1
+                and cpu_features().bf16_fast):
+            return "bf16", "auto: the file's BF16 values as stored, multiplied in bf16 natively on this CPU"
         advice = "" if tensor_parallel_size != 1 else "; weights='int8' requantises them if asked"
         return "fp32", f"auto: the file's values in fp32 ({problem}{advice})"
     import json

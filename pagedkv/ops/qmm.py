@@ -77,6 +77,7 @@ FMT_CONCAT = 1
 GGUF_BLOCKS: dict[str, tuple[int, int, int]] = {
     "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34),
     "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210),
+    "F16": (1, 32, 64),  # IEEE half values, kept row-major (fmt FMT_F16); "blocks" of 32 for the kernel's loops
 }
 #: the GGML type names :func:`pack_gguf` takes
 GGUF_TYPES: tuple[str, ...] = tuple(GGUF_BLOCKS)
@@ -89,7 +90,8 @@ class Packed:
     float32 ``[N]``, ``w = scale[o] c``); 102 / 106 / 107 / 108 / 112 / 113 / 114 (GGUF Q4_0 /
     Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks as stored, their bytes reordered per 8
     columns: ``codes`` uint8 of the file's size for the tensor, ``N / 8 * K / 32 * 144 / 176 /
-    192 / 272`` or ``N / 8 * K / 256 * 1152 / 1408 / 1680``); or
+    192 / 272`` or ``N / 8 * K / 256 * 1152 / 1408 / 1680``); 101 (GGUF F16: ``codes`` uint8
+    ``[N * K * 2]``, the half values row-major as stored); 130 (bf16, :func:`pack_bf16`); or
     ``FMT_CONCAT`` (1: ``parts``, other :class:`Packed` of the same ``K`` side by side, ``N``
     their sum; ``codes`` ``None``). ``bias`` float32 ``[N]`` or ``None`` (a concat's, when set,
     is added to all its columns in place of the parts' own). Holds the tensors
@@ -160,6 +162,9 @@ def pack_int8(codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | Non
 
 #: ``Packed.fmt`` of bf16 weights (100 + GGML's BF16 type id): the layer's own row-major tensor
 FMT_BF16 = 130
+#: ``Packed.fmt`` of a GGUF's F16 weights (100 + GGML's F16 type id): its rows as stored, row-major
+#: ``[N, K]`` half values, times float32 activations as given (``qmm.c``, "f16 weights")
+FMT_F16 = 101
 #: bf16 layers run the bf16 kernel below this many rows (decode batches; wider inputs, prefill
 #: chunks, a plain bf16 oneDNN matmul). Measured on a Zen 4 (AVX512-BF16), 2 threads, weights
 #: streamed from memory: 1.1-1.8x a plain ``F.linear`` up to 32 rows, 0.94-0.98x at 64, 0.7-0.8x at 512
@@ -241,7 +246,7 @@ def pack_gguf(qtype: str, raw: np.ndarray | torch.Tensor, k: int, bias: torch.Te
     row ``o`` the blocks of output feature ``o`` as in the file; ``k`` the values per row (K);
     ``bias`` float32 ``[N]`` or ``None``. Every type keeps its bytes (``codes`` uint8 of exactly
     ``raw``'s size): Q4_1 in the int4 layout (``fmt`` 4), Q4_0 / Q5_0 / Q5_1 / Q8_0 / Q4_K /
-    Q5_K / Q6_K as ``fmt`` 100 + the GGML type id. One
+    Q5_K / Q6_K as ``fmt`` 100 + the GGML type id, F16 (``fmt`` :data:`FMT_F16`) row-major as stored. One
     pass in C (OpenMP over groups of 8 rows: the calling thread's OpenMP count, torch's in the
     thread that set it) into one new uint8
     tensor; no float copy of the weights. Raises ``ValueError`` for another type, ``N`` not a

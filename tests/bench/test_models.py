@@ -167,11 +167,13 @@ def test_ensure_models_with_llama_quantize_deletes_the_f16(tmp_path, monkeypatch
     monkeypatch.setattr(mm, "find_tool", lambda name, bin_dir=None: fake if name == "llama-quantize" else None)
     monkeypatch.setattr(mm, "tokenizer_fields", lambda source=None: tokenizer)
     root = tmp_path / "models"
-    made = mm.ensure_models(["tiny"], ["q4_k_m", "q8_0"], root=root, log=lambda m: None)
-    assert calls.read_text().split() == ["Q4_K_M", "Q8_0"]  # one f16 file quantised twice
+    made = mm.ensure_models(["tiny"], ["q4_k_m", "q8_0", "f16"], root=root, log=lambda m: None)
+    assert calls.read_text().split() == ["Q4_K_M", "Q8_0"]  # one f16 file quantised twice; f16 itself never
     assert made[("tiny", "q4_k_m")]["maker"] == "llama-quantize" and made[("tiny", "q4_k_m")]["quantize_seconds"] >= 0
-    assert not (root / "random-llama-tiny-f16.gguf").exists()
-    assert sorted(p.name for p in root.glob("*.gguf")) == ["random-llama-tiny-q4_k_m.gguf", "random-llama-tiny-q8_0.gguf"]
+    assert made[("tiny", "f16")]["maker"] == "gguf-py" and made[("tiny", "f16")]["quantize_seconds"] is None
+    assert not (root / "random-llama-tiny-f16.gguf").exists()  # the intermediate
+    assert sorted(p.name for p in root.glob("*.gguf")) == ["random-llama-tiny-f16-ggufpy.gguf",
+                                                           "random-llama-tiny-q4_k_m.gguf", "random-llama-tiny-q8_0.gguf"]
 
 
 def test_rss_guard_kills_a_process_above_the_limit():

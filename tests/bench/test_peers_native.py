@@ -111,8 +111,10 @@ def test_formats_without_llama_quantize_say_why(tmp_path, monkeypatch):
     from pagedkv.bench.peers.systems import resolve_peer_model
 
     monkeypatch.setattr(peers_native, "find_tool", lambda name, bin_dir=None: None)
-    files = peers_native.ensure_formats(resolve_peer_model(None), ["q4_1", "q4_0"], 2, root=tmp_path, log_fn=lambda m: None)
+    files = peers_native.ensure_formats(resolve_peer_model(None), ["q4_1", "q4_0", "bf16"], 2, root=tmp_path,
+                                        log_fn=lambda m: None)
     assert files["q4_1"]["maker"] == "as shipped" and files["q4_0"] == {"error": "llama-quantize not built (make peers)"}
+    assert files["bf16"] == files["q4_0"]  # bf16 (same bytes on both sides) is made the same way
 
 
 def test_a_source_change_during_a_run_stops_it(tmp_path, monkeypatch):

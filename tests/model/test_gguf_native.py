@@ -231,7 +231,7 @@ def test_streaming_the_weights_grows_resident_memory_by_at_most_1_2x_the_file(bu
     assert r["peak"] - r["base"] <= 1.2 * size, r
 
 
-KERNEL_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+KERNEL_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16"]
 
 
 @pytest.mark.parametrize("type_name", KERNEL_TYPES)
@@ -271,7 +271,7 @@ def test_each_kernel_type_loads_as_stored_and_runs_within_the_int8_activation_er
     # (the int8 format on the same files: 1.5-3%); per matmul the kernels' bound is tested in
     # tests/model/test_qmm_gguf.py, and the weights themselves are exact (above)
     rel = ((got - want).norm() / want.norm()).item()
-    assert rel <= 0.06, rel
+    assert rel <= (1e-5 if type_name == "F16" else 0.06), rel  # F16: float32 activations, the sums' order only
     # greedy picks agree wherever the fp32 top-2 margin exceeds twice the row's error
     top2 = want.topk(2, dim=-1).values
     clear = (top2[:, 0] - top2[:, 1]) > 2 * (got - want).abs().amax(-1)

@@ -38,9 +38,9 @@ import numpy as np
 MAKER_VERSION = 2  # 2: the vocabulary padding is NORMAL tokens (1: USER_DEFINED)
 STD = 0.02
 CHUNK_ELEMENTS = 1 << 24  # values generated (and quantised) per chunk: 64 MiB of float32
-TYPES = ("q4_0", "q4_k_m", "q8_0")
+TYPES = ("q4_0", "q4_k_m", "q8_0", "f16")
 #: llama-quantize's type names
-QUANTIZE_NAME = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q4_k_m": "Q4_K_M", "q8_0": "Q8_0"}
+QUANTIZE_NAME = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q4_k_m": "Q4_K_M", "q8_0": "Q8_0", "bf16": "BF16"}
 
 
 @dataclass(frozen=True)
@@ -412,7 +412,8 @@ def ensure_models(sizes: list[str], types: list[str], *, use_llama_quantize: boo
     """Make (or find cached) every ``size x type`` file. Returns ``{(size, type): facts}``:
     ``path``, ``maker``, ``bytes``, ``make_seconds`` (f16 write share + quantise, or the direct
     write) and ``cached`` (found, not made now); or ``{"error": why}`` for a file that cannot be
-    made (Q4_K_M without llama-quantize)."""
+    made (Q4_K_M without llama-quantize). An ``f16`` file is written directly (``gguf-py``: the
+    writer's own half values, what llama-quantize starts from), never quantised."""
     root = root or models_dir()
     qbin = find_tool("llama-quantize") if use_llama_quantize else None
     out: dict[tuple[str, str], dict[str, Any]] = {}
@@ -420,7 +421,7 @@ def ensure_models(sizes: list[str], types: list[str], *, use_llama_quantize: boo
         shape = SHAPES[size]
         f16_path, f16_facts = root / f"random-{shape.arch}-{size}-f16.gguf", None
         for qtype in types:
-            maker = "llama-quantize" if qbin else "gguf-py"
+            maker = "llama-quantize" if qbin and qtype != "f16" else "gguf-py"
             path = model_file(size, qtype, maker, root)
             facts = cached_facts(path)
             if facts is not None:
@@ -430,8 +431,8 @@ def ensure_models(sizes: list[str], types: list[str], *, use_llama_quantize: boo
                 out[(size, qtype)] = {"error": "llama-quantize not built (make peers): K-quants need it"}
                 continue
             try:
-                if qbin is None:
-                    log(f"[models] writing {path.name} with gguf-py's quantizer ...")
+                if maker == "gguf-py":
+                    log(f"[models] writing {path.name} with gguf-py's writer ...")
                     made = write_random_gguf(path, shape, qtype, progress=log)
                     facts = {"make_seconds": made["seconds"], "write_seconds": made["seconds"], "quantize_seconds": None}
                 else:

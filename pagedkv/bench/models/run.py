@@ -62,7 +62,7 @@ NOT_BUILT = "llama.cpp tools not built (make peers)"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default="0.5b,1.7b,3b,8b", help=f"model shapes, smallest first ({', '.join(SHAPES)})")
-    p.add_argument("--types", default="q4_0,q4_k_m,q8_0", help=f"GGUF types ({', '.join(TYPES)})")
+    p.add_argument("--types", default="q4_0,q4_k_m,q8_0", help=f"GGUF types ({', '.join(TYPES)}; default q4_0,q4_k_m,q8_0)")
     p.add_argument("--rounds", type=int, default=3, help="rounds; systems interleaved in each (default 3)")
     p.add_argument("--no-llama-cpp", action="store_true", help="pagedkv only (llama.cpp reported as not measured)")
     p.add_argument("--load-only", action="store_true",

@@ -69,7 +69,10 @@ GOAL = 1.2  # batch-1 decode, pagedkv / llama.cpp, by the lower quartile of the 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of the native comparison (on ``pagedkv bench peers``' parser)."""
     g = p.add_argument_group("batch 1 vs native llama.cpp (--systems pagedkv-b1,llama.cpp)")
-    g.add_argument("--types", default=",".join(TYPES), help=f"GGUF types to compare ({', '.join(TYPES)}; default all)")
+    g.add_argument("--types", default=",".join(TYPES),
+                   help=f"GGUF types to compare ({', '.join(TYPES)}, or bf16: the same bytes per weight on both "
+                        f"sides, pagedkv's weights=auto taking a BF16 file as bf16 where the CPU has native bf16; "
+                        f"default {','.join(TYPES)})")
     g.add_argument("--rounds", type=int, default=5,
                    help="rounds, systems interleaved in each (default 5); the venv peers' sections (--systems vllm / "
                         "openvino) take them too")
