@@ -1107,9 +1107,13 @@ static void bf16_group(const qweights_t *w, int64_t g, const uint16_t *xb, int64
 #endif
 
 /* out[r * 8 + j] = the sum of w row j times x row r (r < nr <= F16_XR), k a multiple of 16; the
- * weights are half (wh) or, when wf is set, their float32 widening [8, k] (the same values) */
+ * weights are half (wh, WIDE 0) or their float32 widening (wf, WIDE 1: the same values, each 16
+ * of a row's elements beside the other 7 rows' same 16: wf[(c / 16) * 128 + j * 16 + i] =
+ * w[j][c + i], one stream) */
+#define WAT(j, c) (((c) >> 4) * 128 + (j) * 16 + ((c) & 15))
 static inline __attribute__((always_inline)) void f16_dots_nr(const uint16_t *wh, const float *wf, int64_t k,
-                                                              const float *x, int64_t xs, const int nr, float *out) {
+                                                              const float *x, int64_t xs, const int nr, float *out,
+                                                              const int WIDE) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     __m512 acc[8][F16_XR];
     for (int j = 0; j < 8; j++)
@@ -1119,8 +1123,9 @@ static inline __attribute__((always_inline)) void f16_dots_nr(const uint16_t *wh
         for (int r = 0; r < nr; r++) xv[r] = _mm512_loadu_ps(x + r * xs + c);
         for (int j = 0; j < 8; j++) {
             __m512 wv;
-            if (wf) {
-                wv = _mm512_loadu_ps(wf + j * k + c);
+            if (WIDE) {
+                wv = _mm512_loadu_ps(wf + WAT(j, c));
+                __asm__("" : "+v"(wv)); /* one load for the nr FMAs (not a memory operand in each) */
             } else {
                 _mm_prefetch((const char *)(wh + j * k + c + PF_F16), _MM_HINT_T1);
                 wv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wh + j * k + c)));
@@ -1137,13 +1142,13 @@ static inline __attribute__((always_inline)) void f16_dots_nr(const uint16_t *wh
         __m256 acc[4][2];
         for (int j = 0; j < 4; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
         for (int64_t c = 0; c < k; c += 16) {
-            if (!wf)
+            if (!WIDE)
                 for (int j = 0; j < 4; j++) _mm_prefetch((const char *)(wh + (4 * h + j) * k + c + PF_F16), _MM_HINT_T1);
             for (int q = 0; q < 2; q++) { /* lanes 8q .. 8q + 7: elements c + 8q .. c + 8q + 7 */
                 const __m256 xv = _mm256_loadu_ps(x + c + 8 * q);
                 for (int j = 0; j < 4; j++) {
-                    const int64_t at = (4 * h + j) * k + c + 8 * q;
-                    const __m256 wv = wf ? _mm256_loadu_ps(wf + at) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wh + at)));
+                    const __m256 wv = WIDE ? _mm256_loadu_ps(wf + WAT(4 * h + j, c + 8 * q))
+                                           : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wh + (4 * h + j) * k + c + 8 * q)));
                     acc[j][q] = _mm256_fmadd_ps(xv, wv, acc[j][q]);
                 }
             }
@@ -1157,7 +1162,7 @@ static inline __attribute__((always_inline)) void f16_dots_nr(const uint16_t *wh
         float l[16] = {0};
         for (int64_t c = 0; c < k; c += 16)
             for (int i = 0; i < 16; i++)
-                l[i] = fmaf(x[c + i], wf ? wf[j * k + c + i] : half_to_float(wh[j * k + c + i]), l[i]);
+                l[i] = fmaf(x[c + i], WIDE ? wf[WAT(j, c + i)] : half_to_float(wh[j * k + c + i]), l[i]);
         out[j] = lanes_sum(l);
     }
 #endif
@@ -1165,11 +1170,14 @@ static inline __attribute__((always_inline)) void f16_dots_nr(const uint16_t *wh
 
 static void f16_dots(const uint16_t *wh, const float *wf, int64_t k, const float *x, int64_t xs, int nr, float *out) {
 #if F16_XR == 3
-    if (nr == 3) f16_dots_nr(wh, wf, k, x, xs, 3, out);
-    else if (nr == 2) f16_dots_nr(wh, wf, k, x, xs, 2, out);
+    if (nr == 3 && wf) f16_dots_nr(wh, wf, k, x, xs, 3, out, 1);
+    else if (nr == 3) f16_dots_nr(wh, wf, k, x, xs, 3, out, 0);
+    else if (nr == 2 && wf) f16_dots_nr(wh, wf, k, x, xs, 2, out, 1);
+    else if (nr == 2) f16_dots_nr(wh, wf, k, x, xs, 2, out, 0);
     else
 #endif
-        f16_dots_nr(wh, wf, k, x, xs, 1, out);
+    if (wf) f16_dots_nr(wh, wf, k, x, xs, 1, out, 1);
+    else f16_dots_nr(wh, wf, k, x, xs, 1, out, 0);
 }
 
 /* columns 8g .. 8g + 7 of f16 weights w for all rows of x (float32, row stride xs) */
@@ -1179,13 +1187,14 @@ static void f16_group(const qweights_t *w, int64_t g, const float *x, int64_t xs
     const uint16_t *wg = (const uint16_t *)w->codes + g * 8 * k;
     float *wf = NULL;
     if (rows > F16_XR && (wf = malloc((size_t)(8 * k) * sizeof(float))) != NULL) { /* several passes: widen once */
-        for (int64_t e = 0; e < 8 * k; e += 8) {
+        for (int64_t j = 0; j < 8; j++)
+            for (int64_t c = 0; c < k; c += 8) {
 #if defined(__F16C__)
-            _mm256_storeu_ps(wf + e, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + e))));
+                _mm256_storeu_ps(wf + WAT(j, c), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + j * k + c))));
 #else
-            for (int i = 0; i < 8; i++) wf[e + i] = half_to_float(wg[e + i]);
+                for (int i = 0; i < 8; i++) wf[WAT(j, c + i)] = half_to_float(wg[j * k + c + i]);
 #endif
-        }
+            }
     }
     float out[F16_XR * 8];
     for (int64_t r0 = 0; r0 < rows; r0 += F16_XR) {
