@@ -53,7 +53,7 @@
 
 /* IEEE half -> float (the int4 scales are stored as fp16, like GGUF's Q4_1) */
 static inline float half_to_float(uint16_t h) {
-#ifdef __F16C__
+#if defined(__AVX2__) && defined(__F16C__) /* immintrin.h is included with AVX2 */
     return _cvtsh_ss(h);
 #else
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
@@ -1189,7 +1189,7 @@ static void f16_group(const qweights_t *w, int64_t g, const float *x, int64_t xs
     if (rows > F16_XR && (wf = malloc((size_t)(8 * k) * sizeof(float))) != NULL) { /* several passes: widen once */
         for (int64_t j = 0; j < 8; j++)
             for (int64_t c = 0; c < k; c += 8) {
-#if defined(__F16C__)
+#if defined(__AVX2__) && defined(__F16C__) /* immintrin.h is included with AVX2 */
                 _mm256_storeu_ps(wf + WAT(j, c), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + j * k + c))));
 #else
                 for (int i = 0; i < 8; i++) wf[WAT(j, c + i)] = half_to_float(wg[j * k + c + i]);

@@ -80,16 +80,25 @@ def linear_types(header: GGUFHeader) -> dict[str, int]:
     """``{GGML type name: count}`` of the matrices the kernels multiply: every 2-D layer tensor
     and the LM head (``output.weight``, or the embedding when it is tied). An untied embedding
     is only looked up (any type ``gguf`` dequantises) and is not counted."""
-    names = {t.name for t in header.tensors}
-    head = "output.weight" if "output.weight" in names else "token_embd.weight"
+    head = _head_name(header)
     out: dict[str, int] = {}
     for t in header.tensors:
-        router = t.name.endswith(f"{gguf_moe.ROUTER}.weight")  # a float matrix, not multiplied by the kernels
-        router = router or t.name.rpartition(".")[0].endswith(gguf_mla.DEQUANTISED)  # MLA's kv_b: a float tensor
-        if (len(t.shape) == 2 and not router and (t.name.startswith("blk.") or t.name == head)) \
-                or (len(t.shape) == 3 and not router and t.name.startswith("blk.")):  # stacked experts
+        if kernel_matrix(t, head):
             out[_qtype(t)] = out.get(_qtype(t), 0) + 1
     return out
+
+
+def _head_name(header: GGUFHeader) -> str:
+    return "output.weight" if any(t.name == "output.weight" for t in header.tensors) else "token_embd.weight"
+
+
+def kernel_matrix(t: GGUFTensorInfo, head: str) -> bool:
+    """Whether the kernels multiply tensor ``t`` (:func:`linear_types`' matrices): a 2-D layer
+    tensor, stacked experts, or the LM head ``head``; not a router or MLA's ``kv_b`` (float)."""
+    router = t.name.endswith(f"{gguf_moe.ROUTER}.weight")  # a float matrix, not multiplied by the kernels
+    router = router or t.name.rpartition(".")[0].endswith(gguf_mla.DEQUANTISED)  # MLA's kv_b: a float tensor
+    return not router and ((len(t.shape) == 2 and (t.name.startswith("blk.") or t.name == head))
+                           or (len(t.shape) == 3 and t.name.startswith("blk.")))  # stacked experts
 
 
 def supported(header: GGUFHeader) -> str | None:
@@ -101,18 +110,23 @@ def supported(header: GGUFHeader) -> str | None:
     if other:
         return f"weight matrices stored as {', '.join(other)}, which the GGUF kernels do not multiply " \
                f"(they take {', '.join(qmm.GGUF_TYPES)})"
+    head = _head_name(header)
+    for t in header.tensors:  # F16 rows are not blocks in the file: the kernel's 32 is checked here
+        per = qmm.GGUF_BLOCKS[_qtype(t)][1] if _qtype(t) in qmm.GGUF_BLOCKS else 1
+        if kernel_matrix(t, head) and int(t.shape[-1]) % per:
+            return f"{t.name} ({_qtype(t)}) has rows of {int(t.shape[-1])} values, not a multiple of the kernels' {per}"
     return None
 
 
 def weight_bytes(header: GGUFHeader, config: ModelConfig) -> int:
     """Bytes the loaded weights will hold in memory: each matrix's stored bytes (packing keeps
-    them), a tied head the embedding's bytes once more, float tensors as float32; the embedding
-    itself stays in the file's page cache and is not counted."""
-    total = 0
+    them; F16 matrices too), a tied head the embedding's bytes once more, other float tensors as
+    float32; the embedding itself stays in the file's page cache and is not counted."""
+    total, head = 0, _head_name(header)
     for t in header.tensors:
         if t.name == "token_embd.weight":
             total += _nbytes(t) if config.tie_word_embeddings else 0
-        elif _qtype(t) in gguf_shard.FLOAT_TYPES:
+        elif _qtype(t) in gguf_shard.FLOAT_TYPES and not (_qtype(t) in qmm.GGUF_TYPES and kernel_matrix(t, head)):
             total += int(np.prod(t.shape, dtype=np.int64)) * 4
         else:
             total += _nbytes(t)

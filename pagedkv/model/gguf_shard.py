@@ -132,7 +132,7 @@ def tp_problem(header: GGUFHeader, config: ModelConfig, tp_size: int) -> Optiona
         part = info.name.split(".")[2] if info.name.startswith("blk.") and info.name.count(".") >= 3 else ""
         if part not in ROW_PARALLEL or not info.name.endswith(".weight"):
             continue
-        per = block_size(info)[0]
+        per = qmm.GGUF_BLOCKS[qtype_name(info)][1] if qtype_name(info) in qmm.GGUF_BLOCKS else block_size(info)[0]
         module = "o_proj" if part == "attn_output" else "down_proj"
         for rank in range(tp_size):
             c0, c1 = module_cut(config, shard_plan(config, rank, tp_size), module, int(part == "ffn_down_exps")).cols
@@ -144,12 +144,16 @@ def tp_problem(header: GGUFHeader, config: ModelConfig, tp_size: int) -> Optiona
 
 def host_weight_bytes(header: GGUFHeader, config: ModelConfig, tp_size: int, held: int) -> int:
     """Bytes of weights all ``tp_size`` ranks on one host hold together, given ``held`` (one
-    process's, ``gguf_native.weight_bytes``): the split matrices once, and the replicated ones
-    (the LM head, float tensors) ``tp_size`` times."""
+    process's, ``gguf_native.weight_bytes``): the split matrices once (F16 ones too), and the
+    replicated ones (the LM head, other float tensors) ``tp_size`` times."""
+    from pagedkv.model.gguf_native import kernel_matrix
+
     by_name = {t.name: t for t in header.tensors}
     head = by_name.get("token_embd.weight" if config.tie_word_embeddings else "output.weight")
+    split_f16 = {t.name for t in header.tensors if qtype_name(t) in qmm.GGUF_TYPES and kernel_matrix(t, "output.weight")}
     replicated = (0 if head is None else stored_bytes(head)) + sum(
-        int(np.prod(t.shape, dtype=np.int64)) * 4 for t in header.tensors if qtype_name(t) in FLOAT_TYPES)
+        int(np.prod(t.shape, dtype=np.int64)) * 4 for t in header.tensors
+        if qtype_name(t) in FLOAT_TYPES and t.name not in split_f16)
     return held + (tp_size - 1) * replicated
 
 

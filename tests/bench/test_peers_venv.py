@@ -202,7 +202,8 @@ def test_rounds_interleave_keep_every_run_and_pair_the_ratios_by_round(monkeypat
     assert [(r["round"], r["name"]) for r in sec["rows"]] == [
         (1, "pagedkv"), (1, "vllm"), (1, "openvino"), (2, "openvino"), (2, "vllm"), (2, "pagedkv"),
         (3, "pagedkv"), (3, "vllm"), (3, "openvino")]
-    assert all(r["load_1m_start"] is not None and r["wall_s"] >= 0 for r in sec["rows"])
+    assert all(r["load_1m_start"] is not None and r["wall_s"] >= 0 for r in sec["rows"] if r["name"] != "openvino")
+    assert [r["load_1m_start"] for r in sec["rows"] if r["name"] == "openvino"][1:] == [None, None]  # not run again
     ours, vllm, ov = sec["systems"]
     assert (ours["name"], ours["ok"], ours["runs"]) == ("pagedkv", 3, 3) and (ov["ok"], ov["runs"]) == (0, 3)
     assert ours["decode_tokens_per_s"]["values"] == [60.0, 90.0, 66.0] and ours["decode_tokens_per_s"]["median"] == 66.0
@@ -221,3 +222,20 @@ def test_rounds_interleave_keep_every_run_and_pair_the_ratios_by_round(monkeypat
     assert (tmp_path / "b1.png").stat().st_size > 1000
     with pytest.raises(ValueError, match=">= 1"):
         peers_venv.run_b1_prefill({"vllm"}, object(), {}, 2, 1000, log=lambda *a: None, rounds=0)
+
+
+def test_a_source_change_stops_the_rounds_and_keeps_what_finished(monkeypatch):
+    """pagedkv's sources are checked before each of its runs: a change after round 1 stops the
+    rounds before round 2's pagedkv run; round 1 and round 2's vLLM run stay, marked partial."""
+    from pagedkv.bench import protocol
+
+    digests = iter(["a", "b"])  # before round 1's pagedkv run, before round 2's
+    monkeypatch.setattr(protocol, "source_digest", lambda package=None: next(digests))
+    monkeypatch.setattr(peers_venv, "measure_pagedkv", lambda loaded, spec, kw: {
+        "name": "pagedkv", "status": "ok", "weights": "bf16", "decode_tokens_per_s": 60.0, "prefill_tokens_per_s": 900.0})
+    monkeypatch.setattr(peers_venv, "run_venv_peer", lambda name, spec, pagedkv_weights: {
+        "name": name, "status": "ok", "weights": "bf16", "decode_tokens_per_s": 30.0, "prefill_tokens_per_s": 1000.0})
+    sec = peers_venv.run_b1_prefill({"vllm"}, object(), {}, 2, 1000, log=lambda *a: None, rounds=3, digest="a")
+    assert [(r["round"], r["name"]) for r in sec["rows"]] == [(1, "pagedkv"), (1, "vllm"), (2, "vllm")]
+    assert "changed" in sec["partial"] and sec["ratios"][0]["decode_tokens_per_s"]["values"] == [2.0]
+    assert "**Partial**: " in peers_venv.render_b1_prefill(sec)

@@ -78,6 +78,24 @@ def test_auto_keeps_an_f16_gguf_as_stored_and_gives_the_fp32_tokens(tmp_path):
     held = sum(m.packed.nbytes for m in gguf_native.iter_linears(lm.model))
     stored = sum(gguf_native._nbytes(t) for t in header.tensors if len(t.shape) == 2 and t.name != "token_embd.weight")
     assert stored <= held <= stored + 4 * 2 * 256  # the file's bytes (+ the head's 4 zero pad rows)
+    # what the memory check counts before loading: the stored F16 bytes (not 4 per weight) + F32 norms
+    assert gguf_native.weight_bytes(header, lm.config) == sum(
+        gguf_native._nbytes(t) for t in header.tensors if t.name != "token_embd.weight")
     ours = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
     fp32 = LLM(model=str(path), weights="fp32", num_blocks=16, block_size=16)
     assert ours == [o.outputs[0].token_ids for o in fp32.generate(PROMPTS, sp, use_tqdm=False)]
+
+
+def test_f16_rows_the_kernel_cannot_take_keep_the_fp32_route(tmp_path, monkeypatch):
+    """The file does not store F16 in blocks: ``supported`` checks the kernels' 32 values per
+    row itself, so such a file is loaded in fp32 under ``auto`` rather than failing in ``gguf``."""
+    from pagedkv.model import loader
+    from pagedkv.ops import qmm
+    from tests.model.test_gguf_types import write_tiny_gguf
+
+    path = tmp_path / "tiny-F16.gguf"
+    write_tiny_gguf(path, "F16")
+    monkeypatch.setitem(qmm.GGUF_BLOCKS, "F16", (1, 512, 1024))  # as if rows of 256 were not whole
+    why = supported(read_gguf_header(path))
+    assert why is not None and "has rows of 256 values, not a multiple of the kernels' 512" in why
+    assert loader.auto_weights(path, "int4", "x")[0] == "fp32"

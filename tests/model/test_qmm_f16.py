@@ -2,10 +2,11 @@
 F16 matrices kept as stored (2 bytes per weight) and multiplied by the float32 activations as
 given.
 
-The kernel's sums are compared bit for bit with the same arithmetic written in torch: per
+The kernel's sums are compared bit for bit with the same arithmetic written in numpy: per
 output 16 float32 lanes, lane i of each 16 inputs adding x * w with one rounding (a fused
-multiply-add; the product of a half and a float32 is exact in float64, so float64 then float32
-is that one rounding), the lanes summed at the end 8, 4, 2 and 1 apart. Every build the host
+multiply-add: the product of a half and a float32 is exact in float64, the sum is taken exactly
+as float64 + error (TwoSum) and rounded to odd, which float32 then rounds as the exact value
+would be), the lanes summed at the end 8, 4, 2 and 1 apart. Every build the host
 can run gives those bits, at every row count: one pass (up to 3 rows on AVX-512 builds) widens
 each weight as it is read, more rows read a float32 widening of the group made once, the same
 values.
@@ -38,16 +39,30 @@ def raw_f16(w: torch.Tensor) -> np.ndarray:
     return w.contiguous().view(torch.uint8).numpy()
 
 
+def fma32(a: np.ndarray, p: np.ndarray) -> np.ndarray:
+    """float32 ``a + p`` rounded once (``a`` float32 values, ``p`` exact float64 products):
+    TwoSum gives the float64 sum and its exact error, a sum with an error is moved to the odd
+    neighbour on the error's side (round to odd), and float32 rounding of that equals rounding
+    the exact sum (53 >= 24 + 2 bits)."""
+    s = a + p
+    bb = s - a
+    e = (a - (s - bb)) + (p - bb)
+    odd = (s.view(np.int64) & 1) == 1
+    s = np.where((e != 0) & ~odd, np.nextafter(s, np.where(e > 0, np.inf, -np.inf)), s)
+    return s.astype(np.float32)
+
+
 def f16_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """float32 ``[R, N]``: float32 ``x`` ``[R, K]`` times half ``w`` ``[N, K]`` in the kernel's
     order (the module docstring), plus ``bias``."""
     r, k = x.shape
     n = w.shape[0]
-    xs = x.double().reshape(r, 1, k // 16, 16)
-    ws = w.double().reshape(1, n, k // 16, 16)
-    acc = torch.zeros(r, n, 16)
+    xs = x.double().numpy().reshape(r, 1, k // 16, 16)
+    ws = w.double().numpy().reshape(1, n, k // 16, 16)
+    acc = np.zeros((r, n, 16), dtype=np.float32)
     for c in range(k // 16):
-        acc = (acc.double() + xs[:, :, c] * ws[:, :, c]).float()  # exact product, one rounding
+        acc = fma32(acc.astype(np.float64), xs[:, :, c] * ws[:, :, c])  # the product exact in float64
+    acc = torch.from_numpy(acc)
     t = acc[..., :8] + acc[..., 8:]
     t = t[..., :4] + t[..., 4:]
     t = t[..., :2] + t[..., 2:]
@@ -100,6 +115,15 @@ def test_concat_of_f16_and_integer_parts_runs_each_part(ops):
         x = torch.randn(rows, 64, generator=g)
         mixed = ops.linear(x, qmm.concat_packed([p8, pa]))
         assert torch.equal(mixed, torch.cat([ops.linear(x, p8), f16_reference(x, a)], dim=1)), rows
+
+
+def test_the_reference_rounds_once():
+    """The reference's fused multiply-add on a case float64-then-float32 gets wrong (two roundings):
+    1 + 0.0004878... x 0.00012219 is just above 1 + half an ulp, so it rounds up once."""
+    a = np.array([1.0])
+    p = np.array([np.float64(np.float32(0.0004878048785030842)) * np.float64(np.float16(0.00012218952178955078))])
+    assert np.float32(a[0] + p[0]) == np.float32(1.0)  # the double rounding
+    assert fma32(a, p)[0] == np.nextafter(np.float32(1.0), np.float32(2.0))
 
 
 def test_pack_f16_keeps_rows_and_refuses_other_shapes():

@@ -4,7 +4,8 @@ order alternating (:func:`pagedkv.bench.protocol.interleaved`), every run kept w
 ran under, each system summarised by the median and interquartile range over its rounds, and
 pagedkv / peer taken per round (the two measured minutes apart at most), then summarised the
 same way (docs/benchmarks/README.md, "protocol"). A peer that is not installed is asked once,
-not every round (its reason does not change).
+not every round (its reason does not change). pagedkv's sources are checked before each of its
+runs: a change stops the rounds, and what finished is kept (the section says ``partial``).
 """
 
 from __future__ import annotations
@@ -13,29 +14,37 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 from pagedkv.bench.common import load_average
-from pagedkv.bench.protocol import check_sources, interleaved, paired_ratios, source_digest, spread, stamp_run
+from pagedkv.bench.protocol import (SourcesChanged, check_sources, interleaved, paired_ratios, source_digest, spread,
+                                    stamp_run)
 
 PAGEDKV = "pagedkv"
 
 
 def run_rounds(names: Sequence[str], measure: Callable[[str], dict[str, Any]], rounds: int, what: str,
-               log: Any = print) -> list[dict[str, Any]]:
+               log: Any = print, digest: Optional[str] = None) -> tuple[list[dict[str, Any]], Optional[str]]:
     """``measure(name)`` for every name in every one of ``rounds`` rounds (>= 1), interleaved.
-    Returns the rows in run order, each with ``round`` (1-based), ``load_1m_start`` /
-    ``load_1m_end`` and ``wall_s``. Raises ``ValueError`` for ``rounds`` < 1 and
-    ``pagedkv.bench.protocol.SourcesChanged`` when pagedkv's sources change between its runs."""
+    Returns ``(rows, stopped)``: the rows in run order, each with ``round`` (1-based),
+    ``load_1m_start`` / ``load_1m_end`` and ``wall_s`` (None for a peer not installed, asked
+    once); ``stopped`` None, or why the rounds stopped early: pagedkv's sources differ from
+    ``digest`` (taken now when None) before one of its runs. Raises ``ValueError`` for
+    ``rounds`` < 1."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
-    digest = source_digest()
+    digest = digest or source_digest()
     absent: dict[str, dict[str, Any]] = {}
     rows: list[dict[str, Any]] = []
     for r in range(rounds):
         for name in interleaved(names, r):
             if name in absent:  # not installed: the same row again, not another attempt
-                rows.append({**absent[name], "round": r + 1})
+                rows.append({**absent[name], "round": r + 1, "load_1m_start": None, "load_1m_end": None,
+                             "wall_s": None})
                 continue
             if name == PAGEDKV:
-                check_sources(digest, f"pagedkv's {what} run of round {r + 1}")
+                try:
+                    check_sources(digest, f"pagedkv's {what} run of round {r + 1}")
+                except SourcesChanged as exc:
+                    log(f"[peers] stopped: {exc}")
+                    return rows, str(exc)
             log(f"[peers] round {r + 1}/{rounds}: {name} {what} ...")
             t0, load0 = time.time(), load_average()
             row = stamp_run({**measure(name), "round": r + 1}, load0, t0)
@@ -43,7 +52,7 @@ def run_rounds(names: Sequence[str], measure: Callable[[str], dict[str, Any]], r
             if row["status"] == "not installed":
                 absent[name] = row
             log(f"[peers] {name}: {row['status']} {row.get('reason') or ''}")
-    return rows
+    return rows, None
 
 
 def _by_round(rows: Sequence[dict[str, Any]], name: str, metric: str, rounds: int) -> list[Optional[float]]:

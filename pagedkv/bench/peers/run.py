@@ -66,6 +66,7 @@ from pagedkv.bench.peers.systems import (
     run_hf_generate_batch,
     run_pagedkv,
 )
+from pagedkv.bench.protocol import source_digest
 from pagedkv.bench.report import publish, single_plot
 from pagedkv.bench.variants import add_variant_option
 from pagedkv.bench.workload import add_trace_arguments, requests_from_args, summarize
@@ -185,6 +186,7 @@ def run_peers(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None
     if args.tiny:
         _apply_tiny(args)
     model = resolve_peer_model(getattr(args, "model", None))
+    digest = source_digest()  # pagedkv's sources, checked before each of its runs in the venv sections
     facts = RunFacts.start(args.threads)
     threads = facts.threads
     batch_sizes = [int(b) for b in str(args.batch_size).split(",") if b.strip()]
@@ -246,13 +248,14 @@ def run_peers(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None
     rounds = int(getattr(args, "rounds", 1))  # the venv peers' sections: interleaved rounds
     if systems & set(VENV_SYSTEMS):
         b1_prefill = run_b1_prefill(systems, loaded, dict(engine_kwargs, max_model_len=1040), threads,
-                                    _vocab_size(loaded, hf_model, model), bool(args.tiny), log, rounds)
+                                    _vocab_size(loaded, hf_model, model), bool(args.tiny), log, rounds, digest)
     trace_offline = None
     n_trace = getattr(args, "trace_requests", 0)
-    if systems & set(VENV_SYSTEMS) and n_trace > 0:  # after batch-1/prefill, as one more section
+    if systems & set(VENV_SYSTEMS) and n_trace > 0 and not (b1_prefill or {}).get("partial"):  # one more section
         vocab = _vocab_size(loaded, hf_model, model)
         trace_offline = run_trace(systems, loaded, dict(engine_kwargs, max_model_len=1040),
-                                  draw_trace_requests(args, n_trace, vocab, model.with_bos), threads, vocab, log, rounds)
+                                  draw_trace_requests(args, n_trace, vocab, model.with_bos), threads, vocab, log, rounds,
+                                  digest)
     if PAGEDKV in systems and not args.no_repeat and len(systems) > 1:
         attempt(PAGEDKV_REPEAT, run_pagedkv, loaded, reqs, engine_kwargs, progress)
         if rows[-1]["status"] == "ok":
@@ -367,4 +370,5 @@ def run(args: argparse.Namespace, loaded: Any = None, hf_model: Any = None) -> i
 
     publish(NAME, data, render, args.out_dir, variant=args.variant or default_variant(args, data), as_json=args.json,
             plots=None if args.no_plot else plots)
-    return 0
+    # exit 2 when pagedkv's sources changed mid-run (the finished rounds are written, marked partial)
+    return 2 if any((data.get(k) or {}).get("partial") for k in ("batch1_prefill", "trace_offline")) else 0

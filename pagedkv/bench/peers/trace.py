@@ -101,12 +101,13 @@ TRACE_METRICS = ("output_tokens_per_s", "total_tokens_per_s")
 
 
 def run_trace(systems: set[str], loaded: Any, engine_kwargs: dict[str, Any], reqs: Sequence[BenchRequest],
-              threads: int, vocab_size: int, log: Any = print, rounds: int = 1) -> dict[str, Any]:
+              threads: int, vocab_size: int, log: Any = print, rounds: int = 1,
+              digest: Optional[str] = None) -> dict[str, Any]:
     """pagedkv (``loaded``, unless None) and every venv peer in ``systems`` on ``reqs``, over
     ``rounds`` interleaved rounds (:func:`pagedkv.bench.peers.rounds.run_rounds`). Returns the
     section: spec (without the prompts), method, every run's row, ``rounds``, the per-system
-    ``systems`` summary and the per-round ``ratios``. A pagedkv failure is raised; a peer's is
-    its row."""
+    ``systems`` summary, the per-round ``ratios`` and, when the rounds stopped early (pagedkv's
+    sources differ from ``digest``), ``partial``. A pagedkv failure is raised; a peer's is its row."""
     from pagedkv.bench.common import weights_of
     from pagedkv.bench.peers.rounds import run_rounds, summarize_rounds
 
@@ -119,11 +120,12 @@ def run_trace(systems: set[str], loaded: Any, engine_kwargs: dict[str, Any], req
             return measure_pagedkv_trace(loaded, spec, engine_kwargs)
         return run_trace_peer(name, spec, pagedkv_weights=ours)
 
-    rows = run_rounds(names, one, rounds, f"offline trace ({len(reqs)} requests)", log)
+    rows, stopped = run_rounds(names, one, rounds, f"offline trace ({len(reqs)} requests)", log, digest)
     shown = {k: v for k, v in spec.items() if k != "requests"}
     shown.update(requests=len(reqs), prompt_len=summarize(r.prompt_len for r in reqs),
                  output_len=summarize(r.output_len for r in reqs))
-    return {"spec": shown, "method": METHOD, "rows": rows, **summarize_rounds(rows, TRACE_METRICS)}
+    return {"spec": shown, "method": METHOD, "rows": rows, **summarize_rounds(rows, TRACE_METRICS),
+            **({"partial": stopped} if stopped else {})}
 
 
 def _render_trace_rounds(section: dict[str, Any]) -> str:
@@ -132,6 +134,7 @@ def _render_trace_rounds(section: dict[str, Any]) -> str:
 
     lines = ["", "## Offline throughput on the trace requests (each peer in its own venv)", "", section["method"], "",
              intro(section["rounds"]), "",
+             *([f"**Partial**: {section['partial']}", ""] if section.get("partial") else []),
              "| system | version | weights | requests | prompt / output tokens | rounds ok | output tok/s | total tok/s | "
              "pagedkv / peer (output; total) |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|"]

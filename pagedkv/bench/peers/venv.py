@@ -207,6 +207,7 @@ def _render_b1_rounds(section: dict[str, Any]) -> str:
     lines = ["", "## Batch-1 decode and prefill (one request at a time, each peer in its own venv)", "",
              section["method"], "",
              intro(section["rounds"]), "",
+             *([f"**Partial**: {section['partial']}", ""] if section.get("partial") else []),
              "| system | version | weights | rounds ok | batch-1 decode tok/s | prefill 512 tok/s |",
              "|---|---|---|---:|---:|---:|"]
     for s, r, why in system_rows(section):
@@ -225,11 +226,14 @@ def _render_b1_rounds(section: dict[str, Any]) -> str:
 
 
 def run_b1_prefill(systems: set[str], loaded: Any, engine_kwargs: dict[str, Any], threads: int,
-                   vocab_size: int, tiny: bool = False, log: Any = print, rounds: int = 1) -> dict[str, Any]:
+                   vocab_size: int, tiny: bool = False, log: Any = print, rounds: int = 1,
+                   digest: Optional[str] = None) -> dict[str, Any]:
     """pagedkv (``loaded``, unless None) and every venv peer in ``systems``, over ``rounds``
-    interleaved rounds (:func:`pagedkv.bench.peers.rounds.run_rounds`). Returns the section:
-    spec, method, every run's row, ``rounds``, the per-system ``systems`` summary and the
-    per-round ``ratios`` (:func:`pagedkv.bench.peers.rounds.summarize_rounds`)."""
+    interleaved rounds (:func:`pagedkv.bench.peers.rounds.run_rounds`, pagedkv's sources
+    checked against ``digest``). Returns the section: spec, method, every run's row, ``rounds``,
+    the per-system ``systems`` summary, the per-round ``ratios``
+    (:func:`pagedkv.bench.peers.rounds.summarize_rounds`) and, when the rounds stopped early,
+    ``partial`` (why)."""
     from pagedkv.bench.common import weights_of
     from pagedkv.bench.peers.rounds import run_rounds, summarize_rounds
 
@@ -244,10 +248,11 @@ def run_b1_prefill(systems: set[str], loaded: Any, engine_kwargs: dict[str, Any]
             row["tpot_ms"] = 1000 * row["tpot_s"]
         return row
 
-    rows = run_rounds(names, one, rounds, "batch-1/prefill", log)
+    rows, stopped = run_rounds(names, one, rounds, "batch-1/prefill", log, digest)
     method = ((peer_worker.__doc__ or "").split("The measurement is ")[1].split("SPEC:")[0]).strip()
     return {"spec": spec, "method": "The measurement is " + " ".join(method.split()), "rows": rows,
-            **summarize_rounds(rows, B1_METRICS), "python": sys.version.split()[0]}
+            **summarize_rounds(rows, B1_METRICS), "python": sys.version.split()[0],
+            **({"partial": stopped} if stopped else {})}
 
 
 #: why ``pagedkv bench serve --peer openvino`` measures nothing (stated in the results and docs)
