@@ -142,15 +142,16 @@ def tp_problem(header: GGUFHeader, config: ModelConfig, tp_size: int) -> Optiona
     return None
 
 
-def host_weight_bytes(header: GGUFHeader, config: ModelConfig, tp_size: int, held: int) -> int:
+def host_weight_bytes(header: GGUFHeader, config: ModelConfig, tp_size: int, held: int,
+                      kernel_matrix: Optional[Callable[[GGUFTensorInfo, str], bool]] = None) -> int:
     """Bytes of weights all ``tp_size`` ranks on one host hold together, given ``held`` (one
-    process's, ``gguf_native.weight_bytes``): the split matrices once (F16 ones too), and the
-    replicated ones (the LM head, other float tensors) ``tp_size`` times."""
-    from pagedkv.model.gguf_native import kernel_matrix
-
+    process's, ``gguf_native.weight_bytes``): the split matrices once (F16 ones too, those
+    ``kernel_matrix(tensor, head name)`` says the kernels multiply: ``gguf_native.kernel_matrix``),
+    and the replicated ones (the LM head, other float tensors) ``tp_size`` times."""
     by_name = {t.name: t for t in header.tensors}
     head = by_name.get("token_embd.weight" if config.tie_word_embeddings else "output.weight")
-    split_f16 = {t.name for t in header.tensors if qtype_name(t) in qmm.GGUF_TYPES and kernel_matrix(t, "output.weight")}
+    split_f16 = {t.name for t in header.tensors if kernel_matrix is not None and qtype_name(t) in qmm.GGUF_TYPES
+                 and kernel_matrix(t, "output.weight")}
     replicated = (0 if head is None else stored_bytes(head)) + sum(
         int(np.prod(t.shape, dtype=np.int64)) * 4 for t in header.tensors
         if qtype_name(t) in FLOAT_TYPES and t.name not in split_f16)

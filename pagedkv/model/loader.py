@@ -407,7 +407,7 @@ def _load_gguf_native(path: Path, root: Path, use_cache: bool, route: str | None
         check_memory(need + kv_bytes, f"{path.name}'s weights ({need / 2**30:.2f} GiB as stored) and the KV cache "
                                       f"({kv_bytes / 2**30:.2f} GiB)")
     else:  # every rank runs on this host: the split matrices once, the replicated ones and the caches per rank
-        need = gguf_shard.host_weight_bytes(header, config, tp_size, need)
+        need = gguf_shard.host_weight_bytes(header, config, tp_size, need, gguf_native.kernel_matrix)
         check_memory(need + tp_size * kv_bytes, f"{path.name}'s weights on {tp_size} ranks ({need / 2**30:.2f} GiB "
                                                 f"as stored) and their KV caches ({tp_size} x {kv_bytes / 2**30:.2f} GiB)")
     # the tokenizer loads in a thread while the weights stream in (preadv and the C packers
