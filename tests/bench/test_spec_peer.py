@@ -109,3 +109,36 @@ def test_bench_spec_says_why_llama_cpp_was_not_measured(loaded_model, tmp_path, 
     assert data["config"]["llama_cpp"] == {"measured": False, "reason": "llama-server not found: run `make peers`"}
     assert "llama_cpp_tok_s" not in data["rows"][0]
     assert "llama.cpp: not measured (llama-server not found: run `make peers`)." in (tmp_path / "spec.md").read_text()
+
+
+def test_bench_spec_keeps_every_round_and_its_spread(loaded_model, stand_in, tmp_path):
+    """3 rounds: each side's rate per round kept, medians and ratios per round with their spread,
+    the goal judged by the speedup's lower quartile; the stand-in's timings are the same every round."""
+    import statistics
+
+    args = _args("--llama-server", stand_in, "--out-dir", str(tmp_path), "--rounds", "3")
+    assert bench_spec.run(args, loaded_model) == 0
+    data = read_variant(tmp_path / "spec.json", "ngram")
+    for r in data["rows"]:
+        assert len(r["rounds"]) == 3
+        assert [(x["llama_cpp"], x["llama_cpp_lookup"]) for x in r["rounds"]] == [(62.5, 125.0)] * 3
+        assert r["spread"]["llama_cpp_speedup"] == {"median": 2.0, "q1": 2.0, "q3": 2.0, "n": 3}
+        assert r["plain_tok_s"] == round(statistics.median(x["plain"] for x in r["rounds"]), 2)
+        per_round = sorted(x["ngram"] / x["plain"] for x in r["rounds"])  # from rates rounded to 0.01
+        assert abs(r["speedup"] - per_round[1]) < 1e-3 and r["spread"]["speedup"]["n"] == 3
+        assert r["spread"]["speedup"]["q1"] <= r["speedup"] <= r["spread"]["speedup"]["q3"]
+    sp = data["rows"][0]["spread"]["speedup"]
+    assert data["goals"]["repetitive >= 2x"] == (sp["q1"] >= 2.0)
+    md = (tmp_path / "spec.md").read_text()
+    assert "| 62.5 [62.5-62.5] | 125.0 [125.0-125.0] | 2.00x [2.00-2.00] | 0.75 |" in md
+    assert "ratios are taken per round" in md
+
+
+def test_spec_rows_written_before_rounds_render_as_stored():
+    row = {"workload": "repetitive", "plain_tok_s": 160.24, "ngram_tok_s": 255.95, "speedup": 1.597}
+    data = {"config": {"max_tokens": 128, "num_speculative_tokens": 4, "weights": "gguf", "threads": 2, "rounds": 5,
+                       "speculative": "ngram", "llama_cpp": {"measured": False, "reason": "--no-llama-cpp"}},
+            "rows": [row], "acceptance_rate": 0.67, "mean_accepted_length": 3.65,
+            "goals": {"repetitive >= 2x": False}}
+    md = bench_spec.render_markdown(data, {})
+    assert "| repetitive | 160.2 | 255.9 | 1.597 |" in md and "ratios are taken per round" not in md
