@@ -2,10 +2,12 @@
  * pagedkv/ops/decoder.py, driven by pagedkv/model/native_step.py).
  *
  * For each layer it runs what DecoderLayer._forward_fused runs, in the same order and with the
- * same kernels: RMSNorm, the fused q/k/v matmul, the per-head q/k RMSNorms (Qwen3; when the layer
- * has them), RoPE + split, the paged K/V write and
- * attention, the o matmul, residual add + RMSNorm, the fused gate/up matmul, activation x up,
- * the down matmul and the residual add; a mixture-of-experts layer runs moe_ffn in place of the
+ * same kernels: RMSNorm, the fused q/k/v matmul, the per-head q/k RMSNorms (Qwen3, Gemma-3; when
+ * the layer has them), RoPE + split (a local-RoPE layer, Gemma-3's sliding ones, with the local
+ * table), the paged K/V write and attention (over its KV layer group's block tables and slots),
+ * the o matmul, [sandwich norms: RMSNorm of the attention output,] residual add + RMSNorm, the
+ * fused gate/up matmul, activation x up, the down matmul, [sandwich norms: RMSNorm of the MLP
+ * output,] and the residual add; a mixture-of-experts layer runs moe_ffn in place of the
  * gate/up ... down matmuls. The kernels live in the other native libraries
  * (qmm.c, fused_ops.c, cpu_kernel.c); Python hands their addresses in, so this
  * file only sequences them. Driven from Python, a batch-1 step spent ~10 us of interpreter
@@ -50,6 +52,11 @@ typedef struct {
     int32_t window;
     const float *q_norm, *k_norm;         /* per-head RMSNorm weights [d] (Qwen3), or both NULL */
     const moe_t *moe;                     /* the layer's MoE FFN in place of gate_up/down, or NULL */
+    /* sandwich norms (Gemma-2/3): the attention output's and the MLP output's RMSNorm weights
+     * [hidden], applied before each joins the residual (w_post is then the pre-MLP norm); NULL */
+    const float *w_attn_out, *w_mlp_out;
+    int32_t local_rope;                   /* RoPE from the local table (Gemma-3's sliding layers) */
+    int32_t group;                        /* its KV layer group: which attention arguments it takes */
 } layer_t;
 
 typedef struct {
@@ -238,23 +245,26 @@ static int moe_ffn(const decoder_t *M, const moe_t *E, int64_t T, const float *x
 }
 
 /* residual [T, hidden] float32 contiguous, updated in place by every layer; cos/sin float32
- * [T, d/2]; attn_args: the step's layer_args_t (every layer shares the cache geometry).
+ * [T, d/2] (cos_l/sin_l: the local table's rows, for local_rope layers; else NULL); attn_args:
+ * the step's layer_args_t per KV layer group (layer i takes attn_args[layers[i].group]; the
+ * layers of one group share its block tables, slots and cache geometry).
  * Returns 0; -1 when out of memory (scratch or a matmul's activations), -3 when a routed expert's
  * weights are NULL, another matmul code;
  * or the attention kernel's code minus 100 (-104: a slot past the cache, nothing of that
  * layer written); *failed is the layer index. */
 #define ATTN_ERR 100
-int pagedkv_decoder_forward(const decoder_t *M, const void *attn_args, int64_t T, float *residual,
-                            const float *cos_t, const float *sin_t, int32_t *failed) {
+int pagedkv_decoder_forward(const decoder_t *M, const void *const *attn_args, int64_t T, float *residual,
+                            const float *cos_t, const float *sin_t, const float *cos_l, const float *sin_l,
+                            int32_t *failed) {
     const int64_t H = M->hidden, I = M->inter, Q = (int64_t)M->hq * M->d, KV = (int64_t)M->hkv * M->d;
-    const int64_t per_row = H + (Q + 2 * KV) + Q + KV + KV + Q + H + 2 * I + I + H;
+    const int64_t per_row = H + (Q + 2 * KV) + Q + KV + KV + Q + H + 2 * I + I + H + H;
     float *mem = malloc((size_t)(T * per_row) * sizeof(float));
     if (!mem) {
         *failed = 0;
         return -1;
     }
     float *x = mem, *qkv = x + T * H, *q = qkv + T * (Q + 2 * KV), *k = q + T * Q, *v = k + T * KV, *o = v + T * KV;
-    float *attn = o + T * Q, *gu = attn + T * H, *h = gu + T * 2 * I, *dn = h + T * I;
+    float *attn = o + T * Q, *gu = attn + T * H, *h = gu + T * 2 * I, *dn = h + T * I, *nb = dn + T * H;
     int rc = 0;
     for (int32_t i = 0; i < M->num_layers && rc == 0; i++) {
         const layer_t *L = M->layers + i;
@@ -265,13 +275,20 @@ int pagedkv_decoder_forward(const decoder_t *M, const void *attn_args, int64_t T
             M->head_norm(T, M->hq, M->d, qkv, Q + 2 * KV, 0, L->q_norm, M->eps, M->offset);
             M->head_norm(T, M->hkv, M->d, qkv + Q, Q + 2 * KV, 0, L->k_norm, M->eps, M->offset);
         }
-        M->rope(T, M->hq, M->hkv, M->d, qkv, Q + 2 * KV, 0, cos_t, sin_t, q, k, v);
-        if ((rc = M->attend(attn_args, q, k, v, L->k_cache, L->v_cache, o, L->scale, L->window, L->softcap))) {
+        M->rope(T, M->hq, M->hkv, M->d, qkv, Q + 2 * KV, 0, L->local_rope ? cos_l : cos_t,
+                L->local_rope ? sin_l : sin_t, q, k, v);
+        if ((rc = M->attend(attn_args[L->group], q, k, v, L->k_cache, L->v_cache, o, L->scale, L->window,
+                            L->softcap))) {
             rc -= ATTN_ERR;
             break;
         }
         if ((rc = M->qmm(L->o, T, o, Q, attn, M->nthreads))) break;
-        M->norm(T, H, residual, H, attn, H, 0, L->w_post, M->eps, M->offset, x, 0);
+        const float *delta = attn;
+        if (L->w_attn_out) { /* sandwich: the attention output normed before it joins */
+            M->norm(T, H, attn, H, NULL, 0, 0, L->w_attn_out, M->eps, M->offset, nb, 0);
+            delta = nb;
+        }
+        M->norm(T, H, residual, H, delta, H, 0, L->w_post, M->eps, M->offset, x, 0);
         if (L->moe) {
             if ((rc = moe_ffn(M, L->moe, T, x, dn))) break;
         } else {
@@ -279,7 +296,12 @@ int pagedkv_decoder_forward(const decoder_t *M, const void *attn_args, int64_t T
             M->act(T, I, gu, 2 * I, 0, M->gelu, h, 0);
             if ((rc = M->qmm(L->down, T, h, I, dn, M->nthreads))) break;
         }
-        for (int64_t j = 0; j < T * H; j++) residual[j] += dn[j];
+        const float *mlp_out = dn;
+        if (L->w_mlp_out) { /* sandwich: the MLP output normed before it joins */
+            M->norm(T, H, dn, H, NULL, 0, 0, L->w_mlp_out, M->eps, M->offset, nb, 0);
+            mlp_out = nb;
+        }
+        for (int64_t j = 0; j < T * H; j++) residual[j] += mlp_out[j];
     }
     free(mem);
     return rc;

@@ -148,9 +148,9 @@ class DecoderLayer(nn.Module):
         # this sums their partial outputs [T, H] over the ranks, in place. None = one device.
         self.all_reduce: Callable[[torch.Tensor], None] | None = None
         # the pagedkv.ops.fused_ops library, set by LlamaForCausalLM for a float32 model on the CPU when
-        # this layer's shape allows them (no sandwich norms, no MLA; an MoE MLP only with softmax
-        # routing and no shared experts, which decoder.c runs); None = torch ops.
-        self.fusable = not config.sandwich_norms and not config.is_mla and (dense or self.mlp.native_ok)
+        # this layer's shape allows them (no MLA; an MoE MLP only with softmax routing and no shared
+        # experts, which decoder.c runs); None = torch ops.
+        self.fusable = not config.is_mla and (dense or self.mlp.native_ok)
         self.fused: Any = None
 
     @property
@@ -242,7 +242,10 @@ class DecoderLayer(nn.Module):
                        md: AttentionMetadata, backend: AttentionBackend) -> None:
         """``forward`` with the element-wise groups fused (``pagedkv.ops.fused_ops``): norm (and
         the residual add before it), q/k norms, RoPE + q/k/v split, activation x up (an MoE
-        layer's MLP is ``pagedkv.model.moe.MoE``'s torch ops). Activations enter a
+        layer's MLP is ``pagedkv.model.moe.MoE``'s torch ops). Sandwich norms (Gemma-2/3): the
+        attention output is normed (``post_attention_layernorm``) before it joins the residual,
+        whose norm (``pre_feedforward_layernorm``) feeds the MLP, and the MLP output is normed
+        (``post_feedforward_layernorm``) before it joins. Activations enter a
         quantised matmul already in the bf16 its kernel rounds them to, and leave it in bf16."""
         t, ops = residual.shape[0], self.fused
         x = ops.add_rms_norm(residual, None, self.input_layernorm.weight, self.eps, self.norm_offset,
@@ -255,13 +258,20 @@ class DecoderLayer(nn.Module):
         q, k, v = ops.rope_split(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
         o = self.attention(q, k, v, kv_cache, md, backend)
         attn_out = self.o_proj(o.reshape(t, self.q_size))
-        x = ops.add_rms_norm(residual, attn_out, self.post_attention_layernorm.weight, self.eps, self.norm_offset,
+        pre_ffn = self.post_attention_layernorm
+        if self.pre_feedforward_layernorm is not None:  # sandwich norms: the output normed first
+            attn_out = ops.add_rms_norm(attn_out.float(), None, pre_ffn.weight, self.eps, self.norm_offset)
+            pre_ffn = self.pre_feedforward_layernorm
+        x = ops.add_rms_norm(residual, attn_out, pre_ffn.weight, self.eps, self.norm_offset,
                              _act_dtype(self.gate_up_proj, t))
         if self.mlp is not None:  # (x is float32: _act_dtype of no linear)
-            residual.add_(self.mlp(x))
-            return
-        h = ops.act_mul(self.gate_up_proj(x), self.intermediate_size, self.gelu, _act_dtype(self.down_proj, t))
-        residual.add_(self.down_proj(h))
+            out = self.mlp(x)
+        else:
+            h = ops.act_mul(self.gate_up_proj(x), self.intermediate_size, self.gelu, _act_dtype(self.down_proj, t))
+            out = self.down_proj(h)
+        if self.post_feedforward_layernorm is not None:
+            out = ops.add_rms_norm(out.float(), None, self.post_feedforward_layernorm.weight, self.eps, self.norm_offset)
+        residual.add_(out)
 
     def _norm(self, x: torch.Tensor, norm: "_RMSNormWeight") -> torch.Tensor:
         return _rms_norm(x, norm.weight, self.eps, self.norm_offset)
@@ -434,9 +444,9 @@ class LlamaForCausalLM(nn.Module):
         if self.fused_state is None:
             self.prepare_step()
         rope, residual = self._rope_rows(positions), self._embed(input_ids)
-        if self.step_route == "native" and not per_layer:  # the steps decoder.c declines run per layer
+        if self.step_route == "native":  # the steps decoder.c declines run per layer
             native = self._native_decoder()
-            if native is not None and native.run(residual, *rope[0], kv_caches, attn_metadata, backend):
+            if native is not None and native.run(residual, rope, kv_caches, attn_metadata, backend):
                 return self._final_norm(residual)
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):  # fused where a layer has the ops
             cos, sin = rope[1 if layer.local_rope else 0]

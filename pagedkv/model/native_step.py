@@ -9,12 +9,12 @@ a step is then one call. Same kernels in the same order as the fused Python path
 same results bit for bit (tests/model/test_native_step.py).
 
 It runs only where that path would run those kernels: a float32 Llama-family model on the
-CPU whose layers are all fusable (q/k norms allowed, as Qwen3's; no sandwich norms, one RoPE;
-an MoE layer with softmax routing and no shared experts, ``MoE.native_ok``, whose FFN decoder.c
+CPU whose layers are all fusable (q/k norms as Qwen3's and Gemma-3's; sandwich norms and the
+local RoPE table of Gemma-2/3's sliding layers; an MoE layer with softmax routing and no shared experts, ``MoE.native_ok``, whose FFN decoder.c
 runs: router, top-k, each routed expert's matmuls, in ``pagedkv.model.moe``'s order; every expert
 read, so lazy experts not yet read keep it off) with every linear on the
 integer kernels (``QuantLinear.qmm_rows`` above the step's rows), one attention metadata for
-all layers, a backend that declares ``native_step`` in its capabilities
+all layers or one per KV layer group (hybrid sliding-window caches), a backend that declares ``native_step`` in its capabilities
 (``pagedkv.attention.cpu.CPUBackend``) and gives kernel arguments for the step, and no profiler running (profiles keep the per-layer
 regions). Otherwise ``run`` returns ``False`` and the model takes its Python path.
 ``PAGEDKV_NATIVE_STEP=0`` turns it off.
@@ -58,6 +58,9 @@ class NativeDecoder:
             self.hq, self.hkv, self.d, first.gelu, first.eps, first.norm_offset, torch.get_num_threads())
         self.experts = self._step.experts  # index of an MoE layer -> its expert pointer arrays
         self._caches: list[int] = []
+        self._one_group = [0] * len(layers)
+        self._groups = self._one_group  # each layer's KV layer group, as the structs hold it
+        self.local = any(layer.local_rope for layer in layers)  # some layer takes the local RoPE table
 
     @classmethod
     def create(cls, model: Any) -> "tuple[NativeDecoder | None, str]":
@@ -71,8 +74,7 @@ class NativeDecoder:
         if not layers or model.device.type != "cpu" or model.dtype != torch.float32:
             return None, "off (not a float32 CPU model)"
         for layer in layers:
-            if layer.fused is None or layer.pre_feedforward_layernorm is not None \
-                    or layer.post_feedforward_layernorm is not None or layer.local_rope or layer.all_reduce is not None:
+            if layer.fused is None or layer.all_reduce is not None:
                 return None, "off (a layer outside the fused path)"
             if set(layer.attn_options) - {"sliding_window", "logits_soft_cap"}:
                 return None, "off (attention options beyond window/soft-cap)"
@@ -106,32 +108,52 @@ class NativeDecoder:
         return (quant.PREPARED != self._prepared or not all(d.get(k) is o for d, k, o in slots)
                 or any(list(d.values()) != v for d, v in lists))
 
-    def run(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: Sequence[Any],
+    def run(self, residual: torch.Tensor, rope: Sequence[tuple[torch.Tensor, torch.Tensor]], kv_caches: Sequence[Any],
             md: Any, backend: Any) -> bool:
         """Every layer over ``residual`` ``[T, hidden]`` (float32, updated in place) with the
-        tokens' RoPE rows ``cos``/``sin`` (``[T, 1, d/2]``), writing this step's K/V at
-        ``md.slot_mapping``. Returns ``False`` without touching anything when this step needs
-        the Python path. Raises ``BackendError`` for a slot past the cache (nothing of the
-        failing layer written, as the Python path), ``MemoryError`` when scratch fails,
-        ``RuntimeError`` for a kernel error or a routed expert whose weight pointer is NULL."""
+        tokens' RoPE rows ``rope`` (``[(cos, sin)]``, each ``[T, 1, d/2]``: the global table's,
+        then the local one's when the model has it), writing this step's K/V at the metadata's
+        ``slot_mapping``: ``md`` is one ``AttentionMetadata`` for every layer or one per layer
+        (KV layer groups: the layers sharing a metadata object are one group). Returns ``False``
+        without touching anything when this step needs the Python path. Raises
+        ``BackendError`` for a slot past the cache (nothing of the failing layer written, as the
+        Python path), ``MemoryError`` when scratch fails, ``RuntimeError`` for a kernel error or
+        a routed expert whose weight pointer is NULL."""
         t = residual.shape[0]
         args_of = backend.native_step_args if backend_capabilities(backend).native_step else None
         if (t >= self.rows or args_of is None or torch.autograd._profiler_enabled() or not residual.is_contiguous()
-                or residual.dtype != torch.float32):
+                or residual.dtype != torch.float32 or (self.local and len(rope) < 2)):
             return False
+        if isinstance(md, (list, tuple)):  # per layer: the layers sharing a metadata object are a group
+            if len(md) != len(kv_caches):
+                return False
+            firsts: dict[int, int] = {}
+            groups = [firsts.setdefault(id(m), len(firsts)) for m in md]
+            group_md = list({id(m): m for m in md}.values())
+            group_caches = [[c for c, gi in zip(kv_caches, groups) if gi == g] for g in range(len(group_md))]
+        else:
+            groups, group_md, group_caches = self._one_group, [md], [kv_caches]
         q = torch.empty(t, self.hq, self.d)
         kv = torch.empty(t, self.hkv, self.d)
-        args = args_of(q, kv, kv, kv_caches, md)
-        if args is None:
-            return False
+        args = []
+        for m, caches in zip(group_md, group_caches):
+            a = args_of(q, kv, kv, caches, m)
+            if a is None:
+                return False
+            args.append(a[2])
         ptrs = [p for c in kv_caches for p in (c.key.data_ptr(), c.value.data_ptr())]
-        cos, sin = cos.contiguous(), sin.contiguous()
+        cos, sin = (x.contiguous() for x in rope[0])
+        local = [x.contiguous() for x in rope[1]] if self.local else None
+        local_ptrs = (local[0].data_ptr(), local[1].data_ptr()) if local else (None, None)
         with self._lock:
             if ptrs != self._caches:
                 self._step.set_caches(ptrs)
                 self._caches = ptrs
-            rc, failed = self._step(args[2], t, residual.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                                    torch.get_num_threads())
+            if groups is not self._groups and groups != self._groups:
+                self._step.set_groups(groups)
+                self._groups = groups
+            rc, failed = self._step(args, t, residual.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                    torch.get_num_threads(), *local_ptrs)
         if rc == -104:
             cache = kv_caches[failed]
             raise BackendError(f"slot_mapping has a slot >= the cache's {cache.num_blocks * cache.block_size} "
@@ -158,8 +180,12 @@ def _layer_spec(layer: Any, scale: float, window: int, cap: float) -> decoder.La
     lin = [m._qmm for m in _linears(layer)]
     gate_up, down = lin[2:] if len(lin) == 4 else (None, None)
     qn, kn = (layer.q_norm.weight.data_ptr(), layer.k_norm.weight.data_ptr()) if layer.q_norm is not None else (None, None)
-    return decoder.LayerSpec(lin[0], lin[1], gate_up, down, layer.input_layernorm.weight.data_ptr(),
-                             layer.post_attention_layernorm.weight.data_ptr(), scale, cap, window, qn, kn, moe)
+    post, attn_out, mlp_out = layer.post_attention_layernorm.weight.data_ptr(), None, None
+    if layer.pre_feedforward_layernorm is not None:  # sandwich norms (Gemma-2/3)
+        post, attn_out = layer.pre_feedforward_layernorm.weight.data_ptr(), post
+        mlp_out = layer.post_feedforward_layernorm.weight.data_ptr()
+    return decoder.LayerSpec(lin[0], lin[1], gate_up, down, layer.input_layernorm.weight.data_ptr(), post, scale, cap,
+                             window, qn, kn, moe, attn_out, mlp_out, bool(layer.local_rope))
 
 
 def _linears(layer: Any) -> list[Any]:
@@ -186,7 +212,8 @@ def _slots(model: Any) -> tuple[list[tuple[dict, Any, Any]], list[tuple[dict, li
     slots: list[tuple[dict, Any, Any]] = [(model._modules, "layers", model.layers)]
     lists: list[tuple[dict, list[Any]]] = [(model.layers._modules, list(model.layers._modules.values()))]
     for layer in model.layers:
-        names = ["qkv_proj", "o_proj", "input_layernorm", "post_attention_layernorm", "q_norm", "k_norm"]
+        names = ["qkv_proj", "o_proj", "input_layernorm", "post_attention_layernorm", "q_norm", "k_norm",
+                 "pre_feedforward_layernorm", "post_feedforward_layernorm"]
         names += ["gate_up_proj", "down_proj"] if layer.mlp is None else ["mlp"]
         for name in names:
             m = layer._modules.get(name)
@@ -212,10 +239,20 @@ def _alive(layers: Sequence[Any]) -> list[Any]:
             out += [m, getattr(m, "_qmm", None)]
         if layer.mlp is not None:
             out += [layer.mlp.router.weight, layer.mlp.experts]
-        out += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-        if layer.q_norm is not None:
-            out += [layer.q_norm.weight, layer.k_norm.weight]
+        out += [w for w, _ in _norm_weights(layer)]
     return out + [t.untyped_storage() for t in out if isinstance(t, torch.Tensor)]
+
+
+def _norm_weights(layer: Any) -> list[tuple[torch.Tensor, int]]:
+    """``(weight, size)`` of every RMSNorm ``decoder.c`` applies in ``layer``: the two of every
+    layer, the q/k norms (Qwen3, Gemma-3) and the sandwich norms (Gemma-2/3) where present."""
+    h, d = layer.input_layernorm.weight.shape[0], layer.head_dim
+    out = [(layer.input_layernorm.weight, h), (layer.post_attention_layernorm.weight, h)]
+    if layer.q_norm is not None:
+        out += [(layer.q_norm.weight, d), (layer.k_norm.weight, d)]
+    if layer.pre_feedforward_layernorm is not None:
+        out += [(layer.pre_feedforward_layernorm.weight, h), (layer.post_feedforward_layernorm.weight, h)]
+    return out
 
 
 def _shapes_fit(layer: Any) -> bool:
@@ -231,7 +268,4 @@ def _shapes_fit(layer: Any) -> bool:
             return False
     if [(m._qmm.n, m._qmm.k) for m in _linears(layer) + _experts(layer)] != want:
         return False
-    norms = [(w, h) for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
-    if layer.q_norm is not None:
-        norms += [(layer.q_norm.weight, layer.head_dim), (layer.k_norm.weight, layer.head_dim)]
-    return all(w.dtype == torch.float32 and w.is_contiguous() and w.shape == (n,) for w, n in norms)
+    return all(w.dtype == torch.float32 and w.is_contiguous() and w.shape == (n,) for w, n in _norm_weights(layer))

@@ -35,7 +35,9 @@ class _Layer(ctypes.Structure):
                 ("down", ctypes.c_void_p), ("w_in", ctypes.c_void_p), ("w_post", ctypes.c_void_p),
                 ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("scale", ctypes.c_float),
                 ("softcap", ctypes.c_float), ("window", ctypes.c_int32),
-                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("moe", ctypes.POINTER(_MoE))]
+                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("moe", ctypes.POINTER(_MoE)),
+                ("w_attn_out", ctypes.c_void_p), ("w_mlp_out", ctypes.c_void_p), ("local_rope", ctypes.c_int32),
+                ("group", ctypes.c_int32)]
 
 
 class _Decoder(ctypes.Structure):
@@ -50,7 +52,7 @@ def _build() -> Any:
     lib = compile_c(source("decoder.c"), "pagedkv_decoder", _FLAGS)
     fn = lib.pagedkv_decoder_forward
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32)]
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32)]
     fn.restype = ctypes.c_int
     return fn
 
@@ -99,7 +101,10 @@ class MoESpec:
 class LayerSpec:
     """One decoder layer for ``decoder.c``: packed weights (``pagedkv.ops.qmm`` objects; the
     MLP pair ``None`` for an MoE layer), norm weights' addresses (float32), the attention
-    scale, soft-cap (0 off) and window (tokens, 0 off), and the MoE FFN or ``None``."""
+    scale, soft-cap (0 off) and window (tokens, 0 off), and the MoE FFN or ``None``. Sandwich
+    norms (Gemma-2/3): ``w_attn_out`` / ``w_mlp_out`` norm the attention / MLP output before it
+    joins the residual (``w_post`` is then the pre-MLP norm); ``local_rope``: RoPE from the
+    local table; ``group``: the KV layer group whose attention arguments the layer takes."""
 
     qkv: Any
     o: Any
@@ -113,6 +118,10 @@ class LayerSpec:
     q_norm: int | None = None
     k_norm: int | None = None
     moe: MoESpec | None = None
+    w_attn_out: int | None = None
+    w_mlp_out: int | None = None
+    local_rope: bool = False
+    group: int = 0
 
 
 class DecoderStep:
@@ -138,6 +147,8 @@ class DecoderStep:
             s.scale, s.softcap, s.window = spec.scale, spec.softcap, spec.window
             if spec.q_norm is not None:
                 s.q_norm, s.k_norm = spec.q_norm, spec.k_norm
+            s.w_attn_out, s.w_mlp_out = spec.w_attn_out, spec.w_mlp_out
+            s.local_rope, s.group = int(spec.local_rope), spec.group
             if spec.moe is not None:
                 s.moe = ctypes.pointer(self._moe(spec.moe, idx))
         self._struct = _Decoder(
@@ -160,10 +171,18 @@ class DecoderStep:
         for s, i in zip(self._layers, range(0, len(ptrs), 2)):
             s.k_cache, s.v_cache = ptrs[i], ptrs[i + 1]
 
-    def __call__(self, layer_args: Any, t: int, residual: int, cos: int, sin: int, nthreads: int) -> tuple[int, int]:
-        """One step of ``t`` tokens: ``layer_args`` is the attention kernel's ``LayerArgs``
-        (``pagedkv.ops.cpu_kernel``), ``residual``/``cos``/``sin`` addresses of float32 buffers.
-        Returns ``(code, failed layer)`` as ``pagedkv_decoder_forward`` gives them (0: ok)."""
+    def set_groups(self, groups: Sequence[int]) -> None:
+        """Give layer ``i`` the KV layer group ``groups[i]`` (which attention arguments it takes)."""
+        for s, g in zip(self._layers, groups):
+            s.group = g
+
+    def __call__(self, layer_args: Sequence[Any], t: int, residual: int, cos: int, sin: int, nthreads: int,
+                 cos_local: int | None = None, sin_local: int | None = None) -> tuple[int, int]:
+        """One step of ``t`` tokens: ``layer_args`` the attention kernel's ``LayerArgs``
+        (``pagedkv.ops.cpu_kernel``) per KV layer group, ``residual``/``cos``/``sin`` (and the local
+        RoPE table's rows ``cos_local``/``sin_local``, for local-RoPE layers) addresses of float32
+        buffers. Returns ``(code, failed layer)`` as ``pagedkv_decoder_forward`` gives them (0: ok)."""
         self._struct.nthreads = nthreads
-        rc = self._fn(self._ref, ctypes.addressof(layer_args), t, residual, cos, sin, ctypes.byref(self._failed))
+        args = (ctypes.c_void_p * len(layer_args))(*(ctypes.addressof(a) for a in layer_args))
+        rc = self._fn(self._ref, args, t, residual, cos, sin, cos_local, sin_local, ctypes.byref(self._failed))
         return rc, self._failed.value

@@ -177,7 +177,7 @@ def test_fused_ops_only_for_float32_cpu_models_and_plain_layers(loaded_model):
     assert bf.fused_state == "off (not a float32 CPU model)" and bf.layers[0].fused is None
     gemma = LlamaForCausalLM(dataclasses.replace(cfg, sandwich_norms=True, norm_offset=1.0))
     gemma.prepare_step(again=True)
-    assert gemma.fused_state == "on" and gemma.layers[0].fused is None  # sandwich norms: torch path
+    assert gemma.fused_state == "on" and gemma.layers[0].fused is not None  # sandwich norms: fused too
     qwen3 = LlamaForCausalLM(dataclasses.replace(cfg, qk_norm=True))
     qwen3.prepare_step(again=True)
     assert qwen3.layers[0].fusable and qwen3.layers[0].fused is not None  # q/k norms: fused (head_rms_norm)

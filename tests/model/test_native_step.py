@@ -125,14 +125,14 @@ def test_declines_steps_it_does_not_take(int4_model):
     md = AttentionMetadata.build([t], [t], [[0]], 16)
     caches = _caches(int4_model)
     # a backend without native_step_args (the reference one)
-    assert not native.run(residual, cos, sin, caches, md, get_backend("reference"))
+    assert not native.run(residual, [(cos, sin)], caches, md, get_backend("reference"))
     # the profiler keeps the per-layer regions
     with torch.profiler.profile():
-        assert not native.run(residual, cos, sin, caches, md, get_backend("cpu"))
+        assert not native.run(residual, [(cos, sin)], caches, md, get_backend("cpu"))
     # a row count the integer kernels do not take
     rows, native.rows = native.rows, t
     try:
-        assert not native.run(residual, cos, sin, caches, md, get_backend("cpu"))
+        assert not native.run(residual, [(cos, sin)], caches, md, get_backend("cpu"))
     finally:
         native.rows = rows
     assert torch.equal(residual, torch.zeros(t, 576)) and all(c.key.abs().sum() == 0 for c in caches)
