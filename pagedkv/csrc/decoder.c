@@ -246,16 +246,25 @@ static int moe_ffn(const decoder_t *M, const moe_t *E, int64_t T, const float *x
 
 /* residual [T, hidden] float32 contiguous, updated in place by every layer; cos/sin float32
  * [T, d/2] (cos_l/sin_l: the local table's rows, for local_rope layers; else NULL); attn_args:
- * the step's layer_args_t per KV layer group (layer i takes attn_args[layers[i].group]; the
- * layers of one group share its block tables, slots and cache geometry).
+ * the step's n_args layer_args_t, one per KV layer group (layer i takes
+ * attn_args[layers[i].group]; the layers of one group share its block tables, slots and cache
+ * geometry).
  * Returns 0; -1 when out of memory (scratch or a matmul's activations), -3 when a routed expert's
- * weights are NULL, another matmul code;
+ * weights are NULL, -6 when a layer's group has no attention arguments or a local-RoPE layer no
+ * local table (checked before anything is written), another matmul code;
  * or the attention kernel's code minus 100 (-104: a slot past the cache, nothing of that
  * layer written); *failed is the layer index. */
 #define ATTN_ERR 100
-int pagedkv_decoder_forward(const decoder_t *M, const void *const *attn_args, int64_t T, float *residual,
-                            const float *cos_t, const float *sin_t, const float *cos_l, const float *sin_l,
-                            int32_t *failed) {
+int pagedkv_decoder_forward(const decoder_t *M, const void *const *attn_args, int32_t n_args, int64_t T,
+                            float *residual, const float *cos_t, const float *sin_t, const float *cos_l,
+                            const float *sin_l, int32_t *failed) {
+    for (int32_t i = 0; i < M->num_layers; i++) {
+        const layer_t *L = M->layers + i;
+        if (L->group < 0 || L->group >= n_args || !attn_args[L->group] || (L->local_rope && (!cos_l || !sin_l))) {
+            *failed = i;
+            return -6;
+        }
+    }
     const int64_t H = M->hidden, I = M->inter, Q = (int64_t)M->hq * M->d, KV = (int64_t)M->hkv * M->d;
     const int64_t per_row = H + (Q + 2 * KV) + Q + KV + KV + Q + H + 2 * I + I + H + H;
     float *mem = malloc((size_t)(T * per_row) * sizeof(float));

@@ -148,9 +148,9 @@ class DecoderLayer(nn.Module):
         # this sums their partial outputs [T, H] over the ranks, in place. None = one device.
         self.all_reduce: Callable[[torch.Tensor], None] | None = None
         # the pagedkv.ops.fused_ops library, set by LlamaForCausalLM for a float32 model on the CPU when
-        # this layer's shape allows them (no MLA; an MoE MLP only with softmax routing and no shared
-        # experts, which decoder.c runs); None = torch ops.
-        self.fusable = not config.is_mla and (dense or self.mlp.native_ok)
+        # this layer's shape allows them (no MLA, no residual scale; an MoE MLP only with softmax
+        # routing and no shared experts, which decoder.c runs); None = torch ops.
+        self.fusable = not config.is_mla and config.residual_scale == 1.0 and (dense or self.mlp.native_ok)
         self.fused: Any = None
 
     @property
@@ -447,11 +447,11 @@ class LlamaForCausalLM(nn.Module):
         if self.step_route == "native":  # the steps decoder.c declines run per layer
             native = self._native_decoder()
             if native is not None and native.run(residual, rope, kv_caches, attn_metadata, backend):
-                return self._final_norm(residual)
+                return self._final_norm(residual, self.layers[-1].fused)
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):  # fused where a layer has the ops
             cos, sin = rope[1 if layer.local_rope else 0]
             layer(residual, cos, sin, cache, attn_metadata[i] if per_layer else attn_metadata, backend)
-        return self._final_norm(residual)
+        return self._final_norm(residual, self.layers[-1].fused)
 
     def forward_with(self, input_ids: torch.Tensor, positions: torch.Tensor,
                      attend_for: Callable[[int], Callable[..., torch.Tensor]]) -> torch.Tensor:
@@ -474,7 +474,12 @@ class LlamaForCausalLM(nn.Module):
             residual.mul_(self.embed_scale)
         return residual
 
-    def _final_norm(self, residual: torch.Tensor) -> torch.Tensor:
+    def _final_norm(self, residual: torch.Tensor, ops: Any = None) -> torch.Tensor:
+        """The final RMSNorm of ``residual`` ``[T, H]``: by the fused ops' kernel when the last
+        layer has them (its norms' arithmetic, one C call), else torch's (the eager and compiled
+        steps)."""
+        if ops is not None and residual.dtype == torch.float32 and self.norm.weight.dtype == torch.float32:
+            return ops.add_rms_norm(residual, None, self.norm.weight, self.config.rms_norm_eps, self.config.norm_offset)
         return _rms_norm(residual, self.norm.weight, self.config.rms_norm_eps, self.config.norm_offset)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

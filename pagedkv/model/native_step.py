@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 import torch
 
-from pagedkv.attention.base import BackendError, backend_capabilities, check_window
+from pagedkv.attention.base import AttentionMetadata, BackendError, backend_capabilities, check_window
 from pagedkv.ops import decoder
 
 
@@ -124,7 +124,7 @@ class NativeDecoder:
         if (t >= self.rows or args_of is None or torch.autograd._profiler_enabled() or not residual.is_contiguous()
                 or residual.dtype != torch.float32 or (self.local and len(rope) < 2)):
             return False
-        if isinstance(md, (list, tuple)):  # per layer: the layers sharing a metadata object are a group
+        if not isinstance(md, AttentionMetadata):  # per layer: the layers sharing a metadata object are a group
             if len(md) != len(kv_caches):
                 return False
             firsts: dict[int, int] = {}
@@ -160,6 +160,9 @@ class NativeDecoder:
                                "slots (nothing written)")
         if rc == -3:
             raise RuntimeError(f"native decoder step: a routed expert of layer {failed} has no weights")
+        if rc == -6:
+            raise RuntimeError(f"native decoder step: layer {failed} has no attention arguments for its KV group "
+                               "or no local RoPE table (nothing written)")
         if rc == -1:
             raise MemoryError("native decoder step: no memory for its scratch or a matmul's activations")
         if rc != 0:

@@ -51,8 +51,8 @@ class _Decoder(ctypes.Structure):
 def _build() -> Any:
     lib = compile_c(source("decoder.c"), "pagedkv_decoder", _FLAGS)
     fn = lib.pagedkv_decoder_forward
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32)]
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32)]
     fn.restype = ctypes.c_int
     return fn
 
@@ -184,5 +184,6 @@ class DecoderStep:
         buffers. Returns ``(code, failed layer)`` as ``pagedkv_decoder_forward`` gives them (0: ok)."""
         self._struct.nthreads = nthreads
         args = (ctypes.c_void_p * len(layer_args))(*(ctypes.addressof(a) for a in layer_args))
-        rc = self._fn(self._ref, args, t, residual, cos, sin, cos_local, sin_local, ctypes.byref(self._failed))
+        rc = self._fn(self._ref, args, len(layer_args), t, residual, cos, sin, cos_local, sin_local,
+                      ctypes.byref(self._failed))
         return rc, self._failed.value

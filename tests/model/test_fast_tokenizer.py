@@ -416,3 +416,33 @@ def test_the_bundled_models_first_load_tokenizer_is_auto_tokenizers(bundled_gguf
     from pagedkv.model.tokenizer import _gguf_tokenizer_by_class
 
     _same_tokenizer(_gguf_tokenizer_by_class(bundled_gguf.parent, bundled_gguf.name), hf_tokenizer, tmp_path)
+
+
+@pytest.mark.parametrize("tid", [0, 1, 8, 30])
+def test_direct_rows_equal_gguf_dequantize(tid):
+    """F32, F16, Q8_0 and BF16 rows (the embedding types of common GGUFs) read without ``gguf``:
+    the same float32 values bit for bit, for random codes and scales of every sign and size
+    (Q8_0's fp16 scales include subnormals, zero and negative zero)."""
+    import gguf
+
+    from pagedkv.model.gguf_read import direct_rows
+
+    rng = np.random.default_rng(tid)
+    qt = gguf.GGMLQuantizationType(tid)
+    block, size = gguf.GGML_QUANT_SIZES[qt]
+    cols = 4 * 32
+    raw = rng.integers(0, 256, size=(5, cols // block * size), dtype=np.uint8)
+    if tid == 8:  # finite fp16 scales: random finite values, then a subnormal, 0 and -0
+        d = (rng.standard_normal((5, cols // 32)) * 10.0 ** rng.integers(-7, 4, size=(5, cols // 32))).astype(np.float16)
+        d[0, :3] = np.array([6e-8, 0.0, -0.0], dtype=np.float16)
+        raw.reshape(5, -1, 34)[:, :, :2] = d.view(np.uint8).reshape(5, -1, 2)
+    elif tid in (1, 30):  # no NaN / inf bit patterns (NaN payloads need not survive a cast)
+        v = raw.view(np.uint16)
+        v &= 0xBBFF  # clears an exponent bit of both formats: finite
+    else:
+        raw = rng.standard_normal((5, cols)).astype(np.float32).view(np.uint8)
+    ours = direct_rows(tid, raw)
+    ref = gguf.dequantize(raw, qt).reshape(5, cols)
+    assert ours.dtype == np.float32 and ours.shape == (5, cols)
+    assert np.array_equal(ours.view(np.uint32), ref.astype(np.float32).view(np.uint32))
+    assert direct_rows(2, raw) is None  # Q4_0: through gguf

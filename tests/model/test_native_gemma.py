@@ -114,8 +114,9 @@ def test_gemma3_native_step_equals_the_python_path(gemma3, monkeypatch):
     assert [layer.local_rope for layer in layers] == [w is not None for w in c.layer_windows()]
     assert sum(layer.local_rope for layer in layers) == 15
     tok = gemma3.tokenizer
-    _native_equals_python(gemma3, tok("The capital of France is Paris. The capital of Italy is")["input_ids"],
-                          tok("def fibonacci(n):")["input_ids"], c.vocab_size, monkeypatch)
+    a = tok("The capital of France is Paris. The capital of Italy is Rome, and the capital of Spain is")["input_ids"]
+    assert len(a) > 16  # its prefill crosses a block edge
+    _native_equals_python(gemma3, a, tok("def fibonacci(n):")["input_ids"], c.vocab_size, monkeypatch)
 
 
 def test_gemma2_native_step_equals_the_python_path(gemma2, monkeypatch):
@@ -136,10 +137,39 @@ def test_gemma3_engine_tokens_equal_with_and_without_the_native_step(gemma3, mon
     llm = LLM(gemma3, num_blocks=96, max_num_batched_tokens=32)  # chunked prefill of the long prompt
     # the 3 full layers one KV layer group, the 15 sliding ones five groups of 3 (equal group sizes)
     assert llm.engine.runner.groups.num_groups == 6
-    calls = _calls(monkeypatch)
+    calls, forwards, forward = _calls(monkeypatch), [], type(gemma3.model).forward
+    monkeypatch.setattr(type(gemma3.model), "forward", lambda self, *a: forwards.append(1) or forward(self, *a))
     native = [list(o.token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
-    assert len(calls) > 16  # every step took the C loop
+    assert len(calls) == len(forwards) > 16  # every step took the C loop
     with monkeypatch.context() as m:  # the per-layer path
         m.setattr(gemma3.model, "_native", None)
         python = [list(o.token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert native == python and all(len(t) == 16 for t in native)
+
+
+def test_a_layer_without_its_groups_arguments_or_local_table_fails_before_writing(gemma3):
+    """``decoder.c`` checks every layer's KV group index against the attention arguments it was
+    given, and a local-RoPE layer's table, before it writes anything (code -6, the layer)."""
+    model = gemma3.model
+    model.prepare_step(again=True)
+    step, n = model._native._step, len(model.layers)
+    caches = allocate_kv_caches(model, get_backend("cpu"), num_blocks=4, block_size=16)
+    md = AttentionMetadata.build([3], [3], [[0]], 16)
+    q, kv = torch.empty(3, 4, 256), torch.empty(3, 1, 256)
+    args = get_backend("cpu").native_step_args(q, kv, kv, caches, md)[2]
+    step.set_caches([p for c in caches for p in (c.key.data_ptr(), c.value.data_ptr())])
+    (cos, sin), (cl, sl) = [(x.contiguous(), y.contiguous()) for x, y in model._rope_rows(torch.arange(3))]
+    residual = torch.randn(3, gemma3.config.hidden_size)
+    before = residual.clone()
+    ptrs = (residual.data_ptr(), cos.data_ptr(), sin.data_ptr(), torch.get_num_threads())
+    untouched = lambda: torch.equal(residual, before) and all(c.key.abs().sum() == 0 for c in caches)  # noqa: E731
+    try:
+        step.set_groups([0] * (n - 1) + [1])  # the last layer in a group with no arguments
+        assert step([args], 3, *ptrs, cl.data_ptr(), sl.data_ptr()) == (-6, n - 1) and untouched()
+        step.set_groups([0] * n)
+        assert step([args], 3, *ptrs, None, None) == (-6, 0) and untouched()  # layer 0 slides: needs the table
+        assert step([args], 3, *ptrs, cl.data_ptr(), sl.data_ptr()) == (0, n - 1)  # all given: it runs
+    finally:
+        model.prepare_step(again=True)  # a new native step: nothing keeps these caches' addresses
+    assert not torch.equal(residual, before)
+    assert all(c.key[1:].abs().sum() == 0 for c in caches) and caches[0].key[0].abs().sum() > 0
