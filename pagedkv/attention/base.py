@@ -143,7 +143,8 @@ class BackendCapabilities:
     chosen from it once at start). Each field true means the backend has that method:
 
     * ``write_and_forward``: K/V write and attention in one call (the fused eager layer)
-    * ``native_step``: ``native_step_args``, kernel arguments for ``decoder.c``'s whole step
+    * ``native_step``: ``native_step_args`` and ``latent_step_args``, kernel arguments for
+      ``decoder.c``'s whole step (the second for multi-head latent attention caches)
     * ``step_attention``: one prepared attention table for a compiled step's layers
     * ``step_table``: ``step_attention`` takes the C++ op's ``table=`` (``pagedkv.ops.step_op``)
     * ``attention_sinks``: ``forward`` / ``write_and_forward`` take the ``sinks`` option (module doc)
@@ -185,7 +186,8 @@ class AttentionBackend(Protocol):
     never probed for): ``write_and_forward(query, key, value, kv_cache, metadata, scale,
     sliding_window=None, logits_soft_cap=None)``, ``write_kv`` then ``forward`` in one call
     (same results and errors); ``native_step_args(query, key, value, kv_caches, metadata)``,
-    the attention kernel's prepared arguments for ``pagedkv.model.native_step``;
+    the attention kernel's prepared arguments for ``pagedkv.model.native_step``, and
+    ``latent_step_args(kv_cache, metadata, num_tokens)``, those of an MLA latent cache;
     ``step_attention(kv_caches, metadata, options)`` -> ``attend(i, q, k, v)`` or ``None``:
     every layer's ``write_and_forward`` for one step whose layers share ``metadata``
     (``pagedkv.model.compiled``; ``None``: call layer by layer), with ``table=`` (a

@@ -161,6 +161,33 @@ class CPUBackend(LayoutMemory):
             return None
         return self._fused_args(query, key, value, kv_caches[0], metadata)
 
+    def latent_step_args(self, kv_cache: L.PagedKVCache, metadata: AttentionMetadata, num_tokens: int):
+        """The C kernel's per-step ``LayerArgs`` (``pagedkv.ops.cpu_kernel``) for the layers of a
+        multi-head latent attention cache like ``kv_cache`` (one float32 "head" of ``kv_lora_rank
+        + qk_rope_head_dim`` per token, ``pagedkv.model.mla``) over ``num_tokens`` rows:
+        block tables, lengths, slots and the cache's strides, which ``pagedkv/csrc/decoder.c``'s
+        latent attention reads (``pagedkv.model.native_step``). ``None`` when it does not apply
+        (a quantised or non-float32 cache, no kernel, a slot_mapping of another length or type).
+        Built once per (step metadata, cache geometry), kept on the step's plan."""
+        kernel = _kernel() if self.use_kernel else None
+        if (kernel is None or not isinstance(kv_cache, L.PagedKVCache) or kv_cache.quant is not None
+                or kv_cache.key.dtype != torch.float32 or kv_cache.num_kv_heads != 1):
+            return None
+        slots = metadata.slot_mapping
+        if slots.dtype != torch.int64 or not slots.is_contiguous() or slots.numel() != num_tokens \
+                or metadata.num_tokens != num_tokens:
+            return None
+        plan = self._plan(metadata, kernel)
+        if not plan.kernel_seqs:
+            return None
+        if plan.fused_slots is not slots:  # a new slot_mapping tensor: nothing prepared is valid
+            plan.fused_slots, plan.fused = slots, {}
+        key = ("latent", _geometry(kv_cache))
+        hit = plan.fused.get(key)
+        if hit is None:
+            hit = plan.fused[key] = kernel.latent_args(kv_cache, plan, slots)
+        return hit
+
     def step_attention(self, kv_caches: Sequence[L.PagedKVCache], metadata: AttentionMetadata,
                        options: Sequence[tuple[float, int | None, float | None]], table=None):
         """Every layer's attention for one step whose layers share ``metadata`` (a compiled

@@ -14,6 +14,7 @@
  * and ctypes work around each of its ~270 kernel calls; here the step costs one call.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,14 +36,42 @@ typedef void (*head_norm_fn)(int64_t T, int nh, int d, void *x, int64_t xs, int 
 typedef int (*attend_fn)(const void *S, const void *q, const void *k_new, const void *v_new, void *k, void *v,
                          void *out, float scale, int window, float softcap);
 
-/* A mixture-of-experts FFN (pagedkv/model/moe.py, softmax routing only). */
+/* A mixture-of-experts FFN (pagedkv/model/moe.py, softmax routing without expert groups). */
 typedef struct {
     const float *router;                      /* [E, H] float32 */
     const void *const *gate_up, *const *down; /* E qweights_t each: [2 I, H] (gate rows, up rows), [H, I] */
     int64_t inter;                            /* I */
     int32_t num_experts, top_k, norm_topk, gelu;
     float scaling;                            /* routed_scaling_factor */
+    /* DeepSeek's shared experts, one gated MLP every token runs (qweights_t [2 S, H], [H, S]),
+     * added after the routed experts; NULL when none */
+    const void *shared_gate_up, *shared_down;
+    int64_t shared_inter;                     /* S */
 } moe_t;
+
+/* Multi-head latent attention (pagedkv/model/mla.py), n heads, latent rank r, per head nope +
+ * rope query/key elements and v value elements; the cache holds [c_kv (r), k_pe (rope)] per token */
+typedef struct {
+    const void *q, *q_a, *q_b, *kv_a;  /* qweights_t: q [n (nope + rope), H], or q_a [ql, H] and
+                                        * q_b [n (nope + rope), ql] (q NULL); kv_a [r + rope, H] */
+    const float *q_a_norm, *kv_a_norm; /* float32 [ql] (with q_a), [r] */
+    const float *kv_b;                 /* float32 [n (nope + v), r]: per head W_UK [nope, r], W_UV [v, r] */
+    int32_t n, nope, rope, v, r, ql, interleave;
+    float eps;                         /* the two inner RMSNorms' eps */
+} mla_t;
+
+/* cpu_kernel.c's layer_args_t (the same fields in the same order): one step's block tables,
+ * lengths, slots and cache geometry for one KV layer group */
+typedef struct {
+    int32_t qdt, kdt, hq, hkv, d, bs;
+    int64_t s_blk, s_tok, s_head;
+    int64_t num_slots;
+    const int32_t *bt; int64_t bt_s0;
+    const int32_t *seq_lens, *q_start, *seq_ids, *q_lens; int32_t n_seqs;
+    const int64_t *slots; int32_t n_tokens;
+    int32_t n_real;
+    int32_t nthreads, min_split_len, prefetch;
+} layer_args_t;
 
 typedef struct {
     const void *qkv, *o, *gate_up, *down; /* each a qweights_t of qmm.c (gate_up, down: NULL with moe) */
@@ -57,6 +86,8 @@ typedef struct {
     const float *w_attn_out, *w_mlp_out;
     int32_t local_rope;                   /* RoPE from the local table (Gemma-3's sliding layers) */
     int32_t group;                        /* its KV layer group: which attention arguments it takes */
+    const mla_t *mla;                     /* latent attention in place of qkv ... attention (qkv NULL), or NULL */
+    float residual_scale;                 /* both branches times it before they join (MiniCPM3); 1: none */
 } layer_t;
 
 typedef struct {
@@ -241,7 +272,175 @@ static int moe_ffn(const decoder_t *M, const moe_t *E, int64_t T, const float *x
         }
     free(fmem);
     free(imem);
+    if (rc == 0 && E->shared_gate_up) { /* shared experts: every token, added after the routed sum */
+        const int64_t SI = E->shared_inter;
+        float *sm = malloc((size_t)(T * (3 * SI + H)) * sizeof(float));
+        if (!sm) return -1;
+        float *sgu = sm, *sh = sgu + T * 2 * SI, *sd = sh + T * SI;
+        rc = M->qmm(E->shared_gate_up, T, x, H, sgu, M->nthreads);
+        if (rc == 0) {
+            M->act(T, SI, sgu, 2 * SI, 0, E->gelu, sh, 0);
+            rc = M->qmm(E->shared_down, T, sh, SI, sd, M->nthreads);
+        }
+        if (rc == 0)
+            for (int64_t j = 0; j < T * H; j++) out[j] += sd[j];
+        free(sm);
+    }
     return rc;
+}
+
+/* RoPE of one rope-wide vector x in place (pagedkv.model.mla.rope): adjacent pairs
+ * (interleave) or halves, the result in rotate-half order; c/s the token's [rope / 2] row */
+static void mla_rope(float *x, int rp, int interleave, const float *c, const float *s) {
+    float t[512];
+    const int half = rp / 2;
+    for (int i = 0; i < half; i++) {
+        const float x1 = interleave ? x[2 * i] : x[i], x2 = interleave ? x[2 * i + 1] : x[i + half];
+        t[i] = x1 * c[i] - x2 * s[i];
+        t[i + half] = x2 * c[i] + x1 * s[i];
+    }
+    memcpy(x, t, (size_t)rp * sizeof(float));
+}
+
+static inline float dot8(const float *a, const float *b, int64_t n) {
+    f8_t acc = {0};
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) acc += ld8(a + j) * ld8(b + j);
+    float s = tree8(acc);
+    for (; j < n; j++) s += a[j] * b[j];
+    return s;
+}
+
+static inline void axpy8(float *y, float a, const float *x, int64_t n) {
+    int64_t j = 0;
+    const f8_t av = {a, a, a, a, a, a, a, a};
+    for (; j + 8 <= n; j += 8) {
+        f8_t v = ld8(y + j) + av * ld8(x + j);
+        memcpy(y + j, &v, sizeof v);
+    }
+    for (; j < n; j++) y[j] += a * x[j];
+}
+
+/* One MLA layer's attention for the T rows of x [T, H] (normed), into o [T, n v]: the q and
+ * latent projections, the latent's RMSNorm and RoPE (with q's rope part), the latents written
+ * at the step's slots of the float32 cache (every slot checked first: -4, nothing written),
+ * then per row the absorbed form (pagedkv.model.mla module doc): q_lat = W_UK^T q_nope [n, r],
+ * scores q_lat . c_kv + q_pe . k_pe over the row's causal context, softmax, o_lat = p . c_kv,
+ * out = W_UV o_lat. Rows are split among the threads, or with fewer rows than threads each
+ * row's heads are: each item streams its context's latents twice (scores, then o_lat) for all
+ * its heads at once. Returns 0, -1 (no memory), -2 (arguments of another geometry), -4, or a
+ * qmm code (as code - 1000, told apart from the attention codes). */
+static int mla_attention(const decoder_t *M, const mla_t *A, const layer_args_t *S, int64_t T, const float *x,
+                         float *cache, const float *cos_t, const float *sin_t, float scale, float *o) {
+    const int64_t H = M->hidden;
+    const int n = A->n, nope = A->nope, rp = A->rope, V = A->v, R = A->r, D = R + rp, QK = nope + rp;
+    if (S->kdt != 0 || S->d != D || S->hkv != 1 || rp > 512 || rp % 2) return -2;
+    for (int i = 0; i < S->n_tokens; i++)
+        if (S->slots[i] >= S->num_slots) return -4;
+    const int64_t QL = A->q ? 0 : A->ql;
+    float *mem = malloc((size_t)(T * (n * QK + D + QL)) * sizeof(float));
+    int32_t *rowinfo = malloc((size_t)(3 * T + 1) * sizeof(int32_t));
+    if (!mem || !rowinfo) {
+        free(mem);
+        free(rowinfo);
+        return -1;
+    }
+    float *q = mem, *ckv = q + T * n * QK, *qa = ckv + T * D;
+    int rc = 0;
+    if (A->q) {
+        rc = M->qmm(A->q, T, x, H, q, M->nthreads);
+    } else if ((rc = M->qmm(A->q_a, T, x, H, qa, M->nthreads)) == 0) {
+        M->head_norm(T, 1, (int)QL, qa, QL, 0, A->q_a_norm, A->eps, 0.0f);
+        rc = M->qmm(A->q_b, T, qa, QL, q, M->nthreads);
+    }
+    if (rc == 0) rc = M->qmm(A->kv_a, T, x, H, ckv, M->nthreads);
+    if (rc) {
+        free(mem);
+        free(rowinfo);
+        return rc - 1000;
+    }
+    M->head_norm(T, 1, R, ckv, D, 0, A->kv_a_norm, A->eps, 0.0f);
+    int32_t *rseq = rowinfo, *rctx = rseq + T, *rid = rctx + T; /* per row: live sequence, context, id */
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos_t + t * (rp / 2), *s = sin_t + t * (rp / 2);
+        mla_rope(ckv + t * D + R, rp, A->interleave, c, s);
+        for (int h = 0; h < n; h++) mla_rope(q + (t * n + h) * QK + nope, rp, A->interleave, c, s);
+        rseq[t] = -1;
+    }
+    for (int i = 0; i < S->n_tokens; i++) {
+        const int64_t slot = S->slots[i];
+        if (slot >= 0)
+            memcpy(cache + (slot / S->bs) * S->s_blk + (slot % S->bs) * S->s_tok, ckv + (int64_t)i * D,
+                   (size_t)D * sizeof(float));
+    }
+    int32_t maxctx = 1;
+    for (int k = 0; k < S->n_seqs; k++) {
+        const int32_t id = S->seq_ids[k], q0 = S->q_start[id], ql = S->q_lens[k], sl = S->seq_lens[id];
+        for (int32_t j = 0; j < ql && q0 + j < T; j++) {
+            rseq[q0 + j] = k;
+            rid[q0 + j] = id;
+            rctx[q0 + j] = sl - ql + j + 1;
+            if (rctx[q0 + j] > maxctx) maxctx = rctx[q0 + j];
+        }
+    }
+    /* items: (row, block of heads) */
+    const int nt = M->nthreads > 0 ? M->nthreads : 1;
+    const int hb = T >= nt ? 1 : (nt < n ? nt : n), per = (n + hb - 1) / hb;
+    const int64_t ws = (int64_t)per * (2 * R + maxctx);
+    float *work = malloc((size_t)(nt * ws) * sizeof(float));
+    if (!work) {
+        free(mem);
+        free(rowinfo);
+        return -1;
+    }
+    #pragma omp parallel for schedule(static) num_threads(nt) if (T * hb > 1)
+    for (int64_t it = 0; it < T * hb; it++) {
+        const int64_t t = it / hb;
+        const int h0 = (int)(it % hb) * per, h1 = h0 + per < n ? h0 + per : n;
+        float *out_t = o + t * n * V;
+        if (h0 >= h1) continue;
+        if (rseq[t] < 0) { /* a padding row */
+            memset(out_t + (int64_t)h0 * V, 0, (size_t)(h1 - h0) * V * sizeof(float));
+            continue;
+        }
+        float *w = work + (int64_t)omp_get_thread_num() * ws;
+        float *qlat = w, *olat = qlat + (int64_t)per * R, *sc = olat + (int64_t)per * R;
+        const int32_t ctx = rctx[t];
+        const int32_t *bt = S->bt + (int64_t)rid[t] * S->bt_s0;
+        for (int h = h0; h < h1; h++) { /* q_lat = W_UK^T q_nope */
+            float *ql = qlat + (int64_t)(h - h0) * R;
+            const float *qn = q + (t * n + h) * QK, *wuk = A->kv_b + (int64_t)h * (nope + V) * R;
+            memset(ql, 0, (size_t)R * sizeof(float));
+            for (int d = 0; d < nope; d++) axpy8(ql, qn[d], wuk + (int64_t)d * R, R);
+        }
+        for (int32_t s = 0; s < ctx; s++) {
+            const float *c = cache + (int64_t)bt[s / S->bs] * S->s_blk + (int64_t)(s % S->bs) * S->s_tok;
+            for (int h = h0; h < h1; h++)
+                sc[(int64_t)(h - h0) * maxctx + s] =
+                    (dot8(qlat + (int64_t)(h - h0) * R, c, R) + dot8(q + (t * n + h) * QK + nope, c + R, rp)) * scale;
+        }
+        for (int h = h0; h < h1; h++) {
+            float *p = sc + (int64_t)(h - h0) * maxctx, mx = -INFINITY, sum = 0.0f;
+            for (int32_t s = 0; s < ctx; s++)
+                if (p[s] > mx) mx = p[s];
+            for (int32_t s = 0; s < ctx; s++) sum += (p[s] = expf(p[s] - mx));
+            for (int32_t s = 0; s < ctx; s++) p[s] /= sum;
+        }
+        memset(olat, 0, (size_t)(h1 - h0) * R * sizeof(float));
+        for (int32_t s = 0; s < ctx; s++) {
+            const float *c = cache + (int64_t)bt[s / S->bs] * S->s_blk + (int64_t)(s % S->bs) * S->s_tok;
+            for (int h = h0; h < h1; h++)
+                axpy8(olat + (int64_t)(h - h0) * R, sc[(int64_t)(h - h0) * maxctx + s], c, R);
+        }
+        for (int h = h0; h < h1; h++) { /* out = W_UV o_lat */
+            const float *wuv = A->kv_b + ((int64_t)h * (nope + V) + nope) * R, *ol = olat + (int64_t)(h - h0) * R;
+            for (int vv = 0; vv < V; vv++) out_t[(int64_t)h * V + vv] = dot8(wuv + (int64_t)vv * R, ol, R);
+        }
+    }
+    free(work);
+    free(mem);
+    free(rowinfo);
+    return 0;
 }
 
 /* residual [T, hidden] float32 contiguous, updated in place by every layer; cos/sin float32
@@ -265,7 +464,11 @@ int pagedkv_decoder_forward(const decoder_t *M, const void *const *attn_args, in
             return -6;
         }
     }
-    const int64_t H = M->hidden, I = M->inter, Q = (int64_t)M->hq * M->d, KV = (int64_t)M->hkv * M->d;
+    int64_t Q = (int64_t)M->hq * M->d, KV = (int64_t)M->hkv * M->d;
+    for (int32_t i = 0; i < M->num_layers; i++) /* an MLA layer's attention output [T, n v] goes in o */
+        if (M->layers[i].mla && (int64_t)M->layers[i].mla->n * M->layers[i].mla->v > Q)
+            Q = (int64_t)M->layers[i].mla->n * M->layers[i].mla->v;
+    const int64_t H = M->hidden, I = M->inter;
     const int64_t per_row = H + (Q + 2 * KV) + Q + KV + KV + Q + H + 2 * I + I + H + H;
     float *mem = malloc((size_t)(T * per_row) * sizeof(float));
     if (!mem) {
@@ -279,19 +482,37 @@ int pagedkv_decoder_forward(const decoder_t *M, const void *const *attn_args, in
         const layer_t *L = M->layers + i;
         *failed = i;
         M->norm(T, H, residual, H, NULL, 0, 0, L->w_in, M->eps, M->offset, x, 0);
-        if ((rc = M->qmm(L->qkv, T, x, H, qkv, M->nthreads))) break;
-        if (L->q_norm) {
-            M->head_norm(T, M->hq, M->d, qkv, Q + 2 * KV, 0, L->q_norm, M->eps, M->offset);
-            M->head_norm(T, M->hkv, M->d, qkv + Q, Q + 2 * KV, 0, L->k_norm, M->eps, M->offset);
+        int64_t o_width = (int64_t)M->hq * M->d;
+        if (L->mla) {
+            o_width = (int64_t)L->mla->n * L->mla->v;
+            rc = mla_attention(M, L->mla, (const layer_args_t *)attn_args[L->group], T, x, (float *)L->k_cache,
+                               cos_t, sin_t, L->scale, o);
+            if (rc <= -1000) {
+                rc += 1000;
+                break;
+            }
+            if (rc) {
+                rc -= ATTN_ERR;
+                break;
+            }
+        } else {
+            const int64_t QH = (int64_t)M->hq * M->d;
+            if ((rc = M->qmm(L->qkv, T, x, H, qkv, M->nthreads))) break;
+            if (L->q_norm) {
+                M->head_norm(T, M->hq, M->d, qkv, QH + 2 * KV, 0, L->q_norm, M->eps, M->offset);
+                M->head_norm(T, M->hkv, M->d, qkv + QH, QH + 2 * KV, 0, L->k_norm, M->eps, M->offset);
+            }
+            M->rope(T, M->hq, M->hkv, M->d, qkv, QH + 2 * KV, 0, L->local_rope ? cos_l : cos_t,
+                    L->local_rope ? sin_l : sin_t, q, k, v);
+            if ((rc = M->attend(attn_args[L->group], q, k, v, L->k_cache, L->v_cache, o, L->scale, L->window,
+                                L->softcap))) {
+                rc -= ATTN_ERR;
+                break;
+            }
         }
-        M->rope(T, M->hq, M->hkv, M->d, qkv, Q + 2 * KV, 0, L->local_rope ? cos_l : cos_t,
-                L->local_rope ? sin_l : sin_t, q, k, v);
-        if ((rc = M->attend(attn_args[L->group], q, k, v, L->k_cache, L->v_cache, o, L->scale, L->window,
-                            L->softcap))) {
-            rc -= ATTN_ERR;
-            break;
-        }
-        if ((rc = M->qmm(L->o, T, o, Q, attn, M->nthreads))) break;
+        if ((rc = M->qmm(L->o, T, o, o_width, attn, M->nthreads))) break;
+        if (L->residual_scale != 1.0f)
+            for (int64_t j = 0; j < T * H; j++) attn[j] *= L->residual_scale;
         const float *delta = attn;
         if (L->w_attn_out) { /* sandwich: the attention output normed before it joins */
             M->norm(T, H, attn, H, NULL, 0, 0, L->w_attn_out, M->eps, M->offset, nb, 0);
@@ -310,7 +531,10 @@ int pagedkv_decoder_forward(const decoder_t *M, const void *const *attn_args, in
             M->norm(T, H, dn, H, NULL, 0, 0, L->w_mlp_out, M->eps, M->offset, nb, 0);
             mlp_out = nb;
         }
-        for (int64_t j = 0; j < T * H; j++) residual[j] += mlp_out[j];
+        if (L->residual_scale != 1.0f)
+            for (int64_t j = 0; j < T * H; j++) residual[j] += mlp_out[j] * L->residual_scale;
+        else
+            for (int64_t j = 0; j < T * H; j++) residual[j] += mlp_out[j];
     }
     free(mem);
     return rc;

@@ -17,7 +17,8 @@ Metadata, two generations:
 * older files: ``head_count_kv`` = heads, ``key_length`` ``nope + rope``, ``value_length``
   ``v``, one ``attn_kv_b`` ``[n (nope + v), r]``.
 
-Both: ``attention.kv_lora_rank``, ``attention.q_lora_rank`` (absent: one ``attn_q``), the
+Both: ``attention.kv_lora_rank``, ``attention.q_lora_rank`` (absent or 0: one ``attn_q``;
+llama.cpp reads 0 so, and needs the key for a V2-Lite form of other than 26/27 layers), the
 rope width ``rope.dimension_count``; llama.cpp always rotates adjacent pairs
 (``rope_interleave``). Experts: ``expert_count``, ``expert_used_count``,
 ``expert_feed_forward_length``, ``expert_shared_count``, ``leading_dense_block_count`` (dense
@@ -112,7 +113,7 @@ def config_fields(metadata: Mapping[str, Any], tensor_names: Sequence[str]) -> d
         "num_kv_heads": heads, "head_dim": qk, "rope_theta": float(get("rope.freq_base", 10000.0)),
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
         "max_position_embeddings": num("context_length"), "tie_word_embeddings": "output.weight" not in names,
-        "kv_lora_rank": rank, "q_lora_rank": None if q_lora is None else _int(q_lora, f"{ARCH}.attention.q_lora_rank"),
+        "kv_lora_rank": rank, "q_lora_rank": None if q_lora in (None, 0) else _int(q_lora, f"{ARCH}.attention.q_lora_rank"),
         "qk_nope_head_dim": qk - rope, "qk_rope_head_dim": rope, "v_head_dim": v, "rope_interleave": True,
         "rope_scaling": _yarn(get),
     }

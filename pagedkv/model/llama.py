@@ -383,7 +383,7 @@ class LlamaForCausalLM(nn.Module):
         from pagedkv.model.native_step import NativeDecoder
         from pagedkv.ops import fused_ops
 
-        plain = not eager and not self.config.is_mla  # pagedkv.model.mla has no fused or native form
+        plain = not eager  # MLA layers: no fused form (eager per layer), but the native step's latent attention
         ops = fused_ops.get() if plain and self.device.type == "cpu" and self.dtype == torch.float32 else None
         for layer in self.layers:
             layer.fused = ops if layer.fusable else None
@@ -391,8 +391,7 @@ class LlamaForCausalLM(nn.Module):
             self.fused_state = "on" if ops is not None else f"off ({fused_ops.build_error() or 'not a float32 CPU model'})"
             self._native, self.native_state = NativeDecoder.create(self) if ops is not None else (None, "off (no fused ops)")
         else:
-            why = EAGER_STEP if eager else "off (MLA layers run eager)"
-            self._native, self.fused_state, self.native_state = None, why, why
+            self._native, self.fused_state, self.native_state = None, EAGER_STEP, EAGER_STEP
         fused = any(layer.fused is not None for layer in self.layers)
         self.step_route = "native" if self._native is not None else "fused" if fused else "eager"
 

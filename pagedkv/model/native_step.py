@@ -10,9 +10,14 @@ same results bit for bit (tests/model/test_native_step.py).
 
 It runs only where that path would run those kernels: a float32 Llama-family model on the
 CPU whose layers are all fusable (q/k norms as Qwen3's and Gemma-3's; sandwich norms and the
-local RoPE table of Gemma-2/3's sliding layers; an MoE layer with softmax routing and no shared experts, ``MoE.native_ok``, whose FFN decoder.c
-runs: router, top-k, each routed expert's matmuls, in ``pagedkv.model.moe``'s order; every expert
-read, so lazy experts not yet read keep it off) with every linear on the
+local RoPE table of Gemma-2/3's sliding layers; an MoE layer with softmax routing without expert
+groups, ``MoE.native_ok``, whose FFN decoder.c runs: router, top-k, each routed expert's matmuls,
+in ``pagedkv.model.moe``'s order, then DeepSeek's shared experts; every expert read, so lazy
+experts not yet read keep it off), or whose layers are all multi-head latent attention
+(``pagedkv.model.mla``: MiniCPM3, DeepSeek-V2; decoder.c's ``mla_attention`` runs the absorbed
+form, so a step is taken only while every sequence has at most ``MLA_ROWS`` rows and the absorbed
+form is its cheaper one, over float32 latent caches, ``CPUBackend.latent_step_args``; its
+results equal the Python path's to float rounding, not bit for bit) with every linear on the
 integer kernels (``QuantLinear.qmm_rows`` above the step's rows), one attention metadata for
 all layers or one per KV layer group (hybrid sliding-window caches), a backend that declares ``native_step`` in its capabilities
 (``pagedkv.attention.cpu.CPUBackend``) and gives kernel arguments for the step, and no profiler running (profiles keep the per-layer
@@ -29,7 +34,15 @@ from typing import Any, Sequence
 import torch
 
 from pagedkv.attention.base import AttentionMetadata, BackendError, backend_capabilities, check_window
+from pagedkv.attention.reference import lists_of
+from pagedkv.model.mla import INNER_NORM_EPS
 from pagedkv.ops import decoder
+
+
+#: an MLA step runs here while each sequence has at most this many rows (decode rows, short
+#: chunks, speculative verification): decoder.c streams a sequence's latents once per row, where
+#: the Python path's einsums batch a long chunk's rows into matmuls
+MLA_ROWS = 8
 
 
 class NativeDecoder:
@@ -37,6 +50,7 @@ class NativeDecoder:
     model cannot use it); :meth:`run` does one step or declines."""
 
     def __init__(self, model: Any, fn: Any, qmm_ops: Any, fused_ops: Any, attend: Any) -> None:
+        from pagedkv.model.mla import absorb
         from pagedkv.model import quant
 
         layers = model.layers
@@ -61,6 +75,9 @@ class NativeDecoder:
         self._one_group = [0] * len(layers)
         self._groups = self._one_group  # each layer's KV layer group, as the structs hold it
         self.local = any(layer.local_rope for layer in layers)  # some layer takes the local RoPE table
+        mla = first.mla  # multi-head latent attention (every layer's; create checks): its dims, the latent args
+        self._mla = None if mla is None else (mla.num_heads, mla.rank, mla.nope, mla.rope_dim, mla.v_dim)
+        self._absorb = absorb
 
     @classmethod
     def create(cls, model: Any) -> "tuple[NativeDecoder | None, str]":
@@ -73,13 +90,14 @@ class NativeDecoder:
         layers = list(model.layers)
         if not layers or model.device.type != "cpu" or model.dtype != torch.float32:
             return None, "off (not a float32 CPU model)"
+        mla = layers[0].mla is not None
         for layer in layers:
-            if layer.fused is None or layer.all_reduce is not None:
+            if (layer.fused is None and not mla) or (layer.mla is not None) != mla or layer.all_reduce is not None:
                 return None, "off (a layer outside the fused path)"
             if set(layer.attn_options) - {"sliding_window", "logits_soft_cap"}:
                 return None, "off (attention options beyond window/soft-cap)"
             if layer.mlp is not None and not layer.mlp.native_ok:
-                return None, "off (an MoE layer outside the native path: sigmoid/group routing or shared experts)"
+                return None, "off (an MoE layer outside the native path: sigmoid/group routing or biased experts)"
             if any(m is None for m in _experts(layer)):
                 return None, "off (lazy experts not all read yet)"
             lin = _linears(layer) + _experts(layer)
@@ -88,10 +106,14 @@ class NativeDecoder:
                 return None, "off (a linear layer without integer-kernel weights)"
             if not _shapes_fit(layer):
                 return None, "off (weights of other shapes than the layer's config)"
-        fn, ops, kernel = decoder.get(), qmm.get(), cpu_kernel.get()
-        if fn is None or ops is None or kernel is None:
-            return None, f"off ({decoder.build_error() or qmm.build_error() or cpu_kernel.build_error() or 'no kernel'})"
-        return cls(model, fn, ops, layers[0].fused, decoder.addr(kernel._write_attend)), "on"
+        from pagedkv.ops import fused_ops
+
+        fn, ops, kernel, fused = decoder.get(), qmm.get(), cpu_kernel.get(), fused_ops.get()
+        if fn is None or ops is None or kernel is None or fused is None:
+            why = (decoder.build_error() or qmm.build_error() or cpu_kernel.build_error() or fused_ops.build_error()
+                   or "no kernel")
+            return None, f"off ({why})"
+        return cls(model, fn, ops, fused, decoder.addr(kernel._write_attend)), "on"
 
     def stale(self) -> bool:
         """Whether some quantised layer was prepared again since this was built (its packed
@@ -133,14 +155,26 @@ class NativeDecoder:
             group_caches = [[c for c, gi in zip(kv_caches, groups) if gi == g] for g in range(len(group_md))]
         else:
             groups, group_md, group_caches = self._one_group, [md], [kv_caches]
-        q = torch.empty(t, self.hq, self.d)
-        kv = torch.empty(t, self.hkv, self.d)
         args = []
-        for m, caches in zip(group_md, group_caches):
-            a = args_of(q, kv, kv, caches, m)
-            if a is None:
-                return False
-            args.append(a[2])
+        if self._mla is not None:  # the latent caches: absorbed rows only (the Python path's choice)
+            n, r, nope, rp, v = self._mla
+            for m, caches in zip(group_md, group_caches):
+                seq_lens, q_lens, _ = lists_of(m)
+                a = backend.latent_step_args(caches[0], m, t)
+                if a is None or any(ql and (ql > MLA_ROWS or not self._absorb(ql, sl, n, r, nope, rp, v))
+                                    for sl, ql in zip(seq_lens, q_lens)) or any(
+                                    c.key.shape != caches[0].key.shape or c.key.stride() != caches[0].key.stride()
+                                    or c.key.dtype != caches[0].key.dtype for c in caches):
+                    return False
+                args.append(a)
+        else:
+            q = torch.empty(t, self.hq, self.d)
+            kv = torch.empty(t, self.hkv, self.d)
+            for m, caches in zip(group_md, group_caches):
+                a = args_of(q, kv, kv, caches, m)
+                if a is None:
+                    return False
+                args.append(a[2])
         ptrs = [p for c in kv_caches for p in (c.key.data_ptr(), c.value.data_ptr())]
         cos, sin = (x.contiguous() for x in rope[0])
         local = [x.contiguous() for x in rope[1]] if self.local else None
@@ -174,27 +208,47 @@ class NativeDecoder:
 
 def _layer_spec(layer: Any, scale: float, window: int, cap: float) -> decoder.LayerSpec:
     """``layer``'s weights and options as ``decoder.c`` takes them (checked by ``create``)."""
-    moe = None
+    moe = mla = qkv = None
+    gate_up = down = None
     if layer.mlp is not None:
         mlp, spec, ex = layer.mlp, layer.mlp.spec, _experts(layer)
+        shared = None if mlp.shared is None else (mlp.shared.gate_up_proj._qmm, mlp.shared.down_proj._qmm)
         moe = decoder.MoESpec(mlp.router.weight.data_ptr(), [m._qmm for m in ex[0::2]], [m._qmm for m in ex[1::2]],
                               spec.intermediate_size, spec.top_k, bool(spec.norm_topk_prob),
-                              spec.hidden_act == "gelu_pytorch_tanh", spec.routed_scaling_factor)
-    lin = [m._qmm for m in _linears(layer)]
-    gate_up, down = lin[2:] if len(lin) == 4 else (None, None)
+                              spec.hidden_act == "gelu_pytorch_tanh", spec.routed_scaling_factor, shared,
+                              0 if mlp.shared is None else mlp.shared.intermediate_size)
+    else:
+        gate_up, down = layer.gate_up_proj._qmm, layer.down_proj._qmm
+    a = layer.mla
+    if a is None:
+        qkv = layer.qkv_proj._qmm
+    else:  # its own softmax scale (yarn's mscale included)
+        q_lora, scale = a.q_proj is None, a.scale
+        mla = decoder.MLASpec(
+            None if q_lora else a.q_proj._qmm, a.q_a_proj._qmm if q_lora else None, a.q_b_proj._qmm if q_lora else None,
+            a.kv_a_proj_with_mqa._qmm, a.q_a_layernorm.weight.data_ptr() if q_lora else None,
+            a.kv_a_layernorm.weight.data_ptr(), a.kv_b_proj.weight.data_ptr(), a.num_heads, a.nope, a.rope_dim,
+            a.v_dim, a.rank, a.q_a_proj._qmm.n if q_lora else 0, bool(a.interleave), INNER_NORM_EPS)
     qn, kn = (layer.q_norm.weight.data_ptr(), layer.k_norm.weight.data_ptr()) if layer.q_norm is not None else (None, None)
     post, attn_out, mlp_out = layer.post_attention_layernorm.weight.data_ptr(), None, None
     if layer.pre_feedforward_layernorm is not None:  # sandwich norms (Gemma-2/3)
         post, attn_out = layer.pre_feedforward_layernorm.weight.data_ptr(), post
         mlp_out = layer.post_feedforward_layernorm.weight.data_ptr()
-    return decoder.LayerSpec(lin[0], lin[1], gate_up, down, layer.input_layernorm.weight.data_ptr(), post, scale, cap,
-                             window, qn, kn, moe, attn_out, mlp_out, bool(layer.local_rope))
+    return decoder.LayerSpec(qkv, layer.o_proj._qmm, gate_up, down, layer.input_layernorm.weight.data_ptr(), post,
+                             scale, cap, window, qn, kn, moe, attn_out, mlp_out, bool(layer.local_rope), 0, mla,
+                             float(layer.residual_scale))
 
 
 def _linears(layer: Any) -> list[Any]:
-    """The layer's attention matmuls, and the dense MLP's (an MoE layer's are in ``_experts``)."""
+    """The layer's attention matmuls (MLA: ``q_proj`` or ``q_a_proj`` + ``q_b_proj``, then
+    ``kv_a_proj_with_mqa``), ``o_proj``, the dense MLP's and an MoE layer's shared experts' (its
+    routed experts' are in ``_experts``)."""
+    a = layer.mla
+    attn = [layer.qkv_proj] if a is None else (
+        [a.q_proj] if a.q_proj is not None else [a.q_a_proj, a.q_b_proj]) + [a.kv_a_proj_with_mqa]
     dense = [layer.gate_up_proj, layer.down_proj] if layer.mlp is None else []
-    return [layer.qkv_proj, layer.o_proj, *dense]
+    shared = [layer.mlp.shared.gate_up_proj, layer.mlp.shared.down_proj] if getattr(layer.mlp, "shared", None) else []
+    return [*attn, layer.o_proj, *dense, *shared]
 
 
 def _experts(layer: Any) -> list[Any]:
@@ -218,11 +272,18 @@ def _slots(model: Any) -> tuple[list[tuple[dict, Any, Any]], list[tuple[dict, li
         names = ["qkv_proj", "o_proj", "input_layernorm", "post_attention_layernorm", "q_norm", "k_norm",
                  "pre_feedforward_layernorm", "post_feedforward_layernorm"]
         names += ["gate_up_proj", "down_proj"] if layer.mlp is None else ["mlp"]
-        for name in names:
-            m = layer._modules.get(name)
-            slots.append((layer._modules, name, m))
-            if m is not None and "weight" in m._parameters:
-                slots.append((m._parameters, "weight", m._parameters["weight"]))
+        owners = [(layer, names)]
+        if layer.mla is not None:  # the latent attention's modules (its kv_b weight is read as a tensor)
+            owners += [(layer, ["mla"]), (layer.mla, ["q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
+                                                      "q_a_layernorm", "kv_a_layernorm", "kv_b_proj"])]
+        if layer.mlp is not None and layer.mlp.shared is not None:
+            owners += [(layer.mlp, ["shared"]), (layer.mlp.shared, ["gate_up_proj", "down_proj"])]
+        for owner, owned in owners:
+            for name in owned:
+                m = owner._modules.get(name)
+                slots.append((owner._modules, name, m))
+                if m is not None and "weight" in m._parameters:
+                    slots.append((m._parameters, "weight", m._parameters["weight"]))
         if layer.mlp is not None:
             mlp = layer.mlp
             slots += [(mlp._modules, "router", mlp.router), (mlp.router._parameters, "weight", mlp.router.weight),
@@ -242,6 +303,8 @@ def _alive(layers: Sequence[Any]) -> list[Any]:
             out += [m, getattr(m, "_qmm", None)]
         if layer.mlp is not None:
             out += [layer.mlp.router.weight, layer.mlp.experts]
+        if layer.mla is not None:
+            out.append(layer.mla.kv_b_proj.weight)
         out += [w for w, _ in _norm_weights(layer)]
     return out + [t.untyped_storage() for t in out if isinstance(t, torch.Tensor)]
 
@@ -255,6 +318,11 @@ def _norm_weights(layer: Any) -> list[tuple[torch.Tensor, int]]:
         out += [(layer.q_norm.weight, d), (layer.k_norm.weight, d)]
     if layer.pre_feedforward_layernorm is not None:
         out += [(layer.pre_feedforward_layernorm.weight, h), (layer.post_feedforward_layernorm.weight, h)]
+    a = layer.mla
+    if a is not None:
+        out.append((a.kv_a_layernorm.weight, a.rank))
+        if a.q_a_layernorm is not None:
+            out.append((a.q_a_layernorm.weight, a.q_a_layernorm.weight.shape[0]))  # its matrices' sizes: _shapes_fit
     return out
 
 
@@ -262,10 +330,23 @@ def _shapes_fit(layer: Any) -> bool:
     """The packed weights and norm weights have the shapes the C loop sizes its buffers by."""
     h, i = layer.input_layernorm.weight.shape[0], layer.intermediate_size
     q, kv = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
-    want = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]
-    if layer.mlp is not None:
+    want = [(q + 2 * kv, h), (h, q)]
+    a = layer.mla
+    if a is not None:  # _linears' order: q (or q_a, q_b), kv_a, o
+        qk, ql = a.num_heads * (a.nope + a.rope_dim), a.q_a_layernorm.weight.shape[0] if a.q_a_proj is not None else 0
+        want = ([(qk, h)] if a.q_proj is not None else [(ql, h), (qk, ql)]) + [
+            (a.rank + a.rope_dim, h), (h, a.num_heads * a.v_dim)]
+        w = a.kv_b_proj.weight
+        if w.dtype != torch.float32 or not w.is_contiguous() or w.shape != (a.num_heads * (a.nope + a.v_dim), a.rank):
+            return False
+    if layer.mlp is None:
+        want += [(2 * i, h), (h, i)]
+    else:
         spec, ie = layer.mlp.spec, layer.mlp.spec.intermediate_size
-        want = want[:2] + [(2 * ie, h), (h, ie)] * spec.num_experts
+        if layer.mlp.shared is not None:
+            si = layer.mlp.shared.intermediate_size
+            want += [(2 * si, h), (h, si)]
+        want += [(2 * ie, h), (h, ie)] * spec.num_experts
         router = layer.mlp.router.weight
         if router.dtype != torch.float32 or not router.is_contiguous() or router.shape != (spec.num_experts, h):
             return False

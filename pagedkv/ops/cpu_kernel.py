@@ -145,6 +145,21 @@ class CPUKernel:
         a._keep = (ki, slots)  # the tensors its pointers point into live as long as it does
         return a
 
+    def latent_args(self, cache, plan, slots: torch.Tensor) -> LayerArgs:
+        """:meth:`layer_args` for a latent (MLA) cache, read by ``pagedkv/csrc/decoder.c`` rather
+        than by this kernel: one head of ``cache.head_dim`` float32 values (no head-size limit)."""
+        ki = plan.kernel_inputs
+        s_blk, s_tok, s_head, _ = cache.key_nhd().stride()
+        a = LayerArgs()
+        a.qdt, a.kdt, a.hq, a.hkv, a.d, a.bs = 0, _DTYPES[cache.dtype], 1, 1, cache.head_dim, cache.block_size
+        a.s_blk, a.s_tok, a.s_head, a.num_slots = s_blk, s_tok, s_head, cache.num_blocks * cache.block_size
+        a.bt, a.bt_s0, a.seq_lens, a.q_start = ki.bt_ptr, ki.bt_s0, ki.seq_lens_ptr, ki.qsl_ptr
+        a.seq_ids, a.q_lens, a.n_seqs = ki.ids_ptr, ki.qls_ptr, ki.n
+        a.slots, a.n_tokens, a.n_real = slots.data_ptr(), slots.numel(), plan.num_real
+        a.nthreads, a.min_split_len, a.prefetch = torch.get_num_threads(), self.min_split_len, self.prefetch
+        a._keep = (ki, slots)
+        return a
+
     def write_attend(self, args_ref, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      cache, out: torch.Tensor, scale: float, window: int, soft_cap: float) -> int:
         """One layer through ``pagedkv_write_attend``: ``key``/``value`` ``[T, Hkv, d]`` written

@@ -27,7 +27,15 @@ class _MoE(ctypes.Structure):
     _fields_ = [("router", ctypes.c_void_p), ("gate_up", ctypes.POINTER(ctypes.c_void_p)),
                 ("down", ctypes.POINTER(ctypes.c_void_p)), ("inter", ctypes.c_int64), ("num_experts", ctypes.c_int32),
                 ("top_k", ctypes.c_int32), ("norm_topk", ctypes.c_int32), ("gelu", ctypes.c_int32),
-                ("scaling", ctypes.c_float)]
+                ("scaling", ctypes.c_float), ("shared_gate_up", ctypes.c_void_p), ("shared_down", ctypes.c_void_p),
+                ("shared_inter", ctypes.c_int64)]
+
+
+class _MLA(ctypes.Structure):
+    _fields_ = [("q", ctypes.c_void_p), ("q_a", ctypes.c_void_p), ("q_b", ctypes.c_void_p), ("kv_a", ctypes.c_void_p),
+                ("q_a_norm", ctypes.c_void_p), ("kv_a_norm", ctypes.c_void_p), ("kv_b", ctypes.c_void_p)] + [
+                (n, ctypes.c_int32) for n in ("n", "nope", "rope", "v", "r", "ql", "interleave")] + [
+                ("eps", ctypes.c_float)]
 
 
 class _Layer(ctypes.Structure):
@@ -37,7 +45,7 @@ class _Layer(ctypes.Structure):
                 ("softcap", ctypes.c_float), ("window", ctypes.c_int32),
                 ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("moe", ctypes.POINTER(_MoE)),
                 ("w_attn_out", ctypes.c_void_p), ("w_mlp_out", ctypes.c_void_p), ("local_rope", ctypes.c_int32),
-                ("group", ctypes.c_int32)]
+                ("group", ctypes.c_int32), ("mla", ctypes.POINTER(_MLA)), ("residual_scale", ctypes.c_float)]
 
 
 class _Decoder(ctypes.Structure):
@@ -85,7 +93,8 @@ class MoESpec:
     """One MoE FFN for ``decoder.c``: the router weight's address (float32 ``[E, hidden]``), each
     expert's packed ``gate_up`` and ``down`` weights (``pagedkv.ops.qmm`` objects), the experts'
     intermediate size, top-k, whether the top-k weights are renormalised, GELU (else SiLU) and
-    the routed scaling factor."""
+    the routed scaling factor; DeepSeek's shared experts as one packed ``(gate_up, down)`` pair
+    of width ``shared_inter``, or ``None``."""
 
     router: int
     gate_up: Sequence[Any]
@@ -95,6 +104,32 @@ class MoESpec:
     norm_topk: bool
     gelu: bool
     scaling: float
+    shared: tuple[Any, Any] | None = None
+    shared_inter: int = 0
+
+
+@dataclass
+class MLASpec:
+    """One multi-head latent attention for ``decoder.c`` (``pagedkv.model.mla``): packed ``q``
+    (or ``q_a`` + ``q_b`` with ``q_a_norm``'s address) and ``kv_a``; the addresses of the
+    float32 ``kv_a_norm`` ``[r]`` and ``kv_b`` ``[n (nope + v), r]``; the sizes, the rotary
+    pairing and the inner norms' eps."""
+
+    q: Any
+    q_a: Any
+    q_b: Any
+    kv_a: Any
+    q_a_norm: int | None
+    kv_a_norm: int
+    kv_b: int
+    n: int
+    nope: int
+    rope: int
+    v: int
+    r: int
+    ql: int
+    interleave: bool
+    eps: float
 
 
 @dataclass
@@ -122,6 +157,8 @@ class LayerSpec:
     w_mlp_out: int | None = None
     local_rope: bool = False
     group: int = 0
+    mla: MLASpec | None = None
+    residual_scale: float = 1.0
 
 
 class DecoderStep:
@@ -141,7 +178,7 @@ class DecoderStep:
         self._keep: list[_MoE] = []
         for idx, (s, spec) in enumerate(zip(self._layers, layers)):
             mats = [spec.qkv, spec.o] + ([spec.gate_up, spec.down] if spec.moe is None else [])
-            lin = [qmm_struct_addr(m) for m in mats]
+            lin = [None if m is None else qmm_struct_addr(m) for m in mats]
             s.qkv, s.o, s.gate_up, s.down = lin if len(lin) == 4 else (*lin, None, None)
             s.w_in, s.w_post = spec.w_in, spec.w_post
             s.scale, s.softcap, s.window = spec.scale, spec.softcap, spec.window
@@ -151,6 +188,9 @@ class DecoderStep:
             s.local_rope, s.group = int(spec.local_rope), spec.group
             if spec.moe is not None:
                 s.moe = ctypes.pointer(self._moe(spec.moe, idx))
+            if spec.mla is not None:
+                s.mla = ctypes.pointer(self._mla(spec.mla))
+            s.residual_scale = spec.residual_scale
         self._struct = _Decoder(
             addr(qmm_ops._qmm), addr(fused_ops._norm), addr(fused_ops._rope), addr(fused_ops._act), attend,
             hidden, inter, hq, hkv, d, int(gelu), len(layers), nthreads, eps, offset, self._layers,
@@ -163,7 +203,15 @@ class DecoderStep:
         gate_up = (ctypes.c_void_p * n)(*(qmm_struct_addr(w) for w in m.gate_up))
         down = (ctypes.c_void_p * n)(*(qmm_struct_addr(w) for w in m.down))
         self.experts[idx] = (gate_up, down)
-        self._keep.append(_MoE(m.router, gate_up, down, m.inter, n, m.top_k, int(m.norm_topk), int(m.gelu), m.scaling))
+        sg, sd = (None, None) if m.shared is None else (qmm_struct_addr(w) for w in m.shared)
+        self._keep.append(_MoE(m.router, gate_up, down, m.inter, n, m.top_k, int(m.norm_topk), int(m.gelu), m.scaling,
+                               sg, sd, m.shared_inter))
+        return self._keep[-1]
+
+    def _mla(self, a: MLASpec) -> _MLA:
+        ptr = [None if w is None else qmm_struct_addr(w) for w in (a.q, a.q_a, a.q_b, a.kv_a)]
+        self._keep.append(_MLA(*ptr, a.q_a_norm, a.kv_a_norm, a.kv_b, a.n, a.nope, a.rope, a.v, a.r, a.ql,
+                               int(a.interleave), a.eps))
         return self._keep[-1]
 
     def set_caches(self, ptrs: Sequence[int]) -> None:

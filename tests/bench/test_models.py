@@ -8,6 +8,7 @@ import json
 import os
 import stat
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -140,6 +141,104 @@ def test_tiny_moe_gguf_loads_generates_and_counts_routed_bytes(tmp_path, tokeniz
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (8, 2, 64)
     (out,) = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
     assert len(out.token_ids) == 5 and all(0 <= t < 49168 for t in out.token_ids)
+
+
+TINY_MLA = mm.SHAPES["tiny-mla"]  # deepseek2: hidden 64, 4 heads, rank 32, nope/rope/v 32/16/32, 1 dense + 1 MoE layer
+
+
+@pytest.fixture(scope="module")
+def tiny_mla_files(tmp_path_factory, tokenizer):
+    d = tmp_path_factory.mktemp("mla")
+    return {q: (d / f"tiny-mla-{q}.gguf", mm.write_random_gguf(d / f"tiny-mla-{q}.gguf", TINY_MLA, q, tokenizer=tokenizer))
+            for q in ("f16", "q8_0")}
+
+
+def test_mla_shapes_tensors_and_parameters():
+    names = dict(TINY_MLA.tensors())
+    assert TINY_MLA.arch == "deepseek2" and TINY_MLA.head_dim == 48 and len(names) == 29
+    # layer 0 dense, layer 1 routed + shared; the absorbed MLA split (numpy order)
+    assert names["blk.0.attn_q.weight"] == (4 * 48, 64) and names["blk.0.attn_kv_a_mqa.weight"] == (32 + 16, 64)
+    assert names["blk.0.attn_kv_a_norm.weight"] == (32,) and names["blk.0.attn_k_b.weight"] == (4, 32, 32)
+    assert names["blk.0.attn_v_b.weight"] == (4, 32, 32) and names["blk.0.attn_output.weight"] == (64, 4 * 32)
+    assert names["blk.0.ffn_gate.weight"] == (128, 64) and "blk.0.ffn_gate_inp.weight" not in names
+    assert names["blk.1.ffn_gate_inp.weight"] == (8, 64) and names["blk.1.ffn_up_exps.weight"] == (8, 64, 64)
+    assert names["blk.1.ffn_down_exps.weight"] == (8, 64, 64) and names["blk.1.ffn_gate_shexp.weight"] == (64, 64)
+    assert names["blk.1.ffn_down_shexp.weight"] == (64, 64) and "blk.1.ffn_gate.weight" not in names
+    assert not any(n.endswith(("attn_q_a.weight", "attn_kv_b.weight", "attn_k.weight")) for n in names)
+    assert names["output.weight"] == (49168, 64)
+    ql = dict(replace(TINY_MLA, q_lora_rank=96).tensors())  # the V2 (not Lite) query: a_proj, norm, b_proj
+    assert (ql["blk.0.attn_q_a.weight"], ql["blk.0.attn_q_a_norm.weight"], ql["blk.0.attn_q_b.weight"]) == \
+        ((96, 64), (96,), (192, 96)) and "blk.0.attn_q.weight" not in ql
+    lite = mm.SHAPES["dsv2-lite"]  # DeepSeek-V2-Lite at 9 of its 27 layers: 1 dense + 8 MoE
+    attn = 16 * 192 * 2048 + 576 * 2048 + 2 * 16 * 512 * 128 + 2048 * 2048 + 2 * 2048 + 512
+    moe = 64 * 2048 + 3 * 64 * 1408 * 2048 + 3 * 2 * 1408 * 2048
+    assert lite.num_params() == 2 * 102400 * 2048 + 9 * attn + 3 * 10944 * 2048 + 8 * moe + 2048 == 5_179_222_528
+    assert mm.model_file("dsv2-lite", "q4_k_m", "llama-quantize").name == "random-deepseek2-dsv2-lite-q4_k_m.gguf"
+
+
+@pytest.mark.parametrize("qtype,ggml_type", [("f16", 1), ("q8_0", 8)])
+def test_tiny_mla_gguf_tensors_metadata_and_routed_bytes(tiny_mla_files, qtype, ggml_type):
+    path, facts = tiny_mla_files[qtype]
+    h = read_gguf_header(path)
+    assert [(t.name, t.shape) for t in h.tensors] == TINY_MLA.tensors() and facts["tensors"] == 29
+    types = {t.name: t.ggml_type for t in h.tensors}
+    f32 = {n for n, t in types.items() if t == 0}  # norms and the router
+    assert f32 == {n for n, s in TINY_MLA.tensors() if len(s) == 1 or n.endswith("ffn_gate_inp.weight")} and len(f32) == 8
+    assert {t for n, t in types.items() if n not in f32} == {ggml_type}  # attn_k_b / attn_v_b / *_exps too
+    md = {k.removeprefix("deepseek2."): v for k, v in h.metadata.items() if k.startswith("deepseek2.")}
+    assert h.metadata["general.architecture"] == "deepseek2"
+    assert md == {"context_length": 8192, "embedding_length": 64, "block_count": 2, "feed_forward_length": 128,
+                  "attention.head_count": 4, "attention.head_count_kv": 1, "rope.freq_base": 10000.0,
+                  "attention.layer_norm_rms_epsilon": pytest.approx(1e-5), "vocab_size": 49168,
+                  "rope.dimension_count": 16, "leading_dense_block_count": 1, "attention.q_lora_rank": 0,
+                  "attention.kv_lora_rank": 32, "attention.key_length": 32 + 16, "attention.value_length": 32,
+                  "attention.key_length_mla": 32 + 16, "attention.value_length_mla": 32,
+                  "expert_feed_forward_length": 64, "expert_count": 8, "expert_used_count": 2, "expert_group_count": 1,
+                  "expert_group_used_count": 1, "expert_gating_func": 1, "expert_shared_count": 1,
+                  "expert_weights_scale": 1.0}
+    wb = mm.weight_bytes_per_token(str(path))
+    if qtype == "q8_0":
+        # 2-D/3-D Q8_0: 34 B per 32 values; F32 4 B. The three 8 x 64 x 64 *_exps (34,816 B each) count
+        # 2/8; the untied embedding (49168 x 64: 3,343,424 B) one row (68 B); attn_k_b / attn_v_b
+        # (4,352 B each), the shared expert (3 x 4,352 B) and the dense layer's MLP count whole
+        assert wb == {"all": 6_901_504, "per_token": 6_901_504 - 3 * (34_816 - 8_704) - (3_343_424 - 68)} \
+            and wb["per_token"] == 3_479_812
+    else:
+        assert wb == {"all": 12_987_904, "per_token": 6_547_072}
+    assert wb["all"] <= facts["bytes"]
+
+
+def test_pagedkv_loads_and_generates_the_tiny_mla_gguf(tiny_mla_files, tmp_path, monkeypatch):
+    from pagedkv import LLM
+    from pagedkv.bench.common import greedy
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    bench_models.seed_kernels(cache)
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(cache))
+    llm = LLM(model=str(tiny_mla_files["q8_0"][0]), max_model_len=128, kv_cache_memory=64 << 20)
+    cfg = llm.engine.loaded.config
+    assert (cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) == \
+        (32, None, 32, 16, 32)  # q_lora_rank 0 in the file: one attn_q
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.num_shared_experts) == (8, 2, 64, 1)
+    assert cfg.moe_layers == [1] and cfg.moe_routing == "softmax" and cfg.intermediate_size == 128
+    outs = [llm.generate([[5, 6, 7, 8]], greedy(6), use_tqdm=False)[0].token_ids for _ in range(2)]
+    assert outs[0] == outs[1] and len(outs[0]) == 6 and all(0 <= t < 49168 for t in outs[0])
+
+
+def test_llama_bench_runs_the_tiny_mla_gguf(tiny_mla_files):
+    """llama.cpp loads and runs the file (it needs ``q_lora_rank`` for a lite model of other than
+    26/27 layers); skipped without ``make peers``."""
+    import subprocess
+
+    tool = mm.find_tool("llama-bench")
+    if tool is None:
+        pytest.skip("llama-bench not built (make peers)")
+    r = subprocess.run([tool, "-m", str(tiny_mla_files["f16"][0]), "-p", "16", "-n", "8", "-t", "2", "-r", "1",
+                        "-o", "json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(r.stdout)
+    assert [(x["n_prompt"], x["n_gen"]) for x in rows] == [(16, 0), (0, 8)] and all(x["avg_ts"] > 0 for x in rows)
 
 
 def _script(path: Path, body: str) -> str:

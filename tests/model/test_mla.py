@@ -114,7 +114,8 @@ def test_logits_equal_transformers_over_paged_latents(family):
     # the first chunk (13 rows over 13 tokens) is cheaper expanded, later chunks and decode rows absorbed
     assert rows == [{"absorbed": 0, "expanded": 13}, {"absorbed": 11, "expanded": 0}, {"absorbed": 13, "expanded": 0}] \
         + [{"absorbed": 1, "expanded": 0}] * 3
-    assert lm.model.fused_state == lm.model.native_state == "off (MLA layers run eager)"
+    assert lm.model.native_state == "off (a linear layer without integer-kernel weights)"
+    assert lm.model.step_route == "eager"
 
 
 def _check(outs, refs) -> None:
@@ -214,8 +215,9 @@ def test_quantised_latent_cache(family, kv_dtype, group, bound):
     assert diff < bound
 
 
-def test_fast_paths_are_not_selected_for_mla(family):
-    """The fused ops, the native step loop and compiled steps each say they are off, and a
+def test_fast_paths_are_not_selected_for_fp32_mla(family):
+    """fp32 weights: MLA layers have no fused form, the native step loop says why it is off (its
+    latent attention needs the integer kernels' weights: tests/model/test_native_mla.py), and a
     ``compile_decode`` engine runs every step eager (0 compiled steps) with transformers' tokens."""
     kind, hf, _, lm = family
     prompt = _prompt(30, 2)
@@ -225,7 +227,8 @@ def test_fast_paths_are_not_selected_for_mla(family):
     assert out[0].outputs[0].token_ids == ref[0][0]
     compiled = llm.engine.runner.compiled
     assert compiled.failed == "MLA layers run eager" and compiled.steps == 0
-    assert lm.model.fused_state == lm.model.native_state == "off (MLA layers run eager)"
+    assert lm.model.native_state == "off (a linear layer without integer-kernel weights)"
+    assert lm.model.step_route == "eager"
     assert lm.model._native is None and all(layer.fused is None for layer in lm.model.layers)
 
 

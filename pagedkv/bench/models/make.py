@@ -1,7 +1,8 @@
 """Random-weight GGUFs of Llama-family shapes for ``pagedkv bench models``, made offline and cached.
 
 Speed and memory do not depend on the weights' values, so each model is written with small
-normal values (std 0.02) and norms of 1.0, in llama.cpp's ``llama`` architecture, with the
+normal values (std 0.02) and norms of 1.0, in llama.cpp's ``llama`` architecture (or
+``qwen3moe``, or ``deepseek2``: :mod:`pagedkv.bench.models.deepseek2`), with the
 bundled SmolLM2 GGUF's tokenizer (``tokenizer.ggml.*``) padded to the shape's vocabulary with
 ``<|extra_N|>`` tokens of type NORMAL: plain vocabulary entries that no merge reaches, as most
 of a real 128k or 151k vocabulary is to any one text (type USER_DEFINED would make them ~80k
@@ -18,7 +19,7 @@ matrix as Q6_K instead): the file name says which maker made it (``...-ggufpy.gg
 two are never mixed up. Q4_K_M needs llama-quantize.
 
 Files are cached under ``$PAGEDKV_CACHE_DIR/models/`` (default ``~/.cache/pagedkv/models``)
-as ``random-llama-<size>-<type>[-ggufpy].gguf`` with a ``.json`` beside each (how it was made,
+as ``random-<arch>-<size>-<type>[-ggufpy].gguf`` with a ``.json`` beside each (how it was made,
 how long it took, its bytes); a file whose sidecar is missing is remade.
 """
 
@@ -35,6 +36,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
+from pagedkv.bench.models import deepseek2
+
 MAKER_VERSION = 2  # 2: the vocabulary padding is NORMAL tokens (1: USER_DEFINED)
 STD = 0.02
 CHUNK_ELEMENTS = 1 << 24  # values generated (and quantised) per chunk: 64 MiB of float32
@@ -50,7 +53,15 @@ class Shape:
     layer's MLP is ``experts`` experts of width ``expert_ffn``, ``experts_used`` routed per
     token (tensors ``ffn_gate_inp`` ``[E, H]`` F32, ``ffn_gate_exps`` / ``ffn_up_exps``
     ``[E, I, H]``, ``ffn_down_exps`` ``[E, H, I]``), and q/k norms per head (Qwen3's).
-    ``head_size`` 0 means ``hidden / heads``."""
+    ``head_size`` 0 means ``hidden / heads``.
+
+    With ``kv_lora_rank`` > 0 a DeepSeek-V2 model in llama.cpp's ``deepseek2`` architecture
+    (:mod:`pagedkv.bench.models.deepseek2`): latent attention of rank ``kv_lora_rank``
+    (``q_lora_rank`` None: one ``attn_q``, as V2-Lite), head dims ``qk_nope_dim`` +
+    ``qk_rope_dim`` / ``v_head_dim``, ``kv_heads`` 1; ``dense_layers`` dense layers (``ffn``)
+    first, then routed experts beside ``shared_experts`` shared ones (softmax gating, scale
+    ``routed_scale``). Plain rope (theta ``rope_theta``; no yarn scaling, which changes no
+    weight and no speed) and the shape's ``context``, not V2's 163,840."""
 
     name: str
     like: str
@@ -68,18 +79,31 @@ class Shape:
     experts: int = 0
     experts_used: int = 0
     expert_ffn: int = 0
+    kv_lora_rank: int = 0
+    q_lora_rank: Optional[int] = None
+    qk_nope_dim: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
+    shared_experts: int = 0
+    dense_layers: int = 0
+    routed_scale: float = 1.0
 
     @property
     def head_dim(self) -> int:
+        """The query/key head size (MLA: ``qk_nope_dim + qk_rope_dim``)."""
+        if self.kv_lora_rank:
+            return self.qk_nope_dim + self.qk_rope_dim
         return self.head_size or self.hidden // self.heads
 
     @property
     def arch(self) -> str:
-        """llama.cpp's architecture name of the file: ``llama`` or ``qwen3moe``."""
-        return "qwen3moe" if self.experts else "llama"
+        """llama.cpp's architecture name of the file: ``llama``, ``qwen3moe`` or ``deepseek2``."""
+        return deepseek2.ARCH if self.kv_lora_rank else "qwen3moe" if self.experts else "llama"
 
     def tensors(self) -> list[tuple[str, tuple[int, ...]]]:
         """``(name, numpy shape)`` of every tensor, in llama.cpp's names and order."""
+        if self.kv_lora_rank:
+            return deepseek2.tensors(self)
         h, kv, d = self.hidden, self.kv_heads * self.head_dim, self.head_dim
         out: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (self.vocab, h))]
         for i in range(self.layers):
@@ -121,6 +145,18 @@ SHAPES: dict[str, Shape] = {
     "tiny": Shape("tiny", "test-sized", 64, 2, 4, 2, 128, 49168, True),
     "tiny-moe": Shape("tiny-moe", "test-sized mixture of experts", 64, 2, 4, 2, 128, 49168, False, head_size=32,
                       experts=8, experts_used=2, expert_ffn=64),
+    # DeepSeek-V2-Lite (hidden 2048, 27 layers, 16 heads, one attn_q, kv rank 512, nope/rope/v
+    # 128/64/128, 1 dense layer of 10944, then 64 routed experts of 1408, 6 per token, and 2
+    # shared) at a third of its depth: 1 dense + 8 MoE layers, 5.18B parameters (~3 GB at 4
+    # bits), of which ~0.96B are read per token (6 of 64 experts, the shared ones, attention, the LM head)
+    "dsv2-lite": Shape("dsv2-lite", "DeepSeek-V2-Lite at a third of its depth (deepseek2 architecture)", 2048, 9, 16,
+                       1, 10944, 102400, False, rms_eps=1e-6, experts=64, experts_used=6, expert_ffn=1408,
+                       kv_lora_rank=512, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128, shared_experts=2,
+                       dense_layers=1),
+    # test-sized MLA: every row a whole number of 32-blocks (gguf-py's Q8_0 / Q4_0)
+    "tiny-mla": Shape("tiny-mla", "test-sized DeepSeek-V2-Lite form", 64, 2, 4, 1, 128, 49168, False,
+                      experts=8, experts_used=2, expert_ffn=64, kv_lora_rank=32, qk_nope_dim=32, qk_rope_dim=16,
+                      v_head_dim=32, shared_experts=1, dense_layers=1),
 }
 
 
@@ -213,8 +249,10 @@ def _writer(path: Path, shape: Shape, file_type: int, tokenizer: dict[str, tuple
     w.add_rope_freq_base(shape.rope_theta)
     w.add_layer_norm_rms_eps(shape.rms_eps)
     w.add_vocab_size(shape.vocab)
-    w.add_rope_dimension_count(shape.head_dim)
-    if shape.experts:
+    w.add_rope_dimension_count(shape.qk_rope_dim if shape.kv_lora_rank else shape.head_dim)
+    if shape.kv_lora_rank:
+        deepseek2.add_metadata(w, shape)
+    elif shape.experts:
         w.add_key_length(shape.head_dim)
         w.add_value_length(shape.head_dim)
         w.add_expert_count(shape.experts)
@@ -271,7 +309,8 @@ def _is_f32(name: str, shape: tuple[int, ...]) -> bool:
 def weight_bytes_per_token(path: str) -> dict[str, int]:
     """Bytes of weights one batch-1 decode step reads from the GGUF at ``path``, from its tensor
     table: ``{"all": every tensor's bytes, "per_token": the same with each stacked expert
-    tensor (``*_exps``) counted at ``expert_used_count / expert_count`` of its bytes, and an
+    tensor (``*_exps``) counted at ``expert_used_count / expert_count`` of its bytes (shared
+    experts ``*_shexp``, ``attn_k_b`` / ``attn_v_b`` and dense layers whole), and an
     untied token embedding at one row (a step looks up its token's row; a tied one is the LM
     head, read whole)}``. Before, ``per_token`` counted an untied embedding whole (the MoE-4B:
     87 MB of its 426), which put the read limit ~20% low and the fraction of it high."""

@@ -1,0 +1,139 @@
+"""Multi-head latent attention and DeepSeek's shared experts in the native decoder step
+(``pagedkv.model.native_step``, ``decoder.c``'s ``mla_attention`` and ``moe_ffn``).
+
+A tiny DeepSeek-V2 with greedy (not group-limited) softmax routing, 2 shared experts, a
+``q_lora_rank``, yarn RoPE and adjacent-pair rotary (DeepSeek-V2-Lite's kind of routing), and a
+tiny MiniCPM3 (dense MLA, rotate-half rotary, both branches scaled by ``scale_depth /
+sqrt(layers)``), loaded with int8 weights, run their steps in one C call. The native step takes
+every step whose sequences the Python path runs in the absorbed form (decode rows, short
+chunks): its hidden states and the latents it writes equal the per-layer Python path's to
+float rounding (the C loops sum in another order than torch's einsum), the engine's greedy
+tokens are equal, and a step the Python path runs expanded (a long prefill chunk) or a
+quantised latent cache is declined and runs per layer.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedkv import LLM, SamplingParams
+from pagedkv.attention import get_backend
+from pagedkv.attention.base import AttentionMetadata, BackendError
+from pagedkv.model.loader import load_model
+from pagedkv.model.mla import absorb
+from pagedkv.model.native_step import MLA_ROWS
+from pagedkv.testing.caches import allocate_kv_caches
+from tests.model.builders import NORM_NOISE, deepseek_model, match, prompt, save_tiny, seeded_model
+from tests.model.test_native_gemma import _calls
+from tests.model.test_native_step import _step
+
+
+def _minicpm3():
+    import transformers as tf
+
+    cfg = tf.MiniCPM3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, initializer_range=0.1, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=24, q_lora_rank=64, scale_emb=1.5, scale_depth=1.4, dim_model_base=32)
+    big = ("q_proj", "q_b_proj", "kv_a_proj", "kv_b_proj", "o_proj", "embed_tokens")
+    return seeded_model(cfg, tf.MiniCPM3ForCausalLM, [NORM_NOISE, (match(has=big), "mul", 3.0)])
+
+
+def _deepseek_v2():
+    hf = deepseek_model("deepseek_v2", v2=dict(q_lora_rank=64))  # a q_lora the int8 kernels take (K % 32)
+    hf.config.n_group, hf.config.topk_group, hf.config.topk_method = 1, 1, "greedy"
+    return hf
+
+
+@pytest.fixture(scope="module", params=["deepseek_v2", "minicpm3"])
+def mla_int8(request, tmp_path_factory):
+    hf = _deepseek_v2() if request.param == "deepseek_v2" else _minicpm3()
+    return request.param, load_model(save_tiny(hf, tmp_path_factory.mktemp(request.param)), weights="int8")
+
+
+def _caches(lm, **kw):
+    return allocate_kv_caches(lm.model, get_backend("cpu"), num_blocks=24, block_size=16, **kw)
+
+
+def _run(lm, native: bool):
+    """A prefill of two sequences (expanded at these sizes: declined), a decode step of both
+    (one crossing into its second 16-token block), a batch-1 step, a 10-token chunk over 28
+    tokens of context (absorbed, but more rows than ``MLA_ROWS``: declined), a 6-token chunk
+    (absorbed: native) and one more decode row: hidden states and the latent caches."""
+    caches = _caches(lm)
+    a, b = prompt(40, 1, high=97), [7, 90, 3]
+    tables = [[3, 7, 1], [5, 2]]
+    hs = [_step(lm, caches, [a[:16], b], [0, 0], tables, native),
+          _step(lm, caches, [[a[16]], [11]], [16, 3], tables, native),
+          _step(lm, caches, [[a[17]]], [17], tables[:1], native),
+          _step(lm, caches, [a[18:28]], [18], tables[:1], native),
+          _step(lm, caches, [a[28:34]], [28], tables[:1], native),
+          _step(lm, caches, [[a[34]]], [34], tables[:1], native)]
+    return hs, [c.key.clone() for c in caches]
+
+
+def test_mla_layers_run_natively_and_agree_with_the_python_path(mla_int8, monkeypatch):
+    kind, lm = mla_int8
+    model = lm.model
+    model.prepare_step(again=True)
+    assert model.native_state == "on" and model.step_route == "native"
+    if kind == "deepseek_v2":
+        assert [layer.mlp is not None and layer.mlp.shared is not None for layer in model.layers] == [False, True, True]
+    else:
+        assert model.layers[0].residual_scale == pytest.approx(1.4 / 3 ** 0.5)
+    a = model.layers[0].mla
+    dims = (a.num_heads, a.rank, a.nope, a.rope_dim, a.v_dim)
+    assert not absorb(16, 16, *dims) and not absorb(3, 3, *dims) and absorb(10, 28, *dims) and absorb(6, 34, *dims)
+    assert MLA_ROWS == 8
+    calls = _calls(monkeypatch)
+    hs, latents = _run(lm, native=True)
+    assert len(calls) == 4  # every step but the prefill took the C loop
+    ref_hs, ref_latents = _run(lm, native=False)
+    assert len(calls) == 4
+    for got, want in zip(hs, ref_hs):
+        assert got.abs().max() > 0.5
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for got, want in zip(latents, ref_latents):
+        assert got.abs().sum() > 0
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_engine_tokens_equal_with_and_without_the_native_step(mla_int8, monkeypatch):
+    _, lm = mla_int8
+    lm.model.prepare_step(again=True)
+    prompts = [prompt(n, n, high=97) for n in (13, 5, 9)]
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    llm = LLM(lm, block_size=4, num_blocks=64, max_num_batched_tokens=16)
+    calls = _calls(monkeypatch)
+    native = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert len(calls) >= 11  # every decode step at least
+    with monkeypatch.context() as m:
+        m.setattr(lm.model, "_native", None)
+        python = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert native == python and all(len(t) == 12 for t in native)
+
+
+def test_a_quantised_latent_cache_is_declined(mla_int8, monkeypatch):
+    """int8 latents (codes + scales) are the Python path's: the native step returns ``False``."""
+    _, lm = mla_int8
+    lm.model.prepare_step(again=True)
+    calls = _calls(monkeypatch)
+    caches = _caches(lm, dtype="int8")
+    _step(lm, caches, [[5, 6]], [0], [[0]], True)
+    h = _step(lm, caches, [[7]], [2], [[0]], True)
+    assert calls == [] and h.abs().max() > 0 and caches[0].key[0, :3].abs().sum() > 0
+
+
+def test_a_slot_past_the_cache_raises_and_writes_nothing(mla_int8):
+    _, lm = mla_int8
+    model = lm.model
+    model.prepare_step(again=True)
+    caches = allocate_kv_caches(model, get_backend("cpu"), num_blocks=2, block_size=4)
+    md = AttentionMetadata.build([1], [1], [[1]], 4)
+    md.slot_mapping[0] = 8  # 2 blocks x 4 slots
+    with pytest.raises(BackendError, match="slot"):
+        with torch.inference_mode():
+            model(torch.tensor([5]), torch.arange(1), caches, md, get_backend("cpu"))
+    assert all(c.key.abs().sum() == 0 for c in caches)
