@@ -58,6 +58,9 @@ typedef struct {
     const float *kv_b;                 /* float32 [n (nope + v), r]: per head W_UK [nope, r], W_UV [v, r] */
     int32_t n, nope, rope, v, r, ql, interleave;
     float eps;                         /* the two inner RMSNorms' eps */
+    /* per head h, W_UK^T [r, nope] and W_UV [v, r] as qweights_t (a GGUF's attn_k_b / attn_v_b as
+     * stored), multiplied in place of kv_b (int8 activations, as every qmm matmul); or NULL */
+    const void *const *k_b, *const *v_b;
 } mla_t;
 
 /* cpu_kernel.c's layer_args_t (the same fields in the same order): one step's block tables,
@@ -388,7 +391,10 @@ static int mla_attention(const decoder_t *M, const mla_t *A, const layer_args_t 
     const int hb = T >= nt ? 1 : (nt < n ? nt : n), per = (n + hb - 1) / hb;
     const int64_t ws = (int64_t)per * (2 * R + maxctx);
     float *work = malloc((size_t)(nt * ws) * sizeof(float));
-    if (!work) {
+    int *errs = calloc((size_t)(T * hb), sizeof(int));
+    if (!work || !errs) {
+        free(work);
+        free(errs);
         free(mem);
         free(rowinfo);
         return -1;
@@ -410,9 +416,14 @@ static int mla_attention(const decoder_t *M, const mla_t *A, const layer_args_t 
         for (int h = h0; h < h1; h++) { /* q_lat = W_UK^T q_nope */
             float *ql = qlat + (int64_t)(h - h0) * R;
             const float *qn = q + (t * n + h) * QK, *wuk = A->kv_b + (int64_t)h * (nope + V) * R;
+            if (A->k_b) {
+                if ((errs[it] = M->qmm(A->k_b[h], 1, qn, QK, ql, 1))) break;
+                continue;
+            }
             memset(ql, 0, (size_t)R * sizeof(float));
             for (int d = 0; d < nope; d++) axpy8(ql, qn[d], wuk + (int64_t)d * R, R);
         }
+        if (errs[it]) continue;
         for (int32_t s = 0; s < ctx; s++) {
             const float *c = cache + (int64_t)bt[s / S->bs] * S->s_blk + (int64_t)(s % S->bs) * S->s_tok;
             for (int h = h0; h < h1; h++)
@@ -434,10 +445,22 @@ static int mla_attention(const decoder_t *M, const mla_t *A, const layer_args_t 
         }
         for (int h = h0; h < h1; h++) { /* out = W_UV o_lat */
             const float *wuv = A->kv_b + ((int64_t)h * (nope + V) + nope) * R, *ol = olat + (int64_t)(h - h0) * R;
+            if (A->v_b) {
+                if ((errs[it] = M->qmm(A->v_b[h], 1, ol, R, out_t + (int64_t)h * V, 1))) break;
+                continue;
+            }
             for (int vv = 0; vv < V; vv++) out_t[(int64_t)h * V + vv] = dot8(wuv + (int64_t)vv * R, ol, R);
         }
     }
+    int err = 0;
+    for (int64_t it = 0; it < T * hb && !err; it++) err = errs[it];
+    free(errs);
     free(work);
+    if (err) {
+        free(mem);
+        free(rowinfo);
+        return err - 1000;
+    }
     free(mem);
     free(rowinfo);
     return 0;

@@ -36,7 +36,9 @@ Tensors (``blk.{i}.``): ``attn_q_a`` / ``attn_q_a_norm`` / ``attn_q_b`` or ``att
 ``attn_kv_a_mqa``, ``attn_kv_a_norm`` -> ``mla.q_a_proj`` ... (``GGUFLinear`` on the stored
 blocks for the matrices); ``attn_k_b`` + ``attn_v_b`` (re-joined) or ``attn_kv_b`` ->
 ``mla.kv_b_proj.weight`` dequantised to float32 ``[n (nope + v), r]``, which ``mla.py`` reads
-as a tensor; ``ffn_{gate,up,down}_shexp`` -> ``mlp.shared`` (gate and up fused);
+as a tensor (split files also keep ``attn_k_b`` / ``attn_v_b`` as stored, ``mla.k_b_stored`` /
+``mla.v_b_stored``: ``GGUFLinear`` of ``n r`` / ``n v`` rows, which the native step's absorbed form
+multiplies head by head, so a decode step reads their stored bytes); ``ffn_{gate,up,down}_shexp`` -> ``mlp.shared`` (gate and up fused);
 ``exp_probs_b.bias`` -> ``mlp.e_score_correction_bias`` (V3). Stacked experts and the router
 are ``gguf_moe``'s; ``attn_output`` and the dense layers' ``ffn_*`` are the generic loader's.
 
@@ -53,6 +55,8 @@ import torch
 from pagedkv.attn_layout import gguf_get
 from pagedkv.errors import ConfigError
 from pagedkv.gguf_header import GGUFTensorInfo
+from pagedkv.model.gguf_read import qtype_name
+from pagedkv.ops.qmm import GGUF_BLOCKS
 
 #: the GGUF architecture this module reads
 ARCH = "deepseek2"
@@ -187,6 +191,8 @@ class LayerParts:
             self.floats[f"layers.{i}.mla.kv_b_proj.weight"] = self.values(info)
         elif part in ("attn_k_b", "attn_v_b"):
             self.split[part] = self.values(info)
+            if self._stored_fits(part, info):  # also as stored, per head: the native step's
+                self.later(mla, part.replace("attn_", "") + "_stored", [(info, None, None)], info.name)
         elif part in _SHARED or part == "ffn_down_shexp":
             if getattr(self.layer, "mlp", None) is None or self.layer.mlp.shared is None:
                 raise ConfigError(f"weights: {info.name}: the config gives layer {i} no shared experts")
@@ -197,6 +203,13 @@ class LayerParts:
         else:
             return False
         return True
+
+    def _stored_fits(self, part: str, info: GGUFTensorInfo) -> bool:
+        """Whether ``part``'s blocks as stored can be packed (a type ``qmm.pack_gguf`` takes, rows
+        of whole kernel blocks) and cut per head (whole groups of 8 rows: ``qmm.row_blocks``)."""
+        c, qtype = self.config, qtype_name(info)
+        rows = c.kv_lora_rank if part == "attn_k_b" else c.v_head_dim
+        return qtype in GGUF_BLOCKS and info.shape[-1] % GGUF_BLOCKS[qtype][1] == 0 and rows % 8 == 0
 
     def finish(self) -> None:
         """Join ``attn_k_b`` ``[n, r, nope]`` and ``attn_v_b`` ``[n, v, r]`` into ``kv_b_proj``

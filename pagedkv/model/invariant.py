@@ -56,8 +56,13 @@ def batch_invariant(model: nn.Module) -> tuple[bool, str]:
     ``qmm`` at every row count, or padded dense layers; else ``(False, what is not)``."""
     from pagedkv.ops.qmm import ALL_ROWS
 
+    from pagedkv.model.mla import MLAttention
+
     bad: list[str] = []
     for m in model.modules():
+        if isinstance(m, MLAttention):
+            bad.append("multi-head latent attention (its absorbed or expanded form, and the native step, "
+                       "chosen by a chunk's rows)")
         if type(m) is nn.Linear:
             bad.append("dense layers (F.linear)")
         elif callable(getattr(m, "set_deterministic", None)) and not m.deterministic \

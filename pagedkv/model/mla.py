@@ -225,6 +225,10 @@ class MLAttention(nn.Module):
         self.kv_b_proj = linear_layer(self.rank, n * (self.nope + self.v_dim), False, **kw)
         #: query rows of each form the last forward ran (tests read it)
         self.rows = {"absorbed": 0, "expanded": 0}
+        #: a GGUF's ``attn_k_b`` ``[n r, nope]`` / ``attn_v_b`` ``[n v, r]`` as stored (``GGUFLinear``,
+        #: ``pagedkv.model.gguf_mla``), for the native step's absorbed form; ``None`` elsewhere
+        self.k_b_stored: Any = None
+        self.v_b_stored: Any = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: L.PagedKVCache,
                 md: AttentionMetadata) -> torch.Tensor:

@@ -228,7 +228,7 @@ def _layer_spec(layer: Any, scale: float, window: int, cap: float) -> decoder.La
             None if q_lora else a.q_proj._qmm, a.q_a_proj._qmm if q_lora else None, a.q_b_proj._qmm if q_lora else None,
             a.kv_a_proj_with_mqa._qmm, a.q_a_layernorm.weight.data_ptr() if q_lora else None,
             a.kv_a_layernorm.weight.data_ptr(), a.kv_b_proj.weight.data_ptr(), a.num_heads, a.nope, a.rope_dim,
-            a.v_dim, a.rank, a.q_a_proj._qmm.n if q_lora else 0, bool(a.interleave), INNER_NORM_EPS)
+            a.v_dim, a.rank, a.q_a_proj._qmm.n if q_lora else 0, bool(a.interleave), INNER_NORM_EPS, *_stored_heads(a))
     qn, kn = (layer.q_norm.weight.data_ptr(), layer.k_norm.weight.data_ptr()) if layer.q_norm is not None else (None, None)
     post, attn_out, mlp_out = layer.post_attention_layernorm.weight.data_ptr(), None, None
     if layer.pre_feedforward_layernorm is not None:  # sandwich norms (Gemma-2/3)
@@ -237,6 +237,22 @@ def _layer_spec(layer: Any, scale: float, window: int, cap: float) -> decoder.La
     return decoder.LayerSpec(qkv, layer.o_proj._qmm, gate_up, down, layer.input_layernorm.weight.data_ptr(), post,
                              scale, cap, window, qn, kn, moe, attn_out, mlp_out, bool(layer.local_rope), 0, mla,
                              float(layer.residual_scale))
+
+
+def _stored_heads(a: Any) -> tuple[list[Any] | None, list[Any] | None]:
+    """An MLA layer's ``attn_k_b`` / ``attn_v_b`` as stored, cut into per-head packed matrices
+    (``W_UK^T`` ``[r, nope]``, ``W_UV`` ``[v, r]``; ``qmm.row_blocks``), or ``(None, None)``:
+    decoder.c then multiplies by the float ``kv_b_proj.weight``."""
+    from pagedkv.ops import qmm
+
+    kb, vb = (getattr(m, "_qmm", None) for m in (a.k_b_stored, a.v_b_stored))
+    if kb is None or vb is None or (kb.n, kb.k, vb.n, vb.k) != (a.num_heads * a.rank, a.nope, a.num_heads * a.v_dim,
+                                                                a.rank):
+        return None, None
+    try:
+        return qmm.row_blocks(kb, a.rank), qmm.row_blocks(vb, a.v_dim)
+    except ValueError:
+        return None, None
 
 
 def _linears(layer: Any) -> list[Any]:
@@ -275,7 +291,8 @@ def _slots(model: Any) -> tuple[list[tuple[dict, Any, Any]], list[tuple[dict, li
         owners = [(layer, names)]
         if layer.mla is not None:  # the latent attention's modules (its kv_b weight is read as a tensor)
             owners += [(layer, ["mla"]), (layer.mla, ["q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
-                                                      "q_a_layernorm", "kv_a_layernorm", "kv_b_proj"])]
+                                                      "q_a_layernorm", "kv_a_layernorm", "kv_b_proj", "k_b_stored",
+                                                      "v_b_stored"])]
         if layer.mlp is not None and layer.mlp.shared is not None:
             owners += [(layer.mlp, ["shared"]), (layer.mlp.shared, ["gate_up_proj", "down_proj"])]
         for owner, owned in owners:
@@ -304,7 +321,7 @@ def _alive(layers: Sequence[Any]) -> list[Any]:
         if layer.mlp is not None:
             out += [layer.mlp.router.weight, layer.mlp.experts]
         if layer.mla is not None:
-            out.append(layer.mla.kv_b_proj.weight)
+            out += [layer.mla.kv_b_proj.weight, layer.mla.k_b_stored, layer.mla.v_b_stored]
         out += [w for w, _ in _norm_weights(layer)]
     return out + [t.untyped_storage() for t in out if isinstance(t, torch.Tensor)]
 

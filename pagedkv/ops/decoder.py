@@ -35,7 +35,8 @@ class _MLA(ctypes.Structure):
     _fields_ = [("q", ctypes.c_void_p), ("q_a", ctypes.c_void_p), ("q_b", ctypes.c_void_p), ("kv_a", ctypes.c_void_p),
                 ("q_a_norm", ctypes.c_void_p), ("kv_a_norm", ctypes.c_void_p), ("kv_b", ctypes.c_void_p)] + [
                 (n, ctypes.c_int32) for n in ("n", "nope", "rope", "v", "r", "ql", "interleave")] + [
-                ("eps", ctypes.c_float)]
+                ("eps", ctypes.c_float), ("k_b", ctypes.POINTER(ctypes.c_void_p)),
+                ("v_b", ctypes.POINTER(ctypes.c_void_p))]
 
 
 class _Layer(ctypes.Structure):
@@ -113,7 +114,9 @@ class MLASpec:
     """One multi-head latent attention for ``decoder.c`` (``pagedkv.model.mla``): packed ``q``
     (or ``q_a`` + ``q_b`` with ``q_a_norm``'s address) and ``kv_a``; the addresses of the
     float32 ``kv_a_norm`` ``[r]`` and ``kv_b`` ``[n (nope + v), r]``; the sizes, the rotary
-    pairing and the inner norms' eps."""
+    pairing and the inner norms' eps; ``k_b`` / ``v_b``: per head the packed ``W_UK^T`` ``[r,
+    nope]`` and ``W_UV`` ``[v, r]`` (a GGUF's ``attn_k_b`` / ``attn_v_b`` as stored), multiplied in
+    place of ``kv_b``, or ``None``."""
 
     q: Any
     q_a: Any
@@ -130,6 +133,8 @@ class MLASpec:
     ql: int
     interleave: bool
     eps: float
+    k_b: Sequence[Any] | None = None
+    v_b: Sequence[Any] | None = None
 
 
 @dataclass
@@ -175,7 +180,7 @@ class DecoderStep:
         self._layers = (_Layer * len(layers))()
         #: index of an MoE layer -> its (gate_up, down) expert pointer arrays
         self.experts: dict[int, Any] = {}
-        self._keep: list[_MoE] = []
+        self._keep: list[Any] = []
         for idx, (s, spec) in enumerate(zip(self._layers, layers)):
             mats = [spec.qkv, spec.o] + ([spec.gate_up, spec.down] if spec.moe is None else [])
             lin = [None if m is None else qmm_struct_addr(m) for m in mats]
@@ -210,8 +215,11 @@ class DecoderStep:
 
     def _mla(self, a: MLASpec) -> _MLA:
         ptr = [None if w is None else qmm_struct_addr(w) for w in (a.q, a.q_a, a.q_b, a.kv_a)]
+        heads = [None if ws is None else (ctypes.c_void_p * len(ws))(*(qmm_struct_addr(w) for w in ws))
+                 for ws in (a.k_b, a.v_b)]
+        self._keep += [a, heads]  # the per-head matrices and their pointer arrays
         self._keep.append(_MLA(*ptr, a.q_a_norm, a.kv_a_norm, a.kv_b, a.n, a.nope, a.rope, a.v, a.r, a.ql,
-                               int(a.interleave), a.eps))
+                               int(a.interleave), a.eps, *heads))
         return self._keep[-1]
 
     def set_caches(self, ptrs: Sequence[int]) -> None:

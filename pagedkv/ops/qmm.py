@@ -288,6 +288,30 @@ def pack_gguf_rows(qtype: str, n: int, k: int, read: Callable[[int, int], np.nda
     return Packed(4 if qtype == "Q4_1" else 100 + ggml_id, n, k, out, bias=bias)
 
 
+#: formats whose packed codes (and int8 scales) hold each group of 8 rows contiguously, in row order
+_ROW_GROUPED = frozenset({4, 8} | {100 + ggml_id for ggml_id, _, _ in GGUF_BLOCKS.values()})  # int4, int8, GGUF
+
+
+def row_blocks(packed: Packed, rows: int) -> list[Packed]:
+    """``packed`` ``[N, K]`` cut into ``N / rows`` :class:`Packed` of ``rows`` rows each, views of
+    its memory (no copy; each keeps ``packed``'s tensors alive): block ``i`` holds rows ``i rows ..
+    (i + 1) rows - 1`` (a multi-head matrix stored head after head, one block per head). Raises
+    ``ValueError`` for ``rows`` not a positive multiple of 8 dividing ``N``, a bias, or a format
+    whose codes are not grouped by rows (bf16, a concatenation)."""
+    n = packed.n
+    if rows <= 0 or rows % 8 or n % rows or packed.bias is not None or packed.fmt not in _ROW_GROUPED \
+            or packed.codes is None:
+        raise ValueError(f"row_blocks: cannot cut {n} rows of format {packed.fmt} into blocks of {rows}")
+    per = packed.codes.numel() // n  # code elements per row
+    codes = packed.codes.reshape(-1)
+    out = []
+    for i in range(n // rows):
+        scale = None if packed.scale is None else packed.scale[i * rows:(i + 1) * rows]
+        out.append(Packed(packed.fmt, rows, packed.k, codes[i * rows * per:(i + 1) * rows * per], scale))
+        out[-1].owner = packed
+    return out
+
+
 def concat_packed(parts: Sequence[Packed]) -> Packed:
     """Packed weights side by side: ``y[:, off_i : off_i + N_i]`` = part ``i``'s output, one
     call quantising the activations once (e.g. a fused q/k/v whose parts a GGUF stores in

@@ -137,3 +137,54 @@ def test_a_slot_past_the_cache_raises_and_writes_nothing(mla_int8):
         with torch.inference_mode():
             model(torch.tensor([5]), torch.arange(1), caches, md, get_backend("cpu"))
     assert all(c.key.abs().sum() == 0 for c in caches)
+
+
+@pytest.fixture(scope="module")
+def tiny_mla_gguf(tmp_path_factory):
+    """``pagedkv bench models``' test-sized ``deepseek2`` shape (1 dense + 1 MoE layer with a
+    shared expert, 4 heads, r 32, nope / rope / v 32 / 16 / 32), random Q8_0 weights."""
+    from pagedkv.bench.models import make as mm
+
+    path = tmp_path_factory.mktemp("tiny-mla") / "tiny-mla-q8_0.gguf"
+    mm.write_random_gguf(path, mm.SHAPES["tiny-mla"], "q8_0")
+    return load_model(path, weights="gguf")
+
+
+def test_gguf_mla_multiplies_attn_k_b_and_v_b_as_stored(tiny_mla_gguf, monkeypatch):
+    """A GGUF's ``attn_k_b`` / ``attn_v_b`` are kept as stored beside the float ``kv_b_proj``;
+    the native step multiplies them head by head (``qmm.row_blocks``, int8 activations), so a
+    decode step reads their stored bytes: its hidden states stay within the activations'
+    rounding of the Python path's (float ``kv_b``), and without the stored matrices (the step
+    rebuilt: ``stale``) it multiplies the float ``kv_b`` and agrees to float rounding."""
+    from pagedkv.model.native_step import _stored_heads
+
+    model = tiny_mla_gguf.model
+    model.prepare_step(again=True)
+    assert model.native_state == "on"
+    for layer in model.layers:
+        a = layer.mla
+        assert (a.k_b_stored.out_features, a.v_b_stored.out_features) == (4 * 32, 4 * 32)
+        kb, vb = _stored_heads(a)
+        assert [(m.n, m.k) for m in kb] == [(32, 32)] * 4 and [(m.n, m.k) for m in vb] == [(32, 32)] * 4
+    calls = _calls(monkeypatch)
+    stored, _ = _run(tiny_mla_gguf, native=True)
+    python, _ = _run(tiny_mla_gguf, native=False)
+    for layer in model.layers:
+        layer.mla.k_b_stored = layer.mla.v_b_stored = None
+    floats, _ = _run(tiny_mla_gguf, native=True)
+    assert len(calls) == 8  # 4 native steps (module doc of _run) in each native run
+    for s, p, f in zip(stored, python, floats):
+        scale = p.abs().max()
+        assert scale > 0.1
+        assert (s - p).abs().max() < 2e-2 * scale  # int8 activations into the stored blocks
+        torch.testing.assert_close(f, p, rtol=1e-5, atol=1e-5 * scale)
+    assert any(not torch.equal(s, f) for s, f in zip(stored, floats))  # the stored route was taken
+
+
+def test_mla_models_say_they_are_not_batch_invariant(tiny_mla_gguf):
+    """The start-up log's batch-invariance answer (docs/determinism.md) names MLA: its form, and
+    whether the native step runs, follow each chunk's rows."""
+    from pagedkv.model.invariant import batch_invariant
+
+    ok, why = batch_invariant(tiny_mla_gguf.model)
+    assert not ok and why.startswith("multi-head latent attention (its absorbed or expanded form")

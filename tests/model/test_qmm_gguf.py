@@ -360,3 +360,24 @@ def test_the_bundled_q4_k_m_tensors(gemma3_gguf):
         assert torch.equal(ops.dequantize(packed), torch.from_numpy(w))
         check_linear(ops, packed, dc, off, w, torch.randn(3, k, generator=g), None)
     assert seen == {"Q4_K", "Q6_K", "Q8_0"}
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0", "Q4_K"])
+def test_row_blocks_are_views_that_multiply_as_the_whole_matrix(ops, qtype):  # noqa: F811
+    """``qmm.row_blocks``: a stacked per-head matrix ``[4 x 16, K]`` cut into 4 views of 16 rows;
+    each block's product is the whole matrix's 16 columns bit for bit (one activation row, as the
+    native step's absorbed MLA multiplies head by head), and no memory is copied."""
+    k = 256
+    w = ops.pack_gguf(qtype, random_blocks(qtype, 64, k, seed=5), k)
+    blocks = qmm.row_blocks(w, 16)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(1))
+    whole = ops.linear(x, w)
+    assert len(blocks) == 4 and all((b.n, b.k, b.fmt) == (16, k, w.fmt) for b in blocks)
+    for i, b in enumerate(blocks):
+        assert b.codes.data_ptr() == w.codes.data_ptr() + i * w.codes.numel() // 4
+        assert torch.equal(ops.linear(x, b), whole[:, 16 * i:16 * (i + 1)])
+    for rows in (12, 24, 0):
+        with pytest.raises(ValueError, match="row_blocks"):
+            qmm.row_blocks(w, rows)
+    with pytest.raises(ValueError, match="row_blocks"):
+        qmm.row_blocks(qmm.pack_bf16(torch.randn(64, k).bfloat16()), 16)
