@@ -337,7 +337,7 @@ static int mla_attention(const decoder_t *M, const mla_t *A, const layer_args_t 
                          float *cache, const float *cos_t, const float *sin_t, float scale, float *o) {
     const int64_t H = M->hidden;
     const int n = A->n, nope = A->nope, rp = A->rope, V = A->v, R = A->r, D = R + rp, QK = nope + rp;
-    if (S->kdt != 0 || S->d != D || S->hkv != 1 || rp > 512 || rp % 2) return -2;
+    if (S->kdt != 0 || S->d != D || S->hkv != 1 || rp > 512 || rp % 2 || S->n_tokens != T) return -2;
     for (int i = 0; i < S->n_tokens; i++)
         if (S->slots[i] >= S->num_slots) return -4;
     const int64_t QL = A->q ? 0 : A->ql;
@@ -510,12 +510,12 @@ int pagedkv_decoder_forward(const decoder_t *M, const void *const *attn_args, in
             o_width = (int64_t)L->mla->n * L->mla->v;
             rc = mla_attention(M, L->mla, (const layer_args_t *)attn_args[L->group], T, x, (float *)L->k_cache,
                                cos_t, sin_t, L->scale, o);
-            if (rc <= -1000) {
+            if (rc <= -1000) { /* a matmul's code */
                 rc += 1000;
                 break;
             }
-            if (rc) {
-                rc -= ATTN_ERR;
+            if (rc) { /* -1: no memory (as the loop's own); -2, -4: the attention codes */
+                if (rc != -1) rc -= ATTN_ERR;
                 break;
             }
         } else {

@@ -17,7 +17,8 @@ experts not yet read keep it off), or whose layers are all multi-head latent att
 (``pagedkv.model.mla``: MiniCPM3, DeepSeek-V2; decoder.c's ``mla_attention`` runs the absorbed
 form, so a step is taken only while every sequence has at most ``MLA_ROWS`` rows and the absorbed
 form is its cheaper one, over float32 latent caches, ``CPUBackend.latent_step_args``; its
-results equal the Python path's to float rounding, not bit for bit) with every linear on the
+results equal the Python path's to float rounding, not bit for bit, and to the int8
+activations' rounding where a GGUF's ``attn_k_b`` / ``attn_v_b`` are multiplied as stored) with every linear on the
 integer kernels (``QuantLinear.qmm_rows`` above the step's rows), one attention metadata for
 all layers or one per KV layer group (hybrid sliding-window caches), a backend that declares ``native_step`` in its capabilities
 (``pagedkv.attention.cpu.CPUBackend``) and gives kernel arguments for the step, and no profiler running (profiles keep the per-layer
@@ -96,6 +97,8 @@ class NativeDecoder:
                 return None, "off (a layer outside the fused path)"
             if set(layer.attn_options) - {"sliding_window", "logits_soft_cap"}:
                 return None, "off (attention options beyond window/soft-cap)"
+            if mla and not 0 < layer.mla.rope_dim <= 512:
+                return None, "off (an MLA rope width decoder.c does not take: above 512)"
             if layer.mlp is not None and not layer.mlp.native_ok:
                 return None, "off (an MoE layer outside the native path: sigmoid/group routing or biased experts)"
             if any(m is None for m in _experts(layer)):
@@ -161,6 +164,8 @@ class NativeDecoder:
             for m, caches in zip(group_md, group_caches):
                 seq_lens, q_lens, _ = lists_of(m)
                 a = backend.latent_step_args(caches[0], m, t)
+                if a is not None and a.d != r + rp:  # another latent width than the layers'
+                    return False
                 if a is None or any(ql and (ql > MLA_ROWS or not self._absorb(ql, sl, n, r, nope, rp, v))
                                     for sl, ql in zip(seq_lens, q_lens)) or any(
                                     c.key.shape != caches[0].key.shape or c.key.stride() != caches[0].key.stride()

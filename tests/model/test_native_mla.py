@@ -41,8 +41,13 @@ def _minicpm3():
     return seeded_model(cfg, tf.MiniCPM3ForCausalLM, [NORM_NOISE, (match(has=big), "mul", 3.0)])
 
 
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+        "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}
+
+
 def _deepseek_v2():
-    hf = deepseek_model("deepseek_v2", v2=dict(q_lora_rank=64))  # a q_lora the int8 kernels take (K % 32)
+    # a q_lora the int8 kernels take (K % 32); yarn: cos/sin and the softmax scale carry its factors
+    hf = deepseek_model("deepseek_v2", v2=dict(q_lora_rank=64), rope_parameters=YARN)
     hf.config.n_group, hf.config.topk_group, hf.config.topk_method = 1, 1, "greedy"
     return hf
 
@@ -81,6 +86,8 @@ def test_mla_layers_run_natively_and_agree_with_the_python_path(mla_int8, monkey
     assert model.native_state == "on" and model.step_route == "native"
     if kind == "deepseek_v2":
         assert [layer.mlp is not None and layer.mlp.shared is not None for layer in model.layers] == [False, True, True]
+        a = model.layers[0].mla  # yarn: the softmax scale times mscale^2 (and cos/sin times its factor)
+        assert model.config.rope_scaling["rope_type"] == "yarn" and a.scale > 1.01 * (a.nope + a.rope_dim) ** -0.5
     else:
         assert model.layers[0].residual_scale == pytest.approx(1.4 / 3 ** 0.5)
     a = model.layers[0].mla
@@ -126,17 +133,39 @@ def test_a_quantised_latent_cache_is_declined(mla_int8, monkeypatch):
     assert calls == [] and h.abs().max() > 0 and caches[0].key[0, :3].abs().sum() > 0
 
 
-def test_a_slot_past_the_cache_raises_and_writes_nothing(mla_int8):
+def test_a_slot_past_the_cache_raises_and_writes_nothing(mla_int8, monkeypatch):
+    """A decode row (absorbed: the native step takes it) whose slot is past the cache: decoder.c
+    checks every slot before it writes (-4), the step raises ``BackendError``, no latent written."""
     _, lm = mla_int8
     model = lm.model
     model.prepare_step(again=True)
+    a = model.layers[0].mla
+    assert absorb(1, 3, a.num_heads, a.rank, a.nope, a.rope_dim, a.v_dim)
+    calls = _calls(monkeypatch)
     caches = allocate_kv_caches(model, get_backend("cpu"), num_blocks=2, block_size=4)
-    md = AttentionMetadata.build([1], [1], [[1]], 4)
+    md = AttentionMetadata.build([3], [1], [[1]], 4)
     md.slot_mapping[0] = 8  # 2 blocks x 4 slots
     with pytest.raises(BackendError, match="slot"):
         with torch.inference_mode():
-            model(torch.tensor([5]), torch.arange(1), caches, md, get_backend("cpu"))
-    assert all(c.key.abs().sum() == 0 for c in caches)
+            model(torch.tensor([5]), torch.tensor([2]), caches, md, get_backend("cpu"))
+    assert len(calls) == 1 and all(c.key.abs().sum() == 0 for c in caches)
+
+
+def test_native_mla_gives_the_same_bits_on_one_and_two_threads(mla_int8):
+    """With fewer rows than threads decoder.c splits each row's heads among the threads; every
+    head is computed alike either way, so the hidden states and latents are bit-equal."""
+    _, lm = mla_int8
+    lm.model.prepare_step(again=True)
+    before = torch.get_num_threads()
+    runs = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            runs.append(_run(lm, native=True))
+    finally:
+        torch.set_num_threads(before)
+    for x, y in zip(runs[0][0] + runs[0][1], runs[1][0] + runs[1][1]):
+        assert torch.equal(x, y)
 
 
 @pytest.fixture(scope="module")

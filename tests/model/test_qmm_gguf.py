@@ -362,19 +362,28 @@ def test_the_bundled_q4_k_m_tensors(gemma3_gguf):
     assert seen == {"Q4_K", "Q6_K", "Q8_0"}
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0", "Q4_K"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K", "F16", "int8"])
 def test_row_blocks_are_views_that_multiply_as_the_whole_matrix(ops, qtype):  # noqa: F811
-    """``qmm.row_blocks``: a stacked per-head matrix ``[4 x 16, K]`` cut into 4 views of 16 rows;
+    """``qmm.row_blocks``: a stacked per-head matrix ``[4 x 16, K]`` cut into 4 views of 16 rows
+    (every format it takes: GGUF blocks, Q4_1's int4 layout, F16, int8 codes with per-row scales);
     each block's product is the whole matrix's 16 columns bit for bit (one activation row, as the
     native step's absorbed MLA multiplies head by head), and no memory is copied."""
     k = 256
-    w = ops.pack_gguf(qtype, random_blocks(qtype, 64, k, seed=5), k)
+    if qtype == "int8":
+        g = torch.Generator().manual_seed(5)
+        w = qmm.pack_int8(torch.randint(-127, 128, (64, k), generator=g, dtype=torch.int8), torch.rand(64, generator=g))
+    elif qtype == "F16":
+        w = ops.pack_gguf(qtype, (np.random.default_rng(5).standard_normal((64, k)) * 0.1).astype(np.float16)
+                          .view(np.uint8), k)
+    else:
+        w = ops.pack_gguf(qtype, random_blocks(qtype, 64, k, seed=5), k)
     blocks = qmm.row_blocks(w, 16)
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(1))
     whole = ops.linear(x, w)
     assert len(blocks) == 4 and all((b.n, b.k, b.fmt) == (16, k, w.fmt) for b in blocks)
     for i, b in enumerate(blocks):
-        assert b.codes.data_ptr() == w.codes.data_ptr() + i * w.codes.numel() // 4
+        assert b.codes.data_ptr() == w.codes.data_ptr() + i * w.codes.nbytes // 4
+        assert w.scale is None or b.scale.data_ptr() == w.scale.data_ptr() + i * 16 * 4
         assert torch.equal(ops.linear(x, b), whole[:, 16 * i:16 * (i + 1)])
     for rows in (12, 24, 0):
         with pytest.raises(ValueError, match="row_blocks"):
