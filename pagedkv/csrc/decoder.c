@@ -36,7 +36,7 @@ typedef void (*head_norm_fn)(int64_t T, int nh, int d, void *x, int64_t xs, int 
 typedef int (*attend_fn)(const void *S, const void *q, const void *k_new, const void *v_new, void *k, void *v,
                          void *out, float scale, int window, float softcap);
 
-/* A mixture-of-experts FFN (pagedkv/model/moe.py, softmax routing without expert groups). */
+/* A mixture-of-experts FFN (pagedkv/model/moe.py, softmax or sigmoid routing without expert groups). */
 typedef struct {
     const float *router;                      /* [E, H] float32 */
     const void *const *gate_up, *const *down; /* E qweights_t each: [2 I, H] (gate rows, up rows), [H, I] */
@@ -47,6 +47,10 @@ typedef struct {
      * added after the routed experts; NULL when none */
     const void *shared_gate_up, *shared_down;
     int64_t shared_inter;                     /* S */
+    /* 1: DeepSeek-V3's sigmoid routing: s = sigmoid(logit), the top_k of s + bias[e] chosen (bias:
+     * e_score_correction_bias [E] float32), weighted by s, renormalised by sum + 1e-20; 0: softmax */
+    int32_t sigmoid;
+    const float *bias;
 } moe_t;
 
 /* Multi-head latent attention (pagedkv/model/mla.py), n heads, latent rank r, per head nope +
@@ -209,20 +213,28 @@ static int moe_ffn(const decoder_t *M, const moe_t *E, int64_t T, const float *x
     }
     for (int64_t t = 0; t < T; t++) {
         float *p = prob + t * NE, mx = -INFINITY, sum = 0.0f;
-        for (int e = 0; e < NE; e++)
-            if (p[e] > mx) mx = p[e];
-        for (int e = 0; e < NE; e++) sum += (p[e] = expf(p[e] - mx));
-        for (int e = 0; e < NE; e++) p[e] /= sum;
+        if (E->sigmoid) { /* scores s = sigmoid(logit); the choice on s + bias */
+            for (int e = 0; e < NE; e++) p[e] = 1.0f / (1.0f + expf(-p[e]));
+        } else {
+            for (int e = 0; e < NE; e++)
+                if (p[e] > mx) mx = p[e];
+            for (int e = 0; e < NE; e++) sum += (p[e] = expf(p[e] - mx));
+            for (int e = 0; e < NE; e++) p[e] /= sum;
+        }
         float wsum = 0.0f;
         for (int e = 0; e < NE; e++) taken[e] = 0;
         for (int s = 0; s < K; s++) { /* the s-th largest not yet chosen */
             int best = -1;
-            for (int e = 0; e < NE; e++)
-                if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
+            float bv = 0.0f;
+            for (int e = 0; e < NE; e++) {
+                const float v = E->sigmoid && E->bias ? p[e] + E->bias[e] : p[e];
+                if (!taken[e] && (best < 0 || v > bv)) best = e, bv = v;
+            }
             taken[best] = 1;
             ids[t * K + s] = best;
             wsum += (wsel[t * K + s] = p[best]);
         }
+        if (E->sigmoid) wsum += 1e-20f;
         for (int s = 0; s < K; s++) {
             if (E->norm_topk) wsel[t * K + s] /= wsum;
             if (E->scaling != 1.0f) wsel[t * K + s] *= E->scaling;

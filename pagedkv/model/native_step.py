@@ -10,8 +10,9 @@ same results bit for bit (tests/model/test_native_step.py).
 
 It runs only where that path would run those kernels: a float32 Llama-family model on the
 CPU whose layers are all fusable (q/k norms as Qwen3's and Gemma-3's; sandwich norms and the
-local RoPE table of Gemma-2/3's sliding layers; an MoE layer with softmax routing without expert
-groups, ``MoE.native_ok``, whose FFN decoder.c runs: router, top-k, each routed expert's matmuls,
+local RoPE table of Gemma-2/3's sliding layers; an MoE layer with softmax (or DeepSeek-V3's
+biased sigmoid) routing without expert groups, ``MoE.native_ok``, whose FFN decoder.c runs:
+router, top-k, each routed expert's matmuls,
 in ``pagedkv.model.moe``'s order, then DeepSeek's shared experts; every expert read, so lazy
 experts not yet read keep it off), or whose layers are all multi-head latent attention
 (``pagedkv.model.mla``: MiniCPM3, DeepSeek-V2; decoder.c's ``mla_attention`` runs the absorbed
@@ -100,7 +101,7 @@ class NativeDecoder:
             if mla and not 0 < layer.mla.rope_dim <= 512:
                 return None, "off (an MLA rope width decoder.c does not take: above 512)"
             if layer.mlp is not None and not layer.mlp.native_ok:
-                return None, "off (an MoE layer outside the native path: sigmoid/group routing or biased experts)"
+                return None, "off (an MoE layer outside the native path: expert groups or biased experts)"
             if any(m is None for m in _experts(layer)):
                 return None, "off (lazy experts not all read yet)"
             lin = _linears(layer) + _experts(layer)
@@ -221,7 +222,8 @@ def _layer_spec(layer: Any, scale: float, window: int, cap: float) -> decoder.La
         moe = decoder.MoESpec(mlp.router.weight.data_ptr(), [m._qmm for m in ex[0::2]], [m._qmm for m in ex[1::2]],
                               spec.intermediate_size, spec.top_k, bool(spec.norm_topk_prob),
                               spec.hidden_act == "gelu_pytorch_tanh", spec.routed_scaling_factor, shared,
-                              0 if mlp.shared is None else mlp.shared.intermediate_size)
+                              0 if mlp.shared is None else mlp.shared.intermediate_size, spec.routing == "sigmoid",
+                              None if mlp.e_score_correction_bias is None else mlp.e_score_correction_bias.data_ptr())
     else:
         gate_up, down = layer.gate_up_proj._qmm, layer.down_proj._qmm
     a = layer.mla
@@ -309,7 +311,8 @@ def _slots(model: Any) -> tuple[list[tuple[dict, Any, Any]], list[tuple[dict, li
         if layer.mlp is not None:
             mlp = layer.mlp
             slots += [(mlp._modules, "router", mlp.router), (mlp.router._parameters, "weight", mlp.router.weight),
-                      (mlp._modules, "experts", mlp.experts)]
+                      (mlp._modules, "experts", mlp.experts),
+                      (mlp._parameters, "e_score_correction_bias", mlp._parameters.get("e_score_correction_bias"))]
             lists.append((mlp.experts._modules, list(mlp.experts._modules.values())))
     return slots, lists
 
@@ -324,7 +327,7 @@ def _alive(layers: Sequence[Any]) -> list[Any]:
         for m in _linears(layer) + _experts(layer):
             out += [m, getattr(m, "_qmm", None)]
         if layer.mlp is not None:
-            out += [layer.mlp.router.weight, layer.mlp.experts]
+            out += [layer.mlp.router.weight, layer.mlp.experts, layer.mlp.e_score_correction_bias]
         if layer.mla is not None:
             out += [layer.mla.kv_b_proj.weight, layer.mla.k_b_stored, layer.mla.v_b_stored]
         out += [w for w, _ in _norm_weights(layer)]
@@ -369,8 +372,11 @@ def _shapes_fit(layer: Any) -> bool:
             si = layer.mlp.shared.intermediate_size
             want += [(2 * si, h), (h, si)]
         want += [(2 * ie, h), (h, ie)] * spec.num_experts
-        router = layer.mlp.router.weight
+        router, bias = layer.mlp.router.weight, layer.mlp.e_score_correction_bias
         if router.dtype != torch.float32 or not router.is_contiguous() or router.shape != (spec.num_experts, h):
+            return False
+        if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()
+                                 or bias.shape != (spec.num_experts,)):
             return False
     if [(m._qmm.n, m._qmm.k) for m in _linears(layer) + _experts(layer)] != want:
         return False

@@ -28,7 +28,7 @@ class _MoE(ctypes.Structure):
                 ("down", ctypes.POINTER(ctypes.c_void_p)), ("inter", ctypes.c_int64), ("num_experts", ctypes.c_int32),
                 ("top_k", ctypes.c_int32), ("norm_topk", ctypes.c_int32), ("gelu", ctypes.c_int32),
                 ("scaling", ctypes.c_float), ("shared_gate_up", ctypes.c_void_p), ("shared_down", ctypes.c_void_p),
-                ("shared_inter", ctypes.c_int64)]
+                ("shared_inter", ctypes.c_int64), ("sigmoid", ctypes.c_int32), ("bias", ctypes.c_void_p)]
 
 
 class _MLA(ctypes.Structure):
@@ -95,7 +95,8 @@ class MoESpec:
     expert's packed ``gate_up`` and ``down`` weights (``pagedkv.ops.qmm`` objects), the experts'
     intermediate size, top-k, whether the top-k weights are renormalised, GELU (else SiLU) and
     the routed scaling factor; DeepSeek's shared experts as one packed ``(gate_up, down)`` pair
-    of width ``shared_inter``, or ``None``."""
+    of width ``shared_inter``, or ``None``; ``sigmoid``: DeepSeek-V3's sigmoid routing, its
+    choice biased by ``bias`` (the address of ``e_score_correction_bias``, float32 ``[E]``)."""
 
     router: int
     gate_up: Sequence[Any]
@@ -107,6 +108,8 @@ class MoESpec:
     scaling: float
     shared: tuple[Any, Any] | None = None
     shared_inter: int = 0
+    sigmoid: bool = False
+    bias: int | None = None
 
 
 @dataclass
@@ -210,7 +213,7 @@ class DecoderStep:
         self.experts[idx] = (gate_up, down)
         sg, sd = (None, None) if m.shared is None else (qmm_struct_addr(w) for w in m.shared)
         self._keep.append(_MoE(m.router, gate_up, down, m.inter, n, m.top_k, int(m.norm_topk), int(m.gelu), m.scaling,
-                               sg, sd, m.shared_inter))
+                               sg, sd, m.shared_inter, int(m.sigmoid), m.bias))
         return self._keep[-1]
 
     def _mla(self, a: MLASpec) -> _MLA:

@@ -3,8 +3,9 @@
 
 A tiny DeepSeek-V2 with greedy (not group-limited) softmax routing, 2 shared experts, a
 ``q_lora_rank``, yarn RoPE and adjacent-pair rotary (DeepSeek-V2-Lite's kind of routing), and a
-tiny MiniCPM3 (dense MLA, rotate-half rotary, both branches scaled by ``scale_depth /
-sqrt(layers)``), loaded with int8 weights, run their steps in one C call. The native step takes
+tiny DeepSeek-V3 in one expert group (sigmoid routing whose choice a bias steers, as
+Moonlight-16B-A3B routes), and a tiny MiniCPM3 (dense MLA, rotate-half rotary, both branches
+scaled by ``scale_depth / sqrt(layers)``), loaded with int8 weights, run their steps in one C call. The native step takes
 every step whose sequences the Python path runs in the absorbed form (decode rows, short
 chunks): its hidden states and the latents it writes equal the per-layer Python path's to
 float rounding (the C loops sum in another order than torch's einsum), the engine's greedy
@@ -52,9 +53,17 @@ def _deepseek_v2():
     return hf
 
 
-@pytest.fixture(scope="module", params=["deepseek_v2", "minicpm3"])
+def _deepseek_v3():
+    """The tiny DeepSeek-V3 (sigmoid routing with a random choice bias, 1 shared expert, no
+    ``q_lora_rank``, ``rope_interleave``) in one expert group, as Moonlight-16B-A3B routes."""
+    hf = deepseek_model("deepseek_v3")
+    hf.config.n_group, hf.config.topk_group = 1, 1
+    return hf
+
+
+@pytest.fixture(scope="module", params=["deepseek_v2", "deepseek_v3", "minicpm3"])
 def mla_int8(request, tmp_path_factory):
-    hf = _deepseek_v2() if request.param == "deepseek_v2" else _minicpm3()
+    hf = {"deepseek_v2": _deepseek_v2, "deepseek_v3": _deepseek_v3, "minicpm3": _minicpm3}[request.param]()
     return request.param, load_model(save_tiny(hf, tmp_path_factory.mktemp(request.param)), weights="int8")
 
 
@@ -88,6 +97,10 @@ def test_mla_layers_run_natively_and_agree_with_the_python_path(mla_int8, monkey
         assert [layer.mlp is not None and layer.mlp.shared is not None for layer in model.layers] == [False, True, True]
         a = model.layers[0].mla  # yarn: the softmax scale times mscale^2 (and cos/sin times its factor)
         assert model.config.rope_scaling["rope_type"] == "yarn" and a.scale > 1.01 * (a.nope + a.rope_dim) ** -0.5
+    elif kind == "deepseek_v3":
+        moe = [layer.mlp for layer in model.layers[1:]]
+        assert all(m.spec.routing == "sigmoid" and m.spec.n_group == 1 and m.native_ok for m in moe)
+        assert all(m.e_score_correction_bias.abs().max() > 0.1 for m in moe)  # the bias steers the choice
     else:
         assert model.layers[0].residual_scale == pytest.approx(1.4 / 3 ** 0.5)
     a = model.layers[0].mla
