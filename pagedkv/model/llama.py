@@ -446,7 +446,7 @@ class LlamaForCausalLM(nn.Module):
         if self.step_route == "native":  # the steps decoder.c declines run per layer
             native = self._native_decoder()
             if native is not None and native.run(residual, rope, kv_caches, attn_metadata, backend):
-                return self._final_norm(residual, self.layers[-1].fused)
+                return self._final_norm(residual, native.fused_ops)  # the C norm (MLA layers have no fused ops)
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):  # fused where a layer has the ops
             cos, sin = rope[1 if layer.local_rope else 0]
             layer(residual, cos, sin, cache, attn_metadata[i] if per_layer else attn_metadata, backend)

@@ -58,6 +58,7 @@ class NativeDecoder:
         layers = model.layers
         first = layers[0]
         self.model, self._fn = model, fn
+        self.fused_ops = fused_ops  # pagedkv.ops.fused_ops: also the model's final norm after a native step
         self._prepared = quant.PREPARED  # the weights' buffers this was built on (a re-prepare: stale)
         # what the C structs point into, kept alive (an expert matrix replaced in place stays valid)
         self._alive = _alive(layers)
