@@ -151,7 +151,9 @@ def test_switched_off_a_first_load_packs_into_plain_memory(bundled_gguf, tmp_pat
     lm = load_model(bundled_gguf, weights="gguf", cache_dir=tmp_path, use_cache=False)
     small = dict(lm.model.named_modules())["layers.29.down_proj"].packed.codes  # 1.7 MB: below the packer's own advice
     vma = _vma(small.data_ptr())
-    assert vma["path"] == "" and vma["eligible"] == int(THP == "always")
+    # plain process memory: an anonymous mapping, or the brk heap where glibc's malloc, whose
+    # mmap threshold grows with the process's earlier frees, served it from there
+    assert vma["path"] in ("", "[heap]") and vma["eligible"] == int(THP == "always"), vma
 
 
 def test_a_cpu_kv_cache_is_zero_on_its_own_advised_mapping(monkeypatch):
