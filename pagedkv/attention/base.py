@@ -187,7 +187,7 @@ class AttentionBackend(Protocol):
     sliding_window=None, logits_soft_cap=None)``, ``write_kv`` then ``forward`` in one call
     (same results and errors); ``native_step_args(query, key, value, kv_caches, metadata)``,
     the attention kernel's prepared arguments for ``pagedkv.model.native_step``, and
-    ``latent_step_args(kv_cache, metadata, num_tokens)``, those of an MLA latent cache;
+    ``latent_step_args(kv_caches, metadata, num_tokens)``, those of an MLA latent cache;
     ``step_attention(kv_caches, metadata, options)`` -> ``attend(i, q, k, v)`` or ``None``:
     every layer's ``write_and_forward`` for one step whose layers share ``metadata``
     (``pagedkv.model.compiled``; ``None``: call layer by layer), with ``table=`` (a

@@ -161,14 +161,19 @@ class CPUBackend(LayoutMemory):
             return None
         return self._fused_args(query, key, value, kv_caches[0], metadata)
 
-    def latent_step_args(self, kv_cache: L.PagedKVCache, metadata: AttentionMetadata, num_tokens: int):
-        """The C kernel's per-step ``LayerArgs`` (``pagedkv.ops.cpu_kernel``) for the layers of a
-        multi-head latent attention cache like ``kv_cache`` (one float32 "head" of ``kv_lora_rank
-        + qk_rope_head_dim`` per token, ``pagedkv.model.mla``) over ``num_tokens`` rows:
-        block tables, lengths, slots and the cache's strides, which ``pagedkv/csrc/decoder.c``'s
-        latent attention reads (``pagedkv.model.native_step``). ``None`` when it does not apply
-        (a quantised or non-float32 cache, no kernel, a slot_mapping of another length or type).
-        Built once per (step metadata, cache geometry), kept on the step's plan."""
+    def latent_step_args(self, kv_caches: Sequence[L.PagedKVCache], metadata: AttentionMetadata, num_tokens: int):
+        """The C kernel's per-step ``LayerArgs`` (``pagedkv.ops.cpu_kernel``) for the layers of
+        the multi-head latent attention caches ``kv_caches`` (each one float32 "head" of
+        ``kv_lora_rank + qk_rope_head_dim`` per token, ``pagedkv.model.mla``) over ``num_tokens``
+        rows: block tables, lengths, slots and the caches' strides, which
+        ``pagedkv/csrc/decoder.c``'s latent attention reads (``pagedkv.model.native_step``).
+        ``None`` when it does not apply (a cache of another geometry than the first, a quantised
+        or non-float32 cache, no kernel, a slot_mapping of another length or type). Built once
+        per (step metadata, cache geometry), kept on the step's plan."""
+        kv_cache = kv_caches[0]
+        geom = _geometry(kv_cache)
+        if any(_geometry(c) != geom for c in kv_caches[1:]):
+            return None
         kernel = _kernel() if self.use_kernel else None
         if (kernel is None or not isinstance(kv_cache, L.PagedKVCache) or kv_cache.quant is not None
                 or kv_cache.key.dtype != torch.float32 or kv_cache.num_kv_heads != 1):
@@ -182,7 +187,7 @@ class CPUBackend(LayoutMemory):
             return None
         if plan.fused_slots is not slots:  # a new slot_mapping tensor: nothing prepared is valid
             plan.fused_slots, plan.fused = slots, {}
-        key = ("latent", _geometry(kv_cache))
+        key = ("latent", geom)
         hit = plan.fused.get(key)
         if hit is None:
             hit = plan.fused[key] = kernel.latent_args(kv_cache, plan, slots)

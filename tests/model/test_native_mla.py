@@ -146,6 +146,25 @@ def test_a_quantised_latent_cache_is_declined(mla_int8, monkeypatch):
     assert calls == [] and h.abs().max() > 0 and caches[0].key[0, :3].abs().sum() > 0
 
 
+def test_latent_caches_of_two_geometries_are_declined(mla_int8, monkeypatch):
+    """``latent_step_args`` takes the step's latent caches and compares their memoized
+    geometry: one cache with another block count than the rest gives ``None``, and the
+    native step runs none of that step's layers (the Python path does, and writes the
+    latents of every layer)."""
+    _, lm = mla_int8
+    lm.model.prepare_step(again=True)
+    caches = _caches(lm)
+    odd = allocate_kv_caches(lm.model, get_backend("cpu"), num_blocks=25, block_size=16)[0]
+    mixed = caches[:-1] + [odd]
+    md = AttentionMetadata.build([1], [1], [[0]], 16)
+    backend = get_backend("cpu")
+    assert backend.latent_step_args(caches, md, 1) is not None
+    assert backend.latent_step_args(mixed, md, 1) is None
+    calls = _calls(monkeypatch)
+    h = _step(lm, mixed, [[5]], [0], [[0]], True)
+    assert calls == [] and h.abs().max() > 0 and all(c.key[0, 0].abs().sum() > 0 for c in mixed)
+
+
 def test_a_slot_past_the_cache_raises_and_writes_nothing(mla_int8, monkeypatch):
     """A decode row (absorbed: the native step takes it) whose slot is past the cache: decoder.c
     checks every slot before it writes (-4), the step raises ``BackendError``, no latent written."""
