@@ -36,12 +36,13 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
-from pagedkv.bench.models import deepseek2
+from pagedkv.bench.models import deepseek2, gpt_oss
+from pagedkv.bench.models.facts import tensor_types, weight_bytes_per_token  # noqa: F401 (this module's API)
 
 MAKER_VERSION = 2  # 2: the vocabulary padding is NORMAL tokens (1: USER_DEFINED)
 STD = 0.02
 CHUNK_ELEMENTS = 1 << 24  # values generated (and quantised) per chunk: 64 MiB of float32
-TYPES = ("q4_0", "q4_k_m", "q8_0", "f16")
+TYPES = ("q4_0", "q4_k_m", "q8_0", "f16", "mxfp4")
 #: llama-quantize's type names
 QUANTIZE_NAME = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q4_k_m": "Q4_K_M", "q8_0": "Q8_0", "bf16": "BF16"}
 
@@ -61,7 +62,12 @@ class Shape:
     ``qk_rope_dim`` / ``v_head_dim``, ``kv_heads`` 1; ``dense_layers`` dense layers (``ffn``)
     first, then routed experts beside ``shared_experts`` shared ones (softmax gating, scale
     ``routed_scale``). Plain rope (theta ``rope_theta``; no yarn scaling, which changes no
-    weight and no speed) and the shape's ``context``, not V2's 163,840."""
+    weight and no speed) and the shape's ``context``, not V2's 163,840.
+
+    With ``sliding_window`` > 0 a gpt-oss model in llama.cpp's ``gpt-oss`` architecture
+    (:mod:`pagedkv.bench.models.gpt_oss`): biased attention with sinks, even layers sliding,
+    YaRN, biased experts; type ``mxfp4`` only (llama-quantize's MXFP4_MOE: MXFP4 experts, Q8_0
+    else), written by gguf-py with random expert codes."""
 
     name: str
     like: str
@@ -87,6 +93,7 @@ class Shape:
     shared_experts: int = 0
     dense_layers: int = 0
     routed_scale: float = 1.0
+    sliding_window: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -97,13 +104,15 @@ class Shape:
 
     @property
     def arch(self) -> str:
-        """llama.cpp's architecture name of the file: ``llama``, ``qwen3moe`` or ``deepseek2``."""
+        """llama.cpp's architecture name of the file: ``llama``, ``qwen3moe``, ``deepseek2`` or ``gpt-oss``."""
+        if self.sliding_window:
+            return gpt_oss.ARCH
         return deepseek2.ARCH if self.kv_lora_rank else "qwen3moe" if self.experts else "llama"
 
     def tensors(self) -> list[tuple[str, tuple[int, ...]]]:
         """``(name, numpy shape)`` of every tensor, in llama.cpp's names and order."""
-        if self.kv_lora_rank:
-            return deepseek2.tensors(self)
+        if self.kv_lora_rank or self.sliding_window:
+            return (deepseek2 if self.kv_lora_rank else gpt_oss).tensors(self)
         h, kv, d = self.hidden, self.kv_heads * self.head_dim, self.head_dim
         out: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (self.vocab, h))]
         for i in range(self.layers):
@@ -153,6 +162,15 @@ SHAPES: dict[str, Shape] = {
                        1, 10944, 102400, False, rms_eps=1e-6, experts=64, experts_used=6, expert_ffn=1408,
                        kv_lora_rank=512, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128, shared_experts=2,
                        dense_layers=1),
+    # gpt-oss-20b (hidden 2880, 24 layers, 64 query heads of 64, 8 KV heads, 32 experts of 2880,
+    # 4 routed, vocab 201088, window 128, YaRN x32 over 4096) at half its depth: 12 layers,
+    # 10.9B parameters (6.6 GB as MXFP4_MOE), of which ~1.5B are read per token (4 of 32
+    # experts, attention, the LM head)
+    "oss-20b": Shape("oss-20b", "gpt-oss-20b at half its depth (gpt-oss architecture)", 2880, 12, 64, 8, 2880,
+                     201088, False, rope_theta=150000.0, context=131072, head_size=64, experts=32, experts_used=4,
+                     expert_ffn=2880, sliding_window=128),
+    "tiny-oss": Shape("tiny-oss", "test-sized gpt-oss form", 64, 2, 4, 2, 128, 49168, False, head_size=16,
+                      experts=8, experts_used=2, expert_ffn=64, sliding_window=8),
     # test-sized MLA: every row a whole number of 32-blocks (gguf-py's Q8_0 / Q4_0)
     "tiny-mla": Shape("tiny-mla", "test-sized DeepSeek-V2-Lite form", 64, 2, 4, 1, 128, 49168, False,
                       experts=8, experts_used=2, expert_ffn=64, kv_lora_rank=32, qk_nope_dim=32, qk_rope_dim=16,
@@ -258,6 +276,8 @@ def _writer(path: Path, shape: Shape, file_type: int, tokenizer: dict[str, tuple
         w.add_expert_count(shape.experts)
         w.add_expert_used_count(shape.experts_used)
         w.add_expert_feed_forward_length(shape.expert_ffn)
+        if shape.sliding_window:
+            gpt_oss.add_metadata(w, shape)
     w.add_file_type(file_type)
     w.add_quantization_version(2)
     for key, (value, vtype) in tokenizer.items():
@@ -306,53 +326,30 @@ def _is_f32(name: str, shape: tuple[int, ...]) -> bool:
     return len(shape) == 1 or name.endswith("ffn_gate_inp.weight")
 
 
-def weight_bytes_per_token(path: str) -> dict[str, int]:
-    """Bytes of weights one batch-1 decode step reads from the GGUF at ``path``, from its tensor
-    table: ``{"all": every tensor's bytes, "per_token": the same with each stacked expert
-    tensor (``*_exps``) counted at ``expert_used_count / expert_count`` of its bytes (shared
-    experts ``*_shexp``, ``attn_k_b`` / ``attn_v_b`` and dense layers whole), and an
-    untied token embedding at one row (a step looks up its token's row; a tied one is the LM
-    head, read whole)}``. Before, ``per_token`` counted an untied embedding whole (the MoE-4B:
-    87 MB of its 426), which put the read limit ~20% low and the fraction of it high."""
-    from gguf import GGUFReader
-
-    r = GGUFReader(path)
-    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
-
-    def field(key: str) -> int | None:
-        f = r.fields.get(f"{arch}.{key}")
-        return int(f.parts[-1][0]) if f is not None else None
-
-    experts, used = field("expert_count"), field("expert_used_count")
-    total = per_token = 0
-    untied = any(t.name == "output.weight" for t in r.tensors)
-    for t in r.tensors:
-        n = int(t.n_bytes)
-        total += n
-        if experts and used and t.name.endswith("_exps.weight"):
-            n = n * used // experts
-        elif t.name == "token_embd.weight" and untied:
-            n //= int(t.shape[-1])  # one row of vocab (GGUFReader's shape is GGML's: hidden, vocab)
-        per_token += n
-    return {"all": total, "per_token": per_token}
-
-
 def write_random_gguf(path: Path, shape: Shape, qtype: str = "f16", seed: int = 0,
                       tokenizer: Optional[dict[str, tuple[Any, Any]]] = None,
                       progress: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
     """Write ``shape`` with random weights to ``path`` in ``qtype`` (``f16``; or ``q8_0`` /
-    ``q4_0`` quantised by gguf-py's numpy quantizer), one tensor (and row chunk) at a time.
+    ``q4_0`` quantised by gguf-py's numpy quantizer; ``mxfp4`` for a gpt-oss shape: random MXFP4
+    expert codes, Q8_0 else), one tensor (and row chunk) at a time.
     Norms are F32 ones. Written to ``path.tmp`` and renamed. Returns facts: seconds, bytes,
     tensors."""
     from gguf import GGMLQuantizationType, LlamaFileType
     from gguf.constants import GGML_QUANT_SIZES
     from gguf.quants import quantize
 
-    qt = {"f16": GGMLQuantizationType.F16, "q8_0": GGMLQuantizationType.Q8_0,
-          "q4_0": GGMLQuantizationType.Q4_0}[qtype]
+    T = GGMLQuantizationType
+    if (qtype == "mxfp4") != bool(shape.sliding_window):
+        raise ValueError(f"{shape.name}: type {qtype!r} (gpt-oss shapes are mxfp4 only, mxfp4 is gpt-oss only)")
+    qt = {"f16": T.F16, "q8_0": T.Q8_0, "q4_0": T.Q4_0, "mxfp4": T.Q8_0}[qtype]
     ftype = {"f16": LlamaFileType.MOSTLY_F16, "q8_0": LlamaFileType.MOSTLY_Q8_0,
-             "q4_0": LlamaFileType.MOSTLY_Q4_0}[qtype]
-    block, type_size = GGML_QUANT_SIZES[qt]
+             "q4_0": LlamaFileType.MOSTLY_Q4_0, "mxfp4": gpt_oss.FILE_TYPE}[qtype]
+
+    def type_of(name: str, shp: tuple[int, ...]) -> Any:
+        if shape.sliding_window:
+            return {"mxfp4": T.MXFP4, "f32": T.F32, "q8_0": T.Q8_0}[gpt_oss.tensor_type(name, shp)]
+        return T.F32 if _is_f32(name, shp) else qt
+
     t0 = time.perf_counter()
     tok = padded_tokenizer(tokenizer if tokenizer is not None else tokenizer_fields(), shape.vocab)
     tmp = path.with_name(path.name + ".tmp")
@@ -360,29 +357,36 @@ def write_random_gguf(path: Path, shape: Shape, qtype: str = "f16", seed: int = 
     w = _writer(tmp, shape, int(ftype), tok)
     specs = shape.tensors()
     for name, shp in specs:
-        if _is_f32(name, shp):
+        t = type_of(name, shp)
+        if t == T.F32:
             w.add_tensor_info(name, shp, np.dtype(np.float32), 4 * int(np.prod(shp)))
         else:
             rows, cols = int(np.prod(shp[:-1])), shp[-1]
+            block, type_size = GGML_QUANT_SIZES[t]
             if cols % block:
-                raise ValueError(f"{name}: {cols} columns is not a multiple of {qtype}'s block {block}")
-            w.add_tensor_info(name, shp, np.dtype(np.float16), rows * cols // block * type_size, raw_dtype=qt)
+                raise ValueError(f"{name}: {cols} columns is not a multiple of {t.name}'s block {block}")
+            w.add_tensor_info(name, shp, np.dtype(np.float16), rows * cols // block * type_size, raw_dtype=t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
     for i, (name, shp) in enumerate(specs):
+        t = type_of(name, shp)
         if len(shp) == 1:
             _write_chunked(w, iter([np.ones(shp, dtype=np.float32)]))
             continue
-        chunks = _chunks(int(np.prod(shp[:-1])), shp[-1], rng)
-        if _is_f32(name, shp):  # the router: random, F32 as llama.cpp's converter keeps it
-            _write_chunked(w, chunks)
+        rows, cols = int(np.prod(shp[:-1])), shp[-1]
+        if t == T.MXFP4:  # random codes (gpt_oss.random_mxfp4): no quantiser pass
+            step = max(1, CHUNK_ELEMENTS // cols)
+            _write_chunked(w, (gpt_oss.random_mxfp4(min(step, rows - r0), cols, rng) for r0 in range(0, rows, step)))
             continue
-        if qtype == "f16":
+        chunks = _chunks(rows, cols, rng)
+        if t == T.F32:  # a router or a bias: random, F32 as llama.cpp's converter keeps it
+            _write_chunked(w, chunks)
+        elif t == T.F16:
             _write_chunked(w, (c.astype(np.float16) for c in chunks))
         else:
-            _write_chunked(w, (quantize(c, qt) for c in chunks))
+            _write_chunked(w, (quantize(c, t) for c in chunks))
         if progress and (i % 20 == 0 or shp[0] * shp[1] > 1e8):
             progress(f"{path.name}: {name} written ({i + 1}/{len(specs)})")
     w.close()
@@ -416,19 +420,6 @@ def quantize_file(src: Path, dst: Path, qtype: str, quantize_bin: str, threads: 
             "command": " ".join(["llama-quantize", *cmd[1:-4], "SOURCE", "OUT", *cmd[-2:]])}
 
 
-def tensor_types(path: str) -> dict[str, int]:
-    """How many tensors of the GGUF at ``path`` are stored in each GGML type (``{"Q4_0": 169, ...}``)."""
-    from gguf import GGMLQuantizationType
-
-    from pagedkv.gguf_header import read_gguf_header
-
-    counts: dict[str, int] = {}
-    for t in read_gguf_header(path).tensors:
-        name = GGMLQuantizationType(t.ggml_type).name
-        counts[name] = counts.get(name, 0) + 1
-    return counts
-
-
 def sidecar(path: Path) -> Path:
     return path.with_suffix(".json")
 
@@ -460,7 +451,7 @@ def ensure_models(sizes: list[str], types: list[str], *, use_llama_quantize: boo
         shape = SHAPES[size]
         f16_path, f16_facts = root / f"random-{shape.arch}-{size}-f16.gguf", None
         for qtype in types:
-            maker = "llama-quantize" if qbin and qtype != "f16" else "gguf-py"
+            maker = "llama-quantize" if qbin and qtype not in ("f16", "mxfp4") else "gguf-py"
             path = model_file(size, qtype, maker, root)
             facts = cached_facts(path)
             if facts is not None:
