@@ -34,7 +34,9 @@ def _raw(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     _, per, bs = qmm.GGUF_BLOCKS[qtype]
     raw = rng.integers(0, 256, size=(n, k // per, bs), dtype=np.uint8)
     d = (rng.standard_normal((n, k // per, 1)) * 1e-3).astype(np.float16).view(np.uint8)
-    if qtype == "Q6_K":
+    if qtype == "MXFP4":  # e8m0 scales 2^(e - 128) about 2^-8
+        raw[..., 0] = rng.integers(118, 124, size=(n, k // per), dtype=np.uint8)
+    elif qtype == "Q6_K":
         raw[..., 208:210] = d
     else:
         raw[..., 0:2] = d

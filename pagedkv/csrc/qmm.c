@@ -13,7 +13,8 @@
  *    column times s_w.
  *  - GGUF Q8_0, Q4_K, Q5_K, Q6_K blocks as the file stores them, only reordered per 8 columns
  *    (section "GGUF blocks as stored"; pagedkv_pack_gguf builds them, and puts Q4_0 / Q4_1
- *    into the int4 layout); sub-block scales decoded in the kernel.
+ *    into the int4 layout); sub-block scales decoded in the kernel. MXFP4 likewise (section
+ *    "MXFP4 as stored": 4-bit codes looked up as int8 values, e8m0 scales).
  *  - concat (fmt 1): parts of the above side by side, the activations quantised once.
  * The integer block sums are exact: u8 x s8 products added in pairs in int16 (AVX2's
  * vpmaddubsw) stay below 2^15 for these ranges (15 * 127 * 2 for int4; for int8 the sign is
@@ -882,6 +883,131 @@ INLINE void q4x_group(const int NR, const int KIND, int64_t nb, const uint8_t *w
 }
 
 
+/* ---- MXFP4 as stored ----------------------------------------------------------------------
+ * Per group of 8 columns and block of 32 values (the file's block_mxfp4, 8 times), MX4_BLOCK =
+ * 8 x 17: the 4-bit codes in the int4 layout (128 bytes, as Q4_0's: the file holds element j
+ * in the low nibble of qs[j], j + 16 in the high), then the 8 columns' e8m0 scale bytes e.
+ * w = kv[c] 2^(e - 128), kv = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, ..., -12} (ggml's kvalues_mxfp4,
+ * twice the e2m1 values) and 2^(e - 128) ggml's GGML_E8M0_TO_FP32_HALF (its e < 2 case, the
+ * subnormals 0x00200000 << e, is the same power of two), so every weight is exact in float32
+ * (but 2^126 x |kv| >= 4 at e = 254, 255, which overflows to inf there as in gguf's own
+ * dequantize; the kernels keep 2^(e - 128) x d_x, finite). The codes become kv + 16 (4..28,
+ * unsigned) by a pshufb lookup, multiplied with no sign work per row; 16 x the activation
+ * codes' sum (from their sums of 16) comes off in int32 (Q4_0's way): the same integer as
+ * sum kv q. AVX2's maddubs adds two steps' pair sums in int16 (4 x 2 x 28 x 127 = 28448 <
+ * 2^15) before widening (one row, Zen 4: 1.2x the sign trick on signed kv, 1.08x at 5 rows);
+ * VNNI's vpdpbusd adds in int32. The column tiles take the same u8 codes with offset 16
+ * (tile_kind 1: 1.2-1.35x the group kernels at 16-64 rows, AVX2 and VNNI, Zen 4). */
+#define MX4_BLOCK 136
+#define MX4_OFF 16 /* kv + MX4_OFF: the unsigned codes of the group kernels and the column tiles */
+
+static const int8_t KV_MXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* 2^(e - 128) as ggml's GGML_E8M0_TO_FP32_HALF builds it */
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+#ifdef __AVX2__
+/* the 8 scale bytes at p as 8 floats 2^(e - 128) */
+static inline __m256 e8m0_half8(const uint8_t *p) {
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    const __m256i nrm = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e); /* e < 2 (0 from 32 on: unused) */
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(nrm, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
+}
+/* the pshufb table nibble -> kv + off, in both 128-bit lanes */
+static inline __m256i mxfp4_lut(int off) {
+    int8_t t[16];
+    for (int i = 0; i < 16; i++) t[i] = (int8_t)(KV_MXFP4[i] + off);
+    return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)t));
+}
+#endif
+
+INLINE void mxfp4_group(const int NR, int64_t nb, const uint8_t *wc, const qrows_t *a, int64_t r0, float *y,
+                        int64_t ys, const float *bias) {
+    const int8_t *xq = a->q + r0 * nb * QK;
+    const float *xd = a->d + r0 * nb;
+#ifdef __AVX2__
+    __m256 acc[ROW_TILE];
+    for (int j = 0; j < NR; j++) acc[j] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0F), lut = mxfp4_lut(MX4_OFF);
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i isum[ROW_TILE];
+        for (int j = 0; j < NR; j++) isum[j] = _mm256_setzero_si256();
+#if QMM_VNNI
+        __m256i isum2[ROW_TILE]; /* few rows: the high nibbles' chain, two short dependency chains (1.09x at 1 row) */
+        for (int j = 0; j < NR; j++) isum2[j] = _mm256_setzero_si256();
+#endif
+        const uint8_t *w = wc + b * MX4_BLOCK;
+        _mm_prefetch((const char *)(w + PFD * MX4_BLOCK), PF_HINT);
+        _mm_prefetch((const char *)(w + PFD * MX4_BLOCK + 64), PF_HINT);
+        _mm_prefetch((const char *)(w + PFD * MX4_BLOCK + 128), PF_HINT);
+        #pragma GCC unroll 2
+        for (int t = 0; t < 4; t += 2) { /* two steps at a time: kv + 16 of elements 8t .. 8t + 15 */
+            __m256i lo[2], hi[2];
+            for (int u = 0; u < 2; u++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 32 * (t + u)));
+                lo[u] = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, low));
+                hi[u] = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+            }
+            for (int j = 0; j < NR; j++) {
+                const int8_t *x = xq + j * nb * QK + b * QK + 8 * t;
+#if QMM_VNNI
+                if (NR <= 4) {
+                    isum[j] = madd_u8s8(madd_u8s8(isum[j], lo[0], bcast4(x)), lo[1], bcast4(x + 8));
+                    isum2[j] = madd_u8s8(madd_u8s8(isum2[j], hi[0], bcast4(x + 4)), hi[1], bcast4(x + 12));
+                } else {
+                    isum[j] = madd_u8s8(madd_u8s8(isum[j], lo[0], bcast4(x)), hi[0], bcast4(x + 4));
+                    isum[j] = madd_u8s8(madd_u8s8(isum[j], lo[1], bcast4(x + 8)), hi[1], bcast4(x + 12));
+                }
+#else /* 4 pair sums per int16 lane (<= 4 x 2 x 28 x 127 = 28448), then int32 */
+                const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[0], bcast4(x)),
+                                                    _mm256_maddubs_epi16(hi[0], bcast4(x + 4)));
+                const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[1], bcast4(x + 8)),
+                                                    _mm256_maddubs_epi16(hi[1], bcast4(x + 12)));
+                isum[j] = _mm256_add_epi32(isum[j], _mm256_madd_epi16(_mm256_add_epi16(p0, p1), _mm256_set1_epi16(1)));
+#endif
+            }
+        }
+        const __m256 d = e8m0_half8(w + 128);
+        for (int j = 0; j < NR; j++) {
+            /* sum kv q = sum (kv + 16) q - 16 sum q, in int32: the same integer */
+            const int32_t *q16 = a->q16 + (r0 + j) * 2 * nb + 2 * b;
+#if QMM_VNNI
+            const __m256i s = NR <= 4 ? _mm256_add_epi32(isum[j], isum2[j]) : isum[j];
+#else
+            const __m256i s = isum[j];
+#endif
+            const __m256i s32 = _mm256_sub_epi32(s, _mm256_set1_epi32(MX4_OFF * (q16[0] + q16[1])));
+            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_broadcast_ss(xd + j * nb + b)), _mm256_cvtepi32_ps(s32),
+                                     acc[j]);
+        }
+    }
+    store_tile(NR, acc, y, r0, ys, bias);
+#else
+    for (int j = 0; j < NR; j++) {
+        float acc[8] = {0};
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *w = wc + b * MX4_BLOCK;
+            const int8_t *x = xq + j * nb * QK + b * QK;
+            int32_t isum[8] = {0};
+            for (int t = 0; t < 4; t++)
+                for (int i = 0; i < 8; i++)
+                    for (int e = 0; e < 4; e++) {
+                        const uint8_t c = w[32 * t + 4 * i + e];
+                        isum[i] += KV_MXFP4[c & 15] * x[8 * t + e] + KV_MXFP4[c >> 4] * x[8 * t + 4 + e];
+                    }
+            for (int i = 0; i < 8; i++) acc[i] += e8m0_half(w[128 + i]) * xd[j * nb + b] * (float)isum[i];
+        }
+        for (int i = 0; i < 8; i++) y[(r0 + j) * ys + i] = acc[i] + (bias ? bias[i] : 0.0f);
+    }
+#endif
+}
+
 #define FMT_CONCAT 1
 #define FMT_Q4 4
 #define FMT_Q8 8
@@ -892,13 +1018,15 @@ INLINE void q4x_group(const int NR, const int KIND, int64_t nb, const uint8_t *w
 #define FMT_Q4_K 112
 #define FMT_Q5_K 113
 #define FMT_Q6_K 114
+#define FMT_MXFP4 139
 #define FMT_BF16 130 /* 100 + GGML's BF16 type id: bf16 weights row-major [n, k], no packing */
 #define FMT_F16 101  /* 100 + GGML's F16 type id: IEEE half weights row-major [n, k], no packing */
 
 /* One layer's packed weights (built once by qmm.py): fmt 4 = int4 (n / 8 * k / 32 blocks of
  * Q4_BLOCK bytes, codes then fp16 d and m), fmt 8 = int8 (codes n * k bytes in the int8
- * layout, scale float32 [n]), fmt 108 / 112 / 113 / 114 = GGUF Q8_0 / Q4_K / Q5_K / Q6_K
- * (n / 8 * k / 32 blocks of Q80_BLOCK, or n / 8 * k / 256 of Q4K_/Q5K_/Q6K_BLOCK bytes);
+ * layout, scale float32 [n]), fmt 108 / 112 / 113 / 114 / 139 = GGUF Q8_0 / Q4_K / Q5_K / Q6_K /
+ * MXFP4 (n / 8 * k / 32 blocks of Q80_BLOCK or MX4_BLOCK, or n / 8 * k / 256 of
+ * Q4K_/Q5K_/Q6K_BLOCK bytes);
  * fmt 1 = concat: nparts parts (each a qweights_t of another format, the same k, n the sum of
  * theirs), part p writing its columns at its offset of y; bias float32 [n] or NULL (a concat's
  * bias, when set, covers all its columns and the parts' own are not used). k a multiple of 32
@@ -914,7 +1042,8 @@ typedef struct qweights {
 
 static int simple_fmt(int32_t fmt) {
     return fmt == FMT_Q4 || fmt == FMT_Q8 || fmt == FMT_Q4_0 || fmt == FMT_Q5_0 || fmt == FMT_Q5_1 || fmt == FMT_Q8_0 ||
-           fmt == FMT_Q4_K || fmt == FMT_Q5_K || fmt == FMT_Q6_K || fmt == FMT_BF16 || fmt == FMT_F16;
+           fmt == FMT_Q4_K || fmt == FMT_Q5_K || fmt == FMT_Q6_K || fmt == FMT_MXFP4 || fmt == FMT_BF16 ||
+           fmt == FMT_F16;
 }
 
 /* bytes of one group of 8 columns (the cost a thread's share is measured in) */
@@ -926,6 +1055,7 @@ static int64_t group_bytes(const qweights_t *w) {
     case FMT_Q5_0: return w->k / QK * Q50_BLOCK;
     case FMT_Q5_1: return w->k / QK * Q51_BLOCK;
     case FMT_Q8_0: return w->k / QK * Q80_BLOCK;
+    case FMT_MXFP4: return w->k / QK * MX4_BLOCK;
     case FMT_Q4_K: return w->k / QK_K * Q4K_BLOCK;
     case FMT_Q5_K: return w->k / QK_K * Q5K_BLOCK;
     case FMT_BF16: case FMT_F16: return w->k * 16;
@@ -1236,6 +1366,7 @@ static void run_group(const qweights_t *w, int64_t g, const qrows_t *a, int64_t 
         case FMT_Q4_K: BY_TILE(nr, q45k_group, 0, nsb, wc, a, r0, yg, ys, bg); break;
         case FMT_Q5_K: BY_TILE(nr, q45k_group, 1, nsb, wc, a, r0, yg, ys, bg); break;
         case FMT_Q6_K: BY_TILE(nr, q6k_group, nsb, wc, a, r0, yg, ys, bg); break;
+        case FMT_MXFP4: BY_TILE(nr, mxfp4_group, nb, wc, a, r0, yg, ys, bg); break;
         }
     }
 }
@@ -1250,10 +1381,10 @@ static void run_group(const qweights_t *w, int64_t g, const qrows_t *a, int64_t 
  * the scratch tile (TB bytes): 8 steps of 4 TW bytes (byte 4i + j of step u: column i's code
  * of element 4u + j, as u8), then TW floats fd, TW floats fm, 2 TW int32 sc.
  * Each output's arithmetic is its group kernel's to the bit: the same exact integer block sum
- * (unsigned codes, the offset taken off in int32: Q4_0 8, Q5_0 16, Q8_0 128 (the code + 128),
- * Q6_K 32 per 16 values times its int8 scale), then the same float operations in the same
- * order (p = float(sum); acc += (fd x d_x) p; acc += fm s_x for a format with minimums, fm
- * the negated dmin x m of the K-quants). So a row's result does not depend on how many rows
+ * (unsigned codes, the offset taken off in int32: Q4_0 8, Q5_0 16, MXFP4 16 (kv + 16), Q8_0
+ * 128 (the code + 128), Q6_K 32 per 16 values times its int8 scale), then the same float
+ * operations in the same order (p = float(sum); acc += (fd x d_x) p; acc += fm s_x for a
+ * format with minimums, fm the negated dmin x m of the K-quants). So a row's result does not depend on how many rows
  * share the call (tested bit for bit). */
 #if QMM_TILES
 #ifndef TILE_ROWS /* from this many rows (formats with minimums: 3 times as many); measured in */
@@ -1310,6 +1441,7 @@ static int tile_kind(int32_t fmt, int *off) {
     switch (fmt) {
     case FMT_Q4_0: *off = 8; return 1;
     case FMT_Q5_0: *off = 16; return 1;
+    case FMT_MXFP4: *off = MX4_OFF; return 1; /* kv + 16 in 4..28: maddubs' G = 4 as Q5_0's */
     case FMT_Q8_0: *off = 128; return QMM_VNNI; /* AVX2's maddubs would saturate: 2 x 255 x 127 > 2^15 */
     case FMT_Q4: case FMT_Q5_1: case FMT_Q4_K: case FMT_Q5_K: return 2;
     case FMT_Q6_K: return 3;
@@ -1349,6 +1481,17 @@ static void unpack_group(int32_t fmt, int64_t nb, const uint8_t *wg, uint8_t *ti
             t_putf(tile, b, T_FD, h, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + DOFF))));
             if (fmt == FMT_Q4 || KIND == 2)
                 t_putf(tile, b, T_FM, h, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + MOFF))));
+        }
+    } else if (fmt == FMT_MXFP4) {
+        const __m256i lut = mxfp4_lut(MX4_OFF);
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *w = wg + b * MX4_BLOCK;
+            for (int t = 0; t < 4; t++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 32 * t));
+                t_put(tile, b, 2 * t, h, _mm256_shuffle_epi8(lut, _mm256_and_si256(v, low)));
+                t_put(tile, b, 2 * t + 1, h, _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), low)));
+            }
+            t_putf(tile, b, T_FD, h, e8m0_half8(w + 128));
         }
     } else if (fmt == FMT_Q8_0) {
         for (int64_t b = 0; b < nb; b++) {
@@ -1544,8 +1687,8 @@ int pagedkv_qmm(const qweights_t *w, int64_t rows, const float *x, int64_t xs, f
         return -2;
     }
     const int nt = nthreads > 0 ? nthreads : 1;
-    /* the kernels that take the activations' sums of 16: Q4_0 (AVX2 and VNNI), Q6_K and Q5_0 (VNNI) */
-#define SUMS16(f) ((f) == FMT_Q4_0 || (QMM_VNNI && ((f) == FMT_Q6_K || (f) == FMT_Q5_0)))
+    /* the kernels that take the activations' sums of 16: Q4_0 and MXFP4 (AVX2 and VNNI), Q6_K and Q5_0 (VNNI) */
+#define SUMS16(f) ((f) == FMT_Q4_0 || (f) == FMT_MXFP4 || (QMM_VNNI && ((f) == FMT_Q6_K || (f) == FMT_Q5_0)))
     int sums16 = SUMS16(w->fmt);
     for (int64_t p = 0; w->fmt == FMT_CONCAT && p < w->nparts; p++) sums16 |= SUMS16(w->parts[p]->fmt);
 #undef SUMS16
@@ -1704,6 +1847,7 @@ void pagedkv_q8_dequant(int64_t k, int64_t n, const int8_t *codes, const float *
 #define GGML_Q4_K 12
 #define GGML_Q5_K 13
 #define GGML_Q6_K 14
+#define GGML_MXFP4 39
 
 static inline uint32_t ld32(const uint8_t *p) {
     uint32_t v;
@@ -1767,6 +1911,20 @@ static void pack_q4x_block(const uint8_t *const *rows, int64_t b, int bs, uint8_
         }
         memcpy(out + d_off + 2 * i, blk, 2);
         if (bs == 24) memcpy(out + 176 + 2 * i, blk + 2, 2);
+    }
+}
+
+/* MXFP4 (bs 17: e, then qs with element j in the low nibble of qs[j], j + 16 in the high, as
+ * Q4_0's) block b of the 8 rows -> one MX4 group-block: the codes in the int4 layout, then e. */
+static void pack_mxfp4_block(const uint8_t *const *rows, int64_t b, uint8_t *out) {
+    for (int i = 0; i < 8; i++) {
+        const uint8_t *blk = rows[i] + b * 17, *qs = blk + 1;
+        for (int t = 0; t < 2; t++) {
+            uint32_t a = ld32(qs + 8 * t), c = ld32(qs + 8 * t + 4);
+            st32(out + 32 * t + 4 * i, (a & NIB) | ((c & NIB) << 4));
+            st32(out + 32 * (t + 2) + 4 * i, ((a >> 4) & NIB) | (c & ~NIB));
+        }
+        out[128 + i] = blk[0];
     }
 }
 
@@ -1848,7 +2006,8 @@ static void pack_q6k_block(const uint8_t *const *rows, int64_t b, uint8_t *out) 
 
 /* n rows (n a multiple of 8) of k values in GGML type ggml_type as stored (row r's blocks at
  * raw + r * raw_row_stride) -> out in the layout of its format, the file's bytes moved: Q4_1 ->
- * fmt 4 (the int4 layout), Q4_0 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K -> fmt 100 + type.
+ * fmt 4 (the int4 layout), Q4_0 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K / MXFP4 -> fmt
+ * 100 + type.
  * OpenMP over groups of 8 rows. Returns 0; -2 for another type or a k that is not a whole
  * number of its blocks. */
 int pagedkv_pack_gguf(int ggml_type, int64_t n, int64_t k, const uint8_t *raw, int64_t raw_row_stride, uint8_t *out) {
@@ -1859,6 +2018,7 @@ int pagedkv_pack_gguf(int ggml_type, int64_t n, int64_t k, const uint8_t *raw, i
     case GGML_Q5_0: per = QK; bs = 22; out_bytes = Q50_BLOCK; break;
     case GGML_Q5_1: per = QK; bs = 24; out_bytes = Q51_BLOCK; break;
     case GGML_Q8_0: per = QK; bs = 34; out_bytes = Q80_BLOCK; break;
+    case GGML_MXFP4: per = QK; bs = 17; out_bytes = MX4_BLOCK; break;
     case GGML_Q4_K: per = QK_K; bs = 144; out_bytes = Q4K_BLOCK; break;
     case GGML_Q5_K: per = QK_K; bs = 176; out_bytes = Q5K_BLOCK; break;
     case GGML_Q6_K: per = QK_K; bs = 210; out_bytes = Q6K_BLOCK; break;
@@ -1894,6 +2054,7 @@ int pagedkv_pack_gguf(int ggml_type, int64_t n, int64_t k, const uint8_t *raw, i
             case GGML_Q5_1: pack_q4x_block(rows, b, 24, o); break;
             case GGML_Q4_1: pack_q41_block(rows, b, o); break;
             case GGML_Q8_0: pack_q8_0_block(rows, b, o); break;
+            case GGML_MXFP4: pack_mxfp4_block(rows, b, o); break;
             case GGML_Q4_K: pack_q45k_block(rows, b, 0, o); break;
             case GGML_Q5_K: pack_q45k_block(rows, b, 1, o); break;
             default: pack_q6k_block(rows, b, o); break;
@@ -1903,9 +2064,10 @@ int pagedkv_pack_gguf(int ggml_type, int64_t n, int64_t k, const uint8_t *raw, i
     return 0;
 }
 
-/* Packed GGUF weights (fmt 108, 112, 113, 114; 4 as pagedkv_q4_dequant) as float32 out [n, k],
- * with GGUF's own float formulas (gguf-py's dequantize: (d sc) c - (dmin m), (d sc) (c - 32),
- * d c), so equal to it: what tests compare the packing with. Returns 0, -2 for another fmt. */
+/* Packed GGUF weights (fmt 102, 106, 107, 108, 112, 113, 114, 139; 4 as pagedkv_q4_dequant)
+ * as float32 out [n, k], with GGUF's own float formulas (gguf-py's dequantize: (d sc) c -
+ * (dmin m), (d sc) (c - 32), d c, 2^(e - 128) kv[c]), so equal to it: what tests compare the
+ * packing with. Returns 0, -2 for another fmt. */
 int pagedkv_gguf_dequant(int fmt, int64_t n, int64_t k, const uint8_t *codes, float *out) {
     if (fmt == FMT_F16) {
         const uint16_t *h = (const uint16_t *)codes;
@@ -1942,6 +2104,22 @@ int pagedkv_gguf_dequant(int fmt, int64_t n, int64_t k, const uint8_t *codes, fl
                             if (five) c |= ((w[128 + 4 * i + ee] >> (2 * t + hi)) & 1) << 4;
                             o[8 * t + e] = fmt == FMT_Q5_1 ? d * (float)c + m : d * (float)(c - (five ? 16 : 8));
                         }
+                }
+            }
+        return 0;
+    }
+    if (fmt == FMT_MXFP4) { /* kv[c] x 2^(e - 128): exact (inf where it overflows), as gguf's */
+        const int64_t nb = k / QK;
+        #pragma omp parallel for schedule(static)
+        for (int64_t g = 0; g < n / 8; g++)
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *w = codes + (g * nb + b) * MX4_BLOCK;
+                for (int i = 0; i < 8; i++) {
+                    const float d = e8m0_half(w[128 + i]);
+                    float *o = out + (8 * g + i) * k + b * QK;
+                    for (int t = 0; t < 4; t++)
+                        for (int e = 0; e < 8; e++)
+                            o[8 * t + e] = d * (float)KV_MXFP4[(w[32 * t + 4 * i + (e & 3)] >> (4 * (e >= 4))) & 15];
                 }
             }
         return 0;

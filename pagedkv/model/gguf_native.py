@@ -12,7 +12,7 @@ and nothing is written to disk but the tokenizer's cache entry.
 
 * ``GGUFLinear``: a linear layer on ``qmm``'s kernels for every row count (``QuantLinear.kernel``
   ``"q8"``): x float32 ``[T, in]`` quantised to int8 blocks of 32 on the fly, times the stored
-  Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks with exact integer block sums (F16
+  Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K / MXFP4 blocks with exact integer block sums (F16
   matrices: their half values as stored times the float32 activations as given). A fused layer
   whose parts are stored in different types (a ``*_K_M`` file's Q6_K ``attn_v`` beside Q4_K
   ``attn_q``) is one ``qmm.concat_packed`` weight: the activations are quantised once.

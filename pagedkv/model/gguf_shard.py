@@ -9,7 +9,7 @@ docs/distributed.md), made on the stored rows:
   ``gate_up_proj`` by MLP columns) keeps whole stored rows: a row of blocks is one output;
 * a row-parallel matrix (``o_proj``, ``down_proj``, each expert's ``down_proj``) keeps a range
   of every row's blocks, so the range must start and end on a block boundary: 32 values for
-  Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, 256 for the K-quants. ``tp_problem`` says beforehand whether every
+  Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/MXFP4, 256 for the K-quants. ``tp_problem`` says beforehand whether every
   rank's ranges do (an expert width of 384 split in two is 192 columns: whole Q4_0 blocks, not
   whole Q4_K super-blocks);
 * the LM head, the embedding, norms and the router are replicated.

@@ -1,5 +1,5 @@
 """Quantised matmuls with integer dot products (``pagedkv/csrc/qmm.c`` through ctypes): int4 (Q4_1
-blocks) or per-channel int8 weights, or GGUF's Q8_0 / Q4_K / Q5_K / Q6_K blocks as stored
+blocks) or per-channel int8 weights, or GGUF's Q8_0 / Q4_K / Q5_K / Q6_K / MXFP4 blocks as stored
 (:func:`pack_gguf`), times activations quantised on the fly to 8-bit blocks of 32 (the way
 llama.cpp multiplies its Q4/Q8 weights).
 
@@ -16,9 +16,11 @@ blocks are only reordered, 8 output columns interleaved, so the packed bytes are
 and a batch-1 step reads each of them once. The kernels decode the K-quants' 6-bit (Q4_K,
 Q5_K) or int8 (Q6_K) sub-block scales from those bytes; a sub-block's minimum multiplies the
 activation block's float sum; the signed codes of Q8_0 and Q6_K take the sign trick (AVX2) or,
-for Q6_K with VNNI, an offset by the activation codes' sums of 16. Q4_0 / Q4_1 go to the
-int4 layout (Q4_0: 20 bytes per 32 values where the file has 18). A fused layer whose parts
-a file stores in different types is a :func:`concat_packed`: one call, activations quantised once.
+for Q6_K with VNNI, an offset by the activation codes' sums of 16; MXFP4's 4-bit codes become
+their values (``kvalues_mxfp4``, plus 16: unsigned, the offset taken off by those sums) by a
+table lookup, times the block's e8m0 power of two. Q4_1 goes to the int4 layout (the same
+bytes). A fused layer whose parts a file stores in different types is a :func:`concat_packed`:
+one call, activations quantised once.
 
 Used by ``pagedkv.model.quant`` (``QuantLinear.kernel`` ``"q8"``) for every row count on CPUs
 without AMX (``max_rows``), and by ``pagedkv.model.native_step``. ``get()`` returns ``None``
@@ -76,7 +78,7 @@ FMT_CONCAT = 1
 #: the GGML types :func:`pack_gguf` takes: name -> (GGML type id, values per block, bytes per block)
 GGUF_BLOCKS: dict[str, tuple[int, int, int]] = {
     "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34),
-    "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210),
+    "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210), "MXFP4": (39, 32, 17),
     "F16": (1, 32, 64),  # IEEE half values, kept row-major (fmt FMT_F16); "blocks" of 32 for the kernel's loops
 }
 #: the GGML type names :func:`pack_gguf` takes
@@ -84,19 +86,19 @@ GGUF_TYPES: tuple[str, ...] = tuple(GGUF_BLOCKS)
 
 
 class Packed:
-    """A layer's weights in the kernels' layout (8 output columns interleaved; ``qmm.c``
-    describes it): ``fmt`` 4 (int4: ``codes`` uint8 ``[N / 8 * K / 32 * 160]``: per 8 columns x
-    32 inputs their 4-bit codes, then their float16 ``d`` and ``m``, ``w = d c + m``) or 8 (int8: ``codes`` int8 ``[N * K]``, ``scale``
-    float32 ``[N]``, ``w = scale[o] c``); 102 / 106 / 107 / 108 / 112 / 113 / 114 (GGUF Q4_0 /
-    Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks as stored, their bytes reordered per 8
-    columns: ``codes`` uint8 of the file's size for the tensor, ``N / 8 * K / 32 * 144 / 176 /
-    192 / 272`` or ``N / 8 * K / 256 * 1152 / 1408 / 1680``); 101 (GGUF F16: ``codes`` uint8
-    ``[N * K * 2]``, the half values row-major as stored); 130 (bf16, :func:`pack_bf16`); or
-    ``FMT_CONCAT`` (1: ``parts``, other :class:`Packed` of the same ``K`` side by side, ``N``
-    their sum; ``codes`` ``None``). ``bias`` float32 ``[N]`` or ``None`` (a concat's, when set,
-    is added to all its columns in place of the parts' own). Holds the tensors
-    (and parts) its ``QWeights`` points into. Build with :func:`pack_int4` / :func:`pack_int8`
-    / :func:`pack_gguf` / :func:`concat_packed`."""
+    """A layer's weights in the kernels' layout (8 output columns interleaved; ``qmm.c`` describes
+    it): ``fmt`` 4 (int4: ``codes`` uint8 ``[N / 8 * K / 32 * 160]``: per 8 columns x 32 inputs
+    their 4-bit codes, then their float16 ``d`` and ``m``, ``w = d c + m``) or 8 (int8: ``codes``
+    int8 ``[N * K]``, ``scale`` float32 ``[N]``, ``w = scale[o] c``); 102 / 106 / 107 / 108 / 112 /
+    113 / 114 / 139 (GGUF Q4_0 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K / MXFP4 blocks as stored,
+    their bytes reordered per 8 columns: ``codes`` uint8 of the file's size for the tensor, ``N / 8
+    * K / 32 * 144 / 176 / 192 / 272 / 136`` or ``N / 8 * K / 256 * 1152 / 1408 / 1680``); 101 (GGUF
+    F16: ``codes`` uint8 ``[N * K * 2]``, the half values row-major as stored); 130 (bf16,
+    :func:`pack_bf16`); or ``FMT_CONCAT`` (1: ``parts``, other :class:`Packed` of the same ``K``
+    side by side, ``N`` their sum; ``codes`` ``None``). ``bias`` float32 ``[N]`` or ``None`` (a
+    concat's, when set, is added to all its columns in place of the parts' own). Holds the tensors
+    (and parts) its ``QWeights`` points into. Build with :func:`pack_int4` / :func:`pack_int8` /
+    :func:`pack_gguf` / :func:`concat_packed`."""
 
     def __init__(self, fmt: int, n: int, k: int, codes: torch.Tensor | None, scale: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None, parts: Sequence["Packed"] = ()) -> None:
@@ -240,20 +242,19 @@ def _raw_args(qtype: str, raw: np.ndarray | torch.Tensor, k: int) -> tuple[int, 
 
 
 def pack_gguf(qtype: str, raw: np.ndarray | torch.Tensor, k: int, bias: torch.Tensor | None = None) -> Packed:
-    """One GGUF tensor's stored blocks -> :class:`Packed`, without dequantising: ``qtype`` a
-    name of ``GGUF_TYPES``; ``raw`` uint8 ``[N, K / block * block_bytes]`` (a numpy array, e.g.
-    the reader's memory map, or a CPU tensor; each row's bytes contiguous, rows at any stride),
-    row ``o`` the blocks of output feature ``o`` as in the file; ``k`` the values per row (K);
-    ``bias`` float32 ``[N]`` or ``None``. Every type keeps its bytes (``codes`` uint8 of exactly
-    ``raw``'s size): Q4_1 in the int4 layout (``fmt`` 4), Q4_0 / Q5_0 / Q5_1 / Q8_0 / Q4_K /
-    Q5_K / Q6_K as ``fmt`` 100 + the GGML type id, F16 (``fmt`` :data:`FMT_F16`) row-major as stored. One
-    pass in C (OpenMP over groups of 8 rows: the calling thread's OpenMP count, torch's in the
-    thread that set it) into one new uint8
-    tensor; no float copy of the weights. Raises ``ValueError`` for another type, ``N`` not a
-    positive multiple of 8, ``K`` not a positive multiple of the type's block (32; 256 for the
-    K-quants), a ``raw`` of another dtype, shape or layout, or a ``bias`` of another dtype or
-    shape; ``RuntimeError`` when the
-    kernels cannot be built (:func:`build_error` says why)."""
+    """One GGUF tensor's stored blocks -> :class:`Packed`, without dequantising: ``qtype`` a name of
+    ``GGUF_TYPES``; ``raw`` uint8 ``[N, K / block * block_bytes]`` (a numpy array, e.g. the reader's
+    memory map, or a CPU tensor; each row's bytes contiguous, rows at any stride), row ``o`` the
+    blocks of output feature ``o`` as in the file; ``k`` the values per row (K); ``bias`` float32
+    ``[N]`` or ``None``. Every type keeps its bytes (``codes`` uint8 of exactly ``raw``'s size):
+    Q4_1 in the int4 layout (``fmt`` 4), Q4_0 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K / MXFP4 as
+    ``fmt`` 100 + the GGML type id, F16 (``fmt`` :data:`FMT_F16`) row-major as stored. One pass in C
+    (OpenMP over groups of 8 rows: the calling thread's OpenMP count, torch's in the thread that set
+    it) into one new uint8 tensor; no float copy of the weights. Raises ``ValueError`` for another
+    type, ``N`` not a positive multiple of 8, ``K`` not a positive multiple of the type's block (32;
+    256 for the K-quants), a ``raw`` of another dtype, shape or layout, or a ``bias`` of another
+    dtype or shape; ``RuntimeError`` when the kernels cannot be built (:func:`build_error` says
+    why)."""
     ops = get()
     if ops is None:
         _raw_args(qtype, raw, k)  # bad arguments are still ValueErrors

@@ -1,16 +1,16 @@
 """The integer matmul kernels on GGUF blocks as stored (``pagedkv.ops.qmm.pack_gguf``):
-Q4_0 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K in their own layouts (the file's bytes), Q4_1
-in the int4 one (its bytes too), and the concat format whose parts are of different types.
+Q4_0 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K / MXFP4 in their own layouts (the file's bytes),
+Q4_1 in the int4 one (its bytes too), and the concat format whose parts are of different types.
 
-The reference is gguf-py's own dequantiser (``gguf.dequantize``) of random but valid stored
-blocks (random code and packed-scale bytes; fp16 block scales of realistic magnitudes, some
-subnormal). ``ops.dequantize`` of the packed weights must equal it exactly. ``ops.linear``
-is checked two ways: against the kernels' arithmetic done in float64 (the activation codes
-emulated as in test_qmm.py; each format's weights split into the part multiplying the
-activation codes and a per-block offset multiplying the block's exact float sum, the split
-checked to recompose gguf's weights exactly), within float32 accumulation rounding; and
-against ``x @ W.T`` within the bound that the activations' rounding gives. Each build the host
-can run is checked: the default one, AVX2 (``x86-64-v3``) and plain C (``x86-64``).
+The reference is gguf-py's own dequantiser (``gguf.dequantize``) of random but valid stored blocks
+(random code and packed-scale bytes; fp16 block scales of realistic magnitudes, some subnormal;
+MXFP4's e8m0 exponents near 2^0, and at both ends in a test of their own). ``ops.dequantize`` of the
+packed weights must equal it exactly. ``ops.linear`` is checked two ways: against the kernels'
+arithmetic done in float64 (the activation codes emulated as in test_qmm.py; each format's weights
+split into the part multiplying the activation codes and a per-block offset multiplying the block's
+exact float sum, the split checked to recompose gguf's weights exactly), within float32 accumulation
+rounding; and against ``x @ W.T`` within the bound that the activations' rounding gives. Each build
+the host can run is checked: the default one, AVX2 (``x86-64-v3``) and plain C (``x86-64``).
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ def random_blocks(qtype: str, n: int, k: int, seed: int) -> np.ndarray:
     nb = (n, k // per)
     if qtype in ("Q4_0", "Q8_0", "Q5_0"):
         raw[..., 0:2] = _f16(rng, nb, 1e-6, 1e-2)
+    elif qtype == "MXFP4":  # e8m0: 2^(e - 128), 2^-16 .. 2^3
+        raw[..., 0] = rng.integers(112, 132, size=nb, dtype=np.uint8)
     elif qtype in ("Q4_1", "Q5_1"):
         raw[..., 0:2] = _f16(rng, nb, 1e-6, 1e-2)
         raw[..., 2:4] = _f16(rng, nb, 1e-4, 1e-1)
@@ -71,6 +73,8 @@ def _unit_scales(qtype: str, raw: np.ndarray, k: int) -> np.ndarray:
     if qtype == "Q6_K":
         b[..., 192:208] = 1
         b[..., 208:210] = one
+    elif qtype == "MXFP4":  # 2^(128 - 128): the values kvalues_mxfp4[c]
+        b[..., 0] = 128
     else:
         b[..., 0:2] = one
         if qtype in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"):
@@ -84,12 +88,15 @@ def split(qtype: str, raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, 
     """What the kernels multiply: ``(dc, off, w)``, float64 ``dc`` ``[N, K]`` (the weight part
     that multiplies the activation codes: d c, d sc c, d sc (c - 32)), ``off`` ``[N, K / 32]``
     (the per-32 part that multiplies the block's float sum: Q4_1's and Q5_1's m, the
-    K-quants' -dmin m, else 0: Q4_0 and Q5_0 multiply their signed codes c - 8, c - 16) and gguf's weights ``w`` float32 ``[N, K]``; asserts that
-    ``dc + off`` (in float32, as gguf computes it) is ``w`` exactly."""
+    K-quants' -dmin m, else 0: Q4_0 and Q5_0 multiply their signed codes c - 8, c - 16) and
+    gguf's weights ``w`` float32 ``[N, K]``; asserts that ``dc + off`` (in float32, as gguf
+    computes it) is ``w`` exactly. MXFP4's ``dc`` = 2^(e - 128) kv is made in float64 (exact:
+    at e >= 254 it can exceed float32, where gguf's ``w`` is inf)."""
     n = raw.shape[0]
     qt = gguf.GGMLQuantizationType[qtype]
     _, per, bs = qmm.GGUF_BLOCKS[qtype]
-    w = gguf.dequantize(raw, qt).reshape(n, k)
+    with np.errstate(over="ignore"):  # MXFP4 at e >= 254: inf, as ggml's
+        w = gguf.dequantize(raw, qt).reshape(n, k)
     codes = gguf.dequantize(_unit_scales(qtype, raw, k), qt).reshape(n, k).astype(np.float32)
     b = raw.reshape(n, k // per, bs)
 
@@ -99,6 +106,8 @@ def split(qtype: str, raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, 
     off = np.zeros((n, k // 32), np.float32)
     if qtype in ("Q8_0", "Q4_0", "Q5_0"):
         mult = np.repeat(half(0), 32, axis=1)
+    elif qtype == "MXFP4":
+        mult = np.repeat(gguf.quants.MXFP4.e8m0_to_fp32_half(b[..., 0]).astype(np.float64), 32, axis=1)
     elif qtype in ("Q4_1", "Q5_1"):
         mult, off = np.repeat(half(0), 32, axis=1), half(2)
     elif qtype in ("Q4_K", "Q5_K"):
@@ -109,8 +118,9 @@ def split(qtype: str, raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, 
     else:  # Q6_K: per-16 int8 scales
         dsc = half(208)[..., None] * b[..., 192:208].view(np.int8).astype(np.float32)
         mult = np.repeat(dsc.reshape(n, -1), 16, axis=1)
-    dc = mult * codes  # float32: exact (an fp16 times 6-bit and 8-bit integers)
-    np.testing.assert_array_equal(dc + np.repeat(off, 32, axis=1), w)
+    dc = mult * codes  # exact (float32: an fp16 times 6-bit and 8-bit integers; MXFP4's float64)
+    with np.errstate(over="ignore"):  # MXFP4 at e >= 254: inf, as gguf's
+        np.testing.assert_array_equal((dc + np.repeat(off, 32, axis=1)).astype(np.float32), w)
     return dc.astype(np.float64), off.astype(np.float64), w
 
 
@@ -199,13 +209,15 @@ def test_extreme_codes_keep_exact_sums(ops, qtype, fill):
     fixed, alone and in batches that take the column tiles: the pairwise int16 sums at their
     largest (Q5_K 8 x 31 x 127, Q6_K 8 x 32 x 127 (the AVX2 tiles: 4 x 255 x 32),
     Q5_0 8 x 2 x 16 x 127 with codes 0 (c - 16 = -16), Q5_1 2 x 2 x 31 x 127 a step, Q8_0
-    2 x 128 x 127 with code -128), so an overflow or a lost sign shows."""
+    2 x 128 x 127 with code -128, MXFP4 8 x 2 x 12 x 127 with codes 15 (kv = -12)), so an
+    overflow or a lost sign shows."""
     n, k = 8, 512
     raw = random_blocks(qtype, n, k, seed=fill + 1)
     _, per, bs = qmm.GGUF_BLOCKS[qtype]
     b = raw.reshape(n, k // per, bs)
     code_bytes = {"Q4_0": slice(2, 18), "Q4_1": slice(4, 20), "Q5_0": slice(2, 22), "Q5_1": slice(4, 24),
-                  "Q8_0": slice(2, 34), "Q4_K": slice(16, 144), "Q5_K": slice(16, 176), "Q6_K": slice(0, 192)}[qtype]
+                  "Q8_0": slice(2, 34), "Q4_K": slice(16, 144), "Q5_K": slice(16, 176), "Q6_K": slice(0, 192),
+                  "MXFP4": slice(1, 17)}[qtype]
     b[..., code_bytes] = fill
     if qtype == "Q8_0" and fill == 0xFF:
         b[..., 2:34] = 0x80  # -128
@@ -263,6 +275,53 @@ def test_inputs_as_tensors_and_strided_rows(ops):
     assert torch.equal(ops.dequantize(ops.pack_gguf("Q4_K", ro, k)), ref)
 
 
+# ---- MXFP4 ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n,k", [(24, 2880), (40, 96)])
+def test_mxfp4_from_gguf_quantize(ops, n, k):
+    """MXFP4 blocks as gguf's quantiser writes them (rows of 2880, gpt-oss's width: 90 blocks;
+    and 3 blocks): the packed bytes are as many as the file's, ``dequantize`` is gguf's, and the
+    product is ``gguf.dequantize(raw) @ x`` within the activations' int8 rounding at 1, 2, 3, 4,
+    7, 8, 9, 16 and 33 rows (every row tile of the group kernels, and the column tiles)."""
+    g = torch.Generator().manual_seed(n + k)
+    raw = gguf.quants.quantize((torch.randn(n, k, generator=g) * 0.02).numpy(), gguf.GGMLQuantizationType.MXFP4)
+    assert raw.shape == (n, k // 32 * 17)
+    dc, off, w = split("MXFP4", raw, k)
+    bias = torch.randn(n, generator=g)
+    packed = ops.pack_gguf("MXFP4", raw, k, bias)
+    assert packed.fmt == 139 and packed.codes.nbytes == raw.nbytes
+    assert torch.equal(ops.dequantize(packed), torch.from_numpy(w))
+    for rows in (1, 2, 3, 4, 7, 8, 9, 16, 33):
+        check_linear(ops, packed, dc, off, w, torch.randn(rows, k, generator=g), bias)
+
+
+def test_mxfp4_scales_at_both_ends_and_zero_blocks(ops):
+    """e8m0 exponents e = 0 and 1 (ggml's special case: the float32 subnormals 2^-128, 2^-127),
+    2 (2^-126, the smallest normal), 254 and 255 (2^126, 2^127: gguf's float32 weights are inf
+    for |kv| >= 4 there, the kernels' 2^(e - 128) d_x stays finite), each with a third of the
+    blocks all-zero bytes (e = 0, codes 0): ``dequantize`` equals gguf's bit for bit (inf too),
+    and the products, the activations scaled so that 2^(e - 128) d_x is a normal float, equal
+    the exact float64 weights' within the activations' rounding (alone and in the column tiles)."""
+    n, k = 16, 256
+    g = torch.Generator().manual_seed(39)
+    for e, scale in ((0, 2.0**100), (1, 2.0**100), (2, 2.0**100), (254, 2.0**-90), (255, 2.0**-90)):
+        raw = random_blocks("MXFP4", n, k, seed=e)
+        b = raw.reshape(n, k // 32, 17)
+        b[..., 0] = e
+        b[:, 1::3] = 0  # all-zero blocks
+        packed = ops.pack_gguf("MXFP4", raw, k)
+        assert packed.codes.nbytes == raw.nbytes
+        with np.errstate(over="ignore"):
+            w = gguf.dequantize(raw, gguf.GGMLQuantizationType.MXFP4).reshape(n, k)
+        assert np.isinf(w).any() == (e >= 254)
+        assert torch.equal(ops.dequantize(packed), torch.from_numpy(w))
+        dc, off, _ = split("MXFP4", raw, k)
+        assert (dc[:, 32:64] == 0).all() and (dc[:, :32] != 0).any()
+        for rows in (1, 3, 17):
+            check_linear(ops, packed, dc, off, dc, torch.randn(rows, k, generator=g) * scale, None)
+
+
 # ---- concat ------------------------------------------------------------------------------------
 
 
@@ -270,15 +329,15 @@ def test_concat_of_mixed_types_is_the_column_concatenation(ops):
     k = 512
     g = torch.Generator().manual_seed(21)
     specs = [("Q4_K", 32, True), ("Q6_K", 8, False), ("Q4_0", 24, True), ("Q8_0", 16, False), ("Q5_0", 8, True),
-             ("Q5_1", 16, False)]
+             ("Q5_1", 16, False), ("MXFP4", 16, True)]
     parts, splits = [], []
     for i, (qtype, n, has_bias) in enumerate(specs):
         raw = random_blocks(qtype, n, k, seed=100 + i)
         splits.append(split(qtype, raw, k))
         parts.append(ops.pack_gguf(qtype, raw, k, torch.randn(n, generator=g) if has_bias else None))
     cat = qmm.concat_packed(parts)
-    assert cat.fmt == qmm.FMT_CONCAT and cat.n == 104 and cat.k == k
-    assert cat.nbytes == sum(p.nbytes for p in parts) + 104 * 4  # the parts and the concatenated bias
+    assert cat.fmt == qmm.FMT_CONCAT and cat.n == 120 and cat.k == k
+    assert cat.nbytes == sum(p.nbytes for p in parts) + 120 * 4  # the parts and the concatenated bias
     assert torch.equal(cat.bias, torch.cat([p.bias if p.bias is not None else torch.zeros(p.n) for p in parts]))
     assert torch.equal(ops.dequantize(cat), torch.cat([ops.dequantize(p) for p in parts]))
     dc = np.concatenate([s[0] for s in splits])
@@ -362,7 +421,7 @@ def test_the_bundled_q4_k_m_tensors(gemma3_gguf):
     assert seen == {"Q4_K", "Q6_K", "Q8_0"}
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K", "F16", "int8"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K", "MXFP4", "F16", "int8"])
 def test_row_blocks_are_views_that_multiply_as_the_whole_matrix(ops, qtype):  # noqa: F811
     """``qmm.row_blocks``: a stacked per-head matrix ``[4 x 16, K]`` cut into 4 views of 16 rows
     (every format it takes: GGUF blocks, Q4_1's int4 layout, F16, int8 codes with per-row scales);
