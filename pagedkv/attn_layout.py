@@ -35,8 +35,11 @@ others           none (llama, gemma, deepseek_v2/v3, ...)
 A config without a ``sliding_window`` key (or with ``null``) has no sliding layer.
 
 GGUF rules (what llama.cpp does with ``{arch}.attention.sliding_window``): phi3 every layer,
-gemma2 every 2nd layer full, gemma3 every 6th layer full; other architectures (llama, qwen2,
-qwen3) run full attention whatever the key says.
+gemma2 every 2nd layer full, gemma3 every 6th layer full; gpt-oss every 2nd layer full (layer 0
+slides) unless ``{arch}.attention.sliding_window_pattern`` says otherwise (llama.cpp's
+``load_swa_pattern``: a bool per layer, or a period ``n``: layer ``i`` slides when
+``i % n < n - 1``, every layer when ``n`` is 0); other architectures (llama, qwen2, qwen3) run
+full attention whatever the key says.
 
 Sizes. HF: ``num_hidden_layers``; ``num_attention_heads``, ``num_key_value_heads`` (default:
 as many; must divide the heads), ``head_dim`` (default ``hidden_size // num_attention_heads``)
@@ -70,7 +73,7 @@ _QWEN = ("qwen2", "qwen3")
 _WINDOW_FLAG = (*_QWEN, "qwen3_moe")
 #: Every n-th layer is full attention when a config gives no ``layer_types``.
 _HF_PATTERN = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6, "gpt_oss": 2}
-_GGUF_PATTERN = {"gemma2": 2, "gemma3": 6}
+_GGUF_PATTERN = {"gemma2": 2, "gemma3": 6, "gpt-oss": 2}
 
 Layout = tuple["int | None", "list[str] | None"]
 
@@ -132,14 +135,37 @@ def hf_layout(model_type: str | None, config: Mapping[str, Any], num_layers: int
 def gguf_layout(arch: str, metadata: Mapping[str, Any], num_layers: int) -> Layout:
     """``(sliding_window, layer_types)`` of GGUF metadata, as llama.cpp reads
     ``{arch}.attention.sliding_window`` (module doc). Raises ``ConfigError`` naming the key on
-    a non-positive window."""
+    a non-positive window, a gpt-oss file without one, or a malformed gpt-oss pattern."""
     key = f"{arch}.attention.sliding_window"
     window = check_window(metadata.get(key), key)
+    if window is None and arch == "gpt-oss":
+        raise ConfigError(f"{key}: missing from GGUF metadata (llama.cpp requires it for gpt-oss)")
     if window is None or (arch != "phi3" and arch not in _GGUF_PATTERN):
         return None, None
     if arch == "phi3":
         return _layout(window, [SLIDING] * num_layers, num_layers)
-    return _layout(window, _pattern_types(_GGUF_PATTERN[arch], num_layers), num_layers)
+    pattern = metadata.get(f"{arch}.attention.sliding_window_pattern") if arch == "gpt-oss" else None
+    if pattern is None:
+        return _layout(window, _pattern_types(_GGUF_PATTERN[arch], num_layers), num_layers)
+    return _layout(window, _gguf_pattern_types(f"{arch}.attention.sliding_window_pattern", pattern, num_layers),
+                   num_layers)
+
+
+def _gguf_pattern_types(key: str, pattern: Any, num_layers: int) -> list[str]:
+    """``layer_types`` of llama.cpp's ``sliding_window_pattern`` key (``load_swa_pattern``): a
+    bool per layer (true: sliding), or a period ``n`` (layer ``i`` slides when ``i % n < n - 1``;
+    0: every layer). Raises ``ConfigError`` naming ``key`` for another value or length."""
+    if isinstance(pattern, bool) or isinstance(pattern, (str, bytes)):
+        raise ConfigError(f"{key}: expected a period or a bool per layer, got {pattern!r}")
+    if hasattr(pattern, "__len__"):
+        flags = pattern.tolist() if hasattr(pattern, "tolist") else list(pattern)
+        if len(flags) != num_layers or any(not isinstance(f, (bool, int)) or f not in (0, 1) for f in flags):
+            raise ConfigError(f"{key}: expected {num_layers} bools (one per layer), got {flags!r:.80}")
+        return [SLIDING if f else FULL for f in flags]
+    n = as_int(pattern, key)
+    if n < 0:
+        raise ConfigError(f"{key}: must be >= 0, got {n}")
+    return [SLIDING if n == 0 or i % n < n - 1 else FULL for i in range(num_layers)]
 
 
 def layer_windows(window: int | None, layer_types: Sequence[str] | None, num_layers: int) -> list[int | None]:
