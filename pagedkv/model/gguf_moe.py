@@ -4,7 +4,8 @@
 llama.cpp stores a layer's experts stacked: ``blk.{i}.ffn_gate_exps.weight`` and
 ``ffn_up_exps.weight`` ``[E, I, H]``, ``ffn_down_exps.weight`` ``[E, H, I]`` (numpy order; GGML's
 ``ne`` reversed), and the router ``ffn_gate_inp.weight`` ``[E, H]`` (F32 as llama.cpp's
-quantiser keeps it). Expert ``e``'s rows are one contiguous run of each stacked tensor (rows
+quantiser keeps it); gpt-oss adds their biases ``ffn_{gate,up}_exps.bias`` ``[E, I]`` and
+``ffn_down_exps.bias`` ``[E, H]``, each expert's rows packed beside its weights (gate then up). Expert ``e``'s rows are one contiguous run of each stacked tensor (rows
 ``e * I .. (e + 1) * I``), so its gate and up rows are read straight into one buffer (its
 ``gate_up_proj``: gate rows then up rows, ``pagedkv.model.moe.Expert``) and its down rows into
 another, each packed by ``qmm.pack_gguf`` into the kernels' layout, whose size is the file's
@@ -32,7 +33,7 @@ from torch import nn
 from pagedkv.errors import ConfigError
 from pagedkv.gguf_header import GGUFTensorInfo
 from pagedkv.ops import qmm
-from pagedkv.model.gguf_read import Reader
+from pagedkv.model.gguf_read import Reader, dequantize_rows
 from pagedkv.model.gguf_shard import packed_cut
 from pagedkv.model.gguf_read import qtype_name as _qtype
 from pagedkv.model.gguf_read import tensor_rows as _rows
@@ -44,13 +45,15 @@ EXPERT_PARTS = {"ffn_gate_exps": ("gate_up_proj", 0), "ffn_up_exps": ("gate_up_p
 ROUTER = "ffn_gate_inp"
 
 
-def expert_packed(reader: Reader, parts: list[GGUFTensorInfo], e: int,
-                  what: str, cut: Any = None) -> tuple[qmm.Packed, tuple[str, ...], int]:
+def expert_packed(reader: Reader, parts: list[GGUFTensorInfo], e: int, what: str, cut: Any = None,
+                  biases: list[GGUFTensorInfo] | None = None) -> tuple[qmm.Packed, tuple[str, ...], int]:
     """``(packed weights, GGML type names, output rows)`` of expert ``e``'s rows of the stacked
     ``parts`` (each ``[E, rows, cols]``), stacked along the output rows in order; zero rows pad
     one type's buffer to a multiple of 8; parts of different types are packed each and
     concatenated (``qmm.concat_packed``). Reads only expert ``e``'s bytes of the file.
-    ``cut``: a tensor-parallel rank's ``gguf_shard.Cut`` of the expert (its rows and columns only)."""
+    ``cut``: a tensor-parallel rank's ``gguf_shard.Cut`` of the expert (its rows and columns only).
+    ``biases``: per part its stacked bias ``[E, rows]`` (gpt-oss), expert ``e``'s row read as
+    float32 into the packed weights' bias."""
     k = parts[0].shape[-1]
     sizes = []
     for p in parts:
@@ -59,9 +62,10 @@ def expert_packed(reader: Reader, parts: list[GGUFTensorInfo], e: int,
         sizes.append((p.shape[1], _rows(p)[1]))
     types = tuple(_qtype(p) for p in parts)
     n = sum(r for r, _ in sizes)
+    vals = [None] * len(parts) if biases is None else [dequantize_rows(b, reader.rows(b, e, e + 1))[0] for b in biases]
     if cut is not None:
         pieces = [(p, rows, functools.partial(reader.into, p, skip=e * rows * rb)) for p, (rows, rb) in zip(parts, sizes)]
-        return packed_cut(pieces, [None] * len(parts), k, cut, what)
+        return packed_cut(pieces, vals, k, cut, what)
     try:
         if len(set(types)) == 1:
             buf = np.empty((n + (-n % 8), sizes[0][1]), dtype=np.uint8)
@@ -70,13 +74,14 @@ def expert_packed(reader: Reader, parts: list[GGUFTensorInfo], e: int,
             for p, (rows, rb) in zip(parts, sizes):
                 reader.into(p, buf[r0:r0 + rows], skip=e * rows * rb)
                 r0 += rows
-            packed = qmm.pack_gguf(types[0], buf, k)
+            bias = None if biases is None else torch.cat([*vals, torch.zeros(len(buf) - n)]).float().contiguous()
+            packed = qmm.pack_gguf(types[0], buf, k, bias)
         else:
             packs = []
-            for p, (rows, rb) in zip(parts, sizes):
+            for p, (rows, rb), b in zip(parts, sizes, vals):
                 buf = np.empty((rows, rb), dtype=np.uint8)
                 reader.into(p, buf, skip=e * rows * rb)
-                packs.append(qmm.pack_gguf(_qtype(p), buf, k))
+                packs.append(qmm.pack_gguf(_qtype(p), buf, k, None if b is None else b.float().contiguous()))
             packed = qmm.concat_packed(packs)
     except ValueError as err:
         raise ConfigError(f"weights: {what}: {err}") from None
@@ -87,25 +92,38 @@ def expert_jobs(layer: nn.Module, parts: dict[str, GGUFTensorInfo], i: int, num_
                 cut_of: Callable[[str], Any] = lambda module: None) -> Iterator[tuple[nn.Module, str, tuple[Any, ...]]]:
     """``(expert module, attribute, (function, *args))`` for every expert matrix of layer ``i``
     (``layer.mlp``: a ``pagedkv.model.moe.MoE``) from its stacked GGUF ``parts`` (part name ->
-    tensor): call ``function(reader, *args)`` for ``GGUFLinear``'s arguments. Raises
-    ``ConfigError`` for a missing part, a dense layer given experts, or an expert count other
-    than ``num_experts``. ``cut_of(module)``: a tensor-parallel rank's cut of each expert's
-    ``module`` (``gguf_shard.module_cut``), ``None`` for the whole matrix."""
+    tensor; ``{part}.bias`` -> its stacked bias ``[E, rows]`` where the experts are biased, as
+    gpt-oss's): call ``function(reader, *args)`` for ``GGUFLinear``'s arguments. Raises
+    ``ConfigError`` for a missing part or bias, a bias the config does not give, a dense layer
+    given experts, or an expert count or bias shape other than the config's. ``cut_of(module)``:
+    a tensor-parallel rank's cut of each expert's ``module`` (``gguf_shard.module_cut``),
+    ``None`` for the whole matrix."""
     if getattr(layer, "mlp", None) is None:
         raise ConfigError(f"weights: layer {i} has stacked experts but the config makes it dense")
     groups: dict[str, list[GGUFTensorInfo | None]] = {"gate_up_proj": [None, None], "down_proj": [None]}
-    for part, info in parts.items():
+    biases: dict[str, list[GGUFTensorInfo | None]] = {"gate_up_proj": [None, None], "down_proj": [None]}
+    for name, info in parts.items():
+        part, _, kind = name.partition(".")
         module, pos = EXPERT_PARTS[part]
         if info.shape[0] != num_experts:
             raise ConfigError(f"weights: {info.name} holds {info.shape[0]} experts, the config {num_experts}")
-        groups[module][pos] = info
+        (biases if kind == "bias" else groups)[module][pos] = info
+    biased = layer.mlp.spec.bias
     for module, infos in groups.items():
         if any(x is None for x in infos):
             raise ConfigError(f"weights: layer {i} is missing stacked expert tensors of {module}")
+        got = [b for b in biases[module] if b is not None]
+        if got and not biased:
+            raise ConfigError(f"weights: {got[0].name}: the config gives its experts no biases")
+        if biased and len(got) != len(infos):
+            raise ConfigError(f"weights: layer {i} is missing stacked expert biases of {module}")
+        for w, b in zip(infos, got):
+            if tuple(b.shape) != tuple(w.shape[:2]):
+                raise ConfigError(f"weights: {b.name} has shape {tuple(b.shape)}, expected {tuple(w.shape[:2])}")
     cuts = {module: cut_of(module) for module in groups}
     for e in range(num_experts):
         for module, infos in groups.items():
-            fn = expert_packed if cuts[module] is None else functools.partial(expert_packed, cut=cuts[module])
+            fn = functools.partial(expert_packed, cut=cuts[module], biases=biases[module] if biased else None)
             yield layer.mlp.experts[e], module, (fn, infos, e, f"layer {i} expert {e} {module}")
 
 

@@ -16,9 +16,9 @@ and nothing is written to disk but the tokenizer's cache entry.
   matrices: their half values as stored times the float32 activations as given). A fused layer
   whose parts are stored in different types (a ``*_K_M`` file's Q6_K ``attn_v`` beside Q4_K
   ``attn_q``) is one ``qmm.concat_packed`` weight: the activations are quantised once.
-* Mixture-of-experts files (``qwen3moe``, llama.cpp's stacked ``ffn_*_exps`` tensors): one
-  ``GGUFLinear`` per expert matrix, packed from that expert's stored rows
-  (``pagedkv.model.gguf_moe``); the F32 router becomes a float ``nn.Linear``.
+* Mixture-of-experts files (``qwen3moe``, ``gpt-oss``, llama.cpp's stacked ``ffn_*_exps``
+  tensors): one ``GGUFLinear`` per expert matrix, packed from that expert's stored rows with
+  its bias if any (``pagedkv.model.gguf_moe``); the F32 router becomes a float ``nn.Linear``.
 * DeepSeek-V2/V3 files (``deepseek2``): the MLA projections and shared experts on their stored
   blocks, ``kv_b_proj`` re-joined from ``attn_k_b`` / ``attn_v_b`` as a float tensor
   (``pagedkv.model.gguf_mla``).
@@ -77,7 +77,7 @@ _SINGLE = {"attn_output": "o_proj", "ffn_down": "down_proj", "attn_qkv": "qkv_pr
 
 
 def linear_types(header: GGUFHeader) -> dict[str, int]:
-    """``{GGML type name: count}`` of the matrices the kernels multiply: every 2-D layer tensor
+    """``{GGML type name: count}`` of the matrices the kernels multiply: every 2-D layer weight
     and the LM head (``output.weight``, or the embedding when it is tied). An untied embedding
     is only looked up (any type ``gguf`` dequantises) and is not counted."""
     head = _head_name(header)
@@ -94,11 +94,13 @@ def _head_name(header: GGUFHeader) -> str:
 
 def kernel_matrix(t: GGUFTensorInfo, head: str) -> bool:
     """Whether the kernels multiply tensor ``t`` (:func:`linear_types`' matrices): a 2-D layer
-    tensor, stacked experts, or the LM head ``head``; not a router or MLA's ``kv_b`` (float)."""
+    ``.weight``, stacked experts, or the LM head ``head``; not a router, MLA's ``kv_b`` (float)
+    or a bias (gpt-oss's stacked expert biases ``[E, rows]``)."""
     router = t.name.endswith(f"{gguf_moe.ROUTER}.weight")  # a float matrix, not multiplied by the kernels
     router = router or t.name.rpartition(".")[0].endswith(gguf_mla.DEQUANTISED)  # MLA's kv_b: a float tensor
-    return not router and ((len(t.shape) == 2 and (t.name.startswith("blk.") or t.name == head))
-                           or (len(t.shape) == 3 and t.name.startswith("blk.")))  # stacked experts
+    return not router and t.name.endswith(".weight") and (  # not gpt-oss's stacked expert biases [E, rows]
+        (len(t.shape) == 2 and (t.name.startswith("blk.") or t.name == head))
+        or (len(t.shape) == 3 and t.name.startswith("blk.")))  # stacked experts
 
 
 def supported(header: GGUFHeader) -> str | None:
@@ -378,8 +380,8 @@ def build_gguf_model(path: Path, header: GGUFHeader, config: ModelConfig, route:
                     continue
                 if kind == "weight" and mla is None:  # a size the header does not give: an error, not a cut
                     gguf_shard.check_stored_shape(config, part, info, conv["fused_gate_up"])
-                if kind == "weight" and part in gguf_moe.EXPERT_PARTS:  # stacked experts (pagedkv.model.gguf_moe)
-                    experts[part] = info
+                if part in gguf_moe.EXPERT_PARTS and kind in ("weight", "bias"):  # stacked experts (+ gpt-oss biases)
+                    experts[part if kind == "weight" else rest] = info
                 elif kind == "weight" and part == gguf_moe.ROUTER:
                     floats[f"layers.{i}.mlp.router.weight"] = reader.floats(info)
                 elif kind == "bias" and (part in _FUSED or part in _SINGLE):
