@@ -13,12 +13,20 @@ from typing import Any
 from pagedkv.errors import ConfigError, InvalidRequestError
 
 
+#: GGUF architectures whose config transformers 5.24 does not read (``deepseek2``: not a GGUF
+#: architecture of its; ``gpt-oss``: its reader fails on the yarn ``rope.scaling.*`` keys the
+#: converter writes): their tokenizer is built from the file's ``tokenizer.*`` metadata alone
+GGUF_TOKENIZER_ONLY = ("deepseek2", "gpt-oss")
+
+
 def load_tokenizer(directory: str | Path, gguf_file: str | None = None) -> Any:
     """A transformers tokenizer (with the chat template when the source has one) saved in
     ``directory``, or built from ``directory/gguf_file``: by ``AutoTokenizer``, or, for a GGUF
-    architecture whose config transformers does not read (``deepseek2``), by
-    ``PreTrainedTokenizerFast`` from the file's ``tokenizer.*`` metadata alone (the same
-    converter). A directory whose ``tokenizer_config.json`` names the generic fast class
+    architecture whose config transformers does not read (``GGUF_TOKENIZER_ONLY``, or one it
+    calls not supported), by ``PreTrainedTokenizerFast`` from the file's ``tokenizer.*``
+    metadata alone (the same converter: the vocabulary, merges, special and added tokens, the
+    pre-tokenizer ``tokenizer.ggml.pre`` names, e.g. gpt-oss's ``gpt-4o`` split, and the chat
+    template). A directory whose ``tokenizer_config.json`` names the generic fast class
     (``TokenizersBackend`` / ``PreTrainedTokenizerFast``, e.g. the weight cache's SmolLM2 entry)
     is loaded by that class directly: the same tokenizer, without importing ``AutoTokenizer``'s
     model registry (~0.3 s of a warm start). Raises ``ConfigError``."""
@@ -32,11 +40,14 @@ def load_tokenizer(directory: str | Path, gguf_file: str | None = None) -> Any:
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    if gguf_file:
+    alone = gguf_file is not None and _gguf_architecture(Path(directory) / gguf_file) in GGUF_TOKENIZER_ONLY
+    if gguf_file and not alone:
         tok = _gguf_tokenizer_by_class(Path(directory), gguf_file)
         if tok is not None:
             return tok
     try:
+        if alone:
+            return PreTrainedTokenizerFast.from_pretrained(str(directory), **kwargs)
         try:
             return AutoTokenizer.from_pretrained(str(directory), **kwargs)
         except ValueError as e:
@@ -45,6 +56,18 @@ def load_tokenizer(directory: str | Path, gguf_file: str | None = None) -> Any:
             return PreTrainedTokenizerFast.from_pretrained(str(directory), **kwargs)
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(f"tokenizer: cannot load from {str(directory)!r} ({e})") from None
+
+
+def _gguf_architecture(path: Path) -> str | None:
+    """``general.architecture`` of the GGUF at ``path`` (its header only), ``None`` when
+    unreadable (the tokenizer's own reader then says why)."""
+    from pagedkv.gguf_header import read_gguf_header
+
+    try:
+        arch = read_gguf_header(path, reuse=True).metadata.get("general.architecture")
+    except (OSError, ValueError, ConfigError):
+        return None
+    return arch if isinstance(arch, str) else None
 
 
 def _gguf_tokenizer_by_class(directory: Path, gguf_file: str) -> Any:
