@@ -112,7 +112,9 @@ def auto_weights(model: str | Path | None, fmt: str, why: str, dtype: Any = "fp3
       is of a type they take (``gguf_native.supported``); else ``fp32``, its values dequantised
       (the reason says which types, and that ``weights="int8"`` requantises them if asked),
       or ``bf16`` for a file whose weight matrices are all BF16 where the CPU multiplies bf16
-      natively (exact: the file's values, as for a bfloat16 checkpoint);
+      natively (exact: the file's values, as for a bfloat16 checkpoint); a mixture-of-experts or
+      MLA file, which loads on its stored blocks only, is a ``ConfigError`` saying why not
+      (e.g. a gpt-oss file's MXFP4 experts where the kernels do not take that type);
     * an HF directory: its own dtype: ``bf16`` for a bfloat16 checkpoint where the CPU
       multiplies bf16 natively (exact: the checkpoint's values), else ``fp32``.
 
@@ -139,6 +141,11 @@ def auto_weights(model: str | Path | None, fmt: str, why: str, dtype: Any = "fp3
                                   f"blocks only (weights='gguf'), and {problem}")
             if problem is not None:
                 problem = f"tensor_parallel_size {tensor_parallel_size}: {problem}"
+        if problem is not None and tensor_parallel_size == 1:
+            config = gguf_config(path, header, "")
+            if config.num_experts or config.is_mla:  # no float load to fall back to (gguf_groups)
+                raise ConfigError(f"weights 'auto': {path.name} loads on its stored blocks only (weights='gguf'), "
+                                  f"and {problem}")
         if problem is None:
             kinds = ", ".join(f"{k} x{v}" for k, v in sorted(gguf_native.linear_types(header).items()))
             split = f", each of {tensor_parallel_size} ranks holding its slices" if tensor_parallel_size != 1 else ""
