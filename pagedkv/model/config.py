@@ -9,9 +9,10 @@ Both builders are pure (they take already-parsed metadata); files are read by
 Supported families: Llama (incl. SmolLM2, Llama 3.x with ``llama3`` RoPE scaling), Mistral
 (sliding window), Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm), Phi-3 (fused checkpoints; not
 LongRoPE), Gemma-2 and Gemma-3 (text), with multi-head latent attention MiniCPM3 and
-DeepSeek-V2/V3 (HF directories; DeepSeek with its mixture-of-experts layers too), and the
-mixture-of-experts Qwen3-MoE, Mixtral and gpt-oss (HF directories): what differs
-is a few switches, read by ``pagedkv.model.families``.
+DeepSeek-V2/V3 (DeepSeek with its mixture-of-experts layers too), and the mixture-of-experts
+Qwen3-MoE, Mixtral and gpt-oss, from HF directories and GGUF files alike (MiniCPM3: HF only;
+DeepSeek GGUFs: ``pagedkv.model.gguf_mla``, gpt-oss GGUFs: ``pagedkv.model.gguf_gptoss``):
+what differs is a few switches, read by ``pagedkv.model.families``.
 """
 
 from __future__ import annotations
@@ -276,6 +277,9 @@ class ModelConfig:
         ``output.weight``) and ``attention_bias`` (``blk.0.attn_q.bias`` present).
         ``rope_freq_factors`` are the values of a ``rope_freqs.weight`` tensor, if the file has
         one. Large arrays (``tokenizer.ggml.tokens``) may be given as any sized object.
+        ``deepseek2`` and ``gpt-oss`` files are read by ``pagedkv.model.gguf_mla`` /
+        ``pagedkv.model.gguf_gptoss`` (a gpt-oss file gives the fields an HF directory of the
+        model gives: sinks, biases, ``topk_softmax`` routing, clamped SwiGLU, windows, yarn).
 
         Raises ``ConfigError`` naming the GGUF key for an unknown architecture or a missing
         or malformed key.
@@ -284,15 +288,13 @@ class ModelConfig:
         if arch is None:
             raise ConfigError("general.architecture: missing from GGUF metadata")
         arch = str(arch)
-        if arch == "gpt-oss":
-            raise ConfigError("general.architecture: a gpt-oss GGUF (MXFP4 experts) is not supported; load the "
-                              "HF directory (GptOssForCausalLM) instead")
         if arch not in families.GGUF_ARCHITECTURES:
             raise ConfigError(f"general.architecture: unsupported GGUF architecture {arch!r} "
                               f"(supported: {', '.join(families.GGUF_ARCHITECTURES)})")
-        if arch == "deepseek2":  # multi-head latent attention: pagedkv.model.gguf_mla
-            from pagedkv.model.gguf_mla import config_fields
-            return cls(**config_fields(metadata, tensor_names), model_id=model_id, revision=revision)
+        if arch in ("deepseek2", "gpt-oss"):  # pagedkv.model.gguf_mla / gguf_gptoss read these
+            from pagedkv.model import gguf_gptoss, gguf_mla
+            fields_of = gguf_mla.config_fields if arch == "deepseek2" else gguf_gptoss.config_fields
+            return cls(**fields_of(metadata, tensor_names), model_id=model_id, revision=revision)
 
         def get(key: str, *default: Any) -> Any:
             return gguf_get(arch, metadata, key, *default)

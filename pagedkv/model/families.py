@@ -342,10 +342,10 @@ def hf_rope(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None, fl
 
 
 #: GGUF ``general.architecture`` values we load (Mistral GGUFs are written as ``llama``).
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3moe", "deepseek2")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3moe", "deepseek2", "gpt-oss")
 #: GGUF architecture names that differ from ours (``deepseek2`` is ``deepseek_v2`` or ``_v3`` by
-#: its gating function: ``pagedkv.model.gguf_mla``)
-GGUF_ARCH_NAMES = {"qwen3moe": "qwen3_moe", "deepseek2": "deepseek_v2"}
+#: its gating function: ``pagedkv.model.gguf_mla``; ``gpt-oss``: ``pagedkv.model.gguf_gptoss``)
+GGUF_ARCH_NAMES = {"qwen3moe": "qwen3_moe", "deepseek2": "deepseek_v2", "gpt-oss": "gpt_oss"}
 
 #: How llama.cpp's converters change a family's tensors on the way into a GGUF, in one place
 #: (``pagedkv.model.weights.gguf_state_dict`` undoes each; ``tests/model/test_gguf_conventions.py``

@@ -23,7 +23,10 @@ up rows, ``gate_up_proj_bias`` ``[E, 2 I]`` likewise; ``mlp.experts.down_proj`` 
 
 Source: transformers 5.24 ``models/gpt_oss/modeling_gpt_oss.py`` (``eager_attention_forward``,
 ``GptOssTopKRouter``, ``GptOssExperts``) and ``configuration_gpt_oss.py`` (defaults). A gpt-oss
-GGUF (MXFP4 experts) is refused with a ``ConfigError`` (``ModelConfig.from_gguf_metadata``).
+GGUF (llama.cpp's ``gpt-oss``: ``attn_sinks``, ``ffn_gate_inp`` + bias, de-interleaved
+``ffn_{gate,up,down}_exps`` + biases on their stored blocks) gives the same ``ModelConfig`` and
+these names: ``pagedkv.model.gguf_gptoss``; its MXFP4 experts load once the GGUF kernels take
+that type (until then a ``ConfigError`` naming it).
 """
 
 from __future__ import annotations

@@ -61,6 +61,9 @@ _GGUF_LAYER_NAMES = {
     "post_attention_norm.weight": "post_attention_layernorm.weight",  # Gemma: the attention output's norm
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
     "attn_qkv.weight": "qkv_proj.weight",  # Phi-3: q, k, v rows fused
+    "attn_sinks.weight": "sinks",  # gpt-oss (pagedkv.model.gguf_gptoss)
+    "attn_output.bias": "o_proj.bias",
+    "ffn_gate_inp.bias": "mlp.router.bias",
 }
 _GGUF_FUSED_PARTS = (
     "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_q.bias", "attn_k.bias", "attn_v.bias",
@@ -158,8 +161,6 @@ def gguf_config(path: Path, header: GGUFHeader, revision: str) -> ModelConfig:
     it has one). ``model_id`` is the bundled model's id or the file's stem. Raises
     ``ConfigError`` for a tensor whose GGML type cannot be dequantised
     (``check_gguf_tensor_types``), before reading any tensor, or for unusable metadata."""
-    if header.metadata.get("general.architecture") == "gpt-oss":  # refused by name before its MXFP4 types
-        ModelConfig.from_gguf_metadata(header.metadata)
     check_gguf_tensor_types(header)
     names = [t.name for t in header.tensors]
     factors = None

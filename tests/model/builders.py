@@ -9,10 +9,10 @@ collects only ``test_*.py``).
   :func:`deepseek_config` are the tiny MoE and DeepSeek families (3 layers, hidden 64, 4 heads);
   :func:`save_tiny` writes an HF directory (``config.json`` + ``model.safetensors`` + the
   97-word tokenizer of ``test_llama.py``);
-* GGUF files: :func:`write_moe_gguf` / :func:`write_deepseek_gguf` write what llama-cpp-python
-  0.3.36's ``convert_hf_to_gguf.py`` writes for these models (``test_gguf_moe.py`` /
-  ``test_gguf_deepseek.py``) and leave the transformers model holding the file's dequantised
-  values;
+* GGUF files: :func:`write_moe_gguf` / :func:`write_deepseek_gguf` / :func:`write_gptoss_gguf`
+  write what llama-cpp-python 0.3.36's ``convert_hf_to_gguf.py`` writes for these models
+  (``test_gguf_moe.py`` / ``test_gguf_deepseek.py`` / ``test_gguf_gptoss.py``) and leave the
+  transformers model holding the file's dequantised values;
 * references and runs: transformers' logits and greedy tokens (:func:`hf_logits`,
   :func:`hf_greedy`, ...), a pagedkv decoder's chunked logits, and ``check_*`` scenarios that
   assert (rewritten by pytest: ``tests/conftest.py`` registers this module);
@@ -188,6 +188,34 @@ def deepseek_model(kind: str, *, scale: float = 3.0, lm_head: float | None = Non
     return hf
 
 
+#: gpt-oss's weights: non-trivial norms, sinks and biases, decisive routers, experts big enough
+#: that the SwiGLU clamp (limit 7) bites
+GPTOSS_RULES: list[Rule] = [
+    NORM_NOISE, (match(ends=("sinks",)), "randn", 2.0),
+    (match(has=("q_proj.weight", "k_proj.weight"), ends=("embed_tokens.weight",)), "mul", 8.0),
+    (match(has=("router",)), "mul", 20.0), (match(ends=("bias",)), "randn", 0.1),
+    (match(has=("experts",)), "mul", 10.0), (lambda name: name == "lm_head.weight", "mul", 10.0)]
+
+
+def gptoss_config(*, vocab: int = VOCAB, special: tuple[int, int, int] = (1, 2, 0), **kw):
+    """``(config, model class)`` of the tiny gpt-oss: 3 layers (window 8, full, window 8), hidden
+    64, 4 heads of 16 over 2 KV heads, 4 experts of width 32 (``intermediate_size``), top-2, YaRN
+    factor 4 over 64 positions (base 150000, ``truncate: false`` as gpt-oss's config); ``kw``:
+    keys over these; ``special``: (bos, eos, pad)."""
+    import transformers as tf
+
+    bos, eos, pad = special
+    own = dict(
+        vocab_size=vocab, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+        max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters=dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                             original_max_position_embeddings=64, rope_theta=150000.0),
+    )
+    return tf.GptOssConfig(**{**own, **kw}), tf.GptOssForCausalLM
+
+
 # --- references and runs ---------------------------------------------------------------------
 
 def hf_logits(hf, ids: list[int]) -> torch.Tensor:
@@ -343,14 +371,15 @@ def gguf_special() -> tuple[int, tuple[int, int, int]]:
     return n, (n - 3, n - 2, n - 1)
 
 
-def add_tiny_vocab(w, c) -> None:
+def add_tiny_vocab(w, c, pre: str = "default") -> None:
     """Write the byte-level gpt2 vocabulary of ``test_gguf_types._vocab`` (one merge, the last 3
-    tokens control tokens) and ``c``'s bos / eos ids to GGUFWriter ``w``; no bos added."""
+    tokens control tokens) and ``c``'s bos / eos ids to GGUFWriter ``w``; no bos added; ``pre``:
+    the ``tokenizer.ggml.pre`` name (llama.cpp's pre-tokenizer, e.g. gpt-oss's ``gpt-4o``)."""
     from tests.model.test_gguf_types import _vocab
 
     tokens = _vocab()
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types([1] * (len(tokens) - 3) + [3] * 3)
     w.add_token_merges(["h i"])
@@ -368,18 +397,29 @@ def finish_gguf(w) -> None:
 
 
 def put_tensor(w, name: str, t: torch.Tensor, *, f32: tuple[str, ...], f16_fallback: bool = False,
-               permute_heads: int | None = None) -> torch.Tensor:
+               permute_heads: int | None = None, qtype: str = "Q8_0") -> torch.Tensor:
     """Add ``t`` to GGUFWriter ``w`` as tensor ``name``: F32 when 1-D or ``name`` ends with one of
-    ``f32``, else Q8_0 (``f16_fallback``: F16 where a row is no whole 32-value block), its rows
-    in llama.cpp's Q/K order for ``permute_heads`` heads when given. Returns the values the file
-    holds (fp32, ``t``'s shape and row order)."""
+    ``f32``, else ``qtype`` (Q8_0; ``f16_fallback``: F16 where a row is no whole 32-value block;
+    a K-quant, which ``gguf`` cannot quantise: random blocks of ``t``'s spread,
+    ``test_gguf_types._k_blocks`` seeded by ``name``), its rows in llama.cpp's Q/K order for
+    ``permute_heads`` heads when given. Returns the values the file holds (fp32, ``t``'s shape
+    and row order)."""
+    import zlib
+
     import gguf
 
     x = t.detach().float().contiguous().numpy()
     if x.ndim == 1 or name.endswith(f32):
         w.add_tensor(name, x)
         return t
-    qt = gguf.GGMLQuantizationType.Q8_0
+    qt = gguf.GGMLQuantizationType[qtype]
+    if qtype.endswith("_K"):
+        from tests.model.test_gguf_types import _k_blocks
+
+        rng = np.random.default_rng(zlib.crc32(name.encode()))
+        raw = _k_blocks(qt, int(np.prod(x.shape[:-1])), x.shape[-1], float(x.std()), rng)
+        w.add_tensor(name, raw.reshape(*x.shape[:-1], -1), raw_dtype=qt)
+        return torch.from_numpy(gguf.dequantize(raw, qt).reshape(x.shape).astype(np.float32))
     if f16_fallback and x.shape[-1] % 32:
         qt = gguf.GGMLQuantizationType.F16
     stored = x
@@ -540,4 +580,90 @@ def write_deepseek_gguf(hf, path: Path, legacy: bool = False, gating: int | None
                 t.copy_(torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(t.shape))
             else:
                 t.copy_(put(name_of(name), t))
+    finish_gguf(w)
+
+
+def gptoss_gguf_model(hidden: int = 64, width: int = 32, soft: bool = False):
+    """The tiny gpt-oss of the GGUF tests: :func:`gptoss_config` on the GGUF vocabulary with
+    ``hidden_size`` ``hidden`` and experts of width ``width`` (256 / 256 for K-quant experts),
+    seed 0, eager, weights by ``GPTOSS_RULES``; ``soft``: without their q/k projections and
+    embeddings x 8 (attention that sharp turns the kernels' int8 activation blocks into flipped
+    attention choices, logits up to 17% of their range apart where the soft model stays within
+    6%; the soft model's greedy paths repeat a few tokens). Returns the transformers model."""
+    vocab, special = gguf_special()
+    cfg, cls = gptoss_config(vocab=vocab, special=special, hidden_size=hidden, intermediate_size=width)
+    return seeded_model(cfg, cls, [r for r in GPTOSS_RULES if not (soft and r[1:] == ("mul", 8.0))])
+
+
+def write_gptoss_gguf(hf, path: Path, experts: str = "Q8_0", meta: dict | None = None) -> None:
+    """``hf`` (a :func:`gptoss_gguf_model`) as llama.cpp's converter writes ``gpt-oss``
+    (``conversion/gpt_oss.py`` from a checkpoint whose experts are not MXFP4, ``--outtype q8_0``)
+    to ``path``: ``TextModel``'s keys (``block_count``, ``context_length``, ``embedding_length``,
+    ``feed_forward_length``, heads, ``key_length`` / ``value_length``, the yarn
+    ``rope.scaling.*`` keys, ``rope.freq_base``, ``layer_norm_rms_epsilon``, ``expert_count`` /
+    ``expert_used_count``, ``file_type``) plus ``attention.sliding_window`` and
+    ``expert_feed_forward_length``; the gpt2 vocabulary of :func:`add_tiny_vocab` named
+    ``gpt-4o`` as gpt-oss's. Tensors in the converter's names: ``attn_sinks.weight``, the
+    interleaved ``gate_up_proj`` de-interleaved into ``ffn_gate_exps`` / ``ffn_up_exps``
+    ``[E, I, H]`` (+ ``.bias`` ``[E, I]``), ``ffn_down_exps`` ``[E, H, I]`` (+ ``.bias``
+    ``[E, H]``) stored as ``experts`` (:func:`put_tensor`'s ``qtype``: Q8_0, Q4_0, MXFP4, Q4_K);
+    norms, biases, sinks and the router F32 (the converter's rules), every other matrix Q8_0.
+    ``meta``: keys (after ``gpt-oss.``) written with another value, ``None`` to leave one out;
+    ``attention.sliding_window_pattern`` too (not written otherwise). ``hf`` then holds the
+    file's dequantised values."""
+    import gguf
+
+    c, meta = hf.config, dict(meta or {})
+    rp = c.rope_parameters
+    w = gguf.GGUFWriter(str(path), "gpt-oss")
+    keys = {"block_count": (w.add_block_count, c.num_hidden_layers),
+            "context_length": (w.add_context_length, c.max_position_embeddings),
+            "embedding_length": (w.add_embedding_length, c.hidden_size),
+            "feed_forward_length": (w.add_feed_forward_length, c.intermediate_size),
+            "attention.head_count": (w.add_head_count, c.num_attention_heads),
+            "attention.head_count_kv": (w.add_head_count_kv, c.num_key_value_heads),
+            "rope.scaling.type": (w.add_rope_scaling_type, gguf.RopeScalingType.YARN),
+            "rope.scaling.factor": (w.add_rope_scaling_factor, rp["factor"]),
+            "rope.scaling.original_context_length": (w.add_rope_scaling_orig_ctx_len,
+                                                     rp["original_max_position_embeddings"]),
+            "rope.scaling.yarn_beta_fast": (w.add_rope_scaling_yarn_beta_fast, rp["beta_fast"]),
+            "rope.scaling.yarn_beta_slow": (w.add_rope_scaling_yarn_beta_slow, rp["beta_slow"]),
+            "rope.freq_base": (w.add_rope_freq_base, rp["rope_theta"]),
+            "attention.layer_norm_rms_epsilon": (w.add_layer_norm_rms_eps, c.rms_norm_eps),
+            "expert_count": (w.add_expert_count, c.num_local_experts),
+            "expert_used_count": (w.add_expert_used_count, c.num_experts_per_tok),
+            "attention.key_length": (w.add_key_length, c.head_dim),
+            "attention.value_length": (w.add_value_length, c.head_dim),
+            "attention.sliding_window": (w.add_sliding_window, c.sliding_window),
+            "expert_feed_forward_length": (w.add_expert_feed_forward_length, c.intermediate_size),
+            "attention.sliding_window_pattern": (w.add_sliding_window_pattern, None)}
+    assert set(meta) <= set(keys), sorted(set(meta) - set(keys))
+    for key, (add, v) in keys.items():
+        v = meta.get(key, v)
+        if v is not None:
+            add(v)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    add_tiny_vocab(w, c, pre="gpt-4o")
+    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT_OSS, c.num_hidden_layers)
+
+    def put(hf_name: str, t: torch.Tensor, qtype: str = "Q8_0") -> torch.Tensor:
+        name = tmap.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        assert name is not None, hf_name
+        return put_tensor(w, name, t.contiguous(), f32=(".bias", "ffn_gate_inp.weight"), qtype=qtype)
+
+    with torch.no_grad():
+        for name, t in hf.state_dict().items():
+            base = name.rpartition(".")[0] + "."
+            if name.endswith("experts.gate_up_proj"):  # [E, H, 2I], gate columns even, up odd
+                for j, part in enumerate(("gate_proj", "up_proj")):
+                    t[:, :, j::2] = put(f"{base}{part}.weight", t[:, :, j::2].transpose(1, 2), experts).transpose(1, 2)
+            elif name.endswith("experts.gate_up_proj_bias"):
+                for j, part in enumerate(("gate_proj", "up_proj")):
+                    put(f"{base}{part}.bias", t[:, j::2])
+            elif name.endswith("experts.down_proj"):  # [E, I, H] -> [E, H, I]
+                t.copy_(put(f"{base}down_proj.weight", t.transpose(1, 2), experts).transpose(1, 2))
+            elif name.endswith("experts.down_proj_bias"):
+                put(f"{base}down_proj.bias", t)
+            else:  # the converter names the sinks ``.weight``
+                t.copy_(put(name + (".weight" if name.endswith("sinks") else ""), t))
     finish_gguf(w)

@@ -16,8 +16,9 @@ pagedkv loads the directory. Checked:
   a prefix-cache hit, and ``n=2``;
 * the paths: MoE layers on the torch ops (no fused ops, no native step, no compiled step), at
   a decode step only the ``k`` routed experts run; a backend without ``attention_sinks`` is
-  refused; the cpu backend's sinks equal the reference's (float and int8 caches);
-* a gpt-oss GGUF is refused by name.
+  refused; the cpu backend's sinks equal the reference's (float and int8 caches).
+
+A gpt-oss GGUF of the same shapes: ``test_gguf_gptoss.py``.
 """
 
 from __future__ import annotations
@@ -30,41 +31,20 @@ import torch
 from pagedkv.attention import get_backend
 from pagedkv.attention.base import AttentionMetadata
 from pagedkv.errors import ConfigError
-from pagedkv.model.config import ModelConfig
 from pagedkv.model.loader import load_model
 from pagedkv.testing.caches import allocate_kv_caches
 from tests.model.builders import (
-    NORM_NOISE, VOCAB, check_engine_greedy, check_two_greedy_completions, chunked_logits, decode_expert_calls,
-    finish_gguf, hf_logits, match, prompt, save_tiny, seeded_model,
+    GPTOSS_RULES, check_engine_greedy, check_two_greedy_completions, chunked_logits, decode_expert_calls,
+    gptoss_config, hf_logits, prompt, save_tiny, seeded_model,
 )
 
 NEW = 20
-#: non-trivial norms, sinks and biases, decisive routers, experts big enough that the SwiGLU clamp (limit 7) bites
-RULES = [NORM_NOISE, (match(ends=("sinks",)), "randn", 2.0),
-         (match(has=("q_proj.weight", "k_proj.weight"), ends=("embed_tokens.weight",)), "mul", 8.0),
-         (match(has=("router",)), "mul", 20.0), (match(ends=("bias",)), "randn", 0.1),
-         (match(has=("experts",)), "mul", 10.0), (lambda name: name == "lm_head.weight", "mul", 10.0)]
-
-
-def _hf_config():
-    import transformers as tf
-
-    cfg = tf.GptOssConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
-        max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        rope_parameters=dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
-                             original_max_position_embeddings=64, rope_theta=150000.0),
-    )
-    cfg._attn_implementation = "eager"
-    return cfg, tf.GptOssForCausalLM
 
 
 @pytest.fixture(scope="module")
 def gptoss(tmp_path_factory):
     """(transformers model, directory, pagedkv LoadedModel)."""
-    hf = seeded_model(*_hf_config(), RULES)
+    hf = seeded_model(*gptoss_config(), GPTOSS_RULES)
     out = save_tiny(hf, tmp_path_factory.mktemp("gpt_oss"))
     hf.generation_config.eos_token_id = None  # generate runs all NEW tokens, as the engine's ignore_eos
     return hf, out, load_model(out)
@@ -196,18 +176,6 @@ def test_cpu_sinks_equal_reference(dtype):
     for got, want in zip(outs[0], outs[1]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert (outs[1][0] - outs[1][2]).abs().max() > 1e-2  # the sinks matter
-
-
-def test_gpt_oss_gguf_is_refused_by_name(tmp_path):
-    import gguf
-
-    with pytest.raises(ConfigError, match="gpt-oss GGUF"):
-        ModelConfig.from_gguf_metadata({"general.architecture": "gpt-oss"})
-    w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gpt-oss")
-    w.add_block_count(2)
-    finish_gguf(w)
-    with pytest.raises(ConfigError, match="gpt-oss GGUF .*HF directory"):
-        load_model(tmp_path / "g.gguf")
 
 
 def test_planner_and_engine_agree_on_kv_bytes_per_token(gptoss):

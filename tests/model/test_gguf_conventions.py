@@ -67,7 +67,8 @@ def _state(arch: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 def test_every_gguf_architecture_states_its_conventions():
     assert set(GGUF_CONVENTIONS) == {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3_moe",
-                                     "deepseek_v2", "deepseek_v3"}  # deepseek2: none of the four (gguf_mla)
+                                     "deepseek_v2", "deepseek_v3", "gpt_oss"}  # deepseek2: none of the four
+    # (gguf_mla); gpt-oss: none either (its converter keeps q/k rows: llama.cpp runs NEOX rotate-half RoPE)
     assert [a for a, c in GGUF_CONVENTIONS.items() if c["rope_rows_permuted"]] == ["llama", "mistral"]
     assert [a for a, c in GGUF_CONVENTIONS.items() if c["norms_plus_one"]] == ["gemma2", "gemma3"]
     assert [a for a, c in GGUF_CONVENTIONS.items() if c["fused_gate_up"]] == ["phi3"]
