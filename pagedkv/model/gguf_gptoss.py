@@ -42,7 +42,7 @@ before the experts) -> ``post_attention_layernorm``, ``ffn_gate_inp`` weight ``[
 ``ffn_down_exps`` ``[E, H, I]`` with ``.bias`` ``[E, I]`` / ``[E, H]`` -> each expert's
 ``gate_up_proj`` (gate rows then up rows, bias likewise) and ``down_proj`` on the stored blocks
 (``pagedkv.model.gguf_moe``); ``token_embd``, ``output_norm``, ``output``. Real files store the
-experts as MXFP4 (GGML type 39): a type the kernels must take for ``gguf_native.supported``.
+experts as MXFP4 (GGML type 39), which the kernels multiply as stored (``pagedkv.ops.qmm``).
 
 Errors: ``ConfigError`` naming the GGUF key (missing, malformed, or values that do not fit,
 such as ``expert_used_count`` above ``expert_count``).

@@ -25,8 +25,8 @@ Source: transformers 5.24 ``models/gpt_oss/modeling_gpt_oss.py`` (``eager_attent
 ``GptOssTopKRouter``, ``GptOssExperts``) and ``configuration_gpt_oss.py`` (defaults). A gpt-oss
 GGUF (llama.cpp's ``gpt-oss``: ``attn_sinks``, ``ffn_gate_inp`` + bias, de-interleaved
 ``ffn_{gate,up,down}_exps`` + biases on their stored blocks) gives the same ``ModelConfig`` and
-these names: ``pagedkv.model.gguf_gptoss``; its MXFP4 experts load once the GGUF kernels take
-that type (until then a ``ConfigError`` naming it).
+these names: ``pagedkv.model.gguf_gptoss``; its MXFP4 experts stay as stored, on the integer
+kernels (``pagedkv.ops.qmm``).
 """
 
 from __future__ import annotations

@@ -114,7 +114,7 @@ def auto_weights(model: str | Path | None, fmt: str, why: str, dtype: Any = "fp3
       or ``bf16`` for a file whose weight matrices are all BF16 where the CPU multiplies bf16
       natively (exact: the file's values, as for a bfloat16 checkpoint); a mixture-of-experts or
       MLA file, which loads on its stored blocks only, is a ``ConfigError`` saying why not
-      (e.g. a gpt-oss file's MXFP4 experts where the kernels do not take that type);
+      (a matrix type the kernels do not take, e.g. an IQ quant);
     * an HF directory: its own dtype: ``bf16`` for a bfloat16 checkpoint where the CPU
       multiplies bf16 natively (exact: the checkpoint's values), else ``fp32``.
 

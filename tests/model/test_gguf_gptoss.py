@@ -21,8 +21,8 @@ file's dequantised values (fp32). Checked:
   activation blocks) the logits are within that error and the greedy tokens equal on prompts
   with a clear margin; a decode step runs only the routed experts; lazy experts compute the same;
 * Q4_0 and Q4_K experts (hidden and width 256 for Q4_K) hold their blocks and give the same
-  logits; MXFP4 experts (a real file's type) are a ``ConfigError`` naming the type the kernels
-  do not take (loaded and compared instead once the kernels take MXFP4);
+  logits; MXFP4 experts (a real file's type) held as stored, their kernel logits within the
+  int8 activations' error;
 * the tokenizer: gpt-4o's split (tiktoken's ``o200k_base`` pattern) before the byte-level BPE;
 * bad metadata is a ``ConfigError`` naming the key; an explicit sliding-window pattern.
 """
@@ -222,7 +222,7 @@ def test_lazy_experts_give_the_eager_logits(case):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("experts, hidden, block_bytes", [("Q4_0", 64, 18), ("Q4_K", 256, 144)])
+@pytest.mark.parametrize("experts, hidden, block_bytes", [("Q4_0", 64, 18), ("Q4_K", 256, 144), ("MXFP4", 64, 17)])
 def test_other_expert_types_hold_their_blocks(tmp_path, experts, hidden, block_bytes):
     hf = gptoss_gguf_model(hidden=hidden, width=hidden if experts == "Q4_K" else 32)
     path = tmp_path / f"{experts}.gguf"
@@ -242,27 +242,25 @@ def test_other_expert_types_hold_their_blocks(tmp_path, experts, hidden, block_b
                                rtol=1e-4, atol=1e-4)
 
 
-def test_mxfp4_experts_wait_for_the_kernels(tmp_path):
-    """A real gpt-oss GGUF stores its experts as MXFP4 (GGML type 39): the config reads, and
-    ``weights="gguf"`` is the ``ConfigError`` naming the type the kernels do not take, until
-    they take it (then the file loads and its dequantised blocks give transformers' logits)."""
+def test_mxfp4_experts_on_the_kernels(tmp_path):
+    """A real gpt-oss GGUF stores its experts as MXFP4 (GGML type 39): ``weights="auto"`` keeps
+    them as stored (fmt 139, the file's 17 bytes per 32 values) and the integer kernels' logits
+    (int8 activations) are within the activations' rounding of transformers' on the same
+    (dequantised) weights: the error bound of the Q8_0 model's kernel route."""
     hf = gptoss_gguf_model()
     path = tmp_path / "mxfp4.gguf"
     write_gptoss_gguf(hf, path, experts="MXFP4")
-    types = {t.ggml_type for t in read_gguf_header(path).tensors if "_exps.weight" in t.name}
-    assert types == {39}
-    assert load_config(path).num_experts == E
-    if "MXFP4" not in qmm.GGUF_TYPES:
-        with pytest.raises(ConfigError, match="stored as MXFP4, which the GGUF kernels do not multiply"):
-            load_model(path, weights="gguf")
-        with pytest.raises(ConfigError, match="MXFP4"):
-            load_model(path, weights="auto")
-        return
+    assert {t.ggml_type for t in read_gguf_header(path).tensors if "_exps.weight" in t.name} == {39}
     lm = load_model(path, weights="auto")
+    gu, down = (getattr(lm.model.layers[1].mlp.experts[2], m) for m in ("gate_up_proj", "down_proj"))
+    assert (gu.types, down.types) == (("MXFP4", "MXFP4"), ("MXFP4",))
+    assert gu.packed.fmt == down.packed.fmt == 139 and down.packed.nbytes == H * (I // 32 * 17 + 4)
     ids = prompt(40, 1, 0, 256)
-    _fallback(lm.model)
-    torch.testing.assert_close(chunked_logits(lm.model, ids, 16, get_backend("cpu")), hf_logits(hf, ids),
-                               rtol=1e-4, atol=1e-4)
+    ref = hf_logits(hf, ids)
+    got = chunked_logits(lm.model, ids, 16, get_backend("cpu"))
+    err = (got - ref).abs().amax(-1)
+    assert err.median().item() < 0.025 * ref.abs().max().item()
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.8
 
 
 def test_tokenizer_splits_as_gpt_4o(case):
