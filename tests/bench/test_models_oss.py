@@ -104,3 +104,26 @@ def test_llama_bench_runs_the_tiny_oss_gguf(tiny_oss):
     rows = json.loads(r.stdout)
     assert [(x["n_prompt"], x["n_gen"]) for x in rows] == [(16, 0), (0, 8)] and all(x["avg_ts"] > 0 for x in rows)
     assert rows[0]["model_type"].startswith("gpt-oss") and "MXFP4" in rows[0]["model_type"]
+
+
+def test_pagedkv_loads_and_generates_the_tiny_oss_gguf(tiny_oss, tmp_path, monkeypatch):
+    """The bench file loads as gpt-oss with its MXFP4 experts as stored (fmt 139, the file's
+    bytes plus each row's float32 bias) and generates the same tokens twice."""
+    from pagedkv import LLM
+    from pagedkv.bench.common import greedy
+    from pagedkv.bench.models import run as bench_models
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    bench_models.seed_kernels(cache)
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(cache))
+    llm = LLM(model=str(tiny_oss[0]), max_model_len=128, kv_cache_memory=64 << 20)
+    cfg = llm.engine.loaded.config
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.moe_routing) == \
+        (8, 2, 64, "topk_softmax")
+    assert cfg.attention_sinks and cfg.moe_bias and cfg.sliding_window == 8
+    assert cfg.layer_types == ["sliding_attention", "full_attention"]
+    down = llm.engine.loaded.model.layers[1].mlp.experts[7].down_proj
+    assert down.types == ("MXFP4",) and down.packed.fmt == 139 and down.packed.nbytes == 64 * (64 // 32 * 17 + 4)
+    outs = [llm.generate([[5, 6, 7, 8]], greedy(6), use_tqdm=False)[0].token_ids for _ in range(2)]
+    assert outs[0] == outs[1] and len(outs[0]) == 6 and all(0 <= t < 49168 for t in outs[0])
