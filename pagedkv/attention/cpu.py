@@ -16,8 +16,10 @@ When the kernel cannot run (no compiler, ``use_kernel=False``, a head dim over 2
 multiple of 8), the torch path gathers the sequence's blocks with ``index_select(out=...)``
 into a persistent workspace and runs one ``scaled_dot_product_attention`` per chunk (decode
 rows: float32 matmul / softmax / matmul); it is exact to float32 rounding but not batch-invariant.
-Attention sinks (the ``sinks`` option, gpt-oss) always take the torch path: one more logit per
-query head in each softmax (the quantised path starts its online softmax from it).
+Attention sinks (the ``sinks`` option, gpt-oss: one more logit per query head in each softmax's
+denominator) run on both: the kernel joins each head's sink to a row's running max and sum where
+it stores the row, the torch path appends it as one more score column (its quantised path starts
+the online softmax from it).
 
 Layouts: ``nhd`` (default), ``hnd`` and ``ascend``; the kernel takes the layout as strides.
 
@@ -112,12 +114,12 @@ class CPUBackend(LayoutMemory):
                 logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Causal paged attention; ``query`` ``[num_tokens, num_heads, head_dim]`` -> output of
         the same shape and dtype; ``sliding_window`` (tokens) / ``logits_soft_cap`` / ``sinks``
-        (``[num_heads]``, the torch path) as in ``pagedkv.attention.base`` (out-of-window blocks
+        (float ``[num_heads]``) as in ``pagedkv.attention.base`` (out-of-window blocks
         are never read). Raises ``BackendError`` on shape mismatches or a bad window / cap / sinks."""
         n, hq, d = check_inputs(query, kv_cache, metadata)
         window, cap = check_window(sliding_window, logits_soft_cap)
         sink = check_sinks(sinks, hq)
-        kernel = _kernel() if self.use_kernel and query.device.type == "cpu" and sink is None else None
+        kernel = _kernel() if self.use_kernel and query.device.type == "cpu" else None
         if kernel is not None and not (isinstance(kv_cache, L.PagedKVCache) and kernel.supports(query, kv_cache)):
             kernel = None
         plan = self._plan(metadata, kernel)
@@ -125,7 +127,8 @@ class CPUBackend(LayoutMemory):
         if plan.num_real < n:  # padding rows of the flat batch
             out[plan.num_real:].zero_()
         if plan.kernel_seqs:
-            kernel.run(query, kv_cache, plan, scale, out, window=window, soft_cap=cap)
+            kernel.run(query, kv_cache, plan, scale, out, window=window, soft_cap=cap,
+                       sinks=None if sink is None else sink.contiguous())
         for i in plan.torch_seqs:
             a, b = plan.starts[i], plan.starts[i + 1]
             out[a:b] = self._attend_torch(query[a:b], kv_cache, metadata.block_tables[i], plan.seq_lens[i], scale,
@@ -140,14 +143,16 @@ class CPUBackend(LayoutMemory):
         (same results, same errors): a layer's whole attention. When every sequence of the
         step goes to the C kernel over a float32/bf16 cache, it is one call into
         ``pagedkv_write_attend`` with inputs prepared once per step (a decode layer costs a
-        few microseconds of Python instead of ~60); otherwise the two calls. Raises
-        ``BackendError`` (shapes, options, a slot past the cache)."""
-        args = None if sinks is not None else self._fused_args(query, key, value, kv_cache, metadata)
-        if args is None:  # (sinks: the torch path of forward)
+        few microseconds of Python instead of ~60; ``sinks`` included); otherwise the two calls.
+        Raises ``BackendError`` (shapes, options, a slot past the cache)."""
+        args = self._fused_args(query, key, value, kv_cache, metadata)
+        if args is None:
             self.write_kv(kv_cache, key, value, metadata.slot_mapping)
             return self.forward(query, kv_cache, metadata, scale, sliding_window, logits_soft_cap, sinks)
         window, cap = check_window(sliding_window, logits_soft_cap)
-        return _write_attend(args, query, key, value, kv_cache, scale, window, cap)
+        sink = check_sinks(sinks, query.shape[1])  # (before anything is written)
+        return _write_attend(args, query, key, value, kv_cache, scale, window, cap,
+                             None if sink is None else sink.contiguous())
 
     def native_step_args(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          kv_caches: Sequence[L.PagedKVCache], metadata: AttentionMetadata):
@@ -435,13 +440,13 @@ class _Plan:
 
 
 def _write_attend(args, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: L.PagedKVCache,
-                  scale: float, window: int, cap: float) -> torch.Tensor:
+                  scale: float, window: int, cap: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One layer through the fused kernel with ``args`` = ``(kernel, ref, LayerArgs)`` from
-    ``CPUBackend._fused_args`` (inputs already checked); ``BackendError`` for a slot past the
-    cache (nothing written)."""
+    ``CPUBackend._fused_args`` (inputs already checked; ``sinks`` float32 ``[Hq]`` contiguous or
+    ``None``); ``BackendError`` for a slot past the cache (nothing written)."""
     kernel, ref = args[0], args[1]
     out = torch.empty_like(query)
-    rc = kernel.write_attend(ref, query, key, value, cache, out, scale, window, cap)
+    rc = kernel.write_attend(ref, query, key, value, cache, out, scale, window, cap, sinks)
     if rc == -4:
         raise BackendError(f"slot_mapping has a slot >= the cache's {cache.num_blocks * cache.block_size} "
                            "slots (nothing written)")

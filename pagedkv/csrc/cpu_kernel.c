@@ -71,6 +71,7 @@ typedef struct {
     float *scratch;     /* split partials */
     float *work;        /* per-thread workspace */
     int64_t work_per_thread;
+    const float *sinks; /* [hq] float32 logits with no value in each softmax's denominator, or NULL */
 } args_t;
 
 /* ---- 8-wide float vectors (GCC/Clang generic vectors: AVX2 on x86, NEON pairs on ARM) ---- */
@@ -199,6 +200,16 @@ static inline void prefetch_rows(const char *p, int nkv, int64_t head_stride, in
         for (int h = 0; h < nkv; h++)
             for (int b = 0; b < row_bytes; b += 64) __builtin_prefetch(p + h * head_stride + b, 0, 3);
     }
+}
+
+/* 1 / the softmax denominator of a row with running max m and sum l (l * exp(m)), with query
+ * head h's sink joining it when there are sinks: acc * (the returned factor) is the output.
+ * With a sink, acc (held relative to m) is rescaled to the common max max(m, sink) first. */
+static inline float row_inv(const args_t *A, int h, float m, float l) {
+    if (!A->sinks) return l > 0.f ? 1.f / l : 0.f;
+    const float s = A->sinks[h], mx = m > s ? m : s;
+    const float a = m == -INFINITY ? 0.f : exp_neg(m - mx);
+    return a / (l * a + exp_neg(s - mx));
 }
 
 static inline void store_row(char *o, const float *acc, float inv, int d, int dtype) {
@@ -362,7 +373,7 @@ static inline __attribute__((always_inline)) void item_body(const args_t *A, con
     }
     for (int q = 0; q < nq; q++) {
         const int r = q / nh, j = q % nh;
-        const float inv = l[q] > 0.f ? 1.f / l[q] : 0.f;
+        const float inv = row_inv(A, h0 * g + j, m[q], l[q]);
         store_row(A->out + ((qrow0 + r) * A->o_s0 + (int64_t)(h0 * g + j) * A->o_s1) * qsz, acc + (int64_t)q * d, inv, d, A->qdt);
     }
 }
@@ -405,7 +416,7 @@ static void merge_splits(const args_t *A, const item_t *first, int nsplit) {
             const float *pa = p + 2 * nq + (int64_t)q * d;
             for (int x = 0; x < d; x++) acc[x] += w * pa[x];
         }
-        const float inv = Lsum > 0.f ? 1.f / Lsum : 0.f;
+        const float inv = row_inv(A, first->h0 * g + j, M, Lsum); /* (a sink joins at M) */
         store_row(A->out + (qrow * A->o_s0 + (int64_t)(first->h0 * g + j) * A->o_s1) * esz, acc, inv, d, A->qdt);
     }
 }
@@ -418,7 +429,10 @@ int pagedkv_max_head_dim(void) { return MAXD; }
  * seq_len - q_len .. seq_len - 1 and attend causally. Strides are in elements.
  * window > 0: the row at position p sees only positions p - window + 1 .. p (its work items
  * start there: no K/V before it, nor its block-table entry, is read). softcap > 0: scores
- * (scale included) become softcap * tanh(score / softcap) before the softmax.
+ * (scale included) become softcap * tanh(score / softcap) before the softmax. sinks: NULL, or
+ * float32 [hq]: query head h's softmax denominator gains exp(sinks[h]) (a logit in the scaled,
+ * capped scores' units with no value: gpt-oss), joined where a row's output is stored (its
+ * running max and sum, or its segments' merged ones, rescaled to max(m, sink)).
  * min_split_len: split_len, tokens (rounded up to a multiple of 16): a row's keys are cut into
  * segments at absolute multiples of it, each segment one work item, merged in order (0: one
  * segment); a function of the row alone, so results do not depend on the batch. qdt: query/output
@@ -433,7 +447,7 @@ int pagedkv_paged_attention(
     const int32_t *seq_lens, const int32_t *q_start,
     const int32_t *seq_ids, const int32_t *q_lens, int n_seqs,
     void *out, int64_t o_s0, int64_t o_s1,
-    int nthreads, int min_split_len, int prefetch, int window, float softcap)
+    int nthreads, int min_split_len, int prefetch, int window, float softcap, const float *sinks)
 {
     if (hkv <= 0 || hq % hkv || hq > MAXHQ || d > MAXD || d <= 0 || d % 8 || bs <= 0) return -1;
     if ((qdt != 0 && qdt != 1) || kdt < 0 || kdt > 4) return -2;
@@ -502,7 +516,7 @@ int pagedkv_paged_attention(
     args_t A = {qdt, kdt, hq, hkv, d, bs, prefetch, scale, softcap, window, (const char *)q, q_s0, q_s1, (const char *)k,
                 (const char *)v, s_blk, s_tok, s_head, (const uint16_t *)ks, (const uint16_t *)vs,
                 ss_blk, ss_tok, ss_head, grp, bt, bt_s0, seq_lens, q_start,
-                (char *)out, o_s0, o_s1, scratch, work, wpt};
+                (char *)out, o_s0, o_s1, scratch, work, wpt, sinks};
     if (n_items == 1 || nthreads == 1) {
         for (int64_t i = 0; i < n_items; i++) run_item(&A, &items[i], work);
     } else {
@@ -571,9 +585,11 @@ static int write_rows(const layer_args_t *S, const char *src, char *dst) {
 }
 
 /* One layer: k_new / v_new [n_tokens, hkv, d] and q / out [n_tokens, hq, d], all contiguous in
- * format qdt. Returns 0, -4 (a slot out of range; nothing written), or the attention's code. */
-int pagedkv_write_attend(const layer_args_t *S, const void *q, const void *k_new, const void *v_new,
-                         void *k, void *v, void *out, float scale, int window, float softcap)
+ * format qdt; sinks: NULL or float32 [hq] (pagedkv_paged_attention). Returns 0, -4 (a slot out
+ * of range; nothing written), or the attention's code. */
+int pagedkv_write_attend_sinks(const layer_args_t *S, const void *q, const void *k_new, const void *v_new,
+                               void *k, void *v, void *out, float scale, int window, float softcap,
+                               const float *sinks)
 {
     if ((S->kdt != 0 && S->kdt != 1) || (S->qdt != 0 && S->qdt != 1)) return -2;
     if (S->hkv <= 0 || S->d <= 0 || S->bs <= 0) return -1;
@@ -586,5 +602,13 @@ int pagedkv_write_attend(const layer_args_t *S, const void *q, const void *k_new
     return pagedkv_paged_attention(S->qdt, S->kdt, S->hq, S->hkv, S->d, S->bs, scale, q, row, S->d,
                                    k, v, S->s_blk, S->s_tok, S->s_head, NULL, NULL, 0, 0, 0, 0,
                                    S->bt, S->bt_s0, S->seq_lens, S->q_start, S->seq_ids, S->q_lens, S->n_seqs,
-                                   out, row, S->d, S->nthreads, S->min_split_len, S->prefetch, window, softcap);
+                                   out, row, S->d, S->nthreads, S->min_split_len, S->prefetch, window, softcap,
+                                   sinks);
+}
+
+/* pagedkv_write_attend_sinks without sinks (the entry step_op.cpp calls by address) */
+int pagedkv_write_attend(const layer_args_t *S, const void *q, const void *k_new, const void *v_new,
+                         void *k, void *v, void *out, float scale, int window, float softcap)
+{
+    return pagedkv_write_attend_sinks(S, q, k_new, v_new, k, v, out, scale, window, softcap, NULL);
 }

@@ -43,10 +43,13 @@ def _build() -> ctypes.CDLL:
                   ptr, ptr,
                   ptr, ptr, i32,
                   ptr, i64, i64,
-                  i32, i32, i32, i32, ctypes.c_float]
+                  i32, i32, i32, i32, ctypes.c_float, ptr]
     f.restype = ctypes.c_int
     g = lib.pagedkv_write_attend
     g.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_float, i32, ctypes.c_float]
+    g.restype = ctypes.c_int
+    g = lib.pagedkv_write_attend_sinks
+    g.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_float, i32, ctypes.c_float, ptr]
     g.restype = ctypes.c_int
     return lib
 
@@ -74,7 +77,8 @@ class CPUKernel:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._f = lib.pagedkv_paged_attention
-        self._write_attend = lib.pagedkv_write_attend
+        self._write_attend = lib.pagedkv_write_attend  # (step_op.cpp's entry: no sinks)
+        self._write_attend_sinks = lib.pagedkv_write_attend_sinks  # with a sinks pointer (NULL: none)
         self.max_heads = lib.pagedkv_max_heads()
         self.max_head_dim = lib.pagedkv_max_head_dim()
         # software prefetch of the next chunk (on by default; PAGEDKV_CPU_PREFETCH=0 disables)
@@ -98,10 +102,12 @@ class CPUKernel:
         )
 
     def run(self, query: torch.Tensor, cache, plan, scale: float, out: torch.Tensor,
-            nthreads: int | None = None, window: int = 0, soft_cap: float = 0.0) -> None:
+            nthreads: int | None = None, window: int = 0, soft_cap: float = 0.0,
+            sinks: torch.Tensor | None = None) -> None:
         """Attention of ``plan.kernel_seqs`` into ``out`` (``[num_tokens, Hq, d]``, last dim
         contiguous); ``plan.kernel_inputs`` is a ``KernelInputs``. ``window`` (tokens) and
-        ``soft_cap``: 0 = off (see ``pagedkv.attention.base``)."""
+        ``soft_cap``: 0 = off; ``sinks``: float32 ``[Hq]`` contiguous or ``None`` (see
+        ``pagedkv.attention.base``). Raises ``RuntimeError`` for a kernel error code."""
         ki = plan.kernel_inputs
         s_blk, s_tok, s_head, _ = cache.key_nhd().stride()
         if cache.quant is not None:
@@ -118,6 +124,7 @@ class CPUKernel:
             ki.bt_ptr, ki.bt_s0, ki.seq_lens_ptr, ki.qsl_ptr, ki.ids_ptr, ki.qls_ptr, ki.n,
             out.data_ptr(), out.stride(0), out.stride(1),
             nthreads or torch.get_num_threads(), self.min_split_len, self.prefetch, int(window), float(soft_cap),
+            None if sinks is None else sinks.data_ptr(),
         )
         if rc != 0:
             raise RuntimeError(f"pagedkv CPU kernel failed with code {rc}")
@@ -161,14 +168,16 @@ class CPUKernel:
         return a
 
     def write_attend(self, args_ref, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     cache, out: torch.Tensor, scale: float, window: int, soft_cap: float) -> int:
-        """One layer through ``pagedkv_write_attend``: ``key``/``value`` ``[T, Hkv, d]`` written
-        at the step's slots, then ``query`` ``[T, Hq, d]`` attends into ``out``; all contiguous
-        in the query dtype. ``args_ref``: ``ctypes.byref`` of :meth:`layer_args`. Returns the C
-        code (0 ok, -4 a slot out of range, nothing written)."""
-        return self._write_attend(args_ref, query.data_ptr(), key.data_ptr(), value.data_ptr(),
-                                  cache.key.data_ptr(), cache.value.data_ptr(), out.data_ptr(),
-                                  scale, window, soft_cap)
+                     cache, out: torch.Tensor, scale: float, window: int, soft_cap: float,
+                     sinks: torch.Tensor | None = None) -> int:
+        """One layer through ``pagedkv_write_attend_sinks``: ``key``/``value`` ``[T, Hkv, d]``
+        written at the step's slots, then ``query`` ``[T, Hq, d]`` attends into ``out``; all
+        contiguous in the query dtype; ``sinks`` float32 ``[Hq]`` contiguous or ``None``.
+        ``args_ref``: ``ctypes.byref`` of :meth:`layer_args`. Returns the C code (0 ok, -4 a
+        slot out of range, nothing written)."""
+        return self._write_attend_sinks(args_ref, query.data_ptr(), key.data_ptr(), value.data_ptr(),
+                                        cache.key.data_ptr(), cache.value.data_ptr(), out.data_ptr(),
+                                        scale, window, soft_cap, None if sinks is None else sinks.data_ptr())
 
 
 class KernelInputs:
