@@ -53,7 +53,7 @@ test: $(STAMP)
 # The quantisation/route tests again as an AVX2-only host (no AVX-512, VNNI or AMX; torch and
 # oneDNN capped to match) on whatever CPU runs them: CI runs this after `make test`.
 test-avx2: $(STAMP)
-	PAGEDKV_CPU_ISA=avx2 $(VPY) -m pytest -q -p no:cacheprovider $(XDIST) $(if $(XDIST),--dist loadfile) tests/model/test_quant.py tests/model/test_qmm.py tests/model/test_qmm_bf16.py tests/model/test_qmm_f16.py tests/model/test_qmm_gguf.py tests/model/test_gguf_native.py tests/model/test_compiled.py tests/test_cpu_isa.py tests/attention/test_cpu.py tests/attention/test_batch_invariance.py tests/engine/test_determinism.py tests/model/test_fused.py tests/engine/test_spec_engine.py tests/model/test_native_step.py tests/model/test_native_gemma.py tests/model/test_native_qk_moe.py tests/model/test_gguf_moe.py tests/model/test_gguf_deepseek.py tests/model/test_native_mla.py
+	PAGEDKV_CPU_ISA=avx2 $(VPY) -m pytest -q -p no:cacheprovider $(XDIST) $(if $(XDIST),--dist loadfile) tests/model/test_quant.py tests/model/test_qmm.py tests/model/test_qmm_bf16.py tests/model/test_qmm_f16.py tests/model/test_qmm_gguf.py tests/model/test_gguf_native.py tests/model/test_compiled.py tests/test_cpu_isa.py tests/attention/test_cpu.py tests/attention/test_batch_invariance.py tests/engine/test_determinism.py tests/model/test_fused.py tests/engine/test_spec_engine.py tests/model/test_native_step.py tests/model/test_native_gemma.py tests/model/test_native_qk_moe.py tests/model/test_gguf_moe.py tests/model/test_gguf_deepseek.py tests/model/test_native_mla.py tests/model/test_native_gptoss.py tests/attention/test_sinks.py
 
 # The suite without the tests that load the bundled model (marked slow): a quick check.
 test-fast: $(STAMP)

@@ -34,9 +34,13 @@ typedef void (*act_fn)(int64_t T, int64_t I, const void *gate_up, int64_t gs, in
 typedef void (*head_norm_fn)(int64_t T, int nh, int d, void *x, int64_t xs, int dt, const float *w, float eps,
                              float offset);
 typedef int (*attend_fn)(const void *S, const void *q, const void *k_new, const void *v_new, void *k, void *v,
-                         void *out, float scale, int window, float softcap);
+                         void *out, float scale, int window, float softcap, const float *sinks);
 
-/* A mixture-of-experts FFN (pagedkv/model/moe.py, softmax or sigmoid routing without expert groups). */
+/* moe_t.routing: pagedkv.model.moe.route's kinds */
+enum { ROUTE_SOFTMAX = 0, ROUTE_SIGMOID = 1, ROUTE_TOPK_SOFTMAX = 2 };
+
+/* A mixture-of-experts FFN (pagedkv/model/moe.py: softmax, sigmoid or topk_softmax routing
+ * without expert groups). */
 typedef struct {
     const float *router;                      /* [E, H] float32 */
     const void *const *gate_up, *const *down; /* E qweights_t each: [2 I, H] (gate rows, up rows), [H, I] */
@@ -47,10 +51,16 @@ typedef struct {
      * added after the routed experts; NULL when none */
     const void *shared_gate_up, *shared_down;
     int64_t shared_inter;                     /* S */
-    /* 1: DeepSeek-V3's sigmoid routing: s = sigmoid(logit), the top_k of s + bias[e] chosen (bias:
-     * e_score_correction_bias [E] float32), weighted by s, renormalised by sum + 1e-20; 0: softmax */
-    int32_t sigmoid;
+    /* ROUTE_SIGMOID: DeepSeek-V3's routing: s = sigmoid(logit), the top_k of s + bias[e] chosen
+     * (bias: e_score_correction_bias [E] float32), weighted by s, renormalised by sum + 1e-20;
+     * ROUTE_SOFTMAX: top_k of softmax(logits); ROUTE_TOPK_SOFTMAX (gpt-oss): the top_k logits,
+     * weighted by the softmax over those k (norm_topk not applied) */
+    int32_t routing;
     const float *bias;
+    const float *router_bias; /* [E] float32 added to the router logits (gpt-oss), or NULL */
+    /* limit > 0: the experts' activation is gpt-oss's clamped SwiGLU, g = min(gate, limit),
+     * u = clamp(up, -limit, limit), (u + 1) * g * sigmoid(alpha * g); 0: act (SiLU or GELU) x up */
+    float limit, alpha;
 } moe_t;
 
 /* Multi-head latent attention (pagedkv/model/mla.py), n heads, latent rank r, per head nope +
@@ -95,6 +105,7 @@ typedef struct {
     int32_t group;                        /* its KV layer group: which attention arguments it takes */
     const mla_t *mla;                     /* latent attention in place of qkv ... attention (qkv NULL), or NULL */
     float residual_scale;                 /* both branches times it before they join (MiniCPM3); 1: none */
+    const float *sinks;                   /* attention sinks float32 [hq] (gpt-oss), or NULL */
 } layer_t;
 
 typedef struct {
@@ -141,13 +152,14 @@ static void router_dots(const float *x, const float *r, int64_t H, int n, float 
 }
 
 /* The MoE FFN of x [T, H] into out [T, H] (overwritten), as pagedkv.model.moe.MoE runs it:
- * router logits in fp32 (router_dots), softmax, the top_k largest (the lower
- * id on a tie), renormalised when norm_topk, times scaling; then for each expert with tokens, in
- * increasing id: its tokens' rows (ascending) gathered, the gate_up matmul, act x up, the down
- * matmul, and out[token] += row * weight. With at most EXPERT_PAR_T tokens the experts' matmuls
- * run side by side, one expert per thread (a batch-1 step's 8 routed experts: 2 x 8 small
- * matmuls that would each open a parallel region), and the rows are added afterwards in that
- * same order: the same bits on any thread count. Returns 0, -1 (no memory), -3 (a routed
+ * router logits in fp32 (router_dots, + router_bias), the routing's scores (softmax, sigmoid, or
+ * the logits for topk_softmax), the top_k largest (the lower id on a tie), weighted as the routing
+ * says (moe_t), times scaling; then for each expert with tokens, in increasing id: its tokens'
+ * rows (ascending) gathered, the gate_up matmul (its bias in the packed weights), act x up (or the
+ * clamped SwiGLU), the down matmul, and out[token] += row * weight. With at most EXPERT_PAR_T
+ * tokens the experts' matmuls run side by side, one expert per thread (a batch-1 step's 8 routed
+ * experts: 2 x 8 small matmuls that would each open a parallel region), and the rows are added
+ * afterwards in that same order: the same bits on any thread count. Returns 0, -1 (no memory), -3 (a routed
  * expert's weights are NULL: nothing but this layer's scratch touched after the routing), or a
  * qmm code. */
 /* moe_ffn's buffers: the layer input x [T, H], the per-expert rows (gathered input xg, gate_up
@@ -158,6 +170,20 @@ typedef struct {
     const int32_t *pos, *tlist;
     const float *wlist;
 } expert_scratch_t;
+
+/* gpt-oss's clamped SwiGLU of n rows of gu [n, 2 I] (gate columns, then up) into h [n, I],
+ * in the order of pagedkv.model.moe.Expert's torch ops: (u + 1) * (g * sigmoid(g * alpha)) */
+static void swiglu_clamped(int64_t n, int64_t I, const float *gu, float *h, float limit, float alpha) {
+    for (int64_t r = 0; r < n; r++) {
+        const float *g = gu + r * 2 * I, *u = g + I;
+        float *o = h + r * I;
+        for (int64_t j = 0; j < I; j++) {
+            const float gj = g[j] > limit ? limit : g[j];
+            const float uj = u[j] > limit ? limit : u[j] < -limit ? -limit : u[j];
+            o[j] = (uj + 1.0f) * (gj * (1.0f / (1.0f + expf(-(gj * alpha)))));
+        }
+    }
+}
 
 /* Expert e's tokens through its gate_up, act and down matmuls: by_expert, on one thread into
  * its own rows of the scratch (moe_ffn adds them afterwards); else on all threads into the
@@ -170,7 +196,10 @@ static int expert_rows(const decoder_t *M, const moe_t *E, const expert_scratch_
     const int nt = by_expert ? 1 : M->nthreads;
     int c = M->qmm(E->gate_up[e], n, xe, H, ge, nt);
     if (c == 0) {
-        M->act(n, I, ge, 2 * I, 0, E->gelu, he, 0);
+        if (E->limit > 0.0f)
+            swiglu_clamped(n, I, ge, he, E->limit, E->alpha);
+        else
+            M->act(n, I, ge, 2 * I, 0, E->gelu, he, 0);
         c = M->qmm(E->down[e], n, he, I, de, nt);
     }
     if (!by_expert && c == 0) { /* the shared scratch: add this expert's rows now */
@@ -211,11 +240,14 @@ static int moe_ffn(const decoder_t *M, const moe_t *E, int64_t T, const float *x
         const int e0 = (int)(tg % G) * 4;
         router_dots(x + t * H, E->router + (int64_t)e0 * H, H, NE - e0 < 4 ? NE - e0 : 4, prob + t * NE + e0);
     }
+    const int sigmoid = E->routing == ROUTE_SIGMOID, topk_softmax = E->routing == ROUTE_TOPK_SOFTMAX;
     for (int64_t t = 0; t < T; t++) {
         float *p = prob + t * NE, mx = -INFINITY, sum = 0.0f;
-        if (E->sigmoid) { /* scores s = sigmoid(logit); the choice on s + bias */
+        if (E->router_bias)
+            for (int e = 0; e < NE; e++) p[e] += E->router_bias[e];
+        if (sigmoid) { /* scores s = sigmoid(logit); the choice on s + bias */
             for (int e = 0; e < NE; e++) p[e] = 1.0f / (1.0f + expf(-p[e]));
-        } else {
+        } else if (!topk_softmax) { /* (topk_softmax: the choice on the logits themselves) */
             for (int e = 0; e < NE; e++)
                 if (p[e] > mx) mx = p[e];
             for (int e = 0; e < NE; e++) sum += (p[e] = expf(p[e] - mx));
@@ -227,18 +259,24 @@ static int moe_ffn(const decoder_t *M, const moe_t *E, int64_t T, const float *x
             int best = -1;
             float bv = 0.0f;
             for (int e = 0; e < NE; e++) {
-                const float v = E->sigmoid && E->bias ? p[e] + E->bias[e] : p[e];
+                const float v = sigmoid && E->bias ? p[e] + E->bias[e] : p[e];
                 if (!taken[e] && (best < 0 || v > bv)) best = e, bv = v;
             }
             taken[best] = 1;
             ids[t * K + s] = best;
             wsum += (wsel[t * K + s] = p[best]);
         }
-        if (E->sigmoid) wsum += 1e-20f;
-        for (int s = 0; s < K; s++) {
-            if (E->norm_topk) wsel[t * K + s] /= wsum;
-            if (E->scaling != 1.0f) wsel[t * K + s] *= E->scaling;
+        float *w = wsel + t * K;
+        if (topk_softmax) { /* the softmax over the k chosen logits (w[0] is their max) */
+            float ksum = 0.0f;
+            for (int s = 0; s < K; s++) ksum += (w[s] = expf(w[s] - p[ids[t * K]]));
+            for (int s = 0; s < K; s++) w[s] /= ksum;
+        } else if (E->norm_topk) {
+            if (sigmoid) wsum += 1e-20f;
+            for (int s = 0; s < K; s++) w[s] /= wsum;
         }
+        if (E->scaling != 1.0f)
+            for (int s = 0; s < K; s++) w[s] *= E->scaling;
     }
     /* (token, slot) pairs grouped by expert, tokens ascending within one (a counting sort) */
     for (int e = 0; e < NE; e++) cnt[e] = 0;
@@ -540,7 +578,7 @@ int pagedkv_decoder_forward(const decoder_t *M, const void *const *attn_args, in
             M->rope(T, M->hq, M->hkv, M->d, qkv, QH + 2 * KV, 0, L->local_rope ? cos_l : cos_t,
                     L->local_rope ? sin_l : sin_t, q, k, v);
             if ((rc = M->attend(attn_args[L->group], q, k, v, L->k_cache, L->v_cache, o, L->scale, L->window,
-                                L->softcap))) {
+                                L->softcap, L->sinks))) {
                 rc -= ATTN_ERR;
                 break;
             }

@@ -25,8 +25,8 @@ Weights (state-dict names, ``H`` = hidden_size, ``I`` = intermediate_size, ``d``
   ``layers.{i}.down_proj.weight`` ``[H, I]``
 * ``qk_norm``: ``layers.{i}.q_norm.weight`` / ``k_norm.weight`` ``[d]``
 * a mixture-of-experts layer (``ModelConfig.is_moe_layer``) has ``layers.{i}.mlp.*`` (the
-  router and experts of ``pagedkv.model.moe``) instead of ``gate_up_proj`` / ``down_proj``, and
-  always runs the torch ops (never the fused or native paths)
+  router and experts of ``pagedkv.model.moe``) instead of ``gate_up_proj`` / ``down_proj``: its
+  torch ops on the fused path, decoder.c's ``moe_ffn`` in the native step (``MoE.native_ok``)
 * ``sandwich_norms``: ``layers.{i}.pre_feedforward_layernorm.weight`` /
   ``post_feedforward_layernorm.weight`` ``[H]`` (``post_attention_layernorm`` then normalises
   the attention output instead of the MLP input)
@@ -148,8 +148,8 @@ class DecoderLayer(nn.Module):
         # this sums their partial outputs [T, H] over the ranks, in place. None = one device.
         self.all_reduce: Callable[[torch.Tensor], None] | None = None
         # the pagedkv.ops.fused_ops library, set by LlamaForCausalLM for a float32 model on the CPU when
-        # this layer's shape allows them (no MLA, no residual scale; an MoE MLP only with softmax
-        # routing and no shared experts, which decoder.c runs); None = torch ops.
+        # this layer's shape allows them (no MLA, no residual scale; an MoE MLP only without expert
+        # groups, MoE.native_ok, which decoder.c runs); None = torch ops.
         self.fusable = not config.is_mla and config.residual_scale == 1.0 and (dense or self.mlp.native_ok)
         self.fused: Any = None
 

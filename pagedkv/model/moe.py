@@ -229,12 +229,11 @@ class MoE(nn.Module):
     @property
     def native_ok(self) -> bool:
         """Whether the fused and native CPU paths (``pagedkv/csrc/decoder.c``) take this layer:
-        softmax or sigmoid routing without expert groups (Qwen3-MoE, Mixtral, DeepSeek-V2-Lite's
-        greedy routing, DeepSeek-V3-architecture models of one expert group such as Moonlight;
-        shared experts included); group-limited routing (DeepSeek-V2/V3's full models) and
-        gpt-oss's biased, clamped experts stay on these torch ops."""
-        s = self.spec
-        return s.routing in ("softmax", "sigmoid") and s.n_group == 1 and not s.bias and s.swiglu_limit is None
+        any routing without expert groups (Qwen3-MoE, Mixtral, DeepSeek-V2-Lite's greedy routing,
+        DeepSeek-V3-architecture models of one expert group such as Moonlight, shared experts
+        included; gpt-oss's biased router and experts with the clamped SwiGLU); group-limited
+        routing (DeepSeek-V2/V3's full models) stays on these torch ops."""
+        return self.spec.n_group == 1
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights fp32 [T, k], ids int64 [T, k])`` of tokens ``x`` ``[T, H]`` (``route``)."""

@@ -10,11 +10,14 @@ same results bit for bit (tests/model/test_native_step.py).
 
 It runs only where that path would run those kernels: a float32 Llama-family model on the
 CPU whose layers are all fusable (q/k norms as Qwen3's and Gemma-3's; sandwich norms and the
-local RoPE table of Gemma-2/3's sliding layers; an MoE layer with softmax (or DeepSeek-V3's
-biased sigmoid) routing without expert groups, ``MoE.native_ok``, whose FFN decoder.c runs:
-router, top-k, each routed expert's matmuls,
-in ``pagedkv.model.moe``'s order, then DeepSeek's shared experts; every expert read, so lazy
-experts not yet read keep it off), or whose layers are all multi-head latent attention
+local RoPE table of Gemma-2/3's sliding layers; gpt-oss's attention sinks, which the attention
+kernel joins to each softmax, and its biases: q/k/v, o and the experts' inside their packed
+weights, which qmm adds, the router's read by decoder.c; an MoE layer with softmax,
+DeepSeek-V3's biased sigmoid or gpt-oss's topk_softmax routing without expert groups,
+``MoE.native_ok``, whose FFN decoder.c runs: router, top-k, each routed expert's matmuls and
+activation (SiLU/GELU x up, or gpt-oss's clamped SwiGLU), in ``pagedkv.model.moe``'s order,
+then DeepSeek's shared experts, equal to the torch ops' to float rounding; every expert read, so
+lazy experts not yet read keep it off), or whose layers are all multi-head latent attention
 (``pagedkv.model.mla``: MiniCPM3, DeepSeek-V2; decoder.c's ``mla_attention`` runs the absorbed
 form, so a step is taken only while every sequence has at most ``MLA_ROWS`` rows and the absorbed
 form is its cheaper one, over float32 latent caches, ``CPUBackend.latent_step_args``; its
@@ -97,12 +100,13 @@ class NativeDecoder:
         for layer in layers:
             if (layer.fused is None and not mla) or (layer.mla is not None) != mla or layer.all_reduce is not None:
                 return None, "off (a layer outside the fused path)"
-            if set(layer.attn_options) - {"sliding_window", "logits_soft_cap"}:
-                return None, "off (attention options beyond window/soft-cap)"
+            if set(layer.attn_options) - {"sliding_window", "logits_soft_cap", "sinks"} or (
+                    mla and "sinks" in layer.attn_options):
+                return None, "off (attention options beyond window/soft-cap/sinks)"
             if mla and not 0 < layer.mla.rope_dim <= 512:
                 return None, "off (an MLA rope width decoder.c does not take: above 512)"
             if layer.mlp is not None and not layer.mlp.native_ok:
-                return None, "off (an MoE layer outside the native path: expert groups or biased experts)"
+                return None, "off (an MoE layer outside the native path: expert groups)"
             if any(m is None for m in _experts(layer)):
                 return None, "off (lazy experts not all read yet)"
             lin = _linears(layer) + _experts(layer)
@@ -118,7 +122,7 @@ class NativeDecoder:
             why = (decoder.build_error() or qmm.build_error() or cpu_kernel.build_error() or fused_ops.build_error()
                    or "no kernel")
             return None, f"off ({why})"
-        return cls(model, fn, ops, fused, decoder.addr(kernel._write_attend)), "on"
+        return cls(model, fn, ops, fused, decoder.addr(kernel._write_attend_sinks)), "on"
 
     def stale(self) -> bool:
         """Whether some quantised layer was prepared again since this was built (its packed
@@ -221,8 +225,9 @@ def _layer_spec(layer: Any, scale: float, window: int, cap: float) -> decoder.La
         moe = decoder.MoESpec(mlp.router.weight.data_ptr(), [m._qmm for m in ex[0::2]], [m._qmm for m in ex[1::2]],
                               spec.intermediate_size, spec.top_k, bool(spec.norm_topk_prob),
                               spec.hidden_act == "gelu_pytorch_tanh", spec.routed_scaling_factor, shared,
-                              0 if mlp.shared is None else mlp.shared.intermediate_size, spec.routing == "sigmoid",
-                              None if mlp.e_score_correction_bias is None else mlp.e_score_correction_bias.data_ptr())
+                              0 if mlp.shared is None else mlp.shared.intermediate_size, spec.routing,
+                              None if mlp.e_score_correction_bias is None else mlp.e_score_correction_bias.data_ptr(),
+                              _ptr(mlp.router.bias), spec.swiglu_limit or 0.0, spec.swiglu_alpha)
     else:
         gate_up, down = layer.gate_up_proj._qmm, layer.down_proj._qmm
     a = layer.mla
@@ -242,7 +247,12 @@ def _layer_spec(layer: Any, scale: float, window: int, cap: float) -> decoder.La
         mlp_out = layer.post_feedforward_layernorm.weight.data_ptr()
     return decoder.LayerSpec(qkv, layer.o_proj._qmm, gate_up, down, layer.input_layernorm.weight.data_ptr(), post,
                              scale, cap, window, qn, kn, moe, attn_out, mlp_out, bool(layer.local_rope), 0, mla,
-                             float(layer.residual_scale))
+                             float(layer.residual_scale), _ptr(layer.sinks))
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    """A tensor's address, ``None`` for none (``create`` checked its dtype, shape, layout)."""
+    return None if t is None else t.data_ptr()
 
 
 def _stored_heads(a: Any) -> tuple[list[Any] | None, list[Any] | None]:
@@ -285,7 +295,8 @@ def _experts(layer: Any) -> list[Any]:
 def _slots(model: Any) -> tuple[list[tuple[dict, Any, Any]], list[tuple[dict, list[Any]]]]:
     """What ``stale`` compares: ``(container, key, object)`` for the layer list, each layer's
     linear and norm modules and their weights, an MoE layer's MLP, router, router weight and
-    expert list (``container[key] is object`` while nothing was replaced); and per MoE layer
+    expert list (``container[key] is object`` while nothing was replaced), a layer's sinks and a
+    router's bias (``None`` where absent); and per MoE layer
     ``(its experts' _modules, [the experts])`` (a list compare: identities, in C). A matrix
     swapped inside a kept expert is not compared (its memory stays valid: ``_alive``)."""
     slots: list[tuple[dict, Any, Any]] = [(model._modules, "layers", model.layers)]
@@ -295,6 +306,7 @@ def _slots(model: Any) -> tuple[list[tuple[dict, Any, Any]], list[tuple[dict, li
                  "pre_feedforward_layernorm", "post_feedforward_layernorm"]
         names += ["gate_up_proj", "down_proj"] if layer.mlp is None else ["mlp"]
         owners = [(layer, names)]
+        slots.append((layer._parameters, "sinks", layer._parameters.get("sinks")))
         if layer.mla is not None:  # the latent attention's modules (its kv_b weight is read as a tensor)
             owners += [(layer, ["mla"]), (layer.mla, ["q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
                                                       "q_a_layernorm", "kv_a_layernorm", "kv_b_proj", "k_b_stored",
@@ -310,6 +322,7 @@ def _slots(model: Any) -> tuple[list[tuple[dict, Any, Any]], list[tuple[dict, li
         if layer.mlp is not None:
             mlp = layer.mlp
             slots += [(mlp._modules, "router", mlp.router), (mlp.router._parameters, "weight", mlp.router.weight),
+                      (mlp.router._parameters, "bias", mlp.router._parameters.get("bias")),
                       (mlp._modules, "experts", mlp.experts),
                       (mlp._parameters, "e_score_correction_bias", mlp._parameters.get("e_score_correction_bias"))]
             lists.append((mlp.experts._modules, list(mlp.experts._modules.values())))
@@ -318,18 +331,19 @@ def _slots(model: Any) -> tuple[list[tuple[dict, Any, Any]], list[tuple[dict, li
 
 def _alive(layers: Sequence[Any]) -> list[Any]:
     """The objects the decoder's structs point into, to keep alive: each layer's linear modules
-    and expert matrices with their packed weights, the norm weights (with the q/k norms), an MoE
-    layer's router weight and expert list, and every such tensor's storage (a tensor whose
-    ``.data`` is swapped keeps the old memory valid)."""
+    and expert matrices with their packed weights, the norm weights (with the q/k norms), the
+    attention sinks, an MoE layer's router weight and bias and expert list, and every such
+    tensor's storage (a tensor whose ``.data`` is swapped keeps the old memory valid)."""
     out: list[Any] = []
     for layer in layers:
         for m in _linears(layer) + _experts(layer):
             out += [m, getattr(m, "_qmm", None)]
         if layer.mlp is not None:
-            out += [layer.mlp.router.weight, layer.mlp.experts, layer.mlp.e_score_correction_bias]
+            mlp = layer.mlp
+            out += [mlp.router.weight, mlp.router.bias, mlp.experts, mlp.e_score_correction_bias]
         if layer.mla is not None:
             out += [layer.mla.kv_b_proj.weight, layer.mla.k_b_stored, layer.mla.v_b_stored]
-        out += [w for w, _ in _norm_weights(layer)]
+        out += [w for w, _ in _norm_weights(layer)] + [layer.sinks]
     return out + [t.untyped_storage() for t in out if isinstance(t, torch.Tensor)]
 
 
@@ -350,8 +364,13 @@ def _norm_weights(layer: Any) -> list[tuple[torch.Tensor, int]]:
     return out
 
 
+def _vector_fits(t: torch.Tensor | None, n: int) -> bool:
+    """``t`` is ``None`` or a float32 contiguous ``[n]`` (a bias or the sinks decoder.c reads)."""
+    return t is None or (t.dtype == torch.float32 and t.is_contiguous() and tuple(t.shape) == (n,))
+
+
 def _shapes_fit(layer: Any) -> bool:
-    """The packed weights and norm weights have the shapes the C loop sizes its buffers by."""
+    """The packed weights, norm weights, biases and sinks have the shapes the C loop reads."""
     h, i = layer.input_layernorm.weight.shape[0], layer.intermediate_size
     q, kv = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
     want = [(q + 2 * kv, h), (h, q)]
@@ -371,12 +390,14 @@ def _shapes_fit(layer: Any) -> bool:
             si = layer.mlp.shared.intermediate_size
             want += [(2 * si, h), (h, si)]
         want += [(2 * ie, h), (h, ie)] * spec.num_experts
-        router, bias = layer.mlp.router.weight, layer.mlp.e_score_correction_bias
+        router = layer.mlp.router.weight
         if router.dtype != torch.float32 or not router.is_contiguous() or router.shape != (spec.num_experts, h):
             return False
-        if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()
-                                 or bias.shape != (spec.num_experts,)):
+        if not all(_vector_fits(b, spec.num_experts) for b in (layer.mlp.e_score_correction_bias,
+                                                               layer.mlp.router.bias)):
             return False
+    if not _vector_fits(layer.sinks, layer.num_heads):
+        return False
     if [(m._qmm.n, m._qmm.k) for m in _linears(layer) + _experts(layer)] != want:
         return False
     return all(w.dtype == torch.float32 and w.is_contiguous() and w.shape == (n,) for w, n in _norm_weights(layer))

@@ -17,8 +17,8 @@ One eager reference path and the fast path the attention backend declares (its
 
 ``PAGEDKV_STEP_STRATEGY=eager`` forces the reference path for the fused and native steps
 (``auto``, the default, takes the fastest that applies). A model with attention sinks (gpt-oss)
-needs a backend that declares ``attention_sinks`` (their fast kernels do not take sinks: its
-layers run eager, the native step and the compiled step attention decline the ``sinks`` option). :func:`choose_step_strategy` runs at
+needs a backend that declares ``attention_sinks`` (the cpu backend's C kernel takes them, so its
+fused layers and the native step do; compiled step attention declines the ``sinks`` option). :func:`choose_step_strategy` runs at
 engine start (``pagedkv.engine.engine.LLMEngine``, which logs ``step strategy: <name>
 (<reason>)``); a model used without an engine decides at its first forward.
 """

@@ -28,7 +28,8 @@ class _MoE(ctypes.Structure):
                 ("down", ctypes.POINTER(ctypes.c_void_p)), ("inter", ctypes.c_int64), ("num_experts", ctypes.c_int32),
                 ("top_k", ctypes.c_int32), ("norm_topk", ctypes.c_int32), ("gelu", ctypes.c_int32),
                 ("scaling", ctypes.c_float), ("shared_gate_up", ctypes.c_void_p), ("shared_down", ctypes.c_void_p),
-                ("shared_inter", ctypes.c_int64), ("sigmoid", ctypes.c_int32), ("bias", ctypes.c_void_p)]
+                ("shared_inter", ctypes.c_int64), ("routing", ctypes.c_int32), ("bias", ctypes.c_void_p),
+                ("router_bias", ctypes.c_void_p), ("limit", ctypes.c_float), ("alpha", ctypes.c_float)]
 
 
 class _MLA(ctypes.Structure):
@@ -46,7 +47,8 @@ class _Layer(ctypes.Structure):
                 ("softcap", ctypes.c_float), ("window", ctypes.c_int32),
                 ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("moe", ctypes.POINTER(_MoE)),
                 ("w_attn_out", ctypes.c_void_p), ("w_mlp_out", ctypes.c_void_p), ("local_rope", ctypes.c_int32),
-                ("group", ctypes.c_int32), ("mla", ctypes.POINTER(_MLA)), ("residual_scale", ctypes.c_float)]
+                ("group", ctypes.c_int32), ("mla", ctypes.POINTER(_MLA)), ("residual_scale", ctypes.c_float),
+                ("sinks", ctypes.c_void_p)]
 
 
 class _Decoder(ctypes.Structure):
@@ -89,14 +91,22 @@ def qmm_struct_addr(packed: Any) -> int:
     return ctypes.addressof(packed.struct)
 
 
+#: ``MoESpec.routing`` -> ``moe_t.routing`` of ``decoder.c`` (``pagedkv.model.moe.ROUTINGS``)
+ROUTING = {"softmax": 0, "sigmoid": 1, "topk_softmax": 2}
+
+
 @dataclass
 class MoESpec:
     """One MoE FFN for ``decoder.c``: the router weight's address (float32 ``[E, hidden]``), each
-    expert's packed ``gate_up`` and ``down`` weights (``pagedkv.ops.qmm`` objects), the experts'
-    intermediate size, top-k, whether the top-k weights are renormalised, GELU (else SiLU) and
-    the routed scaling factor; DeepSeek's shared experts as one packed ``(gate_up, down)`` pair
-    of width ``shared_inter``, or ``None``; ``sigmoid``: DeepSeek-V3's sigmoid routing, its
-    choice biased by ``bias`` (the address of ``e_score_correction_bias``, float32 ``[E]``)."""
+    expert's packed ``gate_up`` and ``down`` weights (``pagedkv.ops.qmm`` objects, their biases
+    inside), the experts' intermediate size, top-k, whether the top-k weights are renormalised
+    (softmax and sigmoid routing), GELU (else SiLU) and the routed scaling factor; DeepSeek's
+    shared experts as one packed ``(gate_up, down)`` pair of width ``shared_inter``, or ``None``;
+    ``routing`` a key of :data:`ROUTING` (``"sigmoid"``: DeepSeek-V3's, its choice biased by
+    ``bias``, the address of ``e_score_correction_bias``, float32 ``[E]``; ``"topk_softmax"``:
+    gpt-oss's); ``router_bias``: the address of the router's float32 ``[E]`` bias or ``None``;
+    ``limit`` > 0: the experts' activation is gpt-oss's clamped SwiGLU with gain ``alpha``
+    (``pagedkv.model.moe``), 0: ``gelu``/SiLU times up."""
 
     router: int
     gate_up: Sequence[Any]
@@ -108,8 +118,11 @@ class MoESpec:
     scaling: float
     shared: tuple[Any, Any] | None = None
     shared_inter: int = 0
-    sigmoid: bool = False
+    routing: str = "softmax"
     bias: int | None = None
+    router_bias: int | None = None
+    limit: float = 0.0
+    alpha: float = 1.702
 
 
 @dataclass
@@ -147,7 +160,8 @@ class LayerSpec:
     scale, soft-cap (0 off) and window (tokens, 0 off), and the MoE FFN or ``None``. Sandwich
     norms (Gemma-2/3): ``w_attn_out`` / ``w_mlp_out`` norm the attention / MLP output before it
     joins the residual (``w_post`` is then the pre-MLP norm); ``local_rope``: RoPE from the
-    local table; ``group``: the KV layer group whose attention arguments the layer takes."""
+    local table; ``group``: the KV layer group whose attention arguments the layer takes;
+    ``sinks``: the address of the attention sinks (float32 ``[hq]``, gpt-oss) or ``None``."""
 
     qkv: Any
     o: Any
@@ -167,13 +181,14 @@ class LayerSpec:
     group: int = 0
     mla: MLASpec | None = None
     residual_scale: float = 1.0
+    sinks: int | None = None
 
 
 class DecoderStep:
     """One model's ``decoder.c`` structs, kept alive with the pointer arrays they hold.
     ``fn``: :func:`get`'s entry point; ``qmm_ops``/``fused_ops``: the loaded
     ``pagedkv.ops.qmm``/``pagedkv.ops.fused_ops`` libraries; ``attend``: the address of the
-    attention kernel's ``pagedkv_write_attend``; ``dims``: ``hidden, inter, hq, hkv, d`` (ints),
+    attention kernel's ``pagedkv_write_attend_sinks``; ``dims``: ``hidden, inter, hq, hkv, d`` (ints),
     ``gelu`` (bool), ``eps``, ``offset`` (floats)."""
 
     def __init__(self, fn: Any, qmm_ops: Any, fused_ops: Any, attend: int, layers: Sequence[LayerSpec],
@@ -198,7 +213,7 @@ class DecoderStep:
                 s.moe = ctypes.pointer(self._moe(spec.moe, idx))
             if spec.mla is not None:
                 s.mla = ctypes.pointer(self._mla(spec.mla))
-            s.residual_scale = spec.residual_scale
+            s.residual_scale, s.sinks = spec.residual_scale, spec.sinks
         self._struct = _Decoder(
             addr(qmm_ops._qmm), addr(fused_ops._norm), addr(fused_ops._rope), addr(fused_ops._act), attend,
             hidden, inter, hq, hkv, d, int(gelu), len(layers), nthreads, eps, offset, self._layers,
@@ -213,7 +228,7 @@ class DecoderStep:
         self.experts[idx] = (gate_up, down)
         sg, sd = (None, None) if m.shared is None else (qmm_struct_addr(w) for w in m.shared)
         self._keep.append(_MoE(m.router, gate_up, down, m.inter, n, m.top_k, int(m.norm_topk), int(m.gelu), m.scaling,
-                               sg, sd, m.shared_inter, int(m.sigmoid), m.bias))
+                               sg, sd, m.shared_inter, ROUTING[m.routing], m.bias, m.router_bias, m.limit, m.alpha))
         return self._keep[-1]
 
     def _mla(self, a: MLASpec) -> _MLA:

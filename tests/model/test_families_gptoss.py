@@ -14,9 +14,11 @@ pagedkv loads the directory. Checked:
 * the engine's greedy tokens equal ``generate``'s (20 new tokens) at block sizes 1 and 16, with
   16-token prefill chunks, three requests batched, preemption in a pool too small for them,
   a prefix-cache hit, and ``n=2``;
-* the paths: MoE layers on the torch ops (no fused ops, no native step, no compiled step), at
-  a decode step only the ``k`` routed experts run; a backend without ``attention_sinks`` is
-  refused; the cpu backend's sinks equal the reference's (float and int8 caches).
+* the paths: fp32 layers on the fused ops (attention sinks in the CPU kernel) with the MoE's
+  torch ops (the native step needs integer-kernel weights: tests/model/test_native_gptoss.py;
+  no compiled step), at a decode step only the ``k`` routed experts run; a backend without
+  ``attention_sinks`` is refused; the cpu backend's sinks equal the reference's (float and int8
+  caches).
 
 A gpt-oss GGUF of the same shapes: ``test_gguf_gptoss.py``.
 """
@@ -126,14 +128,14 @@ def test_two_completions_of_one_prompt_equal_transformers(gptoss):
     check_two_greedy_completions(hf, lm, NEW)
 
 
-def test_layers_run_eager_and_only_routed_experts_at_decode(gptoss):
+def test_layers_run_fused_and_only_routed_experts_at_decode(gptoss):
     _, _, lm = gptoss
     net = lm.model
     _, calls, routed = decode_expert_calls(net, range(3), prompt(10, 9), get_backend("cpu"))
     for i, experts in calls.items():
         assert sorted(experts) == routed[i] and len(experts) == 2  # the k routed experts, once each
-    assert not any(layer.fusable for layer in net.layers) and not any(layer.mlp.native_ok for layer in net.layers)
-    assert net._native is None and net.native_state.startswith("off (")
+    assert all(layer.fusable and layer.mlp.native_ok for layer in net.layers) and net.fused_state == "on"
+    assert net._native is None and "integer-kernel" in net.native_state  # fp32 weights: plain nn.Linear
     assert all(set(layer.attn_options) >= {"sinks"} for layer in net.layers)
     from pagedkv.model.compiled import compile_decode
 
@@ -151,13 +153,14 @@ def test_backend_without_sinks_is_refused(gptoss):
     q = torch.zeros(1, 4, 16)
     with pytest.raises(ConfigError, match="attention sinks"):
         lm.model.layers[0].attention(q, q[:, :2], q[:, :2], None, None, plain)
-    assert choose_step_strategy(lm.model, get_backend("cpu")).name == "eager"
+    assert choose_step_strategy(lm.model, get_backend("cpu")).name == "fused"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, "int8"])
 def test_cpu_sinks_equal_reference(dtype):
-    """The cpu backend's ``sinks`` (torch path; the int8 cache's online softmax starting from the
-    sink) equal the reference backend's, for a window and a chunk plus decode rows."""
+    """The cpu backend's ``sinks`` (its C kernel, for the float and the int8 cache) equal the
+    reference backend's, for a window and a chunk plus decode rows (tests/attention/test_sinks.py
+    compares the kernel with the torch path)."""
     g = torch.Generator().manual_seed(5)
     block, lens, qlens = 4, [23, 9], [7, 1]
     md = AttentionMetadata.build(lens, qlens, [[5, 0, 3, 7, 1, 2], [4, 6, 8]], block)
