@@ -35,14 +35,13 @@ from pagedkv.attention.cpu import CPUBackend
 from pagedkv.model.loader import load_model
 from pagedkv.model.native_step import NativeDecoder
 from pagedkv.testing.caches import allocate_kv_caches
-from tests.model.builders import prompt, save_tiny, seeded_model
-from tests.model.test_families_gptoss import RULES, _hf_config
+from tests.model.builders import GPTOSS_RULES, gptoss_config, prompt, save_tiny, seeded_model
 from tests.model.test_native_gemma import _calls
 
 
 @pytest.fixture(scope="module")
 def gptoss_dir(tmp_path_factory):
-    return save_tiny(seeded_model(*_hf_config(), RULES), tmp_path_factory.mktemp("gpt_oss"))
+    return save_tiny(seeded_model(*gptoss_config(), GPTOSS_RULES), tmp_path_factory.mktemp("gpt_oss"))
 
 
 @pytest.fixture(scope="module")
