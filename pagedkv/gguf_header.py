@@ -49,11 +49,20 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
 }
 
 
-class GGUFStringArray:
-    """A string array from GGUF metadata kept undecoded (only its length is needed here)."""
+#: token texts whose index a large string array records as it is skipped (``GGUFStringArray.found``):
+#: gpt-oss's stop tokens beyond the file's ``eos`` key (its ``generation_config.json``'s ids)
+FIND_STRINGS = frozenset({b"<|return|>", b"<|call|>", b"<|endoftext|>"})
 
-    def __init__(self, count: int) -> None:
+_FIND_LENGTHS = frozenset(len(s) for s in FIND_STRINGS)
+
+
+class GGUFStringArray:
+    """A string array from GGUF metadata kept undecoded (only its length is needed here);
+    ``found``: ``{text: first index}`` of the array's entries that are in :data:`FIND_STRINGS`."""
+
+    def __init__(self, count: int, found: dict[str, int] | None = None) -> None:
         self.count = count
+        self.found = found or {}
 
     def __len__(self) -> int:
         return self.count
@@ -156,10 +165,13 @@ def _parse(buf: Any, path: Path) -> GGUFHeader:
             p += 12
             if etype == _STRING:
                 if count > SMALL_ARRAY:
-                    for _ in range(count):
+                    found: dict[str, int] = {}
+                    for i in range(count):
                         (n,) = struct.unpack_from("<Q", buf, p)
+                        if n in _FIND_LENGTHS and bytes(buf[p + 8 : p + 8 + n]) in FIND_STRINGS:
+                            found.setdefault(bytes(buf[p + 8 : p + 8 + n]).decode(), i)
                         p += 8 + n
-                    return GGUFStringArray(count), p
+                    return GGUFStringArray(count, found), p
                 items = []
                 for _ in range(count):
                     s, p = read_str(p)

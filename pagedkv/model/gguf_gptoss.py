@@ -19,8 +19,12 @@ sliding, as transformers' default ``layer_types``; an explicit
 ``attention.sliding_window_pattern`` as llama.cpp's ``load_swa_pattern`` reads it);
 ``rope.freq_base`` (default 10000); ``rope.scaling.type`` (none or ``yarn``) with
 ``rope.scaling.factor``, ``original_context_length`` and the optional ``yarn_beta_fast`` /
-``yarn_beta_slow`` / ``yarn_attn_factor``; ``expert_weights_scale`` (absent or 0: 1, as
-llama.cpp reads it). Fixed by the architecture, as llama.cpp's constants and transformers'
+``yarn_beta_slow`` / ``yarn_attn_factor``; ``expert_weights_scale`` and ``rope.freq_base_swa``,
+which llama.cpp's gpt-oss graph does not apply (the scale) or applies to the sliding layers
+only (the base): absent, or values that change nothing (a scale of 0 or 1, the same base).
+Stop tokens: the file's ``eos`` / ``eot`` / ``eom`` keys, plus ``<|return|>``,
+``<|endoftext|>`` and ``<|call|>`` where the vocabulary has them (gpt-oss's
+``generation_config.json`` stops on all three; the converter writes only ``<|return|>``). Fixed by the architecture, as llama.cpp's constants and transformers'
 ``GptOssConfig`` defaults agree: the clamped SwiGLU's limit 7.0 and alpha 1.702; the router
 (biased logits, top-k, a softmax over the chosen: ``"topk_softmax"``); sinks and biases on
 attention, router and experts (``attention_bias`` / ``o_proj_bias`` follow the file's
@@ -57,6 +61,9 @@ from pagedkv.errors import ConfigError
 
 #: the GGUF architecture this module reads
 ARCH = "gpt-oss"
+#: gpt-oss's stop tokens besides the file's ``eos`` key (``<|return|>``): its
+#: ``generation_config.json`` lists ``<|endoftext|>`` and ``<|call|>`` too (ids 199999, 200012)
+STOP_TEXTS = ("<|return|>", "<|endoftext|>", "<|call|>")
 #: llama.cpp's ``LLM_FFN_SWIGLU_OAI_MOE`` constants (transformers' ``GptOssConfig`` defaults)
 SWIGLU_LIMIT, SWIGLU_ALPHA = 7.0, 1.702
 
@@ -106,13 +113,24 @@ def config_fields(metadata: Mapping[str, Any], tensor_names: Sequence[str]) -> d
             eos.append(int(metadata[key]))
     if not eos:
         raise ConfigError("tokenizer.ggml.eos_token_id: missing from GGUF metadata")
+    found = getattr(metadata.get("tokenizer.ggml.tokens"), "found", None) or {}
+    if isinstance(metadata.get("tokenizer.ggml.tokens"), list):  # a small vocabulary, decoded
+        found = {t: i for i, t in reversed(list(enumerate(metadata["tokenizer.ggml.tokens"]))) if t in STOP_TEXTS}
+    eos += [found[t] for t in STOP_TEXTS if t in found and found[t] not in eos]
     bos = metadata.get("tokenizer.ggml.bos_token_id")
     scale = _num(get("expert_weights_scale", 0.0), f"{ARCH}.expert_weights_scale", positive=False)
+    if scale not in (0.0, 1.0):
+        raise ConfigError(f"{ARCH}.expert_weights_scale: {scale} (llama.cpp's gpt-oss does not scale the experts; "
+                          "supported: 0 or 1)")
+    theta = _num(get("rope.freq_base", 10000.0), f"{ARCH}.rope.freq_base")
+    if _num(get("rope.freq_base_swa", theta), f"{ARCH}.rope.freq_base_swa") != theta:
+        raise ConfigError(f"{ARCH}.rope.freq_base_swa: {get('rope.freq_base_swa')} differs from rope.freq_base "
+                          f"{theta} (another RoPE base on the sliding layers is not supported)")
     return {
         "architecture": "gpt_oss", "vocab_size": as_int(vocab, f"{ARCH}.vocab_size"), "hidden_size": hidden,
         "intermediate_size": num("feed_forward_length", width), "num_layers": layers, "num_heads": heads,
         "num_kv_heads": kv_heads, "head_dim": head_dim,
-        "rope_theta": _num(get("rope.freq_base", 10000.0), f"{ARCH}.rope.freq_base"),
+        "rope_theta": theta,
         "rope_scaling": _yarn(get),
         "rms_norm_eps": _num(get("attention.layer_norm_rms_epsilon"), f"{ARCH}.attention.layer_norm_rms_epsilon"),
         "max_position_embeddings": num("context_length"), "tie_word_embeddings": bool(names) and "output.weight" not in names,
@@ -122,7 +140,7 @@ def config_fields(metadata: Mapping[str, Any], tensor_names: Sequence[str]) -> d
         "sliding_window": window, "layer_types": types,
         "num_experts": experts, "num_experts_per_tok": used, "moe_intermediate_size": width,
         "moe_routing": "topk_softmax", "moe_bias": True, "attention_sinks": True,
-        "routed_scaling_factor": scale or 1.0, "swiglu_limit": SWIGLU_LIMIT, "swiglu_alpha": SWIGLU_ALPHA,
+        "routed_scaling_factor": 1.0, "swiglu_limit": SWIGLU_LIMIT, "swiglu_alpha": SWIGLU_ALPHA,
     }
 
 

@@ -636,7 +636,9 @@ def write_gptoss_gguf(hf, path: Path, experts: str = "Q8_0", meta: dict | None =
             "attention.value_length": (w.add_value_length, c.head_dim),
             "attention.sliding_window": (w.add_sliding_window, c.sliding_window),
             "expert_feed_forward_length": (w.add_expert_feed_forward_length, c.intermediate_size),
-            "attention.sliding_window_pattern": (w.add_sliding_window_pattern, None)}
+            "attention.sliding_window_pattern": (w.add_sliding_window_pattern, None),
+            "expert_weights_scale": (w.add_expert_weights_scale, None),
+            "rope.freq_base_swa": (w.add_rope_freq_base_swa, None)}
     assert set(meta) <= set(keys), sorted(set(meta) - set(keys))
     for key, (add, v) in keys.items():
         v = meta.get(key, v)

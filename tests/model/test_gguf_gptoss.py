@@ -246,8 +246,9 @@ def test_mxfp4_experts_on_the_kernels(tmp_path):
     """A real gpt-oss GGUF stores its experts as MXFP4 (GGML type 39): ``weights="auto"`` keeps
     them as stored (fmt 139, the file's 17 bytes per 32 values) and the integer kernels' logits
     (int8 activations) are within the activations' rounding of transformers' on the same
-    (dequantised) weights: the error bound of the Q8_0 model's kernel route."""
-    hf = gptoss_gguf_model()
+    (dequantised) weights: the error bounds of the Q8_0 file's kernel route on the soft model
+    (the sharp one flips an attention choice at some position under any activation rounding)."""
+    hf = gptoss_gguf_model(soft=True)
     path = tmp_path / "mxfp4.gguf"
     write_gptoss_gguf(hf, path, experts="MXFP4")
     assert {t.ggml_type for t in read_gguf_header(path).tensors if "_exps.weight" in t.name} == {39}
@@ -260,7 +261,8 @@ def test_mxfp4_experts_on_the_kernels(tmp_path):
     got = chunked_logits(lm.model, ids, 16, get_backend("cpu"))
     err = (got - ref).abs().amax(-1)
     assert err.median().item() < 0.025 * ref.abs().max().item()
-    assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.8
+    assert err.max().item() < 0.1 * ref.abs().max().item()
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
 
 
 def test_tokenizer_splits_as_gpt_4o(case):
@@ -285,6 +287,8 @@ def test_tokenizer_splits_as_gpt_4o(case):
     ({"expert_feed_forward_length": None}, "gpt-oss.expert_feed_forward_length: missing"),
     ({"rope.scaling.type": __import__("gguf").RopeScalingType.LINEAR}, "gpt-oss.rope.scaling.type: unsupported 'linear'"),
     ({"attention.sliding_window_pattern": [True, False]}, "gpt-oss.attention.sliding_window_pattern: expected 3"),
+    ({"expert_weights_scale": 2.5}, r"gpt-oss.expert_weights_scale: 2.5 \(llama.cpp's gpt-oss does not scale"),
+    ({"rope.freq_base_swa": 10000.0}, "gpt-oss.rope.freq_base_swa: 10000.0 differs from rope.freq_base 150000.0"),
 ])
 def test_bad_metadata_is_a_config_error_naming_the_key(tmp_path, meta, match):
     hf = gptoss_gguf_model()
@@ -307,3 +311,35 @@ def test_an_explicit_sliding_window_pattern(tmp_path, pattern, windows):
     c = load_config(path)
     assert c.layer_windows() == (windows or [None] * 3)
     assert KVCacheSpec.from_gguf(path).layer_windows == (None if windows is None else tuple(windows))
+
+
+def test_stop_tokens_beside_the_eos_key(tmp_path):
+    """gpt-oss stops on ``<|return|>`` (the file's ``eos`` key), ``<|endoftext|>`` and ``<|call|>``
+    (its ``generation_config.json``): the header reader notes their indices while it skips a
+    large vocabulary (``GGUFStringArray.found``), a small one is read as a list; the ids join
+    ``eos_token_ids`` after the key's, once each."""
+    import gguf
+
+    from pagedkv.gguf_header import GGUFStringArray
+    from pagedkv.model import gguf_gptoss
+
+    vocab = [f"t{i}" for i in range(300)]
+    vocab[5], vocab[290], vocab[291], vocab[299] = "<|endoftext|>", "<|return|>", "<|call|>", "<|call|>"
+    w = gguf.GGUFWriter(str(tmp_path / "vocab.gguf"), "gpt-oss")
+    w.add_token_list(vocab)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    tokens = read_gguf_header(tmp_path / "vocab.gguf").metadata["tokenizer.ggml.tokens"]
+    assert isinstance(tokens, GGUFStringArray) and len(tokens) == 300
+    assert tokens.found == {"<|endoftext|>": 5, "<|return|>": 290, "<|call|>": 291}
+    hf = gptoss_gguf_model()
+    write_gptoss_gguf(hf, tmp_path / "m.gguf")
+    header = read_gguf_header(tmp_path / "m.gguf")
+    names = [t.name for t in header.tensors]
+    assert gguf_gptoss.config_fields(header.metadata, names)["eos_token_ids"] == [hf.config.eos_token_id]
+    md = {**header.metadata, "tokenizer.ggml.eos_token_id": 290, "tokenizer.ggml.tokens": tokens}
+    assert gguf_gptoss.config_fields(md, names)["eos_token_ids"] == [290, 5, 291]
+    md["tokenizer.ggml.tokens"] = vocab[:200] + ["<|call|>"] + vocab[201:256]  # small: decoded
+    assert gguf_gptoss.config_fields(md, names)["eos_token_ids"] == [290, 5, 200]

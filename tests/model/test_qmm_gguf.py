@@ -209,8 +209,8 @@ def test_extreme_codes_keep_exact_sums(ops, qtype, fill):
     fixed, alone and in batches that take the column tiles: the pairwise int16 sums at their
     largest (Q5_K 8 x 31 x 127, Q6_K 8 x 32 x 127 (the AVX2 tiles: 4 x 255 x 32),
     Q5_0 8 x 2 x 16 x 127 with codes 0 (c - 16 = -16), Q5_1 2 x 2 x 31 x 127 a step, Q8_0
-    2 x 128 x 127 with code -128, MXFP4 8 x 2 x 12 x 127 with codes 15 (kv = -12)), so an
-    overflow or a lost sign shows."""
+    2 x 128 x 127 with code -128, MXFP4 4 x 2 x 28 x 127 with codes 7 (kv + 16 = 28, the
+    unsigned operand of its lookup; codes 0 give 16)), so an overflow or a lost sign shows."""
     n, k = 8, 512
     raw = random_blocks(qtype, n, k, seed=fill + 1)
     _, per, bs = qmm.GGUF_BLOCKS[qtype]
@@ -221,6 +221,8 @@ def test_extreme_codes_keep_exact_sums(ops, qtype, fill):
     b[..., code_bytes] = fill
     if qtype == "Q8_0" and fill == 0xFF:
         b[..., 2:34] = 0x80  # -128
+    if qtype == "MXFP4" and fill == 0xFF:
+        b[..., code_bytes] = 0x77  # code 7: kv = +12, the kernels' largest unsigned operand kv + 16 = 28
     dc, off, w = split(qtype, raw, k)
     x = torch.where(torch.from_numpy(dc[:1]) >= 0, 1.0, -1.0).float().repeat(3, 1)  # codes +-127
     x[1] *= -2.0

@@ -15,8 +15,8 @@ transformers' ``layer_types``), ``key_length`` / ``value_length`` and YaRN
 (``rope.scaling.*``: type, factor, original context, beta fast / slow).
 
 The experts are written as **random MXFP4 codes** (:func:`random_mxfp4`): every block's scale
-byte is 120 (``2^(120 - 128)`` per unit of the E2M1 table, so values of std ~0.02 like the
-other tensors) and its 16 code bytes uniform. gguf-py's MXFP4 quantiser runs ~10 M values/s
+byte is 120 (``2^(120 - 128)`` per unit of ggml's ``kvalues_mxfp4``, twice the E2M1 values,
+so values of std ~0.023 like the other tensors' 0.02) and its 16 code bytes uniform. gguf-py's MXFP4 quantiser runs ~10 M values/s
 here (16 minutes for a half-depth gpt-oss-20b's 9.6 G expert values), and no f16 file of the
 shape is ever written (a half-depth one would be ~21 GB): speed does not depend on the values.
 Q8_0 tensors go through gguf-py's quantiser (~190 M values/s); norms, biases, sinks and the
@@ -32,7 +32,7 @@ import numpy as np
 ARCH = "gpt-oss"
 #: the file type of llama-quantize's MXFP4_MOE (gguf ``LlamaFileType.MOSTLY_MXFP4_MOE``)
 FILE_TYPE = 38
-MXFP4_SCALE = 120  # E8M0: 2^(120 - 128) = 1/256 per table unit; the table's values' std ~5.6
+MXFP4_SCALE = 120  # E8M0: 2^(120 - 128) = 1/256 per unit of kvalues_mxfp4 (std ~5.85 over uniform codes)
 YARN = {"factor": 32.0, "original_context": 4096, "beta_fast": 32.0, "beta_slow": 1.0}
 
 
