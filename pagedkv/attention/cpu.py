@@ -169,19 +169,22 @@ class CPUBackend(LayoutMemory):
     def latent_step_args(self, kv_caches: Sequence[L.PagedKVCache], metadata: AttentionMetadata, num_tokens: int):
         """The C kernel's per-step ``LayerArgs`` (``pagedkv.ops.cpu_kernel``) for the layers of
         the multi-head latent attention caches ``kv_caches`` (each one float32 "head" of
-        ``kv_lora_rank + qk_rope_head_dim`` per token, ``pagedkv.model.mla``) over ``num_tokens``
+        ``kv_lora_rank + qk_rope_head_dim`` per token, or int8 codes plus per-token bf16
+        scales, ``pagedkv.model.mla``) over ``num_tokens``
         rows: block tables, lengths, slots and the caches' strides, which
         ``pagedkv/csrc/decoder.c``'s latent attention reads (``pagedkv.model.native_step``).
-        ``None`` when it does not apply (a cache of another geometry than the first, a quantised
-        or non-float32 cache, no kernel, a slot_mapping of another length or type). Built once
+        ``None`` when it does not apply (a cache of another geometry than the first, an fp8 or
+        a plain non-float32 cache, no kernel, a slot_mapping of another length or type). Built once
         per (step metadata, cache geometry), kept on the step's plan."""
         kv_cache = kv_caches[0]
         geom = _geometry(kv_cache)
         if any(_geometry(c) != geom for c in kv_caches[1:]):
             return None
         kernel = _kernel() if self.use_kernel else None
-        if (kernel is None or not isinstance(kv_cache, L.PagedKVCache) or kv_cache.quant is not None
-                or kv_cache.key.dtype != torch.float32 or kv_cache.num_kv_heads != 1):
+        if kernel is None or not isinstance(kv_cache, L.PagedKVCache) or kv_cache.num_kv_heads != 1:
+            return None
+        if (kv_cache.key.dtype != torch.float32 if kv_cache.quant is None
+                else kv_cache.quant.name != "int8" or kv_cache.key_scale.dtype != torch.bfloat16):
             return None
         slots = metadata.slot_mapping
         if slots.dtype != torch.int64 or not slots.is_contiguous() or slots.numel() != num_tokens \
@@ -463,7 +466,7 @@ def _geometry(cache: L.PagedKVCache) -> tuple:
         return memo[2]
     geom = (cache.layout.name, cache.num_blocks, cache.block_size, cache.num_kv_heads, cache.head_dim,
             cache.key.dtype, tuple(cache.key.shape), tuple(cache.key.stride()), tuple(cache.value.shape),
-            tuple(cache.value.stride()), cache.value.dtype, cache.quant)
+            tuple(cache.value.stride()), cache.value.dtype, cache.quant, cache.group_size)
     cache.__dict__["_pagedkv_geometry"] = (cache.key, cache.value, geom)
     return geom
 

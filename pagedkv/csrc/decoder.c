@@ -90,10 +90,19 @@ typedef struct {
     int32_t nthreads, min_split_len, prefetch;
 } layer_args_t;
 
+/* A latent (MLA) cache's step arguments (pagedkv.ops.cpu_kernel.LatentArgs): layer_args_t, then
+ * for an int8 cache (a.kdt 2) its bf16 scales' strides (elements) and scales per latent */
+typedef struct {
+    layer_args_t a;
+    int64_t sc_blk, sc_tok;
+    int32_t groups;
+} latent_args_t;
+
 typedef struct {
     const void *qkv, *o, *gate_up, *down; /* each a qweights_t of qmm.c (gate_up, down: NULL with moe) */
     const float *w_in, *w_post;           /* the two RMSNorm weights [hidden] */
-    void *k_cache, *v_cache;              /* this layer's cache buffers */
+    void *k_cache, *v_cache;              /* this layer's cache buffers (an MLA layer over an int8
+                                           * cache: its codes and its bf16 scales) */
     float scale, softcap;
     int32_t window;
     const float *q_norm, *k_norm;         /* per-head RMSNorm weights [d] (Qwen3), or both NULL */
@@ -374,20 +383,97 @@ static inline void axpy8(float *y, float a, const float *x, int64_t n) {
     for (; j < n; j++) y[j] += a * x[j];
 }
 
+static inline float bf16_f(uint16_t h) {
+    const uint32_t b = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &b, sizeof f);
+    return f;
+}
+
+/* pagedkv.attention.quant.round_up_bf16 of v (>= 0 or NaN): the nearest bf16 (ties to even, as
+ * torch converts), one ulp up when that fell below v; NaN gives bf16's NaN */
+static inline uint16_t bf16_up(float v) {
+    uint32_t b;
+    memcpy(&b, &v, sizeof b);
+    if (v != v) return 0x7FC0;
+    uint16_t h = (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+    if (bf16_f(h) < v) h++;
+    return h;
+}
+
+/* One latent x [D] into int8 codes [D] and `groups` bf16 scales, as pagedkv.attention.quant.quantize
+ * does it bit for bit: per group of G = D / groups, scale = round_up_bf16(max|x| / 127) (at least
+ * 2^-126; 0 for an all-zero group; NaN with a NaN), code = round-half-even(x / scale) clamped to
+ * +-127 (x / 1 where the scale is not > 0) */
+static void quantize_int8(const float *x, int D, int groups, int8_t *codes, uint16_t *scales) {
+    const int G = D / groups;
+    for (int g = 0; g < groups; g++) {
+        const float *xg = x + g * G;
+        float amax = 0.0f;
+        for (int j = 0; j < G; j++) {
+            const float a = fabsf(xg[j]);
+            if (a > amax || a != a) amax = a;
+            if (a != a) break;
+        }
+        uint16_t sh = 0;
+        if (amax != 0.0f) {
+            sh = bf16_up(amax / 127.0f);
+            if (sh != 0x7FC0 && bf16_f(sh) < 0x1p-126f) sh = 0x0080; /* 2^-126 */
+        }
+        scales[g] = sh;
+        const float sf = bf16_f(sh), div = sf > 0.0f ? sf : 1.0f;
+        for (int j = 0; j < G; j++) {
+            float y = xg[j] / div;
+            y = y > 127.0f ? 127.0f : y < -127.0f ? -127.0f : y;
+            codes[g * G + j] = y == y ? (int8_t)nearbyintf(y) : 0;
+        }
+    }
+}
+
+/* For the tests: n latents x [n, D] quantised as mla_attention writes them (codes [n, D], scales
+ * [n, groups], contiguous); returns 0, or -2 when groups does not divide D */
+int pagedkv_quantize_latent(const float *x, int64_t n, int32_t D, int32_t groups, int8_t *codes,
+                            uint16_t *scales) {
+    if (groups <= 0 || D % groups) return -2;
+    for (int64_t i = 0; i < n; i++) quantize_int8(x + i * D, D, groups, codes + i * D, scales + i * groups);
+    return 0;
+}
+
+/* Context token s's latent [D] of the row whose block table is bt: the float32 cache's row itself,
+ * or an int8 cache's codes times their token's scales into buf */
+static inline const float *latent_row(const latent_args_t *LA, const void *cache, const uint16_t *scales,
+                                      const int32_t *bt, int32_t s, int D, float *buf) {
+    const layer_args_t *S = &LA->a;
+    const int64_t blk = bt[s / S->bs], tok = s % S->bs;
+    if (S->kdt == 0) return (const float *)cache + blk * S->s_blk + tok * S->s_tok;
+    const int8_t *c = (const int8_t *)cache + blk * S->s_blk + tok * S->s_tok;
+    const uint16_t *sc = scales + blk * LA->sc_blk + tok * LA->sc_tok;
+    const int G = D / LA->groups;
+    for (int g = 0; g < LA->groups; g++) {
+        const float f = bf16_f(sc[g]);
+        for (int j = g * G; j < (g + 1) * G; j++) buf[j] = (float)c[j] * f;
+    }
+    return buf;
+}
+
 /* One MLA layer's attention for the T rows of x [T, H] (normed), into o [T, n v]: the q and
  * latent projections, the latent's RMSNorm and RoPE (with q's rope part), the latents written
- * at the step's slots of the float32 cache (every slot checked first: -4, nothing written),
+ * at the step's slots of the float32 cache, or quantised into an int8 one (quantize_int8: codes at
+ * the slot, scales at the slot of `scales`; every slot checked first: -4, nothing written),
  * then per row the absorbed form (pagedkv.model.mla module doc): q_lat = W_UK^T q_nope [n, r],
  * scores q_lat . c_kv + q_pe . k_pe over the row's causal context, softmax, o_lat = p . c_kv,
- * out = W_UV o_lat. Rows are split among the threads, or with fewer rows than threads each
+ * out = W_UV o_lat, an int8 cache's latents dequantised as they are read (latent_row). Rows are split among the threads, or with fewer rows than threads each
  * row's heads are: each item streams its context's latents twice (scores, then o_lat) for all
  * its heads at once. Returns 0, -1 (no memory), -2 (arguments of another geometry), -4, or a
  * qmm code (as code - 1000, told apart from the attention codes). */
-static int mla_attention(const decoder_t *M, const mla_t *A, const layer_args_t *S, int64_t T, const float *x,
-                         float *cache, const float *cos_t, const float *sin_t, float scale, float *o) {
+static int mla_attention(const decoder_t *M, const mla_t *A, const latent_args_t *LA, int64_t T, const float *x,
+                         void *cache, uint16_t *scales, const float *cos_t, const float *sin_t, float scale,
+                         float *o) {
     const int64_t H = M->hidden;
+    const layer_args_t *S = &LA->a;
     const int n = A->n, nope = A->nope, rp = A->rope, V = A->v, R = A->r, D = R + rp, QK = nope + rp;
-    if (S->kdt != 0 || S->d != D || S->hkv != 1 || rp > 512 || rp % 2 || S->n_tokens != T) return -2;
+    if ((S->kdt != 0 && S->kdt != 2) || S->d != D || S->hkv != 1 || rp > 512 || rp % 2 || S->n_tokens != T) return -2;
+    if (S->kdt == 2 && (LA->groups <= 0 || D % LA->groups || !scales)) return -2;
     for (int i = 0; i < S->n_tokens; i++)
         if (S->slots[i] >= S->num_slots) return -4;
     const int64_t QL = A->q ? 0 : A->ql;
@@ -422,9 +508,13 @@ static int mla_attention(const decoder_t *M, const mla_t *A, const layer_args_t 
     }
     for (int i = 0; i < S->n_tokens; i++) {
         const int64_t slot = S->slots[i];
-        if (slot >= 0)
-            memcpy(cache + (slot / S->bs) * S->s_blk + (slot % S->bs) * S->s_tok, ckv + (int64_t)i * D,
+        if (slot >= 0 && S->kdt == 0)
+            memcpy((float *)cache + (slot / S->bs) * S->s_blk + (slot % S->bs) * S->s_tok, ckv + (int64_t)i * D,
                    (size_t)D * sizeof(float));
+        else if (slot >= 0)
+            quantize_int8(ckv + (int64_t)i * D, D, LA->groups,
+                          (int8_t *)cache + (slot / S->bs) * S->s_blk + (slot % S->bs) * S->s_tok,
+                          scales + (slot / S->bs) * LA->sc_blk + (slot % S->bs) * LA->sc_tok);
     }
     int32_t maxctx = 1;
     for (int k = 0; k < S->n_seqs; k++) {
@@ -439,7 +529,7 @@ static int mla_attention(const decoder_t *M, const mla_t *A, const layer_args_t 
     /* items: (row, block of heads) */
     const int nt = M->nthreads > 0 ? M->nthreads : 1;
     const int hb = T >= nt ? 1 : (nt < n ? nt : n), per = (n + hb - 1) / hb;
-    const int64_t ws = (int64_t)per * (2 * R + maxctx);
+    const int64_t ws = (int64_t)per * (2 * R + maxctx) + D; /* + an int8 latent's dequantised row */
     float *work = malloc((size_t)(nt * ws) * sizeof(float));
     int *errs = calloc((size_t)(T * hb), sizeof(int));
     if (!work || !errs) {
@@ -460,7 +550,7 @@ static int mla_attention(const decoder_t *M, const mla_t *A, const layer_args_t 
             continue;
         }
         float *w = work + (int64_t)omp_get_thread_num() * ws;
-        float *qlat = w, *olat = qlat + (int64_t)per * R, *sc = olat + (int64_t)per * R;
+        float *qlat = w, *olat = qlat + (int64_t)per * R, *sc = olat + (int64_t)per * R, *row = sc + (int64_t)per * maxctx;
         const int32_t ctx = rctx[t];
         const int32_t *bt = S->bt + (int64_t)rid[t] * S->bt_s0;
         for (int h = h0; h < h1; h++) { /* q_lat = W_UK^T q_nope */
@@ -475,7 +565,7 @@ static int mla_attention(const decoder_t *M, const mla_t *A, const layer_args_t 
         }
         if (errs[it]) continue;
         for (int32_t s = 0; s < ctx; s++) {
-            const float *c = cache + (int64_t)bt[s / S->bs] * S->s_blk + (int64_t)(s % S->bs) * S->s_tok;
+            const float *c = latent_row(LA, cache, scales, bt, s, D, row);
             for (int h = h0; h < h1; h++)
                 sc[(int64_t)(h - h0) * maxctx + s] =
                     (dot8(qlat + (int64_t)(h - h0) * R, c, R) + dot8(q + (t * n + h) * QK + nope, c + R, rp)) * scale;
@@ -489,7 +579,7 @@ static int mla_attention(const decoder_t *M, const mla_t *A, const layer_args_t 
         }
         memset(olat, 0, (size_t)(h1 - h0) * R * sizeof(float));
         for (int32_t s = 0; s < ctx; s++) {
-            const float *c = cache + (int64_t)bt[s / S->bs] * S->s_blk + (int64_t)(s % S->bs) * S->s_tok;
+            const float *c = latent_row(LA, cache, scales, bt, s, D, row);
             for (int h = h0; h < h1; h++)
                 axpy8(olat + (int64_t)(h - h0) * R, sc[(int64_t)(h - h0) * maxctx + s], c, R);
         }
@@ -518,7 +608,7 @@ static int mla_attention(const decoder_t *M, const mla_t *A, const layer_args_t 
 
 /* residual [T, hidden] float32 contiguous, updated in place by every layer; cos/sin float32
  * [T, d/2] (cos_l/sin_l: the local table's rows, for local_rope layers; else NULL); attn_args:
- * the step's n_args layer_args_t, one per KV layer group (layer i takes
+ * the step's n_args layer_args_t (an MLA model's: latent_args_t), one per KV layer group (layer i takes
  * attn_args[layers[i].group]; the layers of one group share its block tables, slots and cache
  * geometry).
  * Returns 0; -1 when out of memory (scratch or a matmul's activations), -3 when a routed expert's
@@ -558,8 +648,8 @@ int pagedkv_decoder_forward(const decoder_t *M, const void *const *attn_args, in
         int64_t o_width = (int64_t)M->hq * M->d;
         if (L->mla) {
             o_width = (int64_t)L->mla->n * L->mla->v;
-            rc = mla_attention(M, L->mla, (const layer_args_t *)attn_args[L->group], T, x, (float *)L->k_cache,
-                               cos_t, sin_t, L->scale, o);
+            rc = mla_attention(M, L->mla, (const latent_args_t *)attn_args[L->group], T, x, L->k_cache,
+                               (uint16_t *)L->v_cache, cos_t, sin_t, L->scale, o);
             if (rc <= -1000) { /* a matmul's code */
                 rc += 1000;
                 break;

@@ -20,7 +20,9 @@ then DeepSeek's shared experts, equal to the torch ops' to float rounding; every
 lazy experts not yet read keep it off), or whose layers are all multi-head latent attention
 (``pagedkv.model.mla``: MiniCPM3, DeepSeek-V2; decoder.c's ``mla_attention`` runs the absorbed
 form, so a step is taken only while every sequence has at most ``MLA_ROWS`` rows and the absorbed
-form is its cheaper one, over float32 latent caches, ``CPUBackend.latent_step_args``; its
+form is its cheaper one, over float32 or int8 latent caches (int8: decoder.c writes the codes and
+bf16 scales ``pagedkv.attention.quant.quantize`` would, and dequantises as it reads; fp8 declines),
+``CPUBackend.latent_step_args``; its
 results equal the Python path's to float rounding, not bit for bit, and to the int8
 activations' rounding where a GGUF's ``attn_k_b`` / ``attn_v_b`` are multiplied as stored) with every linear on the
 integer kernels (``QuantLinear.qmm_rows`` above the step's rows), one attention metadata for
@@ -184,7 +186,9 @@ class NativeDecoder:
                 if a is None:
                     return False
                 args.append(a[2])
-        ptrs = [p for c in kv_caches for p in (c.key.data_ptr(), c.value.data_ptr())]
+        # an int8 latent cache: its scales where decoder.c's layer reads the (unused) value buffer
+        ptrs = [p for c in kv_caches
+                for p in (c.key.data_ptr(), (c.key_scale if getattr(c, "quant", None) else c.value).data_ptr())]
         cos, sin = (x.contiguous() for x in rope[0])
         local = [x.contiguous() for x in rope[1]] if self.local else None
         local_ptrs = (local[0].data_ptr(), local[1].data_ptr()) if local else (None, None)

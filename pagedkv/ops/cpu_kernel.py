@@ -72,6 +72,14 @@ class LayerArgs(ctypes.Structure):
         return ctypes.byref(self)
 
 
+class LatentArgs(LayerArgs):
+    """``latent_args_t`` of ``pagedkv/csrc/decoder.c``: :class:`LayerArgs`, then an int8 latent
+    cache's bf16 scales' block and token strides (elements) and scales per latent (``kdt`` 2;
+    zeros for a float32 cache)."""
+
+    _fields_ = [("sc_blk", ctypes.c_int64), ("sc_tok", ctypes.c_int64), ("groups", ctypes.c_int32)]
+
+
 class CPUKernel:
     """Callable wrapper of the compiled kernel."""
 
@@ -152,13 +160,18 @@ class CPUKernel:
         a._keep = (ki, slots)  # the tensors its pointers point into live as long as it does
         return a
 
-    def latent_args(self, cache, plan, slots: torch.Tensor) -> LayerArgs:
+    def latent_args(self, cache, plan, slots: torch.Tensor) -> LatentArgs:
         """:meth:`layer_args` for a latent (MLA) cache, read by ``pagedkv/csrc/decoder.c`` rather
-        than by this kernel: one head of ``cache.head_dim`` float32 values (no head-size limit)."""
+        than by this kernel: one head of ``cache.head_dim`` float32 values (no head-size limit), or
+        of int8 codes with ``cache.num_groups`` bf16 scales per token (``kdt`` 2)."""
         ki = plan.kernel_inputs
         s_blk, s_tok, s_head, _ = cache.key_nhd().stride()
-        a = LayerArgs()
-        a.qdt, a.kdt, a.hq, a.hkv, a.d, a.bs = 0, _DTYPES[cache.dtype], 1, 1, cache.head_dim, cache.block_size
+        a = LatentArgs()
+        kdt = _DTYPES[cache.dtype] if cache.quant is None else cache.quant.kernel_id
+        a.qdt, a.kdt, a.hq, a.hkv, a.d, a.bs = 0, kdt, 1, 1, cache.head_dim, cache.block_size
+        if cache.quant is not None:
+            a.sc_blk, a.sc_tok = cache.scale_nhd("key").stride()[:2]
+            a.groups = cache.num_groups
         a.s_blk, a.s_tok, a.s_head, a.num_slots = s_blk, s_tok, s_head, cache.num_blocks * cache.block_size
         a.bt, a.bt_s0, a.seq_lens, a.q_start = ki.bt_ptr, ki.bt_s0, ki.seq_lens_ptr, ki.qsl_ptr
         a.seq_ids, a.q_lens, a.n_seqs = ki.ids_ptr, ki.qls_ptr, ki.n

@@ -65,6 +65,9 @@ def _build() -> Any:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p,
                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32)]
     fn.restype = ctypes.c_int
+    q = fn.quantize_latent = lib.pagedkv_quantize_latent  # (for the tests: decoder.c's int8 latent writer)
+    q.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p]
+    q.restype = ctypes.c_int
     return fn
 
 

@@ -9,8 +9,9 @@ scaled by ``scale_depth / sqrt(layers)``), loaded with int8 weights, run their s
 every step whose sequences the Python path runs in the absorbed form (decode rows, short
 chunks): its hidden states and the latents it writes equal the per-layer Python path's to
 float rounding (the C loops sum in another order than torch's einsum), the engine's greedy
-tokens are equal, and a step the Python path runs expanded (a long prefill chunk) or a
-quantised latent cache is declined and runs per layer.
+tokens are equal, and a step the Python path runs expanded (a long prefill chunk) or an fp8
+latent cache is declined and runs per layer. An int8 latent cache runs natively: decoder.c writes
+the codes and bf16 scales ``pagedkv.attention.quant.quantize`` gives and dequantises as it reads.
 """
 
 from __future__ import annotations
@@ -71,12 +72,24 @@ def _caches(lm, **kw):
     return allocate_kv_caches(lm.model, get_backend("cpu"), num_blocks=24, block_size=16, **kw)
 
 
-def _run(lm, native: bool):
+def _latents(caches):
+    """The caches' latents: float32 values, or int8 codes then their bf16 scales."""
+    return [t.clone() for c in caches for t in ((c.key,) if c.quant is None else (c.key, c.key_scale))]
+
+
+def _run(lm, native: bool, dtype=None, groups: int = 1):
     """A prefill of two sequences (expanded at these sizes: declined), a decode step of both
     (one crossing into its second 16-token block), a batch-1 step, a 10-token chunk over 28
     tokens of context (absorbed, but more rows than ``MLA_ROWS``: declined), a 6-token chunk
-    (absorbed: native) and one more decode row: hidden states and the latent caches."""
-    caches = _caches(lm)
+    (absorbed: native) and one more decode row: hidden states and the latent caches
+    (:func:`_latents`; ``dtype``: the caches', ``groups``: an int8 cache's scales per latent)."""
+    caches = _caches(lm, dtype=dtype)
+    if groups > 1:
+        from pagedkv.model.mla import allocate_latent_cache
+
+        c = caches[0]
+        caches = [allocate_latent_cache(get_backend("cpu"), c.num_blocks, c.block_size, 1, c.head_dim, dtype,
+                                        quant_group_size=c.head_dim // groups) for _ in caches]
     a, b = prompt(40, 1, high=97), [7, 90, 3]
     tables = [[3, 7, 1], [5, 2]]
     hs = [_step(lm, caches, [a[:16], b], [0, 0], tables, native),
@@ -85,7 +98,7 @@ def _run(lm, native: bool):
           _step(lm, caches, [a[18:28]], [18], tables[:1], native),
           _step(lm, caches, [a[28:34]], [28], tables[:1], native),
           _step(lm, caches, [[a[34]]], [34], tables[:1], native)]
-    return hs, [c.key.clone() for c in caches]
+    return hs, _latents(caches)
 
 
 def test_mla_layers_run_natively_and_agree_with_the_python_path(mla_int8, monkeypatch):
@@ -120,12 +133,14 @@ def test_mla_layers_run_natively_and_agree_with_the_python_path(mla_int8, monkey
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_engine_tokens_equal_with_and_without_the_native_step(mla_int8, monkeypatch):
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_engine_tokens_equal_with_and_without_the_native_step(mla_int8, kv_dtype, monkeypatch):
     _, lm = mla_int8
     lm.model.prepare_step(again=True)
     prompts = [prompt(n, n, high=97) for n in (13, 5, 9)]
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    llm = LLM(lm, block_size=4, num_blocks=64, max_num_batched_tokens=16)
+    llm = LLM(lm, block_size=4, num_blocks=64, max_num_batched_tokens=16, kv_cache_dtype=kv_dtype)
+    assert (llm.engine.runner.kv_caches[0].quant is not None) == (kv_dtype == "int8")
     calls = _calls(monkeypatch)
     native = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert len(calls) >= 11  # every decode step at least
@@ -135,15 +150,79 @@ def test_engine_tokens_equal_with_and_without_the_native_step(mla_int8, monkeypa
     assert native == python and all(len(t) == 12 for t in native)
 
 
-def test_a_quantised_latent_cache_is_declined(mla_int8, monkeypatch):
-    """int8 latents (codes + scales) are the Python path's: the native step returns ``False``."""
+@pytest.mark.parametrize("groups", [1, 2])
+def test_an_int8_latent_cache_runs_natively(mla_int8, groups, monkeypatch):
+    """int8 latents (codes + bf16 scales per token, one group or two): the native step takes the
+    same steps as over float32 latents; the codes and scales it writes equal the Python path's
+    (where the step's float latents agree, as here: the C and torch norms and RoPE round alike
+    on these tokens), its hidden states equal the Python path's to float rounding. Exactly:
+    layer 0's latents (the same embedding rows in) quantised by ``quant.quantize`` from the
+    native step's float32 latents are the codes and scales it writes into an int8 cache."""
+    from pagedkv.attention import quant as Q
+
     _, lm = mla_int8
     lm.model.prepare_step(again=True)
     calls = _calls(monkeypatch)
-    caches = _caches(lm, dtype="int8")
+    hs, latents = _run(lm, native=True, dtype="int8", groups=groups)
+    assert len(calls) == 4
+    ref_hs, ref_latents = _run(lm, native=False, dtype="int8", groups=groups)
+    assert len(calls) == 4
+    for got, want in zip(hs, ref_hs):
+        assert got.abs().max() > 0.5
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    codes, scales = latents[0::2], latents[1::2]
+    assert codes[0].dtype == torch.int8 and scales[0].dtype == torch.bfloat16 and scales[0].shape[-1] == groups
+    for got, want in zip(latents, ref_latents):
+        assert got.float().abs().sum() > 0 and torch.equal(got, want)
+    floats = _run(lm, native=True)[1][0]
+    assert len(calls) == 8
+    d = floats.shape[-1]
+    want_codes, want_scales = Q.quantize(floats.reshape(-1, 1, d), Q.FORMATS["int8"], d // groups)
+    assert torch.equal(codes[0].reshape(-1, 1, d), want_codes)
+    assert torch.equal(scales[0].reshape(-1, 1, groups), want_scales)
+
+
+def test_decoder_c_quantises_latents_as_quant_quantize():
+    """decoder.c's int8 latent writer against ``quant.quantize`` on hard rows: all zeros, tiny
+    (the 2^-126 floor), subnormal, huge, exact half-way codes (ties to even), a bf16-exact
+    max|x| / 127 and values one float ulp either side; one and four groups."""
+    import ctypes
+
+    from pagedkv.attention import quant as Q
+    from pagedkv.ops import decoder
+
+    fn = decoder.get()
+    assert fn is not None
+    g = torch.Generator().manual_seed(3)
+    d = 48
+    rows = [torch.randn(d, generator=g) * 10.0 ** e for e in range(-8, 9)]
+    rows += [torch.zeros(d), torch.full((d,), 1e-39), torch.full((d,), -3e-45), torch.full((d,), 1e30)]
+    half = torch.arange(d, dtype=torch.float32) - d / 2 + 0.5  # k + 0.5 codes at scale 1
+    half[0] = 127.0
+    rows += [half, half * 0.25, -half * 2.0 ** -20]
+    base = torch.randn(d, generator=g)
+    base[5] = 1.0
+    rows += [base * 127, torch.nextafter(base * 127, torch.tensor(0.0)), torch.nextafter(base * 127, torch.tensor(1e9))]
+    x = torch.stack(rows).contiguous()
+    for groups in (1, 4):
+        codes = torch.empty(x.shape, dtype=torch.int8)
+        scales = torch.empty(x.shape[0], groups, dtype=torch.bfloat16)
+        assert fn.quantize_latent(x.data_ptr(), x.shape[0], d, groups, codes.data_ptr(), scales.data_ptr()) == 0
+        want_codes, want_scales = Q.quantize(x.unsqueeze(1), Q.FORMATS["int8"], d // groups)
+        assert torch.equal(codes, want_codes[:, 0]) and torch.equal(scales, want_scales[:, 0])
+    assert fn.quantize_latent(x.data_ptr(), 1, d, 5, ctypes.c_void_p(0), ctypes.c_void_p(0)) == -2
+
+
+@pytest.mark.parametrize("dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_an_fp8_latent_cache_is_declined(mla_int8, dtype, monkeypatch):
+    """fp8 latents are the Python path's: the native step returns ``False``."""
+    _, lm = mla_int8
+    lm.model.prepare_step(again=True)
+    calls = _calls(monkeypatch)
+    caches = _caches(lm, dtype=dtype)
     _step(lm, caches, [[5, 6]], [0], [[0]], True)
     h = _step(lm, caches, [[7]], [2], [[0]], True)
-    assert calls == [] and h.abs().max() > 0 and caches[0].key[0, :3].abs().sum() > 0
+    assert calls == [] and h.abs().max() > 0 and caches[0].key[0, :3].float().abs().sum() > 0
 
 
 def test_latent_caches_of_two_geometries_are_declined(mla_int8, monkeypatch):
@@ -165,7 +244,8 @@ def test_latent_caches_of_two_geometries_are_declined(mla_int8, monkeypatch):
     assert calls == [] and h.abs().max() > 0 and all(c.key[0, 0].abs().sum() > 0 for c in mixed)
 
 
-def test_a_slot_past_the_cache_raises_and_writes_nothing(mla_int8, monkeypatch):
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_a_slot_past_the_cache_raises_and_writes_nothing(mla_int8, kv_dtype, monkeypatch):
     """A decode row (absorbed: the native step takes it) whose slot is past the cache: decoder.c
     checks every slot before it writes (-4), the step raises ``BackendError``, no latent written."""
     _, lm = mla_int8
@@ -174,16 +254,17 @@ def test_a_slot_past_the_cache_raises_and_writes_nothing(mla_int8, monkeypatch):
     a = model.layers[0].mla
     assert absorb(1, 3, a.num_heads, a.rank, a.nope, a.rope_dim, a.v_dim)
     calls = _calls(monkeypatch)
-    caches = allocate_kv_caches(model, get_backend("cpu"), num_blocks=2, block_size=4)
+    caches = allocate_kv_caches(model, get_backend("cpu"), num_blocks=2, block_size=4, dtype=kv_dtype)
     md = AttentionMetadata.build([3], [1], [[1]], 4)
     md.slot_mapping[0] = 8  # 2 blocks x 4 slots
     with pytest.raises(BackendError, match="slot"):
         with torch.inference_mode():
             model(torch.tensor([5]), torch.tensor([2]), caches, md, get_backend("cpu"))
-    assert len(calls) == 1 and all(c.key.abs().sum() == 0 for c in caches)
+    assert len(calls) == 1 and all(t.float().abs().sum() == 0 for t in _latents(caches))
 
 
-def test_native_mla_gives_the_same_bits_on_one_and_two_threads(mla_int8):
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_native_mla_gives_the_same_bits_on_one_and_two_threads(mla_int8, kv_dtype):
     """With fewer rows than threads decoder.c splits each row's heads among the threads; every
     head is computed alike either way, so the hidden states and latents are bit-equal."""
     _, lm = mla_int8
@@ -193,7 +274,7 @@ def test_native_mla_gives_the_same_bits_on_one_and_two_threads(mla_int8):
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
-            runs.append(_run(lm, native=True))
+            runs.append(_run(lm, native=True, dtype=kv_dtype))
     finally:
         torch.set_num_threads(before)
     for x, y in zip(runs[0][0] + runs[0][1], runs[1][0] + runs[1][1]):
