@@ -153,9 +153,10 @@ def test_engine_tokens_equal_with_and_without_the_native_step(mla_int8, kv_dtype
 @pytest.mark.parametrize("groups", [1, 2])
 def test_an_int8_latent_cache_runs_natively(mla_int8, groups, monkeypatch):
     """int8 latents (codes + bf16 scales per token, one group or two): the native step takes the
-    same steps as over float32 latents; the codes and scales it writes equal the Python path's
-    (where the step's float latents agree, as here: the C and torch norms and RoPE round alike
-    on these tokens), its hidden states equal the Python path's to float rounding. Exactly:
+    same steps as over float32 latents; the codes and scales it writes are the Python path's
+    within a rounding boundary (the C and torch norms and RoPE round differently by ~1e-6: a
+    code at most 1 apart on under 1% of entries, a scale at most one bf16 step; on this host
+    they are equal), its hidden states equal the Python path's to float rounding. Exactly:
     layer 0's latents (the same embedding rows in) quantised by ``quant.quantize`` from the
     native step's float32 latents are the codes and scales it writes into an int8 cache."""
     from pagedkv.attention import quant as Q
@@ -172,8 +173,13 @@ def test_an_int8_latent_cache_runs_natively(mla_int8, groups, monkeypatch):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     codes, scales = latents[0::2], latents[1::2]
     assert codes[0].dtype == torch.int8 and scales[0].dtype == torch.bfloat16 and scales[0].shape[-1] == groups
-    for got, want in zip(latents, ref_latents):
-        assert got.float().abs().sum() > 0 and torch.equal(got, want)
+    for got, want in zip(latents, ref_latents):  # the two paths' floats differ by ~1e-6: a code or a
+        assert got.float().abs().sum() > 0  # scale may sit on the other side of a rounding boundary
+        if got.dtype == torch.int8:
+            diff = (got.int() - want.int()).abs()
+            assert diff.max() <= 1 and (diff > 0).float().mean() < 0.01
+        else:  # bf16 scales: at most one bf16 step apart
+            torch.testing.assert_close(got.float(), want.float(), rtol=2.0 ** -7, atol=0.0)
     floats = _run(lm, native=True)[1][0]
     assert len(calls) == 8
     d = floats.shape[-1]
