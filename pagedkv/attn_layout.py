@@ -285,8 +285,12 @@ def gguf_get(arch: str, metadata: Mapping[str, Any], key: str, default: Any = _N
 
 
 def gguf_num_layers(arch: str, metadata: Mapping[str, Any]) -> int:
-    """Decoder layers of GGUF metadata (``A.block_count``)."""
-    return as_int(gguf_get(arch, metadata, "block_count"), f"{arch}.block_count")
+    """Decoder layers of GGUF metadata (``A.block_count``). Raises ``ConfigError`` naming the key
+    for a count that is not an integer in 1 .. 2^16 (a per-layer structure is built from it)."""
+    n = as_int(gguf_get(arch, metadata, "block_count"), f"{arch}.block_count")
+    if not 0 < n <= 1 << 16:
+        raise ConfigError(f"{arch}.block_count: {n} is not a layer count in 1 .. 65536")
+    return n
 
 
 def gguf_heads(arch: str, metadata: Mapping[str, Any], hidden: int | None = None) -> tuple[int, int, int]:

@@ -200,7 +200,9 @@ def _parse(buf: Any, path: Path) -> GGUFHeader:
         ggml_type, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
         pos += 4 + 8 * n_dims + 12
         raw_tensors.append((name, tuple(reversed(dims)), ggml_type, offset))
-    align = int(metadata.get("general.alignment", 32))
+    align = metadata.get("general.alignment", 32)
+    if isinstance(align, bool) or not isinstance(align, int) or align <= 0:
+        raise ConfigError(f"{path}: general.alignment must be a positive integer, got {align!r}")
     data_start = cdiv(pos, align) * align
     tensors = [GGUFTensorInfo(n, s, t, data_start + o) for n, s, t, o in raw_tensors]
     return GGUFHeader(metadata, tensors)

@@ -118,7 +118,7 @@ class CPUBackend(LayoutMemory):
         are never read). Raises ``BackendError`` on shape mismatches or a bad window / cap / sinks."""
         n, hq, d = check_inputs(query, kv_cache, metadata)
         window, cap = check_window(sliding_window, logits_soft_cap)
-        sink = check_sinks(sinks, hq)
+        sink = check_sinks(sinks, hq, query.device)
         kernel = _kernel() if self.use_kernel and query.device.type == "cpu" else None
         if kernel is not None and not (isinstance(kv_cache, L.PagedKVCache) and kernel.supports(query, kv_cache)):
             kernel = None
@@ -145,12 +145,12 @@ class CPUBackend(LayoutMemory):
         ``pagedkv_write_attend`` with inputs prepared once per step (a decode layer costs a
         few microseconds of Python instead of ~60; ``sinks`` included); otherwise the two calls.
         Raises ``BackendError`` (shapes, options, a slot past the cache)."""
+        sink = check_sinks(sinks, query.shape[1], query.device)  # (before anything is written)
         args = self._fused_args(query, key, value, kv_cache, metadata)
         if args is None:
             self.write_kv(kv_cache, key, value, metadata.slot_mapping)
             return self.forward(query, kv_cache, metadata, scale, sliding_window, logits_soft_cap, sinks)
         window, cap = check_window(sliding_window, logits_soft_cap)
-        sink = check_sinks(sinks, query.shape[1])  # (before anything is written)
         return _write_attend(args, query, key, value, kv_cache, scale, window, cap,
                              None if sink is None else sink.contiguous())
 

@@ -5,7 +5,7 @@ compared with (``pagedkv.testing``).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -38,14 +38,17 @@ def check_inputs(query: torch.Tensor, cache: L.PagedKVCache, md: AttentionMetada
     return n, hq, d
 
 
-def check_sinks(sinks: torch.Tensor | None, num_heads: int) -> torch.Tensor | None:
+def check_sinks(sinks: torch.Tensor | None, num_heads: int, device: Any = None) -> torch.Tensor | None:
     """``sinks`` as float32 ``[num_heads]`` (``None`` stays ``None``). Raises ``BackendError``
-    for another shape or a non-floating tensor."""
+    for another shape, a non-floating tensor, or (given the queries' ``device``) a tensor on
+    another device (a ``meta`` one has no values)."""
     if sinks is None:
         return None
     if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point() or tuple(sinks.shape) != (num_heads,):
         raise BackendError(f"sinks must be a float tensor [num_heads={num_heads}], got "
                            f"{tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__}")
+    if device is not None and sinks.device.type != torch.device(device).type:  # meta, another device
+        raise BackendError(f"sinks must be on the queries' device ({device}), got a {sinks.device} tensor")
     return sinks.detach().float()
 
 

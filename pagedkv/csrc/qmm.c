@@ -31,6 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
+#include <float.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -120,8 +121,8 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, float *d, float *
         __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
         p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256((__m256i *)(q + b * QK), p);
-        d[b] = dd;
         s[b] = _mm_cvtss_f32(s4);
+        d[b] = s[b] == s[b] && mx <= FLT_MAX ? dd : NAN; /* a NaN or inf in the block: the outputs it feeds are NaN */
 #else
         float mx = 0.0f, sum = 0.0f;
         for (int j = 0; j < QK; j++) {
@@ -135,7 +136,7 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, float *d, float *
             float r = nearbyintf(xb[j] * id);
             q[b * QK + j] = (int8_t)(r >= -127.0f && r <= 127.0f ? r : 0.0f);
         }
-        d[b] = dd;
+        d[b] = sum == sum && mx <= FLT_MAX ? dd : NAN; /* as above: a NaN or inf makes the outputs it feeds NaN */
         s[b] = sum;
 #endif
     }

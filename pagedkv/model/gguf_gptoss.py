@@ -101,16 +101,16 @@ def config_fields(metadata: Mapping[str, Any], tensor_names: Sequence[str]) -> d
         width = widths.pop()
     width = as_int(width, f"{ARCH}.expert_feed_forward_length")
     window, types = gguf_layout(ARCH, metadata, layers)  # the window is required, as llama.cpp requires it
-    vocab = get("vocab_size", None)
-    if vocab is None:
-        tokens = metadata.get("tokenizer.ggml.tokens")
-        if tokens is None:
-            raise ConfigError(f"{ARCH}.vocab_size: missing (and no tokenizer.ggml.tokens to count)")
-        vocab = len(tokens)
+    vocab, tokens = get("vocab_size", None), metadata.get("tokenizer.ggml.tokens")
+    if vocab is None and tokens is None:
+        raise ConfigError(f"{ARCH}.vocab_size: missing (and no tokenizer.ggml.tokens to count)")
+    vocab = len(tokens) if vocab is None else as_int(vocab, f"{ARCH}.vocab_size")
+    if tokens is not None and vocab != len(tokens):  # llama.cpp's n_vocab is the token list's length
+        raise ConfigError(f"{ARCH}.vocab_size: {vocab} != the {len(tokens)} entries of tokenizer.ggml.tokens")
     eos: list[int] = []
     for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-        if key in metadata and int(metadata[key]) not in eos:
-            eos.append(int(metadata[key]))
+        if key in metadata and as_int(metadata[key], key) not in eos:
+            eos.append(as_int(metadata[key], key))
     if not eos:
         raise ConfigError("tokenizer.ggml.eos_token_id: missing from GGUF metadata")
     found = getattr(metadata.get("tokenizer.ggml.tokens"), "found", None) or {}
@@ -134,7 +134,7 @@ def config_fields(metadata: Mapping[str, Any], tensor_names: Sequence[str]) -> d
         "rope_scaling": _yarn(get),
         "rms_norm_eps": _num(get("attention.layer_norm_rms_epsilon"), f"{ARCH}.attention.layer_norm_rms_epsilon"),
         "max_position_embeddings": num("context_length"), "tie_word_embeddings": bool(names) and "output.weight" not in names,
-        "bos_token_id": None if bos is None else int(bos), "eos_token_ids": eos,
+        "bos_token_id": None if bos is None else as_int(bos, "tokenizer.ggml.bos_token_id"), "eos_token_ids": eos,
         "attention_bias": "blk.0.attn_q.bias" in names if names else True,
         "o_proj_bias": "blk.0.attn_output.bias" in names if names else True,
         "sliding_window": window, "layer_types": types,
@@ -159,6 +159,9 @@ def _yarn(get: Callable[..., Any]) -> dict[str, Any] | None:
                                                     f"{ARCH}.rope.scaling.original_context_length"),
         "truncate": False,
     }
+    if rs["original_max_position_embeddings"] <= 0:
+        raise ConfigError(f"{ARCH}.rope.scaling.original_context_length: must be positive, got "
+                          f"{rs['original_max_position_embeddings']}")
     for ours, key in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow"),
                       ("attention_factor", "yarn_attn_factor")):
         v = get(f"rope.scaling.{key}", None)

@@ -45,6 +45,15 @@ EXPERT_PARTS = {"ffn_gate_exps": ("gate_up_proj", 0), "ffn_up_exps": ("gate_up_p
 ROUTER = "ffn_gate_inp"
 
 
+def check_expert_counts(tensors: list[GGUFTensorInfo], num_experts: int) -> None:
+    """Raise ``ConfigError`` naming the first stacked expert tensor (``*_exps.weight``) that is
+    not ``[num_experts, rows, cols]``: checked before ``num_experts`` expert modules are made."""
+    for t in tensors:
+        if t.name.endswith("_exps.weight") and (len(t.shape) != 3 or t.shape[0] != num_experts):
+            raise ConfigError(f"weights: {t.name} holds {t.shape[0] if t.shape else 0} experts "
+                              f"(shape {tuple(t.shape)}), the config {num_experts}")
+
+
 def expert_packed(reader: Reader, parts: list[GGUFTensorInfo], e: int, what: str, cut: Any = None,
                   biases: list[GGUFTensorInfo] | None = None) -> tuple[qmm.Packed, tuple[str, ...], int]:
     """``(packed weights, GGML type names, output rows)`` of expert ``e``'s rows of the stacked

@@ -74,6 +74,7 @@ __all__ = ["GGUFEmbedding", "GGUFLinear", "LoadReport", "build_gguf_model", "lin
 _FUSED = {"attn_q": ("qkv_proj", 0), "attn_k": ("qkv_proj", 1), "attn_v": ("qkv_proj", 2),
           "ffn_gate": ("gate_up_proj", 0), "ffn_up": ("gate_up_proj", 1)}
 _SINGLE = {"attn_output": "o_proj", "ffn_down": "down_proj", "attn_qkv": "qkv_proj"}
+_QKV = ("attn_q", "attn_k", "attn_v")  # biases all or none (config.attention_bias)
 
 
 def linear_types(header: GGUFHeader) -> dict[str, int]:
@@ -323,6 +324,7 @@ def build_gguf_model(path: Path, header: GGUFHeader, config: ModelConfig, route:
     why = supported(header)
     if why is not None:
         raise ConfigError(f"weights 'gguf': {path.name}: {why}")
+    gguf_moe.check_expert_counts(header.tensors, config.num_experts)  # before the expert modules are built
     t0 = time.perf_counter()
     conv = GGUF_CONVENTIONS[config.architecture]
     if shard is not None:
@@ -345,8 +347,13 @@ def build_gguf_model(path: Path, header: GGUFHeader, config: ModelConfig, route:
         lazy_reader = _Reader(path)
         weakref.finalize(net, lazy_reader.close)
 
-    def bias_of(w: GGUFTensorInfo) -> GGUFTensorInfo | None:
-        return by_name.get(w.name[: -len("weight")] + "bias")
+    def bias_of(w: GGUFTensorInfo) -> GGUFTensorInfo | None:  # every layer's as the config (layer 0) says
+        b, part = by_name.get(w.name[: -len("weight")] + "bias"), w.name.split(".")[-2]
+        flag = "o_proj_bias" if part == "attn_output" else "attention_bias" if part in _QKV else None
+        if flag and (b is not None) != getattr(config, flag):
+            raise ConfigError(f"weights: {w.name[: -len('weight')]}bias is {'unexpected' if b else 'missing'} "
+                              f"(the config's {flag} is {getattr(config, flag)})")
+        return b
 
     # (module, attribute, future of _packed): every matrix is read and packed on two threads
     # (positioned reads and the C packers release the GIL, so one thread reads while the other

@@ -40,7 +40,7 @@ from pagedkv.errors import ConfigError
 from pagedkv.gguf_header import GGUFHeader, GGUFTensorInfo
 from pagedkv.kv.spec import json_object
 from pagedkv.model.config import ModelConfig
-from pagedkv.model.families import EXPERT_KEYS, GGUF_CONVENTIONS
+from pagedkv.model.families import EXPERT_KEYS, GGUF_ARCHITECTURES, GGUF_CONVENTIONS
 from pagedkv.model import gptoss
 
 StateDict = dict[str, torch.Tensor]
@@ -163,6 +163,11 @@ def gguf_config(path: Path, header: GGUFHeader, revision: str) -> ModelConfig:
     (``check_gguf_tensor_types``), before reading any tensor, or for unusable metadata."""
     check_gguf_tensor_types(header)
     names = [t.name for t in header.tensors]
+    arch = header.metadata.get("general.architecture")
+    n_layers = header.metadata.get(f"{arch}.block_count")
+    present = {n.split(".", 2)[1] for n in names if n.startswith("blk.")}
+    if arch in GGUF_ARCHITECTURES and isinstance(n_layers, int) and n_layers > len(present):  # before per-layer work
+        raise ConfigError(f"{arch}.block_count: {n_layers} layers, but the tensor table holds {len(present)} (blk.*)")
     factors = None
     if "rope_freqs.weight" in names:
         info = next(t for t in header.tensors if t.name == "rope_freqs.weight")

@@ -129,11 +129,10 @@ class BuiltOnce:
         self._state: dict[str, object] = {}
 
     def get(self):
+        if os.environ.get(self._env_var, "1") == "0":  # read each call, never cached: unset it and
+            return None  # the helper is built (a test's monkeypatch must not disable it for the process)
         if "value" in self._state:
             return self._state["value"]
-        if os.environ.get(self._env_var, "1") == "0":
-            self._state.update(value=None, error=f"disabled by {self._env_var}=0")
-            return None
         with self._lock:
             if "value" not in self._state:
                 try:
@@ -144,4 +143,6 @@ class BuiltOnce:
 
     def error(self) -> str | None:
         """Why ``get()`` returned ``None`` (``None`` if it did not, or was not called yet)."""
+        if os.environ.get(self._env_var, "1") == "0":
+            return f"disabled by {self._env_var}=0"
         return self._state.get("error")  # type: ignore[return-value]

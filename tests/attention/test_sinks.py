@@ -129,6 +129,11 @@ def test_write_and_forward_takes_the_kernel_and_checks_sinks_before_writing(monk
     before = cache.key.clone()
     with pytest.raises(BackendError, match="sinks"):
         CPUBackend().write_and_forward(q, kn, vn, cache, md, 0.2, sinks=torch.zeros(3))
+    for backend in (CPUBackend(), CPUBackend(use_kernel=False)):  # a meta tensor has no values to read
+        with pytest.raises(BackendError, match="sinks must be on the queries' device"):
+            backend.write_and_forward(q, kn, vn, cache, md, 0.2, sinks=torch.zeros(4, device="meta"))
+        with pytest.raises(BackendError, match="sinks must be on the queries' device"):
+            backend.forward(q, cache, md, 0.2, sinks=torch.zeros(4, device="meta"))
     assert torch.equal(cache.key, before) and not seen
     CPUBackend().write_and_forward(q, kn, vn, cache, md, 0.2, sinks=sinks.double())  # any float dtype
     assert len(seen) == 1 and seen[0].dtype == torch.float32

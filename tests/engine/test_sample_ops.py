@@ -83,3 +83,18 @@ def test_the_switch_turns_the_ops_off(monkeypatch):
     monkeypatch.setenv("PAGEDKV_FUSED", "1")
     broken = sample_ops.BuiltOnce("PAGEDKV_FUSED", lambda: 1 / 0)
     assert broken.get() is None and broken.error() == "ZeroDivisionError: division by zero"
+
+
+def test_the_switch_is_read_at_every_call_and_never_cached(monkeypatch):
+    """A process whose first ``get()`` ran with the switch at ``0`` (a test's monkeypatch, a
+    user's one-off run) builds the helper once the switch is unset: the off state is not
+    remembered (it once was, which left a pytest worker without the native step for every
+    later test)."""
+    builds = []
+    once = sample_ops.BuiltOnce("PAGEDKV_FUSED", lambda: builds.append(1) or "ops")
+    monkeypatch.setenv("PAGEDKV_FUSED", "0")
+    assert once.get() is None and once.error() == "disabled by PAGEDKV_FUSED=0" and builds == []
+    monkeypatch.delenv("PAGEDKV_FUSED")
+    assert once.get() == "ops" and once.get() == "ops" and once.error() is None and builds == [1]
+    monkeypatch.setenv("PAGEDKV_FUSED", "0")
+    assert once.get() is None and builds == [1]

@@ -289,6 +289,9 @@ def test_tokenizer_splits_as_gpt_4o(case):
     ({"attention.sliding_window_pattern": [True, False]}, "gpt-oss.attention.sliding_window_pattern: expected 3"),
     ({"expert_weights_scale": 2.5}, r"gpt-oss.expert_weights_scale: 2.5 \(llama.cpp's gpt-oss does not scale"),
     ({"rope.freq_base_swa": 10000.0}, "gpt-oss.rope.freq_base_swa: 10000.0 differs from rope.freq_base 150000.0"),
+    ({"block_count": 2 ** 31}, r"gpt-oss.block_count: 2147483648 layers, but the tensor table holds 3"),
+    ({"block_count": 100}, r"gpt-oss.block_count: 100 layers, but the tensor table holds 3 \(blk.\*\)"),
+    ({"rope.scaling.original_context_length": 0}, "original_context_length: must be positive, got 0"),
 ])
 def test_bad_metadata_is_a_config_error_naming_the_key(tmp_path, meta, match):
     hf = gptoss_gguf_model()
@@ -343,3 +346,78 @@ def test_stop_tokens_beside_the_eos_key(tmp_path):
     assert gguf_gptoss.config_fields(md, names)["eos_token_ids"] == [290, 5, 291]
     md["tokenizer.ggml.tokens"] = vocab[:200] + ["<|call|>"] + vocab[201:256]  # small: decoded
     assert gguf_gptoss.config_fields(md, names)["eos_token_ids"] == [290, 5, 200]
+
+
+def _without(src, dst, drop: set) -> None:
+    """``src`` rewritten to ``dst`` without the tensors ``drop`` (everything else as stored)."""
+    import gguf
+    import numpy as np
+
+    r = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(dst), "gpt-oss")
+    for k, f in r.fields.items():
+        if not k.startswith("GGUF.") and k != "general.architecture":
+            w.add_key_value(k, f.contents(), f.types[0], *(f.types[-1:] if f.types[0] == gguf.GGUFValueType.ARRAY else ()))
+    for t in r.tensors:
+        if t.name not in drop:
+            raw = None if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) else t.tensor_type
+            w.add_tensor(t.name, np.array(t.data), raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("drop, match", [
+    ({"blk.1.attn_output.bias"}, r"blk.1.attn_output.bias is missing \(the config's o_proj_bias is True\)"),
+    ({"blk.0.attn_output.bias"}, r"blk.1.attn_output.bias is unexpected \(the config's o_proj_bias is False\)"),
+    ({"blk.2.attn_q.bias", "blk.2.attn_k.bias", "blk.2.attn_v.bias"}, "blk.2.attn_q.bias is missing"),
+    ({"blk.1.attn_v.bias"}, "blk.1.attn_v.bias is missing"),
+])
+def test_every_layer_has_the_biases_the_config_says(tmp_path, drop, match):
+    """A layer without its attention biases (or with them where layer 0 has none) is refused
+    naming the tensor, not loaded without them."""
+    hf = gptoss_gguf_model()
+    write_gptoss_gguf(hf, tmp_path / "m.gguf")
+    _without(tmp_path / "m.gguf", tmp_path / "bad.gguf", drop)
+    with pytest.raises(ConfigError, match=match):
+        load_model(tmp_path / "bad.gguf", weights="gguf")
+
+
+def test_an_expert_count_beyond_the_stacked_tensors_is_refused_before_building(tmp_path):
+    hf = gptoss_gguf_model()
+    write_gptoss_gguf(hf, tmp_path / "m.gguf", meta={"expert_count": 2 ** 31})
+    with pytest.raises(ConfigError, match=r"blk.0.ffn_gate_exps.weight holds 4 experts .*, the config 2147483648"):
+        load_model(tmp_path / "m.gguf", weights="gguf")
+
+
+def test_a_layer_count_beyond_any_model_is_refused_before_a_per_layer_structure():
+    """``gguf_num_layers`` (every GGUF config and the KV planner read the count through it)
+    refuses counts outside 1 .. 65536 naming the key: the layer types of 2^40 layers would be
+    built as a list."""
+    from pagedkv.attn_layout import gguf_num_layers
+
+    assert gguf_num_layers("gpt-oss", {"gpt-oss.block_count": 24}) == 24
+    for n in (0, -1, 2 ** 40):
+        with pytest.raises(ConfigError, match=f"gpt-oss.block_count: {n} is not a layer count in 1 .. 65536"):
+            gguf_num_layers("gpt-oss", {"gpt-oss.block_count": n})
+
+
+def test_token_ids_and_vocab_size_are_checked(tmp_path):
+    """Token-id keys must be integers (a string, float or bool id is a ``ConfigError`` naming the
+    key, not a failure inside the tokenizer), and ``vocab_size`` must be the token list's length
+    (llama.cpp's ``n_vocab``), so the engine never admits ids past the embedding."""
+    from pagedkv.model import gguf_gptoss
+
+    hf = gptoss_gguf_model()
+    write_gptoss_gguf(hf, tmp_path / "m.gguf")
+    header = read_gguf_header(tmp_path / "m.gguf")
+    names = [t.name for t in header.tensors]
+    n = len(header.metadata["tokenizer.ggml.tokens"])
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eot_token_id"):
+        for bad in ("258", 258.7, True):
+            with pytest.raises(ConfigError, match=f"{key}: expected an integer"):
+                gguf_gptoss.config_fields({**header.metadata, key: bad}, names)
+    with pytest.raises(ConfigError, match=f"gpt-oss.vocab_size: {n + 40} != the {n} entries of tokenizer.ggml.tokens"):
+        gguf_gptoss.config_fields({**header.metadata, "gpt-oss.vocab_size": n + 40}, names)
+    assert gguf_gptoss.config_fields({**header.metadata, "gpt-oss.vocab_size": n}, names)["vocab_size"] == n

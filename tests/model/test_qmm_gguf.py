@@ -451,3 +451,21 @@ def test_row_blocks_are_views_that_multiply_as_the_whole_matrix(ops, qtype):  # 
             qmm.row_blocks(w, rows)
     with pytest.raises(ValueError, match="row_blocks"):
         qmm.row_blocks(qmm.pack_bf16(torch.randn(64, k).bfloat16()), 16)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K", "Q6_K", "MXFP4"])
+def test_a_nan_or_inf_activation_gives_nan_outputs(ops, qtype):
+    """A NaN or an inf in a row's activations makes every output of that row NaN (the block's
+    scale becomes NaN), as a float matmul would, rather than codes of 0 and plausible finite
+    outputs; the other rows are the same bits as without it, alone and in batches (group
+    kernels and column tiles)."""
+    n, k = 16, 512
+    packed = ops.pack_gguf(qtype, random_blocks(qtype, n, k, seed=7), k)
+    for rows in (3, 40):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        clean = ops.linear(x, packed)
+        x[1, 5], x[2, 300] = float("nan"), float("inf")
+        y = ops.linear(x, packed)
+        assert y[1:3].isnan().all()
+        keep = [0] + list(range(3, rows))
+        assert torch.isfinite(y[keep]).all() and torch.equal(y[keep], clean[keep])
