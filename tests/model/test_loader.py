@@ -336,3 +336,18 @@ def test_load_model_accepts_dtype_names(bundled_gguf):
     assert next(lm.model.parameters()).dtype == torch.float32
     with pytest.raises(ConfigError, match="int8"):
         load_model(bundled_gguf, dtype="int8")
+
+
+@pytest.mark.parametrize("align", [0, -32])
+def test_a_gguf_alignment_that_is_not_positive_is_a_config_error(tmp_path, align):
+    import gguf
+
+    path = tmp_path / "align.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_key_value("general.alignment", align, gguf.GGUFValueType.INT32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    with pytest.raises(ConfigError, match=f"general.alignment must be a positive integer, got {align}"):
+        read_gguf_header(path)
