@@ -23,7 +23,7 @@ from pagedkv.kv.tiers import (KVStoreMismatchError, StoreIdentity, ZmqEventPubli
                               parse_tier_specs)
 from pagedkv.kv.tiers.disk import DiskStore, disk_capacity_blocks
 from pagedkv.kv.tiers.events import END_SEQ, replay_endpoint_for
-from pagedkv.utils import free_port
+from pagedkv.utils import free_port, free_port_pair
 from pagedkv.worker.kv_transfer import run_transfer
 
 BS = 4
@@ -240,7 +240,7 @@ def receive(sub: zmq.Socket, n: int, timeout: float = 10.0) -> list[tuple[int, l
 
 
 def test_stored_then_removed_in_order_without_gaps(tmp_path):
-    port = free_port()
+    port = free_port_pair()  # the endpoint and its replay endpoint, port + 1
     pub = ZmqEventPublisher(f"tcp://127.0.0.1:{port}", replay_endpoint_for(f"tcp://127.0.0.1:{port}"))
     sub = subscribe(f"tcp://127.0.0.1:{port}")
     r = FakeRunner(8, ["host:64KiB"], publisher=pub)
